@@ -1,0 +1,181 @@
+"""Rotary position embedding as pure functions: rotate, unrotate and relocate stored keys.
+
+Why this module exists: a chunk's keys at two positions differ only by a RoPE rotation, and
+rotations compose exactly (``R(q) R(-p) = R(q - p)``), so moving a cached chunk is arithmetic,
+not a forward pass. Every layout our models use reduces to one description, `RotarySpec`:
+
+- ``inv_freq`` ``[F]``: the model's own inverse frequencies (scaling already folded in);
+- ``pairing``: which two features a frequency rotates, ``"half"`` (``x[i]`` with ``x[i + F]``,
+  Llama/Qwen/DeepSeek-V3) or ``"interleaved"`` (``x[2i]`` with ``x[2i + 1]``, DeepSeek-V2, GLM);
+- ``axes`` ``[F]``: for M-RoPE, the position row (0 = t, 1 = h, 2 = w) each frequency reads;
+- ``rotary_dim`` = ``2F`` leading features of the head (partial rotary leaves the rest alone).
+
+Angles are formed exactly as the model forms them (``float32(position) * float32(inv_freq)``
+rounded to float32), so relocated keys match the model's own keys to rounding; differences
+of angles and the cos/sin are taken in float64, where float32 would lose the phase at large
+positions. Keys are rotated in float32 whatever their storage dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kamera_agent.errors import LayoutMismatchError, PositionShapeError
+
+__all__ = [
+    "Pairing",
+    "RotarySpec",
+    "relocate",
+    "rotary_angles",
+    "rotate",
+    "unrotate",
+]
+
+Pairing = Literal["half", "interleaved"]
+
+
+@dataclass(frozen=True, eq=False)
+class RotarySpec:
+    """Everything needed to rotate a key band exactly as the model does.
+
+    Attributes:
+        inv_freq: ``[F]`` float32, the model's inverse frequencies, scaling included.
+        pairing: ``"half"`` or ``"interleaved"``, how the rotary features form pairs.
+        axes: ``[F]`` int64 position row per frequency for M-RoPE, or ``None`` for 1-D RoPE.
+        rope_type: the model's rope type (``default``, ``linear``, ``llama3``, ``yarn`` ...).
+        attention_scaling: constant the model multiplies cos/sin by (YaRN). Stored keys already
+            carry it, and a pure rotation keeps it, so relocation never applies it again.
+    """
+
+    inv_freq: torch.Tensor
+    pairing: Pairing
+    axes: torch.Tensor | None = None
+    rope_type: str = "default"
+    attention_scaling: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.inv_freq.ndim != 1:
+            raise LayoutMismatchError(f"inv_freq must be 1-D [F], got shape {tuple(self.inv_freq.shape)}")
+        if self.pairing not in ("half", "interleaved"):
+            raise LayoutMismatchError(f"pairing must be 'half' or 'interleaved', got {self.pairing!r}")
+        if self.axes is not None and self.axes.shape != self.inv_freq.shape:
+            raise LayoutMismatchError(
+                f"M-RoPE axes {tuple(self.axes.shape)} must match inv_freq {tuple(self.inv_freq.shape)}"
+            )
+
+    @property
+    def num_freqs(self) -> int:
+        return int(self.inv_freq.shape[0])
+
+    @property
+    def rotary_dim(self) -> int:
+        """Number of leading head features the rotation touches."""
+        return 2 * self.num_freqs
+
+    @property
+    def is_mrope(self) -> bool:
+        return self.axes is not None
+
+
+def rotary_angles(spec: RotarySpec, positions: torch.Tensor) -> torch.Tensor:
+    """Per-token, per-frequency angles, formed as the model forms them.
+
+    Args:
+        spec: the rotary description.
+        positions: ``[n]`` integer positions, or ``[3, n]`` (t, h, w) rows for M-RoPE. A 1-D
+            vector given to an M-RoPE spec means t = h = w (text tokens), as the model does.
+
+    Returns:
+        ``[n, F]`` float64 angles, each equal to the model's float32 angle.
+    """
+    pos = _check_positions(spec, positions)  # [n] or [3, n]
+    inv_freq = spec.inv_freq.to(device=pos.device, dtype=torch.float32)  # [F]
+    if pos.ndim == 1:
+        angles32 = pos.to(torch.float32)[:, None] * inv_freq  # [n, F]
+    else:
+        assert spec.axes is not None
+        rows = pos.to(torch.float32)[spec.axes.to(pos.device)]  # [F, n]: each frequency's row
+        angles32 = rows.T * inv_freq  # [n, F]
+    return angles32.to(torch.float64)
+
+
+def rotate(keys: torch.Tensor, spec: RotarySpec, positions: torch.Tensor) -> torch.Tensor:
+    """Give position-free keys their rotary phase at ``positions``.
+
+    Args:
+        keys: ``[..., n, D]`` with ``D >= spec.rotary_dim``; features past the band pass through.
+        spec: the rotary description.
+        positions: ``[n]`` or ``[3, n]``.
+
+    Returns:
+        Rotated keys, same shape and dtype as ``keys``.
+    """
+    return _apply_angles(keys, spec, rotary_angles(spec, positions))
+
+
+def unrotate(keys: torch.Tensor, spec: RotarySpec, positions: torch.Tensor) -> torch.Tensor:
+    """Remove the rotary phase keys received at ``positions``: this is how a chunk is stored."""
+    return _apply_angles(keys, spec, -rotary_angles(spec, positions))
+
+
+def relocate(
+    keys: torch.Tensor, spec: RotarySpec, from_positions: torch.Tensor, to_positions: torch.Tensor
+) -> torch.Tensor:
+    """Move keys rotated at ``from_positions`` to ``to_positions`` in one rotation.
+
+    The angle difference is taken in float64 between the two model-rounded angles, so the
+    result equals ``rotate(unrotate(keys, from), to)`` without the intermediate rounding.
+    Per-token positions are arbitrary (not only a uniform shift); negative shifts are fine.
+    """
+    delta = rotary_angles(spec, to_positions) - rotary_angles(spec, from_positions)
+    return _apply_angles(keys, spec, delta)
+
+
+def _check_positions(spec: RotarySpec, positions: torch.Tensor) -> torch.Tensor:
+    if not isinstance(positions, torch.Tensor):
+        positions = torch.as_tensor(positions)
+    if positions.is_floating_point() or positions.is_complex():
+        raise PositionShapeError(
+            f"positions must be integers, got dtype {positions.dtype}; pass a LongTensor of token positions"
+        )
+    if positions.ndim == 1:
+        return positions
+    if positions.ndim == 2 and positions.shape[0] == 3:
+        if not spec.is_mrope:
+            raise PositionShapeError(
+                f"got M-RoPE positions of shape {tuple(positions.shape)} for a 1-D RoPE model; "
+                "pass one row [n] of positions"
+            )
+        return positions
+    raise PositionShapeError(
+        f"positions must be [n] or, for M-RoPE, [3, n] (t, h, w); got shape {tuple(positions.shape)}"
+    )
+
+
+def _apply_angles(keys: torch.Tensor, spec: RotarySpec, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate the rotary band of ``keys`` by ``angles`` ``[n, F]`` (float64)."""
+    n, f = angles.shape
+    if keys.ndim < 2 or keys.shape[-2] != n:
+        raise PositionShapeError(
+            f"keys {tuple(keys.shape)} need one position per token along dim -2; got {n} positions"
+        )
+    if keys.shape[-1] < 2 * f:
+        raise LayoutMismatchError(
+            f"keys have {keys.shape[-1]} features but the rotary band needs {2 * f}; "
+            "were these keys made by a model with a different head_dim?"
+        )
+    cos = torch.cos(angles).to(device=keys.device, dtype=torch.float32)  # [n, F]
+    sin = torch.sin(angles).to(device=keys.device, dtype=torch.float32)  # [n, F]
+    x = keys.to(torch.float32)
+    band, rest = x[..., : 2 * f], x[..., 2 * f :]
+    if spec.pairing == "half":
+        a, b = band[..., :f], band[..., f:]
+        rotated = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    else:
+        a, b = band[..., 0::2], band[..., 1::2]
+        rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    out = torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
+    return out.to(keys.dtype)

@@ -1,0 +1,57 @@
+"""Ground truth from the model's own forward, shared by the operator tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kamera_agent.compat import cache_kwarg, output_cache
+from kamera_agent.operator import ChunkKV, KVLayout, read_chunk
+
+
+def prefill(model: Any, positions: torch.Tensor, **inputs: Any) -> tuple[Any, torch.Tensor]:
+    """One forward with explicit positions (``[n]`` or ``[3, n]``); returns (cache, logits ``[n, V]``)."""
+    pos = positions[None] if positions.ndim == 1 else positions[:, None]  # [1, n] or [3, 1, n]
+    with torch.no_grad():
+        out = model(position_ids=pos, use_cache=True, **inputs)
+    return output_cache(out), out.logits[0]
+
+
+def extend(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Feed ``ids`` ``[n]`` after ``cache`` (mutated) at ``positions``; returns logits ``[n, V]``."""
+    pos = positions[None] if positions.ndim == 1 else positions[:, None]
+    with torch.no_grad():
+        out = model(input_ids=ids[None], position_ids=pos, use_cache=True, **{cache_kwarg(model): cache})
+    return out.logits[0]
+
+
+def chunk_kv(model: Any, layout: KVLayout, positions: torch.Tensor, start: int = 0, **inputs: Any) -> ChunkKV:
+    """The model's own KV for tokens ``[start, n)`` of ``inputs`` prefilled at ``positions``."""
+    cache, _ = prefill(model, positions, **inputs)
+    n = positions.shape[-1]
+    return read_chunk(cache, layout, start, n, positions[..., start:])
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative Frobenius error, in float64."""
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+
+
+def cache_from(model: Any, chunks: list[ChunkKV]) -> Any:
+    """A transformers ``DynamicCache`` holding ``chunks`` back to back (batch 1)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    keys = torch.cat([c.keys for c in chunks], dim=2)  # [L, H, S, D]
+    values = torch.cat([c.values for c in chunks], dim=2)
+    for layer in range(keys.shape[0]):
+        cache.update(keys[layer][None], values[layer][None], layer)
+    return cache
+
+
+def next_token_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """KL(p ‖ q) of the next-token distributions given by two logit vectors ``[V]``."""
+    p = torch.log_softmax(p_logits.double(), -1)
+    q = torch.log_softmax(q_logits.double(), -1)
+    return float((p.exp() * (p - q)).sum())
