@@ -1,0 +1,29 @@
+"""The benchmarks keep running: each is executed at a toy size (figures are not asserted here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_operator_benchmark_runs_and_reports_every_rank(tmp_path: Path) -> None:
+    out = tmp_path / "operator.json"
+    args = ["--tokens", "64", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--mlp", "128"]
+    args += ["--vocab", "256", "--ranks", "4", "8", "--repeats", "1", "--antecedent", "16", "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "operator.py"), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={"KAMERA_NUM_THREADS": "1", "PATH": ""},
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert [row["rank"] for row in report["ranks"]] == [4, 8]
+    assert report["prefill_ms"] > 0 and report["relocate_ms"] > 0
+    for row in report["ranks"]:
+        assert 0 < row["patch_fraction_of_kv"] < 1
