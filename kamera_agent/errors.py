@@ -9,18 +9,34 @@ failed call never corrupts a window or a store.
     │   └── LengthDependentRopeError dynamic NTK, longrope: frequencies change with length
     ├── PositionShapeError           positions of the wrong shape / length for the keys
     ├── LayoutMismatchError          tensors whose shapes do not match the model's KV layout
-    └── ForeignPatchError            a patch or chunk made for another chunk or another model
+    ├── ForeignPatchError            a patch or chunk made for another chunk or another model
+    │   └── ForeignChunkError        a stored entry made by another model than the store's
+    ├── StoreBudgetError             a store budget too small for one entry, or not a budget
+    ├── StoreKeyError                an entry without the content key it must be stored under
+    └── InputError                   content that cannot become a chunk
+        ├── AmbiguousChannelOrderError  an array that could be RGB or BGR
+        ├── UnreadableInputError        a missing or unreadable file, stream or object
+        ├── EmptyVideoError             a video with no frames
+        └── ProcessorRejectedError      an image the model's processor refuses
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "AmbiguousChannelOrderError",
+    "EmptyVideoError",
+    "ForeignChunkError",
     "ForeignPatchError",
+    "InputError",
     "KameraError",
     "LayoutMismatchError",
     "LengthDependentRopeError",
     "PositionShapeError",
+    "ProcessorRejectedError",
     "RelocationError",
+    "StoreBudgetError",
+    "StoreKeyError",
+    "UnreadableInputError",
     "UnsupportedModelError",
 ]
 
@@ -51,3 +67,35 @@ class LayoutMismatchError(KameraError, ValueError):
 
 class ForeignPatchError(KameraError):
     """A patch applied to a chunk, or a chunk used with a model, that it was not made for."""
+
+
+class ForeignChunkError(ForeignPatchError):
+    """A stored entry's model fingerprint differs from the fingerprint of the store serving it."""
+
+
+class StoreBudgetError(KameraError, ValueError):
+    """A store budget cannot hold even one entry (or is not a positive byte count)."""
+
+
+class StoreKeyError(KameraError, ValueError):
+    """An entry lacks the content key the store files it under (empty chunk key, reserved name)."""
+
+
+class InputError(KameraError, ValueError):
+    """Content an agent pushed cannot be turned into a chunk."""
+
+
+class AmbiguousChannelOrderError(InputError):
+    """An image array could be RGB or BGR; kamera-agent never guesses which."""
+
+
+class UnreadableInputError(InputError):
+    """A file, stream or object that cannot be read as an image, video or document."""
+
+
+class EmptyVideoError(InputError):
+    """A video that opened but yielded no frame."""
+
+
+class ProcessorRejectedError(InputError):
+    """The model's image processor refused an image (too small, wrong shape ...)."""

@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_operator_benchmark_runs_and_reports_every_rank(tmp_path: Path) -> None:
     out = tmp_path / "operator.json"
-    args = ["--tokens", "64", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--mlp", "128"]
-    args += ["--vocab", "256", "--ranks", "4", "8", "--repeats", "1", "--antecedent", "16", "--json", str(out)]
+    toy = "--tokens 64 --layers 2 --hidden 64 --heads 4 --kv-heads 2 --mlp 128 --vocab 256"
+    args = [*toy.split(), "--ranks", "4", "8", "--repeats", "1", "--antecedent", "16", "--json", str(out)]
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "operator.py"), *args],
         capture_output=True,

@@ -1,0 +1,270 @@
+"""The transformers backend: chunks through a Hugging Face model, on CPU or GPU.
+
+``encode`` prefills a chunk behind the shared anchor prefix (vision tower output cached by
+content key) and stores the result position-free; ``condition`` prefills it over an
+assembled antecedent; ``assemble`` concatenates placed chunks into a ``DynamicCache``;
+``decode`` answers a query placed after the window with explicit positions (M-RoPE ids
+included), greedy or sampled. Every forward lands in `counters`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kamera_agent.backends.base import Answer, Backend, BackendCounters, DecodeConfig
+from kamera_agent.backends.decoding import decode_loop
+from kamera_agent.backends.hf_parts import ModelParts, model_parts
+from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.chunks.encoder import ChunkEncoder
+from kamera_agent.chunks.positions import position_scheme
+from kamera_agent.chunks.prompt import PromptFormat
+from kamera_agent.compat import output_cache
+from kamera_agent.errors import ForeignChunkError, UnsupportedModelError
+from kamera_agent.fingerprint import model_fingerprint
+from kamera_agent.operator.layout import ChunkKV, kv_layout, read_chunk, to_position_free
+
+__all__ = ["TransformersBackend"]
+
+
+class TransformersBackend(Backend):
+    """Backend over a loaded transformers model.
+
+    Args:
+        model: a causal LM or image-text-to-text model (Qwen2/2.5/3-VL, Llama, Qwen2, DeepSeek-V2/V3 ...).
+        processor: a full processor (with ``tokenizer`` and ``image_processor``), if you have one.
+        tokenizer: the tokenizer, when no processor is given.
+        image_processor: the image processor, when no processor is given (VLMs).
+        prompt: where chunks sit in the chat template (default: read from the tokenizer's template).
+        store: a `ChunkStore` for canonicals and vision embeddings (default: none, nothing kept).
+    """
+
+    supports_mla = True
+
+    def __init__(
+        self,
+        model: Any,
+        processor: Any | None = None,
+        *,
+        tokenizer: Any | None = None,
+        image_processor: Any | None = None,
+        prompt: PromptFormat | None = None,
+        store: Any | None = None,
+    ) -> None:
+        tokenizer = tokenizer or getattr(processor, "tokenizer", None)
+        image_processor = image_processor or getattr(processor, "image_processor", None)
+        if tokenizer is None:
+            raise UnsupportedModelError("pass tokenizer= (or a processor that has one) with the model")
+        self.model = model.eval()
+        self.parts: ModelParts = model_parts(model)
+        self.layout = kv_layout(model)
+        self.fingerprint = model_fingerprint(model)
+        self.tokenizer = tokenizer
+        self.store = store
+        self.counters = BackendCounters()
+        image_token = _image_token(model, tokenizer) if self.parts.has_vision else None
+        self.prompt = prompt or PromptFormat.from_tokenizer(tokenizer, image_token)
+        merge = int(getattr(getattr(model.config, "vision_config", None), "spatial_merge_size", 1) or 1)
+        self.positions = position_scheme(model, self.layout.rope.is_mrope)
+        self.encoder = ChunkEncoder(
+            tokenizer,
+            image_processor if self.parts.has_vision else None,
+            self.prompt,
+            self.positions,
+            self.fingerprint,
+            merge,
+        )
+        self._anchor: Chunk | None = None
+        self._anchor_kv: ChunkKV | None = None
+        self._vision: dict[str, dict[str, torch.Tensor]] = {}
+
+    @property
+    def supports_vision(self) -> bool:  # type: ignore[override]
+        return self.parts.has_vision
+
+    # -- the anchor prefix ------------------------------------------------------------------
+    @property
+    def anchor(self) -> Chunk:
+        """The anchor chunk every window starts with, at position 0."""
+        if self._anchor is None:
+            self._anchor = self.encoder.anchor()
+        return self._anchor
+
+    def anchor_kv(self) -> ChunkKV:
+        """The anchor's KV at positions ``[0, anchor.advance)``; computed once."""
+        if self._anchor_kv is None:
+            chunk = self.anchor
+            positions = chunk.positions_at(0)
+            cache, _ = self._forward(chunk, positions, self.assemble([]))
+            self._anchor_kv = read_chunk(
+                cache,
+                self.layout,
+                0,
+                chunk.num_tokens,
+                positions,
+                chunk_key=chunk.key,
+                model_fingerprint=self.fingerprint,
+            )
+        return self._anchor_kv
+
+    # -- Backend --------------------------------------------------------------------------
+    def encode(self, chunk: Chunk) -> ChunkKV:
+        self._check_chunk(chunk)
+        if self.store is not None:
+            hit = self.store.get_canonical(chunk.key)
+            if hit is not None:
+                self.counters.canonical_hits += 1
+                return hit  # type: ignore[no-any-return]
+        start = self.anchor.advance
+        positions = chunk.positions_at(start)
+        cache, _ = self._forward(chunk, positions, self.assemble([self.anchor_kv()]))
+        n_anchor = self.anchor.num_tokens
+        placed = read_chunk(
+            cache,
+            self.layout,
+            n_anchor,
+            n_anchor + chunk.num_tokens,
+            positions,
+            chunk_key=chunk.key,
+            model_fingerprint=self.fingerprint,
+        )
+        canonical = to_position_free(placed, self.layout)
+        if self.store is not None:
+            self.store.put_canonical(canonical)
+        return canonical
+
+    def condition(self, chunk: Chunk, before: Sequence[ChunkKV], start: int) -> ChunkKV:
+        self._check_chunk(chunk)
+        positions = chunk.positions_at(start)
+        offset = sum(kv.num_tokens for kv in before)
+        cache, _ = self._forward(chunk, positions, self.assemble(before))
+        return read_chunk(
+            cache,
+            self.layout,
+            offset,
+            offset + chunk.num_tokens,
+            positions,
+            chunk_key=chunk.key,
+            model_fingerprint=self.fingerprint,
+        )
+
+    def assemble(self, placed: Sequence[ChunkKV]) -> Any:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        if not placed:
+            return cache
+        for kv in placed:
+            if kv.positions is None:
+                raise ValueError(
+                    "assemble needs placed KV (positions set); place canonicals with apply_patch"
+                )
+        keys = torch.cat([kv.keys for kv in placed], dim=2)  # [L, H, S, D]
+        values = torch.cat([kv.values for kv in placed], dim=2)
+        for layer in range(self.layout.num_layers):
+            cache.update(keys[layer][None], values[layer][None], layer)
+        return cache
+
+    def decode(self, cache: Any, query_ids: torch.Tensor, start: int, config: DecodeConfig) -> Answer:
+        return decode_loop(self, cache, query_ids, start, config)
+
+    # -- vision -----------------------------------------------------------------------------
+    def vision_features(self, chunk: Chunk) -> dict[str, torch.Tensor]:
+        """The vision tower's output for a chunk's pixels, cached by the pixels' content key."""
+        assert chunk.pixel_values is not None and chunk.image_grid_thw is not None and chunk.vision_key
+        cached = self._vision.get(chunk.vision_key)
+        if cached is None and self.store is not None:
+            cached = self.store.get_embedding(chunk.vision_key)
+        if cached is not None:
+            self.counters.vision_cache_hits += 1
+            return cached
+        features = self.parts.image_features(chunk.pixel_values, chunk.image_grid_thw)
+        self.counters.vision_forwards += 1
+        self._vision[chunk.vision_key] = features
+        if self.store is not None:
+            self.store.put_embedding(chunk.vision_key, features)
+        return features
+
+    # -- forwards -----------------------------------------------------------------------------
+    def forward_tokens(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: Any, *, logits: bool = True
+    ) -> tuple[Any, torch.Tensor | None]:
+        """Prefill text tokens ``[n]`` at ``positions`` over ``cache``; returns (cache, last logits)."""
+        mm = torch.zeros_like(input_ids)
+        return self._run(input_ids, mm, positions, cache, None, logits)
+
+    def _forward(self, chunk: Chunk, positions: torch.Tensor, cache: Any) -> tuple[Any, torch.Tensor | None]:
+        vision = self.vision_features(chunk) if chunk.has_vision else None
+        return self._run(chunk.input_ids, chunk.mm_token_type_ids, positions, cache, vision, logits=False)
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        mm_types: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any,
+        vision: dict[str, torch.Tensor] | None,
+        logits: bool,
+    ) -> tuple[Any, torch.Tensor | None]:
+        parts, device = self.parts, self.parts.device
+        embeds = parts.embed(input_ids)  # [n, hidden]
+        extra: dict[str, Any] = {}
+        if vision is not None:
+            image_mask = (mm_types == 1).to(device)
+            embeds = embeds.clone()
+            embeds[image_mask] = vision["embeds"].to(device, embeds.dtype)
+            deepstack = [
+                vision[f"deepstack.{i}"] for i in range(len(vision) - 1) if f"deepstack.{i}" in vision
+            ]
+            if deepstack and parts.takes_deepstack:
+                extra["visual_pos_masks"] = image_mask[None]
+                extra["deepstack_visual_embeds"] = [d.to(device, embeds.dtype) for d in deepstack]
+        past = cache.get_seq_length() if cache is not None else 0
+        n = int(input_ids.shape[0])
+        pos = positions[None] if positions.ndim == 1 else positions[:, None]  # [1, n] or [3, 1, n]
+        with torch.no_grad():
+            out = parts.language_model(
+                inputs_embeds=embeds[None],
+                position_ids=pos.to(device),
+                attention_mask=torch.ones(1, past + n, dtype=torch.long, device=device),
+                use_cache=True,
+                **{parts.cache_kwarg: cache},
+                **extra,
+            )
+            last = parts.lm_head(out.last_hidden_state[:, -1]).float()[0] if logits else None
+        self.counters.lm_forwards += 1
+        self.counters.tokens_prefilled += n
+        return output_cache(out), last
+
+    def _check_chunk(self, chunk: Chunk) -> None:
+        if chunk.kind != "anchor" and self.encoder.model_fingerprint != self.fingerprint:
+            raise ForeignChunkError("this backend's encoder was built for another model")
+        expected = self.encoder.settings
+        if chunk.key and chunk.kind != "anchor" and not _key_matches(chunk, self.encoder, expected):
+            raise ForeignChunkError(
+                f"chunk {chunk.key[:12]}… was prepared for another model or processor setting; "
+                "re-create it with this window's encoder (window.push does this for you)"
+            )
+
+
+def _key_matches(chunk: Chunk, encoder: ChunkEncoder, settings: str) -> bool:
+    from kamera_agent.chunks.chunk import content_key
+
+    if chunk.has_vision:
+        vision_key = content_key(
+            "vision", encoder.model_fingerprint, settings, chunk.pixel_values, chunk.image_grid_thw
+        )
+        return chunk.vision_key == vision_key and chunk.key == content_key(
+            "chunk", encoder.model_fingerprint, settings, chunk.input_ids, vision_key
+        )
+    return chunk.key == content_key("chunk", encoder.model_fingerprint, settings, chunk.input_ids)
+
+
+def _image_token(model: Any, tokenizer: Any) -> str | None:
+    token_id = getattr(model.config, "image_token_id", None)
+    if token_id is None:
+        return None
+    token: str = tokenizer.convert_ids_to_tokens(int(token_id))
+    return token

@@ -1,0 +1,95 @@
+"""The chunk: one unit of content an agent admits, exactly as the model will see it.
+
+Why a separate, model-prepared object: a chunk's identity (its content key) must be a hash
+of what the model sees, token ids and preprocessed pixels, plus the model's fingerprint, so
+the same frame hits the store at any position, in any request, and a chunk prepared for one
+model is never served to another. Its positional layout is part of it too: with M-RoPE an
+image of ``h x w`` merged patches occupies ``n`` cache slots but advances the position by
+``max(h, w)`` only, so *position is not the cache slot*.
+
+Worked example (Qwen2-VL, an image of 2 x 3 merged patches behind ``<|vision_start|>``):
+
+=========  ===============  ===============  ================  ==============
+slot        token            t               h                 w
+=========  ===============  ===============  ================  ==============
+0          vision_start     0               0                 0
+1..6       image_pad × 6    1, 1, 1, 1,…    1, 1, 1, 2, 2, 2  1, 2, 3, 1, 2, 3
+7          vision_end       4               4                 4
+=========  ===============  ===============  ================  ==============
+
+``relative_positions`` holds these rows; placed at start ``s`` the chunk sits at
+``s + relative_positions`` and the next chunk starts at ``s + advance`` (here 5).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+__all__ = ["Chunk", "ChunkKind", "content_key"]
+
+ChunkKind = Literal["image", "frame", "screenshot", "page", "text", "anchor"]
+
+
+@dataclass(frozen=True, eq=False)
+class Chunk:
+    """A model-ready chunk.
+
+    Attributes:
+        kind: what the agent admitted (image, frame, screenshot, page, text, anchor).
+        key: content key (see `content_key`).
+        input_ids: ``[n]`` token ids, vision placeholders included.
+        relative_positions: ``[n]`` (1-D RoPE) or ``[3, n]`` (M-RoPE t, h, w) from the chunk start.
+        advance: how far the position moves past this chunk.
+        mm_token_type_ids: ``[n]`` 0 for text, 1 for image tokens.
+        pixel_values: preprocessed pixels for the vision tower, or ``None`` for text.
+        image_grid_thw: ``[1, 3]`` patch grid for the vision tower, or ``None``.
+        vision_key: content key of the pixels alone (the vision-embedding cache key).
+        label: the caller's name for the chunk, if any.
+        meta: source details (file, frame index, timestamp, page number).
+    """
+
+    kind: ChunkKind
+    key: str
+    input_ids: torch.Tensor
+    relative_positions: torch.Tensor
+    advance: int
+    mm_token_type_ids: torch.Tensor
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    vision_key: str | None = None
+    label: str | None = None
+    meta: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def has_vision(self) -> bool:
+        return self.pixel_values is not None
+
+    def positions_at(self, start: int) -> torch.Tensor:
+        """Absolute positions ``[n]`` or ``[3, n]`` when the chunk starts at ``start``."""
+        return self.relative_positions + start
+
+
+def content_key(*parts: bytes | str | torch.Tensor | None) -> str:
+    """SHA-256 over the parts in order; tensors contribute dtype, shape and raw bytes."""
+    digest = hashlib.sha256()
+    for part in parts:
+        if part is None:
+            digest.update(b"\x00none")
+        elif isinstance(part, torch.Tensor):
+            tensor = part.detach().to("cpu").contiguous()
+            digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        elif isinstance(part, str):
+            digest.update(part.encode())
+        else:
+            digest.update(part)
+        digest.update(b"\x1f")
+    return digest.hexdigest()

@@ -1,0 +1,173 @@
+"""Preparing chunks for one model: tokens, preprocessed pixels, positions and content keys.
+
+Why one object per model: everything in a chunk depends on the model's tokenizer, image
+processor, chat template and position rules, and its content key must include the model's
+fingerprint and the processing settings, so a chunk prepared for one model is never reused
+by another. The encoder works from a tokenizer and an image processor directly (a full
+Processor is optional: without torchvision, transformers cannot build the Qwen-VL ones).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+from PIL import Image
+
+from kamera_agent.chunks.chunk import Chunk, ChunkKind, content_key
+from kamera_agent.chunks.positions import PositionScheme
+from kamera_agent.chunks.prompt import PromptFormat
+from kamera_agent.chunks.sources import ChannelOrder, ImageLike, to_rgb_image
+from kamera_agent.errors import ProcessorRejectedError, UnsupportedModelError
+
+__all__ = ["ChunkEncoder"]
+
+_IMAGE_KINDS: tuple[ChunkKind, ...] = ("image", "frame", "screenshot", "page")
+
+
+class ChunkEncoder:
+    """Turns images and text into model-ready `Chunk` objects for one model.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        image_processor: the model's image processor, or ``None`` for a text-only model.
+        prompt: where chunks sit in the chat template.
+        positions: the model's position scheme.
+        model_fingerprint: fingerprint of the model (see `kamera_agent.model_fingerprint`).
+        merge_size: vision tokens per side of a merged patch (Qwen-VL: 2).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        image_processor: Any | None,
+        prompt: PromptFormat,
+        positions: PositionScheme,
+        model_fingerprint: str,
+        merge_size: int = 1,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.prompt = prompt
+        self.positions = positions
+        self.model_fingerprint = model_fingerprint
+        self.merge_size = merge_size
+        self.settings = _processing_signature(tokenizer, image_processor, prompt)
+
+    def tokens(self, text: str) -> torch.Tensor:
+        """Token ids ``[n]`` of ``text`` without added special tokens."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return torch.tensor(ids, dtype=torch.long)
+
+    def anchor(self) -> Chunk:
+        """The shared prefix every window starts with (system prompt, user-turn start)."""
+        return self._text_chunk(self.prompt.anchor, kind="anchor", label="anchor")
+
+    def text(self, text: str, *, label: str | None = None) -> Chunk:
+        """A span of text as a chunk."""
+        return self._text_chunk(text, kind="text", label=label)
+
+    def query_ids(self, question: str) -> torch.Tensor:
+        """Token ids of a query: the question, the end of the user turn and the assistant's start."""
+        return self.tokens(self.prompt.query_prefix + question + self.prompt.query_suffix)
+
+    def image(
+        self,
+        item: ImageLike,
+        *,
+        kind: ChunkKind = "image",
+        caption: str | None = None,
+        channel_order: ChannelOrder | None = None,
+        label: str | None = None,
+        meta: dict[str, str] | None = None,
+    ) -> Chunk:
+        """An image (frame, screenshot, page) framed as the chat template frames images.
+
+        Args:
+            item: a PIL image, an array (with ``channel_order``) or an image path.
+            kind: what the image is to the agent.
+            caption: text placed before the image, e.g. a frame's timestamp.
+            channel_order: ``"rgb"`` or ``"bgr"`` for arrays (never guessed).
+            label: the caller's name for it.
+            meta: source details kept on the chunk.
+
+        Raises:
+            UnsupportedModelError: the model has no image processor or image token.
+            ProcessorRejectedError: the image processor refused the image.
+        """
+        if kind not in _IMAGE_KINDS:
+            raise ValueError(f"kind must be one of {_IMAGE_KINDS} for images, got {kind!r}")
+        if self.image_processor is None or self.prompt.image_token is None:
+            raise UnsupportedModelError(
+                "this model has no image processor or image placeholder token; pass image_processor= "
+                "(and a vision-language model) to admit images"
+            )
+        image = to_rgb_image(item, channel_order)
+        pixel_values, grid = self._preprocess(image)
+        n_image = int(grid.prod()) // self.merge_size**2
+        before = self.tokens((caption or "") + self.prompt.image_open)
+        pad = torch.full((n_image,), self._image_token_id(), dtype=torch.long)
+        after = self.tokens(self.prompt.image_close)
+        input_ids = torch.cat([before, pad, after])
+        mm_types = torch.cat([torch.zeros_like(before), torch.ones_like(pad), torch.zeros_like(after)])
+        relative, advance = self.positions.relative(input_ids, mm_types, grid)
+        vision_key = content_key("vision", self.model_fingerprint, self.settings, pixel_values, grid)
+        key = content_key("chunk", self.model_fingerprint, self.settings, input_ids, vision_key)
+        return Chunk(
+            kind,
+            key,
+            input_ids,
+            relative,
+            advance,
+            mm_types,
+            pixel_values,
+            grid,
+            vision_key,
+            label,
+            dict(meta or {}),
+        )
+
+    def _text_chunk(self, text: str, kind: ChunkKind, label: str | None) -> Chunk:
+        input_ids = self.tokens(text)
+        if input_ids.numel() == 0:
+            raise ValueError(f"the {kind} text tokenizes to no tokens; pass non-empty text")
+        mm_types = torch.zeros_like(input_ids)
+        relative, advance = self.positions.relative(input_ids, mm_types, None)
+        key = content_key("chunk", self.model_fingerprint, self.settings, input_ids)
+        return Chunk(kind, key, input_ids, relative, advance, mm_types, label=label)
+
+    def _preprocess(self, image: Image.Image) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.image_processor is not None
+        try:
+            out = self.image_processor(images=[image], return_tensors="pt")
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise ProcessorRejectedError(
+                f"the image processor rejected a {image.size[0]}x{image.size[1]} image: {exc}; resize or "
+                "convert the image (e.g. to at least the processor's minimum size)"
+            ) from exc
+        grid = out["image_grid_thw"][:1]  # [1, 3]
+        return out["pixel_values"].to(torch.float32), grid.to(torch.long)
+
+    def _image_token_id(self) -> int:
+        token = self.prompt.image_token
+        token_id = self.tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(token_id, int) or token_id == getattr(self.tokenizer, "unk_token_id", None):
+            raise UnsupportedModelError(f"the tokenizer has no id for the image token {token!r}")
+        return token_id
+
+
+def _processing_signature(tokenizer: Any, image_processor: Any | None, prompt: PromptFormat) -> str:
+    """Hash of every processing setting that changes what the model sees."""
+    settings: dict[str, Any] = {
+        "tokenizer": type(tokenizer).__name__,
+        "vocab": len(tokenizer),
+        "prompt": prompt.__dict__,
+    }
+    if image_processor is not None:
+        config = image_processor.to_dict() if hasattr(image_processor, "to_dict") else {}
+        config.pop("processor_class", None)
+        settings["image_processor"] = {"class": type(image_processor).__name__, **config}
+    blob = json.dumps(settings, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
