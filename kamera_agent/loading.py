@@ -15,6 +15,7 @@ import torch
 
 from kamera_agent.backends.transformers_backend import TransformersBackend
 from kamera_agent.errors import UnsupportedModelError
+from kamera_agent.store import ChunkStore
 
 __all__ = ["load_backend", "load_model", "load_processing"]
 
@@ -27,7 +28,7 @@ def load_backend(
     image_processor: Any | None = None,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
-    store: Any | None = None,
+    store: ChunkStore | None = None,
 ) -> TransformersBackend:
     """A `TransformersBackend` for a loaded model or a local checkpoint directory.
 

@@ -266,3 +266,30 @@ def as_bf16(model: Model) -> Model:
             if isinstance(buffer, torch.Tensor):
                 setattr(dst, name, buffer.clone())
     return low
+
+
+LLAVA_IMAGE_TOKEN_ID = 500
+
+
+def tiny_llava(seed: int = 0) -> Model:
+    """LlavaForConditionalGeneration: a tiny CLIP tower (28x28 images, patch 14: 4 image tokens
+    after dropping CLS) projected into a tiny Llama (MHA-style LLaVA stack, 1-D RoPE)."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    text = LlamaConfig(**{**_TEXT, "num_key_value_heads": 4, "rope_parameters": _rope()})
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=LLAVA_IMAGE_TOKEN_ID,
+        vision_feature_layer=-1,
+        attn_implementation="eager",
+    )
+    return _build(LlavaForConditionalGeneration, config, seed)

@@ -181,3 +181,27 @@ def save_tiny_text(path: str | os.PathLike[str], name: str, seed: int = 0) -> Mo
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     return model
+
+
+# LLaVA-1.5's chat template shape: "USER: <image>\n... ASSISTANT:".
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}"
+    "{% endif %}{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}"
+    "{% endfor %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' ' }}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def tiny_llava_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte tokenizer with LLaVA's ``<image>`` token at the tiny LLaVA's image id."""
+    specials = {"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258, "<image>": 500}
+    return build_byte_tokenizer(specials, chat_template=LLAVA_CHAT_TEMPLATE)
+
+
+def tiny_llava_image_processor() -> Any:
+    """CLIP preprocessing at the tiny tower's 28x28 input size."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    return CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})

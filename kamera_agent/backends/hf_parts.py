@@ -56,19 +56,39 @@ class ModelParts:
         return self.language_model.get_input_embeddings()(input_ids.to(self.device))  # type: ignore[no-any-return]
 
     def image_features(
-        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None
     ) -> dict[str, torch.Tensor]:
-        """Run the vision tower: ``{"embeds": [n_img, hidden], "deepstack.i": [n_img, hidden] ...}``."""
-        inner = self.model.model
+        """Run the vision tower: ``{"embeds": [n_img, hidden], "deepstack.i": [n_img, hidden] ...}``.
+
+        Qwen-VL towers take patches and their grid; LLaVA-style towers take a fixed-size image and
+        the config's feature layer and selection strategy.
+        """
+        inner, config = self.model.model, self.model.config
+        tower = getattr(inner, "visual", None) or inner.vision_tower
+        pixels = pixel_values.to(self.device, tower.dtype)
         with torch.no_grad():
-            out = inner.get_image_features(
-                pixel_values.to(self.device, inner.visual.dtype), image_grid_thw.to(self.device)
-            )
+            if image_grid_thw is not None:
+                out = inner.get_image_features(pixels, image_grid_thw.to(self.device))
+            else:
+                out = inner.get_image_features(
+                    pixel_values=pixels,
+                    vision_feature_layer=config.vision_feature_layer,
+                    vision_feature_select_strategy=config.vision_feature_select_strategy,
+                )
         pooled = out.pooler_output if hasattr(out, "pooler_output") else out
         features = {"embeds": _cat(pooled)}
         for i, feature in enumerate(getattr(out, "deepstack_features", None) or []):
             features[f"deepstack.{i}"] = _cat(feature)
         return features
+
+    def tokens_per_image(self) -> int | None:
+        """Image tokens of a fixed-size tower (LLaVA-style); ``None`` where the grid decides."""
+        vision = getattr(self.model.config, "vision_config", None)
+        strategy = getattr(self.model.config, "vision_feature_select_strategy", None)
+        if vision is None or strategy is None:
+            return None
+        patches = (int(vision.image_size) // int(vision.patch_size)) ** 2
+        return patches + (1 if strategy == "full" else 0)
 
 
 def _cat(parts: Any) -> torch.Tensor:
@@ -101,5 +121,6 @@ def model_parts(model: Any) -> ModelParts:
         lm_head=lm_head,
         cache_kwarg="cache" if "cache" in params else "past_key_values",
         takes_deepstack="deepstack_visual_embeds" in params,
-        has_vision=hasattr(inner, "get_image_features") and hasattr(inner, "visual"),
+        has_vision=hasattr(inner, "get_image_features")
+        and (hasattr(inner, "visual") or hasattr(inner, "vision_tower")),
     )

@@ -25,8 +25,12 @@ from kamera_agent.compat import output_cache
 from kamera_agent.errors import ForeignChunkError, UnsupportedModelError
 from kamera_agent.fingerprint import model_fingerprint
 from kamera_agent.operator.layout import ChunkKV, kv_layout, read_chunk, to_position_free
+from kamera_agent.store import ChunkStore
 
-__all__ = ["TransformersBackend"]
+__all__ = ["DEFAULT_MEMORY_BUDGET", "TransformersBackend"]
+
+DEFAULT_MEMORY_BUDGET = 2 << 30
+"""Bytes of canonicals, vision outputs and patches a backend's default store keeps in memory."""
 
 
 class TransformersBackend(Backend):
@@ -38,7 +42,8 @@ class TransformersBackend(Backend):
         tokenizer: the tokenizer, when no processor is given.
         image_processor: the image processor, when no processor is given (VLMs).
         prompt: where chunks sit in the chat template (default: read from the tokenizer's template).
-        store: a `ChunkStore` for canonicals and vision embeddings (default: none, nothing kept).
+        store: the `ChunkStore` for canonicals, vision-tower outputs and patches (default: an
+            in-memory store of `DEFAULT_MEMORY_BUDGET` bytes, for this model's fingerprint).
     """
 
     supports_mla = True
@@ -51,7 +56,7 @@ class TransformersBackend(Backend):
         tokenizer: Any | None = None,
         image_processor: Any | None = None,
         prompt: PromptFormat | None = None,
-        store: Any | None = None,
+        store: ChunkStore | None = None,
     ) -> None:
         tokenizer = tokenizer or getattr(processor, "tokenizer", None)
         image_processor = image_processor or getattr(processor, "image_processor", None)
@@ -62,7 +67,12 @@ class TransformersBackend(Backend):
         self.layout = kv_layout(model)
         self.fingerprint = model_fingerprint(model)
         self.tokenizer = tokenizer
-        self.store = store
+        if store is not None and store.fingerprint != self.fingerprint:
+            raise ForeignChunkError(
+                "this store holds KV of another model (fingerprints differ); open one store per model "
+                "(a separate disk_dir) or pass no store"
+            )
+        self.store = store or ChunkStore(fingerprint=self.fingerprint, memory_budget=DEFAULT_MEMORY_BUDGET)
         self.counters = BackendCounters()
         image_token = _image_token(model, tokenizer) if self.parts.has_vision else None
         self.prompt = prompt or PromptFormat.from_tokenizer(tokenizer, image_token)
@@ -75,10 +85,10 @@ class TransformersBackend(Backend):
             self.positions,
             self.fingerprint,
             merge,
+            self.parts.tokens_per_image(),
         )
         self._anchor: Chunk | None = None
         self._anchor_kv: ChunkKV | None = None
-        self._vision: dict[str, dict[str, torch.Tensor]] = {}
 
     @property
     def supports_vision(self) -> bool:  # type: ignore[override]
@@ -112,11 +122,10 @@ class TransformersBackend(Backend):
     # -- Backend --------------------------------------------------------------------------
     def encode(self, chunk: Chunk) -> ChunkKV:
         self._check_chunk(chunk)
-        if self.store is not None:
-            hit = self.store.get_canonical(chunk.key)
-            if hit is not None:
-                self.counters.canonical_hits += 1
-                return hit  # type: ignore[no-any-return]
+        hit = self.store.get_canonical(chunk.key)
+        if hit is not None:
+            self.counters.canonical_hits += 1
+            return hit
         start = self.anchor.advance
         positions = chunk.positions_at(start)
         cache, _ = self._forward(chunk, positions, self.assemble([self.anchor_kv()]))
@@ -131,8 +140,7 @@ class TransformersBackend(Backend):
             model_fingerprint=self.fingerprint,
         )
         canonical = to_position_free(placed, self.layout)
-        if self.store is not None:
-            self.store.put_canonical(canonical)
+        self.store.put_canonical(canonical)
         return canonical
 
     def condition(self, chunk: Chunk, before: Sequence[ChunkKV], start: int) -> ChunkKV:
@@ -170,21 +178,43 @@ class TransformersBackend(Backend):
     def decode(self, cache: Any, query_ids: torch.Tensor, start: int, config: DecodeConfig) -> Answer:
         return decode_loop(self, cache, query_ids, start, config)
 
+    def reference_inputs(
+        self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None
+    ) -> dict[str, Any]:
+        """Keyword arguments for the model's *own* forward over a full re-prefill of
+        ``anchor + chunks (+ query)``: the ground truth every exactness check compares against.
+
+        The model computes its own positions from these (``get_rope_index`` for M-RoPE), so a
+        match also checks that our placement of every chunk agrees with the model's.
+        """
+        everything = [self.anchor, *chunks]
+        tail = [] if query_ids is None else [query_ids]
+        device = self.parts.device
+        inputs: dict[str, Any] = {
+            "input_ids": torch.cat([c.input_ids for c in everything] + tail)[None].to(device)
+        }
+        vision = [c for c in chunks if c.has_vision]
+        if vision:
+            inputs["pixel_values"] = torch.cat([c.pixel_values for c in vision]).to(device)  # type: ignore[misc]
+            if all(c.image_grid_thw is not None for c in vision):
+                inputs["image_grid_thw"] = torch.cat([c.image_grid_thw for c in vision]).to(device)  # type: ignore[misc]
+                mm = torch.cat(
+                    [c.mm_token_type_ids for c in everything] + [torch.zeros_like(t) for t in tail]
+                )
+                inputs["mm_token_type_ids"] = mm[None].to(device)
+        return inputs
+
     # -- vision -----------------------------------------------------------------------------
     def vision_features(self, chunk: Chunk) -> dict[str, torch.Tensor]:
         """The vision tower's output for a chunk's pixels, cached by the pixels' content key."""
-        assert chunk.pixel_values is not None and chunk.image_grid_thw is not None and chunk.vision_key
-        cached = self._vision.get(chunk.vision_key)
-        if cached is None and self.store is not None:
-            cached = self.store.get_embedding(chunk.vision_key)
+        assert chunk.pixel_values is not None and chunk.vision_key
+        cached = self.store.get_vision(chunk.vision_key)
         if cached is not None:
             self.counters.vision_cache_hits += 1
             return cached
         features = self.parts.image_features(chunk.pixel_values, chunk.image_grid_thw)
         self.counters.vision_forwards += 1
-        self._vision[chunk.vision_key] = features
-        if self.store is not None:
-            self.store.put_embedding(chunk.vision_key, features)
+        self.store.put_vision(chunk.vision_key, features)
         return features
 
     # -- forwards -----------------------------------------------------------------------------

@@ -37,6 +37,8 @@ class ChunkEncoder:
         positions: the model's position scheme.
         model_fingerprint: fingerprint of the model (see `kamera_agent.model_fingerprint`).
         merge_size: vision tokens per side of a merged patch (Qwen-VL: 2).
+        tokens_per_image: image tokens of a fixed-size vision tower (LLaVA-style), where the
+            processor returns no patch grid.
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class ChunkEncoder:
         positions: PositionScheme,
         model_fingerprint: str,
         merge_size: int = 1,
+        tokens_per_image: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
@@ -54,6 +57,7 @@ class ChunkEncoder:
         self.positions = positions
         self.model_fingerprint = model_fingerprint
         self.merge_size = merge_size
+        self.tokens_per_image = tokens_per_image
         self.settings = _processing_signature(tokenizer, image_processor, prompt)
 
     def tokens(self, text: str) -> torch.Tensor:
@@ -106,7 +110,7 @@ class ChunkEncoder:
             )
         image = to_rgb_image(item, channel_order)
         pixel_values, grid = self._preprocess(image)
-        n_image = int(grid.prod()) // self.merge_size**2
+        n_image = self._image_tokens(grid)
         before = self.tokens((caption or "") + self.prompt.image_open)
         pad = torch.full((n_image,), self._image_token_id(), dtype=torch.long)
         after = self.tokens(self.prompt.image_close)
@@ -138,7 +142,7 @@ class ChunkEncoder:
         key = content_key("chunk", self.model_fingerprint, self.settings, input_ids)
         return Chunk(kind, key, input_ids, relative, advance, mm_types, label=label)
 
-    def _preprocess(self, image: Image.Image) -> tuple[torch.Tensor, torch.Tensor]:
+    def _preprocess(self, image: Image.Image) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert self.image_processor is not None
         try:
             out = self.image_processor(images=[image], return_tensors="pt")
@@ -147,8 +151,18 @@ class ChunkEncoder:
                 f"the image processor rejected a {image.size[0]}x{image.size[1]} image: {exc}; resize or "
                 "convert the image (e.g. to at least the processor's minimum size)"
             ) from exc
-        grid = out["image_grid_thw"][:1]  # [1, 3]
-        return out["pixel_values"].to(torch.float32), grid.to(torch.long)
+        grid = out.get("image_grid_thw")  # [1, 3] for Qwen-VL; absent for fixed-size towers
+        pixels = out["pixel_values"].to(torch.float32)
+        return pixels, None if grid is None else grid[:1].to(torch.long)
+
+    def _image_tokens(self, grid: torch.Tensor | None) -> int:
+        if grid is not None:
+            return int(grid.prod()) // self.merge_size**2
+        if self.tokens_per_image is None:
+            raise UnsupportedModelError(
+                "the image processor returned no patch grid and the vision tower's token count is unknown"
+            )
+        return self.tokens_per_image
 
     def _image_token_id(self) -> int:
         token = self.prompt.image_token

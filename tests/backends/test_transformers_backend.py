@@ -22,8 +22,13 @@ from kamera_agent.backends.decoding import eos_token_ids
 from kamera_agent.chunks import Chunk
 from kamera_agent.operator import ChunkKV, apply_patch, form_patch
 from tests.kv_helpers import next_token_kl
-from tests.tiny_models import ALL_TEXT_FACTORIES, ALL_VL_FACTORIES
-from tests.tiny_processors import tiny_image_processor, tiny_tokenizer
+from tests.tiny_models import ALL_TEXT_FACTORIES, ALL_VL_FACTORIES, tiny_llava
+from tests.tiny_processors import (
+    tiny_image_processor,
+    tiny_llava_image_processor,
+    tiny_llava_tokenizer,
+    tiny_tokenizer,
+)
 
 STEPS = 6
 
@@ -40,6 +45,11 @@ def sharpen(model: Any, std: float = 0.08, seed: int = 0) -> Any:
 
 @cache
 def vl_backend(family: str) -> TransformersBackend:
+    if family == "llava":
+        llava = sharpen(tiny_llava())
+        return TransformersBackend(
+            llava, tokenizer=tiny_llava_tokenizer(), image_processor=tiny_llava_image_processor()
+        )
     model = sharpen(ALL_VL_FACTORIES[family]())
     return TransformersBackend(
         model, tokenizer=tiny_tokenizer(), image_processor=tiny_image_processor(family)
@@ -71,28 +81,12 @@ def serve(
     return placed, start
 
 
-def reference_inputs(
-    backend: TransformersBackend, chunks: Sequence[Chunk], query: torch.Tensor
-) -> dict[str, Any]:
-    """The full conversation as the model's own forward takes it (the ground truth)."""
-    everything = [backend.anchor, *chunks]
-    ids = torch.cat([c.input_ids for c in everything] + [query])[None]
-    inputs: dict[str, Any] = {"input_ids": ids}
-    vision = [c for c in chunks if c.has_vision]
-    if vision:
-        inputs["pixel_values"] = torch.cat([c.pixel_values for c in vision])  # type: ignore[misc]
-        inputs["image_grid_thw"] = torch.cat([c.image_grid_thw for c in vision])  # type: ignore[misc]
-        mm = torch.cat([c.mm_token_type_ids for c in everything] + [torch.zeros_like(query)])
-        inputs["mm_token_type_ids"] = mm[None]
-    return inputs
-
-
 def check_against_generate(
     backend: TransformersBackend, chunks: Sequence[Chunk], question: str, min_blind_kl: float = 1e-5
 ) -> None:
     """Exact patches reproduce the model's logits and greedy tokens; blind reuse measurably does not."""
     query = backend.encoder.query_ids(question)
-    inputs = reference_inputs(backend, chunks, query)
+    inputs = backend.reference_inputs(chunks, query)
     with torch.no_grad():
         reference = backend.model(**inputs).logits[0, -1]
         generated = backend.model.generate(**inputs, max_new_tokens=STEPS, do_sample=False)
@@ -110,7 +104,7 @@ def check_against_generate(
     assert next_token_kl(reference, blind_answer.first_logits) > min_blind_kl
 
 
-@pytest.mark.parametrize("family", sorted(ALL_VL_FACTORIES))
+@pytest.mark.parametrize("family", [*sorted(ALL_VL_FACTORIES), "llava"])
 def test_vl_window_with_exact_patches_answers_like_generate(family: str) -> None:
     backend = vl_backend(family)
     pictures = images(3)

@@ -1,0 +1,122 @@
+"""Eviction policies: which entry leaves a tier first when its byte budget is exceeded.
+
+Why: the right victim depends on the workload (an agent replaying old screenshots wants LRU, a
+video stream wants FIFO, a store full of large pages may prefer to drop the largest first).
+Each policy is a scoring function registered by name; the tier evicts the entry with the
+*lowest* score, ties broken by least recent use. A new policy is a one-line function, either
+passed to the store directly or looked up here by name, never an if/elif on a string.
+
+    policy          score (lowest leaves first)
+    lru             last use tick
+    fifo            insertion tick
+    lfu             hit count
+    largest_first   minus the entry's bytes
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping
+from types import MappingProxyType
+from typing import Protocol, TypeVar
+
+from kamera_agent.errors import StoreBudgetError
+
+__all__ = [
+    "EVICTION_POLICIES",
+    "EntryInfo",
+    "EvictionPolicy",
+    "check_budget",
+    "check_fits",
+    "pick_victim",
+    "resolve_policy",
+]
+
+
+class EntryInfo(Protocol):
+    """What a policy may read about an entry: bytes and logical-clock ticks (no wall time)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def inserted(self) -> int: ...
+
+    @property
+    def last_used(self) -> int: ...
+
+    @property
+    def hits(self) -> int: ...
+
+
+EvictionPolicy = Callable[[EntryInfo], float]
+K = TypeVar("K", bound=Hashable)
+
+
+def _lru(info: EntryInfo) -> float:
+    return float(info.last_used)
+
+
+def _fifo(info: EntryInfo) -> float:
+    return float(info.inserted)
+
+
+def _lfu(info: EntryInfo) -> float:
+    return float(info.hits)
+
+
+def _largest_first(info: EntryInfo) -> float:
+    return -float(info.nbytes)
+
+
+EVICTION_POLICIES: Mapping[str, EvictionPolicy] = MappingProxyType(
+    {"lru": _lru, "fifo": _fifo, "lfu": _lfu, "largest_first": _largest_first}
+)
+"""Read-only registry (no global mutable state): pass a callable to the store for a new policy."""
+
+
+def resolve_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
+    """The scoring function for a registered name, or ``policy`` itself when it is a callable."""
+    if callable(policy):
+        return policy
+    try:
+        return EVICTION_POLICIES[policy]
+    except KeyError:
+        names = ", ".join(sorted(EVICTION_POLICIES))
+        raise ValueError(
+            f"unknown eviction policy {policy!r}; use one of {names}, or pass a scoring function "
+            "(EntryInfo) -> float whose lowest score is evicted first"
+        ) from None
+
+
+def pick_victim(entries: Mapping[K, EntryInfo], policy: EvictionPolicy, *, keep: K | None = None) -> K | None:
+    """The key of the entry to evict first (lowest score, then least recently used), never ``keep``.
+
+    A linear scan is fine at the entry counts a store holds (thousands), and keeps every policy
+    a pure score of one entry.
+    """
+    best: tuple[float, int] | None = None
+    victim: K | None = None
+    for key, info in entries.items():
+        rank = (policy(info), info.last_used)
+        if key != keep and (best is None or rank < best):
+            best, victim = rank, key
+    return victim
+
+
+def check_budget(name: str, budget: int) -> None:
+    """Raise `StoreBudgetError` unless ``budget`` is a positive whole number of bytes."""
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        raise StoreBudgetError(f"{name} must be a positive number of bytes, got {budget!r}")
+
+
+def check_fits(what: str, nbytes: int, budgets: Mapping[str, int]) -> None:
+    """Raise `StoreBudgetError` when one entry alone exceeds a budget: it could never be kept.
+
+    Checked before anything is stored, so a refused put changes nothing.
+    """
+    for name, budget in budgets.items():
+        if nbytes > budget:
+            raise StoreBudgetError(
+                f"{what} takes {nbytes} bytes but {name} is {budget} bytes: raise {name} above "
+                "the largest entry (a chunk's canonical is tokens × bytes_per_token)"
+            )

@@ -1,0 +1,306 @@
+"""The content-addressed `ChunkStore`: canonicals, vision embeddings and patches, in two tiers.
+
+Why: every reuse in kamera-agent starts with a lookup by content key. A hit skips the vision
+encode and the canonical prefill (or, for a patch, the conditioned forward), so the store is
+what makes eviction reversible (DESIGN invariant 4). Entries live in memory within a byte
+budget; victims of the eviction policy spill to an optional disk tier with its own budget, and
+a get that misses memory reads the file back, verifies it, and promotes it. Nothing leaves
+silently: every spill, drop, disk eviction and corrupt file is a `StoreEvent` and a counter.
+
+    put ──► memory (budget, policy) ──evict──► disk (budget, LRU files) ──evict──► gone (counted)
+    get ◄── memory hit │ miss ──► disk: sha256 ok? ──► decode ──► promote ──► hit
+                                        └ no: delete, corrupt_dropped += 1, miss (re-encode)
+
+Tiers are inclusive: a promoted entry keeps its file, so evicting it again costs no write.
+Entries carry the store's model fingerprint; an entry of another model is refused on put and
+on load with `ForeignChunkError`. One `threading.RLock` guards both tiers; disk I/O happens
+under it (simple, and correct: no entry is ever half-moved between tiers).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import cast
+
+import torch
+
+from kamera_agent.errors import ForeignChunkError, StoreBudgetError, StoreKeyError
+from kamera_agent.operator.layout import ChunkKV
+from kamera_agent.operator.patch import Patch
+from kamera_agent.store.budget import EvictionPolicy, check_budget, check_fits, resolve_policy
+from kamera_agent.store.codec import CorruptEntry, StoredValue, decode, encode, entry_nbytes, fingerprint_of
+from kamera_agent.store.codec import stamp as stamp_fingerprint
+from kamera_agent.store.disk import DiskTier
+from kamera_agent.store.keys import EntryKey
+from kamera_agent.store.memory import MemoryTier
+from kamera_agent.store.stats import EventLog, StoreEvent, StoreStats
+
+__all__ = ["ChunkStore"]
+
+
+class ChunkStore:
+    """Content-addressed canonicals, vision embeddings and patches of one model.
+
+    Example:
+        >>> store = ChunkStore(fingerprint=fp, memory_budget=2 << 30, disk_dir="cache", disk_budget=20 << 30)
+        >>> store.put_canonical(kv)  # kv.chunk_key is the content key
+        >>> store.get_canonical(kv.chunk_key)  # the same tensors, or None: re-encode
+
+    Returned tensors are the stored ones (no copy): treat them as read-only, as `apply_patch`
+    does. Entries read back from disk are on the CPU.
+
+    Args:
+        fingerprint: the model fingerprint (`kamera_agent.model_fingerprint`) every entry
+            must carry; entries that carry none are stamped with it.
+        memory_budget: most tensor bytes held in memory.
+        disk_dir: directory of the disk tier; ``None`` for memory only (evicted entries are
+            then dropped, and counted).
+        disk_budget: most file bytes kept in ``disk_dir`` (required with it).
+        policy: memory eviction policy, a name in `EVICTION_POLICIES` or a scoring function.
+        disk_policy: which file leaves the disk tier first.
+        event_capacity: how many recent `StoreEvent` are kept (counters keep counting).
+
+    Raises:
+        StoreBudgetError: a budget that is not a positive byte count, or a disk directory
+            without a disk budget (or the reverse).
+        StoreKeyError: an empty fingerprint.
+    """
+
+    def __init__(
+        self,
+        *,
+        fingerprint: str,
+        memory_budget: int,
+        disk_dir: str | os.PathLike[str] | None = None,
+        disk_budget: int | None = None,
+        policy: str | EvictionPolicy = "lru",
+        disk_policy: str | EvictionPolicy = "lru",
+        event_capacity: int = 1024,
+    ) -> None:
+        if not fingerprint:
+            raise StoreKeyError(
+                "a store needs the fingerprint of its model: kamera_agent.model_fingerprint(model)"
+            )
+        check_budget("memory_budget", memory_budget)
+        if (disk_dir is None) != (disk_budget is None):
+            raise StoreBudgetError(
+                "disk_dir and disk_budget go together: pass both for a disk tier (e.g. "
+                "disk_budget=20 << 30 for 20 GiB), or neither for a memory-only store"
+            )
+        self._fingerprint = fingerprint
+        self._lock = threading.RLock()
+        self._log = EventLog(event_capacity)
+        self._memory = MemoryTier(memory_budget, resolve_policy(policy))
+        self._disk: DiskTier | None = None
+        if disk_dir is not None and disk_budget is not None:
+            check_budget("disk_budget", disk_budget)
+            in_memory = self._memory.__contains__
+            self._disk = DiskTier(
+                Path(disk_dir), disk_budget, resolve_policy(disk_policy), self._log, in_memory
+            )
+
+    @property
+    def fingerprint(self) -> str:
+        """The model fingerprint every entry of this store carries."""
+        return self._fingerprint
+
+    @property
+    def disk_dir(self) -> Path | None:
+        return None if self._disk is None else self._disk.directory
+
+    # --- typed entry points -------------------------------------------------------------
+
+    def put_canonical(self, kv: ChunkKV) -> EntryKey:
+        """Store a chunk's canonical KV under ``kv.chunk_key``; returns its address."""
+        return self._put(EntryKey.canonical(kv.chunk_key), kv)
+
+    def get_canonical(self, key: str) -> ChunkKV | None:
+        """The canonical stored under content key ``key``, or ``None``: re-encode the chunk."""
+        return cast("ChunkKV | None", self._get(EntryKey.canonical(key)))
+
+    def put_vision(self, key: str, outputs: Mapping[str, torch.Tensor]) -> EntryKey:
+        """Store a vision tower's outputs (e.g. embeddings plus deepstack features) under ``key``."""
+        if "__metadata__" in outputs:
+            raise StoreKeyError("'__metadata__' is reserved by safetensors; rename that vision output")
+        return self._put(EntryKey.vision(key), dict(outputs))
+
+    def get_vision(self, key: str) -> dict[str, torch.Tensor] | None:
+        """The vision outputs stored under ``key``, or ``None``: run the vision tower again."""
+        return cast("dict[str, torch.Tensor] | None", self._get(EntryKey.vision(key)))
+
+    def put_patch(self, patch: Patch) -> EntryKey:
+        """Store a patch under ``(patch.chunk_key, patch.antecedent)``; returns its address."""
+        return self._put(EntryKey.patch(patch.chunk_key, patch.antecedent), patch)
+
+    def get_patch(self, chunk_key: str, antecedent: str) -> Patch | None:
+        """The patch of ``chunk_key`` behind ``antecedent``, or ``None``: form it again."""
+        return cast("Patch | None", self._get(EntryKey.patch(chunk_key, antecedent)))
+
+    def contains(self, key: EntryKey) -> bool:
+        """Whether a tier holds ``key``. A disk copy is verified only when read, so a get can
+        still miss (and ``corrupt_dropped`` says why)."""
+        with self._lock:
+            return key in self._memory or (self._disk is not None and key in self._disk)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, EntryKey) and self.contains(key)
+
+    def keys(self) -> list[EntryKey]:
+        """Every address a tier holds, sorted."""
+        with self._lock:
+            on_disk = set() if self._disk is None else set(self._disk.keys())
+            return sorted(on_disk | set(self._memory.keys()))
+
+    # --- accounting ---------------------------------------------------------------------
+
+    def stats(self) -> StoreStats:
+        """A consistent snapshot of counters and occupancy."""
+        with self._lock:
+            c, disk = self._log.counts, self._disk
+            return StoreStats(
+                puts=c["puts"],
+                hits=c["memory_hits"] + c["disk_hits"],
+                memory_hits=c["memory_hits"],
+                disk_hits=c["disk_hits"],
+                misses=c["misses"],
+                memory_bytes=self._memory.nbytes,
+                memory_budget=self._memory.budget,
+                memory_entries=len(self._memory),
+                disk_bytes=0 if disk is None else disk.nbytes,
+                disk_budget=0 if disk is None else disk.budget,
+                disk_entries=0 if disk is None else len(disk),
+                evictions=c["spill"] + c["drop"],
+                spills=c["spill"],
+                dropped=c["drop"],
+                disk_evictions=c["disk_evict"],
+                corrupt_dropped=c["corrupt"],
+                lost=c["lost"],
+            )
+
+    def events(self) -> list[StoreEvent]:
+        """The most recent events, oldest first (the log keeps ``event_capacity`` of them)."""
+        with self._lock:
+            return self._log.recent()
+
+    def drain_events(self) -> list[StoreEvent]:
+        """The recent events, clearing the log (counters are kept)."""
+        with self._lock:
+            return self._log.drain()
+
+    # --- persistence --------------------------------------------------------------------
+
+    def flush(self) -> int:
+        """Write every memory entry that has no file yet to disk; returns how many were written.
+
+        Spills happen on eviction anyway; call this before a process exits so that a new
+        process reopening ``disk_dir`` finds the entries still in memory too.
+        """
+        with self._lock:
+            if self._disk is None:
+                return 0
+            written = 0
+            for key, resident in self._memory.residents():  # oldest first: the newest files last
+                if key not in self._disk:
+                    blob = encode(key, resident.value, self._fingerprint)
+                    why_not = self._disk.write(key, blob, self._fingerprint)
+                    written += why_not == ""  # else it stays in memory only, as before the flush
+            return written
+
+    def close(self) -> None:
+        """Save the disk index (advisory: a reopen rescans the directory in any case)."""
+        with self._lock:
+            if self._disk is not None:
+                self._disk.save_index()
+
+    def __enter__(self) -> ChunkStore:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # --- the two generic paths ----------------------------------------------------------
+
+    def _put(self, key: EntryKey, value: StoredValue) -> EntryKey:
+        if not key.key:
+            raise StoreKeyError(
+                f"a {key.kind} needs its chunk's content key: set chunk_key (dataclasses.replace) "
+                "before storing it"
+            )
+        value = self._own(key, value, fingerprint_of(key.kind, value), "put")
+        nbytes = entry_nbytes(key.kind, value)
+        budgets = {"memory_budget": self._memory.budget}
+        if self._disk is not None:
+            budgets["disk_budget"] = self._disk.budget
+        check_fits(str(key), nbytes, budgets)
+        with self._lock:
+            self._log.count("puts")
+            if self._disk is not None:
+                self._disk.remove(key)  # a stale file must never be served after a re-put
+            self._memory.add(key, value, nbytes)
+            self._evict(keep=key)
+        return key
+
+    def _get(self, key: EntryKey) -> StoredValue | None:
+        with self._lock:
+            value = self._memory.get(key)
+            if value is not None:
+                self._log.count("memory_hits")
+                return value
+            value = self._from_disk(key)
+            self._log.count("misses" if value is None else "disk_hits")
+            return value
+
+    def _from_disk(self, key: EntryKey) -> StoredValue | None:
+        if self._disk is None or key not in self._disk:
+            return None
+        blob = self._disk.read(key)
+        if blob is None:
+            return None
+        try:
+            address, value, fingerprint = decode(blob)
+            if address != key:
+                raise CorruptEntry(f"file holds {address}, the index says {key}")
+        except CorruptEntry as exc:
+            self._disk.drop_corrupt(key, str(exc))
+            return None
+        value = self._own(key, value, fingerprint, "load")
+        nbytes = entry_nbytes(key.kind, value)
+        if nbytes <= self._memory.budget:  # else serve it from disk without promoting
+            self._memory.add(key, value, nbytes)
+            self._evict(keep=key)
+        return value
+
+    def _own(self, key: EntryKey, value: StoredValue, fingerprint: str, verb: str) -> StoredValue:
+        """The entry stamped with this store's fingerprint, or `ForeignChunkError`."""
+        if fingerprint and fingerprint != self._fingerprint:
+            where = f" in {self._disk.directory}" if verb == "load" and self._disk is not None else ""
+            raise ForeignChunkError(
+                f"cannot {verb} {key}{where}: it was made by model {fingerprint[:16]}…, this store "
+                f"serves {self._fingerprint[:16]}…. Use one store (and one disk_dir) per model "
+                "fingerprint, or re-encode the chunk with this model."
+            )
+        return stamp_fingerprint(key.kind, value, self._fingerprint)
+
+    def _evict(self, keep: EntryKey) -> None:
+        """Push victims out of memory until it fits its budget: to disk when there is one."""
+        while (victim := self._memory.victim(keep)) is not None:
+            resident = self._memory.pop(victim)
+            assert resident is not None
+            self._log.record(self._spill(victim, resident.value, resident.nbytes))
+
+    def _spill(self, key: EntryKey, value: StoredValue, nbytes: int) -> StoreEvent:
+        if self._disk is None:
+            return StoreEvent("drop", key, nbytes, True, "no disk tier")
+        if key in self._disk:
+            self._disk.touch(key)
+            return StoreEvent("spill", key, nbytes, False, "already on disk")
+        why_not = self._disk.write(key, encode(key, value, self._fingerprint), self._fingerprint)
+        if why_not:
+            return StoreEvent("drop", key, nbytes, True, why_not)
+        return StoreEvent("spill", key, nbytes, False, "written")

@@ -1,0 +1,223 @@
+"""Serialization of store entries to safetensors bytes, one small codec per entry kind.
+
+Why: the disk tier moves opaque, checksummed byte strings; only this module knows how a
+`ChunkKV`, a vision embedding or a `Patch` becomes named tensors plus string metadata and
+back. Every file carries its own address (kind, key, antecedent) and the model fingerprint in
+the safetensors metadata, so a directory can be re-indexed from its files alone.
+
+    kind        tensors                                    metadata beyond the address
+    canonical   keys [L, Hk, n, Dk], values [L, Hv, n, Dv],  -
+                positions [n] | [3, n] when placed
+    vision      the tower's outputs under their own names  -
+    patch       "{layer}.{slot}.u" [n, m], ".v" [m, F]     num_tokens, patch_kind, meta (JSON)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any, cast
+
+import torch
+from safetensors.torch import load, save
+
+from kamera_agent.operator.layout import ChunkKV
+from kamera_agent.operator.patch import Patch
+from kamera_agent.store.keys import EntryKey, EntryKind
+
+__all__ = [
+    "CorruptEntry",
+    "StoredValue",
+    "decode",
+    "encode",
+    "entry_nbytes",
+    "fingerprint_of",
+    "header_length",
+    "read_address",
+    "stamp",
+]
+
+StoredValue = ChunkKV | Patch | dict[str, torch.Tensor]
+Tensors = dict[str, torch.Tensor]
+Meta = dict[str, str]
+FORMAT = "kamera-store/1"
+_MAX_HEADER = 64 << 20  # a header larger than this is damage, not metadata
+
+
+class CorruptEntry(Exception):
+    """Bytes that do not decode to the entry they claim to be (internal: never leaves the store)."""
+
+
+@dataclass(frozen=True)
+class _Codec:
+    tensors: Callable[[Any], Tensors]
+    meta: Callable[[Any], Meta]
+    build: Callable[[Tensors, Meta], Any]
+    fingerprint: Callable[[Any], str]
+    stamp: Callable[[Any, str], Any]
+
+
+def _chunk_tensors(kv: ChunkKV) -> Tensors:
+    tensors = {"keys": kv.keys, "values": kv.values}
+    if kv.positions is not None:
+        tensors["positions"] = kv.positions
+    return tensors
+
+
+def _chunk_build(tensors: Tensors, meta: Meta) -> ChunkKV:
+    return ChunkKV(
+        tensors["keys"], tensors["values"], tensors.get("positions"), meta["key"], meta["model_fingerprint"]
+    )
+
+
+def _patch_tensors(patch: Patch) -> Tensors:
+    tensors = {}
+    for (layer, slot), (u, v) in patch.factors.items():
+        tensors[f"{layer}.{slot}.u"] = u  # [n, m]
+        tensors[f"{layer}.{slot}.v"] = v  # [m, F]
+    return tensors
+
+
+def _patch_meta(patch: Patch) -> Meta:
+    return {"num_tokens": str(patch.num_tokens), "patch_kind": patch.kind, "meta": json.dumps(patch.meta)}
+
+
+def _patch_build(tensors: Tensors, meta: Meta) -> Patch:
+    factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for name in tensors:
+        stem, part = name.rsplit(".", 1)
+        if part == "u":
+            layer, slot = stem.split(".", 1)
+            factors[(int(layer), slot)] = (tensors[name], tensors[f"{stem}.v"])
+    return Patch(
+        factors=dict(sorted(factors.items())),
+        num_tokens=int(meta["num_tokens"]),
+        chunk_key=meta["key"],
+        antecedent=meta["antecedent"],
+        model_fingerprint=meta["model_fingerprint"],
+        kind="orbit" if meta["patch_kind"] == "orbit" else "exact",
+        meta=dict(json.loads(meta["meta"])),
+    )
+
+
+_CODECS: Mapping[EntryKind, _Codec] = MappingProxyType(
+    {
+        "canonical": _Codec(
+            tensors=_chunk_tensors,
+            meta=lambda kv: {},
+            build=_chunk_build,
+            fingerprint=lambda kv: kv.model_fingerprint,
+            stamp=lambda kv, fp: replace(kv, model_fingerprint=fp),
+        ),
+        "vision": _Codec(
+            tensors=lambda outputs: dict(outputs),
+            meta=lambda outputs: {},
+            build=lambda tensors, meta: tensors,
+            fingerprint=lambda outputs: "",  # a bare dict records no model; the file metadata does
+            stamp=lambda outputs, fp: dict(outputs),  # a copy: the caller's dict may change later
+        ),
+        "patch": _Codec(
+            tensors=_patch_tensors,
+            meta=_patch_meta,
+            build=_patch_build,
+            fingerprint=lambda patch: patch.model_fingerprint,
+            stamp=lambda patch, fp: replace(patch, model_fingerprint=fp),
+        ),
+    }
+)
+
+
+def entry_nbytes(kind: EntryKind, value: StoredValue) -> int:
+    """Bytes the entry holds: the sum of its tensors' ``nbytes`` (positions included)."""
+    return sum(t.numel() * t.element_size() for t in _CODECS[kind].tensors(value).values())
+
+
+def fingerprint_of(kind: EntryKind, value: StoredValue) -> str:
+    """The model fingerprint the entry carries (``""``: unknown)."""
+    return _CODECS[kind].fingerprint(value)
+
+
+def stamp(kind: EntryKind, value: StoredValue, fingerprint: str) -> StoredValue:
+    """The entry as the store keeps it: carrying ``fingerprint``, detached from caller containers."""
+    return cast(StoredValue, _CODECS[kind].stamp(value, fingerprint))
+
+
+def encode(key: EntryKey, value: StoredValue, fingerprint: str) -> bytes:
+    """Safetensors bytes of the entry, its address and fingerprint in the metadata."""
+    codec = _CODECS[key.kind]
+    meta = {
+        **codec.meta(value),
+        "format": FORMAT,
+        "kind": key.kind,
+        "key": key.key,
+        "antecedent": key.antecedent,
+        "model_fingerprint": fingerprint,
+    }
+    return save(_for_disk(codec.tensors(value)), metadata=meta)
+
+
+def decode(blob: bytes) -> tuple[EntryKey, StoredValue, str]:
+    """``(address, entry, fingerprint)`` from bytes written by `encode`.
+
+    Raises:
+        CorruptEntry: the bytes are not a store entry (checked after the checksum, so this
+            means a foreign or older format, not bit rot).
+    """
+    key, meta = _address(header_of(blob))
+    try:
+        tensors = load(blob)
+        value = _CODECS[key.kind].build(tensors, meta)
+    except (KeyError, ValueError, RuntimeError, TypeError, json.JSONDecodeError) as exc:
+        raise CorruptEntry(f"{key} does not decode: {exc}") from exc
+    return key, cast(StoredValue, value), meta["model_fingerprint"]
+
+
+def read_address(prefix: bytes) -> tuple[EntryKey, str]:
+    """``(address, fingerprint)`` from the leading bytes of a file: re-indexing needs no tensors."""
+    key, meta = _address(header_of(prefix))
+    return key, meta["model_fingerprint"]
+
+
+def header_of(blob: bytes) -> Meta:
+    """The ``__metadata__`` of a safetensors header (``u64`` length, then JSON)."""
+    if len(blob) < 8:
+        raise CorruptEntry("shorter than a safetensors header")
+    size = int.from_bytes(blob[:8], "little")
+    if size > _MAX_HEADER or 8 + size > len(blob):
+        raise CorruptEntry(f"header of {size} bytes does not fit the file")
+    try:
+        header = json.loads(blob[8 : 8 + size])
+        meta = header["__metadata__"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptEntry(f"unreadable header: {exc}") from exc
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptEntry("header metadata is not a string map")
+    return cast(Meta, meta)
+
+
+def header_length(prefix: bytes) -> int:
+    """Bytes to read from the start of a file to hold its whole header (capped: damage is not read)."""
+    return 8 + min(int.from_bytes(prefix[:8], "little"), _MAX_HEADER + 1) if len(prefix) >= 8 else 8
+
+
+def _address(meta: Meta) -> tuple[EntryKey, Meta]:
+    kind = meta.get("kind", "")
+    if meta.get("format") != FORMAT or kind not in _CODECS or "model_fingerprint" not in meta:
+        raise CorruptEntry(f"not a {FORMAT} entry (format {meta.get('format')!r}, kind {kind!r})")
+    return EntryKey(cast(EntryKind, kind), meta.get("key", ""), meta.get("antecedent", "")), meta
+
+
+def _for_disk(tensors: Tensors) -> Tensors:
+    """CPU, contiguous, one storage per tensor (safetensors refuses tensors that share memory)."""
+    out: Tensors = {}
+    storages: set[int] = set()
+    for name, tensor in tensors.items():
+        t = tensor.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in storages and t.numel() > 0:
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out

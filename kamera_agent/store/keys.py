@@ -1,0 +1,56 @@
+"""Entry keys: what the store files an entry under, one kind of key per kind of entry.
+
+Why: canonicals and vision embeddings are keyed by the chunk's content key alone, a patch by
+the chunk's content key *and* the signature of the antecedent it encodes (ordered, orbit, or
+layer-sparse signatures are just different strings made by the caller). One frozen key type
+for all three keeps the tiers generic: they never look inside an entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["EntryKey", "EntryKind"]
+
+EntryKind = Literal["canonical", "vision", "patch"]
+
+
+@dataclass(frozen=True, order=True)
+class EntryKey:
+    """The address of one store entry.
+
+    Attributes:
+        kind: ``"canonical"`` (position-free `ChunkKV`), ``"vision"`` (a vision tower's output,
+            ``dict[str, Tensor]``) or ``"patch"`` (a `Patch`).
+        key: the chunk's content key (hex string).
+        antecedent: the antecedent signature; ``""`` for canonicals and vision embeddings.
+    """
+
+    kind: EntryKind
+    key: str
+    antecedent: str = ""
+
+    @classmethod
+    def canonical(cls, key: str) -> EntryKey:
+        return cls("canonical", key)
+
+    @classmethod
+    def vision(cls, key: str) -> EntryKey:
+        return cls("vision", key)
+
+    @classmethod
+    def patch(cls, chunk_key: str, antecedent: str) -> EntryKey:
+        return cls("patch", chunk_key, antecedent)
+
+    @property
+    def digest(self) -> str:
+        """32 hex digits naming the entry's file: signatures can be long or hold any character."""
+        text = json.dumps([self.kind, self.key, self.antecedent])
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def __str__(self) -> str:
+        tail = f" | {self.antecedent[:16]}" if self.kind == "patch" else ""
+        return f"{self.kind}:{self.key[:16]}{tail}"

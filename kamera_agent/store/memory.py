@@ -1,0 +1,83 @@
+"""The memory tier: live entries within a byte budget, victims chosen by an eviction policy.
+
+Why: the tier only keeps entries and their use ticks; what happens to a victim (spill to
+disk, or drop) is the `ChunkStore`'s decision, so this class stays a dozen lines of
+bookkeeping and the policy stays a pure score.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from kamera_agent.store.budget import EvictionPolicy, pick_victim
+from kamera_agent.store.codec import StoredValue
+from kamera_agent.store.keys import EntryKey
+
+__all__ = ["MemoryTier", "Resident"]
+
+
+@dataclass
+class Resident:
+    """One entry held in memory (fields double as the `EntryInfo` a policy scores)."""
+
+    value: StoredValue
+    nbytes: int
+    inserted: int
+    last_used: int
+    hits: int = 0
+
+
+class MemoryTier:
+    """Entries by address with their tensor bytes; not thread-safe on its own."""
+
+    def __init__(self, budget: int, policy: EvictionPolicy) -> None:
+        self.budget = budget
+        self._policy = policy
+        self._entries: dict[EntryKey, Resident] = {}
+        self._bytes = 0
+        self._clock = itertools.count()
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: EntryKey) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list[EntryKey]:
+        return list(self._entries)
+
+    def get(self, key: EntryKey) -> StoredValue | None:
+        resident = self._entries.get(key)
+        if resident is None:
+            return None
+        resident.hits += 1
+        resident.last_used = next(self._clock)
+        return resident.value
+
+    def add(self, key: EntryKey, value: StoredValue, nbytes: int) -> None:
+        """Hold ``value`` (replacing any entry at ``key``); the caller then evicts to the budget."""
+        self.pop(key)
+        tick = next(self._clock)
+        self._entries[key] = Resident(value, nbytes, tick, tick)
+        self._bytes += nbytes
+
+    def pop(self, key: EntryKey) -> Resident | None:
+        resident = self._entries.pop(key, None)
+        if resident is not None:
+            self._bytes -= resident.nbytes
+        return resident
+
+    def victim(self, keep: EntryKey) -> EntryKey | None:
+        """The entry to evict next while over budget, never ``keep`` (the one just added)."""
+        if self._bytes <= self.budget:
+            return None
+        return pick_victim(self._entries, self._policy, keep=keep)
+
+    def residents(self) -> list[tuple[EntryKey, Resident]]:
+        """Entries from least to most recently used."""
+        return sorted(self._entries.items(), key=lambda item: item[1].last_used)

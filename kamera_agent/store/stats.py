@@ -1,0 +1,111 @@
+"""What the store did: a typed stats snapshot and a bounded log of the events that cost an entry.
+
+Why: the window's invariant 4 ("when the budget pushes a canonical out, recall re-encodes and
+stats says so") needs every miss to be explainable. Each spill, drop, disk eviction and
+corrupt file is an event naming the entry and whether it is now *lost* (held by no tier); the
+counters in `StoreStats` are tallies of the same events, so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Literal
+
+from kamera_agent.store.keys import EntryKey
+
+__all__ = ["EventKind", "EventLog", "StoreEvent", "StoreStats"]
+
+EventKind = Literal["spill", "drop", "disk_evict", "corrupt"]
+
+
+@dataclass(frozen=True)
+class StoreEvent:
+    """One entry leaving a tier.
+
+    Attributes:
+        kind: ``"spill"`` (memory → disk), ``"drop"`` (left memory with nowhere to go),
+            ``"disk_evict"`` (file removed for the disk budget), ``"corrupt"`` (file failed its
+            checksum or decode and was deleted; never served).
+        key: the entry's address.
+        nbytes: the entry's tensor bytes (memory events) or its file size (disk events).
+        lost: no tier holds the entry any more: the next get misses and the caller re-encodes.
+        detail: why, in words (for logs).
+    """
+
+    kind: EventKind
+    key: EntryKey
+    nbytes: int
+    lost: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A snapshot of the store's counters and occupancy (``store.stats()``).
+
+    Attributes:
+        puts: entries stored by the caller.
+        hits: gets served (``memory_hits + disk_hits``).
+        memory_hits: gets served from memory.
+        disk_hits: gets served from a verified disk file (and promoted when it fits).
+        misses: gets that found nothing servable.
+        memory_bytes: tensor bytes held in memory (never above ``memory_budget``).
+        memory_budget: the memory tier's byte budget.
+        memory_entries: entries held in memory.
+        disk_bytes: file bytes on disk (never above ``disk_budget``); 0 without a disk tier.
+        disk_budget: the disk tier's byte budget; 0 without a disk tier.
+        disk_entries: files on disk.
+        evictions: entries pushed out of memory (``spills + dropped``).
+        spills: memory evictions that kept the entry on disk.
+        dropped: memory evictions with no disk copy (no disk tier, or too large for it).
+        disk_evictions: files removed for the disk budget.
+        corrupt_dropped: files that failed their checksum or decode, deleted, never served.
+        lost: entries no tier holds any more, over all the causes above.
+    """
+
+    puts: int
+    hits: int
+    memory_hits: int
+    disk_hits: int
+    misses: int
+    memory_bytes: int
+    memory_budget: int
+    memory_entries: int
+    disk_bytes: int
+    disk_budget: int
+    disk_entries: int
+    evictions: int
+    spills: int
+    dropped: int
+    disk_evictions: int
+    corrupt_dropped: int
+    lost: int
+
+
+class EventLog:
+    """Counters of every event plus the most recent events themselves (bounded, oldest dropped).
+
+    Not thread-safe on its own: the store calls it under its lock.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.counts: Counter[str] = Counter()
+        self._events: deque[StoreEvent] = deque(maxlen=capacity)
+
+    def record(self, event: StoreEvent) -> None:
+        self.counts[event.kind] += 1
+        self.counts["lost"] += int(event.lost)
+        self._events.append(event)
+
+    def count(self, name: str) -> None:
+        """Tally a non-event counter (puts, hits, misses)."""
+        self.counts[name] += 1
+
+    def recent(self) -> list[StoreEvent]:
+        return list(self._events)
+
+    def drain(self) -> list[StoreEvent]:
+        events = list(self._events)
+        self._events.clear()
+        return events
