@@ -93,3 +93,48 @@ def test_stores_refuse_another_models_entries_and_budgets_below_one_chunk() -> N
     with pytest.raises(StoreBudgetError, match="budget"):
         backend.encode(chunk)
     assert tiny.stats().memory_bytes == 0
+
+
+def test_a_corrupted_spill_file_is_dropped_and_the_chunk_re_encoded(tmp_path: Path) -> None:
+    model = sharpen(tiny_qwen2_vl())
+    fingerprint = _backend(model=model).fingerprint
+    store = ChunkStore(fingerprint=fingerprint, memory_budget=1 << 24, disk_dir=tmp_path, disk_budget=1 << 24)
+    backend = _backend(store, model)
+    chunk = backend.encoder.image(images(1, seed=15)[0])
+    canonical = backend.encode(chunk)
+    store.flush()
+    store.close()
+    (spilled,) = tmp_path.glob("canonical-*.safetensors")
+    data = bytearray(spilled.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    spilled.write_bytes(bytes(data))
+    reopened = ChunkStore(
+        fingerprint=fingerprint, memory_budget=1 << 24, disk_dir=tmp_path, disk_budget=1 << 24
+    )
+    again = _backend(reopened, model)
+    again.anchor_kv()
+    before = again.counters.snapshot()
+    rebuilt = again.encode(chunk)
+    assert again.counters.since(before).lm_forwards == 1  # re-encoded, never served corrupt
+    assert reopened.stats().corrupt_dropped == 1
+    torch.testing.assert_close(rebuilt.keys, canonical.keys)
+
+
+def test_qwen3_vl_deepstack_features_are_part_of_the_chunks_own_canonical() -> None:
+    """Qwen3-VL re-injects vision features into the image tokens' hidden states in its first
+    layers. They belong to the chunk (no antecedent, no position), so the canonical is computed
+    with them; leaving them out would change the chunk's KV from layer 0 on."""
+    from tests.tiny_models import tiny_qwen3_vl
+
+    backend = TransformersBackend(
+        sharpen(tiny_qwen3_vl()), tokenizer=tiny_tokenizer(), image_processor=tiny_image_processor("qwen3_vl")
+    )
+    assert backend.parts.takes_deepstack
+    chunk = backend.encoder.image(images(1, seed=16)[0])
+    features = backend.vision_features(chunk)
+    assert any(name.startswith("deepstack.") for name in features)
+    with_deepstack = backend.encode(chunk)
+    backend.parts = backend.parts.__class__(**{**backend.parts.__dict__, "takes_deepstack": False})
+    backend.store = ChunkStore(fingerprint=backend.fingerprint, memory_budget=1 << 24)
+    without = backend.encode(chunk)
+    assert not torch.allclose(with_deepstack.keys, without.keys, atol=1e-4)
