@@ -13,6 +13,12 @@ failed call never corrupts a window or a store.
     │   └── ForeignChunkError        a stored entry made by another model than the store's
     ├── StoreBudgetError             a store budget too small for one entry, or not a budget
     ├── StoreKeyError                an entry without the content key it must be stored under
+    ├── WindowError                  a window op that cannot be done as asked
+    │   ├── UnknownChunkError        a ref this window does not know
+    │   ├── DuplicateChunkError      a ref named twice in a reorder
+    │   ├── ChunkInWindowError       recall of a chunk already in the window
+    │   ├── CapacityError            a capacity smaller than one chunk
+    │   └── ContextOverflowError     window + query longer than the model's context
     └── InputError                   content that cannot become a chunk
         ├── AmbiguousChannelOrderError  an array that could be RGB or BGR
         ├── UnreadableInputError        a missing or unreadable file, stream or object
@@ -24,6 +30,10 @@ from __future__ import annotations
 
 __all__ = [
     "AmbiguousChannelOrderError",
+    "CapacityError",
+    "ChunkInWindowError",
+    "ContextOverflowError",
+    "DuplicateChunkError",
     "EmptyVideoError",
     "ForeignChunkError",
     "ForeignPatchError",
@@ -36,8 +46,10 @@ __all__ = [
     "RelocationError",
     "StoreBudgetError",
     "StoreKeyError",
+    "UnknownChunkError",
     "UnreadableInputError",
     "UnsupportedModelError",
+    "WindowError",
 ]
 
 
@@ -99,3 +111,27 @@ class EmptyVideoError(InputError):
 
 class ProcessorRejectedError(InputError):
     """The model's image processor refused an image (too small, wrong shape ...)."""
+
+
+class WindowError(KameraError, ValueError):
+    """A window operation that cannot be done as asked; the window is left unchanged."""
+
+
+class UnknownChunkError(WindowError):
+    """A chunk ref this window does not know (never pushed here, or from another window)."""
+
+
+class DuplicateChunkError(WindowError):
+    """The same chunk named twice where each must appear once (a reorder)."""
+
+
+class ChunkInWindowError(WindowError):
+    """Recall of a chunk that is already in the window."""
+
+
+class CapacityError(WindowError):
+    """A capacity smaller than one chunk, or a chunk that can never fit."""
+
+
+class ContextOverflowError(WindowError):
+    """The window plus the query (and the answer) would exceed the model's context length."""

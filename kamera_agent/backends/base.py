@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.operator.layout import ChunkKV, KVLayout
+from kamera_agent.results import Answer
+from kamera_agent.store import ChunkStore
 
 __all__ = ["Answer", "Backend", "BackendCounters", "DecodeConfig"]
 
@@ -61,27 +64,6 @@ class DecodeConfig:
     return_logits: bool = False
 
 
-@dataclass(frozen=True)
-class Answer:
-    """A decoded answer.
-
-    Attributes:
-        text: the generated text (special tokens and stop string removed).
-        tokens: generated token ids.
-        logits: ``[steps, vocab]`` float32 logits of each generated step, if asked for.
-        first_logits: ``[vocab]`` logits of the first generated token (always kept: the basis of
-            fidelity checks such as KL to re-prefill).
-        finish_reason: ``"eos"``, ``"stop"`` or ``"length"``.
-    """
-
-    text: str
-    tokens: list[int]
-    first_logits: torch.Tensor
-    logits: torch.Tensor | None = None
-    finish_reason: str = "length"
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 class Backend(ABC):
     """An engine that encodes chunks, conditions them, assembles caches and decodes."""
 
@@ -90,6 +72,23 @@ class Backend(ABC):
     layout: KVLayout
     fingerprint: str
     counters: BackendCounters
+    encoder: ChunkEncoder
+    store: ChunkStore
+
+    @property
+    @abstractmethod
+    def anchor(self) -> Chunk:
+        """The anchor chunk (system prompt, user-turn start) every window starts with."""
+
+    @abstractmethod
+    def anchor_kv(self) -> ChunkKV:
+        """The anchor's KV at positions ``[0, anchor.advance)``."""
+
+    @abstractmethod
+    def reference_inputs(
+        self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None
+    ) -> dict[str, Any]:
+        """The model's own forward inputs for a full re-prefill of ``anchor + chunks (+ query)``."""
 
     @abstractmethod
     def encode(self, chunk: Chunk) -> ChunkKV:

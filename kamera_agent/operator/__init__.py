@@ -24,6 +24,7 @@ from kamera_agent.operator.patch import (
     form_orbit_patch,
     form_patch,
     load_patch,
+    merge_patches,
     save_patch,
     select_layers,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "form_patch",
     "kv_layout",
     "load_patch",
+    "merge_patches",
     "read_chunk",
     "relocate",
     "rotary_angles",

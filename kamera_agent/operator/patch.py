@@ -34,6 +34,7 @@ __all__ = [
     "form_orbit_patch",
     "form_patch",
     "load_patch",
+    "merge_patches",
     "save_patch",
     "select_layers",
 ]
@@ -144,6 +145,56 @@ def form_orbit_patch(
     per_order = [deficit(canonical, kv, layout) for kv in conditioned]
     mean = {slot: torch.stack([d[slot] for d in per_order]).mean(0) for slot in _SLOTS}
     return _factorize(mean, canonical, layout, rank, layers, method, antecedent, dtype, "orbit")
+
+
+def merge_patches(
+    patches: Sequence[Patch],
+    rank: Rank,
+    *,
+    weights: Sequence[float] | None = None,
+    antecedent: str = "",
+    kind: Literal["exact", "orbit"] = "orbit",
+    meta: dict[str, str] | None = None,
+) -> Patch:
+    """Factors of the *mean* of several patches' deficits, at ``rank``, without forming ``[n, F]``.
+
+    Why: an orbit patch is the mean deficit over the orderings of one antecedent set. Each
+    ordering's exact patch is already stored, so the orbit is kept up to date by merging
+    factors: stack ``[U_1/k … U_k/k]`` and ``[V_1; …; V_k]``, QR the tall left factor, and take
+    the SVD of the small ``R · V`` core (``O(n·(km)²)``, no forward). ``weights`` (default
+    equal) make it a weighted mean, e.g. an orbit of ``k`` orderings merged with one more.
+    """
+    if not patches:
+        raise ValueError("merge_patches needs at least one patch")
+    first = patches[0]
+    for other in patches[1:]:
+        if (other.chunk_key, other.num_tokens) != (first.chunk_key, first.num_tokens):
+            raise ForeignPatchError("merge_patches got patches of different chunks; merge one chunk's")
+    raw = [1.0] * len(patches) if weights is None else [float(w) for w in weights]
+    if len(raw) != len(patches) or sum(raw) <= 0:
+        raise ValueError("weights must give one positive number per patch")
+    share = {id(patch): w / sum(raw) for patch, w in zip(patches, raw, strict=True)}
+    factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for key in sorted({key for patch in patches for key in patch.factors}):
+        parts = [(patch.factors[key], share[id(patch)]) for patch in patches if key in patch.factors]
+        store_dtype = parts[0][0][0].dtype
+        left = torch.cat([u.to(torch.float32) * w for (u, _), w in parts], dim=1)  # [n, Σm]
+        right = torch.cat([v.to(torch.float32) for (_, v), _ in parts], dim=0)  # [Σm, F]
+        q, r = torch.linalg.qr(left)  # [n, k], [k, Σm]
+        core_u, singular, core_vh = torch.linalg.svd(r @ right, full_matrices=False)
+        fixed = _fixed_rank(rank, len(singular))
+        m = fixed if fixed is not None else _energy_rank(singular, float(rank))
+        u = (q @ core_u[:, :m]) * singular[:m]
+        factors[key] = (u.to(store_dtype).contiguous(), core_vh[:m].to(store_dtype).contiguous())
+    return Patch(
+        factors=factors,
+        num_tokens=first.num_tokens,
+        chunk_key=first.chunk_key,
+        antecedent=antecedent,
+        model_fingerprint=first.model_fingerprint,
+        kind=kind,
+        meta=dict(meta or {}),
+    )
 
 
 def apply_patch(

@@ -140,6 +140,14 @@ class ChunkStore:
         """The patch of ``chunk_key`` behind ``antecedent``, or ``None``: form it again."""
         return cast("Patch | None", self._get(EntryKey.patch(chunk_key, antecedent)))
 
+    def has_canonical(self, key: str) -> bool:
+        """Whether a canonical for this chunk key is held (memory or disk), without loading it."""
+        return self.contains(EntryKey.canonical(key))
+
+    def has_patch(self, chunk_key: str, antecedent: str) -> bool:
+        """Whether a patch for this chunk and antecedent signature is held, without loading it."""
+        return self.contains(EntryKey.patch(chunk_key, antecedent))
+
     def contains(self, key: EntryKey) -> bool:
         """Whether a tier holds ``key``. A disk copy is verified only when read, so a get can
         still miss (and ``corrupt_dropped`` says why)."""

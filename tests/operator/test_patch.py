@@ -23,6 +23,7 @@ from kamera_agent.operator import (
     form_patch,
     kv_layout,
     load_patch,
+    merge_patches,
     read_chunk,
     save_patch,
     to_position_free,
@@ -259,3 +260,29 @@ def test_unknown_family_is_named() -> None:
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(UnsupportedModelError, match=r"gpt2.*supported"):
         kv_layout(model)
+
+
+def test_merged_patches_equal_the_patch_of_the_mean_deficit() -> None:
+    """Orbit by merging stored factors == orbit formed from the deficits themselves."""
+    model = tiny_llama(initializer_range=0.1)
+    layout = kv_layout(model)
+    runs = [_setup(model, layout, seed=seed) for seed in (3, 3)]
+    # Same chunk B (seed 3 fixes its tokens), two antecedents: re-draw A for the second run.
+    gen = torch.Generator().manual_seed(8)
+    p, _, b, _ = _tokens(3)
+    other_a = torch.randint(0, 500, (NA,), generator=gen)
+    full = torch.cat([p, other_a, b])
+    kv, _ = prefill(model, torch.arange(full.numel()), input_ids=full[None])
+    second = read_chunk(kv, layout, NP + NA, NP + NA + NB, torch.arange(NP + NA, NP + NA + NB), chunk_key="B")
+    canonical, first = runs[0]["canonical"], runs[0]["conditioned"]
+    exact = [form_patch(canonical, c, layout, "full") for c in (first, second)]
+    merged = merge_patches(exact, "full")
+    direct = form_orbit_patch(canonical, [first, second], layout, "full")
+    pos = runs[0]["b_pos"]
+    a = apply_patch(canonical, merged, layout, pos)
+    d = apply_patch(canonical, direct, layout, pos)
+    assert rel_err(a.keys, d.keys) < 1e-5 and rel_err(a.values, d.values) < 1e-5
+    low = merge_patches(exact, 4)
+    assert max(low.ranks.values()) <= 4
+    with pytest.raises(ForeignPatchError, match="different chunks"):
+        merge_patches([exact[0], replace(exact[1], chunk_key="C")], 4)

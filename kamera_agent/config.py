@@ -1,0 +1,106 @@
+"""Window configuration: one frozen, validated object instead of keyword soup.
+
+Why pydantic: a window's behaviour (capacity, patch rank and timing, what happens to survivors,
+reorders and recalls) is chosen once and must be valid before the first push; a typo in a
+policy name fails at construction with the list of known names, not deep inside an op.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["WindowConfig"]
+
+PatchMode = Literal["eager", "lazy", "none"]
+
+
+class WindowConfig(BaseModel):
+    """How a `KameraWindow` keeps, moves, drops and brings back chunks.
+
+    Attributes:
+        capacity_chunks: most chunks in the window at once (``None``: unbounded).
+        capacity_tokens: most cache slots the window's chunks may take (``None``: unbounded).
+        rank: patch rank: an int, ``"full"`` (exact conditioning) or ``0`` (blind reuse).
+        patch_mode: ``"eager"`` forms a chunk's patch at admission (from the conditioned
+            forward the admission pays anyway), ``"lazy"`` at the next ``ask``/``kv``,
+            ``"none"`` never (blind reuse).
+        orbit: serve a reordered chunk whose antecedent *set* is unchanged with its orbit patch.
+        eviction: eviction policy name (see ``kamera_agent.policies.EVICTION``) used when a push
+            would exceed the capacity.
+        survivors: what a slide or evict does to the chunks that stay (``SURVIVORS``).
+        reorder: how a chunk whose antecedents changed is served when no stored patch fits
+            (``REORDER``).
+        recall_context: where a recalled chunk's patch comes from: ``"original"`` (its fixed
+            earlier context: stored, free, never stale) or ``"current"`` (the chunks now left of it).
+        cascade: re-admitting a chunk before in-window chunks re-patches them (``"cascade"``) or
+            leaves them as they are (``"keep"``).
+        probe_threshold: ``probe_without`` calls a chunk disposable below this next-token KL.
+        max_new_tokens: default answer length for ``ask``.
+        threads: torch threads to use (``None``: leave torch's setting).
+        device: where the model runs (``None``: wherever it is).
+        memory_budget: bytes the chunk store keeps in memory.
+        disk_dir: a directory for the store's disk tier (``None``: memory only).
+        disk_budget: bytes the disk tier may hold.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    capacity_chunks: int | None = Field(default=None, ge=1)
+    capacity_tokens: int | None = Field(default=None, ge=1)
+    rank: int | Literal["full"] = 32
+    patch_mode: PatchMode = "eager"
+    orbit: bool = True
+    eviction: str = "fifo"
+    survivors: str = "keep"
+    reorder: str = "form"
+    recall_context: Literal["original", "current"] = "original"
+    cascade: Literal["cascade", "keep"] = "cascade"
+    probe_threshold: float = Field(default=1e-2, ge=0.0)
+    max_new_tokens: int = Field(default=32, ge=1)
+    threads: int | None = Field(default=None, ge=1)
+    device: str | None = None
+    memory_budget: int = Field(default=2 << 30, ge=1)
+    disk_dir: Path | None = None
+    disk_budget: int | None = Field(default=None, ge=1)
+
+    @field_validator("rank")
+    @classmethod
+    def _rank_is_valid(cls, rank: int | str) -> int | str:
+        if isinstance(rank, int) and rank < 0:
+            raise ValueError("rank must be >= 0 (0 is blind reuse) or 'full'")
+        return rank
+
+    @field_validator("eviction", "survivors", "reorder")
+    @classmethod
+    def _policy_is_known(cls, name: str, info: Any) -> str:
+        from kamera_agent import policies
+
+        known = {
+            "eviction": policies.EVICTION,
+            "survivors": policies.SURVIVORS,
+            "reorder": policies.REORDER,
+        }[info.field_name]
+        if name not in known:
+            raise ValueError(f"unknown {info.field_name} policy {name!r}; known: {', '.join(sorted(known))}")
+        return name
+
+    @model_validator(mode="after")
+    def _disk_settings_go_together(self) -> WindowConfig:
+        if (self.disk_dir is None) != (self.disk_budget is None):
+            raise ValueError("set disk_dir and disk_budget together (or neither)")
+        return self
+
+    @property
+    def effective_rank(self) -> int | Literal["full"]:
+        """The rank patches are formed at: 0 whenever patching is off."""
+        return 0 if self.patch_mode == "none" else self.rank
+
+    @classmethod
+    def for_model(cls, model: Any, **overrides: Any) -> WindowConfig:
+        """A preset for a model: exact patches for tiny demo models, rank 32 otherwise."""
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        small = int(getattr(text, "hidden_size", 4096)) <= 256
+        return cls(**{"rank": "full" if small else 32, **overrides})

@@ -1,0 +1,146 @@
+"""Typed results of window operations: what was done, what it cost, what came out.
+
+Why typed: an agent loop branches on these (is this chunk disposable? did that reorder run a
+forward?), so each op returns a small frozen object rather than tuples or sentinels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+import torch
+
+__all__ = ["Answer", "Edit", "EditKind", "OpCost", "Plan", "Probe", "WindowStats"]
+
+EditKind = Literal["encode", "rotate", "apply_patch", "form_patch", "revert", "defer", "admit", "evict"]
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """What one operation spent (or, summed, a whole episode).
+
+    Attributes:
+        forwards: language-model forwards run (chunk encodes, patch-forming forwards, decodes).
+        tokens_prefilled: tokens those forwards processed.
+        tokens_reused: chunk tokens served from the store by rotation and patch, with no forward.
+        vision_encodes: vision-tower runs.
+        reencodes: canonicals rebuilt because the store's budget had dropped them.
+        patches_formed: patches computed (each from one conditioned forward + an SVD).
+        patches_applied: stored patches reused with no forward.
+        bytes_added: bytes of new canonicals and patches written to the store.
+        seconds: wall time.
+    """
+
+    forwards: int = 0
+    tokens_prefilled: int = 0
+    tokens_reused: int = 0
+    vision_encodes: int = 0
+    reencodes: int = 0
+    patches_formed: int = 0
+    patches_applied: int = 0
+    bytes_added: int = 0
+    seconds: float = 0.0
+
+    def __add__(self, other: OpCost) -> OpCost:
+        return OpCost(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A decoded answer.
+
+    Attributes:
+        text: the generated text (special tokens and stop string removed).
+        tokens: generated token ids.
+        logits: ``[steps, vocab]`` float32 logits of each generated step, if asked for.
+        first_logits: ``[vocab]`` logits of the first generated token (always kept: the basis of
+            fidelity checks such as KL to re-prefill).
+        finish_reason: ``"eos"``, ``"stop"`` or ``"length"``.
+        cost: what producing it cost, when it came from a window operation.
+    """
+
+    text: str
+    tokens: list[int]
+    first_logits: torch.Tensor
+    logits: torch.Tensor | None = None
+    finish_reason: str = "length"
+    cost: OpCost | None = None
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """Per-op and cumulative costs of a window.
+
+    Attributes:
+        last: the most recent operation's cost.
+        total: everything since the window was made.
+        by_op: cumulative cost per operation name (``push``, ``slide``, ``ask`` ...).
+        ops: how many times each operation ran.
+    """
+
+    last: OpCost = field(default_factory=OpCost)
+    total: OpCost = field(default_factory=OpCost)
+    by_op: dict[str, OpCost] = field(default_factory=dict)
+    ops: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Edit:
+    """One cache edit a window operation implies.
+
+    Attributes:
+        kind: ``encode`` (canonical prefill), ``rotate`` (relocation only), ``apply_patch`` (a stored
+            patch, no forward), ``form_patch`` (a conditioned forward + SVD), ``revert`` (back to the
+            canonical), ``defer`` (patch formed before the next read), ``admit`` / ``evict``.
+        label: the chunk's label (or id).
+        detail: why, in words.
+        forwards: forwards this edit runs.
+        tokens: tokens those forwards prefill.
+    """
+
+    kind: EditKind
+    label: str
+    detail: str = ""
+    forwards: int = 0
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The edits an operation implies, computed before anything is done (``window.plan``)."""
+
+    op: str
+    edits: tuple[Edit, ...]
+
+    @property
+    def forwards(self) -> int:
+        return sum(edit.forwards for edit in self.edits)
+
+    @property
+    def tokens_prefilled(self) -> int:
+        return sum(edit.tokens for edit in self.edits)
+
+    def count(self, kind: EditKind) -> int:
+        return sum(edit.kind == kind for edit in self.edits)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Is a chunk still load-bearing for a query? The window's answer with and without it.
+
+    Attributes:
+        with_chunk: the answer over the current window.
+        without_chunk: the answer with the chunk's influence switched off.
+        kl: next-token KL(with ‖ without) of the first answer token.
+        top1_agree: both put the same token first.
+        disposable: ``kl`` is below the window's ``probe_threshold``.
+        cost: what the probe spent (decodes only, no re-prefill).
+    """
+
+    with_chunk: Answer
+    without_chunk: Answer
+    kl: float
+    top1_agree: bool
+    disposable: bool
+    cost: OpCost

@@ -1,0 +1,203 @@
+"""Window operations against the model's own re-prefill, their costs, and their errors.
+
+After each op every in-window chunk's KV is compared with what a full re-prefill of the
+window's current sequence gives. Ops that keep conditioning exact (relocation only, reorder
+with exact per-ordering patches, recall with its stored patch at the same antecedents) match
+to float rounding; ops that approximate (survivors after a slide, orbit patches, recall on
+the original context) report a KL that is asserted below a stated bound.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+
+from kamera_agent.backends import TransformersBackend
+from kamera_agent.config import WindowConfig
+from kamera_agent.errors import (
+    CapacityError,
+    ChunkInWindowError,
+    ContextOverflowError,
+    DuplicateChunkError,
+    UnknownChunkError,
+    UnreadableInputError,
+)
+from kamera_agent.window import KameraWindow
+from tests.backends.test_transformers_backend import images, vl_backend
+from tests.window.helpers import answer_kl, chunk_errors
+
+EXACT = 2e-5  # float32 rounding of a re-prefill vs relocated + full-rank patched KV
+APPROX_KL = 5e-2  # the tiny sharpened models' bound for approximate ops (measured ~1e-4 .. 1e-2)
+
+
+@cache
+def backend(family: str = "qwen2_vl") -> TransformersBackend:
+    return vl_backend(family)
+
+
+def window(**config: object) -> KameraWindow:
+    return KameraWindow(backend(), config=WindowConfig(**{"rank": "full", **config}))  # type: ignore[arg-type]
+
+
+def three(w: KameraWindow) -> list:
+    pics = images(2, seed=21)
+    return [
+        w.push(pics[0], label="a"),
+        w.push("the red ball rolled left", label="b"),
+        w.push(pics[1], label="c"),
+    ]
+
+
+def assert_exact(w: KameraWindow) -> None:
+    errors = chunk_errors(w)
+    assert max(errors.values()) <= EXACT, errors
+    assert answer_kl(w) < 1e-9
+
+
+def test_pushes_with_exact_patches_match_reprefill() -> None:
+    w = window()
+    three(w)
+    assert_exact(w)
+    assert w.stats.ops["push"] == 3
+
+
+def test_reorder_with_exact_patches_matches_and_reorder_back_runs_no_forward() -> None:
+    w = window()
+    a, b, c = three(w)
+    w.reorder([c, a, b])
+    assert_exact(w)
+    w.reorder([a, b, c])
+    assert w.stats.last.forwards == 0 and w.stats.last.patches_applied == 2  # both patches stored
+    assert_exact(w)
+
+
+def test_orbit_patch_serves_a_new_ordering_of_the_same_set_without_a_forward() -> None:
+    w = window()
+    a, b, c = three(w)
+    plan = w.plan("reorder", [b, a, c])
+    c_edit = next(edit for edit in plan.edits if edit.label == "c")
+    assert (c_edit.kind, c_edit.forwards) == ("apply_patch", 0) and "orbit" in c_edit.detail
+    w.reorder([b, a, c])
+    assert chunk_errors(w)["c"] > EXACT  # the orbit patch approximates this new ordering
+    assert answer_kl(w) < APPROX_KL
+
+
+def test_slide_only_rotates_survivors_and_runs_no_forward() -> None:
+    w = window()
+    a, b, c = three(w)
+    gone = w.slide()
+    assert gone == [a] and w.refs == [b, c]
+    assert w.stats.last.forwards == 0 and w.stats.last.tokens_reused > 0
+    assert a in w.evicted
+    assert answer_kl(w) < APPROX_KL  # survivors keep what they absorbed from a: near-lossless
+
+
+def test_recall_reuses_its_stored_patch_and_the_second_recall_runs_no_forward() -> None:
+    w = window()
+    a, _, c = three(w)
+    w.evict(c)
+    w.recall(c)  # same place, same antecedents: its stored patch, exact
+    assert w.stats.last.forwards == 0
+    assert_exact(w)
+    w.slide(2)
+    w.recall(a)
+    first = w.stats.last
+    w.evict(a)
+    w.recall(a)
+    assert w.stats.last.forwards == 0 and w.stats.last.vision_encodes == 0
+    assert first.vision_encodes == 0
+
+
+def test_recall_before_in_window_chunks_cascades_patches_in_order() -> None:
+    w = window()
+    a, b, c = three(w)
+    w.evict(a)
+    plan = w.plan("recall", a, at=0)
+    kinds = [(e.label, e.kind) for e in plan.edits]
+    assert ("a", "admit") in kinds
+    w.recall(a, at=0)
+    assert w.refs == [a, b, c]
+    assert_exact(w)  # b and c still encode a (they never lost it): exact again
+
+
+def test_recall_at_front_with_current_context_and_cascade_is_exact() -> None:
+    w = window(recall_context="current", orbit=False)  # exact per-ordering patches only
+    a, b, c = three(w)
+    w.slide()
+    d = w.push(images(1, seed=22)[0], label="d")
+    w.recall(a, at=1)  # between b and c: c and d are re-patched in order
+    assert w.refs == [b, a, c, d]
+    assert_exact(w)
+
+
+def test_probe_without_leaves_the_window_unchanged() -> None:
+    w = window()
+    _, b, _ = three(w)
+    before = [(r, w.patch_of(r)) for r in w.refs], sorted(w.graph.edges)
+    probe = w.probe_without(b, "What rolled?")
+    after = [(r, w.patch_of(r)) for r in w.refs], sorted(w.graph.edges)
+    assert before == after
+    assert probe.kl >= 0 and probe.cost.forwards > 0 and probe.cost.tokens_prefilled < 200
+    assert probe.disposable == (probe.kl < w.config.probe_threshold)
+    assert_exact(w)
+
+
+def test_fork_shares_the_store_but_not_the_edits() -> None:
+    w = window()
+    a, b, c = three(w)
+    branch = w.fork()
+    branch.slide()
+    branch.push("another text", label="d")
+    assert w.refs == [a, b, c] and [r.label for r in branch.refs] == ["b", "c", "d"]
+    assert_exact(w)
+    assert branch.store is w.store
+
+
+def test_lazy_patches_are_formed_at_the_next_read() -> None:
+    w = window(patch_mode="lazy")
+    three(w)
+    assert w.stats.by_op["push"].patches_formed == 0
+    assert_exact(w)
+
+
+def test_blind_reuse_is_measurably_worse() -> None:
+    w = window(patch_mode="none")
+    three(w)
+    assert answer_kl(w) > 1e-6
+
+
+def test_capacity_slides_the_window_by_policy() -> None:
+    w = window(capacity_chunks=2)
+    a, b, c = three(w)
+    assert w.refs == [b, c] and w.evicted == [a]
+    lru = window(capacity_chunks=2, eviction="lru")
+    x, *_ = three(lru)
+    assert lru.evicted == [x]
+
+
+def test_bad_input_gets_named_errors_and_changes_nothing() -> None:
+    w = window()
+    a, b, c = three(w)
+    other = window()
+    (foreign, *_) = three(other)
+    state = (w.refs, sorted(w.graph.edges), w.store.stats().puts)
+    with pytest.raises(UnknownChunkError, match="another window"):
+        w.evict(foreign)
+    with pytest.raises(DuplicateChunkError, match="twice"):
+        w.reorder([a, a, c])
+    with pytest.raises(UnknownChunkError, match="missing"):
+        w.reorder([a, b])
+    with pytest.raises(ChunkInWindowError, match="already in the window"):
+        w.recall(a)
+    with pytest.raises(UnreadableInputError, match="cannot push"):
+        w.push(3.5)  # type: ignore[arg-type]
+    with pytest.raises(ContextOverflowError, match="positions"):
+        w.ask("x" * 10, max_new_tokens=10**6)
+    assert state == (w.refs, sorted(w.graph.edges), w.store.stats().puts)
+    with pytest.raises(CapacityError, match="never fit"):
+        window(capacity_tokens=3).push(images(1)[0])
+    with pytest.raises(ValueError, match="capacity_chunks"):
+        WindowConfig(capacity_chunks=0)
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        WindowConfig(eviction="random")
