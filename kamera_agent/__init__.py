@@ -2,40 +2,86 @@
 
 A chunk (frame, screenshot, page, text span) is cached once, position-free; reuse is an exact
 RoPE relocation plus a small low-rank patch that restores what the chunk absorbed from the
-chunks before it. See shared/DESIGN.md and docs/ for the picture.
+chunks before it. ``KameraWindow`` is the face of it:
+
+    window = KameraWindow(model, processor)
+    window.push(frame)
+    window.ask("What changed?")
+
+See shared/DESIGN.md and docs/ for the picture.
 """
 
+from kamera_agent.backends import Answer, Backend, DecodeConfig, TransformersBackend
+from kamera_agent.config import WindowConfig
 from kamera_agent.errors import (
+    AmbiguousChannelOrderError,
+    CapacityError,
+    ChunkInWindowError,
+    ContextOverflowError,
+    DuplicateChunkError,
+    EmptyVideoError,
+    ForeignChunkError,
     ForeignPatchError,
+    InputError,
     KameraError,
     LayoutMismatchError,
     LengthDependentRopeError,
     PositionShapeError,
+    ProcessorRejectedError,
     RelocationError,
+    StoreBudgetError,
+    StoreKeyError,
+    UnknownChunkError,
+    UnreadableInputError,
     UnsupportedModelError,
+    WindowError,
 )
 from kamera_agent.fingerprint import model_fingerprint
-from kamera_agent.operator import ChunkKV, KVLayout, Patch, RotarySpec, apply_patch, form_patch, kv_layout
+from kamera_agent.loading import load_backend
+from kamera_agent.results import Edit, OpCost, Plan, Probe, WindowStats
 from kamera_agent.settings import configure_threads
+from kamera_agent.store import ChunkStore
+from kamera_agent.window import ChunkRef, KameraWindow
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ChunkKV",
+    "AmbiguousChannelOrderError",
+    "Answer",
+    "Backend",
+    "CapacityError",
+    "ChunkInWindowError",
+    "ChunkRef",
+    "ChunkStore",
+    "ContextOverflowError",
+    "DecodeConfig",
+    "DuplicateChunkError",
+    "Edit",
+    "EmptyVideoError",
+    "ForeignChunkError",
     "ForeignPatchError",
-    "KVLayout",
+    "InputError",
     "KameraError",
+    "KameraWindow",
     "LayoutMismatchError",
     "LengthDependentRopeError",
-    "Patch",
+    "OpCost",
+    "Plan",
     "PositionShapeError",
+    "Probe",
+    "ProcessorRejectedError",
     "RelocationError",
-    "RotarySpec",
+    "StoreBudgetError",
+    "StoreKeyError",
+    "TransformersBackend",
+    "UnknownChunkError",
+    "UnreadableInputError",
     "UnsupportedModelError",
+    "WindowConfig",
+    "WindowError",
+    "WindowStats",
     "__version__",
-    "apply_patch",
     "configure_threads",
-    "form_patch",
-    "kv_layout",
+    "load_backend",
     "model_fingerprint",
 ]

@@ -41,6 +41,7 @@ class WindowConfig(BaseModel):
         max_new_tokens: default answer length for ``ask``.
         threads: torch threads to use (``None``: leave torch's setting).
         device: where the model runs (``None``: wherever it is).
+        dtype: the model's dtype (``None``: as loaded); a loaded model is cast to it.
         memory_budget: bytes the chunk store keeps in memory.
         disk_dir: a directory for the store's disk tier (``None``: memory only).
         disk_budget: bytes the disk tier may hold.
@@ -62,6 +63,7 @@ class WindowConfig(BaseModel):
     max_new_tokens: int = Field(default=32, ge=1)
     threads: int | None = Field(default=None, ge=1)
     device: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
     memory_budget: int = Field(default=2 << 30, ge=1)
     disk_dir: Path | None = None
     disk_budget: int | None = Field(default=None, ge=1)

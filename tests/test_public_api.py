@@ -1,4 +1,4 @@
-"""The public root is small and deliberate: this test pins it."""
+"""The public root is small and deliberate: this test pins it (STYLE.md: a curated root)."""
 
 from __future__ import annotations
 
@@ -8,24 +8,51 @@ import kamera_agent
 def test_root_all_is_pinned() -> None:
     assert sorted(kamera_agent.__all__) == sorted(
         [
-            "ChunkKV",
+            "AmbiguousChannelOrderError",
+            "Answer",
+            "Backend",
+            "CapacityError",
+            "ChunkInWindowError",
+            "ChunkRef",
+            "ChunkStore",
+            "ContextOverflowError",
+            "DecodeConfig",
+            "DuplicateChunkError",
+            "Edit",
+            "EmptyVideoError",
+            "ForeignChunkError",
             "ForeignPatchError",
-            "KVLayout",
+            "InputError",
             "KameraError",
+            "KameraWindow",
             "LayoutMismatchError",
             "LengthDependentRopeError",
-            "Patch",
+            "OpCost",
+            "Plan",
             "PositionShapeError",
+            "Probe",
+            "ProcessorRejectedError",
             "RelocationError",
-            "RotarySpec",
+            "StoreBudgetError",
+            "StoreKeyError",
+            "TransformersBackend",
+            "UnknownChunkError",
+            "UnreadableInputError",
             "UnsupportedModelError",
+            "WindowConfig",
+            "WindowError",
+            "WindowStats",
             "__version__",
-            "apply_patch",
             "configure_threads",
-            "form_patch",
-            "kv_layout",
+            "load_backend",
             "model_fingerprint",
         ]
     )
     for name in kamera_agent.__all__:
         assert hasattr(kamera_agent, name)
+
+
+def test_operator_building_blocks_stay_importable() -> None:
+    from kamera_agent.operator import apply_patch, form_patch, kv_layout, relocate
+
+    assert all(callable(f) for f in (apply_patch, form_patch, kv_layout, relocate))

@@ -645,13 +645,18 @@ def _resolve_backend(
 
     if isinstance(model, Backend):
         return model
-    if config.device is not None and not isinstance(model, str | Path):
-        model = model.to(torch.device(config.device))
+    dtype = getattr(torch, config.dtype) if config.dtype is not None else None
+    if not isinstance(model, str | Path):
+        if config.device is not None:
+            model = model.to(torch.device(config.device))
+        if dtype is not None:
+            model = model.to(dtype)
     backend = load_backend(
         model,
         processor,
         tokenizer=tokenizer,
         image_processor=image_processor,
+        dtype=dtype,
         device=config.device,
         store=store,
     )
