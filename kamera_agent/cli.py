@@ -1,4 +1,4 @@
-"""The ``kamera`` command: ``kamera demo`` for now; ``bench`` and ``check`` follow."""
+"""The ``kamera`` command: ``demo`` (the README's main job), ``check`` a checkpoint, ``bench``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kamera`` console script."""
+    """Entry point of the ``kamera`` console script; returns the exit status."""
     parser = argparse.ArgumentParser(
         prog="kamera", description="kamera-agent: position-free multimodal KV reuse"
     )
@@ -21,16 +21,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--threads", type=int, default=None, help="torch threads (default: $KAMERA_NUM_THREADS or 1)"
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="show relocation and patching on a locally built model")
-    demo.add_argument("--seed", type=int, default=0)
+    demo = commands.add_parser("demo", help="an agent episode on the shipped demo model, with costs")
+    demo.add_argument(
+        "--model", default=None, help="a kamera-tiny-vl checkpoint directory (default: shipped)"
+    )
+    demo.add_argument("--seed", type=int, default=7)
+    demo.add_argument(
+        "--operator", action="store_true", help="show the bare operator on a random Qwen2 instead"
+    )
+    check = commands.add_parser("check", help="exactness checks on a local checkpoint, with a verdict table")
+    check.add_argument("model", help="a local checkpoint directory (model + tokenizer + image processor)")
+    check.add_argument("--device", default=None)
     args = parser.parse_args(argv)
     configure_threads(args.threads)
     console = Console()
     if args.command == "demo":
-        from kamera_agent.demo.operator_demo import run_operator_demo
+        if args.operator:
+            from kamera_agent.demo.operator_demo import run_operator_demo
 
-        run_operator_demo(console, seed=args.seed)
-    return 0
+            run_operator_demo(console)
+            return 0
+        from kamera_agent.demo.episode import run_demo_episode
+
+        run_demo_episode(console, args.model, seed=args.seed)
+        return 0
+    from kamera_agent.check import run_check
+
+    return 0 if run_check(args.model, console, device=args.device).passed else 1
 
 
 if __name__ == "__main__":

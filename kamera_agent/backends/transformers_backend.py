@@ -178,6 +178,22 @@ class TransformersBackend(Backend):
     def decode(self, cache: Any, query_ids: torch.Tensor, start: int, config: DecodeConfig) -> Answer:
         return decode_loop(self, cache, query_ids, start, config)
 
+    def prefill_sequence(self, chunks: Sequence[Chunk], shift: int = 0) -> list[ChunkKV]:
+        """The model's own KV of every chunk of ``anchor + chunks``, prefilled in order with every
+        position moved by ``shift`` (one forward per chunk over the growing cache, which equals one
+        forward over the whole sequence up to rounding). Ground truth for relocation checks."""
+        cache, out = self.assemble([]), []
+        start, slot = self.anchor.advance + shift, self.anchor.num_tokens
+        cache, _ = self._forward(self.anchor, self.anchor.positions_at(shift), cache)
+        for chunk in chunks:
+            positions = chunk.positions_at(start)
+            cache, _ = self._forward(chunk, positions, cache)
+            out.append(
+                read_chunk(cache, self.layout, slot, slot + chunk.num_tokens, positions, chunk_key=chunk.key)
+            )
+            start, slot = start + chunk.advance, slot + chunk.num_tokens
+        return out
+
     def reference_inputs(
         self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None
     ) -> dict[str, Any]:

@@ -1,0 +1,212 @@
+"""Fidelity of reuse arms on the demo task: accuracy, KL to re-prefill, gap closed, flips recovered.
+
+Why one evaluator: the demo, the model card's numbers, the CI smoke test and ``kamera bench``
+all ask the same question of the same items: with each chunk's KV served a given way, does
+the window still answer like a full re-prefill? Arms are strategies registered by name:
+
+- ``reprefill``: the model's own forward over the whole window (the reference);
+- ``blind``: canonicals relocated, no conditioning (what position-independent caching gives);
+- ``rank-m`` / ``full``: canonical + a rank-m (or exact) patch, relocated (kamera);
+- ``cacheblend``: blind, with the 15 % of each chunk's tokens whose layer-1 KV deviates most
+  recomputed in context (their true conditioned KV: the strongest form of selective recompute);
+- ``epic``: blind, with each chunk's first tokens recomputed in context, at the same token
+  budget (15 %) as ``cacheblend``.
+
+One re-prefill forward per item gives the reference answer and every chunk's conditioned KV,
+from which patches and the token baselines are built; each arm then costs one query decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+
+from kamera_agent.backends.transformers_backend import TransformersBackend
+from kamera_agent.compat import output_cache
+from kamera_agent.demo.sequences import FrameCache, ItemSequence, item_sequence
+from kamera_agent.demo.task import DemoItem
+from kamera_agent.operator.layout import ChunkKV, KVLayout, read_chunk
+from kamera_agent.operator.patch import apply_patch, form_patch
+
+__all__ = ["ARMS", "ArmResult", "Evaluation", "arm_names", "evaluate"]
+
+Arm = Callable[[ChunkKV, ChunkKV, KVLayout, torch.Tensor], ChunkKV]
+"""(canonical, conditioned, layout, positions) → the chunk's KV as the arm serves it."""
+
+
+def _blind(canonical: ChunkKV, conditioned: ChunkKV, layout: KVLayout, positions: torch.Tensor) -> ChunkKV:
+    return apply_patch(canonical, None, layout, positions)
+
+
+def _patched(rank: int | str) -> Arm:
+    def arm(canonical: ChunkKV, conditioned: ChunkKV, layout: KVLayout, positions: torch.Tensor) -> ChunkKV:
+        return apply_patch(canonical, form_patch(canonical, conditioned, layout, rank), layout, positions)  # type: ignore[arg-type]
+
+    return arm
+
+
+def _recompute(select: Callable[[ChunkKV, ChunkKV], torch.Tensor]) -> Arm:
+    """Blind KV with the selected token rows replaced by their conditioned (in-context) KV."""
+
+    def arm(canonical: ChunkKV, conditioned: ChunkKV, layout: KVLayout, positions: torch.Tensor) -> ChunkKV:
+        blind = apply_patch(canonical, None, layout, positions)
+        rows = select(blind, conditioned)  # [n] bool
+        keys, values = blind.keys.clone(), blind.values.clone()
+        keys[:, :, rows] = conditioned.keys[:, :, rows]
+        values[:, :, rows] = conditioned.values[:, :, rows]
+        return ChunkKV(keys, values, blind.positions, blind.chunk_key, blind.model_fingerprint)
+
+    return arm
+
+
+def _largest_layer1_deviation(share: float) -> Callable[[ChunkKV, ChunkKV], torch.Tensor]:
+    def select(blind: ChunkKV, conditioned: ChunkKV) -> torch.Tensor:
+        layer = min(1, blind.keys.shape[0] - 1)
+        deviation = (conditioned.keys[layer] - blind.keys[layer]).float().norm(dim=(0, 2))
+        deviation += (conditioned.values[layer] - blind.values[layer]).float().norm(dim=(0, 2))
+        count = max(1, round(share * blind.num_tokens))
+        rows = torch.zeros(blind.num_tokens, dtype=torch.bool)
+        rows[deviation.topk(count).indices] = True
+        return rows
+
+    return select
+
+
+def _first_tokens(share: float) -> Callable[[ChunkKV, ChunkKV], torch.Tensor]:
+    def select(blind: ChunkKV, conditioned: ChunkKV) -> torch.Tensor:
+        rows = torch.zeros(blind.num_tokens, dtype=torch.bool)
+        rows[: max(1, round(share * blind.num_tokens))] = True
+        return rows
+
+    return select
+
+
+ARMS: Mapping[str, Arm] = MappingProxyType(
+    {
+        "blind": _blind,
+        **{f"rank-{m}": _patched(m) for m in (1, 2, 4, 8, 16, 32, 64)},
+        "full": _patched("full"),
+        "cacheblend": _recompute(_largest_layer1_deviation(0.15)),
+        "epic": _recompute(_first_tokens(0.15)),
+    }
+)
+
+
+def arm_names() -> list[str]:
+    return ["reprefill", *ARMS]
+
+
+@dataclass
+class ArmResult:
+    """One arm's tallies over the items (per question kind in `Evaluation.by_kind`)."""
+
+    items: int = 0
+    correct: int = 0
+    kl_sum: float = 0.0
+    agree: int = 0
+    flips: int = 0
+    flips_recovered: int = 0
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.items if self.items else 0.0
+
+    @property
+    def mean_kl(self) -> float:
+        return self.kl_sum / self.items if self.items else 0.0
+
+    @property
+    def top1_agreement(self) -> float:
+        return self.agree / self.items if self.items else 0.0
+
+    @property
+    def flip_recovery(self) -> float:
+        """Share of items where blind reuse changes the answer that this arm answers as re-prefill."""
+        return self.flips_recovered / self.flips if self.flips else float("nan")
+
+
+@dataclass
+class Evaluation:
+    """Results by arm and by question kind (``"all"``, ``"majority"``, ``"colour"``, ``"glyph"``)."""
+
+    by_kind: dict[str, dict[str, ArmResult]] = field(default_factory=dict)
+
+    def result(self, arm: str, kind: str = "all") -> ArmResult:
+        return self.by_kind.setdefault(kind, {}).setdefault(arm, ArmResult())
+
+    def multi_hop(self, arm: str) -> ArmResult:
+        """Majority and colour questions pooled."""
+        total = ArmResult()
+        for kind in ("majority", "colour"):
+            part = self.result(arm, kind)
+            for name in ("items", "correct", "kl_sum", "agree", "flips", "flips_recovered"):
+                setattr(total, name, getattr(total, name) + getattr(part, name))
+        return total
+
+    def gap_closed(self, arm: str, kind: str = "all") -> float:
+        """η: the share of the blind→re-prefill KL gap the arm closes."""
+        blind = self.result("blind", kind).mean_kl
+        return 1.0 - self.result(arm, kind).mean_kl / blind if blind > 0 else float("nan")
+
+
+def evaluate(
+    backend: TransformersBackend,
+    items: Sequence[DemoItem],
+    arms: Sequence[str] = ("blind", "rank-2", "rank-16", "full"),
+    on_item: Callable[[int], None] | None = None,
+) -> Evaluation:
+    """Answer every item with every arm; compare with re-prefill."""
+    unknown = [arm for arm in arms if arm not in ARMS]
+    if unknown:
+        raise ValueError(f"unknown arms {unknown}; known: {', '.join(arm_names())}")
+    cache, result = FrameCache(backend.encoder), Evaluation()
+    for index, item in enumerate(items):
+        _evaluate_item(backend, item_sequence(cache, item), arms, result)
+        if on_item is not None:
+            on_item(index)
+    return result
+
+
+def _evaluate_item(
+    backend: TransformersBackend, seq: ItemSequence, arms: Sequence[str], out: Evaluation
+) -> None:
+    inputs = backend.reference_inputs(seq.chunks, seq.query_ids)
+    with torch.no_grad():
+        forward = backend.model(**inputs, use_cache=True)
+    reference = forward.logits[0, -1].float().cpu()
+    truth, slot, start = output_cache(forward), backend.anchor.num_tokens, backend.anchor.advance
+    answer_token = int(seq.answer_ids[0])
+    pieces: list[tuple[ChunkKV, ChunkKV, torch.Tensor]] = []
+    for chunk in seq.chunks:
+        positions = chunk.positions_at(start)
+        conditioned = read_chunk(truth, backend.layout, slot, slot + chunk.num_tokens, positions)
+        pieces.append((backend.encode(chunk), conditioned, positions))
+        slot, start = slot + chunk.num_tokens, start + chunk.advance
+    served = {"reprefill": reference}
+    for name in arms:
+        placed = [backend.anchor_kv(), *(ARMS[name](c, k, backend.layout, p) for c, k, p in pieces)]
+        query_positions = backend.positions.text(start, int(seq.query_ids.shape[0]))
+        _, last = backend.forward_tokens(seq.query_ids, query_positions, backend.assemble(placed))
+        assert last is not None
+        served[name] = last.cpu()
+    truth_top = int(reference.argmax())
+    flipped = "blind" in served and int(served["blind"].argmax()) != truth_top
+    for name, logits in served.items():
+        top = int(logits.argmax())
+        for kind in ("all", seq.item.kind):
+            tally = out.result(name, kind)
+            tally.items += 1
+            tally.correct += top == answer_token
+            tally.kl_sum += _kl(reference, logits)
+            tally.agree += top == truth_top
+            tally.flips += flipped
+            tally.flips_recovered += flipped and top == truth_top
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    p = torch.log_softmax(p_logits.double(), -1)
+    q = torch.log_softmax(q_logits.double(), -1)
+    return max(0.0, float((p.exp() * (p - q)).sum()))

@@ -1,0 +1,177 @@
+"""The synthetic visual binding task behind the shipped demo model (kamera-tiny-vl).
+
+Why synthetic: no machine here can download a real VLM, yet the demo must show the thing the
+paper is about: reuse that drops cross-chunk conditioning breaks answers that need *binding*
+(one chunk read against another) and leaves plain readout intact. An item is a window of
+frames rendered with OpenCV:
+
+- **legend frames**: a glyph (left half) beside a colour swatch (right half): "this glyph
+  means this colour". The mapping is drawn afresh for every item, so it must be read, not
+  memorised; several glyphs share a colour.
+- **symbol frames**: a glyph alone, captioned ``#1`` … ``#5``.
+
+Questions:
+
+- ``majority`` (multi-hop): which colour do most symbol frames mean?
+- ``colour`` (multi-hop): which colour does symbol frame ``#k`` mean?
+- ``glyph`` (single-hop readout, the negative control): which glyph is in frame ``#k``?
+
+Glyphs are 2 x 4 barcodes of 14-pixel cells (one vision patch each), so a tiny vision tower
+learns them in minutes; the binding is what the language model must learn.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+import cv2
+import numpy as np
+from PIL import Image
+
+__all__ = [
+    "COLOURS",
+    "GLYPHS",
+    "QUESTIONS",
+    "DemoItem",
+    "QuestionKind",
+    "make_item",
+    "make_items",
+    "render_legend",
+    "render_symbol",
+]
+
+QuestionKind = Literal["majority", "colour", "glyph"]
+QUESTIONS: dict[QuestionKind, str] = {
+    "majority": "Which colour do most frames mean?",
+    "colour": "Which colour does frame #{k} mean?",
+    "glyph": "Which glyph is in frame #{k}?",
+}
+
+# Meanings: colour names with distinct first letters, so the first answer token decides.
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30),
+    "green": (30, 180, 60),
+    "blue": (40, 70, 230),
+    "yellow": (240, 220, 40),
+    "orange": (250, 140, 20),
+    "purple": (140, 50, 180),
+    "cyan": (40, 220, 230),
+    "magenta": (230, 40, 200),
+}
+
+# 16 glyphs, each an 8-bit code over a 2 x 4 grid of cells, pairwise Hamming distance >= 3;
+# named by letters so a readout answer is one token.
+GLYPHS: dict[str, int] = {}
+
+
+def _glyph_codes(count: int = 16, min_distance: int = 3) -> list[int]:
+    codes: list[int] = []
+    for code in range(1, 255):
+        if all(bin(code ^ other).count("1") >= min_distance for other in codes):
+            codes.append(code)
+        if len(codes) == count:
+            return codes
+    raise RuntimeError("not enough glyph codes")
+
+
+GLYPHS.update(zip("abcdefghijklmnop", _glyph_codes(), strict=True))
+
+FRAME = 56  # pixels: one Qwen-VL image of 4 x 4 patches (4 tokens after the 2 x 2 merge)
+CELL = 14
+SYMBOLS_PER_ITEM = 5
+LEGEND_PER_ITEM = 8
+
+
+@dataclass(frozen=True)
+class DemoItem:
+    """One question over one window of frames.
+
+    Attributes:
+        legend: ``(glyph, colour)`` pairs, in the order their frames appear.
+        symbols: glyph of each symbol frame ``#1`` … ``#5``.
+        kind: the question's kind.
+        k: the frame a ``colour``/``glyph`` question asks about (1-based), else 0.
+        question: the question text.
+        answer: the expected answer (a colour name or a glyph letter).
+    """
+
+    legend: tuple[tuple[str, str], ...]
+    symbols: tuple[str, ...]
+    kind: QuestionKind
+    k: int
+    question: str
+    answer: str
+
+    @property
+    def meaning(self) -> dict[str, str]:
+        return dict(self.legend)
+
+    @property
+    def multi_hop(self) -> bool:
+        return self.kind != "glyph"
+
+
+def make_item(rng: random.Random, kind: QuestionKind | None = None) -> DemoItem:
+    """A random item: a fresh glyph→colour mapping, five symbols with a strict majority colour."""
+    kinds: list[QuestionKind] = list(QUESTIONS)
+    chosen: QuestionKind = kind if kind is not None else rng.choice(kinds)
+    glyphs = rng.sample(list(GLYPHS), LEGEND_PER_ITEM)
+    colours = rng.sample(list(COLOURS), LEGEND_PER_ITEM // 2)
+    meaning = {glyph: colours[i // 2] for i, glyph in enumerate(glyphs)}  # two glyphs per colour
+    winner = rng.choice(colours)
+    synonyms = [g for g in glyphs if meaning[g] == winner]
+    others = [g for g in glyphs if meaning[g] != winner]
+    picked = [rng.choice(synonyms) for _ in range(3)]  # three votes for the winner ...
+    picked += [rng.choice(others) for _ in range(2)]  # ... at most two for any other colour
+    rng.shuffle(picked)
+    legend = tuple((glyph, meaning[glyph]) for glyph in glyphs)
+    k = rng.randint(1, SYMBOLS_PER_ITEM) if chosen != "majority" else 0
+    answer = {"majority": winner, "colour": meaning[picked[k - 1]], "glyph": picked[k - 1]}[chosen]
+    return DemoItem(legend, tuple(picked), chosen, k, QUESTIONS[chosen].format(k=k), answer)
+
+
+def make_items(count: int, seed: int, kind: QuestionKind | None = None) -> list[DemoItem]:
+    """``count`` items from one seed (training and held-out splits use different seeds)."""
+    rng = random.Random(seed)
+    return [make_item(rng, kind) for _ in range(count)]
+
+
+def render_legend(
+    glyph: str, colour: str, noise: float = 0.0, rng: np.random.Generator | None = None
+) -> Image.Image:
+    """A legend frame: the glyph in the left half, its colour's swatch in the right half."""
+    frame = _blank(noise, rng)
+    _draw_glyph(frame, GLYPHS[glyph])
+    frame[:, FRAME // 2 :] = COLOURS[colour]
+    return _finish(frame, noise, rng)
+
+
+def render_symbol(glyph: str, noise: float = 0.0, rng: np.random.Generator | None = None) -> Image.Image:
+    """A symbol frame: the glyph alone (right half a neutral grey)."""
+    frame = _blank(noise, rng)
+    _draw_glyph(frame, GLYPHS[glyph])
+    frame[:, FRAME // 2 :] = (128, 128, 128)
+    return _finish(frame, noise, rng)
+
+
+def _blank(noise: float, rng: np.random.Generator | None) -> np.ndarray:
+    del noise, rng  # the background is black; noise is added once the frame is drawn
+    return np.zeros((FRAME, FRAME, 3), dtype=np.uint8)
+
+
+def _draw_glyph(frame: np.ndarray, code: int) -> None:
+    for bit in range(8):
+        if code >> bit & 1:
+            row, col = divmod(bit, 2)
+            top, left = row * CELL, col * CELL
+            cv2.rectangle(frame, (left + 2, top + 2), (left + CELL - 3, top + CELL - 3), (255, 255, 255), -1)
+
+
+def _finish(frame: np.ndarray, noise: float, rng: np.random.Generator | None) -> Image.Image:
+    if noise > 0:
+        generator = rng or np.random.default_rng()
+        jitter = generator.normal(0.0, noise * 255.0, frame.shape)
+        frame = np.clip(frame.astype(np.float64) + jitter, 0, 255).astype(np.uint8)
+    return Image.fromarray(frame, mode="RGB")
