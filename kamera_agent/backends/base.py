@@ -1,7 +1,8 @@
 """The backend seam: what kamera-agent needs from an inference engine, and nothing more.
 
 Why a small ABC: the window and the planner never touch a model; a backend knows one engine
-(transformers on CPU/GPU, SGLang's KV pool) and exposes five operations on chunks and caches.
+(transformers on CPU/GPU, SGLang's KV pool) and exposes a handful of operations on chunks
+and caches (encode, condition, assemble, decode, plus the anchor and reference inputs).
 Capability flags say what an engine can do instead of ``isinstance`` checks.
 """
 

@@ -10,17 +10,25 @@ the window still answer like a full re-prefill? Arms are strategies registered b
 - ``cacheblend``: blind, with the 15 % of each chunk's tokens whose layer-1 KV deviates most
   recomputed in context (their true conditioned KV: the strongest form of selective recompute);
 - ``epic``: blind, with each chunk's first tokens recomputed in context, at the same token
-  budget (15 %) as ``cacheblend``.
+  budget (15 %) as ``cacheblend``;
+- ``rank-16-deep``: a rank-16 patch on the deepest half of the layers only (where the deficit
+  lives), half the bytes of ``rank-16``;
+- ``orbit-16`` (`ORBIT_ARMS`): every chunk served with a rank-16 patch of its *mean* deficit
+  over the item's ordering and one shuffled ordering of the legend frames, wherever its
+  antecedent set is the same in both (the symbol frames): what a window serves after a reorder.
 
 One re-prefill forward per item gives the reference answer and every chunk's conditioned KV,
 from which patches and the token baselines are built; each arm then costs one query decode.
+Orbit arms add one forward per item (the shuffled ordering).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -29,21 +37,36 @@ from kamera_agent.compat import output_cache
 from kamera_agent.demo.sequences import FrameCache, ItemSequence, item_sequence
 from kamera_agent.demo.task import DemoItem
 from kamera_agent.operator.layout import ChunkKV, KVLayout, read_chunk
-from kamera_agent.operator.patch import apply_patch, form_patch
+from kamera_agent.operator.patch import LayerChoice, apply_patch, form_orbit_patch, form_patch
 
-__all__ = ["ARMS", "ArmResult", "Evaluation", "arm_names", "evaluate"]
+__all__ = ["ARMS", "ORBIT_ARMS", "ArmResult", "Evaluation", "arm_names", "evaluate"]
 
 Arm = Callable[[ChunkKV, ChunkKV, KVLayout, torch.Tensor], ChunkKV]
 """(canonical, conditioned, layout, positions) → the chunk's KV as the arm serves it."""
+
+OrbitArm = Callable[[ChunkKV, Sequence[ChunkKV], KVLayout, torch.Tensor], ChunkKV]
+"""(canonical, conditioned KV under each ordering with its antecedent set (the item's own
+first), layout, positions) → the chunk's KV as the arm serves it."""
 
 
 def _blind(canonical: ChunkKV, conditioned: ChunkKV, layout: KVLayout, positions: torch.Tensor) -> ChunkKV:
     return apply_patch(canonical, None, layout, positions)
 
 
-def _patched(rank: int | str) -> Arm:
+def _patched(rank: int | str, layers: LayerChoice = "all") -> Arm:
     def arm(canonical: ChunkKV, conditioned: ChunkKV, layout: KVLayout, positions: torch.Tensor) -> ChunkKV:
-        return apply_patch(canonical, form_patch(canonical, conditioned, layout, rank), layout, positions)  # type: ignore[arg-type]
+        patch = form_patch(canonical, conditioned, layout, rank, layers=layers)  # type: ignore[arg-type]
+        return apply_patch(canonical, patch, layout, positions)
+
+    return arm
+
+
+def _orbit(rank: int) -> OrbitArm:
+    def arm(
+        canonical: ChunkKV, conditioned: Sequence[ChunkKV], layout: KVLayout, positions: torch.Tensor
+    ) -> ChunkKV:
+        patch = form_orbit_patch(canonical, conditioned, layout, rank)
+        return apply_patch(canonical, patch, layout, positions)
 
     return arm
 
@@ -91,12 +114,16 @@ ARMS: Mapping[str, Arm] = MappingProxyType(
         "full": _patched("full"),
         "cacheblend": _recompute(_largest_layer1_deviation(0.15)),
         "epic": _recompute(_first_tokens(0.15)),
+        "rank-16-deep": _patched(16, layers="deep_half"),
     }
 )
 
+ORBIT_ARMS: Mapping[str, OrbitArm] = MappingProxyType({"orbit-16": _orbit(16)})
+"""Arms that need each chunk's conditioned KV under more than one ordering (one extra forward)."""
+
 
 def arm_names() -> list[str]:
-    return ["reprefill", *ARMS]
+    return ["reprefill", *ARMS, *ORBIT_ARMS]
 
 
 @dataclass
@@ -157,17 +184,27 @@ def evaluate(
     items: Sequence[DemoItem],
     arms: Sequence[str] = ("blind", "rank-2", "rank-16", "full"),
     on_item: Callable[[int], None] | None = None,
+    *,
+    cache: FrameCache | None = None,
 ) -> Evaluation:
-    """Answer every item with every arm; compare with re-prefill."""
-    unknown = [arm for arm in arms if arm not in ARMS]
+    """Answer every item with every arm; compare with re-prefill.
+
+    ``cache`` lets several calls share the frames' chunks (a caller that evaluates item by
+    item, to keep finished items when interrupted, would otherwise rebuild them every call).
+    """
+    unknown = [arm for arm in arms if arm not in ARMS and arm not in ORBIT_ARMS]
     if unknown:
         raise ValueError(f"unknown arms {unknown}; known: {', '.join(arm_names())}")
-    cache, result = FrameCache(backend.encoder), Evaluation()
+    frames, result = cache or FrameCache(backend.encoder), Evaluation()
     for index, item in enumerate(items):
-        _evaluate_item(backend, item_sequence(cache, item), arms, result)
+        _evaluate_item(backend, item_sequence(frames, item), arms, result)
         if on_item is not None:
             on_item(index)
     return result
+
+
+Piece = tuple[ChunkKV, ChunkKV, torch.Tensor]
+"""(canonical, conditioned in the item's own ordering, positions) of one chunk."""
 
 
 def _evaluate_item(
@@ -177,22 +214,75 @@ def _evaluate_item(
     with torch.no_grad():
         forward = backend.model(**inputs, use_cache=True)
     reference = forward.logits[0, -1].float().cpu()
-    truth, slot, start = output_cache(forward), backend.anchor.num_tokens, backend.anchor.advance
-    answer_token = int(seq.answer_ids[0])
-    pieces: list[tuple[ChunkKV, ChunkKV, torch.Tensor]] = []
+    pieces, start = _pieces(backend, seq, output_cache(forward))
+    orbit = _orbit_members(backend, seq, pieces) if any(a in ORBIT_ARMS for a in arms) else []
+    served = {"reprefill": reference}
+    for name in arms:
+        chunks = _serve(name, pieces, orbit, backend.layout)
+        query_positions = backend.positions.text(start, int(seq.query_ids.shape[0]))
+        _, last = backend.forward_tokens(
+            seq.query_ids, query_positions, backend.assemble([backend.anchor_kv(), *chunks])
+        )
+        assert last is not None
+        served[name] = last.cpu()
+    _tally(seq, reference, served, out)
+
+
+def _serve(
+    name: str, pieces: Sequence[Piece], orbit: Sequence[Sequence[ChunkKV]], layout: KVLayout
+) -> list[ChunkKV]:
+    """Every chunk's KV as arm ``name`` serves it."""
+    if name in ORBIT_ARMS:
+        arm = ORBIT_ARMS[name]
+        return [arm(c, members, layout, p) for (c, _, p), members in zip(pieces, orbit, strict=True)]
+    return [ARMS[name](c, k, layout, p) for c, k, p in pieces]
+
+
+def _pieces(backend: TransformersBackend, seq: ItemSequence, truth: Any) -> tuple[list[Piece], int]:
+    """Every chunk's canonical, conditioned KV and positions; and where the query starts."""
+    slot, start = backend.anchor.num_tokens, backend.anchor.advance
+    pieces: list[Piece] = []
     for chunk in seq.chunks:
         positions = chunk.positions_at(start)
         conditioned = read_chunk(truth, backend.layout, slot, slot + chunk.num_tokens, positions)
         pieces.append((backend.encode(chunk), conditioned, positions))
         slot, start = slot + chunk.num_tokens, start + chunk.advance
-    served = {"reprefill": reference}
-    for name in arms:
-        placed = [backend.anchor_kv(), *(ARMS[name](c, k, backend.layout, p) for c, k, p in pieces)]
-        query_positions = backend.positions.text(start, int(seq.query_ids.shape[0]))
-        _, last = backend.forward_tokens(seq.query_ids, query_positions, backend.assemble(placed))
-        assert last is not None
-        served[name] = last.cpu()
-    truth_top = int(reference.argmax())
+    return pieces, start
+
+
+def _orbit_members(
+    backend: TransformersBackend, seq: ItemSequence, pieces: Sequence[Piece]
+) -> list[list[ChunkKV]]:
+    """Per chunk: its conditioned KV in the item's ordering, plus in one shuffled ordering of the
+    legend frames wherever its antecedent set is the same there (the symbol frames)."""
+    order = _shuffled_legend(seq)
+    inputs = backend.reference_inputs([seq.chunks[i] for i in order])
+    with torch.no_grad():
+        truth = output_cache(backend.model(**inputs, use_cache=True))
+    members = [[conditioned] for _, conditioned, _ in pieces]
+    slot, start = backend.anchor.num_tokens, backend.anchor.advance
+    for j, i in enumerate(order):
+        chunk = seq.chunks[i]
+        if set(order[:j]) == set(range(i)):
+            positions = chunk.positions_at(start)
+            members[i].append(read_chunk(truth, backend.layout, slot, slot + chunk.num_tokens, positions))
+        slot, start = slot + chunk.num_tokens, start + chunk.advance
+    return members
+
+
+def _shuffled_legend(seq: ItemSequence) -> list[int]:
+    """Chunk indices with the legend frames in another order, drawn from the item itself."""
+    legend = list(range(len(seq.item.legend)))
+    order, rng = list(legend), random.Random(repr(seq.item))
+    while order == legend and len(legend) > 1:
+        rng.shuffle(order)
+    return order + list(range(len(legend), len(seq.chunks)))
+
+
+def _tally(
+    seq: ItemSequence, reference: torch.Tensor, served: dict[str, torch.Tensor], out: Evaluation
+) -> None:
+    answer_token, truth_top = int(seq.answer_ids[0]), int(reference.argmax())
     flipped = "blind" in served and int(served["blind"].argmax()) != truth_top
     for name, logits in served.items():
         top = int(logits.argmax())

@@ -32,6 +32,11 @@ class WindowCore:
     _book: StatsBook
     _placed: dict[ChunkRef, tuple[int, int, ChunkKV]]
 
+    def probe_kl(self, ref: ChunkRef, query: str) -> float:
+        """Next-token KL of ``query`` with ``ref`` switched off; `KameraWindow` implements it
+        with ``probe_without`` (the probe-driven eviction policy scores chunks with it)."""
+        raise NotImplementedError
+
     @property
     def store(self) -> ChunkStore:
         """The content-addressed store of canonicals, vision outputs and patches."""

@@ -135,6 +135,7 @@ class ExecutionMixin(WindowCore):
         for index, ref in enumerate(order):
             if self._state.entries[ref].pending:
                 self._form(ref, tuple(order[:index]), meter)
+                self._state.tick += 1  # the window's KV changed: answers computed before are stale
 
     def _canonical(self, ref: ChunkRef, meter: CostMeter) -> ChunkKV:
         entry = self._entry(ref)

@@ -81,7 +81,7 @@ class PlanningMixin(WindowCore):
         if ctx.rank == 0:
             return Step("revert" if entry.patch is not None else "rotate", ref, detail="blind reuse")
         if not context:
-            return Step("revert", ref, detail="no earlier context: the canonical is exact")
+            return Step("revert", ref, detail="its context was empty: served as its canonical")
         if self._state.encodes(ref) == context and entry.patch is not None and not entry.pending:
             return Step("rotate", ref, context, detail=f"keeps its stored {why}")
         if ctx.has_patch(ref.key, ctx.ordered(context)):
@@ -118,7 +118,12 @@ class PlanningMixin(WindowCore):
             )
         order = [r for r in self._state.order if r not in keep]
         used = sum(self._entry(r).chunk.num_tokens for r in order)
-        context = EvictionContext(order, {r: self._entry(r).last_used for r in order})
+        last = self._state.last_answer
+        probe_kl = None
+        if last is not None:  # the probe-driven policy scores chunks against the last query
+            query = last[0]
+            probe_kl = lambda ref: self.probe_kl(ref, query)  # noqa: E731
+        context = EvictionContext(order, {r: self._entry(r).last_used for r in order}, probe_kl)
         evicted: list[ChunkRef] = []
         for candidate in EVICTION[self.config.eviction](context):
             over_chunks = cap_chunks is not None and len(order) - len(evicted) + 1 > cap_chunks

@@ -14,6 +14,7 @@ import hashlib
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import networkx as nx
 
@@ -78,6 +79,7 @@ class WindowState:
     graph: nx.DiGraph = field(default_factory=nx.DiGraph)
     next_id: int = 0
     tick: int = 0
+    last_answer: tuple[str, int, Any] | None = None  # (query, tick, Answer) of the last greedy ask
 
     def copy(self) -> WindowState:
         return WindowState(
@@ -87,6 +89,7 @@ class WindowState:
             graph=self.graph.copy(),
             next_id=self.next_id,
             tick=self.tick,
+            last_answer=self.last_answer,
         )
 
     def new_ref(self, chunk: Chunk, label: str | None) -> ChunkRef:

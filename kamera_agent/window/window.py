@@ -199,6 +199,8 @@ class KameraWindow(PlanningMixin, ExecutionMixin):
         )
         meter = CostMeter(self.backend.counters)
         answer = self._answer(query, config, meter)
+        if temperature <= 0:
+            self._state.last_answer = (query, self._state.tick, answer)
         cost = meter.finish()
         self._book.record("ask", cost)
         return _with_cost(answer, cost)
@@ -207,13 +209,20 @@ class KameraWindow(PlanningMixin, ExecutionMixin):
         """Is ``ref`` still load-bearing for ``query``? Decode with its influence switched off.
 
         The chunk is left out and the chunks whose KV encodes it are served without that
-        conditioning (a stored patch for their reduced context, else their canonical): one
-        decode each way, no re-prefill, and the window is unchanged afterwards.
+        conditioning (a stored patch for their reduced context, else their canonical). No
+        re-prefill, and the window is unchanged afterwards. The answer with the chunk is the
+        last greedy ``ask`` of the same query when nothing changed since (then the probe is one
+        decode), else it is decoded too.
         """
         self._in_window(ref)
         config = DecodeConfig(max_new_tokens=max_new_tokens)
         meter = CostMeter(self.backend.counters)
-        with_chunk = self._answer(query, config, meter)
+        self._materialize(meter)
+        last = self._state.last_answer
+        if last is not None and last[0] == query and last[1] == self._state.tick:
+            with_chunk: Answer = last[2]
+        else:
+            with_chunk = self._answer(query, config, meter)
         order = [r for r in self._state.order if r != ref]
         placed = self._view_without(ref, order, meter)
         without = self._decode(placed, order, query, config)
@@ -222,6 +231,10 @@ class KameraWindow(PlanningMixin, ExecutionMixin):
         cost = meter.finish()
         self._book.record("probe", cost)
         return Probe(with_chunk, without, kl, agree, kl < self.config.probe_threshold, cost)
+
+    def probe_kl(self, ref: ChunkRef, query: str) -> float:
+        """Next-token KL of ``query`` with ``ref`` switched off: ``probe_without``'s score alone."""
+        return self.probe_without(ref, query, max_new_tokens=1).kl
 
     def fork(self) -> KameraWindow:
         """A copy-on-write branch: it shares canonicals and patches; edits stay in their branch."""
@@ -260,7 +273,9 @@ class KameraWindow(PlanningMixin, ExecutionMixin):
         """The assembled cache of the window (anchor + placed chunks), as the backend holds it."""
         meter = CostMeter(self.backend.counters)
         self._materialize(meter)
-        return self.backend.assemble(self._placements(meter))
+        cache = self.backend.assemble(self._placements(meter))
+        self._book.record("kv", meter.finish())
+        return cache
 
     def as_model_inputs(self, query: str | None = None) -> dict[str, Any]:
         """Keyword arguments for the model's own forward over a full re-prefill of the window

@@ -123,7 +123,7 @@ def test_a_corrupted_spill_file_is_dropped_and_the_chunk_re_encoded(tmp_path: Pa
 def test_qwen3_vl_deepstack_features_are_part_of_the_chunks_own_canonical() -> None:
     """Qwen3-VL re-injects vision features into the image tokens' hidden states in its first
     layers. They belong to the chunk (no antecedent, no position), so the canonical is computed
-    with them; leaving them out would change the chunk's KV from layer 0 on."""
+    with them; leaving them out would change the chunk's KV after the first injection."""
     from tests.tiny_models import tiny_qwen3_vl
 
     backend = TransformersBackend(

@@ -286,3 +286,17 @@ def test_merged_patches_equal_the_patch_of_the_mean_deficit() -> None:
     assert max(low.ranks.values()) <= 4
     with pytest.raises(ForeignPatchError, match="different chunks"):
         merge_patches([exact[0], replace(exact[1], chunk_key="C")], 4)
+
+
+def test_longrope_is_refused_too() -> None:
+    from kamera_agent.errors import LengthDependentRopeError
+
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0] * 8,
+        "long_factor": [2.0] * 8,
+        "original_max_position_embeddings": 4096,
+    }
+    with pytest.raises(LengthDependentRopeError, match="longrope"):
+        kv_layout(tiny_llama(rope_parameters=rope))

@@ -201,3 +201,25 @@ def test_bad_input_gets_named_errors_and_changes_nothing() -> None:
         WindowConfig(capacity_chunks=0)
     with pytest.raises(ValueError, match="unknown eviction policy"):
         WindowConfig(eviction="random")
+
+
+def test_a_probe_after_the_same_ask_is_a_single_decode_and_kv_costs_are_recorded() -> None:
+    w = window(patch_mode="lazy")
+    w.push(images(1, seed=41)[0])  # content no other test stored patches for
+    b = w.push("a sentence only this test pushes")
+    w.push(images(1, seed=42)[0])
+    w.kv()
+    assert w.stats.ops["kv"] == 1 and w.stats.by_op["kv"].patches_formed == 2  # lazy patches, counted
+    w.ask("What rolled?", max_new_tokens=3)
+    probe = w.probe_without(b, "What rolled?", max_new_tokens=3)
+    assert probe.cost.forwards == 3  # only the decode without the chunk
+    assert probe.with_chunk.tokens == w.ask("What rolled?", max_new_tokens=3).tokens
+
+
+def test_probe_driven_eviction_drops_the_chunk_the_last_query_leans_on_least() -> None:
+    w = window(capacity_chunks=3, eviction="disposable")
+    refs = three(w)
+    w.ask("What rolled?", max_new_tokens=1)
+    scores = {ref: w.probe_kl(ref, "What rolled?") for ref in refs}
+    w.push("one more line", label="d")
+    assert w.evicted == [min(scores, key=scores.__getitem__)]

@@ -1,0 +1,15 @@
+"""``kamera bench``: fidelity, cost and window-episode benchmarks, run side by side in one process.
+
+- `fidelity`: every reuse arm (blind, CacheBlend- and EPIC-style recompute, kamera patches by
+  rank, deep-half and orbit patches) on the same held-out demo items, against re-prefill;
+- `cost`: time to first token after reuse versus after re-prefill, bytes, break-even;
+- `window_suite`: a long scripted agent episode through `KameraWindow` against a real
+  prefix cache (`prefix_cache`);
+- `results`, `report`, `plots`: results.json, the tables (screen and report.md), PNG plots;
+- `runner`: the command (``add_bench_parser``, ``run_bench_command``) and `run_bench`.
+"""
+
+from kamera_agent.bench.common import BenchOptions
+from kamera_agent.bench.runner import BenchOutcome, add_bench_parser, run_bench, run_bench_command
+
+__all__ = ["BenchOptions", "BenchOutcome", "add_bench_parser", "run_bench", "run_bench_command"]

@@ -1,0 +1,133 @@
+"""What every suite of ``kamera bench`` shares: the options, timing, progress, machine facts.
+
+Why one place: the suites are compared against each other and against other machines' runs,
+so they must time the same way (median of repeats after a warm-up, measured side by side),
+record the same facts about the machine, and read one validated options object.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+__all__ = [
+    "HELD_OUT_SEED",
+    "BenchOptions",
+    "SuiteName",
+    "finite",
+    "machine_info",
+    "make_progress",
+    "median_seconds",
+]
+
+SuiteName = Literal["fidelity", "cost", "window"]
+HELD_OUT_SEED = 424242
+"""Default item seed: training draws its item seeds from ``random.Random(0)``, evaluation its own."""
+
+T = TypeVar("T")
+
+
+class BenchOptions(BaseModel):
+    """What one ``kamera bench`` run does.
+
+    Attributes:
+        suite: ``"fidelity"``, ``"cost"``, ``"window"`` or ``"all"``.
+        model: a kamera-tiny-vl checkpoint directory (default: the shipped one).
+        out: where results.json, report.md and the plots go.
+        quick: small sizes everywhere (a smoke run: about a minute on 2 CPU cores).
+        items: held-out fidelity items (default 1000; quick 24).
+        ops: window-episode operations (default 240; quick 30).
+        seed: the held-out item seed; the episode and the cost model derive theirs from it.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    suite: Literal["fidelity", "cost", "window", "all"] = "all"
+    model: Path | None = None
+    out: Path = Path("bench-results")
+    quick: bool = False
+    items: int | None = Field(default=None, ge=1)
+    ops: int | None = Field(default=None, ge=1)
+    seed: int = HELD_OUT_SEED
+
+    @property
+    def suites(self) -> list[SuiteName]:
+        return ["fidelity", "cost", "window"] if self.suite == "all" else [self.suite]
+
+    @property
+    def item_count(self) -> int:
+        return self.items or (24 if self.quick else 1000)
+
+    @property
+    def op_count(self) -> int:
+        return self.ops or (30 if self.quick else 240)
+
+    @property
+    def seeds(self) -> dict[str, int]:
+        """Every seed the run uses, derived from one, so a run is reproducible from its record."""
+        return {"items": self.seed, "episode": self.seed + 1, "cost_model": self.seed + 2}
+
+
+def median_seconds(fn: Callable[[], T], repeats: int, *, warmup: bool = True) -> tuple[float, T]:
+    """Median wall seconds of ``fn`` over ``repeats`` calls (after an untimed warm-up call when
+    asked: first calls pay allocator and kernel-selection costs), and the last result."""
+    result = fn() if warmup else None
+    samples = []
+    for _ in range(max(1, repeats)):
+        began = time.perf_counter()
+        result = fn()
+        samples.append(time.perf_counter() - began)
+    assert result is not None
+    return statistics.median(samples), result
+
+
+def make_progress(console: Console) -> Progress:
+    """The bar every suite step longer than a second reports to."""
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def machine_info() -> dict[str, Any]:
+    """The facts a timing needs to be read: platform, processor, cores, library versions, threads."""
+    import transformers
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def finite(value: float) -> float | None:
+    """``value``, or ``None`` for NaN/inf: results.json stays strict JSON."""
+    return value if math.isfinite(value) else None

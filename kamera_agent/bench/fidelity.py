@@ -1,0 +1,194 @@
+"""Fidelity suite: every reuse arm answers the same held-out demo items as re-prefill would?
+
+Why this suite: speed means nothing if reused KV answers differently. Every arm (blind
+relocation, CacheBlend- and EPIC-style selective recompute, kamera patches of rank 1 … 64,
+full rank, deep-half and orbit patches) serves the same items in one process, one re-prefill
+forward per item giving the reference; the figures are `kamera_agent.demo.evaluate`'s.
+
+Items are evaluated one at a time and merged into the running tally, so an interrupted run
+keeps every item it finished.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from rich.progress import Progress
+
+from kamera_agent.backends.transformers_backend import TransformersBackend
+from kamera_agent.bench.common import finite
+from kamera_agent.demo.evaluate import ArmResult, Evaluation, evaluate
+from kamera_agent.demo.sequences import FrameCache, item_sequence
+from kamera_agent.demo.task import DemoItem
+
+__all__ = ["FIDELITY_ARMS", "ArmFigures", "Budget", "FidelityRun", "run_fidelity"]
+
+FIDELITY_ARMS: tuple[str, ...] = (
+    "blind",
+    "cacheblend",
+    "epic",
+    *(f"rank-{m}" for m in (1, 2, 4, 8, 16, 32, 64)),
+    "full",
+    "rank-16-deep",
+    "orbit-16",
+)
+"""The arms of the suite; ``reprefill`` (the reference) is always reported too."""
+
+# What each arm spends besides the canonical: patch factors (rank, layer share) or recomputed tokens.
+_PATCHES: Mapping[str, tuple[int | None, float]] = MappingProxyType(
+    {
+        **{f"rank-{m}": (m, 1.0) for m in (1, 2, 4, 8, 16, 32, 64)},
+        "full": (None, 1.0),
+        "rank-16-deep": (16, 0.5),
+        "orbit-16": (16, 1.0),
+    }
+)
+_RECOMPUTED: Mapping[str, float] = MappingProxyType({"cacheblend": 0.15, "epic": 0.15, "reprefill": 1.0})
+_TALLIES = ("items", "correct", "kl_sum", "agree", "flips", "flips_recovered")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What an arm spends per chunk beyond its canonical KV, as shares of the chunk.
+
+    Attributes:
+        stored: bytes kept besides the canonical (patch factors) / the chunk's KV bytes.
+        recomputed: tokens recomputed in context at reuse / the chunk's tokens.
+    """
+
+    stored: float = 0.0
+    recomputed: float = 0.0
+
+
+@dataclass(frozen=True)
+class ArmFigures:
+    """One arm over the items: accuracy (pooled, multi-hop, single-hop glyph), KL, η, agreement."""
+
+    arm: str
+    accuracy: float
+    multi_hop_accuracy: float
+    glyph_accuracy: float
+    kl: float
+    eta: float
+    eta_multi_hop: float
+    top1_agreement: float
+    flip_recovery: float
+    budget: Budget
+
+
+@dataclass
+class FidelityRun:
+    """The suite's live state: filled item by item (an interrupted run keeps what finished)."""
+
+    model: str
+    seed: int
+    items_requested: int
+    arms: tuple[str, ...] = FIDELITY_ARMS
+    evaluation: Evaluation = field(default_factory=Evaluation)
+    items_done: int = 0
+    seconds: float = 0.0
+    chunk_tokens: list[int] = field(default_factory=list)
+    budgets: dict[str, Budget] = field(default_factory=dict)
+
+    def figures(self) -> list[ArmFigures]:
+        """Per arm (re-prefill first), the figures over the items finished so far."""
+        ev = self.evaluation
+        return [
+            ArmFigures(
+                arm=arm,
+                accuracy=ev.result(arm).accuracy,
+                multi_hop_accuracy=ev.multi_hop(arm).accuracy,
+                glyph_accuracy=ev.result(arm, "glyph").accuracy,
+                kl=ev.result(arm).mean_kl,
+                eta=ev.gap_closed(arm),
+                eta_multi_hop=_gap_closed(ev.multi_hop(arm), ev.multi_hop("blind")),
+                top1_agreement=ev.result(arm).top1_agreement,
+                flip_recovery=ev.result(arm).flip_recovery,
+                budget=self.budgets.get(arm, Budget()),
+            )
+            for arm in ("reprefill", *self.arms)
+        ]
+
+    def figure(self, arm: str) -> ArmFigures:
+        return next(f for f in self.figures() if f.arm == arm)
+
+    def to_json(self) -> dict[str, Any]:
+        arms = []
+        for fig in self.figures():
+            row: dict[str, Any] = {k: v for k, v in vars(fig).items() if k != "budget"}
+            row = {k: finite(v) if isinstance(v, float) else v for k, v in row.items()}
+            arms.append({**row, "stored_share": fig.budget.stored, "recomputed_share": fig.budget.recomputed})
+        return {
+            "model": self.model,
+            "seed": self.seed,
+            "items_requested": self.items_requested,
+            "items_done": self.items_done,
+            "seconds": self.seconds,
+            "chunk_tokens": self.chunk_tokens,
+            "arms": arms,
+        }
+
+
+def run_fidelity(
+    backend: TransformersBackend, items: Sequence[DemoItem], run: FidelityRun, progress: Progress
+) -> None:
+    """Evaluate every arm on ``items``, one item at a time.
+
+    Mutates: ``run`` (tallies, items done, budgets, seconds) after every finished item.
+    """
+    frames = FrameCache(backend.encoder)
+    if items:
+        chunks = item_sequence(frames, items[0]).chunks
+        run.chunk_tokens = [chunk.num_tokens for chunk in chunks]
+        run.budgets = arm_budgets(run.arms, run.chunk_tokens, _features(backend))
+    task = progress.add_task(f"fidelity · {len(run.arms)} arms", total=len(items))
+    began = time.perf_counter()
+    for item in items:
+        _merge(run.evaluation, evaluate(backend, [item], run.arms, cache=frames))
+        run.items_done += 1
+        run.seconds = time.perf_counter() - began
+        progress.advance(task)
+
+
+def arm_budgets(
+    arms: Sequence[str], chunk_tokens: Sequence[int], features: Sequence[int]
+) -> dict[str, Budget]:
+    """Each arm's spend over chunks of ``chunk_tokens`` tokens with ``features`` (heads·dim of the
+    key and the value slot): a rank-m patch keeps ``min(m, n, F)·(n + F)`` numbers per layer and
+    slot against the chunk's ``n·F``; a recompute arm recomputes ``round(share·n)`` tokens (>= 1)."""
+    kv = sum(chunk_tokens) * sum(features)
+    budgets = {}
+    for arm in ("reprefill", *arms):
+        if arm in _PATCHES:
+            rank, layers = _PATCHES[arm]
+            stored = sum(min(rank or n, n, f) * (n + f) for n in chunk_tokens for f in features)
+            budgets[arm] = Budget(stored=layers * stored / kv)
+        elif arm in _RECOMPUTED:
+            share = _RECOMPUTED[arm]
+            recomputed = sum(max(1, round(share * n)) for n in chunk_tokens)
+            budgets[arm] = Budget(recomputed=recomputed / sum(chunk_tokens))
+        else:
+            budgets[arm] = Budget()
+    return budgets
+
+
+def _features(backend: TransformersBackend) -> tuple[int, int]:
+    (k_heads, k_dim), (v_heads, v_dim) = backend.layout.keys_shape, backend.layout.values_shape
+    return int(k_heads * k_dim), int(v_heads * v_dim)
+
+
+def _merge(total: Evaluation, part: Evaluation) -> None:
+    """Add one item's tallies into the running evaluation."""
+    for kind, arms in part.by_kind.items():
+        for arm, tally in arms.items():
+            into = total.result(arm, kind)
+            for name in _TALLIES:
+                setattr(into, name, getattr(into, name) + getattr(tally, name))
+
+
+def _gap_closed(arm: ArmResult, blind: ArmResult) -> float:
+    return 1.0 - arm.mean_kl / blind.mean_kl if blind.mean_kl > 0 else float("nan")

@@ -1,0 +1,180 @@
+"""Tables of a bench run, built once and rendered twice: rich on screen, markdown in report.md.
+
+Why one table model: the screen and the file must never disagree, so each suite's figures go
+through one `Grid` (title, columns, rows of formatted cells, a note) and two small renderers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kamera_agent.bench.cost import CostRun
+from kamera_agent.bench.fidelity import FidelityRun
+from kamera_agent.bench.results import BenchResults, targets
+from kamera_agent.bench.window_suite import OpRecord, WindowRun
+
+__all__ = ["Grid", "grids", "print_report", "write_markdown"]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A titled table of formatted cells, with a note printed under it."""
+
+    title: str
+    columns: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    note: str = ""
+
+
+def _pct(value: float) -> str:
+    return "–" if value != value else f"{value:.1%}"  # NaN reads as "–"
+
+
+def _sci(value: float) -> str:
+    return "–" if value != value else f"{value:.2e}"
+
+
+Column = tuple[str, Callable[[Any], str]]
+
+_FIDELITY: tuple[Column, ...] = (
+    ("arm", lambda f: f.arm),
+    ("acc", lambda f: _pct(f.accuracy)),
+    ("multi-hop", lambda f: _pct(f.multi_hop_accuracy)),
+    ("glyph", lambda f: _pct(f.glyph_accuracy)),
+    ("KL", lambda f: _sci(f.kl)),
+    ("η", lambda f: f"{f.eta:.4f}"),
+    ("η m-hop", lambda f: f"{f.eta_multi_hop:.4f}"),
+    ("top-1", lambda f: _pct(f.top1_agreement)),
+    ("flips", lambda f: _pct(f.flip_recovery)),
+    ("stored", lambda f: _pct(f.budget.stored)),
+    ("recomp.", lambda f: _pct(f.budget.recomputed)),
+)
+_TTFT: tuple[Column, ...] = (
+    ("tokens", lambda r: str(r.tokens)),
+    ("re-prefill ms", lambda r: f"{r.reprefill_ms:.1f}"),
+    ("reuse ms", lambda r: f"{r.reuse_ms:.2f}"),
+    ("speed-up", lambda r: f"{r.ratio:.0f}x"),
+    ("relocate+patch ms", lambda r: f"{r.relocate_ms:.2f}"),
+    ("SVD ms", lambda r: f"{r.form_ms[r.reuse_rank]:.1f}"),
+    ("break-even", lambda r: f"{r.break_even:.3f}"),
+    ("exact Δlogit", lambda r: _sci(r.full_rank_logit_error)),
+)
+
+
+def _grid(title: str, columns: Sequence[Column], items: Sequence[Any], note: str = "") -> Grid:
+    rows = tuple(tuple(fmt(item) for _, fmt in columns) for item in items)
+    return Grid(title, tuple(name for name, _ in columns), rows, note)
+
+
+def fidelity_grid(run: FidelityRun) -> Grid:
+    tokens = sorted(set(run.chunk_tokens))
+    note = (
+        f"{run.items_done}/{run.items_requested} held-out items (seed {run.seed}), model {run.model}, "
+        f"{run.seconds:.0f} s. acc: all items; multi-hop: majority + colour questions; glyph: single-hop "
+        "readout. KL: next-token KL to re-prefill; η: share of the blind→re-prefill KL gap closed; "
+        "top-1: agreement with re-prefill; flips: items where blind reuse changes the top token that "
+        "the arm answers as re-prefill; stored: patch bytes / chunk KV bytes; recomp.: tokens "
+        f"recomputed in context. Chunks of {tokens} tokens: rank >= {max(tokens, default=0)} is full rank."
+    )
+    return _grid("Fidelity: every arm on the same items", _FIDELITY, run.figures(), note)
+
+
+def cost_grids(run: CostRun) -> list[Grid]:
+    s = run.shape
+    note = (
+        f"Qwen2 slice: {s.layers} layers, hidden {s.hidden}, {s.heads}/{s.kv_heads} heads, head_dim "
+        f"{s.head_dim}, MLP {s.mlp}; random init, float32, {run.threads} thread(s). TTFT of a "
+        f"{s.query}-token query behind anchor {s.anchor} + antecedent {s.antecedent} + chunk; median of "
+        f"{s.repeats} (re-prefill) / {s.repeats * 3} (reuse) runs; rank-{s.reuse_rank} patch. "
+        "Break-even: reuses that pay for the SVD (the conditioned forward is the admission's own). "
+        "Exact Δlogit: reuse with a full-rank patch vs re-prefill."
+    )
+    bytes_columns: tuple[Column, ...] = (
+        ("tokens", lambda r: str(r.tokens)),
+        ("chunk KV MiB", lambda r: f"{r.kv_bytes / 2**20:.2f}"),
+        *((f"rank-{m}", lambda r, m=m: _pct(r.patch_bytes[m] / r.kv_bytes)) for m in s.ranks),
+        *((f"SVD ms r{m}", lambda r, m=m: f"{r.form_ms[m]:.1f}") for m in s.ranks),
+    )
+    return [
+        _grid("Cost: time to first token after reuse vs re-prefill", _TTFT, run.rows, note),
+        _grid("Cost: patch bytes (share of the chunk's KV) and forming time", bytes_columns, run.rows),
+    ]
+
+
+def window_grid(run: WindowRun) -> Grid:
+    def total(records: Sequence[OpRecord], name: str) -> str:
+        return f"{sum(getattr(r, name) for r in records):.0f}"
+
+    names = ("kamera_tokens", "baseline_tokens", "kamera_forwards", "baseline_forwards", "kamera_ms")
+    columns = (
+        "ops",
+        "count",
+        "kamera tokens",
+        "prefix tokens",
+        "kamera fwd",
+        "prefix fwd",
+        "kamera ms",
+        "prefix ms",
+    )
+    rows = []
+    for op in ("push", "slide", "reorder", "recall", None):
+        chosen = [r for r in run.records if op is None or r.op == op]
+        cells = [total(chosen, name) for name in (*names, "baseline_ms")]
+        rows.append((op or "all", str(len(chosen)), *cells))
+    note = (
+        f"{len(run.records)}/{run.ops_requested} ops (seed {run.seed}), capacity {run.capacity} chunks, "
+        f"rank {run.rank}; tokens prefilled, forwards and wall time per op kind. Final window vs the "
+        f"model's own re-prefill: prefix cache max |Δlogit| {_sci(run.baseline_logit_error)}, kamera "
+        f"next-token KL {_sci(run.kamera_kl)}. The prefix cache re-runs the vision tower on the frames "
+        "it re-prefills; kamera encodes each frame once."
+    )
+    return Grid("Window: scripted episode, KameraWindow vs a prefix cache", columns, tuple(rows), note)
+
+
+def targets_grid(results: BenchResults) -> Grid:
+    verdict = {True: "met", False: "NOT met", None: "–"}
+    rows = tuple((t.claim, t.measured, verdict[t.met]) for t in targets(results))
+    return Grid("Targets", ("target", "measured", "met?"), rows)
+
+
+def grids(results: BenchResults) -> list[Grid]:
+    """Every table the run has figures for, suites first, targets last."""
+    tables = [fidelity_grid(results.fidelity)] if results.fidelity is not None else []
+    tables += cost_grids(results.cost) if results.cost is not None else []
+    tables += [window_grid(results.window)] if results.window is not None else []
+    return [*tables, targets_grid(results)]
+
+
+def print_report(console: Console, tables: Sequence[Grid]) -> None:
+    for grid in tables:
+        table = Table(title=grid.title, caption=grid.note or None, caption_justify="left")
+        for index, column in enumerate(grid.columns):
+            table.add_column(column, justify="left" if index == 0 else "right", overflow="fold")
+        for row in grid.rows:
+            table.add_row(*row)
+        console.print(table)
+
+
+def write_markdown(path: Path, results: BenchResults, tables: Sequence[Grid]) -> None:
+    machine = results.machine
+    lines = [
+        "# kamera bench",
+        "",
+        f"{'**Partial run** (interrupted in ' + str(results.interrupted) + '). ' if results.partial else ''}"
+        f"{machine['platform']} · {machine['processor']} · {machine['cpu_count']} CPUs · torch "
+        f"{machine['torch']} · transformers {machine['transformers']} · {machine['torch_threads']} "
+        f"thread(s) · {results.seconds:.0f} s",
+        "",
+    ]
+    for grid in tables:
+        lines += [f"## {grid.title}", "", "| " + " | ".join(grid.columns) + " |"]
+        lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(grid.columns))) + "|")
+        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in grid.rows]
+        lines += ["", grid.note, ""] if grid.note else [""]
+    path.write_text("\n".join(lines))

@@ -1,0 +1,186 @@
+"""``kamera bench``: run the suites in one process, then write results.json, report.md and plots.
+
+Why one process and one run: every arm and both sides of every comparison are measured on
+the same items, the same model and the same machine state, so their ratios can be trusted on
+a noisy machine. Ctrl-C stops the run but keeps what finished: results.json is written and
+marked partial, and the exit status is 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from kamera_agent.bench.common import HELD_OUT_SEED, BenchOptions, make_progress
+from kamera_agent.bench.cost import CostRun, CostShape, run_cost
+from kamera_agent.bench.fidelity import FidelityRun, run_fidelity
+from kamera_agent.bench.plots import plots_available, write_plots
+from kamera_agent.bench.report import grids, print_report, write_markdown
+from kamera_agent.bench.results import BenchResults
+from kamera_agent.bench.window_suite import WindowRun, run_window
+
+__all__ = ["BenchOutcome", "add_bench_parser", "run_bench", "run_bench_command"]
+
+INTERRUPTED = 130
+"""Exit status of a run stopped with Ctrl-C (128 + SIGINT), as shells report it."""
+
+
+@dataclass(frozen=True)
+class BenchOutcome:
+    """What a run left behind: its exit status, results and the files written."""
+
+    exit_code: int
+    results: BenchResults
+    files: list[Path]
+
+
+def add_bench_parser(commands: Any) -> None:
+    """Register ``bench`` on the ``kamera`` command's subparsers."""
+    bench = commands.add_parser("bench", help="fidelity, cost and window benchmarks, with a report")
+    bench.add_argument("--suite", choices=["fidelity", "cost", "window", "all"], default="all")
+    bench.add_argument("--model", default=None, help="a kamera-tiny-vl checkpoint (default: shipped)")
+    bench.add_argument("--out", default="bench-results", help="output directory (default: bench-results)")
+    bench.add_argument("--quick", action="store_true", help="small sizes: a smoke run of about a minute")
+    bench.add_argument("--items", type=_positive, default=None, help="fidelity items (default 1000)")
+    bench.add_argument("--ops", type=_positive, default=None, help="window-episode ops (default 240)")
+    bench.add_argument("--seed", type=int, default=HELD_OUT_SEED, help="held-out item seed")
+
+
+def run_bench_command(args: argparse.Namespace, console: Console) -> int:
+    """Run ``kamera bench`` from parsed arguments; returns the exit status."""
+    options = BenchOptions(
+        suite=args.suite,
+        model=args.model,
+        out=Path(args.out),
+        quick=args.quick,
+        items=args.items,
+        ops=args.ops,
+        seed=args.seed,
+    )
+    return run_bench(options, console).exit_code
+
+
+def run_bench(options: BenchOptions, console: Console | None = None) -> BenchOutcome:
+    """Run the chosen suites, print the tables and write the outputs, even when interrupted."""
+    console = console or Console()
+    results, began = BenchResults(options), time.perf_counter()
+    console.rule(
+        f"[bold]kamera bench[/bold] · {', '.join(options.suites)}{' · quick' if options.quick else ''} · "
+        f"{torch.get_num_threads()} thread(s)"
+    )
+    exit_code, context = 0, _Context(options, results)
+    try:
+        with make_progress(console) as progress:
+            for name in options.suites:
+                results.interrupted = name
+                SUITES[name](context, progress)
+        results.interrupted = None
+    except KeyboardInterrupt:
+        results.partial, exit_code = True, INTERRUPTED
+        console.print(f"[yellow]interrupted in the {results.interrupted} suite: writing what finished")
+    results.seconds = time.perf_counter() - began
+    files = _write_outputs(results, console)
+    return BenchOutcome(exit_code, results, files)
+
+
+@dataclass
+class _Context:
+    """What the suites share: the options, the live results, the demo model (loaded once)."""
+
+    options: BenchOptions
+    results: BenchResults
+    _model: tuple[Any, Any, Any] | None = field(default=None, repr=False)
+
+    @property
+    def model_name(self) -> str:
+        from kamera_agent.demo.model import DEMO_MODEL_DIR
+
+        return str(self.options.model or DEMO_MODEL_DIR)
+
+    def demo_model(self, progress: Progress) -> tuple[Any, Any, Any]:
+        if self._model is None:
+            from kamera_agent.demo.model import load_demo_model
+
+            task = progress.add_task("loading the demo model", total=1)
+            self._model = load_demo_model(self.options.model)
+            progress.advance(task)
+        return self._model
+
+
+def _fidelity(context: _Context, progress: Progress) -> None:
+    from kamera_agent.backends.transformers_backend import TransformersBackend
+    from kamera_agent.demo.task import make_items
+
+    options = context.options
+    model, tokenizer, image_processor = context.demo_model(progress)
+    run = FidelityRun(model=context.model_name, seed=options.seed, items_requested=options.item_count)
+    context.results.fidelity = run
+    backend = TransformersBackend(model, tokenizer=tokenizer, image_processor=image_processor)
+    run_fidelity(backend, make_items(options.item_count, options.seed), run, progress)
+
+
+def _cost(context: _Context, progress: Progress) -> None:
+    shape = CostShape.quick() if context.options.quick else CostShape()
+    context.results.cost = run = CostRun(shape, torch.get_num_threads(), quick=context.options.quick)
+    run_cost(run, progress, context.options.seeds["cost_model"])
+
+
+def _window(context: _Context, progress: Progress) -> None:
+    options = context.options
+    model, tokenizer, image_processor = context.demo_model(progress)
+    run = WindowRun(seed=options.seeds["episode"], ops_requested=options.op_count, capacity=12, rank=16)
+    context.results.window = run
+    run_window(model, tokenizer, image_processor, run, progress)
+
+
+SUITES: Mapping[str, Callable[[_Context, Progress], None]] = MappingProxyType(
+    {"fidelity": _fidelity, "cost": _cost, "window": _window}
+)
+
+
+def _write_outputs(results: BenchResults, console: Console) -> list[Path]:
+    out = results.options.out
+    out.mkdir(parents=True, exist_ok=True)
+    tables = grids(results)
+    print_report(console, tables)
+    files = [out / "results.json", out / "report.md"]
+    files[0].write_text(json.dumps(_strict(results.to_json()), indent=2, allow_nan=False) + "\n")
+    write_markdown(files[1], results, tables)
+    if plots_available():
+        with make_progress(console) as progress:
+            task = progress.add_task("writing plots", total=1)
+            files += write_plots(results, out)
+            progress.advance(task)
+    else:
+        console.print("[dim]plots skipped: matplotlib is not installed (pip install 'kamera-agent[bench]')")
+    console.print(f"wrote {', '.join(str(path) for path in files)}")
+    return files
+
+
+def _strict(value: Any) -> Any:
+    """``value`` with every non-finite float as ``None`` and tuples as lists: strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(key): _strict(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict(item) for item in value]
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value

@@ -1,0 +1,208 @@
+"""Window suite: a long scripted agent episode through KameraWindow against a real prefix cache.
+
+Why an episode: what an agent pays is the sum over its window's life. The episode pushes the
+demo task's frames into a window of bounded capacity (the oldest leave when it is full), slides,
+reorders blocks of frames and recalls evicted ones, deterministically from one seed. After
+every op the prefix cache (`PrefixCache`) is brought to the same sequence, in the same
+process, and both costs are recorded: tokens prefilled and wall time, op by op.
+
+At the end both are checked against the model's own re-prefill of the final window: the
+baseline must match it (it is exact by construction), and kamera's next-token KL is reported.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.progress import Progress
+
+from kamera_agent.backends.transformers_backend import TransformersBackend
+from kamera_agent.bench.common import finite
+from kamera_agent.bench.prefix_cache import PrefixCache
+from kamera_agent.config import WindowConfig
+from kamera_agent.demo.task import COLOURS, GLYPHS, QUESTIONS, SYMBOLS_PER_ITEM, render_legend, render_symbol
+from kamera_agent.window import KameraWindow
+
+__all__ = ["OpRecord", "WindowRun", "run_window"]
+
+_WEIGHTS = {"push": 0.35, "slide": 0.15, "reorder": 0.25, "recall": 0.25}
+_QUERY = QUESTIONS["majority"]
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One op of the episode and what each side paid for it."""
+
+    op: str
+    detail: str
+    chunks: int
+    kamera_tokens: int
+    kamera_forwards: int
+    kamera_ms: float
+    baseline_tokens: int
+    baseline_forwards: int
+    baseline_ms: float
+
+
+@dataclass
+class WindowRun:
+    """The suite's live state: a record per finished op, then the end-of-episode checks.
+
+    Attributes:
+        baseline_logit_error: max |logit difference| between the prefix cache's next-token
+            logits and the model's own re-prefill of the final window (should be ~0).
+        kamera_kl: next-token KL of kamera's window to that re-prefill.
+    """
+
+    seed: int
+    ops_requested: int
+    capacity: int
+    rank: int
+    records: list[OpRecord] = field(default_factory=list)
+    baseline_logit_error: float = float("nan")
+    kamera_kl: float = float("nan")
+
+    def total(self, name: str) -> float:
+        return float(sum(getattr(record, name) for record in self.records))
+
+    def cumulative(self, name: str) -> list[float]:
+        running, out = 0.0, []
+        for record in self.records:
+            running += getattr(record, name)
+            out.append(running)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        totals = {name: self.total(name) for name in ("kamera_tokens", "baseline_tokens", "kamera_ms")}
+        totals["baseline_ms"] = self.total("baseline_ms")
+        return {
+            "seed": self.seed,
+            "ops_requested": self.ops_requested,
+            "ops_done": len(self.records),
+            "capacity_chunks": self.capacity,
+            "rank": self.rank,
+            "ops": {op: sum(r.op == op for r in self.records) for op in _WEIGHTS},
+            "totals": totals,
+            "baseline_logit_error": finite(self.baseline_logit_error),
+            "kamera_kl": finite(self.kamera_kl),
+            "records": [vars(record) for record in self.records],
+        }
+
+
+def run_window(model: Any, tokenizer: Any, image_processor: Any, run: WindowRun, progress: Progress) -> None:
+    """Run the episode on a fresh window (its own store: nothing carried over from other suites).
+
+    Mutates: ``run`` (a record per op, then the final checks).
+    """
+    config = WindowConfig(rank=run.rank, capacity_chunks=run.capacity, max_new_tokens=1)
+    window = KameraWindow(model, tokenizer=tokenizer, image_processor=image_processor, config=config)
+    backend = window.backend
+    assert isinstance(backend, TransformersBackend)
+    baseline, episode = PrefixCache(backend), _Episode(window, random.Random(run.seed))
+    task = progress.add_task(f"window · {run.ops_requested} ops vs prefix cache", total=run.ops_requested)
+    for _ in range(run.ops_requested):
+        began = time.perf_counter()
+        op, detail = episode.step()
+        kamera_s, cost = time.perf_counter() - began, window.stats.last
+        synced = baseline.sync([window.chunk(ref) for ref in window.refs])
+        run.records.append(
+            OpRecord(
+                op,
+                detail,
+                len(window),
+                cost.tokens_prefilled,
+                cost.forwards,
+                kamera_s * 1e3,
+                synced.tokens,
+                int(synced.tokens > 0),
+                synced.seconds * 1e3,
+            )
+        )
+        progress.advance(task)
+    _final_checks(window, baseline, run)
+
+
+def _final_checks(window: KameraWindow, baseline: PrefixCache, run: WindowRun) -> None:
+    """Both sides' next-token logits for a question over the final window against re-prefill."""
+    backend = window.backend
+    assert isinstance(backend, TransformersBackend)
+    with torch.no_grad():
+        reference = backend.model(**window.as_model_inputs(_QUERY)).logits[0, -1].float()
+    kamera = window.ask(_QUERY, max_new_tokens=1).first_logits.float()
+    ours = baseline.first_logits(backend.encoder.query_ids(_QUERY))
+    run.baseline_logit_error = float((ours - reference).abs().max())
+    p, q = torch.log_softmax(reference.double(), -1), torch.log_softmax(kamera.double(), -1)
+    run.kamera_kl = max(0.0, float((p.exp() * (p - q)).sum()))
+
+
+class _Episode:
+    """Draws the next op from the window's state (deterministic given the seed), and runs it."""
+
+    def __init__(self, window: KameraWindow, rng: random.Random) -> None:
+        self.window, self.rng = window, rng
+        frames = [("legend", g, c) for g in GLYPHS for c in COLOURS]
+        frames += [("symbol", g, str(k)) for g in GLYPHS for k in range(1, SYMBOLS_PER_ITEM + 1)]
+        rng.shuffle(frames)
+        self.frames, self.next_frame = frames, 0
+
+    def step(self) -> tuple[str, str]:
+        ops, weights = zip(*_WEIGHTS.items(), strict=True)
+        op = self.rng.choices(ops, weights)[0]
+        size = len(self.window)
+        if (op == "slide" and size < 4) or (op == "reorder" and size < 3):
+            op = "push"
+        if op == "recall" and not self._recallable():
+            op = "push"
+        return op, {
+            "push": self._push,
+            "slide": self._slide,
+            "reorder": self._reorder,
+            "recall": self._recall,
+        }[op]()
+
+    def _push(self) -> str:
+        in_window = {ref.label for ref in self.window.refs}
+        while True:
+            kind, glyph, extra = self.frames[self.next_frame % len(self.frames)]
+            self.next_frame += 1
+            label = f"{kind} {glyph}:{extra}"
+            if label not in in_window:
+                break
+        if kind == "legend":
+            self.window.push(render_legend(glyph, extra), label=label)
+        else:
+            self.window.push(render_symbol(glyph), kind="frame", caption=f"#{extra}", label=label)
+        return label
+
+    def _recallable(self) -> bool:
+        in_window = {ref.label for ref in self.window.refs}
+        return any(ref.label not in in_window for ref in self.window.evicted)
+
+    def _slide(self) -> str:
+        n = self.rng.choice((1, 2))
+        self.window.slide(n)
+        return f"{n} oldest out"
+
+    def _reorder(self) -> str:
+        order = self.window.refs
+        width = self.rng.randint(2, min(4, len(order)))
+        first = self.rng.randint(0, len(order) - width)
+        block = order[first : first + width]
+        shuffled = self.rng.sample(block, width)
+        if shuffled == block:
+            shuffled = block[1:] + block[:1]
+        self.window.reorder(order[:first] + shuffled + order[first + width :])
+        return f"{width} chunks at slot {first} shuffled"
+
+    def _recall(self) -> str:
+        in_window = {ref.label for ref in self.window.refs}
+        ref = self.rng.choice([r for r in self.window.evicted if r.label not in in_window])
+        capacity = self.window.config.capacity_chunks
+        full = capacity is not None and len(self.window) >= capacity  # the recall evicts one first
+        at = self.rng.choice((None, self.rng.randint(0, len(self.window) - int(full))))
+        self.window.recall(ref, at=at)
+        return f"{ref.label} back at {'the end' if at is None else f'slot {at}'}"
