@@ -42,7 +42,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_operator_demo(console)
             return 0
         from kamera_agent.demo.episode import run_demo_episode
+        from kamera_agent.demo.model import DEMO_MODEL_DIR
 
+        if args.model is None and not (DEMO_MODEL_DIR / "config.json").is_file():
+            from kamera_agent.demo.operator_demo import run_operator_demo
+
+            console.print("[yellow]kamera-tiny-vl is not trained yet: showing the operator demo[/yellow]")
+            run_operator_demo(console)
+            return 0
         run_demo_episode(console, args.model, seed=args.seed)
         return 0
     from kamera_agent.check import run_check

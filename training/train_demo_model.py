@@ -159,14 +159,20 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             step += 1
-            log.append({"step": step, "loss": float(loss), "train_accuracy": accuracy})
+            log.append({"step": step, "loss": float(loss.detach()), "train_accuracy": accuracy})
             progress.update(task, advance=1, status=f"loss {float(loss):.3f} acc {accuracy:.2f}")
             if step % args.eval_every == 0 or step == args.steps:
                 model.eval()
-                held = held_out_accuracy(model, backend, cache, 200, seed=10_000)
+                held = held_out_accuracy(model, backend, cache, 100, seed=10_000)
                 model.train()
                 log[-1]["held_out_accuracy"] = held
-                progress.console.print(f"step {step}: loss {float(loss):.3f}, held-out re-prefill accuracy {held:.3f}")
+                recent = log[-args.eval_every :]
+                train = sum(r["train_accuracy"] for r in recent) / len(recent)
+                progress.console.print(
+                    f"step {step}: loss {float(loss):.3f}, train accuracy {train:.3f}, "
+                    f"held-out re-prefill accuracy {held:.3f}",
+                    highlight=False,
+                )
                 args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(
                     {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,

@@ -10,6 +10,7 @@ included), greedy or sampled. Every forward lands in `counters`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -125,7 +126,7 @@ class TransformersBackend(Backend):
         hit = self.store.get_canonical(chunk.key)
         if hit is not None:
             self.counters.canonical_hits += 1
-            return hit
+            return _on_device(hit, self.parts.device)  # the disk tier reads back onto the CPU
         start = self.anchor.advance
         positions = chunk.positions_at(start)
         cache, _ = self._forward(chunk, positions, self.assemble([self.anchor_kv()]))
@@ -227,7 +228,7 @@ class TransformersBackend(Backend):
         cached = self.store.get_vision(chunk.vision_key)
         if cached is not None:
             self.counters.vision_cache_hits += 1
-            return cached
+            return {name: t.to(self.parts.device) for name, t in cached.items()}
         features = self.parts.image_features(chunk.pixel_values, chunk.image_grid_thw)
         self.counters.vision_forwards += 1
         self.store.put_vision(chunk.vision_key, features)
@@ -314,3 +315,9 @@ def _image_token(model: Any, tokenizer: Any) -> str | None:
         return None
     token: str = tokenizer.convert_ids_to_tokens(int(token_id))
     return token
+
+
+def _on_device(kv: ChunkKV, device: torch.device) -> ChunkKV:
+    if kv.keys.device == device:
+        return kv
+    return replace(kv, keys=kv.keys.to(device), values=kv.values.to(device))

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from kamera_agent.config import WindowConfig
 from kamera_agent.demo.model import load_demo_model
-from kamera_agent.demo.task import make_item, render_legend, render_symbol
+from kamera_agent.demo.task import QUESTIONS, make_item, render_legend, render_symbol
 from kamera_agent.results import OpCost
 from kamera_agent.window import ChunkRef, KameraWindow
 
@@ -107,7 +107,7 @@ def run_demo_episode(
     before = window.refs
     window.recall(symbols[0], at=len(legend))
     record("recall #1", before, "no vision encode; its stored patch")
-    colour_question = "Which colour does frame #1 mean?"
+    colour_question = QUESTIONS["colour"].format(k=1)
     ask("colour of #1", colour_question, item.meaning[item.symbols[0]])
     _print(console, result, window)
     return result

@@ -43,10 +43,11 @@ __all__ = [
 ]
 
 QuestionKind = Literal["majority", "colour", "glyph"]
+# Short questions: the demo model is small and every token is trained on.
 QUESTIONS: dict[QuestionKind, str] = {
-    "majority": "Which colour do most frames mean?",
-    "colour": "Which colour does frame #{k} mean?",
-    "glyph": "Which glyph is in frame #{k}?",
+    "majority": "Majority colour?",
+    "colour": "Colour of #{k}?",
+    "glyph": "Glyph of #{k}?",
 }
 
 # Meanings: colour names with distinct first letters, so the first answer token decides.

@@ -217,7 +217,8 @@ def apply_patch(
         x = stored.to(torch.float32, copy=True)  # never write into the stored canonical
         for (layer, name), (u, v) in patch.factors.items():
             if name == slot:
-                delta = u.to(torch.float32) @ v.to(torch.float32)  # [n, H·D]
+                # Factors may live elsewhere (a store's disk tier loads them on the CPU).
+                delta = u.to(x.device, torch.float32) @ v.to(x.device, torch.float32)  # [n, H·D]
                 x[layer] += delta.view(x.shape[2], x.shape[1], x.shape[3]).transpose(0, 1)
         slots[slot] = x
     patched = ChunkKV(slots["keys"], slots["values"], None, canonical.chunk_key, canonical.model_fingerprint)
