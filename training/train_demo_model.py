@@ -100,7 +100,9 @@ def losses(model: Any, batch: dict[str, torch.Tensor], aux_weight: float) -> tup
     return answer + aux_weight * aux, float(accuracy)
 
 
-def held_out_accuracy(model: Any, backend: TransformersBackend, cache: FrameCache, count: int, seed: int) -> float:
+def held_out_accuracy(
+    model: Any, backend: TransformersBackend, cache: FrameCache, count: int, seed: int
+) -> float:
     """Re-prefill accuracy (first answer token) on held-out items."""
     items = [item_sequence(cache, item) for item in make_items(count, seed)]
     correct = 0
@@ -113,7 +115,9 @@ def held_out_accuracy(model: Any, backend: TransformersBackend, cache: FrameCach
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -175,8 +179,13 @@ def main() -> None:
                 )
                 args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(
-                    {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                     "rng": rng.getstate(), "log": log},
+                    {
+                        "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "step": step,
+                        "rng": rng.getstate(),
+                        "log": log,
+                    },
                     args.checkpoint,
                 )
     model.eval()
@@ -184,8 +193,14 @@ def main() -> None:
     model.save_pretrained(args.out)
     backend.tokenizer.save_pretrained(args.out)
     backend.encoder.image_processor.save_pretrained(args.out)
-    summary = {"steps": step, "seconds": time.time() - began, "threads": args.threads, "batch": args.batch,
-               "final": log[-1], "seed": args.seed}
+    summary = {
+        "steps": step,
+        "seconds": time.time() - began,
+        "threads": args.threads,
+        "batch": args.batch,
+        "final": log[-1],
+        "seed": args.seed,
+    }
     (args.out / "training_log.json").write_text(json.dumps({"summary": summary, "log": log[-200:]}, indent=1))
     print(json.dumps(summary))
 

@@ -28,6 +28,14 @@ class CostMeter:
     patches_formed: int = 0
     patches_applied: int = 0
     bytes_added: int = 0
+    prefilled: set[object] = field(default_factory=set)
+    reused: set[object] = field(default_factory=set)
+
+    def reuse(self, chunk: object, tokens: int) -> None:
+        """Count a chunk's tokens as served without a forward, once per op, unless prefilled."""
+        if chunk not in self.prefilled and chunk not in self.reused:
+            self.reused.add(chunk)
+            self.tokens_reused += tokens
 
     def __post_init__(self) -> None:
         self.start = self.counters.snapshot()

@@ -64,7 +64,7 @@ class ExecutionMixin(WindowCore):
         if step.kind == "encode":
             self._canonical(step.ref, meter)
         elif step.kind == "rotate":
-            meter.tokens_reused += n
+            meter.reuse(step.ref, n)
         elif step.kind == "apply_patch":
             patch = self.store.get_patch(step.ref.key, step.signature)
             if patch is None:  # dropped from the store since planning: form it instead
@@ -73,13 +73,13 @@ class ExecutionMixin(WindowCore):
             entry.patch, entry.pending = patch, False
             state.set_encodes(step.ref, step.antecedents)
             meter.patches_applied += 1
-            meter.tokens_reused += n
+            meter.reuse(step.ref, n)
         elif step.kind == "form_patch":
             self._form(step.ref, step.antecedents, meter)
         else:  # revert, defer
             entry.patch, entry.pending = None, step.kind == "defer"
             state.set_encodes(step.ref, ())
-            meter.tokens_reused += n
+            meter.reuse(step.ref, n)
 
     def _form(self, ref: ChunkRef, context: Sequence[ChunkRef], meter: CostMeter) -> None:
         """One conditioned forward of ``ref`` over ``context`` → patch (stored, orbit updated)."""
@@ -142,6 +142,7 @@ class ExecutionMixin(WindowCore):
         before = self.backend.counters.lm_forwards
         canonical = self.backend.encode(entry.chunk)
         if self.backend.counters.lm_forwards > before:
+            meter.prefilled.add(ref)
             meter.bytes_added += canonical.nbytes
             meter.reencodes += int(entry.encoded)
         entry.encoded = True

@@ -12,6 +12,7 @@ its cost lands in ``window.stats``. A failed operation restores the window as it
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from kamera_agent.errors import (
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.operator.patch import Patch
 from kamera_agent.results import Answer, OpCost, Plan, Probe, WindowStats
-from kamera_agent.settings import configure_threads
+from kamera_agent.settings import THREADS_ENV, configure_threads
 from kamera_agent.store import ChunkStore
 from kamera_agent.window.costs import CostMeter, StatsBook
 from kamera_agent.window.execution import ExecutionMixin
@@ -67,8 +68,8 @@ class KameraWindow(PlanningMixin, ExecutionMixin):
         store: ChunkStore | None = None,
     ) -> None:
         self.config = config or WindowConfig()
-        if self.config.threads is not None:
-            configure_threads(self.config.threads)
+        if self.config.threads is not None or THREADS_ENV in os.environ:
+            configure_threads(self.config.threads)  # the setting, else $KAMERA_NUM_THREADS
         self.backend = _resolve_backend(model, processor, tokenizer, image_processor, self.config, store)
         self._state = WindowState()
         self._book = StatsBook()
