@@ -1,4 +1,4 @@
-"""The ``kamera`` command: ``demo`` (the README's main job), ``check`` a checkpoint, ``bench``."""
+"""The ``kamera`` command: ``demo`` (the README's main job), ``check`` a checkpoint, ``bench`` it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
+from kamera_agent.bench.runner import add_bench_parser, run_bench_command
 from kamera_agent.settings import configure_threads
 
 __all__ = ["main"]
@@ -32,9 +33,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     check = commands.add_parser("check", help="exactness checks on a local checkpoint, with a verdict table")
     check.add_argument("model", help="a local checkpoint directory (model + tokenizer + image processor)")
     check.add_argument("--device", default=None)
+    add_bench_parser(commands)
     args = parser.parse_args(argv)
     configure_threads(args.threads)
     console = Console()
+    if args.command == "bench":
+        return run_bench_command(args, console)
     if args.command == "demo":
         if args.operator:
             from kamera_agent.demo.operator_demo import run_operator_demo

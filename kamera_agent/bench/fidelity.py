@@ -1,4 +1,4 @@
-"""Fidelity suite: every reuse arm answers the same held-out demo items as re-prefill would?
+"""Fidelity suite: does every reuse arm answer the held-out demo items as re-prefill does?
 
 Why this suite: speed means nothing if reused KV answers differently. Every arm (blind
 relocation, CacheBlend- and EPIC-style selective recompute, kamera patches of rank 1 … 64,
@@ -25,13 +25,15 @@ from kamera_agent.demo.evaluate import ArmResult, Evaluation, evaluate
 from kamera_agent.demo.sequences import FrameCache, item_sequence
 from kamera_agent.demo.task import DemoItem
 
-__all__ = ["FIDELITY_ARMS", "ArmFigures", "Budget", "FidelityRun", "run_fidelity"]
+__all__ = ["FIDELITY_ARMS", "RANKS", "RANK_ARMS", "ArmFigures", "Budget", "FidelityRun", "run_fidelity"]
 
+RANKS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+RANK_ARMS: tuple[str, ...] = tuple(f"rank-{m}" for m in RANKS)
 FIDELITY_ARMS: tuple[str, ...] = (
     "blind",
     "cacheblend",
     "epic",
-    *(f"rank-{m}" for m in (1, 2, 4, 8, 16, 32, 64)),
+    *RANK_ARMS,
     "full",
     "rank-16-deep",
     "orbit-16",
@@ -41,7 +43,7 @@ FIDELITY_ARMS: tuple[str, ...] = (
 # What each arm spends besides the canonical: patch factors (rank, layer share) or recomputed tokens.
 _PATCHES: Mapping[str, tuple[int | None, float]] = MappingProxyType(
     {
-        **{f"rank-{m}": (m, 1.0) for m in (1, 2, 4, 8, 16, 32, 64)},
+        **{f"rank-{m}": (m, 1.0) for m in RANKS},
         "full": (None, 1.0),
         "rank-16-deep": (16, 0.5),
         "orbit-16": (16, 1.0),

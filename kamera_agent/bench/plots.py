@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from kamera_agent.bench.cost import CostRun
-from kamera_agent.bench.fidelity import FidelityRun
+from kamera_agent.bench.fidelity import RANKS, FidelityRun
 from kamera_agent.bench.results import BenchResults
 from kamera_agent.bench.window_suite import WindowRun
 
 __all__ = ["plots_available", "write_plots"]
 
-_RANKS = (1, 2, 4, 8, 16, 32, 64)
+_RANKS = RANKS
 _REFERENCES = ("blind", "cacheblend", "epic", "rank-16-deep", "orbit-16")
 
 

@@ -34,6 +34,8 @@ __all__ = ["BenchOutcome", "add_bench_parser", "run_bench", "run_bench_command"]
 
 INTERRUPTED = 130
 """Exit status of a run stopped with Ctrl-C (128 + SIGINT), as shells report it."""
+USAGE_ERROR = 2
+"""Exit status when the run cannot start (no demo model where the suites need one)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,10 @@ def run_bench(options: BenchOptions, console: Console | None = None) -> BenchOut
         f"{torch.get_num_threads()} thread(s)"
     )
     exit_code, context = 0, _Context(options, results)
+    missing = _missing_model(context)
+    if missing:
+        console.print(f"[red]{missing}")
+        return BenchOutcome(USAGE_ERROR, results, [])
     try:
         with make_progress(console) as progress:
             for name in options.suites:
@@ -110,12 +116,32 @@ class _Context:
 
     def demo_model(self, progress: Progress) -> tuple[Any, Any, Any]:
         if self._model is None:
+            from transformers.utils import logging as hf_logging
+
             from kamera_agent.demo.model import load_demo_model
 
             task = progress.add_task("loading the demo model", total=1)
-            self._model = load_demo_model(self.options.model)
+            shown = hf_logging.is_progress_bar_enabled()
+            hf_logging.disable_progress_bar()  # ours shows the load; theirs would break the layout
+            try:
+                self._model = load_demo_model(self.options.model)
+            finally:
+                if shown:
+                    hf_logging.enable_progress_bar()
             progress.advance(task)
         return self._model
+
+
+def _missing_model(context: _Context) -> str:
+    """Why the chosen suites cannot run (before any of them starts), or ``""``."""
+    if not {"fidelity", "window"} & set(context.options.suites):
+        return ""
+    if (Path(context.model_name) / "config.json").is_file():
+        return ""
+    return (
+        f"no kamera-tiny-vl weights in {context.model_name}: train them with "
+        "`python training/train_demo_model.py`, pass --model DIR, or run --suite cost alone"
+    )
 
 
 def _fidelity(context: _Context, progress: Progress) -> None:

@@ -4,7 +4,8 @@ Why an episode: what an agent pays is the sum over its window's life. The episod
 demo task's frames into a window of bounded capacity (the oldest leave when it is full), slides,
 reorders blocks of frames and recalls evicted ones, deterministically from one seed. After
 every op the prefix cache (`PrefixCache`) is brought to the same sequence, in the same
-process, and both costs are recorded: tokens prefilled and wall time, op by op.
+process, and both costs are recorded: tokens prefilled, forwards and wall time, op by op.
+Frames are rendered and preprocessed before either side's clock starts.
 
 At the end both are checked against the model's own re-prefill of the final window: the
 baseline must match it (it is exact by construction), and kamera's next-token KL is reported.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,7 @@ from rich.progress import Progress
 from kamera_agent.backends.transformers_backend import TransformersBackend
 from kamera_agent.bench.common import finite
 from kamera_agent.bench.prefix_cache import PrefixCache
+from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.config import WindowConfig
 from kamera_agent.demo.task import COLOURS, GLYPHS, QUESTIONS, SYMBOLS_PER_ITEM, render_legend, render_symbol
 from kamera_agent.window import KameraWindow
@@ -102,17 +105,18 @@ def run_window(model: Any, tokenizer: Any, image_processor: Any, run: WindowRun,
     window = KameraWindow(model, tokenizer=tokenizer, image_processor=image_processor, config=config)
     backend = window.backend
     assert isinstance(backend, TransformersBackend)
-    baseline, episode = PrefixCache(backend), _Episode(window, random.Random(run.seed))
+    baseline, episode = PrefixCache(backend), _Episode(window, backend.encoder, random.Random(run.seed))
     task = progress.add_task(f"window · {run.ops_requested} ops vs prefix cache", total=run.ops_requested)
     for _ in range(run.ops_requested):
+        move = episode.next()
         began = time.perf_counter()
-        op, detail = episode.step()
+        move.run()
         kamera_s, cost = time.perf_counter() - began, window.stats.last
         synced = baseline.sync([window.chunk(ref) for ref in window.refs])
         run.records.append(
             OpRecord(
-                op,
-                detail,
+                move.op,
+                move.detail,
                 len(window),
                 cost.tokens_prefilled,
                 cost.forwards,
@@ -139,17 +143,26 @@ def _final_checks(window: KameraWindow, baseline: PrefixCache, run: WindowRun) -
     run.kamera_kl = max(0.0, float((p.exp() * (p - q)).sum()))
 
 
-class _Episode:
-    """Draws the next op from the window's state (deterministic given the seed), and runs it."""
+@dataclass(frozen=True)
+class _Move:
+    """The next op, fully prepared (frames rendered and preprocessed): ``run`` is what is timed."""
 
-    def __init__(self, window: KameraWindow, rng: random.Random) -> None:
-        self.window, self.rng = window, rng
+    op: str
+    detail: str
+    run: Callable[[], object]
+
+
+class _Episode:
+    """Draws the next op from the window's state (deterministic given the seed)."""
+
+    def __init__(self, window: KameraWindow, encoder: ChunkEncoder, rng: random.Random) -> None:
+        self.window, self.encoder, self.rng = window, encoder, rng
         frames = [("legend", g, c) for g in GLYPHS for c in COLOURS]
         frames += [("symbol", g, str(k)) for g in GLYPHS for k in range(1, SYMBOLS_PER_ITEM + 1)]
         rng.shuffle(frames)
         self.frames, self.next_frame = frames, 0
 
-    def step(self) -> tuple[str, str]:
+    def next(self) -> _Move:
         ops, weights = zip(*_WEIGHTS.items(), strict=True)
         op = self.rng.choices(ops, weights)[0]
         size = len(self.window)
@@ -157,14 +170,10 @@ class _Episode:
             op = "push"
         if op == "recall" and not self._recallable():
             op = "push"
-        return op, {
-            "push": self._push,
-            "slide": self._slide,
-            "reorder": self._reorder,
-            "recall": self._recall,
-        }[op]()
+        moves = {"push": self._push, "slide": self._slide, "reorder": self._reorder, "recall": self._recall}
+        return moves[op]()
 
-    def _push(self) -> str:
+    def _push(self) -> _Move:
         in_window = {ref.label for ref in self.window.refs}
         while True:
             kind, glyph, extra = self.frames[self.next_frame % len(self.frames)]
@@ -173,21 +182,20 @@ class _Episode:
             if label not in in_window:
                 break
         if kind == "legend":
-            self.window.push(render_legend(glyph, extra), label=label)
+            chunk = self.encoder.image(render_legend(glyph, extra), label=label)
         else:
-            self.window.push(render_symbol(glyph), kind="frame", caption=f"#{extra}", label=label)
-        return label
+            chunk = self.encoder.image(render_symbol(glyph), kind="frame", caption=f"#{extra}", label=label)
+        return _Move("push", label, lambda: self.window.push(chunk, label=label))
 
     def _recallable(self) -> bool:
         in_window = {ref.label for ref in self.window.refs}
         return any(ref.label not in in_window for ref in self.window.evicted)
 
-    def _slide(self) -> str:
+    def _slide(self) -> _Move:
         n = self.rng.choice((1, 2))
-        self.window.slide(n)
-        return f"{n} oldest out"
+        return _Move("slide", f"{n} oldest out", lambda: self.window.slide(n))
 
-    def _reorder(self) -> str:
+    def _reorder(self) -> _Move:
         order = self.window.refs
         width = self.rng.randint(2, min(4, len(order)))
         first = self.rng.randint(0, len(order) - width)
@@ -195,14 +203,14 @@ class _Episode:
         shuffled = self.rng.sample(block, width)
         if shuffled == block:
             shuffled = block[1:] + block[:1]
-        self.window.reorder(order[:first] + shuffled + order[first + width :])
-        return f"{width} chunks at slot {first} shuffled"
+        new = order[:first] + shuffled + order[first + width :]
+        return _Move("reorder", f"{width} chunks at slot {first} shuffled", lambda: self.window.reorder(new))
 
-    def _recall(self) -> str:
+    def _recall(self) -> _Move:
         in_window = {ref.label for ref in self.window.refs}
         ref = self.rng.choice([r for r in self.window.evicted if r.label not in in_window])
         capacity = self.window.config.capacity_chunks
         full = capacity is not None and len(self.window) >= capacity  # the recall evicts one first
         at = self.rng.choice((None, self.rng.randint(0, len(self.window) - int(full))))
-        self.window.recall(ref, at=at)
-        return f"{ref.label} back at {'the end' if at is None else f'slot {at}'}"
+        where = "the end" if at is None else f"slot {at}"
+        return _Move("recall", f"{ref.label} back at {where}", lambda: self.window.recall(ref, at=at))
