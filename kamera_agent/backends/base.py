@@ -107,6 +107,11 @@ class Backend(ABC):
     def decode(self, cache: Any, query_ids: torch.Tensor, start: int, config: DecodeConfig) -> Answer:
         """Answer ``query_ids`` placed at ``start`` over ``cache`` (which it may consume)."""
 
-    def condition_many(self, chunks: Sequence[tuple[Chunk, Sequence[ChunkKV], int]]) -> list[ChunkKV]:
-        """Batched `condition`; engines that can batch override this."""
-        return [self.condition(chunk, before, start) for chunk, before, start in chunks]
+    def condition_run(self, chunks: Sequence[Chunk], before: Sequence[ChunkKV], start: int) -> list[ChunkKV]:
+        """``KV(B_i | before, B_<i)`` for consecutive chunks from ``start``; engines that can
+        prefill the run in one forward override this loop."""
+        out: list[ChunkKV] = []
+        for chunk in chunks:
+            out.append(self.condition(chunk, [*before, *out], start))
+            start += chunk.advance
+        return out

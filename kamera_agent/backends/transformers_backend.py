@@ -145,19 +145,34 @@ class TransformersBackend(Backend):
         return canonical
 
     def condition(self, chunk: Chunk, before: Sequence[ChunkKV], start: int) -> ChunkKV:
-        self._check_chunk(chunk)
-        positions = chunk.positions_at(start)
+        return self.condition_run([chunk], before, start)[0]
+
+    def condition_run(self, chunks: Sequence[Chunk], before: Sequence[ChunkKV], start: int) -> list[ChunkKV]:
+        """``KV(B_i | before, B_<i)`` for consecutive chunks starting at ``start``, in one forward.
+
+        One forward over the run gives every chunk its conditioning on the exact KV of the
+        chunks before it in the run (what a re-prefill of the run computes), in the time of a
+        single prefill of the run's tokens.
+        """
+        for chunk in chunks:
+            self._check_chunk(chunk)
+        positions, position = [], start
+        for chunk in chunks:
+            positions.append(chunk.positions_at(position))
+            position += chunk.advance
+        ids = torch.cat([c.input_ids for c in chunks])
+        mm = torch.cat([c.mm_token_type_ids for c in chunks])
+        vision = _merge_features([self.vision_features(c) for c in chunks if c.has_vision])
         offset = sum(kv.num_tokens for kv in before)
-        cache, _ = self._forward(chunk, positions, self.assemble(before))
-        return read_chunk(
-            cache,
-            self.layout,
-            offset,
-            offset + chunk.num_tokens,
-            positions,
-            chunk_key=chunk.key,
-            model_fingerprint=self.fingerprint,
+        cache, _ = self._run(
+            ids, mm, torch.cat(positions, dim=-1), self.assemble(before), vision, logits=False
         )
+        out, slot = [], offset
+        for chunk, where in zip(chunks, positions, strict=True):
+            kv = read_chunk(cache, self.layout, slot, slot + chunk.num_tokens, where, chunk_key=chunk.key)
+            out.append(replace(kv, model_fingerprint=self.fingerprint))
+            slot += chunk.num_tokens
+        return out
 
     def assemble(self, placed: Sequence[ChunkKV]) -> Any:
         from transformers import DynamicCache
@@ -321,3 +336,10 @@ def _on_device(kv: ChunkKV, device: torch.device) -> ChunkKV:
     if kv.keys.device == device:
         return kv
     return replace(kv, keys=kv.keys.to(device), values=kv.values.to(device))
+
+
+def _merge_features(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
+    """Vision outputs of several chunks, in order, as one (image tokens are filled in order)."""
+    if not features:
+        return None
+    return {name: torch.cat([f[name] for f in features]) for name in features[0]}

@@ -56,8 +56,27 @@ class ExecutionMixin(WindowCore):
         if plan.op == "reorder":
             for ref in plan.order:
                 state.entries[ref].last_used = state.tick
-        for step in plan.steps:
-            self._apply(step, meter)
+        steps, index = list(plan.steps), 0
+        while index < len(steps):
+            run = self._formable_run(steps, index)
+            if len(run) > 1:  # consecutive chunks, each re-patched on all of its left: one forward
+                self._form_run(run, meter)
+                index += len(run)
+            else:
+                self._apply(steps[index], meter)
+                index += 1
+
+    def _formable_run(self, steps: Sequence[Step], index: int) -> list[ChunkRef]:
+        """The refs of ``form_patch`` steps from ``index`` on that follow each other in the
+        window and are each conditioned on everything to their left."""
+        order, run = self._state.order, list[ChunkRef]()
+        for step in steps[index:]:
+            position = order.index(step.ref) if step.ref in order else -1
+            follows = not run or (position > 0 and order[position - 1] == run[-1])
+            if step.kind != "form_patch" or not follows or tuple(order[:position]) != step.antecedents:
+                break
+            run.append(step.ref)
+        return run
 
     def _apply(self, step: Step, meter: CostMeter) -> None:
         entry, state, n = self._state.entries[step.ref], self._state, self._entry(step.ref).chunk.num_tokens
@@ -83,7 +102,7 @@ class ExecutionMixin(WindowCore):
 
     def _form(self, ref: ChunkRef, context: Sequence[ChunkRef], meter: CostMeter) -> None:
         """One conditioned forward of ``ref`` over ``context`` → patch (stored, orbit updated)."""
-        state, entry, ctx = self._state, self._entry(ref), self._ctx()
+        state, entry = self._state, self._entry(ref)
         canonical = self._canonical(ref, meter)
         order = state.order
         if ref in order and tuple(order[: order.index(ref)]) == tuple(context):
@@ -95,15 +114,39 @@ class ExecutionMixin(WindowCore):
                 before.append(self._place(r, start, meter))
                 start += self._entry(r).chunk.advance
         conditioned = self.backend.condition(entry.chunk, before, start)
-        signature = ctx.ordered(context)
-        patch = form_patch(canonical, conditioned, self.backend.layout, ctx.rank, antecedent=signature)  # type: ignore[arg-type]
+        self._adopt(ref, tuple(context), canonical, conditioned, meter)
+
+    def _form_run(self, refs: Sequence[ChunkRef], meter: CostMeter) -> None:
+        """Patches for consecutive in-window chunks, each on everything to its left: one forward."""
+        order, first = self._state.order, refs[0]
+        canonicals = [self._canonical(ref, meter) for ref in refs]
+        left = order[: order.index(first)]
+        before = [self._anchor_kv, *(self._placed_kv(r, meter) for r in left)]
+        chunks = [self._entry(ref).chunk for ref in refs]
+        conditioned = self.backend.condition_run(chunks, before, self._starts(order)[first])
+        for ref, canonical, kv in zip(refs, canonicals, conditioned, strict=True):
+            self._adopt(ref, tuple(order[: order.index(ref)]), canonical, kv, meter)
+
+    def _adopt(
+        self,
+        ref: ChunkRef,
+        context: tuple[ChunkRef, ...],
+        canonical: ChunkKV,
+        conditioned: ChunkKV,
+        meter: CostMeter,
+    ) -> None:
+        """Patch ``ref`` with the deficit of ``conditioned``: store it, fold it into the orbit."""
+        ctx, entry = self._ctx(), self._entry(ref)
+        patch = form_patch(
+            canonical, conditioned, self.backend.layout, ctx.rank, antecedent=ctx.ordered(context)
+        )
         self.store.put_patch(patch)
         meter.patches_formed += 1
         meter.bytes_added += patch.nbytes
         if self.config.orbit:
             self._update_orbit(ref, context, patch)
         entry.patch, entry.pending = patch, False
-        state.set_encodes(ref, tuple(context))
+        self._state.set_encodes(ref, context)
 
     def _update_orbit(self, ref: ChunkRef, context: Sequence[ChunkRef], patch: Patch) -> None:
         """Fold this ordering's patch into the mean over its antecedent set's orderings."""
@@ -114,9 +157,9 @@ class ExecutionMixin(WindowCore):
         if patch.antecedent in members:
             return
         if orbit is None:
-            merged = merge_patches([patch], ctx.rank, antecedent=key)  # type: ignore[arg-type]
+            merged = merge_patches([patch], ctx.rank, antecedent=key)
         else:
-            merged = merge_patches([orbit, patch], ctx.rank, weights=[len(members), 1], antecedent=key)  # type: ignore[arg-type]
+            merged = merge_patches([orbit, patch], ctx.rank, weights=[len(members), 1], antecedent=key)
         self.store.put_patch(
             Patch(
                 merged.factors,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kamera_agent.policies import PatchAction
 from kamera_agent.results import Edit, EditKind, Plan
@@ -74,7 +74,7 @@ class PlanContext:
     """What planning reads besides the window state: the rank, policies and the patch store."""
 
     anchor_key: str
-    rank: int | str
+    rank: int | Literal["full"]
     orbit: bool
     has_patch: Any  # Callable[[str, str], bool]: (chunk key, signature) -> stored?
 
