@@ -67,6 +67,7 @@ def _accuracy(figure: Any, results: BenchResults) -> None:
     axes.set(xscale="log", xlabel="patch rank", ylabel="accuracy", title="Accuracy vs patch rank")
     axes.set_ylim(-0.02, 1.02)
     axes.set_xticks(_RANKS, [str(m) for m in _RANKS])
+    axes.set_xticks([], minor=True)  # no log-axis minor labels over the rank labels
     axes.legend(fontsize=7)
 
 
@@ -80,6 +81,7 @@ def _kl(figure: Any, results: BenchResults) -> None:
     axes.set(xscale="log", yscale="log", xlabel="patch rank", ylabel="next-token KL to re-prefill")
     axes.set_title("KL to re-prefill vs patch rank")
     axes.set_xticks(_RANKS, [str(m) for m in _RANKS])
+    axes.set_xticks([], minor=True)  # no log-axis minor labels over the rank labels
     axes.legend(fontsize=7)
 
 
@@ -92,6 +94,7 @@ def _ttft(figure: Any, results: BenchResults) -> None:
     axes.set(xscale="log", yscale="log", xlabel="chunk tokens", ylabel="re-prefill TTFT / reuse TTFT")
     axes.set_title("TTFT speed-up vs chunk length")
     axes.set_xticks(lengths, [str(n) for n in lengths])
+    axes.set_xticks([], minor=True)
     axes.legend(fontsize=7)
 
 
