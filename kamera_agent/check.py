@@ -26,6 +26,7 @@ from kamera_agent.backends.transformers_backend import TransformersBackend
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
 from kamera_agent.loading import load_backend
+from kamera_agent.metrics import relative_error
 from kamera_agent.operator.layout import to_position_free
 from kamera_agent.operator.patch import apply_patch, form_patch
 from kamera_agent.window import KameraWindow
@@ -93,7 +94,7 @@ def _relocation(backend: TransformersBackend, chunk: Chunk, offset: int, toleran
     (far,) = backend.prefill_sequence([chunk], shift=offset)
     moved = apply_patch(to_position_free(near, backend.layout), None, backend.layout, far.positions)  # type: ignore[arg-type]
     slot = backend.layout.rope_slot
-    error = _rel(moved.slot(slot), far.slot(slot))
+    error = relative_error(moved.slot(slot), far.slot(slot))
     return Verdict(
         "relocation", error, tolerance, f"{chunk.kind} chunk moved by {offset} positions ({slot} band)"
     )
@@ -107,7 +108,7 @@ def _patch_transfer(
     canonical = backend.encode(chunks[-1])
     patch = form_patch(canonical, here, backend.layout, "full")
     moved = apply_patch(canonical, patch, backend.layout, there.positions)  # type: ignore[arg-type]
-    error = max(_rel(moved.keys, there.keys), _rel(moved.values, there.values))
+    error = max(relative_error(moved.keys, there.keys), relative_error(moved.values, there.values))
     return Verdict(
         "full-rank patch", error, tolerance, f"formed at one offset, applied {offset} positions on"
     )
@@ -128,10 +129,6 @@ def _window_vs_generate(backend: TransformersBackend, chunks: list[Chunk]) -> Ve
     gap = float((answer.first_logits.to(reference.device) - reference).abs().max())
     detail = f"greedy tokens {'equal' if not mismatch else 'differ'}; max logit difference {gap:.1e}"
     return Verdict("window vs generate", mismatch, 0.0, detail)
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
 
 
 def _print(console: Console, report: CheckReport, backend: TransformersBackend) -> None:

@@ -7,7 +7,11 @@ from typing import Any
 import torch
 
 from kamera_agent.compat import cache_kwarg, output_cache
+from kamera_agent.metrics import next_token_kl, relative_error
 from kamera_agent.operator import ChunkKV, KVLayout, read_chunk
+
+rel_err = relative_error
+__all__ = ["cache_from", "chunk_kv", "extend", "next_token_kl", "prefill", "rel_err"]
 
 
 def prefill(model: Any, positions: torch.Tensor, **inputs: Any) -> tuple[Any, torch.Tensor]:
@@ -33,11 +37,6 @@ def chunk_kv(model: Any, layout: KVLayout, positions: torch.Tensor, start: int =
     return read_chunk(cache, layout, start, n, positions[..., start:])
 
 
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Relative Frobenius error, in float64."""
-    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
-
-
 def cache_from(model: Any, chunks: list[ChunkKV]) -> Any:
     """A transformers ``DynamicCache`` holding ``chunks`` back to back (batch 1)."""
     from transformers import DynamicCache
@@ -48,10 +47,3 @@ def cache_from(model: Any, chunks: list[ChunkKV]) -> Any:
     for layer in range(keys.shape[0]):
         cache.update(keys[layer][None], values[layer][None], layer)
     return cache
-
-
-def next_token_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    """KL(p ‖ q) of the next-token distributions given by two logit vectors ``[V]``."""
-    p = torch.log_softmax(p_logits.double(), -1)
-    q = torch.log_softmax(q_logits.double(), -1)
-    return float((p.exp() * (p - q)).sum())

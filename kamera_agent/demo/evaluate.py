@@ -36,6 +36,7 @@ from kamera_agent.backends.transformers_backend import TransformersBackend
 from kamera_agent.compat import output_cache
 from kamera_agent.demo.sequences import FrameCache, ItemSequence, item_sequence
 from kamera_agent.demo.task import DemoItem
+from kamera_agent.metrics import next_token_kl
 from kamera_agent.operator.layout import ChunkKV, KVLayout, read_chunk
 from kamera_agent.operator.patch import LayerChoice, apply_patch, form_orbit_patch, form_patch
 
@@ -290,13 +291,7 @@ def _tally(
             tally = out.result(name, kind)
             tally.items += 1
             tally.correct += top == answer_token
-            tally.kl_sum += _kl(reference, logits)
+            tally.kl_sum += next_token_kl(reference, logits)
             tally.agree += top == truth_top
             tally.flips += flipped
             tally.flips_recovered += flipped and top == truth_top
-
-
-def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    p = torch.log_softmax(p_logits.double(), -1)
-    q = torch.log_softmax(q_logits.double(), -1)
-    return max(0.0, float((p.exp() * (p - q)).sum()))

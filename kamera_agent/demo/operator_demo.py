@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kamera_agent.compat import cache_kwarg, output_cache
+from kamera_agent.metrics import next_token_kl
 from kamera_agent.operator import (
     ChunkKV,
     KVLayout,
@@ -95,7 +96,7 @@ def run_operator_demo(console: Console | None = None, seed: int = 0) -> Operator
         if rank == 32:
             reuse_seconds = time.perf_counter() - start
         answer = _decode_after(model, [before, placed], query, int(b_pos[-1]) + 1)
-        kl_by_rank["blind" if rank == 0 else str(rank)] = _kl(reference, answer)
+        kl_by_rank["blind" if rank == 0 else str(rank)] = next_token_kl(reference, answer)
 
     _print(console, relocation, kl_by_rank, prefill_seconds, reuse_seconds, layout)
     return OperatorDemoResult(relocation, kl_by_rank, prefill_seconds, reuse_seconds)
@@ -136,12 +137,6 @@ def _decode_after(model: Any, chunks: list[ChunkKV], query: torch.Tensor, start:
         )
     logits: torch.Tensor = out.logits[0, -1]
     return logits
-
-
-def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    p = torch.log_softmax(p_logits.double(), -1)
-    q = torch.log_softmax(q_logits.double(), -1)
-    return float((p.exp() * (p - q)).sum())
 
 
 def _print(

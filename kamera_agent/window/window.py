@@ -29,6 +29,7 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.errors import (
     UnreadableInputError,
 )
+from kamera_agent.metrics import next_token_kl
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.operator.patch import Patch
 from kamera_agent.results import Answer, OpCost, Plan, Probe, WindowStats
@@ -227,7 +228,7 @@ class KameraWindow(PlanningMixin, ExecutionMixin):
         order = [r for r in self._state.order if r != ref]
         placed = self._view_without(ref, order, meter)
         without = self._decode(placed, order, query, config)
-        kl = _kl(with_chunk.first_logits, without.first_logits)
+        kl = next_token_kl(with_chunk.first_logits, without.first_logits)
         agree = int(with_chunk.first_logits.argmax()) == int(without.first_logits.argmax())
         cost = meter.finish()
         self._book.record("probe", cost)
@@ -348,12 +349,6 @@ def _resolve_backend(
             disk_budget=config.disk_budget,
         )
     return backend
-
-
-def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    p = torch.log_softmax(p_logits.double(), -1)
-    q = torch.log_softmax(q_logits.double(), -1)
-    return float((p.exp() * (p - q)).sum())
 
 
 def _with_cost(answer: Answer, cost: OpCost) -> Answer:
