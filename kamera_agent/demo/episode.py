@@ -125,15 +125,10 @@ def _prefix_cache_cost(window: KameraWindow, before: Sequence[ChunkRef]) -> int:
 def _print(console: Console, result: EpisodeResult, window: KameraWindow) -> None:
     console.rule("[bold]kamera-agent demo[/bold] · kamera-tiny-vl (Qwen2-VL class, offline)")
     table = Table(show_lines=False)
-    for column in (
-        "op",
-        "forwards",
-        "tokens prefilled",
-        "tokens reused",
-        "prefix cache would prefill",
-        "note",
-    ):
-        table.add_column(column, justify="left" if column in ("op", "note") else "right")
+    table.add_column("op", no_wrap=True)
+    for column in ("fwd", "prefilled", "reused", "prefix cache"):
+        table.add_column(column, justify="right", no_wrap=True)
+    table.add_column("note", overflow="fold")
     for step in result.steps:
         table.add_row(
             step.op,
