@@ -5,11 +5,19 @@
 
 Plain PyTorch on CPU. Each step trains on a batch of items laid out exactly as a KameraWindow
 lays them out (anchor, one chunk per frame, the question), with two losses over the full
-vocabulary: the answer tokens, and an auxiliary loss asking every token of each symbol frame
-to predict the colour its glyph means. The auxiliary loss is what makes the binding happen on
-the *symbol frames'* own tokens (cross-chunk conditioning) rather than only on the query side;
-without it a briefly trained tiny model answers from the query alone and blind reuse would
-not hurt it. The model card says so.
+vocabulary: the answer tokens, and a dense auxiliary loss on the frames' own image tokens
+(merged tokens in raster order: top-left, top-right, bottom-left, bottom-right):
+
+- a legend frame's glyph token (top-left) and the swatch token after it (top-right) predict
+  the glyph's letter, its two lower swatch tokens its colour: the model learns to read both,
+  and the top-right token learns to carry the glyph beside its colour (so a later token can
+  find the colour by the glyph);
+- every token of a symbol frame (and its vision-end token) predicts the colour its glyph
+  *means*: the frame shows the glyph on grey, so the colour must come from the legend frame
+  with the same glyph token before it. This is what makes the binding happen on the symbol
+  frames' own tokens (cross-chunk conditioning) rather than only on the query side; without it
+  a briefly trained tiny model answers from the query alone and blind reuse would not hurt it.
+  The model card says so.
 """
 
 from __future__ import annotations
@@ -61,13 +69,17 @@ def collate(backend: TransformersBackend, batch: list[ItemSequence]) -> dict[str
         start = row.numel() - seq.answer_ids.numel()
         answer[start - 1 : row.numel() - 1] = seq.answer_ids  # logits at i predict token i + 1
         target = torch.full_like(row, -100)
-        offset = anchor.num_tokens + sum(c.num_tokens for c in seq.chunks[: len(seq.item.legend)])
-        meaning = seq.item.meaning
-        for chunk, glyph in zip(seq.symbol_chunks, seq.item.symbols, strict=True):
-            colour_token = int(backend.encoder.tokens(meaning[glyph])[0])
-            image = (chunk.mm_token_type_ids == 1).nonzero().flatten()
-            span = torch.cat([image, image[-1:] + 1]) + offset  # image tokens and vision_end
-            target[span] = colour_token
+        offset = anchor.num_tokens
+        for index, chunk in enumerate(seq.chunks):
+            image = (chunk.mm_token_type_ids == 1).nonzero().flatten() + offset  # TL, TR, BL, BR
+            if index < len(seq.item.legend):
+                glyph, colour = seq.item.legend[index]
+                target[image[:2]] = _first_token(backend, glyph)
+                target[image[2:]] = _first_token(backend, colour)
+            else:
+                glyph = seq.item.symbols[index - len(seq.item.legend)]
+                bound = torch.cat([image, image[-1:] + 1])  # and vision_end
+                target[bound] = _first_token(backend, seq.item.meaning[glyph])
             offset += chunk.num_tokens
         rows.append(row), answers.append(answer), aux.append(target), types.append(torch.cat(mm))
         pixels += [c.pixel_values for c in seq.chunks]
@@ -86,6 +98,10 @@ def collate(backend: TransformersBackend, batch: list[ItemSequence]) -> dict[str
         "answer_targets": pad(answers, -100),
         "aux_targets": pad(aux, -100),
     }
+
+
+def _first_token(backend: TransformersBackend, text: str) -> int:
+    return int(backend.encoder.tokens(text)[0])
 
 
 def losses(model: Any, batch: dict[str, torch.Tensor], aux_weight: float) -> tuple[torch.Tensor, float]:

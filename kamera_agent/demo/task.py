@@ -16,8 +16,11 @@ Questions:
 - ``colour`` (multi-hop): which colour does symbol frame ``#k`` mean?
 - ``glyph`` (single-hop readout, the negative control): which glyph is in frame ``#k``?
 
-Glyphs are 2 x 4 barcodes of 14-pixel cells (one vision patch each), so a tiny vision tower
-learns them in minutes; the binding is what the language model must learn.
+A glyph is a 2 x 2 pattern of 14-pixel cells (one vision patch each) in the frame's top-left
+quarter, which is exactly one merged vision token; the legend frame's other three quarters
+show its colour, a symbol frame's are grey. So a symbol frame's glyph token is the same vision
+token as the legend's, and binding is the classic copy a transformer learns readily: find the
+earlier occurrence of this glyph, read the colour next to it.
 """
 
 from __future__ import annotations
@@ -62,22 +65,9 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "magenta": (230, 40, 200),
 }
 
-# 16 glyphs, each an 8-bit code over a 2 x 4 grid of cells, pairwise Hamming distance >= 3;
-# named by letters so a readout answer is one token.
-GLYPHS: dict[str, int] = {}
-
-
-def _glyph_codes(count: int = 16, min_distance: int = 3) -> list[int]:
-    codes: list[int] = []
-    for code in range(1, 255):
-        if all(bin(code ^ other).count("1") >= min_distance for other in codes):
-            codes.append(code)
-        if len(codes) == count:
-            return codes
-    raise RuntimeError("not enough glyph codes")
-
-
-GLYPHS.update(zip("abcdefghijklmnop", _glyph_codes(), strict=True))
+# 16 glyphs: every 4-bit code over the 2 x 2 cells of the frame's top-left quarter, which is
+# exactly one merged vision token; named by letters so a readout answer is one token.
+GLYPHS: dict[str, int] = dict(zip("abcdefghijklmnop", range(16), strict=True))
 
 FRAME = 56  # pixels: one Qwen-VL image of 4 x 4 patches (4 tokens after the 2 x 2 merge)
 CELL = 14
@@ -143,27 +133,23 @@ def render_legend(
     glyph: str, colour: str, noise: float = 0.0, rng: np.random.Generator | None = None
 ) -> Image.Image:
     """A legend frame: the glyph in the left half, its colour's swatch in the right half."""
-    frame = _blank(noise, rng)
+    frame = np.zeros((FRAME, FRAME, 3), dtype=np.uint8)
+    frame[:, :] = COLOURS[colour]
     _draw_glyph(frame, GLYPHS[glyph])
-    frame[:, FRAME // 2 :] = COLOURS[colour]
     return _finish(frame, noise, rng)
 
 
 def render_symbol(glyph: str, noise: float = 0.0, rng: np.random.Generator | None = None) -> Image.Image:
     """A symbol frame: the glyph alone (right half a neutral grey)."""
-    frame = _blank(noise, rng)
+    frame = np.full((FRAME, FRAME, 3), 128, dtype=np.uint8)
     _draw_glyph(frame, GLYPHS[glyph])
-    frame[:, FRAME // 2 :] = (128, 128, 128)
     return _finish(frame, noise, rng)
 
 
-def _blank(noise: float, rng: np.random.Generator | None) -> np.ndarray:
-    del noise, rng  # the background is black; noise is added once the frame is drawn
-    return np.zeros((FRAME, FRAME, 3), dtype=np.uint8)
-
-
 def _draw_glyph(frame: np.ndarray, code: int) -> None:
-    for bit in range(8):
+    """The glyph's quarter: black, with a white square in each cell whose bit is set."""
+    frame[: 2 * CELL, : 2 * CELL] = 0
+    for bit in range(4):
         if code >> bit & 1:
             row, col = divmod(bit, 2)
             top, left = row * CELL, col * CELL

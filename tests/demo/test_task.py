@@ -36,9 +36,10 @@ def test_colour_answers_differ_in_their_first_token() -> None:
 
 
 def test_frames_show_the_glyph_and_the_colour() -> None:
-    legend = np.asarray(render_legend("a", "red"))
+    legend = np.asarray(render_legend("f", "red"))
     assert legend.shape == (56, 56, 3)
-    assert tuple(legend[30, 50]) == COLOURS["red"]  # the swatch
-    symbol = np.asarray(render_symbol("a"))
-    assert np.array_equal(symbol[:, :28], legend[:, :28])  # the same glyph in both frames
-    assert not np.array_equal(np.asarray(render_symbol("b"))[:, :28], symbol[:, :28])
+    assert tuple(legend[40, 40]) == tuple(legend[5, 50]) == COLOURS["red"]  # the swatch quarters
+    symbol = np.asarray(render_symbol("f"))
+    assert np.array_equal(symbol[:28, :28], legend[:28, :28])  # the same glyph token in both frames
+    assert tuple(symbol[40, 40]) == (128, 128, 128)
+    assert not np.array_equal(np.asarray(render_symbol("g"))[:28, :28], symbol[:28, :28])
