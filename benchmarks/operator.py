@@ -33,27 +33,14 @@ from rich.console import Console
 from rich.table import Table
 
 from kamera_agent.compat import output_cache
+from kamera_agent.models.random_qwen2 import Qwen2Shape, random_qwen2
 from kamera_agent.operator import apply_patch, form_patch, kv_layout, read_chunk, to_position_free
 from kamera_agent.settings import configure_threads
 
 
 def build_model(args: argparse.Namespace) -> Any:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.mlp,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=131072,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(args.device):
-        model = Qwen2ForCausalLM(config)
-    return model.to(getattr(torch, args.dtype)).eval()
+    shape = Qwen2Shape(args.layers, args.hidden, args.heads, args.kv_heads, args.mlp, args.vocab)
+    return random_qwen2(shape, device=args.device, dtype=getattr(torch, args.dtype))
 
 
 def timed(fn: Callable[[], Any], repeats: int, device: str) -> tuple[float, Any]:

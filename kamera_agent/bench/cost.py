@@ -25,6 +25,7 @@ from rich.progress import Progress, TaskID
 
 from kamera_agent.backends.transformers_backend import TransformersBackend
 from kamera_agent.bench.common import finite, median_seconds
+from kamera_agent.models.random_qwen2 import Qwen2Shape, random_qwen2
 from kamera_agent.operator import ChunkKV, Patch, apply_patch, form_patch, read_chunk, to_position_free
 
 __all__ = ["CostRow", "CostRun", "CostShape", "run_cost"]
@@ -158,22 +159,10 @@ def run_cost(run: CostRun, progress: Progress, seed: int) -> None:
 
 
 def _backend(shape: CostShape, seed: int) -> TransformersBackend:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from kamera_agent.models.tiny_tokenizer import build_byte_tokenizer
 
-    config = Qwen2Config(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.mlp,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=32768,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).eval()
+    model_shape = Qwen2Shape(shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.mlp, shape.vocab)
+    model = random_qwen2(model_shape, seed=seed, max_positions=32768)
     return TransformersBackend(model, tokenizer=build_byte_tokenizer(vocab_size=shape.vocab))
 
 

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from kamera_agent.compat import cache_kwarg, output_cache
 from kamera_agent.metrics import next_token_kl
+from kamera_agent.models.random_qwen2 import Qwen2Shape, random_qwen2
 from kamera_agent.operator import (
     ChunkKV,
     KVLayout,
@@ -42,21 +43,8 @@ class OperatorDemoResult:
 
 def build_demo_model(seed: int = 0) -> Any:
     """A small random Qwen2 (4 layers, GQA 4/2) with an init large enough to condition."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=65536,
-        initializer_range=0.1,
-    )
-    config._attn_implementation = "eager"
-    return Qwen2ForCausalLM(config).eval()
+    shape = Qwen2Shape(layers=4, hidden=128, heads=4, kv_heads=2, mlp=256, vocab=512)
+    return random_qwen2(shape, seed=seed, attention="eager", init_std=0.1, max_positions=65536)
 
 
 def run_operator_demo(console: Console | None = None, seed: int = 0) -> OperatorDemoResult:
