@@ -18,7 +18,7 @@ from kamera_agent.operator.patch import Patch, apply_patch, form_patch, merge_pa
 from kamera_agent.results import Answer, OpCost
 from kamera_agent.window.base import WindowCore
 from kamera_agent.window.costs import CostMeter
-from kamera_agent.window.planner import Step, WindowPlan
+from kamera_agent.window.planner import Step, WindowPlan, formable_run
 from kamera_agent.window.state import ChunkRef, Entry
 
 __all__ = ["ExecutionMixin"]
@@ -58,25 +58,13 @@ class ExecutionMixin(WindowCore):
                 state.entries[ref].last_used = state.tick
         steps, index = list(plan.steps), 0
         while index < len(steps):
-            run = self._formable_run(steps, index)
+            run = formable_run(steps, index, self._state.order)
             if len(run) > 1:  # consecutive chunks, each re-patched on all of its left: one forward
                 self._form_run(run, meter)
                 index += len(run)
             else:
                 self._apply(steps[index], meter)
                 index += 1
-
-    def _formable_run(self, steps: Sequence[Step], index: int) -> list[ChunkRef]:
-        """The refs of ``form_patch`` steps from ``index`` on that follow each other in the
-        window and are each conditioned on everything to their left."""
-        order, run = self._state.order, list[ChunkRef]()
-        for step in steps[index:]:
-            position = order.index(step.ref) if step.ref in order else -1
-            follows = not run or (position > 0 and order[position - 1] == run[-1])
-            if step.kind != "form_patch" or not follows or tuple(order[:position]) != step.antecedents:
-                break
-            run.append(step.ref)
-        return run
 
     def _apply(self, step: Step, meter: CostMeter) -> None:
         entry, state, n = self._state.entries[step.ref], self._state, self._entry(step.ref).chunk.num_tokens

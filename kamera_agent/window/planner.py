@@ -26,7 +26,7 @@ from kamera_agent.policies import PatchAction
 from kamera_agent.results import Edit, EditKind, Plan
 from kamera_agent.window.state import ChunkRef, WindowState, ordered_signature, set_signature
 
-__all__ = ["PlanContext", "Step", "WindowPlan", "decide"]
+__all__ = ["PlanContext", "Step", "WindowPlan", "decide", "formable_run"]
 
 
 @dataclass(frozen=True)
@@ -59,13 +59,30 @@ class WindowPlan:
     steps: tuple[Step, ...] = ()
     chunks: dict[ChunkRef, Any] = field(default_factory=dict)
 
-    def public(self, forwards: dict[ChunkRef, int], tokens: dict[ChunkRef, int]) -> Plan:
-        """The user-facing `Plan`: labelled edits with their predicted forwards and tokens."""
+    def public(self, encodes: dict[ChunkRef, int], tokens: dict[ChunkRef, int]) -> Plan:
+        """The user-facing `Plan`: labelled edits with their predicted forwards and tokens.
+
+        ``encodes`` says which chunks' canonicals must be prefilled (0: stored). Consecutive
+        patch formations share one forward (`formable_run`), so only the first of a run counts one.
+        """
         edits = [Edit("evict", ref.label, "leaves the window; canonical kept") for ref in self.evicted]
         edits += [Edit("admit", ref.label, "enters the window") for ref in self.admitted]
+        shared: set[ChunkRef] = set()
+        for index, step in enumerate(self.steps):
+            if step.kind == "form_patch" and step.ref not in shared:
+                shared.update(formable_run(self.steps, index, self.order)[1:])
         for step in self.steps:
-            runs = forwards.get(step.ref, 0) if step.kind in ("encode", "form_patch") else 0
-            edits.append(Edit(step.kind, step.ref.label, step.detail, runs, tokens.get(step.ref, 0) * runs))
+            n = tokens.get(step.ref, 0)
+            if step.kind == "encode":
+                runs = encodes.get(step.ref, 0)
+                edits.append(Edit("encode", step.ref.label, step.detail, runs, n * runs))
+            elif step.kind == "form_patch":
+                detail = step.detail + (
+                    " (in the forward of the chunk before it)" if step.ref in shared else ""
+                )
+                edits.append(Edit("form_patch", step.ref.label, detail, int(step.ref not in shared), n))
+            else:
+                edits.append(Edit(step.kind, step.ref.label, step.detail))
         return Plan(self.op, tuple(edits))
 
 
@@ -135,3 +152,16 @@ def _fallback(
     if action == "defer":
         return Step("defer", ref, detail="patch formed before the next read (lazy)")
     return Step("form_patch", ref, left, detail="conditioned forward over its new left context")
+
+
+def formable_run(steps: Sequence[Step], index: int, order: Sequence[ChunkRef]) -> list[ChunkRef]:
+    """The refs of the ``form_patch`` steps from ``index`` on that follow each other in ``order``
+    and are each conditioned on everything to their left: one forward serves them all."""
+    run: list[ChunkRef] = []
+    for step in steps[index:]:
+        position = order.index(step.ref) if step.ref in order else -1
+        follows = not run or (position > 0 and order[position - 1] == run[-1])
+        if step.kind != "form_patch" or not follows or tuple(order[:position]) != step.antecedents:
+            break
+        run.append(step.ref)
+    return run

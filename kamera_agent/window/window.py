@@ -267,9 +267,8 @@ class KameraWindow(PlanningMixin, ExecutionMixin):
         plan = builders[op](*args, **kwargs)
         chunks = {**{r: e.chunk for r, e in self._state.entries.items()}, **plan.chunks}
         tokens = {ref: chunk.num_tokens for ref, chunk in chunks.items()}
-        forwards = {ref: 0 if self.store.has_canonical(chunk.key) else 1 for ref, chunk in chunks.items()}
-        forwards |= {step.ref: 1 for step in plan.steps if step.kind == "form_patch"}
-        return plan.public(forwards, tokens)
+        encodes = {ref: 0 if self.store.has_canonical(chunk.key) else 1 for ref, chunk in chunks.items()}
+        return plan.public(encodes, tokens)
 
     def kv(self) -> Any:
         """The assembled cache of the window (anchor + placed chunks), as the backend holds it."""

@@ -223,3 +223,18 @@ def test_probe_driven_eviction_drops_the_chunk_the_last_query_leans_on_least() -
     scores = {ref: w.probe_kl(ref, "What rolled?") for ref in refs}
     w.push("one more line", label="d")
     assert w.evicted == [min(scores, key=scores.__getitem__)]
+
+
+def test_plans_predict_the_forwards_ops_run_and_runs_share_one_forward() -> None:
+    w = window(orbit=False)
+    refs = [w.push(text) for text in ("plan one alpha", "plan two beta", "plan three gamma", "plan four delta")]
+    new = [refs[0], refs[3], refs[1], refs[2]]
+    plan = w.plan("reorder", new)
+    assert plan.count("form_patch") == 3 and plan.forwards == 1  # one forward over the moved run
+    w.reorder(new)
+    assert w.stats.last.forwards == plan.forwards and w.stats.last.patches_formed == 3
+    assert_exact(w)
+    w.evict(refs[0])
+    plan = w.plan("recall", refs[0], at=0)
+    w.recall(refs[0], at=0)
+    assert w.stats.last.forwards == plan.forwards
