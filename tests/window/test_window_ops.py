@@ -227,7 +227,9 @@ def test_probe_driven_eviction_drops_the_chunk_the_last_query_leans_on_least() -
 
 def test_plans_predict_the_forwards_ops_run_and_runs_share_one_forward() -> None:
     w = window(orbit=False)
-    refs = [w.push(text) for text in ("plan one alpha", "plan two beta", "plan three gamma", "plan four delta")]
+    refs = [
+        w.push(text) for text in ("plan one alpha", "plan two beta", "plan three gamma", "plan four delta")
+    ]
     new = [refs[0], refs[3], refs[1], refs[2]]
     plan = w.plan("reorder", new)
     assert plan.count("form_patch") == 3 and plan.forwards == 1  # one forward over the moved run
