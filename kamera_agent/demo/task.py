@@ -5,9 +5,9 @@ paper is about: reuse that drops cross-chunk conditioning breaks answers that ne
 (one chunk read against another) and leaves plain readout intact. An item is a window of
 frames rendered with OpenCV:
 
-- **legend frames**: a glyph (left half) beside a colour swatch (right half): "this glyph
-  means this colour". The mapping is drawn afresh for every item, so it must be read, not
-  memorised; several glyphs share a colour.
+- **legend frames**: a glyph (top-left quarter) on a colour swatch: "this glyph means this
+  colour". The mapping (4 of 16 glyphs onto 4 of 8 colours) is drawn afresh for every item, so
+  it must be read, not memorised.
 - **symbol frames**: a glyph alone, captioned ``#1`` … ``#5``.
 
 Questions:
@@ -72,7 +72,8 @@ GLYPHS: dict[str, int] = dict(zip("abcdefghijklmnop", range(16), strict=True))
 FRAME = 56  # pixels: one Qwen-VL image of 4 x 4 patches (4 tokens after the 2 x 2 merge)
 CELL = 14
 SYMBOLS_PER_ITEM = 5
-LEGEND_PER_ITEM = 8
+LEGEND_PER_ITEM = 4
+GLYPHS_PER_COLOUR = 1
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,8 @@ def make_item(rng: random.Random, kind: QuestionKind | None = None) -> DemoItem:
     kinds: list[QuestionKind] = list(QUESTIONS)
     chosen: QuestionKind = kind if kind is not None else rng.choice(kinds)
     glyphs = rng.sample(list(GLYPHS), LEGEND_PER_ITEM)
-    colours = rng.sample(list(COLOURS), LEGEND_PER_ITEM // 2)
-    meaning = {glyph: colours[i // 2] for i, glyph in enumerate(glyphs)}  # two glyphs per colour
+    colours = rng.sample(list(COLOURS), LEGEND_PER_ITEM // GLYPHS_PER_COLOUR)
+    meaning = {glyph: colours[i // GLYPHS_PER_COLOUR] for i, glyph in enumerate(glyphs)}
     winner = rng.choice(colours)
     synonyms = [g for g in glyphs if meaning[g] == winner]
     others = [g for g in glyphs if meaning[g] != winner]

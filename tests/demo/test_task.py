@@ -6,7 +6,7 @@ from collections import Counter
 
 import numpy as np
 
-from kamera_agent.demo.task import COLOURS, GLYPHS, make_items, render_legend, render_symbol
+from kamera_agent.demo.task import COLOURS, GLYPHS, LEGEND_PER_ITEM, make_items, render_legend, render_symbol
 
 
 def test_items_are_deterministic_by_seed_and_split_by_seed() -> None:
@@ -17,7 +17,7 @@ def test_items_are_deterministic_by_seed_and_split_by_seed() -> None:
 def test_every_item_is_well_posed() -> None:
     for item in make_items(300, seed=1):
         meaning = item.meaning
-        assert len(set(meaning)) == len(item.legend) == 8  # distinct glyphs in the legend
+        assert len(set(meaning)) == len(item.legend) == LEGEND_PER_ITEM  # distinct glyphs
         assert all(glyph in meaning for glyph in item.symbols)
         votes = Counter(meaning[g] for g in item.symbols)
         winner, count = votes.most_common(1)[0]
