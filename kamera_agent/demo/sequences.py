@@ -49,10 +49,6 @@ class ItemSequence:
     query_ids: torch.Tensor
     answer_ids: torch.Tensor
 
-    @property
-    def symbol_chunks(self) -> list[Chunk]:
-        return self.chunks[len(self.item.legend) :]
-
 
 def item_sequence(cache: FrameCache, item: DemoItem) -> ItemSequence:
     """Legend frames, then the symbol frames ``#1`` … ``#5``, then the question."""
