@@ -20,3 +20,19 @@ configure_threads(1)
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def untrained_demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """kamera-tiny-vl's architecture, tokenizer and image processor with random weights, saved
+    as a checkpoint directory: the demo, examples and bench run on it without trained weights."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from kamera_agent.demo.model import demo_config, demo_image_processor, demo_tokenizer
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("kamera-tiny-vl-untrained")
+    Qwen2VLForConditionalGeneration(demo_config()).save_pretrained(path)
+    demo_tokenizer().save_pretrained(path)
+    demo_image_processor().save_pretrained(path)
+    return path

@@ -35,19 +35,8 @@ def test_operator_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def untrained_demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """kamera-tiny-vl's architecture, tokenizer and image processor with random weights."""
-    import torch
-    from transformers import Qwen2VLForConditionalGeneration
-
-    from kamera_agent.demo.model import demo_config, demo_image_processor, demo_tokenizer
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("kamera-tiny-vl")
-    Qwen2VLForConditionalGeneration(demo_config()).save_pretrained(path)
-    demo_tokenizer().save_pretrained(path)
-    demo_image_processor().save_pretrained(path)
-    return path
+def untrained_demo_model(untrained_demo_dir: Path) -> Path:
+    return untrained_demo_dir
 
 
 def test_demo_episode_runs_every_window_op(

@@ -8,7 +8,7 @@ encode exactly the chunks now to its left?
 2. same antecedent *set*, other order, orbit patches on, an orbit patch stored → **apply** it;
 3. a patch for exactly the new ordered antecedent stored → **apply** it (no forward);
 4. its left context is what it was before this op (e.g. a reorder that moved only chunks to
-   its right) → **rotate**: the op gives no reason to touch it;
+   its right) and it encodes nothing now to its right → **rotate**: no reason to touch it;
 5. otherwise the op's policy decides: **form** a patch (one conditioned forward), **keep**
    the old one (only while it encodes nothing now to its right: the graph stays causal and
    acyclic), **revert** to the canonical, or **defer** (lazy).
@@ -129,7 +129,8 @@ def decide(
     if ctx.has_patch(ref.key, ctx.ordered(left)):
         return Step("apply_patch", ref, left, ctx.ordered(left), "stored patch for these antecedents")
     before = state.order
-    if ref in before and tuple(before[: before.index(ref)]) == left:
+    causal = not set(current) & set(order[index:])  # it encodes nothing now at or right of it
+    if ref in before and tuple(before[: before.index(ref)]) == left and causal:
         return Step("rotate", ref, current, detail="this op left its left context as it was")
     return _fallback(state, ref, order, left, current, fallback)
 

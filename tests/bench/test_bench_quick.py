@@ -13,26 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from rich.console import Console
 
 from kamera_agent.bench import runner
 from kamera_agent.bench.common import BenchOptions
 from kamera_agent.bench.cost import CostRun, CostShape
 from kamera_agent.bench.fidelity import FIDELITY_ARMS
-from kamera_agent.demo.model import demo_config, demo_image_processor, demo_tokenizer
 
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import Qwen2VLForConditionalGeneration
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("kamera-tiny-vl")
-    Qwen2VLForConditionalGeneration(demo_config()).save_pretrained(path)
-    demo_tokenizer().save_pretrained(path)
-    demo_image_processor().save_pretrained(path)
-    return path
+def demo_dir(untrained_demo_dir: Path) -> Path:
+    return untrained_demo_dir
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,14 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-import torch
 
-from kamera_agent.demo.model import DEMO_MODEL_DIR, demo_config, demo_image_processor, demo_tokenizer
+from kamera_agent.demo.model import DEMO_MODEL_DIR
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture(scope="session")
-def model_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+def model_args(untrained_demo_dir: Path) -> list[str]:
     """``[]`` (the shipped demo model) or ``["--model", DIR]`` with an untrained stand-in.
 
     The stand-in is built from the demo's own config, tokenizer and image processor rather than
@@ -31,14 +30,7 @@ def model_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """
     if (DEMO_MODEL_DIR / "config.json").is_file():
         return ["--threads", "1"]
-    from transformers import Qwen2VLForConditionalGeneration
-
-    out = tmp_path_factory.mktemp("kamera-tiny-vl-untrained")
-    torch.manual_seed(0)
-    Qwen2VLForConditionalGeneration(demo_config()).save_pretrained(out)
-    demo_tokenizer().save_pretrained(out)
-    demo_image_processor().save_pretrained(out)
-    return ["--threads", "1", "--model", str(out)]
+    return ["--threads", "1", "--model", str(untrained_demo_dir)]
 
 
 def load_example(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:

@@ -240,3 +240,19 @@ def test_plans_predict_the_forwards_ops_run_and_runs_share_one_forward() -> None
     plan = w.plan("recall", refs[0], at=0)
     w.recall(refs[0], at=0)
     assert w.stats.last.forwards == plan.forwards
+
+
+def test_a_chunk_left_alone_by_an_op_still_never_encodes_a_chunk_to_its_right() -> None:
+    """Found by the property test: recall to the end put an evicted antecedent of a survivor to
+    that survivor's right; 'its left context did not change' must not keep that patch."""
+    w = window()
+    a = w.push("causal red")
+    w.push("causal red")  # same content as a
+    c = w.push("causal green ball")
+    w.evict(a)
+    w.recall(a)  # at the end: c's old patch encodes a, now to its right
+    order = {ref: i for i, ref in enumerate(w.refs)}
+    for source, target in w.graph.edges:
+        if source in order and target in order:
+            assert order[source] < order[target]
+    assert w.patch_of(c) is not None
