@@ -38,8 +38,12 @@ class WindowMachine(RuleBasedStateMachine):
         backend = shared_backend()
         # A small store: canonicals and patches get dropped, so recalls must re-encode.
         backend.store = ChunkStore(fingerprint=backend.fingerprint, memory_budget=120_000)
-        self.window = KameraWindow(backend, config=WindowConfig(rank=4, capacity_chunks=5))
+        self.window = KameraWindow(backend, config=self.config())
         self.pushed: set = set()
+
+    @staticmethod
+    def config() -> WindowConfig:
+        return WindowConfig(rank=4, capacity_chunks=5)
 
     @rule(text=st.sampled_from(TEXTS))
     def push(self, text: str) -> None:
@@ -124,7 +128,7 @@ class WindowMachine(RuleBasedStateMachine):
     def no_chunk_is_lost(self) -> None:
         w = self.window
         assert set(w.refs) | set(w.evicted) == self.pushed
-        assert len(set(w.refs)) == len(w.refs) <= 5
+        assert len(set(w.refs)) == len(w.refs) <= (w.config.capacity_chunks or 0)
         for ref in w.evicted:
             assert w.chunk(ref).num_tokens > 0  # recallable: its chunk (and so its canonical) survives
 
@@ -143,6 +147,31 @@ class WindowMachine(RuleBasedStateMachine):
 TestWindowProperties = WindowMachine.TestCase
 TestWindowProperties.settings = settings(
     max_examples=200, stateful_step_count=8, deadline=None, suppress_health_check=list(HealthCheck)
+)
+
+
+class OtherPoliciesMachine(WindowMachine):
+    """The same invariants under the other policies: lazy patches, recall on the current left
+    context, no cascade, reorders that keep, probe-free LRU eviction, survivors re-patched."""
+
+    @staticmethod
+    def config() -> WindowConfig:
+        return WindowConfig(
+            rank=4,
+            capacity_chunks=4,
+            patch_mode="lazy",
+            recall_context="current",
+            cascade="keep",
+            reorder="keep",
+            eviction="lru",
+            survivors="removal",
+            orbit=False,
+        )
+
+
+TestOtherPolicies = OtherPoliciesMachine.TestCase
+TestOtherPolicies.settings = settings(
+    max_examples=60, stateful_step_count=8, deadline=None, suppress_health_check=list(HealthCheck)
 )
 
 
