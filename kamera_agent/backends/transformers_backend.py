@@ -301,27 +301,13 @@ class TransformersBackend(Backend):
         return output_cache(out), last
 
     def _check_chunk(self, chunk: Chunk) -> None:
-        if chunk.kind != "anchor" and self.encoder.model_fingerprint != self.fingerprint:
-            raise ForeignChunkError("this backend's encoder was built for another model")
-        expected = self.encoder.settings
-        if chunk.key and chunk.kind != "anchor" and not _key_matches(chunk, self.encoder, expected):
+        """Refuse a chunk prepared for another model or processing setting (a string compare:
+        the chunk carries the digest its content key was made with)."""
+        if chunk.origin != self.encoder.origin:
             raise ForeignChunkError(
                 f"chunk {chunk.key[:12]}… was prepared for another model or processor setting; "
                 "re-create it with this window's encoder (window.push does this for you)"
             )
-
-
-def _key_matches(chunk: Chunk, encoder: ChunkEncoder, settings: str) -> bool:
-    from kamera_agent.chunks.chunk import content_key
-
-    if chunk.has_vision:
-        vision_key = content_key(
-            "vision", encoder.model_fingerprint, settings, chunk.pixel_values, chunk.image_grid_thw
-        )
-        return chunk.vision_key == vision_key and chunk.key == content_key(
-            "chunk", encoder.model_fingerprint, settings, chunk.input_ids, vision_key
-        )
-    return chunk.key == content_key("chunk", encoder.model_fingerprint, settings, chunk.input_ids)
 
 
 def _image_token(model: Any, tokenizer: Any) -> str | None:

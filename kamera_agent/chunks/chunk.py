@@ -50,6 +50,8 @@ class Chunk:
         vision_key: content key of the pixels alone (the vision-embedding cache key).
         label: the caller's name for the chunk, if any.
         meta: source details (file, frame index, timestamp, page number).
+        origin: digest of the model fingerprint and processing settings it was prepared for
+            (part of ``key`` too): a backend checks it with a string compare, not a re-hash.
     """
 
     kind: ChunkKind
@@ -63,6 +65,7 @@ class Chunk:
     vision_key: str | None = None
     label: str | None = None
     meta: dict[str, str] = field(default_factory=dict)
+    origin: str = ""
 
     @property
     def num_tokens(self) -> int:

@@ -59,6 +59,7 @@ class ChunkEncoder:
         self.merge_size = merge_size
         self.tokens_per_image = tokens_per_image
         self.settings = _processing_signature(tokenizer, image_processor, prompt)
+        self.origin = content_key("origin", model_fingerprint, self.settings)
 
     def tokens(self, text: str) -> torch.Tensor:
         """Token ids ``[n]`` of ``text`` without added special tokens."""
@@ -131,6 +132,7 @@ class ChunkEncoder:
             vision_key,
             label,
             dict(meta or {}),
+            self.origin,
         )
 
     def _text_chunk(self, text: str, kind: ChunkKind, label: str | None) -> Chunk:
@@ -140,7 +142,7 @@ class ChunkEncoder:
         mm_types = torch.zeros_like(input_ids)
         relative, advance = self.positions.relative(input_ids, mm_types, None)
         key = content_key("chunk", self.model_fingerprint, self.settings, input_ids)
-        return Chunk(kind, key, input_ids, relative, advance, mm_types, label=label)
+        return Chunk(kind, key, input_ids, relative, advance, mm_types, label=label, origin=self.origin)
 
     def _preprocess(self, image: Image.Image) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert self.image_processor is not None
