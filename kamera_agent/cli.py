@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument(
         "--model", default=None, help="a kamera-tiny-vl checkpoint directory (default: shipped)"
     )
-    demo.add_argument("--seed", type=int, default=7)
+    demo.add_argument("--seed", type=int, default=8)
     demo.add_argument(
         "--operator", action="store_true", help="show the bare operator on a random Qwen2 instead"
     )
@@ -51,7 +51,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.model is None and not (DEMO_MODEL_DIR / "config.json").is_file():
             from kamera_agent.demo.operator_demo import run_operator_demo
 
-            console.print("[yellow]kamera-tiny-vl is not trained yet: showing the operator demo[/yellow]")
+            console.print(
+                f"[yellow]kamera-tiny-vl's weights are missing from {DEMO_MODEL_DIR} (reinstall, or retrain "
+                "with `python training/train_demo_model.py`): showing the operator demo instead[/yellow]"
+            )
             run_operator_demo(console)
             return 0
         run_demo_episode(console, args.model, seed=args.seed)

@@ -44,7 +44,7 @@ def test_demo_episode_runs_every_window_op(
 ) -> None:
     assert main(["demo", "--model", str(untrained_demo_model)]) == 0
     out = capsys.readouterr().out
-    for op in ("push legend", "push frame", "reorder legend", "probe_without", "evict #1", "recall #1"):
+    for op in ("push legend", "push page", "reorder legend", "probe_without", "evict #1", "recall #1"):
         assert op in out
 
 
@@ -56,7 +56,7 @@ def test_demo_without_weights_falls_back_to_the_operator_demo(
     monkeypatch.setattr(demo_model, "DEMO_MODEL_DIR", tmp_path / "missing")
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
-    assert "not trained yet" in out and "Patch rank vs next-token KL" in out
+    assert "weights are missing" in out and "Patch rank vs next-token KL" in out
 
 
 def test_episode_recall_runs_no_forward(untrained_demo_model: Path) -> None:

@@ -77,7 +77,7 @@ def fidelity_grid(run: FidelityRun) -> Grid:
     tokens = sorted(set(run.chunk_tokens))
     note = (
         f"{run.items_done}/{run.items_requested} held-out items (seed {run.seed}), model {run.model}, "
-        f"{run.seconds:.0f} s. acc: all items; multi-hop: majority + colour questions; glyph: single-hop "
+        f"{run.seconds:.0f} s. acc: all items; multi-hop: majority-colour questions; glyph: single-hop "
         "readout. KL: next-token KL to re-prefill; η: share of the blind→re-prefill KL gap closed; "
         "top-1: agreement with re-prefill; flips: items where blind reuse changes the top token that "
         "the arm answers as re-prefill; stored: patch bytes / chunk KV bytes; recomp.: tokens "

@@ -17,6 +17,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,9 +26,10 @@ from rich.progress import Progress
 from kamera_agent.backends.transformers_backend import TransformersBackend
 from kamera_agent.bench.common import finite
 from kamera_agent.bench.prefix_cache import PrefixCache
+from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.config import WindowConfig
-from kamera_agent.demo.task import COLOURS, GLYPHS, QUESTIONS, SYMBOLS_PER_ITEM, render_legend, render_symbol
+from kamera_agent.demo.task import QUESTIONS, make_items, render_legend, render_page
 from kamera_agent.window import KameraWindow
 
 __all__ = ["OpRecord", "WindowRun", "run_window"]
@@ -157,10 +159,20 @@ class _Episode:
 
     def __init__(self, window: KameraWindow, encoder: ChunkEncoder, rng: random.Random) -> None:
         self.window, self.encoder, self.rng = window, encoder, rng
-        frames = [("legend", g, c) for g in GLYPHS for c in COLOURS]
-        frames += [("symbol", g, str(k)) for g in GLYPHS for k in range(1, SYMBOLS_PER_ITEM + 1)]
+        frames: list[tuple[str, Callable[[], Chunk]]] = []
+        for n, item in enumerate(make_items(40, seed=rng.randrange(1 << 30))):
+            for i, entries in enumerate(item.legend, start=1):
+                frames.append((f"legend {n}.{i}", partial(self._legend, entries)))
+            for k, glyphs in enumerate(item.pages, start=1):
+                frames.append((f"page {n}.{k}", partial(self._page, glyphs, k)))
         rng.shuffle(frames)
         self.frames, self.next_frame = frames, 0
+
+    def _legend(self, entries: tuple[tuple[str, str], ...]) -> Chunk:
+        return self.encoder.image(render_legend(entries))
+
+    def _page(self, glyphs: tuple[str, ...], k: int) -> Chunk:
+        return self.encoder.image(render_page(glyphs), kind="frame", caption=f"#{k}")
 
     def next(self) -> _Move:
         ops, weights = zip(*_WEIGHTS.items(), strict=True)
@@ -176,15 +188,11 @@ class _Episode:
     def _push(self) -> _Move:
         in_window = {ref.label for ref in self.window.refs}
         while True:
-            kind, glyph, extra = self.frames[self.next_frame % len(self.frames)]
+            label, make = self.frames[self.next_frame % len(self.frames)]
             self.next_frame += 1
-            label = f"{kind} {glyph}:{extra}"
             if label not in in_window:
                 break
-        if kind == "legend":
-            chunk = self.encoder.image(render_legend(glyph, extra), label=label)
-        else:
-            chunk = self.encoder.image(render_symbol(glyph), kind="frame", caption=f"#{extra}", label=label)
+        chunk = make()
         return _Move("push", label, lambda: self.window.push(chunk, label=label))
 
     def _recallable(self) -> bool:

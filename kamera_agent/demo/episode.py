@@ -4,10 +4,11 @@ Why this episode: it shows, on a real (tiny) VLM and offline, every window opera
 uses and what each costs against a prefix cache, and the one thing that makes reuse safe:
 blind reuse answers the binding question wrong, the patched window answers it right.
 
-Steps: push a legend (glyph → colour) and five captioned symbol frames; ask which colour most
-frames mean (multi-hop) with the patched window and with blind reuse; shuffle the legend
-(reorder); check which legend frame the question leans on (probe_without); let the oldest
-symbol frames slide out, ask about one of them, recall it and ask again.
+Steps: push two legend frames (glyphs drawn in the colours they mean) and two pages of white
+glyphs; ask which colour most glyphs mean (multi-hop) with the patched window and with blind
+reuse, and which glyph is most common (readout: blind reuse keeps it); swap the legend frames
+(reorder); check that the question leans on a legend frame (probe_without); evict page #1,
+recall it and ask again.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from kamera_agent.backends.transformers_backend import TransformersBackend
 from kamera_agent.config import WindowConfig
+from kamera_agent.demo.evaluate import evaluate
 from kamera_agent.demo.model import load_demo_model
-from kamera_agent.demo.task import QUESTIONS, make_item, render_legend, render_symbol
+from kamera_agent.demo.task import QUESTIONS, QuestionKind, make_item, make_items, render_legend, render_page
 from kamera_agent.results import OpCost
 from kamera_agent.window import ChunkRef, KameraWindow
 
@@ -46,32 +49,36 @@ class EpisodeResult:
     steps: list[DemoStep] = field(default_factory=list)
     answers: dict[str, str] = field(default_factory=dict)
     expected: dict[str, str] = field(default_factory=dict)
+    held_out: dict[QuestionKind, dict[str, float]] = field(default_factory=dict)
+    """Accuracy by question kind, then by arm (re-prefill, blind, rank-16), on held-out items."""
 
 
 def run_demo_episode(
-    console: Console | None = None, model_path: str | Path | None = None, seed: int = 7
+    console: Console | None = None, model_path: str | Path | None = None, seed: int = 8
 ) -> EpisodeResult:
     """Run the episode on kamera-tiny-vl (or a checkpoint at ``model_path``) and print it."""
     console = console or Console()
     model, tokenizer, image_processor = load_demo_model(model_path)
-    config = WindowConfig(rank="full", capacity_chunks=13, max_new_tokens=8)
+    config = WindowConfig(rank="full", capacity_chunks=8, max_new_tokens=8)
     window = KameraWindow(model, tokenizer=tokenizer, image_processor=image_processor, config=config)
     item = make_item(random.Random(seed), "majority")
+    readout = QUESTIONS["glyph"]
+    winner = item.glyph_counts.most_common(1)[0][0]
     result = EpisodeResult()
 
     def record(op: str, before: Sequence[ChunkRef], note: str = "") -> None:
         result.steps.append(DemoStep(op, window.stats.last, _prefix_cache_cost(window, before), note))
 
     legend = []
-    for glyph, colour in item.legend:
+    for i, entries in enumerate(item.legend, start=1):
         before = window.refs
-        legend.append(window.push(render_legend(glyph, colour), label=f"legend {glyph}={colour}"))
-        record("push legend", before, f"{glyph} means {colour}")
-    symbols = []
-    for k, glyph in enumerate(item.symbols, start=1):
+        legend.append(window.push(render_legend(entries), label=f"legend {i}"))
+        record("push legend", before, ", ".join(f"{glyph}={colour}" for glyph, colour in entries))
+    pages = []
+    for k, glyphs in enumerate(item.pages, start=1):
         before = window.refs
-        symbols.append(window.push(render_symbol(glyph), kind="frame", caption=f"#{k}", label=f"#{k}"))
-        record("push frame", before, f"#{k} shows {glyph}")
+        pages.append(window.push(render_page(glyphs), kind="frame", caption=f"#{k}", label=f"#{k}"))
+        record("push page", before, f"#{k}: {''.join(glyphs)}")
 
     def ask(name: str, question: str, expected: str) -> None:
         before = window.refs
@@ -80,37 +87,58 @@ def run_demo_episode(
         record("ask", before, f"{question} → {answer.text.strip()!r} (expected {expected!r})")
 
     ask("majority", item.question, item.answer)
+    ask("glyph", readout, winner)
     blind = KameraWindow(window.backend, config=config.model_copy(update={"patch_mode": "none"}))
     for ref in window.refs:
         blind.push(window.chunk(ref))
-    result.answers["majority (blind reuse)"] = blind.ask(item.question).text.strip()
-    result.expected["majority (blind reuse)"] = item.answer
+    for name, question, expected in (("majority", item.question, item.answer), ("glyph", readout, winner)):
+        result.answers[f"{name} (blind reuse)"] = blind.ask(question).text.strip()
+        result.expected[f"{name} (blind reuse)"] = expected
 
     before = window.refs
-    shuffled = random.Random(seed).sample(legend, len(legend))
-    window.reorder([*shuffled, *symbols])
-    record("reorder legend", before, "legend shuffled: patches from the store or formed once")
+    window.reorder([*reversed(legend), *pages])
+    record("reorder legend", before, "legend frames swapped: the pages' antecedents are unchanged")
     ask("majority after reorder", item.question, item.answer)
 
-    used = {glyph for glyph in item.symbols}
-    idle = next(ref for ref, (glyph, _) in zip(legend, item.legend, strict=True) if glyph not in used)
-    probe = window.probe_without(idle, item.question)
+    holder = next(ref for ref, entries in zip(legend, item.legend, strict=True) if winner in dict(entries))
+    probe = window.probe_without(holder, item.question)
     result.steps.append(
         DemoStep(
-            "probe_without", probe.cost, 0, f"{idle.label}: KL {probe.kl:.2e}, disposable={probe.disposable}"
+            "probe_without",
+            probe.cost,
+            0,
+            f"{holder.label}: KL {probe.kl:.2e}, disposable={probe.disposable}",
         )
     )
 
     before = window.refs
-    window.evict(symbols[0])
-    record("evict #1", before, "canonical stays in the store")
+    window.evict(pages[0])
+    record("evict #1", before, "canonical and patch stay in the store")
     before = window.refs
-    window.recall(symbols[0], at=len(legend))
+    window.recall(pages[0], at=len(legend))
     record("recall #1", before, "no vision encode; its stored patch")
-    colour_question = QUESTIONS["colour"].format(k=1)
-    ask("colour of #1", colour_question, item.meaning[item.symbols[0]])
+    ask("majority after recall", item.question, item.answer)
+    result.held_out = _held_out(window, seed, HELD_OUT_ITEMS)
     _print(console, result, window)
     return result
+
+
+HELD_OUT_ITEMS = 24
+"""Items per question kind in the episode's closing check: one episode is one item, so the demo
+also shows the three arms on a few more (``kamera bench --suite fidelity`` runs 1,000)."""
+
+
+def _held_out(window: KameraWindow, seed: int, count: int) -> dict[QuestionKind, dict[str, float]]:
+    accuracy: dict[QuestionKind, dict[str, float]] = {}
+    for kind in QUESTIONS:
+        items = make_items(count, seed + 1, kind=kind)
+        backend = window.backend
+        assert isinstance(backend, TransformersBackend)  # the demo model runs on transformers
+        evaluation = evaluate(backend, items, arms=("blind", "rank-16"))
+        accuracy[kind] = {
+            arm: evaluation.result(arm, kind).accuracy for arm in ("reprefill", "blind", "rank-16")
+        }
+    return accuracy
 
 
 def _prefix_cache_cost(window: KameraWindow, before: Sequence[ChunkRef]) -> int:
@@ -146,6 +174,15 @@ def _print(console: Console, result: EpisodeResult, window: KameraWindow) -> Non
         expected = result.expected[name]
         answers.add_row(name, answer, expected, "✓" if answer.startswith(expected) else "✗")
     console.print(answers)
+    if result.held_out:
+        held = Table(title=f"{HELD_OUT_ITEMS} more items per question: accuracy")
+        for column in ("question", "re-prefill", "blind reuse", "kamera rank-16"):
+            held.add_column(column)
+        for kind, by_arm in result.held_out.items():
+            held.add_row(
+                QUESTIONS[kind], *(f"{by_arm[arm]:.0%}" for arm in ("reprefill", "blind", "rank-16"))
+            )
+        console.print(held)
     total = window.stats.total
     console.print(
         f"window total: {total.forwards} forwards, {total.tokens_prefilled} tokens prefilled, "

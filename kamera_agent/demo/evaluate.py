@@ -15,7 +15,7 @@ the window still answer like a full re-prefill? Arms are strategies registered b
   lives), half the bytes of ``rank-16``;
 - ``orbit-16`` (`ORBIT_ARMS`): every chunk served with a rank-16 patch of its *mean* deficit
   over the item's ordering and one shuffled ordering of the legend frames, wherever its
-  antecedent set is the same in both (the symbol frames): what a window serves after a reorder.
+  antecedent set is the same in both (the pages): what a window serves after a reorder.
 
 One re-prefill forward per item gives the reference answer and every chunk's conditioned KV,
 from which patches and the token baselines are built; each arm then costs one query decode.
@@ -158,7 +158,7 @@ class ArmResult:
 
 @dataclass
 class Evaluation:
-    """Results by arm and by question kind (``"all"``, ``"majority"``, ``"colour"``, ``"glyph"``)."""
+    """Results by arm and by question kind (``"all"``, ``"majority"``, ``"glyph"``)."""
 
     by_kind: dict[str, dict[str, ArmResult]] = field(default_factory=dict)
 
@@ -166,13 +166,8 @@ class Evaluation:
         return self.by_kind.setdefault(kind, {}).setdefault(arm, ArmResult())
 
     def multi_hop(self, arm: str) -> ArmResult:
-        """Majority and colour questions pooled."""
-        total = ArmResult()
-        for kind in ("majority", "colour"):
-            part = self.result(arm, kind)
-            for name in ("items", "correct", "kl_sum", "agree", "flips", "flips_recovered"):
-                setattr(total, name, getattr(total, name) + getattr(part, name))
-        return total
+        """The questions that need binding (majority colour)."""
+        return self.result(arm, "majority")
 
     def gap_closed(self, arm: str, kind: str = "all") -> float:
         """η: the share of the blind→re-prefill KL gap the arm closes."""
@@ -255,7 +250,7 @@ def _orbit_members(
     backend: TransformersBackend, seq: ItemSequence, pieces: Sequence[Piece]
 ) -> list[list[ChunkKV]]:
     """Per chunk: its conditioned KV in the item's ordering, plus in one shuffled ordering of the
-    legend frames wherever its antecedent set is the same there (the symbol frames)."""
+    legend frames wherever its antecedent set is the same there (the pages)."""
     order = _shuffled_legend(seq)
     inputs = backend.reference_inputs([seq.chunks[i] for i in order])
     with torch.no_grad():

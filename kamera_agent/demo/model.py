@@ -70,11 +70,12 @@ def demo_tokenizer() -> Any:
 
 
 def demo_image_processor() -> Any:
-    """Qwen-VL preprocessing for 56 x 56 frames: a 4 x 4 patch grid, 4 tokens after merging."""
+    """Qwen-VL preprocessing for the task's frames at their own size (56 x 56 legend frames:
+    4 tokens after the 2 x 2 merge; 112 x 112 pages: 16 tokens)."""
     from transformers import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(
-        size={"shortest_edge": 56 * 56, "longest_edge": 56 * 56},
+        size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112},
         patch_size=14,
         temporal_patch_size=2,
         merge_size=2,

@@ -1,43 +1,55 @@
 """Turning task items into window chunks and training sequences, the same way for both.
 
 Why shared: the model is trained on exactly the token and position layout a `KameraWindow`
-builds (anchor, one chunk per frame, the query after them), so what the benchmark measures
+builds (anchor, one chunk per frame, the question after them), so what the benchmark measures
 is the window's reuse, not a train/serve mismatch.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
-from kamera_agent.demo.task import DemoItem, render_legend, render_symbol
+from kamera_agent.demo.task import DemoItem, render_legend, render_page
 
 __all__ = ["FrameCache", "ItemSequence", "item_sequence"]
 
 
 @dataclass
 class FrameCache:
-    """Chunks of the task's frames, made once: the frame set is finite (legend × colour, symbol × #k)."""
+    """Chunks of the task's frames, the most recent ``capacity`` kept: items share frames when
+    the same few are evaluated under many arms, while training draws fresh ones every step."""
 
     encoder: ChunkEncoder
-    chunks: dict[tuple[str, str], Chunk] = field(default_factory=dict)
+    capacity: int = 256
+    chunks: OrderedDict[tuple[str, ...], Chunk] = field(default_factory=OrderedDict)
 
-    def legend(self, glyph: str, colour: str) -> Chunk:
-        key = ("legend", f"{glyph}:{colour}")
-        if key not in self.chunks:
-            self.chunks[key] = self.encoder.image(render_legend(glyph, colour), label=f"legend {glyph}")
-        return self.chunks[key]
+    def legend(self, entries: tuple[tuple[str, str], ...], index: int) -> Chunk:
+        """Legend frame ``index`` (1-based) showing ``entries``."""
+        label = "legend " + " ".join(f"{glyph}={colour}" for glyph, colour in entries)
+        key = ("legend", label)
+        return self._get(key, lambda: self.encoder.image(render_legend(entries), label=f"legend {index}"))
 
-    def symbol(self, glyph: str, k: int) -> Chunk:
-        key = ("symbol", f"{glyph}:{k}")
-        if key not in self.chunks:
-            self.chunks[key] = self.encoder.image(
-                render_symbol(glyph), kind="frame", caption=f"#{k}", label=f"#{k}"
-            )
-        return self.chunks[key]
+    def page(self, glyphs: tuple[str, ...], k: int) -> Chunk:
+        """Page ``#k`` showing ``glyphs``."""
+        key = ("page", "".join(glyphs), str(k))
+        return self._get(
+            key, lambda: self.encoder.image(render_page(glyphs), kind="frame", caption=f"#{k}", label=f"#{k}")
+        )
+
+    def _get(self, key: tuple[str, ...], make: object) -> Chunk:
+        if key in self.chunks:
+            self.chunks.move_to_end(key)
+            return self.chunks[key]
+        chunk = make()  # type: ignore[operator]
+        self.chunks[key] = chunk
+        while len(self.chunks) > self.capacity:
+            self.chunks.popitem(last=False)
+        return chunk  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
@@ -51,9 +63,9 @@ class ItemSequence:
 
 
 def item_sequence(cache: FrameCache, item: DemoItem) -> ItemSequence:
-    """Legend frames, then the symbol frames ``#1`` … ``#5``, then the question."""
-    chunks = [cache.legend(glyph, colour) for glyph, colour in item.legend]
-    chunks += [cache.symbol(glyph, k) for k, glyph in enumerate(item.symbols, start=1)]
+    """The legend frames, then the pages ``#1``, ``#2``, then the question."""
+    chunks = [cache.legend(entries, i) for i, entries in enumerate(item.legend, start=1)]
+    chunks += [cache.page(glyphs, k) for k, glyphs in enumerate(item.pages, start=1)]
     encoder = cache.encoder
     answer = encoder.tokens(item.answer + "<|im_end|>")
     return ItemSequence(item, chunks, encoder.query_ids(item.question), answer)
