@@ -102,10 +102,15 @@ def _episode(figure: Any, results: BenchResults) -> None:
     run: WindowRun = results.window  # type: ignore[assignment]
     ops = range(1, len(run.records) + 1)
     tokens, seconds = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
-    tokens.plot(ops, run.cumulative("kamera_tokens"), label="kamera")
+    kamera_runs = [r for r in (run, results.window_exact) if r is not None and r.records]
+    for each in kamera_runs:
+        steps = range(1, len(each.records) + 1)
+        tokens.plot(steps, each.cumulative("kamera_tokens"), label=f"kamera ({each.policy})")
+        seconds.plot(
+            steps, [ms / 1e3 for ms in each.cumulative("kamera_ms")], label=f"kamera ({each.policy})"
+        )
     tokens.plot(ops, run.cumulative("baseline_tokens"), label="prefix cache")
     tokens.set(xlabel="op", ylabel="cumulative tokens prefilled", title="Prefilled tokens")
-    seconds.plot(ops, [ms / 1e3 for ms in run.cumulative("kamera_ms")], label="kamera")
     seconds.plot(ops, [ms / 1e3 for ms in run.cumulative("baseline_ms")], label="prefix cache")
     seconds.set(xlabel="op", ylabel="cumulative seconds", title="Wall time")
     tokens.legend(fontsize=7)

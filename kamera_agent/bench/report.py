@@ -17,7 +17,7 @@ from rich.table import Table
 from kamera_agent.bench.cost import CostRun
 from kamera_agent.bench.fidelity import FidelityRun
 from kamera_agent.bench.results import BenchResults, targets
-from kamera_agent.bench.window_suite import OpRecord, WindowRun
+from kamera_agent.bench.window_suite import POLICIES, OpRecord, WindowRun
 
 __all__ = ["Grid", "grids", "print_report", "write_markdown"]
 
@@ -130,14 +130,17 @@ def window_grid(run: WindowRun) -> Grid:
         chosen = [r for r in run.records if op is None or r.op == op]
         cells = [total(chosen, name) for name in (*names, "baseline_ms")]
         rows.append((op or "all", str(len(chosen)), *cells))
+    settings = ", ".join(f"{k}={v}" for k, v in POLICIES[run.policy].items()) or "the defaults"
     note = (
         f"{len(run.records)}/{run.ops_requested} ops (seed {run.seed}), capacity {run.capacity} chunks, "
-        f"rank {run.rank}; tokens prefilled, forwards and wall time per op kind. Final window vs the "
+        f"rank {run.rank}, window settings: {settings}; tokens prefilled, forwards and wall time per op "
+        "kind. Final window vs the "
         f"model's own re-prefill: prefix cache max |Δlogit| {_sci(run.baseline_logit_error)}, kamera "
         f"next-token KL {_sci(run.kamera_kl)}. The prefix cache re-runs the vision tower on the frames "
         "it re-prefills; kamera encodes each frame once."
     )
-    return Grid("Window: scripted episode, KameraWindow vs a prefix cache", columns, tuple(rows), note)
+    title = f"Window ({run.policy} settings): scripted episode, KameraWindow vs a prefix cache"
+    return Grid(title, columns, tuple(rows), note)
 
 
 def targets_grid(results: BenchResults) -> Grid:
@@ -150,7 +153,7 @@ def grids(results: BenchResults) -> list[Grid]:
     """Every table the run has figures for, suites first, targets last."""
     tables = [fidelity_grid(results.fidelity)] if results.fidelity is not None else []
     tables += cost_grids(results.cost) if results.cost is not None else []
-    tables += [window_grid(results.window)] if results.window is not None else []
+    tables += [window_grid(run) for run in (results.window, results.window_exact) if run is not None]
     return [*tables, targets_grid(results)]
 
 

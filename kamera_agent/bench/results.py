@@ -35,6 +35,8 @@ class BenchResults:
     fidelity: FidelityRun | None = None
     cost: CostRun | None = None
     window: WindowRun | None = None
+    window_exact: WindowRun | None = None
+    """The same episode under the exact window settings (``POLICIES["exact"]``)."""
     partial: bool = False
     interrupted: str | None = None
     seconds: float = 0.0
@@ -43,7 +45,12 @@ class BenchResults:
     def to_json(self) -> dict[str, Any]:
         suites = {
             name: run.to_json()
-            for name, run in (("fidelity", self.fidelity), ("cost", self.cost), ("window", self.window))
+            for name, run in (
+                ("fidelity", self.fidelity),
+                ("cost", self.cost),
+                ("window", self.window),
+                ("window_exact", self.window_exact),
+            )
             if run is not None
         }
         return {

@@ -28,7 +28,7 @@ from kamera_agent.bench.fidelity import FidelityRun, run_fidelity
 from kamera_agent.bench.plots import plots_available, write_plots
 from kamera_agent.bench.report import grids, print_report, write_markdown
 from kamera_agent.bench.results import BenchResults
-from kamera_agent.bench.window_suite import WindowRun, run_window
+from kamera_agent.bench.window_suite import POLICIES, WindowRun, run_window
 
 __all__ = ["BenchOutcome", "add_bench_parser", "run_bench", "run_bench_command"]
 
@@ -165,9 +165,15 @@ def _cost(context: _Context, progress: Progress) -> None:
 def _window(context: _Context, progress: Progress) -> None:
     options = context.options
     model, tokenizer, image_processor = context.demo_model(progress)
-    run = WindowRun(seed=options.seeds["episode"], ops_requested=options.op_count, capacity=12, rank=16)
-    context.results.window = run
-    run_window(model, tokenizer, image_processor, run, progress)
+    for policy in POLICIES:
+        run = WindowRun(
+            seed=options.seeds["episode"], ops_requested=options.op_count, capacity=12, rank=16, policy=policy
+        )
+        if policy == "default":
+            context.results.window = run
+        else:
+            context.results.window_exact = run
+        run_window(model, tokenizer, image_processor, run, progress)
 
 
 SUITES: Mapping[str, Callable[[_Context, Progress], None]] = MappingProxyType(

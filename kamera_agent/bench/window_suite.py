@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -35,6 +36,17 @@ from kamera_agent.window import KameraWindow
 __all__ = ["OpRecord", "WindowRun", "run_window"]
 
 _WEIGHTS = {"push": 0.35, "slide": 0.15, "reorder": 0.25, "recall": 0.25}
+POLICIES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {
+        "default": MappingProxyType({}),
+        "exact": MappingProxyType(
+            {"orbit": False, "survivors": "removal", "recall_context": "current", "cascade": "cascade"}
+        ),
+    }
+)
+"""Window settings the episode runs under: the defaults (survivors keep what they absorbed from
+evicted chunks, recalls use their original context, orbit patches across reorders) trade
+exactness for forwards; ``exact`` re-patches whatever a re-prefill would compute differently."""
 _QUERY = QUESTIONS["majority"]
 
 
@@ -67,6 +79,7 @@ class WindowRun:
     ops_requested: int
     capacity: int
     rank: int
+    policy: str = "default"
     records: list[OpRecord] = field(default_factory=list)
     baseline_logit_error: float = float("nan")
     kamera_kl: float = float("nan")
@@ -90,6 +103,8 @@ class WindowRun:
             "ops_done": len(self.records),
             "capacity_chunks": self.capacity,
             "rank": self.rank,
+            "policy": self.policy,
+            "settings": dict(POLICIES[self.policy]),
             "ops": {op: sum(r.op == op for r in self.records) for op in _WEIGHTS},
             "totals": totals,
             "baseline_logit_error": finite(self.baseline_logit_error),
@@ -103,12 +118,16 @@ def run_window(model: Any, tokenizer: Any, image_processor: Any, run: WindowRun,
 
     Mutates: ``run`` (a record per op, then the final checks).
     """
-    config = WindowConfig(rank=run.rank, capacity_chunks=run.capacity, max_new_tokens=1)
+    config = WindowConfig(
+        rank=run.rank, capacity_chunks=run.capacity, max_new_tokens=1, **POLICIES[run.policy]
+    )
     window = KameraWindow(model, tokenizer=tokenizer, image_processor=image_processor, config=config)
     backend = window.backend
     assert isinstance(backend, TransformersBackend)
     baseline, episode = PrefixCache(backend), _Episode(window, backend.encoder, random.Random(run.seed))
-    task = progress.add_task(f"window · {run.ops_requested} ops vs prefix cache", total=run.ops_requested)
+    task = progress.add_task(
+        f"window ({run.policy}) · {run.ops_requested} ops vs prefix cache", total=run.ops_requested
+    )
     for _ in range(run.ops_requested):
         move = episode.next()
         began = time.perf_counter()

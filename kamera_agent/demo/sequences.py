@@ -8,6 +8,7 @@ is the window's reuse, not a train/serve mismatch.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,15 +42,15 @@ class FrameCache:
             key, lambda: self.encoder.image(render_page(glyphs), kind="frame", caption=f"#{k}", label=f"#{k}")
         )
 
-    def _get(self, key: tuple[str, ...], make: object) -> Chunk:
+    def _get(self, key: tuple[str, ...], make: Callable[[], Chunk]) -> Chunk:
         if key in self.chunks:
             self.chunks.move_to_end(key)
             return self.chunks[key]
-        chunk = make()  # type: ignore[operator]
+        chunk = make()
         self.chunks[key] = chunk
         while len(self.chunks) > self.capacity:
             self.chunks.popitem(last=False)
-        return chunk  # type: ignore[no-any-return]
+        return chunk
 
 
 @dataclass(frozen=True)

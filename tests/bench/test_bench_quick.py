@@ -53,7 +53,7 @@ def test_quick_run_writes_every_output(quick_run: tuple[int, Path]) -> None:
     assert {"platform", "processor", "cpu_count", "torch", "transformers", "torch_threads"} <= results[
         "machine"
     ].keys()
-    assert set(results["suites"]) == {"fidelity", "cost", "window"}
+    assert set(results["suites"]) == {"fidelity", "cost", "window", "window_exact"}
     assert len(results["targets"]) == 4
     report = (out / "report.md").read_text()
     for title in ("Fidelity", "Cost", "Window", "Targets"):
@@ -88,6 +88,15 @@ def test_window_episode_prefills_less_than_a_prefix_cache(quick_run: tuple[int, 
     assert window["totals"]["kamera_tokens"] < window["totals"]["baseline_tokens"]
     assert window["baseline_logit_error"] < 1e-4  # the baseline is a real, exact prefix cache
     assert len(window["records"]) == 30
+
+
+def test_exact_window_settings_match_re_prefill(quick_run: tuple[int, Path]) -> None:
+    suites = _results(quick_run[1])["suites"]
+    exact, default = suites["window_exact"], suites["window"]
+    assert exact["policy"] == "exact" and exact["settings"]["survivors"] == "removal"
+    assert [r["op"] for r in exact["records"]] == [r["op"] for r in default["records"]]  # the same episode
+    assert exact["kamera_kl"] < 1e-6  # every chunk re-patched where re-prefill would differ
+    assert exact["totals"]["kamera_tokens"] >= default["totals"]["kamera_tokens"]  # what exactness costs
 
 
 def test_ctrl_c_leaves_partial_results(
