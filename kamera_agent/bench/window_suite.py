@@ -33,7 +33,7 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.demo.task import QUESTIONS, make_items, render_legend, render_page
 from kamera_agent.window import KameraWindow
 
-__all__ = ["OpRecord", "WindowRun", "run_window"]
+__all__ = ["POLICIES", "OpRecord", "WindowRun", "run_window"]
 
 _WEIGHTS = {"push": 0.35, "slide": 0.15, "reorder": 0.25, "recall": 0.25}
 POLICIES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
