@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--aux-weight", type=float, default=2.0)
     parser.add_argument("--handover-steps", type=int, default=600)
+    parser.add_argument(
+        "--handover-after", type=int, default=2000, help="start the hand-over by this step even if unbound"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=DEMO_MODEL_DIR)
@@ -246,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     parameters = [*model.parameters(), *scaffold.parameters()]
     optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     step, rng_state, log, spent = 0, None, [], 0.0
-    handover = Handover(args.handover_steps)
+    handover = Handover(args.handover_steps, patience=args.handover_after)
     if args.resume and args.checkpoint.is_file():
         saved = torch.load(args.checkpoint, weights_only=False)
         model.load_state_dict(saved["model"])

@@ -1,0 +1,57 @@
+"""The retraining command in the model card still runs: a few steps through the whole recipe.
+
+Scaffold, hand-over, plain model, checkpoint and resume, and a saved folder that loads offline
+as an ordinary Qwen2-VL (no scaffold weights in it). Training to the card's figures takes
+~15 minutes and is not run here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from kamera_agent.demo import load_demo_model
+
+SCRIPT = Path(__file__).resolve().parents[2] / "training" / "train_demo_model.py"
+
+
+@pytest.fixture(scope="module")
+def script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("train_demo_model", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_handover_waits_for_binding_then_moves_linearly(script: ModuleType) -> None:
+    handover = script.Handover(steps=4, ready=0.9, patience=100)
+    unbound = [{"binding": 0.2}] * 50
+    assert handover.share(10, unbound) == 1.0 and handover.began is None
+    bound = [{"binding": 0.95}] * 50
+    assert [handover.share(step, bound) for step in (20, 21, 22, 24, 30)] == [1.0, 0.75, 0.5, 0.0, 0.0]
+    late = script.Handover(steps=2, patience=5)
+    assert late.share(4, unbound) == 1.0 and late.share(5, unbound) == 1.0 and late.share(6, unbound) == 0.5
+
+
+def test_a_short_run_saves_a_plain_model_and_resumes(script: ModuleType, tmp_path: Path) -> None:
+    out, checkpoint = tmp_path / "model", tmp_path / "ckpt.pt"
+    common = ["--threads", "1", "--batch", "2", "--eval-every", "2", "--out", str(out)]
+    common += ["--checkpoint", str(checkpoint), "--handover-after", "1", "--handover-steps", "2"]
+    script.main([*common, "--steps", "3"])
+    assert torch.load(checkpoint, weights_only=False)["step"] == 3
+    script.main([*common, "--steps", "4", "--resume"])
+    summary = json.loads((out / "training_log.json").read_text())["summary"]
+    assert summary["steps"] == 4 and summary["handover_began"] == 1
+    model, tokenizer, image_processor = load_demo_model(out)
+    fresh = script.build(0)[0]
+    assert set(model.state_dict()) == set(fresh.state_dict())  # the scaffold is not saved
+    assert tokenizer.decode(tokenizer("Majority colour?")["input_ids"]) == "Majority colour?"
+    assert image_processor.size["longest_edge"] == 112 * 112
