@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
 from kamera_agent.backends.transformers_backend import TransformersBackend
@@ -123,7 +124,7 @@ def run_demo_episode(
     window.recall(pages[0], at=len(legend))
     record("recall #1", before, "no vision encode; its stored patch")
     ask("majority after recall", item.question, item.answer)
-    result.held_out = _held_out(window, seed, HELD_OUT_ITEMS)
+    result.held_out = _held_out(window, seed, HELD_OUT_ITEMS, console)
     _print(console, result, window)
     return result
 
@@ -133,16 +134,24 @@ HELD_OUT_ITEMS = 24
 also shows the three arms on a few more (``kamera bench --suite fidelity`` runs 1,000)."""
 
 
-def _held_out(window: KameraWindow, seed: int, count: int) -> dict[QuestionKind, dict[str, float]]:
+def _held_out(
+    window: KameraWindow, seed: int, count: int, console: Console
+) -> dict[QuestionKind, dict[str, float]]:
+    backend = window.backend
+    assert isinstance(backend, TransformersBackend)  # the demo model runs on transformers
     accuracy: dict[QuestionKind, dict[str, float]] = {}
-    for kind in QUESTIONS:
-        items = make_items(count, seed + 1, kind=kind)
-        backend = window.backend
-        assert isinstance(backend, TransformersBackend)  # the demo model runs on transformers
-        evaluation = evaluate(backend, items, arms=("blind", "rank-16"))
-        accuracy[kind] = {
-            arm: evaluation.result(arm, kind).accuracy for arm in ("reprefill", "blind", "rank-16")
-        }
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(
+            "re-prefill, blind reuse and rank 16 on more items", total=count * len(QUESTIONS)
+        )
+        for kind in QUESTIONS:
+            items = make_items(count, seed + 1, kind=kind)
+            evaluation = evaluate(
+                backend, items, arms=("blind", "rank-16"), on_item=lambda _: progress.advance(task)
+            )
+            accuracy[kind] = {
+                arm: evaluation.result(arm, kind).accuracy for arm in ("reprefill", "blind", "rank-16")
+            }
     return accuracy
 
 
