@@ -14,14 +14,15 @@ lays them out (anchor, one chunk per frame, the question), with losses over the 
   answers from the query alone and blind reuse would not hurt it. The model card says so.
 
 **Scaffold curriculum.** Trained end to end from scratch, this tiny model learns to read the
-glyphs within a few hundred steps but did not learn the cross-frame lookup in 1,000–3,750 steps
-(six runs), while the same language model learns it in ~400 steps when a frame token is a
-learned embedding. So training starts with the decoder reading such embeddings (a
-`Scaffold`, training-only: one vector per legend entry and one per page glyph) in place of the
-vision tower's output, while the vision tower is distilled to produce them. Once the lookup
-has formed (`Handover`), the decoder's input moves linearly from the scaffold to the vision
-tower, and the rest of training is the plain model, end to end. The scaffold is discarded: the
-shipped model is an ordinary Qwen2-VL that reads pixels.
+glyphs within a few hundred steps but did not learn the cross-frame lookup (four runs of up to
+3,750 steps on an earlier layout of the task, eight of 200-1,400 steps on this one, with glyph
+probes, vision learning rates and auxiliary targets varied), while the same decoder learns it
+in ~400 steps when a frame token is a learned embedding. So training starts with the decoder
+reading such embeddings (a `Scaffold`, training-only: one vector per legend entry and one per
+page glyph) in place of the vision tower's output, while the vision tower is distilled to
+produce them. Once the lookup has formed (`Handover`), the decoder's input moves linearly from
+the scaffold to the vision tower, and the rest of training is the plain model, end to end. The
+scaffold is discarded: the shipped model is an ordinary Qwen2-VL that reads pixels.
 """
 
 from __future__ import annotations
