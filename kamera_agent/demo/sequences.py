@@ -31,8 +31,7 @@ class FrameCache:
 
     def legend(self, entries: tuple[tuple[str, str], ...], index: int) -> Chunk:
         """Legend frame ``index`` (1-based) showing ``entries``."""
-        label = "legend " + " ".join(f"{glyph}={colour}" for glyph, colour in entries)
-        key = ("legend", label)
+        key = ("legend", " ".join(f"{glyph}={colour}" for glyph, colour in entries), str(index))
         return self._get(key, lambda: self.encoder.image(render_legend(entries), label=f"legend {index}"))
 
     def page(self, glyphs: tuple[str, ...], k: int) -> Chunk:
