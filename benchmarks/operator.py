@@ -32,9 +32,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kamera_agent.backends.transformers import kv_layout, read_chunk
 from kamera_agent.compat import output_cache
 from kamera_agent.models.random_qwen2 import Qwen2Shape, random_qwen2
-from kamera_agent.operator import apply_patch, form_patch, kv_layout, read_chunk, to_position_free
+from kamera_agent.operator import apply_patch, form_patch, to_position_free
 from kamera_agent.settings import configure_threads
 
 

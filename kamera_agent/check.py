@@ -22,13 +22,15 @@ from PIL import Image
 from rich.console import Console
 from rich.table import Table
 
-from kamera_agent.backends.transformers_backend import TransformersBackend
+from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
+from kamera_agent.core import KVCore
 from kamera_agent.loading import load_backend
 from kamera_agent.metrics import relative_error
 from kamera_agent.operator.layout import to_position_free
 from kamera_agent.operator.patch import apply_patch, form_patch
+from kamera_agent.store import ChunkStore
 from kamera_agent.window import KameraWindow
 
 __all__ = ["CheckReport", "Verdict", "run_check"]
@@ -105,7 +107,8 @@ def _patch_transfer(
 ) -> Verdict:
     here = backend.prefill_sequence(chunks)[-1]
     there = backend.prefill_sequence(chunks, shift=offset)[-1]
-    canonical = backend.encode(chunks[-1])
+    core = KVCore(backend, ChunkStore(fingerprint=backend.fingerprint, memory_budget=1 << 30))
+    canonical = core.canonical(chunks[-1], core.txn())
     patch = form_patch(canonical, here, backend.layout, "full")
     moved = apply_patch(canonical, patch, backend.layout, there.positions)  # type: ignore[arg-type]
     error = max(relative_error(moved.keys, there.keys), relative_error(moved.values, there.values))
@@ -135,7 +138,7 @@ def _print(console: Console, report: CheckReport, backend: TransformersBackend) 
     layout = backend.layout
     console.rule(f"[bold]kamera check[/bold] {report.model}")
     console.print(
-        f"family {layout.family.name} · {layout.kind.upper()} · {layout.num_layers} layers · rotary "
+        f"family {layout.name} · {layout.kind.upper()} · {layout.num_layers} layers · rotary "
         f"{layout.rope.pairing}{' M-RoPE' if layout.rope.is_mrope else ''} ({layout.rope.rope_type}) · "
         f"{backend.parts.dtype}"
     )

@@ -45,6 +45,11 @@ class WindowConfig(BaseModel):
         memory_budget: bytes the chunk store keeps in memory.
         disk_dir: a directory for the store's disk tier (``None``: memory only).
         disk_budget: bytes the disk tier may hold.
+        max_evicted: most evicted chunks a window keeps recallable (the oldest evicted are
+            forgotten first, counted in ``stats``); ``None``: unbounded.
+        evicted_pixels: ``"drop"`` releases an evicted image's pixels once its vision output or
+            canonical is stored (they are most of its memory); ``"keep"`` holds them, so its
+            re-prefill inputs (``as_model_inputs``) can always be rebuilt.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -67,6 +72,8 @@ class WindowConfig(BaseModel):
     memory_budget: int = Field(default=2 << 30, ge=1)
     disk_dir: Path | None = None
     disk_budget: int | None = Field(default=None, ge=1)
+    max_evicted: int | None = Field(default=1024, ge=0)
+    evicted_pixels: Literal["drop", "keep"] = "drop"
 
     @field_validator("rank")
     @classmethod
@@ -99,6 +106,14 @@ class WindowConfig(BaseModel):
     def effective_rank(self) -> int | Literal["full"]:
         """The rank patches are formed at: 0 whenever patching is off."""
         return 0 if self.patch_mode == "none" else self.rank
+
+    @classmethod
+    def exact(cls, **overrides: Any) -> WindowConfig:
+        """Settings under which every op answers like a re-prefill of the window: full-rank
+        patches, survivors re-patched without what left, recalls patched on their new left,
+        cascades, no orbit approximation."""
+        exact = {"rank": "full", "survivors": "removal", "recall_context": "current", "cascade": "cascade"}
+        return cls(**{**exact, "orbit": False, **overrides})
 
     @classmethod
     def for_model(cls, model: Any, **overrides: Any) -> WindowConfig:

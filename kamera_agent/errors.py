@@ -5,6 +5,8 @@ failed call never corrupts a window or a store.
 
     KameraError
     ├── UnsupportedModelError        model family we have no rotary spec / KV layout for
+    ├── CapabilityError              an operation this backend does not offer
+    ├── SettingsError                a setting that cannot apply where it was given
     ├── RelocationError              the rotary scheme cannot be relocated exactly
     │   └── LengthDependentRopeError dynamic NTK, longrope: frequencies change with length
     ├── PositionShapeError           positions of the wrong shape / length for the keys
@@ -18,6 +20,7 @@ failed call never corrupts a window or a store.
     │   ├── DuplicateChunkError      a ref named twice in a reorder
     │   ├── ChunkInWindowError       recall of a chunk already in the window
     │   ├── CapacityError            a capacity smaller than one chunk
+    │   ├── ChunkLostError           an evicted chunk whose KV, vision output and pixels are all gone
     │   └── ContextOverflowError     window + query longer than the model's context
     └── InputError                   content that cannot become a chunk
         ├── AmbiguousChannelOrderError  an array that could be RGB or BGR
@@ -30,8 +33,10 @@ from __future__ import annotations
 
 __all__ = [
     "AmbiguousChannelOrderError",
+    "CapabilityError",
     "CapacityError",
     "ChunkInWindowError",
+    "ChunkLostError",
     "ContextOverflowError",
     "DuplicateChunkError",
     "EmptyVideoError",
@@ -44,6 +49,7 @@ __all__ = [
     "PositionShapeError",
     "ProcessorRejectedError",
     "RelocationError",
+    "SettingsError",
     "StoreBudgetError",
     "StoreKeyError",
     "UnknownChunkError",
@@ -59,6 +65,14 @@ class KameraError(Exception):
 
 class UnsupportedModelError(KameraError):
     """The model's family has no known rotary layout or KV layout."""
+
+
+class CapabilityError(KameraError):
+    """An operation the backend does not offer (no vision tower, no reference forward)."""
+
+
+class SettingsError(KameraError, ValueError):
+    """A setting that cannot apply where it was given; the message says where to set it."""
 
 
 class RelocationError(KameraError):
@@ -131,6 +145,11 @@ class ChunkInWindowError(WindowError):
 
 class CapacityError(WindowError):
     """A capacity smaller than one chunk, or a chunk that can never fit."""
+
+
+class ChunkLostError(WindowError):
+    """An evicted chunk that can no longer be rebuilt: its canonical and vision output left the
+    store after its pixels were released; push the content again."""
 
 
 class ContextOverflowError(WindowError):

@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 
-from kamera_agent.backends.transformers_backend import TransformersBackend
+from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.errors import UnsupportedModelError
-from kamera_agent.store import ChunkStore
 
 __all__ = ["load_backend", "load_model", "load_processing"]
 
@@ -28,7 +27,6 @@ def load_backend(
     image_processor: Any | None = None,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
-    store: ChunkStore | None = None,
 ) -> TransformersBackend:
     """A `TransformersBackend` for a loaded model or a local checkpoint directory.
 
@@ -51,9 +49,7 @@ def load_backend(
                 "image_processor=, or load the model from a local checkpoint directory that holds them"
             )
         processor, tokenizer, image_processor = load_processing(source, needs_images=_is_vlm(model))
-    return TransformersBackend(
-        model, processor, tokenizer=tokenizer, image_processor=image_processor, store=store
-    )
+    return TransformersBackend(model, processor, tokenizer=tokenizer, image_processor=image_processor)
 
 
 def load_model(

@@ -13,7 +13,9 @@ import torch
 
 __all__ = ["Answer", "Edit", "EditKind", "OpCost", "Plan", "Probe", "WindowStats"]
 
-EditKind = Literal["encode", "rotate", "apply_patch", "form_patch", "revert", "defer", "admit", "evict"]
+EditKind = Literal[
+    "encode", "rotate", "apply_patch", "form_patch", "revert", "defer", "admit", "evict", "probe"
+]
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,10 @@ class OpCost:
         reencodes: canonicals rebuilt because the store's budget had dropped them.
         patches_formed: patches computed (each from one conditioned forward + an SVD).
         patches_applied: stored patches reused with no forward.
-        bytes_added: bytes of new canonicals and patches written to the store.
+        bytes_added: bytes of new canonicals, vision outputs and patches written to the store.
+        uncached: entries too large for the store's budget, used for this op without being stored.
+        forgotten: evicted chunks dropped for good (``max_evicted`` or ``forget``).
+        probes: chunks scored by a probe decode (probe-driven eviction).
         seconds: wall time.
     """
 
@@ -40,6 +45,9 @@ class OpCost:
     patches_formed: int = 0
     patches_applied: int = 0
     bytes_added: int = 0
+    uncached: int = 0
+    forgotten: int = 0
+    probes: int = 0
     seconds: float = 0.0
 
     def __add__(self, other: OpCost) -> OpCost:

@@ -2,7 +2,9 @@
 
 Each policy ranks the window's chunks; the window evicts in that order until the new chunk
 fits. Eviction is reversible (the canonical stays in the store), so a policy trades recall
-cost, not correctness.
+cost, not correctness. A policy that needs probe scores says so (``probes=True``): the planner
+then asks for them only when a push really overflows, and a dry run lists the probes instead
+of running them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["EVICTION", "EvictionContext", "EvictionPolicy"]
+__all__ = ["EVICTION", "Eviction", "EvictionContext", "EvictionRanking"]
 
 
 @dataclass(frozen=True)
@@ -22,17 +24,25 @@ class EvictionContext:
     Attributes:
         order: in-window chunk refs, left to right.
         last_used: op counter at which each chunk was last pushed, recalled or reordered.
-        probe_kl: for the probe-driven policy, a function giving the next-token KL of the last
-            query with a chunk switched off (``None`` when no query has been asked yet).
+        scores: for probe-driven policies, the next-token KL of the last query with each chunk
+            switched off (``None`` when no query has been asked yet).
     """
 
     order: Sequence[Any]
     last_used: Mapping[Any, int]
-    probe_kl: Callable[[Any], float] | None = None
+    scores: Mapping[Any, float] | None = None
 
 
-EvictionPolicy = Callable[[EvictionContext], list[Any]]
+EvictionRanking = Callable[[EvictionContext], list[Any]]
 """Returns the in-window refs in the order they should be evicted."""
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """A named eviction strategy: its ranking and whether it needs probe scores first."""
+
+    rank: EvictionRanking
+    probes: bool = False
 
 
 def fifo(context: EvictionContext) -> list[Any]:
@@ -47,12 +57,12 @@ def lru(context: EvictionContext) -> list[Any]:
 
 def disposable(context: EvictionContext) -> list[Any]:
     """The chunk the last query leans on least first (``probe_without`` KL); FIFO before any query."""
-    if context.probe_kl is None:
+    if context.scores is None:
         return fifo(context)
-    scores = {ref: context.probe_kl(ref) for ref in context.order}
-    return sorted(context.order, key=scores.__getitem__)
+    scores = context.scores
+    return sorted(context.order, key=lambda ref: scores.get(ref, 0.0))
 
 
-EVICTION: Mapping[str, EvictionPolicy] = MappingProxyType(
-    {"fifo": fifo, "lru": lru, "disposable": disposable}
+EVICTION: Mapping[str, Eviction] = MappingProxyType(
+    {"fifo": Eviction(fifo), "lru": Eviction(lru), "disposable": Eviction(disposable, probes=True)}
 )

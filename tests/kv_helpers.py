@@ -6,9 +6,10 @@ from typing import Any
 
 import torch
 
+from kamera_agent.backends.transformers import read_chunk
 from kamera_agent.compat import cache_kwarg, output_cache
 from kamera_agent.metrics import next_token_kl, relative_error
-from kamera_agent.operator import ChunkKV, KVLayout, read_chunk
+from kamera_agent.operator import ChunkKV, KVLayout
 
 rel_err = relative_error
 __all__ = ["cache_from", "chunk_kv", "extend", "next_token_kl", "prefill", "rel_err"]

@@ -11,8 +11,10 @@ def test_root_all_is_pinned() -> None:
             "AmbiguousChannelOrderError",
             "Answer",
             "Backend",
+            "CapabilityError",
             "CapacityError",
             "ChunkInWindowError",
+            "ChunkLostError",
             "ChunkRef",
             "ChunkStore",
             "ContextOverflowError",
@@ -33,6 +35,7 @@ def test_root_all_is_pinned() -> None:
             "Probe",
             "ProcessorRejectedError",
             "RelocationError",
+            "SettingsError",
             "StoreBudgetError",
             "StoreKeyError",
             "TransformersBackend",
@@ -53,6 +56,7 @@ def test_root_all_is_pinned() -> None:
 
 
 def test_operator_building_blocks_stay_importable() -> None:
-    from kamera_agent.operator import apply_patch, form_patch, kv_layout, relocate
+    from kamera_agent.backends.transformers import kv_layout
+    from kamera_agent.operator import apply_patch, form_patch, relocate
 
     assert all(callable(f) for f in (apply_patch, form_patch, kv_layout, relocate))

@@ -177,30 +177,32 @@ def _vl_text(mrope_section: list[int], **extra: Any) -> dict[str, Any]:
     return {**text, "rope_parameters": rope, "bos_token_id": 1, "eos_token_id": 2}
 
 
-def tiny_qwen2_vl(seed: int = 0) -> Model:
+def tiny_qwen2_vl(seed: int = 0, layers: int = 2) -> Model:
     """Qwen2VLForConditionalGeneration: head_dim 16, mrope_section [2, 3, 3], 1-layer ViT (patch 14)."""
     # Qwen2-VL's vision `hidden_size` is the merger output (= text hidden); `embed_dim` is the ViT width.
     vision = {**_VISION, "depth": 1, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2}
-    config = Qwen2VLConfig(text_config=_vl_text([2, 3, 3]), vision_config=vision, **_VL_IDS)
+    text = {**_vl_text([2, 3, 3]), "num_hidden_layers": layers}
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, **_VL_IDS)
     return _build(Qwen2VLForConditionalGeneration, config, seed)
 
 
-def tiny_qwen2_5_vl(seed: int = 0) -> Model:
+def tiny_qwen2_5_vl(seed: int = 0, layers: int = 2) -> Model:
     """Qwen2_5_VLForConditionalGeneration: head_dim 16, mrope_section [2, 3, 3], 2-layer windowed ViT."""
     vision = {**_VISION, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64}
     vision |= {"window_size": 56, "fullatt_block_indexes": [1]}  # layer 0 windowed, layer 1 full
-    config = Qwen2_5_VLConfig(text_config=_vl_text([2, 3, 3]), vision_config=vision, **_VL_IDS)
+    text = {**_vl_text([2, 3, 3]), "num_hidden_layers": layers}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **_VL_IDS)
     return _build(Qwen2_5_VLForConditionalGeneration, config, seed)
 
 
-def tiny_qwen3_vl(seed: int = 0) -> Model:
+def tiny_qwen3_vl(seed: int = 0, layers: int = 2) -> Model:
     """Qwen3VLForConditionalGeneration: head_dim 16, interleaved M-RoPE [4, 2, 2], ViT with deepstack.
 
     The sections are [T, H, W] with H and W at pair indices 1::3 and 2::3 (here 1,4 and 2,5), T the rest.
     """
     vision = {**_VISION, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64}
     vision |= {"num_position_embeddings": 64, "deepstack_visual_indexes": [0]}  # 8x8 learned grid
-    text = {**_vl_text([4, 2, 2], mrope_interleaved=True), "head_dim": 16}
+    text = {**_vl_text([4, 2, 2], mrope_interleaved=True), "head_dim": 16, "num_hidden_layers": layers}
     config = Qwen3VLConfig(text_config=text, vision_config=vision, **_VL_IDS)
     return _build(Qwen3VLForConditionalGeneration, config, seed)
 

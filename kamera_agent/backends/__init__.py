@@ -1,6 +1,28 @@
-"""Engines kamera-agent drives: transformers (reference, CPU/GPU); SGLang follows."""
+"""Engines kamera-agent drives, behind one seam (`Backend`): transformers (reference, CPU/GPU)
+and a plain-torch model that proves the seam; SGLang follows."""
 
-from kamera_agent.backends.base import Answer, Backend, BackendCounters, DecodeConfig
-from kamera_agent.backends.transformers_backend import TransformersBackend
+from kamera_agent.backends.base import (
+    Answer,
+    Backend,
+    DecodeConfig,
+    Decoded,
+    Prefilled,
+    Reference,
+    Spent,
+    VisionFeatures,
+    VisionOutput,
+)
+from kamera_agent.backends.transformers import TransformersBackend
 
-__all__ = ["Answer", "Backend", "BackendCounters", "DecodeConfig", "TransformersBackend"]
+__all__ = [
+    "Answer",
+    "Backend",
+    "DecodeConfig",
+    "Decoded",
+    "Prefilled",
+    "Reference",
+    "Spent",
+    "TransformersBackend",
+    "VisionFeatures",
+    "VisionOutput",
+]

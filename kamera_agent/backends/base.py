@@ -1,45 +1,108 @@
-"""The backend seam: what kamera-agent needs from an inference engine, and nothing more.
+"""The backend seam: the few primitives an inference engine gives kamera-agent, each with its cost.
 
-Why a small ABC: the window and the planner never touch a model; a backend knows one engine
-(transformers on CPU/GPU, SGLang's KV pool) and exposes a handful of operations on chunks
-and caches (encode, condition, assemble, decode, plus the anchor and reference inputs).
-Capability flags say what an engine can do instead of ``isinstance`` checks.
+Why this small: everything that is not engine-specific (store lookups, origin checks, the
+position-free form, device moves, cost accounting) lives once above this seam, in
+`kamera_agent.core`. A backend knows one engine and offers:
+
+    prefill        chunks' tokens at given positions over given placed KV -> each chunk's KV
+    encode_vision  a chunk's pixels -> the vision tower's outputs (VLMs)
+    assemble       placed KV back to back -> the engine's own cache
+    decode         a query over an assembled cache -> an answer
+
+plus its `KVLayout` (the KV layout and the rotary spec), its model fingerprint, the
+`ChunkEncoder` that prepares chunks for its model, where it runs (device, dtype) and its context
+limit. Every primitive returns what it spent (`Spent`), so costs are read from results, never
+inferred from side effects. Checks against the engine's own full forward are a capability
+(``supports_reference``), not part of the contract.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
 
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
+from kamera_agent.errors import CapabilityError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.results import Answer
-from kamera_agent.store import ChunkStore
 
-__all__ = ["Answer", "Backend", "BackendCounters", "DecodeConfig"]
+__all__ = [
+    "Answer",
+    "Backend",
+    "DecodeConfig",
+    "Decoded",
+    "Prefilled",
+    "Reference",
+    "Spent",
+    "VisionFeatures",
+    "VisionOutput",
+]
+
+VisionFeatures = Mapping[str, torch.Tensor]
+"""A vision tower's outputs for one chunk: ``"embeds"`` ``[n_image_tokens, hidden]`` and any
+engine extras (Qwen3-VL's ``"deepstack.i"``), all belonging to the chunk itself."""
 
 
-@dataclass
-class BackendCounters:
-    """What a backend has spent: the ground truth behind every op's reported cost."""
+@dataclass(frozen=True)
+class Spent:
+    """What one primitive call cost the engine.
 
-    lm_forwards: int = 0
+    Attributes:
+        forwards: language-model forwards.
+        tokens_prefilled: tokens those forwards processed (decode steps included).
+        vision_encodes: vision-tower runs.
+        decode_steps: tokens generated one forward at a time.
+    """
+
+    forwards: int = 0
     tokens_prefilled: int = 0
-    vision_forwards: int = 0
-    vision_cache_hits: int = 0
-    canonical_hits: int = 0
+    vision_encodes: int = 0
     decode_steps: int = 0
 
-    def snapshot(self) -> BackendCounters:
-        return BackendCounters(**self.__dict__)
+    def __add__(self, other: Spent) -> Spent:
+        return Spent(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
-    def since(self, earlier: BackendCounters) -> BackendCounters:
-        return BackendCounters(**{k: v - getattr(earlier, k) for k, v in self.__dict__.items()})
+
+@dataclass(frozen=True)
+class Prefilled:
+    """Each prefilled chunk's KV, placed at the positions it was computed at, and the cost."""
+
+    kv: tuple[ChunkKV, ...]
+    spent: Spent
+
+
+@dataclass(frozen=True)
+class VisionOutput:
+    """The vision tower's outputs for one chunk and what running it cost."""
+
+    features: VisionFeatures
+    spent: Spent
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """An answer and what decoding it cost (the query's prefill included)."""
+
+    answer: Answer
+    spent: Spent
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The engine's own full forward over ``anchor + chunks (+ query)``: the ground truth.
+
+    Attributes:
+        kv: the anchor's and every chunk's KV as that forward computed it, anchor first.
+        logits: ``[vocab]`` next-token logits at the last position.
+    """
+
+    kv: tuple[ChunkKV, ...]
+    logits: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -66,52 +129,85 @@ class DecodeConfig:
 
 
 class Backend(ABC):
-    """An engine that encodes chunks, conditions them, assembles caches and decodes."""
+    """One inference engine behind a handful of primitives that report their own costs.
+
+    Attributes:
+        layout: the model's KV layout and rotary spec, handed to the operator.
+        fingerprint: identity of the model's architecture and weights (store entries carry it).
+        encoder: prepares chunks (tokens, pixels, positions, content keys) for this model.
+    """
 
     supports_mla: ClassVar[bool] = False
-    supports_vision: ClassVar[bool] = False
+    supports_reference: ClassVar[bool] = False
     layout: KVLayout
     fingerprint: str
-    counters: BackendCounters
     encoder: ChunkEncoder
-    store: ChunkStore
+
+    @property
+    def supports_vision(self) -> bool:
+        """Whether `encode_vision` runs a vision tower (image chunks can be admitted)."""
+        return False
 
     @property
     @abstractmethod
-    def anchor(self) -> Chunk:
-        """The anchor chunk (system prompt, user-turn start) every window starts with."""
+    def device(self) -> torch.device:
+        """Where the engine keeps KV: store entries are moved here before use."""
+
+    @property
+    @abstractmethod
+    def dtype(self) -> torch.dtype:
+        """The KV dtype the engine computes in."""
+
+    @property
+    def context_limit(self) -> int | None:
+        """The most positions a sequence may use (``None``: no known limit)."""
+        return None
 
     @abstractmethod
-    def anchor_kv(self) -> ChunkKV:
-        """The anchor's KV at positions ``[0, anchor.advance)``."""
+    def prefill(
+        self,
+        chunks: Sequence[Chunk],
+        context: Sequence[ChunkKV],
+        start: int,
+        vision: Sequence[VisionFeatures] = (),
+    ) -> Prefilled:
+        """Run ``chunks``' tokens, placed back to back from position ``start``, over ``context``.
 
-    @abstractmethod
-    def reference_inputs(
-        self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None
-    ) -> dict[str, Any]:
-        """The model's own forward inputs for a full re-prefill of ``anchor + chunks (+ query)``."""
+        Args:
+            chunks: consecutive chunks; each is conditioned on ``context`` and the chunks before it.
+            context: placed KV already in the cache, back to back (the anchor first, or empty).
+            start: the position of the first chunk's first token.
+            vision: the vision outputs of the chunks that have vision, in order.
 
-    @abstractmethod
-    def encode(self, chunk: Chunk) -> ChunkKV:
-        """The chunk's canonical ``KV(B|∅)`` behind the anchor prefix, stored position-free."""
+        Returns:
+            Each chunk's KV at the positions it was computed at, and the cost (one forward).
+        """
 
-    @abstractmethod
-    def condition(self, chunk: Chunk, before: Sequence[ChunkKV], start: int) -> ChunkKV:
-        """``KV(B|A)``: the chunk's tokens prefilled at ``start`` over ``before`` (anchor first)."""
+    def encode_vision(self, chunk: Chunk) -> VisionOutput:
+        """Run the vision tower on a chunk's pixels."""
+        raise CapabilityError(f"{type(self).__name__} has no vision tower; push text chunks only")
 
     @abstractmethod
     def assemble(self, placed: Sequence[ChunkKV]) -> Any:
-        """An engine cache holding ``placed`` back to back (each already at its positions)."""
+        """The engine's cache holding ``placed`` back to back (each already at its positions)."""
 
     @abstractmethod
-    def decode(self, cache: Any, query_ids: torch.Tensor, start: int, config: DecodeConfig) -> Answer:
+    def decode(self, cache: Any, query_ids: torch.Tensor, start: int, config: DecodeConfig) -> Decoded:
         """Answer ``query_ids`` placed at ``start`` over ``cache`` (which it may consume)."""
 
-    def condition_run(self, chunks: Sequence[Chunk], before: Sequence[ChunkKV], start: int) -> list[ChunkKV]:
-        """``KV(B_i | before, B_<i)`` for consecutive chunks from ``start``; engines that can
-        prefill the run in one forward override this loop."""
-        out: list[ChunkKV] = []
-        for chunk in chunks:
-            out.append(self.condition(chunk, [*before, *out], start))
-            start += chunk.advance
-        return out
+    def reference_prefill(self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None) -> Reference:
+        """The engine's own full forward over ``anchor + chunks (+ query)``, for checks.
+
+        Computed the way the engine serves an ordinary request (its own positions, its own vision
+        path), independently of kamera's placement, so a match checks both.
+        """
+        raise CapabilityError(
+            f"{type(self).__name__} offers no reference forward (supports_reference is False); "
+            "check against another backend"
+        )
+
+    def reference_inputs(
+        self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None
+    ) -> dict[str, Any]:
+        """Keyword arguments for the model's own forward over a full re-prefill (engines that have one)."""
+        raise CapabilityError(f"{type(self).__name__} has no model forward to build inputs for")

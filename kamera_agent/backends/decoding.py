@@ -1,43 +1,50 @@
-"""Decoding a query over an assembled cache: greedy or sampled, with stop strings.
+"""Decoding a query over an assembled cache, for any backend: greedy or sampled, with stop strings.
 
-Why our own loop rather than ``generate``: the window's positions are ours (M-RoPE ids
-continue after the window, not after the cache slot count), and the query must extend a
-cache that was assembled, not prefilled; a short explicit loop keeps both exact.
+Why our own loop rather than an engine's ``generate``: the window's positions are ours (M-RoPE
+ids continue after the window, not after the cache's slot count), and the query extends a cache
+that was assembled, not prefilled. A backend hands in one function, ``forward(ids, positions,
+cache) -> (cache, last logits)``; the loop, token choice and stop handling are the same for all,
+so a sampled answer with a seed is the same whichever engine produced the logits.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection
+from typing import Any
 
 import torch
 
-from kamera_agent.backends.base import Answer, DecodeConfig
+from kamera_agent.backends.base import DecodeConfig, Decoded, Spent
+from kamera_agent.results import Answer
 
-if TYPE_CHECKING:
-    from kamera_agent.backends.transformers_backend import TransformersBackend
+__all__ = ["Forward", "decode_loop", "pick_token"]
 
-__all__ = ["decode_loop", "eos_token_ids", "pick_token"]
+Forward = Callable[[torch.Tensor, torch.Tensor, Any], tuple[Any, torch.Tensor]]
+"""``(ids [n], positions [n] | [3, n], cache) -> (cache, logits [vocab] of the last token)``."""
 
 
 def decode_loop(
-    backend: TransformersBackend, cache: Any, query_ids: torch.Tensor, start: int, config: DecodeConfig
-) -> Answer:
+    forward: Forward,
+    text_positions: Callable[[int, int], torch.Tensor],
+    detokenize: Callable[[list[int]], str],
+    eos: Collection[int],
+    cache: Any,
+    query_ids: torch.Tensor,
+    start: int,
+    config: DecodeConfig,
+) -> Decoded:
     """Prefill ``query_ids`` at ``start`` over ``cache``, then generate token by token."""
     if query_ids.numel() == 0:
         raise ValueError("the query tokenizes to no tokens")
-    positions = backend.positions.text(start, int(query_ids.shape[0]))
-    cache, logits = backend.forward_tokens(query_ids, positions, cache)
-    assert logits is not None
+    n_query = int(query_ids.shape[0])
+    cache, logits = forward(query_ids, text_positions(start, n_query), cache)
     first_logits = logits.detach().to("cpu")
     generator = torch.Generator(device=logits.device)
     if config.seed is not None:
         generator.manual_seed(config.seed)
-    eos = eos_token_ids(backend.model, backend.tokenizer)
     tokens: list[int] = []
     steps: list[torch.Tensor] = []
-    position = start + int(query_ids.shape[0])
-    finish = "length"
-    text = ""
+    position, finish, text = start + n_query, "length", ""
     for _ in range(config.max_new_tokens):
         if config.return_logits:
             steps.append(logits.detach().to("cpu"))
@@ -46,27 +53,27 @@ def decode_loop(
             finish = "eos"
             break
         tokens.append(token)
-        backend.counters.decode_steps += 1
-        text = backend.tokenizer.decode(tokens, skip_special_tokens=True)
+        text = detokenize(tokens)
         hit = next((s for s in config.stop if s in text), None)
         if hit is not None:
-            text = text[: text.index(hit)]
-            finish = "stop"
+            text, finish = text[: text.index(hit)], "stop"
             break
         if len(tokens) == config.max_new_tokens:
             break
-        step_ids = torch.tensor([token], dtype=torch.long)
-        cache, next_logits = backend.forward_tokens(step_ids, backend.positions.text(position, 1), cache)
-        assert next_logits is not None
-        logits = next_logits
+        cache, logits = forward(torch.tensor([token], dtype=torch.long), text_positions(position, 1), cache)
         position += 1
-    return Answer(
+    decode_steps = max(0, len(tokens) - 1) if finish != "eos" else len(tokens)
+    answer = Answer(
         text=text,
         tokens=tokens,
         first_logits=first_logits,
         logits=torch.stack(steps) if steps else None,
         finish_reason=finish,
     )
+    spent = Spent(
+        forwards=1 + decode_steps, tokens_prefilled=n_query + decode_steps, decode_steps=decode_steps
+    )
+    return Decoded(answer, spent)
 
 
 def pick_token(logits: torch.Tensor, config: DecodeConfig, generator: torch.Generator) -> int:
@@ -84,15 +91,3 @@ def pick_token(logits: torch.Tensor, config: DecodeConfig, generator: torch.Gene
         scores[order[drop]] = float("-inf")
     probs = torch.softmax(scores, -1)
     return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
-    """Token ids that end an answer: the generation config's and the tokenizer's."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(int(v) for v in value)
-    return ids

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from rich.progress import Progress, TaskID
 
-from kamera_agent.backends.transformers_backend import TransformersBackend
+from kamera_agent.backends.transformers import TransformersBackend, read_chunk
 from kamera_agent.bench.common import finite, median_seconds
 from kamera_agent.models.random_qwen2 import Qwen2Shape, random_qwen2
-from kamera_agent.operator import ChunkKV, Patch, apply_patch, form_patch, read_chunk, to_position_free
+from kamera_agent.operator import ChunkKV, Patch, apply_patch, form_patch, to_position_free
 
 __all__ = ["CostRow", "CostRun", "CostShape", "run_cost"]
 

@@ -19,9 +19,9 @@ from typing import Any
 
 from rich.progress import Progress
 
-from kamera_agent.backends.transformers_backend import TransformersBackend
+from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.common import finite
-from kamera_agent.demo.evaluate import ArmResult, Evaluation, evaluate
+from kamera_agent.demo.evaluate import ArmResult, Evaluation, canonical_core, evaluate
 from kamera_agent.demo.sequences import FrameCache, item_sequence
 from kamera_agent.demo.task import DemoItem
 
@@ -142,7 +142,7 @@ def run_fidelity(
 
     Mutates: ``run`` (tallies, items done, budgets, seconds) after every finished item.
     """
-    frames = FrameCache(backend.encoder)
+    frames, core = FrameCache(backend.encoder), canonical_core(backend)
     if items:
         chunks = item_sequence(frames, items[0]).chunks
         run.chunk_tokens = [chunk.num_tokens for chunk in chunks]
@@ -150,7 +150,7 @@ def run_fidelity(
     task = progress.add_task(f"fidelity · {len(run.arms)} arms", total=len(items))
     began = time.perf_counter()
     for item in items:
-        _merge(run.evaluation, evaluate(backend, [item], run.arms, cache=frames))
+        _merge(run.evaluation, evaluate(backend, [item], run.arms, cache=frames, core=core))
         run.items_done += 1
         run.seconds = time.perf_counter() - began
         progress.advance(task)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kamera_agent.backends.transformers_backend import TransformersBackend
+from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.compat import cache_kwarg
 

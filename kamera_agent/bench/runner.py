@@ -145,7 +145,7 @@ def _missing_model(context: _Context) -> str:
 
 
 def _fidelity(context: _Context, progress: Progress) -> None:
-    from kamera_agent.backends.transformers_backend import TransformersBackend
+    from kamera_agent.backends.transformers import TransformersBackend
     from kamera_agent.demo.task import make_items
 
     options = context.options

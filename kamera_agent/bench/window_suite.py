@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from rich.progress import Progress
 
-from kamera_agent.backends.transformers_backend import TransformersBackend
+from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.common import finite
 from kamera_agent.bench.prefix_cache import PrefixCache
 from kamera_agent.chunks.chunk import Chunk
@@ -118,8 +118,12 @@ def run_window(model: Any, tokenizer: Any, image_processor: Any, run: WindowRun,
 
     Mutates: ``run`` (a record per op, then the final checks).
     """
-    config = WindowConfig(
-        rank=run.rank, capacity_chunks=run.capacity, max_new_tokens=1, **POLICIES[run.policy]
+    config = WindowConfig(  # keep pixels: the prefix cache re-prefills recalled frames from them
+        rank=run.rank,
+        capacity_chunks=run.capacity,
+        max_new_tokens=1,
+        evicted_pixels="keep",
+        **POLICIES[run.policy],
     )
     window = KameraWindow(model, tokenizer=tokenizer, image_processor=image_processor, config=config)
     backend = window.backend

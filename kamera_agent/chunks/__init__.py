@@ -2,7 +2,7 @@
 
 from kamera_agent.chunks.chunk import Chunk, ChunkKind, content_key
 from kamera_agent.chunks.encoder import ChunkEncoder
-from kamera_agent.chunks.positions import LinearPositions, MRopePositions, PositionScheme
+from kamera_agent.chunks.positions import LinearPositions, PositionScheme
 from kamera_agent.chunks.prompt import PromptFormat
 from kamera_agent.chunks.sources import VideoFrame, document_pages, read_video, to_rgb_image
 
@@ -11,7 +11,6 @@ __all__ = [
     "ChunkEncoder",
     "ChunkKind",
     "LinearPositions",
-    "MRopePositions",
     "PositionScheme",
     "PromptFormat",
     "VideoFrame",

@@ -24,7 +24,7 @@ slot        token            t               h                 w
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -45,7 +45,8 @@ class Chunk:
         relative_positions: ``[n]`` (1-D RoPE) or ``[3, n]`` (M-RoPE t, h, w) from the chunk start.
         advance: how far the position moves past this chunk.
         mm_token_type_ids: ``[n]`` 0 for text, 1 for image tokens.
-        pixel_values: preprocessed pixels for the vision tower, or ``None`` for text.
+        pixel_values: preprocessed pixels for the vision tower; ``None`` for text, and for an
+            image whose pixels were released once its vision output or KV was stored.
         image_grid_thw: ``[1, 3]`` patch grid for the vision tower, or ``None``.
         vision_key: content key of the pixels alone (the vision-embedding cache key).
         label: the caller's name for the chunk, if any.
@@ -73,7 +74,18 @@ class Chunk:
 
     @property
     def has_vision(self) -> bool:
+        """The chunk holds image tokens, filled by a vision tower's output."""
+        return self.vision_key is not None
+
+    @property
+    def has_pixels(self) -> bool:
+        """Its pixels are still held (the vision tower can run on them)."""
         return self.pixel_values is not None
+
+    def without_pixels(self) -> Chunk:
+        """The same chunk without its pixels: what an evicted image keeps once its vision output
+        or canonical is stored (pixels are the largest part of a chunk)."""
+        return replace(self, pixel_values=None)
 
     def positions_at(self, start: int) -> torch.Tensor:
         """Absolute positions ``[n]`` or ``[3, n]`` when the chunk starts at ``start``."""

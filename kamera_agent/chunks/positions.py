@@ -1,19 +1,19 @@
-"""Relative positions of a chunk's tokens, computed by the model's own position code.
+"""Relative positions of a chunk's tokens: the scheme a backend hands to its chunk encoder.
 
-Why ask the model: M-RoPE ids for vision tokens follow the image grid (and, for video, the
-time step), and each family has its own rules; the model's ``get_rope_index`` is the
-reference. Over a whole sequence those ids are translation-equivariant per chunk (each chunk
-starts one past the previous chunk's largest id), so a chunk's ids relative to its own start,
-plus where the next chunk starts (``advance``), are all a window needs to place it anywhere.
+Why relative: over a whole sequence position ids are translation-equivariant per chunk (each
+chunk starts one past the previous chunk's largest id), so a chunk's ids relative to its own
+start, plus where the next chunk starts (``advance``), are all a window needs to place it
+anywhere. 1-D RoPE is `LinearPositions`; M-RoPE schemes come from the engine's own position
+code (the transformers backend asks the model's ``get_rope_index``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-__all__ = ["LinearPositions", "MRopePositions", "PositionScheme", "position_scheme"]
+__all__ = ["LinearPositions", "PositionScheme"]
 
 
 class PositionScheme(Protocol):
@@ -43,40 +43,3 @@ class LinearPositions:
 
     def text(self, start: int, length: int) -> torch.Tensor:
         return torch.arange(start, start + length)
-
-
-class MRopePositions:
-    """M-RoPE (Qwen2/2.5/3-VL): rows t, h, w from the model's ``get_rope_index``."""
-
-    is_mrope = True
-
-    def __init__(self, model: Any) -> None:
-        self._get_rope_index = model.model.get_rope_index
-
-    def relative(
-        self, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor, image_grid_thw: torch.Tensor | None
-    ) -> tuple[torch.Tensor, int]:
-        n = int(input_ids.shape[0])
-        if image_grid_thw is None:  # text: t = h = w
-            return torch.arange(n).expand(3, n).clone(), n
-        ids, _ = self._get_rope_index(
-            input_ids[None].to(self._device()),
-            mm_token_type_ids=mm_token_type_ids[None].to(self._device()),
-            image_grid_thw=image_grid_thw.to(self._device()),
-            video_grid_thw=None,
-            attention_mask=None,
-        )
-        relative = ids[:, 0].to("cpu", torch.long)  # [3, n], starting at 0
-        return relative, int(relative.max()) + 1
-
-    def text(self, start: int, length: int) -> torch.Tensor:
-        return torch.arange(start, start + length).expand(3, length).clone()
-
-    def _device(self) -> torch.device:
-        owner = getattr(self._get_rope_index, "__self__", None)
-        return next(owner.parameters()).device if owner is not None else torch.device("cpu")
-
-
-def position_scheme(model: Any, is_mrope: bool) -> PositionScheme:
-    """The scheme for a model: M-RoPE when its rotary spec has t/h/w axes, else linear."""
-    return MRopePositions(model) if is_mrope else LinearPositions()

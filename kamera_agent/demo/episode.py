@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kamera_agent.backends.transformers_backend import TransformersBackend
+from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.config import WindowConfig
 from kamera_agent.demo.evaluate import evaluate
 from kamera_agent.demo.model import load_demo_model

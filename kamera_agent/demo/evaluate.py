@@ -32,15 +32,17 @@ from typing import Any
 
 import torch
 
-from kamera_agent.backends.transformers_backend import TransformersBackend
+from kamera_agent.backends.transformers import TransformersBackend, read_chunk
 from kamera_agent.compat import output_cache
+from kamera_agent.core import CostMeter, KVCore
 from kamera_agent.demo.sequences import FrameCache, ItemSequence, item_sequence
 from kamera_agent.demo.task import DemoItem
 from kamera_agent.metrics import next_token_kl
-from kamera_agent.operator.layout import ChunkKV, KVLayout, read_chunk
+from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.operator.patch import LayerChoice, apply_patch, form_orbit_patch, form_patch
+from kamera_agent.store import ChunkStore
 
-__all__ = ["ARMS", "ORBIT_ARMS", "ArmResult", "Evaluation", "arm_names", "evaluate"]
+__all__ = ["ARMS", "ORBIT_ARMS", "ArmResult", "Evaluation", "arm_names", "canonical_core", "evaluate"]
 
 Arm = Callable[[ChunkKV, ChunkKV, KVLayout, torch.Tensor], ChunkKV]
 """(canonical, conditioned, layout, positions) → the chunk's KV as the arm serves it."""
@@ -182,18 +184,21 @@ def evaluate(
     on_item: Callable[[int], None] | None = None,
     *,
     cache: FrameCache | None = None,
+    core: KVCore | None = None,
 ) -> Evaluation:
     """Answer every item with every arm; compare with re-prefill.
 
-    ``cache`` lets several calls share the frames' chunks (a caller that evaluates item by
-    item, to keep finished items when interrupted, would otherwise rebuild them every call).
+    ``cache`` and ``core`` let several calls share the frames' chunks and their canonicals (a
+    caller that evaluates item by item, to keep finished items when interrupted, would
+    otherwise rebuild them every call).
     """
     unknown = [arm for arm in arms if arm not in ARMS and arm not in ORBIT_ARMS]
     if unknown:
         raise ValueError(f"unknown arms {unknown}; known: {', '.join(arm_names())}")
     frames, result = cache or FrameCache(backend.encoder), Evaluation()
+    core = core or canonical_core(backend)
     for index, item in enumerate(items):
-        _evaluate_item(backend, item_sequence(frames, item), arms, result)
+        _evaluate_item(core, backend, item_sequence(frames, item), arms, result)
         if on_item is not None:
             on_item(index)
     return result
@@ -203,22 +208,26 @@ Piece = tuple[ChunkKV, ChunkKV, torch.Tensor]
 """(canonical, conditioned in the item's own ordering, positions) of one chunk."""
 
 
+def canonical_core(backend: TransformersBackend) -> KVCore:
+    """A core over its own store: the evaluator's canonicals, kept across items."""
+    return KVCore(backend, ChunkStore(fingerprint=backend.fingerprint, memory_budget=1 << 30))
+
+
 def _evaluate_item(
-    backend: TransformersBackend, seq: ItemSequence, arms: Sequence[str], out: Evaluation
+    core: KVCore, backend: TransformersBackend, seq: ItemSequence, arms: Sequence[str], out: Evaluation
 ) -> None:
     inputs = backend.reference_inputs(seq.chunks, seq.query_ids)
     with torch.no_grad():
         forward = backend.model(**inputs, use_cache=True)
     reference = forward.logits[0, -1].float().cpu()
-    pieces, start = _pieces(backend, seq, output_cache(forward))
+    pieces, start = _pieces(core, backend, seq, output_cache(forward))
     orbit = _orbit_members(backend, seq, pieces) if any(a in ORBIT_ARMS for a in arms) else []
     served = {"reprefill": reference}
     for name in arms:
         chunks = _serve(name, pieces, orbit, backend.layout)
         query_positions = backend.positions.text(start, int(seq.query_ids.shape[0]))
-        _, last = backend.forward_tokens(
-            seq.query_ids, query_positions, backend.assemble([backend.anchor_kv(), *chunks])
-        )
+        anchor = core.anchor_kv(CostMeter())
+        _, last = backend.forward_tokens(seq.query_ids, query_positions, backend.assemble([anchor, *chunks]))
         assert last is not None
         served[name] = last.cpu()
     _tally(seq, reference, served, out)
@@ -234,14 +243,17 @@ def _serve(
     return [ARMS[name](c, k, layout, p) for c, k, p in pieces]
 
 
-def _pieces(backend: TransformersBackend, seq: ItemSequence, truth: Any) -> tuple[list[Piece], int]:
+def _pieces(
+    core: KVCore, backend: TransformersBackend, seq: ItemSequence, truth: Any
+) -> tuple[list[Piece], int]:
     """Every chunk's canonical, conditioned KV and positions; and where the query starts."""
     slot, start = backend.anchor.num_tokens, backend.anchor.advance
     pieces: list[Piece] = []
     for chunk in seq.chunks:
         positions = chunk.positions_at(start)
         conditioned = read_chunk(truth, backend.layout, slot, slot + chunk.num_tokens, positions)
-        pieces.append((backend.encode(chunk), conditioned, positions))
+        with core.txn() as txn:
+            pieces.append((core.canonical(chunk, txn), conditioned, positions))
         slot, start = slot + chunk.num_tokens, start + chunk.advance
     return pieces, start
 

@@ -15,6 +15,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kamera_agent.backends.transformers import kv_layout, read_chunk
 from kamera_agent.compat import cache_kwarg, output_cache
 from kamera_agent.metrics import next_token_kl
 from kamera_agent.models.random_qwen2 import Qwen2Shape, random_qwen2
@@ -23,8 +24,6 @@ from kamera_agent.operator import (
     KVLayout,
     apply_patch,
     form_patch,
-    kv_layout,
-    read_chunk,
     to_position_free,
 )
 

@@ -1,19 +1,16 @@
 """The position-free KV operator: ``KV_at(B | A, p) = rotate(canonical(B) + patch(B | A), p)``.
 
-``rope`` rotates key bands, ``families``/``layout`` say where the band sits for MHA, GQA and
-MLA, ``patch`` forms and applies the low-rank conditioning patches. Nothing here knows about
-windows or engines.
+``rope`` rotates key bands, ``layout`` says where the band sits for MHA, GQA and MLA, ``patch``
+forms and applies the low-rank conditioning patches. Nothing here knows about windows, engines
+or model families: a backend hands in the `KVLayout` and `RotarySpec` of its model.
 """
 
-from kamera_agent.operator.families import FAMILIES, Family, family_of
 from kamera_agent.operator.layout import (
     ChunkKV,
     KVLayout,
     at_positions,
     check_layout,
-    kv_layout,
-    read_chunk,
-    rotary_spec,
+    check_positions,
     to_position_free,
 )
 from kamera_agent.operator.patch import (
@@ -31,9 +28,7 @@ from kamera_agent.operator.patch import (
 from kamera_agent.operator.rope import RotarySpec, relocate, rotary_angles, rotate, unrotate
 
 __all__ = [
-    "FAMILIES",
     "ChunkKV",
-    "Family",
     "KVLayout",
     "Patch",
     "Rank",
@@ -41,17 +36,14 @@ __all__ = [
     "apply_patch",
     "at_positions",
     "check_layout",
+    "check_positions",
     "deficit",
-    "family_of",
     "form_orbit_patch",
     "form_patch",
-    "kv_layout",
     "load_patch",
     "merge_patches",
-    "read_chunk",
     "relocate",
     "rotary_angles",
-    "rotary_spec",
     "rotate",
     "save_patch",
     "select_layers",

@@ -4,7 +4,7 @@ Why: concatenating separately cached chunks loses only cross-chunk conditioning,
 ``Δ = KV(B|A) − KV(B|∅)``. Δ is low-rank in features, so per layer and slot we keep the top-m
 SVD factors of the ``[n, heads·dim]`` deficit matrix. Keys are differenced in the
 position-free frame (rotation mixes features per token and would inflate the rank), so one
-patch serves every placement of the chunk behind the same antecedent:
+patch serves every placement of the chunk behind the same antecedents:
 
     KV_at(B | A, positions) = rotate(canonical(B) + U_m V_m, positions)
 
@@ -50,14 +50,15 @@ _SLOTS: tuple[Slot, Slot] = ("keys", "values")
 
 @dataclass(frozen=True, eq=False)
 class Patch:
-    """Low-rank factors of one chunk's deficit behind one antecedent.
+    """Low-rank factors of one chunk's deficit behind one antecedent context.
 
     Attributes:
         factors: ``{(layer, slot): (u [n, m], v [m, heads·dim])}``; ``u`` carries the singular
             values. Layers missing from it are not patched (layer-sparse variant).
         num_tokens: tokens of the chunk the patch was formed for.
         chunk_key: content key of that chunk.
-        antecedent: signature of the antecedent it encodes (ordered list, or set for an orbit).
+        state: digest of the state the patch gives its chunk (`kamera_agent.core.identity`):
+            what it encodes, chained over its antecedents' states.
         model_fingerprint: the model that formed it.
         kind: ``"exact"`` (one ordering) or ``"orbit"`` (mean over orderings).
     """
@@ -65,7 +66,7 @@ class Patch:
     factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     num_tokens: int
     chunk_key: str = ""
-    antecedent: str = ""
+    state: str = ""
     model_fingerprint: str = ""
     kind: Literal["exact", "orbit"] = "exact"
     meta: dict[str, str] = field(default_factory=dict)
@@ -108,7 +109,7 @@ def form_patch(
     *,
     layers: LayerChoice = "all",
     method: SvdMethod = "auto",
-    antecedent: str = "",
+    state: str = "",
     dtype: torch.dtype | None = None,
 ) -> Patch:
     """Top-m factors of the deficit of ``conditioned`` over the position-free ``canonical``.
@@ -121,11 +122,11 @@ def form_patch(
         layers: which layers to patch.
         method: ``"exact"`` SVD, ``"randomized"`` (``torch.svd_lowrank``), or ``"auto"``:
             randomized when the rank is a small fixed share of a large matrix.
-        antecedent: signature recorded on the patch.
+        state: the state digest recorded on the patch.
         dtype: storage dtype of the factors (default: the canonical's).
     """
     deltas = deficit(canonical, conditioned, layout)
-    return _factorize(deltas, canonical, layout, rank, layers, method, antecedent, dtype, "exact")
+    return _factorize(deltas, canonical, layout, rank, layers, method, state, dtype, "exact")
 
 
 def form_orbit_patch(
@@ -136,7 +137,7 @@ def form_orbit_patch(
     *,
     layers: LayerChoice = "all",
     method: SvdMethod = "auto",
-    antecedent: str = "",
+    state: str = "",
     dtype: torch.dtype | None = None,
 ) -> Patch:
     """One patch for several orderings of the same antecedent set: factors of the mean deficit."""
@@ -144,7 +145,7 @@ def form_orbit_patch(
         raise ValueError("an orbit patch needs at least one conditioned KV")
     per_order = [deficit(canonical, kv, layout) for kv in conditioned]
     mean = {slot: torch.stack([d[slot] for d in per_order]).mean(0) for slot in _SLOTS}
-    return _factorize(mean, canonical, layout, rank, layers, method, antecedent, dtype, "orbit")
+    return _factorize(mean, canonical, layout, rank, layers, method, state, dtype, "orbit")
 
 
 def merge_patches(
@@ -152,7 +153,7 @@ def merge_patches(
     rank: Rank,
     *,
     weights: Sequence[float] | None = None,
-    antecedent: str = "",
+    state: str = "",
     kind: Literal["exact", "orbit"] = "orbit",
     meta: dict[str, str] | None = None,
 ) -> Patch:
@@ -190,7 +191,7 @@ def merge_patches(
         factors=factors,
         num_tokens=first.num_tokens,
         chunk_key=first.chunk_key,
-        antecedent=antecedent,
+        state=state,
         model_fingerprint=first.model_fingerprint,
         kind=kind,
         meta=dict(meta or {}),
@@ -241,7 +242,7 @@ def save_patch(patch: Patch, path: str | Path) -> int:
     meta = {
         "num_tokens": str(patch.num_tokens),
         "chunk_key": patch.chunk_key,
-        "antecedent": patch.antecedent,
+        "state": patch.state,
         "model_fingerprint": patch.model_fingerprint,
         "kind": patch.kind,
         "meta": json.dumps(patch.meta, sort_keys=True),
@@ -267,7 +268,7 @@ def load_patch(path: str | Path) -> Patch:
         factors=dict(sorted(factors.items())),
         num_tokens=int(meta["num_tokens"]),
         chunk_key=meta.get("chunk_key", ""),
-        antecedent=meta.get("antecedent", ""),
+        state=meta.get("state", ""),
         model_fingerprint=meta.get("model_fingerprint", ""),
         kind="orbit" if kind == "orbit" else "exact",
         meta=json.loads(meta.get("meta", "{}")),
@@ -281,7 +282,7 @@ def _factorize(
     rank: Rank,
     layers: LayerChoice,
     method: SvdMethod,
-    antecedent: str,
+    state: str,
     dtype: torch.dtype | None,
     kind: Literal["exact", "orbit"],
 ) -> Patch:
@@ -295,7 +296,7 @@ def _factorize(
         factors=factors,
         num_tokens=canonical.num_tokens,
         chunk_key=canonical.chunk_key,
-        antecedent=antecedent,
+        state=state,
         model_fingerprint=canonical.model_fingerprint,
         kind=kind,
     )

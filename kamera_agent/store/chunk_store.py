@@ -19,6 +19,7 @@ under it (simple, and correct: no entry is ever half-moved between tiers).
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Mapping
@@ -132,21 +133,49 @@ class ChunkStore:
         """The vision outputs stored under ``key``, or ``None``: run the vision tower again."""
         return cast("dict[str, torch.Tensor] | None", self._get(EntryKey.vision(key)))
 
-    def put_patch(self, patch: Patch) -> EntryKey:
-        """Store a patch under ``(patch.chunk_key, patch.antecedent)``; returns its address."""
-        return self._put(EntryKey.patch(patch.chunk_key, patch.antecedent), patch)
+    def put_patch(self, patch: Patch, variant: str | None = None) -> EntryKey:
+        """Store a patch under ``(patch.chunk_key, variant)``; the variant defaults to the state
+        the patch gives (``patch.state``), an orbit passes its set key. Returns its address."""
+        return self._put(EntryKey.patch(patch.chunk_key, patch.state if variant is None else variant), patch)
 
-    def get_patch(self, chunk_key: str, antecedent: str) -> Patch | None:
-        """The patch of ``chunk_key`` behind ``antecedent``, or ``None``: form it again."""
-        return cast("Patch | None", self._get(EntryKey.patch(chunk_key, antecedent)))
+    def get_patch(self, chunk_key: str, variant: str) -> Patch | None:
+        """The patch of ``chunk_key`` filed under ``variant``, or ``None``: form it again."""
+        return cast("Patch | None", self._get(EntryKey.patch(chunk_key, variant)))
+
+    def patch_info(self, chunk_key: str, variant: str) -> tuple[str, dict[str, str]] | None:
+        """``(state digest, meta)`` of the patch filed under ``variant``, read without loading its
+        tensors or counting a hit (a planner's peek); ``None`` when no tier holds it."""
+        key = EntryKey.patch(chunk_key, variant)
+        with self._lock:
+            resident = self._memory.peek(key)
+            if resident is not None:
+                patch = cast(Patch, resident)
+                return patch.state, dict(patch.meta)
+            header = None if self._disk is None or key not in self._disk else self._disk.header(key)
+            if header is None or "state" not in header:
+                return None
+            try:
+                meta = json.loads(header.get("meta", "{}"))
+            except ValueError:
+                return None
+            return header["state"], {str(k): str(v) for k, v in meta.items()}
 
     def has_canonical(self, key: str) -> bool:
         """Whether a canonical for this chunk key is held (memory or disk), without loading it."""
         return self.contains(EntryKey.canonical(key))
 
-    def has_patch(self, chunk_key: str, antecedent: str) -> bool:
-        """Whether a patch for this chunk and antecedent signature is held, without loading it."""
-        return self.contains(EntryKey.patch(chunk_key, antecedent))
+    def has_vision(self, key: str) -> bool:
+        """Whether vision outputs for this pixel key are held (memory or disk), without loading them."""
+        return self.contains(EntryKey.vision(key))
+
+    def has_patch(self, chunk_key: str, variant: str) -> bool:
+        """Whether a patch for this chunk and variant is held, without loading it."""
+        return self.contains(EntryKey.patch(chunk_key, variant))
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether an entry of ``nbytes`` tensor bytes can be stored at all (every budget holds it)."""
+        disk = self._disk.budget if self._disk is not None else nbytes
+        return nbytes <= self._memory.budget and nbytes <= disk
 
     def contains(self, key: EntryKey) -> bool:
         """Whether a tier holds ``key``. A disk copy is verified only when read, so a get can

@@ -2,14 +2,14 @@
 
 Why: the disk tier moves opaque, checksummed byte strings; only this module knows how a
 `ChunkKV`, a vision embedding or a `Patch` becomes named tensors plus string metadata and
-back. Every file carries its own address (kind, key, antecedent) and the model fingerprint in
+back. Every file carries its own address (kind, key, variant) and the model fingerprint in
 the safetensors metadata, so a directory can be re-indexed from its files alone.
 
     kind        tensors                                    metadata beyond the address
     canonical   keys [L, Hk, n, Dk], values [L, Hv, n, Dv],  -
                 positions [n] | [3, n] when placed
     vision      the tower's outputs under their own names  -
-    patch       "{layer}.{slot}.u" [n, m], ".v" [m, F]     num_tokens, patch_kind, meta (JSON)
+    patch       "{layer}.{slot}.u" [n, m], ".v" [m, F]     num_tokens, patch_kind, state, meta (JSON)
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ __all__ = [
 StoredValue = ChunkKV | Patch | dict[str, torch.Tensor]
 Tensors = dict[str, torch.Tensor]
 Meta = dict[str, str]
-FORMAT = "kamera-store/1"
+FORMAT = "kamera-store/2"  # 2: patches filed by the state they give (chained identity)
 _MAX_HEADER = 64 << 20  # a header larger than this is damage, not metadata
 
 
@@ -81,7 +81,12 @@ def _patch_tensors(patch: Patch) -> Tensors:
 
 
 def _patch_meta(patch: Patch) -> Meta:
-    return {"num_tokens": str(patch.num_tokens), "patch_kind": patch.kind, "meta": json.dumps(patch.meta)}
+    return {
+        "num_tokens": str(patch.num_tokens),
+        "patch_kind": patch.kind,
+        "state": patch.state,
+        "meta": json.dumps(patch.meta),
+    }
 
 
 def _patch_build(tensors: Tensors, meta: Meta) -> Patch:
@@ -95,7 +100,7 @@ def _patch_build(tensors: Tensors, meta: Meta) -> Patch:
         factors=dict(sorted(factors.items())),
         num_tokens=int(meta["num_tokens"]),
         chunk_key=meta["key"],
-        antecedent=meta["antecedent"],
+        state=meta["state"],
         model_fingerprint=meta["model_fingerprint"],
         kind="orbit" if meta["patch_kind"] == "orbit" else "exact",
         meta=dict(json.loads(meta["meta"])),
@@ -152,7 +157,7 @@ def encode(key: EntryKey, value: StoredValue, fingerprint: str) -> bytes:
         "format": FORMAT,
         "kind": key.kind,
         "key": key.key,
-        "antecedent": key.antecedent,
+        "variant": key.variant,
         "model_fingerprint": fingerprint,
     }
     return save(_for_disk(codec.tensors(value)), metadata=meta)
@@ -206,7 +211,7 @@ def _address(meta: Meta) -> tuple[EntryKey, Meta]:
     kind = meta.get("kind", "")
     if meta.get("format") != FORMAT or kind not in _CODECS or "model_fingerprint" not in meta:
         raise CorruptEntry(f"not a {FORMAT} entry (format {meta.get('format')!r}, kind {kind!r})")
-    return EntryKey(cast(EntryKind, kind), meta.get("key", ""), meta.get("antecedent", "")), meta
+    return EntryKey(cast(EntryKind, kind), meta.get("key", ""), meta.get("variant", "")), meta
 
 
 def _for_disk(tensors: Tensors) -> Tensors:

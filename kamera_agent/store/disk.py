@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kamera_agent.store.budget import EvictionPolicy, pick_victim
-from kamera_agent.store.codec import CorruptEntry, header_length, read_address
+from kamera_agent.store.codec import CorruptEntry, header_length, header_of, read_address
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.stats import EventLog, StoreEvent
 
@@ -147,6 +147,17 @@ class DiskTier:
         record.hits += 1
         self.touch(key)
         return blob
+
+    def header(self, key: EntryKey) -> dict[str, str] | None:
+        """The file's header metadata, read without counting a hit (planning peeks at it);
+        ``None`` when it cannot be read (a later `read` verifies and reports the file)."""
+        try:
+            with (self.directory / self._files[key].name).open("rb") as handle:
+                prefix = handle.read(8)
+                prefix += handle.read(header_length(prefix) - len(prefix))
+            return header_of(prefix)
+        except (OSError, CorruptEntry):
+            return None
 
     def drop_corrupt(self, key: EntryKey, detail: str) -> None:
         """Delete a file that failed verification and report it; it is never served."""

@@ -1,8 +1,9 @@
 """Entry keys: what the store files an entry under, one kind of key per kind of entry.
 
 Why: canonicals and vision embeddings are keyed by the chunk's content key alone, a patch by
-the chunk's content key *and* the signature of the antecedent it encodes (ordered, orbit, or
-layer-sparse signatures are just different strings made by the caller). One frozen key type
+the chunk's content key *and* a variant: the digest of the state it gives the chunk (its
+antecedents' states chained in, `kamera_agent.core.identity`), or for an orbit the key of its
+antecedent set. Variants are opaque strings made by the caller. One frozen key type
 for all three keeps the tiers generic: they never look inside an entry.
 """
 
@@ -26,12 +27,13 @@ class EntryKey:
         kind: ``"canonical"`` (position-free `ChunkKV`), ``"vision"`` (a vision tower's output,
             ``dict[str, Tensor]``) or ``"patch"`` (a `Patch`).
         key: the chunk's content key (hex string).
-        antecedent: the antecedent signature; ``""`` for canonicals and vision embeddings.
+        variant: a patch's variant (the state digest it gives, or an orbit's set key); ``""`` for
+            canonicals and vision embeddings.
     """
 
     kind: EntryKind
     key: str
-    antecedent: str = ""
+    variant: str = ""
 
     @classmethod
     def canonical(cls, key: str) -> EntryKey:
@@ -42,15 +44,15 @@ class EntryKey:
         return cls("vision", key)
 
     @classmethod
-    def patch(cls, chunk_key: str, antecedent: str) -> EntryKey:
-        return cls("patch", chunk_key, antecedent)
+    def patch(cls, chunk_key: str, variant: str) -> EntryKey:
+        return cls("patch", chunk_key, variant)
 
     @property
     def digest(self) -> str:
         """32 hex digits naming the entry's file: signatures can be long or hold any character."""
-        text = json.dumps([self.kind, self.key, self.antecedent])
+        text = json.dumps([self.kind, self.key, self.variant])
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def __str__(self) -> str:
-        tail = f" | {self.antecedent[:16]}" if self.kind == "patch" else ""
+        tail = f" | {self.variant[:16]}" if self.kind == "patch" else ""
         return f"{self.kind}:{self.key[:16]}{tail}"

@@ -59,6 +59,11 @@ class MemoryTier:
         resident.last_used = next(self._clock)
         return resident.value
 
+    def peek(self, key: EntryKey) -> StoredValue | None:
+        """The value without counting a use (a planner's look)."""
+        resident = self._entries.get(key)
+        return None if resident is None else resident.value
+
     def add(self, key: EntryKey, value: StoredValue, nbytes: int) -> None:
         """Hold ``value`` (replacing any entry at ``key``); the caller then evicts to the budget."""
         self.pop(key)

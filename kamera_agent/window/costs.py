@@ -1,59 +1,17 @@
-"""Measuring what an operation costs, from the backend's own counters.
+"""A window's running record of what its operations cost.
 
-Why counters, not estimates: a test that asserts "a slide runs zero forwards" must fail if a
-forward ran, so costs are read off the backend after the fact; the window adds what only it
-knows (patches formed or reused, tokens served from the store, re-encodes forced by a budget).
+Why separate from the meter: `kamera_agent.core.CostMeter` sums one operation; the book keeps
+the last, the cumulative and the per-op totals, and copies with the window's state (a fork
+starts from its parent's record; a failed op records nothing).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 
-from kamera_agent.backends.base import BackendCounters
 from kamera_agent.results import OpCost, WindowStats
 
-__all__ = ["CostMeter", "StatsBook"]
-
-
-@dataclass
-class CostMeter:
-    """Accumulates one operation's window-side counts; ``finish`` adds the backend's."""
-
-    counters: BackendCounters
-    start: BackendCounters = field(init=False)
-    began: float = field(init=False)
-    tokens_reused: int = 0
-    reencodes: int = 0
-    patches_formed: int = 0
-    patches_applied: int = 0
-    bytes_added: int = 0
-    prefilled: set[object] = field(default_factory=set)
-    reused: set[object] = field(default_factory=set)
-
-    def reuse(self, chunk: object, tokens: int) -> None:
-        """Count a chunk's tokens as served without a forward, once per op, unless prefilled."""
-        if chunk not in self.prefilled and chunk not in self.reused:
-            self.reused.add(chunk)
-            self.tokens_reused += tokens
-
-    def __post_init__(self) -> None:
-        self.start = self.counters.snapshot()
-        self.began = time.perf_counter()
-
-    def finish(self) -> OpCost:
-        spent = self.counters.since(self.start)
-        return OpCost(
-            forwards=spent.lm_forwards,
-            tokens_prefilled=spent.tokens_prefilled,
-            tokens_reused=self.tokens_reused,
-            vision_encodes=spent.vision_forwards,
-            reencodes=self.reencodes,
-            patches_formed=self.patches_formed,
-            patches_applied=self.patches_applied,
-            bytes_added=self.bytes_added,
-            seconds=time.perf_counter() - self.began,
-        )
+__all__ = ["StatsBook"]
 
 
 @dataclass

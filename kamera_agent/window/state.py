@@ -1,49 +1,61 @@
 """A window's state: the deque of chunks, what each chunk's KV encodes, and nothing derivable.
 
 Why this shape: positions are derived from the order (each chunk starts where the previous one
-advanced to), so they are never stored; what each chunk's KV encodes lives only in the
-antecedent graph (edge A→B: B's current KV encodes A, with the edge's ``index`` giving A's
-place in B's antecedent sequence). The state copies cheaply, which gives ``fork`` (a branch)
-and transactions (a failed op restores the copy) the same mechanism.
+advanced to), so they are never stored. What each chunk's KV encodes is its `ChunkState` (the
+chained digest of its content, patch and antecedent states); the antecedent graph records the
+same as edges A→B ("B's KV encodes A"), each edge carrying A's place in B's antecedents and the
+state of A that B encodes. Everything mutable lives in one `WindowState`, so a transaction (a
+failed op restores the copy) and ``fork`` (a branch with its own ref space) are one mechanism.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import itertools
-from collections.abc import Iterable, Sequence
+import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import networkx as nx
 
 from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.core.identity import ChunkState
+from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.operator.patch import Patch
+from kamera_agent.results import Answer
+from kamera_agent.window.costs import StatsBook
 
-__all__ = ["ChunkRef", "Entry", "WindowState", "ordered_signature", "set_signature"]
-
-_lineages = itertools.count()
+__all__ = ["ChunkRef", "Entry", "Home", "LastAnswer", "Placed", "Scores", "WindowState"]
 
 
 @dataclass(frozen=True, order=True)
 class ChunkRef:
-    """A handle on one admitted chunk. Forks of a window share their refs.
+    """A handle on one admitted chunk, valid in the window (branch) that minted it.
+
+    A fork keeps the refs minted before it and mints its own after it: two branches never hand
+    out equal refs, and a ref from another window or branch is refused with `UnknownChunkError`.
 
     Attributes:
         id: the chunk's number in its window family.
+        lineage: the branch that minted it.
         key: the chunk's content key.
         label: the caller's label (defaults to the kind and number, e.g. ``frame-3``).
-        lineage: the window family it belongs to.
     """
 
     id: int
+    lineage: str
     key: str = field(compare=False)
     label: str = field(compare=False)
-    lineage: int
 
     def __repr__(self) -> str:
         return f"ChunkRef({self.label!r})"
+
+
+@dataclass(frozen=True)
+class Home:
+    """A chunk's first settled KV: its antecedents then and the state it had (recall's context)."""
+
+    refs: tuple[ChunkRef, ...]
+    state: ChunkState
 
 
 @dataclass
@@ -51,37 +63,76 @@ class Entry:
     """Everything a window keeps about one chunk besides its graph edges.
 
     Attributes:
-        chunk: the model-ready chunk.
+        chunk: the model-ready chunk (an evicted image drops its pixels once they are not needed).
+        state: what its KV encodes (an evicted chunk keeps its last state).
         in_window: whether it is in the window now (else evicted, recallable).
-        patch: the patch its current KV carries (``None``: the canonical alone).
+        patch: the patch its KV carries while in the window (``None``: the canonical alone).
         pending: its patch is due (lazy timing) and is formed before the next read.
-        home: its antecedents when first admitted: the fixed earlier context recall uses.
+        home: its first settled state and antecedents: the fixed earlier context recall uses.
         last_used: op counter of its last push, recall or reorder.
+        evicted_at: op counter of its eviction (the oldest evicted are forgotten first).
         encoded: its canonical has been computed at least once (a later miss is a re-encode).
     """
 
     chunk: Chunk
+    state: ChunkState
     in_window: bool = True
     patch: Patch | None = None
     pending: bool = False
-    home: tuple[ChunkRef, ...] = ()
+    home: Home | None = None
     last_used: int = 0
+    evicted_at: int = 0
     encoded: bool = False
+
+
+@dataclass(frozen=True)
+class LastAnswer:
+    """The last greedy answer and the op counter it was computed at (stale once it moves)."""
+
+    query: str
+    tick: int
+    answer: Answer
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Probe KLs of the window's chunks for one query at one op counter (probe-driven eviction)."""
+
+    query: str
+    tick: int
+    kl: dict[ChunkRef, float]
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A chunk's KV at one start, for one state: reused while neither changes."""
+
+    start: int
+    state: str
+    kv: ChunkKV
+
+
+def _lineage() -> str:
+    return secrets.token_hex(6)
 
 
 @dataclass
 class WindowState:
     """The mutable part of a window; ``copy()`` is a cheap, independent snapshot."""
 
-    lineage: int = field(default_factory=lambda: next(_lineages))
+    lineage: str = field(default_factory=_lineage)
     order: list[ChunkRef] = field(default_factory=list)
     entries: dict[ChunkRef, Entry] = field(default_factory=dict)
     graph: nx.DiGraph = field(default_factory=nx.DiGraph)
     next_id: int = 0
     tick: int = 0
-    last_answer: tuple[str, int, Any] | None = None  # (query, tick, Answer) of the last greedy ask
+    last_answer: LastAnswer | None = None
+    scores: Scores | None = None
+    placed: dict[ChunkRef, Placed] = field(default_factory=dict)
+    book: StatsBook = field(default_factory=StatsBook)
 
     def copy(self) -> WindowState:
+        """A snapshot: same lineage, independent entries, graph, memo and stats."""
         return WindowState(
             lineage=self.lineage,
             order=list(self.order),
@@ -90,49 +141,48 @@ class WindowState:
             next_id=self.next_id,
             tick=self.tick,
             last_answer=self.last_answer,
+            scores=self.scores,
+            placed=dict(self.placed),
+            book=self.book.copy(),
         )
 
-    def new_ref(self, chunk: Chunk, label: str | None) -> ChunkRef:
-        ref = ChunkRef(self.next_id, chunk.key, label or f"{chunk.kind}-{self.next_id}", self.lineage)
-        self.next_id += 1
-        return ref
+    def fork(self) -> WindowState:
+        """A branch: the same chunks and costs so far, its own lineage for the refs it mints."""
+        branch = self.copy()
+        branch.lineage = _lineage()
+        return branch
 
-    def encodes(self, ref: ChunkRef) -> tuple[ChunkRef, ...]:
-        """The antecedents ``ref``'s current KV encodes, in their order."""
-        edges = self.graph.in_edges(ref, data="index")
-        return tuple(source for source, _, _ in sorted(edges, key=lambda edge: edge[2]))
-
-    def set_encodes(self, ref: ChunkRef, antecedents: Sequence[ChunkRef]) -> None:
-        """Make ``ref``'s in-edges exactly ``antecedents`` (the graph is the source of truth)."""
-        self.graph.remove_edges_from(list(self.graph.in_edges(ref)))
-        self.graph.add_edges_from((source, ref, {"index": i}) for i, source in enumerate(antecedents))
+    def mint(self, chunk: Chunk, label: str | None) -> ChunkRef:
+        """The ref the next admitted chunk gets (nothing is recorded until it is added)."""
+        return ChunkRef(self.next_id, self.lineage, chunk.key, label or f"{chunk.kind}-{self.next_id}")
 
     def add(self, ref: ChunkRef, entry: Entry) -> None:
         self.entries[ref] = entry
         self.graph.add_node(ref)
+        self.next_id = max(self.next_id, ref.id + 1)
 
-    def in_window(self) -> list[ChunkRef]:
-        return list(self.order)
+    def remove(self, ref: ChunkRef) -> None:
+        """Forget a chunk for good: its entry, its node and every edge from or to it."""
+        del self.entries[ref]
+        self.graph.remove_node(ref)
+        self.placed.pop(ref, None)
+
+    def encodes(self, ref: ChunkRef) -> tuple[ChunkRef, ...]:
+        """The antecedents ``ref``'s current KV encodes (those still known), in their order."""
+        edges = self.graph.in_edges(ref, data="index")
+        return tuple(source for source, _, _ in sorted(edges, key=lambda edge: edge[2]))
+
+    def set_encodes(self, ref: ChunkRef, antecedents: Sequence[ChunkRef]) -> None:
+        """Make ``ref``'s in-edges exactly ``antecedents``, each carrying the state ``ref`` encodes."""
+        self.graph.remove_edges_from(list(self.graph.in_edges(ref)))
+        states = self.entries[ref].state.context.states() if antecedents else ()
+        self.graph.add_edges_from(
+            (source, ref, {"index": i, "state": states[i].digest if i < len(states) else ""})
+            for i, source in enumerate(antecedents)
+            if source in self.entries
+        )
 
     def dependents(self, ref: ChunkRef) -> list[ChunkRef]:
         """In-window chunks whose KV encodes ``ref``, left to right."""
         successors = set(self.graph.successors(ref))
         return [other for other in self.order if other in successors]
-
-
-def ordered_signature(anchor_key: str, keys: Iterable[str], rank: object) -> str:
-    """Signature of an ordered antecedent: the patch it yields depends on order and rank."""
-    return "ordered:" + _digest(anchor_key, *keys) + f"@{rank}"
-
-
-def set_signature(anchor_key: str, keys: Iterable[str], rank: object) -> str:
-    """Signature of an antecedent *set*: the orbit patch that serves all its orderings."""
-    return "set:" + _digest(anchor_key, *sorted(keys)) + f"@{rank}"
-
-
-def _digest(*parts: str) -> str:
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(part.encode())
-        digest.update(b"\x1f")
-    return digest.hexdigest()[:32]

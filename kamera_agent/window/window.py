@@ -6,47 +6,50 @@
     window.recall(frame)                  # back from the store: rotation + its stored patch
     answer = window.ask("What changed?")  # anchor + relocated, patched chunks -> decode
 
-Every operation is planned first (`kamera_agent.window.planner`), then executed as cache edits;
-its cost lands in ``window.stats``. A failed operation restores the window as it was.
+The window composes four parts: one `WindowState` (what ``fork`` copies and a failed op
+restores), a pure `Planner` (state + a read-only store view -> plan), an `Executor` that
+applies a plan inside one store transaction, and the engine-neutral `KVCore` over the backend
+and the store. Every operation's cost lands in ``window.stats``.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
+from dataclasses import replace
+from typing import Any, TypeVar
 
 import networkx as nx
-import numpy as np
 import torch
-from PIL import Image
 
 from kamera_agent.backends.base import Backend, DecodeConfig
 from kamera_agent.chunks.chunk import Chunk, ChunkKind
-from kamera_agent.chunks.sources import ChannelOrder, VideoFrame
+from kamera_agent.chunks.sources import ChannelOrder
 from kamera_agent.config import WindowConfig
-from kamera_agent.errors import (
-    UnreadableInputError,
-)
+from kamera_agent.core.costs import CostMeter
+from kamera_agent.core.identity import ChunkState
+from kamera_agent.core.kv_core import KVCore, Txn
+from kamera_agent.core.staging import StagedStore, StoreView
+from kamera_agent.errors import ChunkInWindowError, UnknownChunkError, WindowError
 from kamera_agent.metrics import next_token_kl
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.operator.patch import Patch
 from kamera_agent.results import Answer, OpCost, Plan, Probe, WindowStats
 from kamera_agent.settings import THREADS_ENV, configure_threads
 from kamera_agent.store import ChunkStore
-from kamera_agent.window.costs import CostMeter, StatsBook
-from kamera_agent.window.execution import ExecutionMixin
-from kamera_agent.window.planner import WindowPlan
-from kamera_agent.window.planning import PlanningMixin
-from kamera_agent.window.state import ChunkRef, WindowState
+from kamera_agent.window.executor import Executor, StaleLookup
+from kamera_agent.window.plan import WindowPlan
+from kamera_agent.window.planner import PlanInputs, Planner
+from kamera_agent.window.setup import Item, chunk_of, resolve_backend, resolve_store
+from kamera_agent.window.state import ChunkRef, Entry, LastAnswer, Scores, WindowState
 
 __all__ = ["KameraWindow"]
 
-Item = Chunk | str | Image.Image | np.ndarray | Path | VideoFrame
+T = TypeVar("T")
+_ATTEMPTS = 3  # plans re-made when another window changed an orbit patch under an op
 
 
-class KameraWindow(PlanningMixin, ExecutionMixin):
+class KameraWindow:
     """A window of chunks over one model, with position-free reuse of every chunk's KV.
 
     Args:
@@ -55,7 +58,12 @@ class KameraWindow(PlanningMixin, ExecutionMixin):
         tokenizer: the tokenizer, when no processor is given.
         image_processor: the image processor, when no processor is given (VLMs).
         config: how the window behaves (`WindowConfig`); default ``WindowConfig()``.
-        store: a `ChunkStore` to share between windows of the same model.
+        store: a `ChunkStore` to share between windows of the same model (default: one built
+            from the config's ``memory_budget``, ``disk_dir`` and ``disk_budget``).
+
+    Raises:
+        SettingsError: a setting that cannot apply (``device``/``dtype`` for a `Backend` built
+            elsewhere, store settings together with ``store=``).
     """
 
     def __init__(
@@ -71,12 +79,16 @@ class KameraWindow(PlanningMixin, ExecutionMixin):
         self.config = config or WindowConfig()
         if self.config.threads is not None or THREADS_ENV in os.environ:
             configure_threads(self.config.threads)  # the setting, else $KAMERA_NUM_THREADS
-        self.backend = _resolve_backend(model, processor, tokenizer, image_processor, self.config, store)
+        self.backend: Backend = resolve_backend(model, processor, tokenizer, image_processor, self.config)
+        self._core = KVCore(self.backend, resolve_store(self.backend, self.config, store))
         self._state = WindowState()
-        self._book = StatsBook()
-        self._placed: dict[ChunkRef, tuple[int, int, ChunkKV]] = {}
 
     # -- reading the window ----------------------------------------------------------------
+    @property
+    def store(self) -> ChunkStore:
+        """The content-addressed store of canonicals, vision outputs and patches."""
+        return self._core.store
+
     @property
     def refs(self) -> list[ChunkRef]:
         """The chunks in the window, left to right."""
@@ -98,21 +110,27 @@ class KameraWindow(PlanningMixin, ExecutionMixin):
         """The patch ``ref``'s KV carries now (``None``: the canonical alone)."""
         return self._entry(ref).patch
 
+    def state_of(self, ref: ChunkRef) -> ChunkState:
+        """What ``ref``'s KV encodes: its content, patch and the chained states of its antecedents."""
+        return self._entry(ref).state
+
     @property
     def graph(self) -> nx.DiGraph:
         """The antecedent graph (edge A→B: B's KV encodes A), as a frozen copy.
 
-        Nodes are every chunk ever admitted, with ``in_window`` and ``label`` attributes.
+        Nodes are every chunk the window knows, with ``in_window``, ``label`` and ``state`` (its
+        `ChunkState`); each edge carries ``index`` (A's place among B's antecedents) and
+        ``state`` (the digest of the state of A that B encodes).
         """
         graph = self._state.graph.copy()
         for ref, entry in self._state.entries.items():
-            graph.nodes[ref].update(in_window=entry.in_window, label=ref.label)
+            graph.nodes[ref].update(in_window=entry.in_window, label=ref.label, state=entry.state)
         return nx.freeze(graph)
 
     @property
     def stats(self) -> WindowStats:
         """Per-op and cumulative costs."""
-        return self._book.snapshot()
+        return self._state.book.snapshot()
 
     # -- operations -------------------------------------------------------------------------
     def push(
@@ -127,24 +145,23 @@ class KameraWindow(PlanningMixin, ExecutionMixin):
         """Admit an image, frame, screenshot, page, text or `Chunk` at the right end.
 
         A content-key hit reuses the stored canonical (no vision, no prefill) and any stored
-        patch for the same antecedents. Over capacity, the eviction policy makes room first.
+        patch for the same antecedent states. Over capacity, the eviction policy makes room first.
 
         Mutates: the window (admits one chunk, may evict), the store (canonical, patch).
         """
-        chunk = self._chunk_of(item, kind, caption, channel_order, label)
-        plan = self._plan_push(chunk, label)
-        self._transact(plan)
+        chunk = chunk_of(self._core.backend.encoder, item, kind, caption, channel_order, label)
+        plan, _ = self._transact("push", lambda planner: planner.push(self._state, chunk, label))
         return plan.admitted[0]
 
     def reorder(self, refs: Sequence[ChunkRef]) -> None:
         """Put the window's chunks in a new order (a permutation of `refs`).
 
-        Each chunk relocates by rotation; one whose antecedent sequence changed is served by
-        its orbit patch (same set), a stored patch, or the reorder policy.
+        Each chunk relocates by rotation; one whose antecedents changed is served by its orbit
+        patch (same set), a stored patch for its new antecedent states, or the reorder policy.
 
         Mutates: the window's order and patches; the store (patches formed).
         """
-        self._transact(self._plan_reorder(refs))
+        self._transact("reorder", lambda planner: planner.reorder(self._state, refs))
 
     def slide(self, n: int = 1) -> list[ChunkRef]:
         """Evict the ``n`` leftmost chunks; returns them. Survivors only rotate (by default).
@@ -152,9 +169,10 @@ class KameraWindow(PlanningMixin, ExecutionMixin):
         Mutates: the window.
         """
         if n < 0:
-            raise ValueError(f"slide needs n >= 0, got {n}")
-        plan = self._plan_remove(self._state.order[:n], "slide")
-        self._transact(plan)
+            raise WindowError(f"slide needs n >= 0, got {n}")
+        plan, _ = self._transact(
+            "slide", lambda planner: planner.remove(self._state, self._state.order[:n], "slide")
+        )
         return list(plan.evicted)
 
     def evict(self, ref: ChunkRef) -> None:
@@ -163,7 +181,7 @@ class KameraWindow(PlanningMixin, ExecutionMixin):
         Mutates: the window.
         """
         self._in_window(ref)
-        self._transact(self._plan_remove([ref], "evict"))
+        self._transact("evict", lambda planner: planner.remove(self._state, [ref], "evict"))
 
     def recall(self, ref: ChunkRef, at: int | None = None) -> ChunkRef:
         """Re-admit an evicted chunk at index ``at`` (default: the right end).
@@ -174,8 +192,20 @@ class KameraWindow(PlanningMixin, ExecutionMixin):
 
         Mutates: the window, the store (patches formed).
         """
-        self._transact(self._plan_recall(ref, at))
+        self._transact("recall", lambda planner: planner.recall(self._state, ref, at))
         return ref
+
+    def forget(self, ref: ChunkRef) -> None:
+        """Drop an evicted chunk for good: it can no longer be recalled (its store entries stay,
+        shared with other windows). Chunks that still encode it keep their KV and state.
+
+        Mutates: the window.
+        """
+        if self._entry(ref).in_window:
+            raise ChunkInWindowError(f"{ref} is in the window; evict it before forgetting it")
+        meter = CostMeter(forgotten=1)
+        self._state.remove(ref)
+        self._state.book.record("forget", meter.finish())
 
     def ask(
         self,
@@ -199,13 +229,12 @@ class KameraWindow(PlanningMixin, ExecutionMixin):
             tuple(stop),
             return_logits,
         )
-        meter = CostMeter(self.backend.counters)
-        answer = self._answer(query, config, meter)
+        query_ids = self._core.backend.encoder.query_ids(query)
+        self._core.check_fits(self._end(), query_ids, config)
+        answer, cost = self._read("ask", lambda executor: executor.answer(query_ids, config))
         if temperature <= 0:
-            self._state.last_answer = (query, self._state.tick, answer)
-        cost = meter.finish()
-        self._book.record("ask", cost)
-        return _with_cost(answer, cost)
+            self._state.last_answer = LastAnswer(query, self._state.tick, answer)
+        return replace(answer, cost=cost)
 
     def probe_without(self, ref: ChunkRef, query: str, *, max_new_tokens: int = 8) -> Probe:
         """Is ``ref`` still load-bearing for ``query``? Decode with its influence switched off.
@@ -218,20 +247,17 @@ class KameraWindow(PlanningMixin, ExecutionMixin):
         """
         self._in_window(ref)
         config = DecodeConfig(max_new_tokens=max_new_tokens)
-        meter = CostMeter(self.backend.counters)
-        self._materialize(meter)
-        last = self._state.last_answer
-        if last is not None and last[0] == query and last[1] == self._state.tick:
-            with_chunk: Answer = last[2]
-        else:
-            with_chunk = self._answer(query, config, meter)
-        order = [r for r in self._state.order if r != ref]
-        placed = self._view_without(ref, order, meter)
-        without = self._decode(placed, order, query, config)
+        query_ids = self._core.backend.encoder.query_ids(query)
+        self._core.check_fits(self._end(), query_ids, config)
+
+        def both(executor: Executor) -> tuple[Answer, Answer]:
+            return self._with_answer(executor, query, query_ids, config), executor.answer_without(
+                ref, query_ids, config
+            )
+
+        (with_chunk, without), cost = self._read("probe", both)
         kl = next_token_kl(with_chunk.first_logits, without.first_logits)
         agree = int(with_chunk.first_logits.argmax()) == int(without.first_logits.argmax())
-        cost = meter.finish()
-        self._book.record("probe", cost)
         return Probe(with_chunk, without, kl, agree, kl < self.config.probe_threshold, cost)
 
     def probe_kl(self, ref: ChunkRef, query: str) -> float:
@@ -239,118 +265,169 @@ class KameraWindow(PlanningMixin, ExecutionMixin):
         return self.probe_without(ref, query, max_new_tokens=1).kl
 
     def fork(self) -> KameraWindow:
-        """A copy-on-write branch: it shares canonicals and patches; edits stay in their branch."""
+        """A copy-on-write branch: it shares the store (canonicals, patches); edits and the refs
+        it mints stay in their branch."""
         branch = object.__new__(KameraWindow)
-        branch.config = self.config
-        branch.backend = self.backend
-        branch._state = self._state.copy()
-        branch._book = self._book.copy()
-        branch._placed = dict(self._placed)
+        branch.config, branch.backend, branch._core = self.config, self.backend, self._core
+        branch._state = self._state.fork()
         return branch
 
     def plan(self, op: str, *args: Any, **kwargs: Any) -> Plan:
         """Dry run: the edits ``op`` ("push", "reorder", "slide", "evict", "recall") would do.
 
-        Predicted forwards count a chunk encode only when its canonical is not stored.
+        Nothing runs and nothing changes: no forward, no store write, no store hit counted, no
+        stats. Predicted forwards count a chunk encode only when its canonical is not stored;
+        under probe-driven eviction the plan lists the probes an overflowing push would run.
         """
         builders: dict[str, Callable[..., WindowPlan]] = {
-            "push": lambda item, label=None, **kw: self._plan_push(
-                self._chunk_of(item, label=label, **kw), label
+            "push": lambda item, label=None, **kw: planner.push(
+                self._state, chunk_of(self._core.backend.encoder, item, label=label, **kw), label
             ),
-            "reorder": self._plan_reorder,
-            "slide": lambda n=1: self._plan_remove(self._state.order[:n], "slide"),
-            "evict": lambda ref: self._plan_remove([self._in_window(ref)], "evict"),
-            "recall": self._plan_recall,
+            "reorder": lambda refs: planner.reorder(self._state, refs),
+            "slide": lambda n=1: planner.remove(self._state, self._state.order[:n], "slide"),
+            "evict": lambda ref: planner.remove(self._state, [self._in_window(ref)], "evict"),
+            "recall": lambda ref, at=None: planner.recall(self._state, ref, at),
         }
         if op not in builders:
-            raise ValueError(f"unknown op {op!r}; plan one of {', '.join(builders)}")
-        plan = builders[op](*args, **kwargs)
-        chunks = {**{r: e.chunk for r, e in self._state.entries.items()}, **plan.chunks}
-        tokens = {ref: chunk.num_tokens for ref, chunk in chunks.items()}
-        encodes = {ref: 0 if self.store.has_canonical(chunk.key) else 1 for ref, chunk in chunks.items()}
-        return plan.public(encodes, tokens)
+            raise WindowError(f"unknown op {op!r}; plan one of {', '.join(builders)}")
+        planner = self._planner(self.store)
+        return builders[op](*args, **kwargs).public()
 
     def kv(self) -> Any:
         """The assembled cache of the window (anchor + placed chunks), as the backend holds it."""
-        meter = CostMeter(self.backend.counters)
-        self._materialize(meter)
-        cache = self.backend.assemble(self._placements(meter))
-        self._book.record("kv", meter.finish())
-        return cache
+        placed, _ = self._read("kv", lambda executor: executor.placements())
+        return self._core.backend.assemble(placed)
+
+    def chunk_kv(self, ref: ChunkRef) -> ChunkKV:
+        """``ref``'s KV at its place in the window, exactly what ``state_of(ref)`` says it encodes
+        (a lazily deferred patch is not formed by this read: the chunk is then its canonical)."""
+        self._in_window(ref)
+        kv, _ = self._read("kv", lambda executor: executor.placed_kv(ref), materialize=False)
+        return kv
 
     def as_model_inputs(self, query: str | None = None) -> dict[str, Any]:
         """Keyword arguments for the model's own forward over a full re-prefill of the window
         (input ids, pixel values, grids, token types): the ground truth for exactness checks."""
         chunks = [self._state.entries[ref].chunk for ref in self._state.order]
-        query_ids = None if query is None else self._encoder.query_ids(query)
-        return self.backend.reference_inputs(chunks, query_ids)
+        query_ids = None if query is None else self._core.backend.encoder.query_ids(query)
+        return self._core.backend.reference_inputs(chunks, query_ids)
 
-    def _chunk_of(
-        self,
-        item: Item,
-        kind: ChunkKind | None = None,
-        caption: str | None = None,
-        channel_order: ChannelOrder | None = None,
-        label: str | None = None,
-    ) -> Chunk:
-        encoder = self._encoder
-        if isinstance(item, Chunk):
-            return item
-        if isinstance(item, str):
-            return encoder.text(item, label=label)
-        if isinstance(item, VideoFrame):
-            meta = {"frame": str(item.index), "seconds": f"{item.seconds:.3f}"}
-            return encoder.image(item.image, kind=kind or "frame", caption=caption, label=label, meta=meta)
-        if isinstance(item, Image.Image | np.ndarray | Path):
-            return encoder.image(
-                item, kind=kind or "image", caption=caption, channel_order=channel_order, label=label
+    # -- transactions -------------------------------------------------------------------------
+    def _transact(self, op: str, build: Callable[[Planner], WindowPlan]) -> tuple[WindowPlan, OpCost]:
+        """Plan and execute ``op`` as one transaction over window and store; record its cost."""
+        plan, (_, cost) = self._run(op, build, None)
+        return plan, cost
+
+    def _read(self, op: str, read: Callable[[Executor], T], materialize: bool = True) -> tuple[T, OpCost]:
+        """Read the window (ask, probe, kv) in one transaction, lazy patches formed first."""
+        idle = WindowPlan(op, tuple(self._state.order))
+        build = (lambda planner: planner.materialize(self._state)) if materialize else (lambda planner: idle)
+        _, (value, cost) = self._run(op, build, read)
+        assert value is not None
+        return value, cost
+
+    def _run(
+        self, op: str, build: Callable[[Planner], WindowPlan], read: Callable[[Executor], T] | None
+    ) -> tuple[WindowPlan, tuple[T | None, OpCost]]:
+        meter = CostMeter()
+        for _ in range(_ATTEMPTS):
+            snapshot = self._state.copy()
+            txn = Txn(StagedStore(self.store), meter)
+            try:
+                plan = build(self._planner(txn.store))
+                if plan.probes:
+                    self._score(plan, txn)
+                    plan = build(self._planner(txn.store))
+                executor = Executor(self._state, self._core, txn, self.config)
+                executor.run(plan)
+                value = read(executor) if read is not None else None
+            except StaleLookup:
+                self._state = snapshot
+                continue
+            except BaseException:
+                self._state = snapshot
+                raise
+            txn.commit()
+            self._tidy(plan, meter)
+            cost = meter.finish()
+            self._state.book.record(op, cost)
+            return plan, (value, cost)
+        raise WindowError(f"{op}: the store kept changing under the operation; try it again")
+
+    def _score(self, plan: WindowPlan, txn: Txn) -> None:
+        """Run the probes a probe-driven eviction asked for; remember their KLs for the re-plan."""
+        executor = Executor(self._state, self._core, txn, self.config)
+        executor.run(self._planner(txn.store).materialize(self._state))
+        query, config = plan.probe_query, DecodeConfig(max_new_tokens=1)
+        query_ids = self._core.backend.encoder.query_ids(query)
+        with_chunk = self._with_answer(executor, query, query_ids, config)
+        kl = {
+            ref: next_token_kl(
+                with_chunk.first_logits, executor.answer_without(ref, query_ids, config).first_logits
             )
-        raise UnreadableInputError(
-            f"cannot push a {type(item).__name__}; push a PIL image, an array (with channel_order), "
-            "a Path to an image, a VideoFrame, text (str) or a Chunk"
+            for ref in plan.probes
+        }
+        txn.meter.probes += len(kl)
+        self._state.scores = Scores(query, self._state.tick, kl)
+
+    def _with_answer(
+        self, executor: Executor, query: str, query_ids: torch.Tensor, config: DecodeConfig
+    ) -> Answer:
+        """The last greedy answer to ``query`` when the window has not changed since, else a decode."""
+        last = self._state.last_answer
+        if last is not None and last.query == query and last.tick == self._state.tick:
+            return last.answer
+        return executor.answer(query_ids, config)
+
+    def _tidy(self, plan: WindowPlan, meter: CostMeter) -> None:
+        """After a committed op: release evicted images' pixels, forget the oldest evicted chunks."""
+        state, store = self._state, self.store
+        if self.config.evicted_pixels == "drop":
+            for ref in plan.evicted:
+                entry = state.entries[ref]
+                chunk = entry.chunk
+                held = store.has_canonical(chunk.key) or (
+                    chunk.vision_key is not None and store.has_vision(chunk.vision_key)
+                )
+                if chunk.has_pixels and held:
+                    entry.chunk = chunk.without_pixels()
+        limit = self.config.max_evicted
+        if limit is None:
+            return
+        evicted = sorted((e.evicted_at, r) for r, e in state.entries.items() if not e.in_window)
+        for _, ref in evicted[: max(0, len(evicted) - limit)]:
+            state.remove(ref)
+            meter.forgotten += 1
+
+    def _planner(self, view: StoreView) -> Planner:
+        core, layout = self._core, self._core.backend.layout
+        inputs = PlanInputs(
+            config=self.config,
+            view=view,
+            root=core.root,
+            features=layout.features,
+            kv_bytes_per_token=layout.bytes_per_token(core.backend.dtype),
+            anchor_ready=core.anchor_ready,
+            query_tokens=lambda query: int(core.backend.encoder.query_ids(query).shape[0]),
         )
+        return Planner(inputs)
 
+    # -- helpers -------------------------------------------------------------------------------
+    def _end(self) -> int:
+        entries = self._state.entries
+        return self._core.anchor.advance + sum(entries[r].chunk.advance for r in self._state.order)
 
-def _resolve_backend(
-    model: Any,
-    processor: Any | None,
-    tokenizer: Any | None,
-    image_processor: Any | None,
-    config: WindowConfig,
-    store: ChunkStore | None,
-) -> Backend:
-    from kamera_agent.loading import load_backend
+    def _entry(self, ref: ChunkRef) -> Entry:
+        if not isinstance(ref, ChunkRef):
+            raise UnknownChunkError(f"expected a ChunkRef from this window, got {type(ref).__name__}")
+        entry = self._state.entries.get(ref)
+        if entry is None:
+            raise UnknownChunkError(
+                f"{ref} does not belong to this window (another window's or branch's ref, or forgotten)"
+            )
+        return entry
 
-    if isinstance(model, Backend):
-        return model
-    dtype = getattr(torch, config.dtype) if config.dtype is not None else None
-    if not isinstance(model, str | Path):
-        if config.device is not None:
-            model = model.to(torch.device(config.device))
-        if dtype is not None:
-            model = model.to(dtype)
-    backend = load_backend(
-        model,
-        processor,
-        tokenizer=tokenizer,
-        image_processor=image_processor,
-        dtype=dtype,
-        device=config.device,
-        store=store,
-    )
-    if store is None and (
-        config.disk_dir is not None or config.memory_budget != backend.store.stats().memory_budget
-    ):
-        backend.store = ChunkStore(
-            fingerprint=backend.fingerprint,
-            memory_budget=config.memory_budget,
-            disk_dir=config.disk_dir,
-            disk_budget=config.disk_budget,
-        )
-    return backend
-
-
-def _with_cost(answer: Answer, cost: OpCost) -> Answer:
-    from dataclasses import replace
-
-    return replace(answer, cost=cost)
+    def _in_window(self, ref: ChunkRef) -> ChunkRef:
+        if not self._entry(ref).in_window:
+            raise UnknownChunkError(f"{ref} is not in the window (evicted); recall it first")
+        return ref

@@ -18,9 +18,11 @@ import torch
 from PIL import Image
 
 from kamera_agent.backends import DecodeConfig, TransformersBackend
-from kamera_agent.backends.decoding import eos_token_ids
+from kamera_agent.backends.transformers import eos_token_ids
 from kamera_agent.chunks import Chunk
-from kamera_agent.operator import ChunkKV, apply_patch, form_patch
+from kamera_agent.core import KVCore
+from kamera_agent.operator import ChunkKV, form_patch
+from kamera_agent.store import ChunkStore
 from tests.kv_helpers import next_token_kl
 from tests.tiny_models import ALL_TEXT_FACTORIES, ALL_VL_FACTORIES, tiny_llava
 from tests.tiny_processors import (
@@ -44,21 +46,32 @@ def sharpen(model: Any, std: float = 0.08, seed: int = 0) -> Any:
 
 
 @cache
-def vl_backend(family: str) -> TransformersBackend:
+def vl_backend(family: str, layers: int = 2) -> TransformersBackend:
+    """A tiny VLM of ``family``; window tests use ``layers=4`` (2-layer models hide conditioning bugs)."""
     if family == "llava":
         llava = sharpen(tiny_llava())
         return TransformersBackend(
             llava, tokenizer=tiny_llava_tokenizer(), image_processor=tiny_llava_image_processor()
         )
-    model = sharpen(ALL_VL_FACTORIES[family]())
+    factory = ALL_VL_FACTORIES[family]
+    model = sharpen(factory(layers=layers) if layers != 2 else factory())  # type: ignore[call-arg]
     return TransformersBackend(
         model, tokenizer=tiny_tokenizer(), image_processor=tiny_image_processor(family)
     )
 
 
 @cache
-def text_backend(name: str) -> TransformersBackend:
-    return TransformersBackend(sharpen(ALL_TEXT_FACTORIES[name]()), tokenizer=tiny_tokenizer())
+def text_backend(name: str, layers: int = 2) -> TransformersBackend:
+    """A tiny text model of ``name``'s family; window and property tests use ``layers=4``, where a
+    chunk's KV depends on its antecedents' deeper KV (2-layer models hide such bugs)."""
+    factory = ALL_TEXT_FACTORIES[name]
+    model = factory(num_hidden_layers=layers) if layers != 2 else factory()  # type: ignore[call-arg]
+    return TransformersBackend(sharpen(model), tokenizer=tiny_tokenizer())
+
+
+def core_of(backend: TransformersBackend, budget: int = 1 << 28) -> KVCore:
+    """The engine-neutral core over ``backend`` and a fresh store."""
+    return KVCore(backend, ChunkStore(fingerprint=backend.fingerprint, memory_budget=budget))
 
 
 def images(count: int, seed: int = 0, size: tuple[int, int] = (56, 56)) -> list[Image.Image]:
@@ -70,13 +83,15 @@ def serve(
     backend: TransformersBackend, chunks: Sequence[Chunk], rank: int | str
 ) -> tuple[list[ChunkKV], int]:
     """Place every chunk after the anchor with a patch of ``rank`` (0: blind); return KVs and the end."""
-    placed = [backend.anchor_kv()]
-    start = backend.anchor.advance
+    core = core_of(backend)
+    txn = core.txn()
+    placed = [core.anchor_kv(txn.meter)]
+    start = core.anchor.advance
     for chunk in chunks:
-        canonical = backend.encode(chunk)
-        conditioned = backend.condition(chunk, placed, start)
+        canonical = core.canonical(chunk, txn)
+        (conditioned,) = core.condition([chunk], placed, start, txn)
         patch = form_patch(canonical, conditioned, backend.layout, rank) if rank else None  # type: ignore[arg-type]
-        placed.append(apply_patch(canonical, patch, backend.layout, chunk.positions_at(start)))
+        placed.append(core.place(canonical, patch, chunk.positions_at(start)))
         start += chunk.advance
     return placed, start
 
@@ -93,14 +108,14 @@ def check_against_generate(
     expected = generated[0, inputs["input_ids"].shape[1] :].tolist()
 
     placed, end = serve(backend, chunks, "full")
-    answer = backend.decode(backend.assemble(placed), query, end, DecodeConfig(max_new_tokens=STEPS))
+    answer = backend.decode(backend.assemble(placed), query, end, DecodeConfig(max_new_tokens=STEPS)).answer
     torch.testing.assert_close(answer.first_logits, reference.float(), rtol=0, atol=1e-4)
     eos = eos_token_ids(backend.model, backend.tokenizer)
     until_eos = [t for t in expected[: next((i for i, t in enumerate(expected) if t in eos), len(expected))]]
     assert answer.tokens == until_eos
 
     blind, end = serve(backend, chunks, 0)
-    blind_answer = backend.decode(backend.assemble(blind), query, end, DecodeConfig(max_new_tokens=1))
+    blind_answer = backend.decode(backend.assemble(blind), query, end, DecodeConfig(max_new_tokens=1)).answer
     assert next_token_kl(reference, blind_answer.first_logits) > min_blind_kl
 
 
@@ -142,16 +157,30 @@ def test_non_square_images_place_their_grid_rows() -> None:
 
 def test_vision_tower_runs_once_per_distinct_image() -> None:
     backend = vl_backend("qwen2_5_vl")
+    core = core_of(backend)
     picture = images(1, seed=9)[0]
-    before = backend.counters.snapshot()
     first = backend.encoder.image(picture)
     second = backend.encoder.image(picture, caption="again")  # other tokens, same pixels
     assert first.vision_key == second.vision_key and first.key != second.key
-    backend.encode(first)
-    backend.encode(second)
-    spent = backend.counters.since(before)
-    assert spent.vision_forwards == 1 and spent.vision_cache_hits == 1
-    assert spent.lm_forwards == 2
+    txn = core.txn()
+    core.anchor_kv(txn.meter)
+    spent_before = txn.meter.spent
+    core.canonical(first, txn)
+    core.canonical(second, txn)
+    spent = txn.meter.spent
+    assert spent.vision_encodes - spent_before.vision_encodes == 1  # the second one's output is stored
+    assert spent.forwards - spent_before.forwards == 2
+
+
+def test_prefill_reports_what_it_ran_and_matches_the_models_own_forward() -> None:
+    backend = text_backend("qwen2", layers=4)
+    chunks = [backend.encoder.text("one two three"), backend.encoder.text("four five")]
+    reference = backend.reference_prefill(chunks)
+    done = backend.prefill(chunks, [reference.kv[0]], backend.anchor.advance)
+    assert (done.spent.forwards, done.spent.tokens_prefilled) == (1, sum(c.num_tokens for c in chunks))
+    for ours, truth in zip(done.kv, reference.kv[1:], strict=True):
+        torch.testing.assert_close(ours.keys, truth.keys, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ours.values, truth.values, rtol=0, atol=1e-5)
 
 
 SAMPLERS: dict[str, Callable[[], DecodeConfig]] = {
@@ -168,7 +197,7 @@ def test_decoding_is_reproducible(mode: str) -> None:
     runs = []
     for _ in range(2):
         placed, end = serve(backend, chunks, "full")
-        runs.append(backend.decode(backend.assemble(placed), query, end, SAMPLERS[mode]()))
+        runs.append(backend.decode(backend.assemble(placed), query, end, SAMPLERS[mode]()).answer)
     assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) == 4
 
 
@@ -177,12 +206,12 @@ def test_stop_strings_end_the_answer_before_the_stop_text() -> None:
     chunks = [backend.encoder.text("one two three")]
     query = backend.encoder.query_ids("count")
     placed, end = serve(backend, chunks, "full")
-    free = backend.decode(backend.assemble(placed), query, end, DecodeConfig(max_new_tokens=8))
+    free = backend.decode(backend.assemble(placed), query, end, DecodeConfig(max_new_tokens=8)).answer
     assert len(free.text) >= 3, free.text
     stop = free.text[2]
     placed, end = serve(backend, chunks, "full")
     stopped = backend.decode(
         backend.assemble(placed), query, end, DecodeConfig(max_new_tokens=8, stop=(stop,))
-    )
+    ).answer
     assert stopped.finish_reason == "stop"
     assert stopped.text == free.text[: free.text.index(stop)]

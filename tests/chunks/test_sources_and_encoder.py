@@ -19,6 +19,7 @@ from kamera_agent.errors import (
     UnreadableInputError,
     UnsupportedModelError,
 )
+from kamera_agent.window import KameraWindow
 from tests.backends.test_transformers_backend import text_backend, vl_backend
 
 
@@ -111,8 +112,10 @@ def test_processor_rejections_and_foreign_chunks_are_named() -> None:
     with pytest.raises(ProcessorRejectedError, match="rejected"):
         backend.encoder.image(Image.new("RGB", (2000, 5), "red"))
     foreign = vl_backend("qwen2_5_vl").encoder.image(Image.new("RGB", (56, 56), "red"))
+    window = KameraWindow(backend)
     with pytest.raises(ForeignChunkError, match="another model"):
-        backend.encode(foreign)
+        window.push(foreign)
+    assert window.refs == [] and window.store.keys() == []
     with pytest.raises(UnsupportedModelError, match="image_processor"):
         text_backend("qwen2").encoder.image(Image.new("RGB", (56, 56), "red"))
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from kamera_agent.backends.transformers import kv_layout, read_chunk
 from kamera_agent.errors import ForeignPatchError, LayoutMismatchError
 from kamera_agent.operator import (
     ChunkKV,
@@ -21,10 +22,8 @@ from kamera_agent.operator import (
     apply_patch,
     form_orbit_patch,
     form_patch,
-    kv_layout,
     load_patch,
     merge_patches,
-    read_chunk,
     save_patch,
     to_position_free,
 )
@@ -178,7 +177,7 @@ def test_orbit_patch_serves_both_orderings_of_its_set() -> None:
         kv, logits = prefill(model, torch.arange(full.numel()), input_ids=full[None])
         runs.append((kv, logits[-1]))
     conditioned = [read_chunk(kv, layout, NP + 16, NP + 16 + NB, b_pos) for kv, _ in runs]
-    orbit = form_orbit_patch(canonical, conditioned, layout, "full", antecedent="{a1,a2}")
+    orbit = form_orbit_patch(canonical, conditioned, layout, "full", state="orbit-a1-a2")
     assert orbit.kind == "orbit"
     q_pos = torch.arange(NQ) + NP + 16 + NB
     for kv, reference in runs:
@@ -208,11 +207,11 @@ def test_deep_half_patch_stores_only_deep_layers_and_fewer_bytes() -> None:
 def test_patch_round_trips_through_safetensors(tmp_path: Path) -> None:
     model, layout = _model("deepseek_v2")
     s = _setup(model, layout)
-    patch = form_patch(s["canonical"], s["conditioned"], layout, 8, antecedent="A")
+    patch = form_patch(s["canonical"], s["conditioned"], layout, 8, state="A")
     written = save_patch(patch, tmp_path / "p.safetensors")
     loaded = load_patch(tmp_path / "p.safetensors")
     assert written == patch.nbytes == loaded.nbytes
-    assert (loaded.chunk_key, loaded.antecedent, loaded.num_tokens) == ("B", "A", NB)
+    assert (loaded.chunk_key, loaded.state, loaded.num_tokens) == ("B", "A", NB)
     for key, (u, v) in patch.factors.items():
         assert torch.equal(loaded.factors[key][0], u) and torch.equal(loaded.factors[key][1], v)
 

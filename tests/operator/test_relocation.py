@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from kamera_agent.operator import KVLayout, at_positions, kv_layout, relocate, to_position_free
+from kamera_agent.backends.transformers import kv_layout
+from kamera_agent.operator import KVLayout, at_positions, relocate, to_position_free
 from kamera_agent.operator.rope import RotarySpec
 from tests.kv_helpers import chunk_kv, rel_err
 from tests.tiny_models import ALL_TEXT_FACTORIES, ALL_VL_FACTORIES, as_bf16, vl_image_inputs

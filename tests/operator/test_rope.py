@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kamera_agent.backends.transformers.families import FAMILIES
+from kamera_agent.backends.transformers.reading import _mrope_axes
 from kamera_agent.errors import LayoutMismatchError, PositionShapeError
-from kamera_agent.operator.families import FAMILIES
-from kamera_agent.operator.layout import _mrope_axes
 from kamera_agent.operator.rope import RotarySpec, relocate, rotary_angles, rotate, unrotate
 
 INV_FREQ = 1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))  # [8]

@@ -50,7 +50,7 @@ def make_vision(n: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
     return {"embeds": torch.randn(n, 32, generator=g), "deepstack": torch.randn(3, n, 32, generator=g)}
 
 
-def make_patch(key: str, antecedent: str, n: int, rank: int, *, seed: int = 0) -> Patch:
+def make_patch(key: str, state: str, n: int, rank: int, *, seed: int = 0) -> Patch:
     """Factors ``u [n, m]``, ``v [m, 64]`` for 2 layers × 2 slots."""
     g = torch.Generator().manual_seed(seed)
     factors = {
@@ -59,7 +59,7 @@ def make_patch(key: str, antecedent: str, n: int, rank: int, *, seed: int = 0) -
         for slot in ("keys", "values")
     }
     kind: Literal["exact", "orbit"] = "orbit" if seed % 2 else "exact"
-    return Patch(factors, n, key, antecedent, FP, kind, {"rank": str(rank)})
+    return Patch(factors, n, key, state, FP, kind, {"rank": str(rank)})
 
 
 def build(key: EntryKey, version: int) -> Value:
@@ -71,7 +71,7 @@ def build(key: EntryKey, version: int) -> Value:
         return make_kv(key.key, n, seed=seed, rows=seed % 2)
     if key.kind == "vision":
         return make_vision(n, seed=seed)
-    return make_patch(key.key, key.antecedent, n, 1 + seed % 4, seed=seed)
+    return make_patch(key.key, key.variant, n, 1 + seed % 4, seed=seed)
 
 
 def put(store: ChunkStore, key: EntryKey, value: Value) -> None:
@@ -88,7 +88,7 @@ def get(store: ChunkStore, key: EntryKey) -> Value | None:
         return store.get_canonical(key.key)
     if key.kind == "vision":
         return store.get_vision(key.key)
-    return store.get_patch(key.key, key.antecedent)
+    return store.get_patch(key.key, key.variant)
 
 
 def tensors_of(value: Value) -> dict[str, torch.Tensor]:
@@ -114,10 +114,10 @@ def assert_same(got: Value, want: Value) -> None:
     if isinstance(got, ChunkKV) and isinstance(want, ChunkKV):
         assert (got.chunk_key, got.model_fingerprint) == (want.chunk_key, FP)
     if isinstance(got, Patch) and isinstance(want, Patch):
-        assert (got.num_tokens, got.chunk_key, got.antecedent, got.kind, got.meta) == (
+        assert (got.num_tokens, got.chunk_key, got.state, got.kind, got.meta) == (
             want.num_tokens,
             want.chunk_key,
-            want.antecedent,
+            want.state,
             want.kind,
             want.meta,
         )
@@ -262,10 +262,10 @@ for key in store.keys():
     elif key.kind == "vision":
         tensors = store.get_vision(key.key)
     else:
-        patch = store.get_patch(key.key, key.antecedent)
+        patch = store.get_patch(key.key, key.variant)
         factors = patch.factors.items()
         tensors = {{f"{{l}}.{{s}}.{{p}}": t for (l, s), uv in factors for p, t in zip("uv", uv)}}
-    found["|".join([key.kind, key.key, key.antecedent])] = _tensor_digest(tensors)
+    found["|".join([key.kind, key.key, key.variant])] = _tensor_digest(tensors)
 print(json.dumps({{"found": found, "disk_entries": stats.disk_entries, "hits": store.stats().disk_hits}}))
 """
 
@@ -296,9 +296,7 @@ def test_new_process_reopens_the_disk_tier(tmp_path: Path, index: str) -> None:
     )
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
-    want = {
-        "|".join([k.kind, k.key, k.antecedent]): _tensor_digest(tensors_of(v)) for k, v in entries.items()
-    }
+    want = {"|".join([k.kind, k.key, k.variant]): _tensor_digest(tensors_of(v)) for k, v in entries.items()}
     assert report == {"found": want, "disk_entries": 4, "hits": 4}
 
 

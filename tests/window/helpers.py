@@ -1,43 +1,36 @@
-"""Ground truth for window tests: every chunk's KV against a full re-prefill of the window."""
+"""Ground truth for window tests: every chunk's KV against the engine's own full re-prefill."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
-from kamera_agent.compat import output_cache
+from kamera_agent.backends.base import Reference
 from kamera_agent.window import KameraWindow
 from tests.kv_helpers import next_token_kl, rel_err
 
 
-def reprefill(window: KameraWindow, query: str | None = None) -> tuple[Any, torch.Tensor]:
-    """The model's own forward over the window's full sequence: (cache, last logits)."""
-    inputs = window.as_model_inputs(query)
-    with torch.no_grad():
-        out = window.backend.model(**inputs, use_cache=True)  # type: ignore[attr-defined]
-    return output_cache(out), out.logits[0, -1]
+def reprefill(window: KameraWindow, query: str | None = None) -> Reference:
+    """The engine's own forward over the window's full sequence (anchor, chunks, query)."""
+    chunks = [window.chunk(ref) for ref in window.refs]
+    query_ids = None if query is None else window.backend.encoder.query_ids(query)
+    return window.backend.reference_prefill(chunks, query_ids)
 
 
 def chunk_errors(window: KameraWindow) -> dict[str, float]:
-    """Relative error of each in-window chunk's assembled KV against the re-prefill's, by label."""
-    truth, _ = reprefill(window)
-    ours = window.kv()
-    errors, slot = {}, window.backend.anchor.num_tokens
-    for ref in window.refs:
-        n = window.chunk(ref).num_tokens
-        worst = 0.0
-        for layer in range(len(truth.layers)):
-            for name in ("keys", "values"):
-                want = getattr(truth.layers[layer], name)[0, :, slot : slot + n]
-                got = getattr(ours.layers[layer], name)[0, :, slot : slot + n]
-                worst = max(worst, rel_err(got, want))
-        errors[ref.label] = worst
-        slot += n
+    """Worst per-layer relative error of each in-window chunk's KV against the re-prefill's, by label,
+    as the next answer sees it (a read: lazily deferred patches are formed first)."""
+    window.kv()
+    truth = reprefill(window)
+    errors = {}
+    for ref, want in zip(window.refs, truth.kv[1:], strict=True):
+        got = window.chunk_kv(ref)
+        errors[ref.label] = max(
+            rel_err(getattr(got, slot)[layer], getattr(want, slot)[layer])
+            for layer in range(want.keys.shape[0])
+            for slot in ("keys", "values")
+        )
     return errors
 
 
 def answer_kl(window: KameraWindow, query: str = "What is it?") -> float:
     """Next-token KL(re-prefill ‖ window) for ``query``."""
-    _, reference = reprefill(window, query)
+    reference = reprefill(window, query).logits
     return next_token_kl(reference, window.ask(query, max_new_tokens=1).first_logits)

@@ -9,11 +9,10 @@ the original context) report a KL that is asserted below a stated bound.
 
 from __future__ import annotations
 
-from functools import cache
+from collections.abc import Callable
 
 import pytest
 
-from kamera_agent.backends import TransformersBackend
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import (
     CapacityError,
@@ -24,20 +23,31 @@ from kamera_agent.errors import (
     UnreadableInputError,
 )
 from kamera_agent.window import KameraWindow
-from tests.backends.test_transformers_backend import images, vl_backend
+from tests.backends.test_transformers_backend import images
+from tests.window.backends import backend_named
 from tests.window.helpers import answer_kl, chunk_errors
 
 EXACT = 2e-5  # float32 rounding of a re-prefill vs relocated + full-rank patched KV
 APPROX_KL = 5e-2  # the tiny sharpened models' bound for approximate ops (measured ~1e-4 .. 1e-2)
 
 
-@cache
-def backend(family: str = "qwen2_vl") -> TransformersBackend:
-    return vl_backend(family)
+Make = Callable[..., KameraWindow]
 
 
-def window(**config: object) -> KameraWindow:
-    return KameraWindow(backend(), config=WindowConfig(**{"rank": "full", **config}))  # type: ignore[arg-type]
+@pytest.fixture(params=["qwen2_vl", "tiny_torch"])
+def make(request: pytest.FixtureRequest) -> Make:
+    """Windows over a 4-layer tiny Qwen2-VL (transformers) or the plain-torch backend."""
+    backend = backend_named(request.param)
+
+    def window(**config: object) -> KameraWindow:
+        settings = {
+            "rank": "full",
+            "evicted_pixels": "keep",
+            **config,
+        }  # keep: re-prefills rebuild recalled images
+        return KameraWindow(backend, config=WindowConfig(**settings))  # type: ignore[arg-type]
+
+    return window
 
 
 def three(w: KameraWindow) -> list:
@@ -55,15 +65,15 @@ def assert_exact(w: KameraWindow) -> None:
     assert answer_kl(w) < 1e-9
 
 
-def test_pushes_with_exact_patches_match_reprefill() -> None:
-    w = window()
+def test_pushes_with_exact_patches_match_reprefill(make: Make) -> None:
+    w = make()
     three(w)
     assert_exact(w)
     assert w.stats.ops["push"] == 3
 
 
-def test_reorder_with_exact_patches_matches_and_reorder_back_runs_no_forward() -> None:
-    w = window()
+def test_reorder_with_exact_patches_matches_and_reorder_back_runs_no_forward(make: Make) -> None:
+    w = make()
     a, b, c = three(w)
     w.reorder([c, a, b])
     assert_exact(w)
@@ -72,8 +82,8 @@ def test_reorder_with_exact_patches_matches_and_reorder_back_runs_no_forward() -
     assert_exact(w)
 
 
-def test_orbit_patch_serves_a_new_ordering_of_the_same_set_without_a_forward() -> None:
-    w = window()
+def test_orbit_patch_serves_a_new_ordering_of_the_same_set_without_a_forward(make: Make) -> None:
+    w = make()
     a, b, c = three(w)
     plan = w.plan("reorder", [b, a, c])
     c_edit = next(edit for edit in plan.edits if edit.label == "c")
@@ -83,8 +93,8 @@ def test_orbit_patch_serves_a_new_ordering_of_the_same_set_without_a_forward() -
     assert answer_kl(w) < APPROX_KL
 
 
-def test_slide_only_rotates_survivors_and_runs_no_forward() -> None:
-    w = window()
+def test_slide_only_rotates_survivors_and_runs_no_forward(make: Make) -> None:
+    w = make()
     a, b, c = three(w)
     gone = w.slide()
     assert gone == [a] and w.refs == [b, c]
@@ -93,8 +103,8 @@ def test_slide_only_rotates_survivors_and_runs_no_forward() -> None:
     assert answer_kl(w) < APPROX_KL  # survivors keep what they absorbed from a: near-lossless
 
 
-def test_recall_reuses_its_stored_patch_and_the_second_recall_runs_no_forward() -> None:
-    w = window()
+def test_recall_reuses_its_stored_patch_and_the_second_recall_runs_no_forward(make: Make) -> None:
+    w = make()
     a, _, c = three(w)
     w.evict(c)
     w.recall(c)  # same place, same antecedents: its stored patch, exact
@@ -109,8 +119,8 @@ def test_recall_reuses_its_stored_patch_and_the_second_recall_runs_no_forward() 
     assert first.vision_encodes == 0
 
 
-def test_recall_before_in_window_chunks_cascades_patches_in_order() -> None:
-    w = window()
+def test_recall_before_in_window_chunks_cascades_patches_in_order(make: Make) -> None:
+    w = make()
     a, b, c = three(w)
     w.evict(a)
     plan = w.plan("recall", a, at=0)
@@ -121,8 +131,8 @@ def test_recall_before_in_window_chunks_cascades_patches_in_order() -> None:
     assert_exact(w)  # b and c still encode a (they never lost it): exact again
 
 
-def test_recall_at_front_with_current_context_and_cascade_is_exact() -> None:
-    w = window(recall_context="current", orbit=False)  # exact per-ordering patches only
+def test_recall_at_front_with_current_context_and_cascade_is_exact(make: Make) -> None:
+    w = make(recall_context="current", orbit=False)  # exact per-ordering patches only
     a, b, c = three(w)
     w.slide()
     d = w.push(images(1, seed=22)[0], label="d")
@@ -131,8 +141,8 @@ def test_recall_at_front_with_current_context_and_cascade_is_exact() -> None:
     assert_exact(w)
 
 
-def test_probe_without_leaves_the_window_unchanged() -> None:
-    w = window()
+def test_probe_without_leaves_the_window_unchanged(make: Make) -> None:
+    w = make()
     _, b, _ = three(w)
     before = [(r, w.patch_of(r)) for r in w.refs], sorted(w.graph.edges)
     probe = w.probe_without(b, "What rolled?")
@@ -143,8 +153,8 @@ def test_probe_without_leaves_the_window_unchanged() -> None:
     assert_exact(w)
 
 
-def test_fork_shares_the_store_but_not_the_edits() -> None:
-    w = window()
+def test_fork_shares_the_store_but_not_the_edits(make: Make) -> None:
+    w = make()
     a, b, c = three(w)
     branch = w.fork()
     branch.slide()
@@ -154,32 +164,32 @@ def test_fork_shares_the_store_but_not_the_edits() -> None:
     assert branch.store is w.store
 
 
-def test_lazy_patches_are_formed_at_the_next_read() -> None:
-    w = window(patch_mode="lazy")
+def test_lazy_patches_are_formed_at_the_next_read(make: Make) -> None:
+    w = make(patch_mode="lazy")
     three(w)
     assert w.stats.by_op["push"].patches_formed == 0
     assert_exact(w)
 
 
-def test_blind_reuse_is_measurably_worse() -> None:
-    w = window(patch_mode="none")
+def test_blind_reuse_is_measurably_worse(make: Make) -> None:
+    w = make(patch_mode="none")
     three(w)
     assert answer_kl(w) > 1e-6
 
 
-def test_capacity_slides_the_window_by_policy() -> None:
-    w = window(capacity_chunks=2)
+def test_capacity_slides_the_window_by_policy(make: Make) -> None:
+    w = make(capacity_chunks=2)
     a, b, c = three(w)
     assert w.refs == [b, c] and w.evicted == [a]
-    lru = window(capacity_chunks=2, eviction="lru")
+    lru = make(capacity_chunks=2, eviction="lru")
     x, *_ = three(lru)
     assert lru.evicted == [x]
 
 
-def test_bad_input_gets_named_errors_and_changes_nothing() -> None:
-    w = window()
+def test_bad_input_gets_named_errors_and_changes_nothing(make: Make) -> None:
+    w = make()
     a, b, c = three(w)
-    other = window()
+    other = make()
     (foreign, *_) = three(other)
     state = (w.refs, sorted(w.graph.edges), w.store.stats().puts)
     with pytest.raises(UnknownChunkError, match="another window"):
@@ -196,15 +206,15 @@ def test_bad_input_gets_named_errors_and_changes_nothing() -> None:
         w.ask("x" * 10, max_new_tokens=10**6)
     assert state == (w.refs, sorted(w.graph.edges), w.store.stats().puts)
     with pytest.raises(CapacityError, match="never fit"):
-        window(capacity_tokens=3).push(images(1)[0])
+        make(capacity_tokens=3).push(images(1)[0])
     with pytest.raises(ValueError, match="capacity_chunks"):
         WindowConfig(capacity_chunks=0)
     with pytest.raises(ValueError, match="unknown eviction policy"):
         WindowConfig(eviction="random")
 
 
-def test_a_probe_after_the_same_ask_is_a_single_decode_and_kv_costs_are_recorded() -> None:
-    w = window(patch_mode="lazy")
+def test_a_probe_after_the_same_ask_is_a_single_decode_and_kv_costs_are_recorded(make: Make) -> None:
+    w = make(patch_mode="lazy")
     w.push(images(1, seed=41)[0])  # content no other test stored patches for
     b = w.push("a sentence only this test pushes")
     w.push(images(1, seed=42)[0])
@@ -212,12 +222,13 @@ def test_a_probe_after_the_same_ask_is_a_single_decode_and_kv_costs_are_recorded
     assert w.stats.ops["kv"] == 1 and w.stats.by_op["kv"].patches_formed == 2  # lazy patches, counted
     w.ask("What rolled?", max_new_tokens=3)
     probe = w.probe_without(b, "What rolled?", max_new_tokens=3)
-    assert probe.cost.forwards == 3  # only the decode without the chunk
+    without = probe.without_chunk  # only its decode runs: query prefill + one forward per later token
+    assert probe.cost.forwards == len(without.tokens) + (without.finish_reason == "eos")
     assert probe.with_chunk.tokens == w.ask("What rolled?", max_new_tokens=3).tokens
 
 
-def test_probe_driven_eviction_drops_the_chunk_the_last_query_leans_on_least() -> None:
-    w = window(capacity_chunks=3, eviction="disposable")
+def test_probe_driven_eviction_drops_the_chunk_the_last_query_leans_on_least(make: Make) -> None:
+    w = make(capacity_chunks=3, eviction="disposable")
     refs = three(w)
     w.ask("What rolled?", max_new_tokens=1)
     scores = {ref: w.probe_kl(ref, "What rolled?") for ref in refs}
@@ -225,8 +236,8 @@ def test_probe_driven_eviction_drops_the_chunk_the_last_query_leans_on_least() -
     assert w.evicted == [min(scores, key=scores.__getitem__)]
 
 
-def test_plans_predict_the_forwards_ops_run_and_runs_share_one_forward() -> None:
-    w = window(orbit=False)
+def test_plans_predict_the_forwards_ops_run_and_runs_share_one_forward(make: Make) -> None:
+    w = make(orbit=False)
     refs = [
         w.push(text) for text in ("plan one alpha", "plan two beta", "plan three gamma", "plan four delta")
     ]
@@ -242,10 +253,10 @@ def test_plans_predict_the_forwards_ops_run_and_runs_share_one_forward() -> None
     assert w.stats.last.forwards == plan.forwards
 
 
-def test_a_chunk_left_alone_by_an_op_still_never_encodes_a_chunk_to_its_right() -> None:
+def test_a_chunk_left_alone_by_an_op_still_never_encodes_a_chunk_to_its_right(make: Make) -> None:
     """Found by the property test: recall to the end put an evicted antecedent of a survivor to
     that survivor's right; 'its left context did not change' must not keep that patch."""
-    w = window()
+    w = make()
     a = w.push("causal red")
     w.push("causal red")  # same content as a
     c = w.push("causal green ball")

@@ -1,7 +1,7 @@
 """Model families kamera-agent knows, and how each lays out its rotary features.
 
 Why a table: the inverse frequencies and scaling are read from the loaded model itself (see
-`kamera_agent.operator.layout`), but *which* features a frequency rotates is decided by code
+`kamera_agent.backends.transformers.reading`), but *which* features a frequency rotates is decided by code
 in the model's attention (``rotate_half`` versus complex pairs), not by any attribute we can
 read. Each entry below was checked against the attention code of its transformers class and
 is tested against the model's own forward. A new family is one line here plus a test.
@@ -83,5 +83,6 @@ def family_of(config: Any) -> Family:
     kind = getattr(text_config, "model_type", None) or getattr(config, "model_type", "?")
     raise UnsupportedModelError(
         f"model type {kind!r} is not supported yet; supported: {', '.join(sorted(FAMILIES))}. "
-        "Adding one is a Family entry in kamera_agent/operator/families.py plus an exactness test."
+        "Adding one is a Family entry in kamera_agent/backends/transformers/families.py plus an "
+        "exactness test."
     )

@@ -1,0 +1,327 @@
+"""The transformers backend: chunks through a Hugging Face model, on CPU or GPU.
+
+It offers the seam's primitives and nothing above them: ``prefill`` runs chunks' tokens at
+given positions over an assembled ``DynamicCache`` (merging the vision outputs it is handed,
+Qwen3-VL's deepstack included) and reads each chunk's KV back out; ``encode_vision`` runs the
+vision tower; ``assemble`` concatenates placed KV into a ``DynamicCache``; ``decode`` answers a
+query with explicit positions (M-RoPE ids included). Stores, origin checks, the position-free
+form and costs live in `kamera_agent.core`. For checks it also runs the model's own full
+forward (``reference_prefill``), positions computed by the model itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kamera_agent.backends.base import (
+    Backend,
+    DecodeConfig,
+    Decoded,
+    Prefilled,
+    Reference,
+    Spent,
+    VisionFeatures,
+    VisionOutput,
+)
+from kamera_agent.backends.decoding import decode_loop
+from kamera_agent.backends.transformers.parts import ModelParts, model_parts
+from kamera_agent.backends.transformers.positions import position_scheme
+from kamera_agent.backends.transformers.reading import kv_layout, read_chunk
+from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.chunks.encoder import ChunkEncoder
+from kamera_agent.chunks.positions import PositionScheme
+from kamera_agent.chunks.prompt import PromptFormat
+from kamera_agent.compat import output_cache
+from kamera_agent.errors import CapabilityError, LayoutMismatchError, UnsupportedModelError
+from kamera_agent.fingerprint import model_fingerprint
+from kamera_agent.operator.layout import ChunkKV
+
+__all__ = ["TransformersBackend", "eos_token_ids"]
+
+
+class TransformersBackend(Backend):
+    """Backend over a loaded transformers model.
+
+    Args:
+        model: a causal LM or image-text-to-text model (Qwen2/2.5/3-VL, Llama, Qwen2, DeepSeek-V2/V3 ...).
+        processor: a full processor (with ``tokenizer`` and ``image_processor``), if you have one.
+        tokenizer: the tokenizer, when no processor is given.
+        image_processor: the image processor, when no processor is given (VLMs).
+        prompt: where chunks sit in the chat template (default: read from the tokenizer's template).
+    """
+
+    supports_mla = True
+    supports_reference = True
+
+    def __init__(
+        self,
+        model: Any,
+        processor: Any | None = None,
+        *,
+        tokenizer: Any | None = None,
+        image_processor: Any | None = None,
+        prompt: PromptFormat | None = None,
+    ) -> None:
+        tokenizer = tokenizer or getattr(processor, "tokenizer", None)
+        image_processor = image_processor or getattr(processor, "image_processor", None)
+        if tokenizer is None:
+            raise UnsupportedModelError("pass tokenizer= (or a processor that has one) with the model")
+        self.model = model.eval()
+        self.parts: ModelParts = model_parts(model)
+        self.layout = kv_layout(model)
+        self.fingerprint = model_fingerprint(model)
+        self.tokenizer = tokenizer
+        image_token = _image_token(model, tokenizer) if self.parts.has_vision else None
+        self.prompt = prompt or PromptFormat.from_tokenizer(tokenizer, image_token)
+        merge = int(getattr(getattr(model.config, "vision_config", None), "spatial_merge_size", 1) or 1)
+        self.positions: PositionScheme = position_scheme(model, self.layout.rope.is_mrope)
+        self.encoder = ChunkEncoder(
+            tokenizer,
+            image_processor if self.parts.has_vision else None,
+            self.prompt,
+            self.positions,
+            self.fingerprint,
+            merge,
+            self.parts.tokens_per_image(),
+        )
+        self._eos = eos_token_ids(model, tokenizer)
+        self.anchor: Chunk = self.encoder.anchor()
+        """The anchor chunk every window starts with (the one the encoder gives)."""
+
+    # -- where it runs ---------------------------------------------------------------------
+    @property
+    def supports_vision(self) -> bool:
+        return self.parts.has_vision
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts.dtype
+
+    @property
+    def context_limit(self) -> int | None:
+        config = self.model.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        value = getattr(text, "max_position_embeddings", None)
+        return int(value) if value else None
+
+    # -- the seam's primitives -----------------------------------------------------------------
+    def prefill(
+        self,
+        chunks: Sequence[Chunk],
+        context: Sequence[ChunkKV],
+        start: int,
+        vision: Sequence[VisionFeatures] = (),
+    ) -> Prefilled:
+        """One forward over consecutive chunks from ``start``: each chunk's KV is conditioned on
+        ``context`` and the exact KV of the chunks before it in the run (what a re-prefill of the
+        run computes), in the time of a single prefill of the run's tokens."""
+        positions, position = [], start
+        for chunk in chunks:
+            positions.append(chunk.positions_at(position))
+            position += chunk.advance
+        ids = torch.cat([c.input_ids for c in chunks])
+        mm = torch.cat([c.mm_token_type_ids for c in chunks])
+        merged = _merge_features(list(vision))
+        cache, _ = self._run(ids, mm, torch.cat(positions, dim=-1), self.assemble(context), merged, False)
+        out, slot = [], sum(kv.num_tokens for kv in context)
+        for chunk, where in zip(chunks, positions, strict=True):
+            kv = read_chunk(
+                cache,
+                self.layout,
+                slot,
+                slot + chunk.num_tokens,
+                where,
+                chunk_key=chunk.key,
+                model_fingerprint=self.fingerprint,
+            )
+            out.append(kv)
+            slot += chunk.num_tokens
+        return Prefilled(tuple(out), Spent(forwards=1, tokens_prefilled=int(ids.shape[0])))
+
+    def encode_vision(self, chunk: Chunk) -> VisionOutput:
+        if not self.parts.has_vision:
+            raise CapabilityError(f"{type(self.model).__name__} has no vision tower; push text chunks only")
+        if chunk.pixel_values is None:
+            raise CapabilityError(
+                "this chunk's pixels were released; its vision output must come from a store"
+            )
+        features = self.parts.image_features(chunk.pixel_values, chunk.image_grid_thw)
+        return VisionOutput(features, Spent(vision_encodes=1))
+
+    def assemble(self, placed: Sequence[ChunkKV]) -> Any:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        if not placed:
+            return cache
+        for kv in placed:
+            if kv.positions is None:
+                raise LayoutMismatchError(
+                    "assemble needs placed KV (positions set); place canonicals with apply_patch"
+                )
+        keys = torch.cat([kv.keys for kv in placed], dim=2).to(self.device)  # [L, H, S, D]
+        values = torch.cat([kv.values for kv in placed], dim=2).to(self.device)
+        for layer in range(self.layout.num_layers):
+            cache.update(keys[layer][None], values[layer][None], layer)
+        return cache
+
+    def decode(self, cache: Any, query_ids: torch.Tensor, start: int, config: DecodeConfig) -> Decoded:
+        def forward(ids: torch.Tensor, positions: torch.Tensor, cache: Any) -> tuple[Any, torch.Tensor]:
+            cache, logits = self.forward_tokens(ids, positions, cache)
+            assert logits is not None
+            return cache, logits
+
+        def detokenize(tokens: list[int]) -> str:
+            text: str = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            return text
+
+        return decode_loop(
+            forward, self.positions.text, detokenize, self._eos, cache, query_ids, start, config
+        )
+
+    # -- checks against the model's own forward ------------------------------------------------
+    def reference_prefill(self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None) -> Reference:
+        """The model's own top-level forward over ``anchor + chunks (+ query)``: it computes its
+        own positions (``get_rope_index`` for M-RoPE) and runs its own vision path."""
+        inputs = self.reference_inputs(chunks, query_ids)
+        with torch.no_grad():
+            out = self.model(**inputs, use_cache=True)
+        cache, kv, slot, start = output_cache(out), [], 0, 0
+        for chunk in [self.anchor, *chunks]:
+            where = chunk.positions_at(start)
+            kv.append(
+                read_chunk(cache, self.layout, slot, slot + chunk.num_tokens, where, chunk_key=chunk.key)
+            )
+            slot, start = slot + chunk.num_tokens, start + chunk.advance
+        return Reference(tuple(kv), out.logits[0, -1].float().cpu())
+
+    def reference_inputs(
+        self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None
+    ) -> dict[str, Any]:
+        """Keyword arguments for the model's *own* forward over a full re-prefill of
+        ``anchor + chunks (+ query)``: the ground truth every exactness check compares against.
+
+        The model computes its own positions from these (``get_rope_index`` for M-RoPE), so a
+        match also checks that our placement of every chunk agrees with the model's.
+        """
+        everything = [self.anchor, *chunks]
+        tail = [] if query_ids is None else [query_ids]
+        device = self.parts.device
+        inputs: dict[str, Any] = {
+            "input_ids": torch.cat([c.input_ids for c in everything] + tail)[None].to(device)
+        }
+        vision = [c for c in chunks if c.has_vision]
+        if vision:
+            if any(c.pixel_values is None for c in vision):
+                raise CapabilityError(
+                    "a chunk's pixels were released at eviction, so the model's own forward cannot be "
+                    "rebuilt; keep them with WindowConfig(evicted_pixels='keep') to check recalled images"
+                )
+            inputs["pixel_values"] = torch.cat([c.pixel_values for c in vision]).to(device)  # type: ignore[misc]
+            if all(c.image_grid_thw is not None for c in vision):
+                inputs["image_grid_thw"] = torch.cat([c.image_grid_thw for c in vision]).to(device)  # type: ignore[misc]
+                mm = torch.cat(
+                    [c.mm_token_type_ids for c in everything] + [torch.zeros_like(t) for t in tail]
+                )
+                inputs["mm_token_type_ids"] = mm[None].to(device)
+        return inputs
+
+    def prefill_sequence(self, chunks: Sequence[Chunk], shift: int = 0) -> list[ChunkKV]:
+        """The model's own KV of every chunk of ``anchor + chunks``, prefilled in order with every
+        position moved by ``shift`` (one forward per chunk over the growing cache, which equals one
+        forward over the whole sequence up to rounding). Ground truth for relocation checks."""
+        anchor = self.anchor
+        cache, out = self.assemble([]), []
+        start, slot = anchor.advance + shift, anchor.num_tokens
+        cache, _ = self._forward(anchor, anchor.positions_at(shift), cache)
+        for chunk in chunks:
+            positions = chunk.positions_at(start)
+            cache, _ = self._forward(chunk, positions, cache)
+            out.append(
+                read_chunk(cache, self.layout, slot, slot + chunk.num_tokens, positions, chunk_key=chunk.key)
+            )
+            start, slot = start + chunk.advance, slot + chunk.num_tokens
+        return out
+
+    # -- forwards -----------------------------------------------------------------------------
+    def forward_tokens(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: Any, *, logits: bool = True
+    ) -> tuple[Any, torch.Tensor | None]:
+        """Prefill text tokens ``[n]`` at ``positions`` over ``cache``; returns (cache, last logits)."""
+        mm = torch.zeros_like(input_ids)
+        return self._run(input_ids, mm, positions, cache, None, logits)
+
+    def _forward(self, chunk: Chunk, positions: torch.Tensor, cache: Any) -> tuple[Any, torch.Tensor | None]:
+        vision = self.encode_vision(chunk).features if chunk.has_vision else None
+        return self._run(chunk.input_ids, chunk.mm_token_type_ids, positions, cache, vision, logits=False)
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        mm_types: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any,
+        vision: VisionFeatures | None,
+        logits: bool,
+    ) -> tuple[Any, torch.Tensor | None]:
+        parts, device = self.parts, self.parts.device
+        embeds = parts.embed(input_ids)  # [n, hidden]
+        extra: dict[str, Any] = {}
+        if vision is not None:
+            image_mask = (mm_types == 1).to(device)
+            embeds = embeds.clone()
+            embeds[image_mask] = vision["embeds"].to(device, embeds.dtype)
+            deepstack = [
+                vision[f"deepstack.{i}"] for i in range(len(vision) - 1) if f"deepstack.{i}" in vision
+            ]
+            if deepstack and parts.takes_deepstack:
+                extra["visual_pos_masks"] = image_mask[None]
+                extra["deepstack_visual_embeds"] = [d.to(device, embeds.dtype) for d in deepstack]
+        past = cache.get_seq_length() if cache is not None else 0
+        n = int(input_ids.shape[0])
+        pos = positions[None] if positions.ndim == 1 else positions[:, None]  # [1, n] or [3, 1, n]
+        with torch.no_grad():
+            out = parts.language_model(
+                inputs_embeds=embeds[None],
+                position_ids=pos.to(device),
+                attention_mask=torch.ones(1, past + n, dtype=torch.long, device=device),
+                use_cache=True,
+                **{parts.cache_kwarg: cache},
+                **extra,
+            )
+            last = parts.lm_head(out.last_hidden_state[:, -1]).float()[0] if logits else None
+        return output_cache(out), last
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Token ids that end an answer: the generation config's and the tokenizer's."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def _image_token(model: Any, tokenizer: Any) -> str | None:
+    token_id = getattr(model.config, "image_token_id", None)
+    if token_id is None:
+        return None
+    token: str = tokenizer.convert_ids_to_tokens(int(token_id))
+    return token
+
+
+def _merge_features(features: list[VisionFeatures]) -> dict[str, torch.Tensor] | None:
+    """Vision outputs of several chunks, in order, as one (image tokens are filled in order)."""
+    if not features:
+        return None
+    return {name: torch.cat([f[name] for f in features]) for name in features[0]}

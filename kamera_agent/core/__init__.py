@@ -1,0 +1,28 @@
+"""The engine-neutral core between the window and the backends.
+
+`KVCore` gets every chunk's KV from the store or one backend primitive (origin checks, the
+position-free form, device moves, costs); `StagedStore` makes an operation a transaction over
+the store; `ChunkState` and `Context` are the chained identities patches are stored and found
+by; `CostMeter` sums what each primitive reported.
+"""
+
+from kamera_agent.core.costs import CostMeter
+from kamera_agent.core.identity import ChunkState, Context, StateKind, StateRank, effective_rank, orbit_key
+from kamera_agent.core.kv_core import KVCore, Txn
+from kamera_agent.core.staging import Committed, StagedStore, StoreView, can_encode
+
+__all__ = [
+    "ChunkState",
+    "Committed",
+    "Context",
+    "CostMeter",
+    "KVCore",
+    "StagedStore",
+    "StateKind",
+    "StateRank",
+    "StoreView",
+    "Txn",
+    "can_encode",
+    "effective_rank",
+    "orbit_key",
+]

@@ -1,0 +1,62 @@
+"""What an operation cost, summed from what each backend primitive reported.
+
+Why from reports: a test that asserts "a slide runs zero forwards" must fail if a forward ran,
+so every primitive returns its `Spent` and the meter adds them up; the window adds what only it
+knows (patches formed or reused, tokens served from the store, re-encodes forced by a budget,
+entries too large to store, chunks forgotten, probes run).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from kamera_agent.backends.base import Spent
+from kamera_agent.results import OpCost
+
+__all__ = ["CostMeter"]
+
+
+@dataclass
+class CostMeter:
+    """Accumulates one operation's costs; ``finish`` gives the immutable `OpCost`."""
+
+    spent: Spent = field(default_factory=Spent)
+    tokens_reused: int = 0
+    reencodes: int = 0
+    patches_formed: int = 0
+    patches_applied: int = 0
+    bytes_added: int = 0
+    uncached: int = 0
+    forgotten: int = 0
+    probes: int = 0
+    prefilled: set[str] = field(default_factory=set)
+    reused: set[Hashable] = field(default_factory=set)
+    began: float = field(default_factory=time.perf_counter)
+
+    def spend(self, spent: Spent) -> None:
+        """Add what one primitive call reported."""
+        self.spent = self.spent + spent
+
+    def reuse(self, ref: Hashable, chunk_key: str, tokens: int) -> None:
+        """Count a chunk's tokens as served without a forward, once per op, unless prefilled."""
+        if chunk_key not in self.prefilled and ref not in self.reused:
+            self.reused.add(ref)
+            self.tokens_reused += tokens
+
+    def finish(self) -> OpCost:
+        return OpCost(
+            forwards=self.spent.forwards,
+            tokens_prefilled=self.spent.tokens_prefilled,
+            tokens_reused=self.tokens_reused,
+            vision_encodes=self.spent.vision_encodes,
+            reencodes=self.reencodes,
+            patches_formed=self.patches_formed,
+            patches_applied=self.patches_applied,
+            bytes_added=self.bytes_added,
+            uncached=self.uncached,
+            forgotten=self.forgotten,
+            probes=self.probes,
+            seconds=time.perf_counter() - self.began,
+        )

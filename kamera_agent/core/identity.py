@@ -1,0 +1,171 @@
+"""What a chunk's KV encodes, as a chained digest: the identity patches are stored and found by.
+
+Why chained: a chunk's KV depends on the KV of its antecedents, not only on their content. A
+chunk that survived a slide still encodes the chunk that left; a patch formed over it is a
+patch over *that*, and filing it under its antecedents' content keys let another window (or
+this one, later) serve it where the antecedent encodes something else. So a chunk's **state**
+names exactly what its KV is, the way a prefix cache chains block hashes (nano-vllm's
+``compute_hash(token_ids, prefix)``): the content key, how it is patched, and the states of its
+antecedents in order, folded one at a time into a `Context`:
+
+    root          = H("root", anchor key)                     what every window starts behind
+    context + s   = H(context, s)                             one antecedent more, O(1)
+    canonical(B)  = H("canonical", key(B), root)              KV(B | ∅): exact wherever B is first
+    patched(B|c)  = H("patched", key(B), rank, c)             canonical + rank-m patch of B over c
+    orbit(B)      = H("orbit", key(B), rank, set, members...) mean over orderings of one set
+
+A state's digest determines its KV (up to relocation, which is exact): states that differ in
+anything their KV depends on (an approximate antecedent, a rank, an orbit's members) differ, so
+a stored patch is only ever served where its antecedents are what it was formed over. A rank
+at or above a chunk's full rank is recorded as ``"full"`` (the patch is then lossless).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+__all__ = ["ChunkState", "Context", "StateKind", "StateRank", "effective_rank", "orbit_key"]
+
+StateKind = Literal["canonical", "patched", "orbit"]
+StateRank = int | Literal["full"]
+
+
+def _hash(*parts: str) -> str:
+    return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=16).hexdigest()
+
+
+class Context:
+    """An ordered sequence of antecedent states behind the anchor, chained one state at a time.
+
+    Attributes:
+        digest: the chained digest (equal digests: the same antecedent KV, position for position).
+        parent: the context without its last state (``None`` for the root).
+        last: the last antecedent's state (``None`` for the root).
+        length: how many antecedents.
+        exact: every antecedent is exact (a re-prefill computes the same KV).
+    """
+
+    __slots__ = ("digest", "exact", "last", "length", "parent")
+
+    def __init__(
+        self, digest: str, parent: Context | None, last: ChunkState | None, length: int, exact: bool
+    ) -> None:
+        self.digest, self.parent, self.last, self.length, self.exact = digest, parent, last, length, exact
+
+    @classmethod
+    def root(cls, anchor_key: str) -> Context:
+        """The empty context behind the anchor prefix every window shares."""
+        return cls(_hash("root", anchor_key), None, None, 0, True)
+
+    def extend(self, state: ChunkState) -> Context:
+        """This context followed by one more antecedent."""
+        return Context(
+            _hash(self.digest, state.digest), self, state, self.length + 1, self.exact and state.exact
+        )
+
+    def states(self) -> tuple[ChunkState, ...]:
+        """The antecedent states, first to last (a walk: for checks and rebuilds, not hot paths)."""
+        out: list[ChunkState] = []
+        node: Context | None = self
+        while node is not None and node.last is not None:
+            out.append(node.last)
+            node = node.parent
+        return tuple(reversed(out))
+
+    @property
+    def base(self) -> Context:
+        """The root this context grows from."""
+        node = self
+        while node.parent is not None:
+            node = node.parent
+        return node
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Context) and other.digest == self.digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __repr__(self) -> str:
+        return f"Context({self.length} states, {self.digest[:8]})"
+
+
+class ChunkState:
+    """What one chunk's KV encodes. Equal digests mean equal KV (up to relocation).
+
+    Attributes:
+        digest: the chained digest (see the module docstring).
+        chunk_key: the chunk's content key.
+        kind: ``"canonical"`` (no antecedent), ``"patched"`` (canonical + a patch formed over
+            ``context``) or ``"orbit"`` (canonical + the mean patch of ``members``).
+        rank: the patch rank (``"full"``: lossless); 0 for a canonical.
+        context: the antecedents it was conditioned on (the root for canonicals and orbits).
+        members: an orbit's member states (digests), in the order they were merged.
+        address: where an orbit patch is filed (its antecedent set's key); ``""`` otherwise.
+        exact: a re-prefill of its chain computes the same KV (canonical, or full rank over an
+            exact context).
+    """
+
+    __slots__ = ("address", "chunk_key", "context", "digest", "exact", "kind", "members", "rank")
+
+    def __init__(
+        self,
+        digest: str,
+        chunk_key: str,
+        kind: StateKind,
+        rank: StateRank,
+        context: Context,
+        members: tuple[str, ...] = (),
+        address: str = "",
+    ) -> None:
+        self.digest, self.chunk_key, self.kind, self.rank = digest, chunk_key, kind, rank
+        self.context, self.members, self.address = context, members, address
+        self.exact = kind == "canonical" or (kind == "patched" and rank == "full" and context.exact)
+
+    @classmethod
+    def canonical(cls, chunk_key: str, root: Context) -> ChunkState:
+        """``KV(B | ∅)``: the chunk prefilled behind the anchor alone."""
+        return cls(_hash("canonical", chunk_key, root.digest), chunk_key, "canonical", 0, root)
+
+    @classmethod
+    def patched(cls, chunk_key: str, rank: StateRank, context: Context) -> ChunkState:
+        """The canonical plus a rank-``rank`` patch of the chunk's deficit over ``context``."""
+        if context.length == 0:
+            return cls.canonical(chunk_key, context)
+        return cls(
+            _hash("patched", chunk_key, str(rank), context.digest), chunk_key, "patched", rank, context
+        )
+
+    @classmethod
+    def orbit(
+        cls, chunk_key: str, rank: StateRank, root: Context, address: str, members: Sequence[str]
+    ) -> ChunkState:
+        """The canonical plus the orbit patch at ``address`` merged from ``members`` in order."""
+        digest = _hash("orbit", chunk_key, str(rank), root.digest, address, *members)
+        return cls(digest, chunk_key, "orbit", rank, root, tuple(members), address)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ChunkState) and other.digest == self.digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __repr__(self) -> str:
+        return (
+            f"ChunkState({self.kind}, rank {self.rank}, {self.context.length} antecedents, {self.digest[:8]})"
+        )
+
+
+def effective_rank(rank: StateRank, num_tokens: int, features: int) -> StateRank:
+    """The rank a patch of an ``[num_tokens, features]`` deficit really has: ``"full"`` at or
+    above ``min(num_tokens, features)`` (the SVD keeps every direction: the patch is lossless)."""
+    if rank == "full" or rank >= min(num_tokens, features):
+        return "full"
+    return rank
+
+
+def orbit_key(chunk_key: str, rank: StateRank, root: Context, antecedent_keys: Iterable[str]) -> str:
+    """Where the orbit patch of a chunk over one antecedent *set* (content keys) is filed."""
+    return _hash("orbit-set", chunk_key, str(rank), root.digest, *sorted(antecedent_keys))

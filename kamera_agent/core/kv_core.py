@@ -1,0 +1,202 @@
+"""The engine-neutral core: every chunk's KV from the store or one backend primitive, with its cost.
+
+Why one place: what is not engine-specific must not be written again per engine. Here, once:
+
+- store lookups: canonicals, vision outputs (by the pixels' key) and patches, through the
+  operation's `StagedStore`, so a failed op stores nothing;
+- origin checks: a chunk prepared for another model or processing setting is refused;
+- the position-free form: a prefilled canonical is un-rotated before it is stored;
+- device moves: entries read back from a disk tier live on the CPU until used here;
+- costs: each primitive's `Spent` lands in the operation's `CostMeter`;
+- the context limit, checked before a decode.
+
+A backend below only prefills, runs its vision tower, assembles and decodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from types import TracebackType
+
+import torch
+
+from kamera_agent.backends.base import Backend, DecodeConfig, VisionFeatures
+from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.core.costs import CostMeter
+from kamera_agent.core.identity import Context
+from kamera_agent.core.staging import Committed, StagedStore
+from kamera_agent.errors import ChunkLostError, ContextOverflowError, ForeignChunkError
+from kamera_agent.operator.layout import ChunkKV, to_position_free
+from kamera_agent.operator.patch import Patch, apply_patch
+from kamera_agent.results import Answer
+from kamera_agent.store import ChunkStore
+
+__all__ = ["KVCore", "Txn"]
+
+
+@dataclass
+class Txn:
+    """One operation's store view and cost meter, passed to every core call it makes.
+
+    As a context manager it commits when the block succeeds and discards otherwise:
+
+        with core.txn() as txn:
+            kv = core.canonical(chunk, txn)
+    """
+
+    store: StagedStore
+    meter: CostMeter = field(default_factory=CostMeter)
+
+    def commit(self) -> Committed:
+        """Store what the op staged; entries too large for the budget are counted as uncached."""
+        done = self.store.commit()
+        self.meter.bytes_added += done.nbytes
+        self.meter.uncached += done.uncached
+        return done
+
+    def discard(self) -> None:
+        """Drop what the op staged: the store stays as it was."""
+        self.store.discard()
+
+    def __enter__(self) -> Txn:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if kind is None:
+            self.commit()
+        else:
+            self.discard()
+
+
+class KVCore:
+    """Chunks' KV for one backend over one store: canonicals, conditioned KV, placement, decoding.
+
+    Args:
+        backend: the engine's primitives.
+        store: the content-addressed store of this model (fingerprints must match).
+
+    Raises:
+        ForeignChunkError: the store holds KV of another model.
+    """
+
+    def __init__(self, backend: Backend, store: ChunkStore) -> None:
+        if store.fingerprint != backend.fingerprint:
+            raise ForeignChunkError(
+                "this store holds KV of another model (fingerprints differ); open one store per model "
+                "(a separate disk_dir) or pass no store"
+            )
+        self.backend, self.store = backend, store
+        self.anchor = backend.encoder.anchor()
+        self.root = Context.root(self.anchor.key)
+        self._anchor_kv: ChunkKV | None = None
+
+    def txn(self) -> Txn:
+        """A fresh transaction over the store."""
+        return Txn(StagedStore(self.store))
+
+    # -- the anchor ---------------------------------------------------------------------------
+    @property
+    def anchor_ready(self) -> bool:
+        """Whether the anchor's KV is computed (the first forward of a window also runs it)."""
+        return self._anchor_kv is not None
+
+    def anchor_kv(self, meter: CostMeter) -> ChunkKV:
+        """The anchor's KV at positions ``[0, anchor.advance)``: one forward, the first time."""
+        if self._anchor_kv is None:
+            done = self.backend.prefill([self.anchor], [], 0)
+            meter.spend(done.spent)
+            self._anchor_kv = done.kv[0]
+        return self._anchor_kv
+
+    # -- canonicals and vision outputs --------------------------------------------------------
+    def canonical(self, chunk: Chunk, txn: Txn) -> ChunkKV:
+        """``KV(B|∅)``, position-free: from the store, else one prefill behind the anchor (stored)."""
+        self.check_origin(chunk)
+        hit = txn.store.get_canonical(chunk.key)
+        if hit is not None:
+            return self._on_device(hit)
+        vision = [self.vision(chunk, txn)] if chunk.has_vision else []
+        done = self.backend.prefill([chunk], [self.anchor_kv(txn.meter)], self.anchor.advance, vision)
+        txn.meter.spend(done.spent)
+        txn.meter.prefilled.add(chunk.key)
+        canonical = replace(to_position_free(done.kv[0], self.backend.layout), chunk_key=chunk.key)
+        txn.store.put_canonical(canonical)
+        return canonical
+
+    def vision(self, chunk: Chunk, txn: Txn) -> VisionFeatures:
+        """The vision tower's outputs for the chunk's pixels: from the store, else computed (stored)."""
+        assert chunk.vision_key is not None
+        hit = txn.store.get_vision(chunk.vision_key)
+        if hit is not None:
+            return {name: t.to(self.backend.device) for name, t in hit.items()}
+        if not chunk.has_pixels:
+            raise ChunkLostError(
+                f"chunk {chunk.label or chunk.key[:12]} released its pixels and the store no longer holds "
+                "its canonical or vision output; push the content again (a disk tier keeps evicted chunks)"
+            )
+        done = self.backend.encode_vision(chunk)
+        txn.meter.spend(done.spent)
+        txn.store.put_vision(chunk.vision_key, done.features)
+        return done.features
+
+    # -- conditioned KV -----------------------------------------------------------------------
+    def condition(
+        self, chunks: Sequence[Chunk], context: Sequence[ChunkKV], start: int, txn: Txn
+    ) -> tuple[ChunkKV, ...]:
+        """``KV(B_i | context, B_<i)`` of consecutive chunks from ``start`` (anchor first in
+        ``context``): one forward, each chunk at its positions."""
+        for chunk in chunks:
+            self.check_origin(chunk)
+        vision = [self.vision(chunk, txn) for chunk in chunks if chunk.has_vision]
+        done = self.backend.prefill(chunks, context, start, vision)
+        txn.meter.spend(done.spent)
+        return done.kv
+
+    def place(self, canonical: ChunkKV, patch: Patch | None, positions: torch.Tensor) -> ChunkKV:
+        """The chunk at ``positions`` with its conditioning restored: rotate(canonical + patch)."""
+        return apply_patch(canonical, patch, self.backend.layout, positions)
+
+    # -- answering ----------------------------------------------------------------------------
+    def check_fits(self, end: int, query_ids: torch.Tensor, config: DecodeConfig) -> None:
+        """Raise `ContextOverflowError` unless window + query + answer fit the model's context."""
+        limit = self.backend.context_limit
+        needed = end + int(query_ids.shape[0]) + config.max_new_tokens
+        if limit is not None and needed > limit:
+            raise ContextOverflowError(
+                f"window ({end} positions) + query ({query_ids.shape[0]} tokens) + answer "
+                f"({config.max_new_tokens}) needs {needed} positions; the model has {limit}. Slide or evict "
+                "chunks, or shorten the query"
+            )
+
+    def decode(
+        self,
+        placed: Sequence[ChunkKV],
+        query_ids: torch.Tensor,
+        end: int,
+        config: DecodeConfig,
+        meter: CostMeter,
+    ) -> Answer:
+        """Assemble ``placed`` (anchor first) and answer the query placed at ``end``."""
+        self.check_fits(end, query_ids, config)
+        done = self.backend.decode(self.backend.assemble(placed), query_ids, end, config)
+        meter.spend(done.spent)
+        return done.answer
+
+    # -- checks -------------------------------------------------------------------------------
+    def check_origin(self, chunk: Chunk) -> None:
+        """Refuse a chunk prepared for another model or processing setting (a string compare:
+        the chunk carries the digest its content key was made with)."""
+        if chunk.origin != self.backend.encoder.origin:
+            raise ForeignChunkError(
+                f"chunk {chunk.key[:12]}… was prepared for another model or processor setting; "
+                "re-create it with this window's encoder (window.push does this for you)"
+            )
+
+    def _on_device(self, kv: ChunkKV) -> ChunkKV:
+        device = self.backend.device
+        if kv.keys.device == device:
+            return kv
+        return replace(kv, keys=kv.keys.to(device), values=kv.values.to(device))

@@ -1,0 +1,132 @@
+"""One operation's view of the store: reads fall through, writes wait until the op succeeds.
+
+Why: a window operation is a transaction over the window *and* the store. Its canonicals,
+vision outputs and patches are staged here and only reach the `ChunkStore` when the whole op
+has succeeded (`commit`); a failed op discards them, so the store is as it was (no entry
+stored, none evicted to make room). An entry larger than the store's budget is used for the
+op without being stored, and the commit reports it. The planner reads through the same view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from kamera_agent.backends.base import VisionFeatures
+from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.operator.layout import ChunkKV
+from kamera_agent.operator.patch import Patch
+from kamera_agent.store import ChunkStore, EntryKey
+from kamera_agent.store.codec import StoredValue, entry_nbytes
+
+__all__ = ["Committed", "StagedStore", "StoreView", "can_encode"]
+
+
+class StoreView(Protocol):
+    """What planning may ask the store: presence and a patch's state, nothing that loads or counts."""
+
+    def has_canonical(self, key: str) -> bool: ...
+
+    def has_vision(self, key: str) -> bool: ...
+
+    def has_patch(self, chunk_key: str, variant: str) -> bool: ...
+
+    def patch_info(self, chunk_key: str, variant: str) -> tuple[str, dict[str, str]] | None: ...
+
+    def fits(self, nbytes: int) -> bool: ...
+
+
+def can_encode(chunk: Chunk, view: StoreView) -> bool:
+    """Whether the chunk's canonical can be had: stored, or prefilled from its pixels or from a
+    stored vision output (an evicted image keeps neither pixels nor KV once the store drops both)."""
+    if not chunk.has_vision or chunk.has_pixels or view.has_canonical(chunk.key):
+        return True
+    return chunk.vision_key is not None and view.has_vision(chunk.vision_key)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What a commit wrote: entries stored, their bytes, and entries too large to store."""
+
+    stored: int
+    nbytes: int
+    uncached: int
+
+
+class StagedStore:
+    """A `ChunkStore` seen through one operation's uncommitted writes."""
+
+    def __init__(self, store: ChunkStore) -> None:
+        self.store = store
+        self._staged: dict[EntryKey, StoredValue] = {}
+
+    # -- reads: staged first, then the store ------------------------------------------------
+    def get_canonical(self, key: str) -> ChunkKV | None:
+        staged = self._staged.get(EntryKey.canonical(key))
+        return staged if isinstance(staged, ChunkKV) else self.store.get_canonical(key)
+
+    def get_vision(self, key: str) -> VisionFeatures | None:
+        staged = self._staged.get(EntryKey.vision(key))
+        return staged if isinstance(staged, dict) else self.store.get_vision(key)
+
+    def get_patch(self, chunk_key: str, variant: str) -> Patch | None:
+        staged = self._staged.get(EntryKey.patch(chunk_key, variant))
+        return staged if isinstance(staged, Patch) else self.store.get_patch(chunk_key, variant)
+
+    def has_canonical(self, key: str) -> bool:
+        return EntryKey.canonical(key) in self._staged or self.store.has_canonical(key)
+
+    def has_vision(self, key: str) -> bool:
+        return EntryKey.vision(key) in self._staged or self.store.has_vision(key)
+
+    def has_patch(self, chunk_key: str, variant: str) -> bool:
+        return EntryKey.patch(chunk_key, variant) in self._staged or self.store.has_patch(chunk_key, variant)
+
+    def patch_info(self, chunk_key: str, variant: str) -> tuple[str, dict[str, str]] | None:
+        staged = self._staged.get(EntryKey.patch(chunk_key, variant))
+        if isinstance(staged, Patch):
+            return staged.state, dict(staged.meta)
+        return self.store.patch_info(chunk_key, variant)
+
+    def fits(self, nbytes: int) -> bool:
+        return self.store.fits(nbytes)
+
+    # -- writes: staged until commit --------------------------------------------------------
+    def put_canonical(self, kv: ChunkKV) -> None:
+        self._staged[EntryKey.canonical(kv.chunk_key)] = kv
+
+    def put_vision(self, key: str, outputs: VisionFeatures) -> None:
+        self._staged[EntryKey.vision(key)] = dict(outputs)
+
+    def put_patch(self, patch: Patch, variant: str | None = None) -> None:
+        self._staged[EntryKey.patch(patch.chunk_key, patch.state if variant is None else variant)] = patch
+
+    def discard(self) -> None:
+        """Forget every staged write (a failed op)."""
+        self._staged.clear()
+
+    @property
+    def pending(self) -> int:
+        """Entries waiting for the commit."""
+        return len(self._staged)
+
+    def commit(self) -> Committed:
+        """Write every staged entry that fits the store's budget, in the order it was staged."""
+        stored = nbytes = uncached = 0
+        for key, value in self._staged.items():
+            size = entry_nbytes(key.kind, value)
+            if not self.store.fits(size):
+                uncached += 1
+                continue
+            if key.kind == "canonical":
+                assert isinstance(value, ChunkKV)
+                self.store.put_canonical(value)
+            elif key.kind == "vision":
+                assert isinstance(value, dict)
+                self.store.put_vision(key.key, value)
+            else:
+                assert isinstance(value, Patch)
+                self.store.put_patch(value, key.variant)
+            stored, nbytes = stored + 1, nbytes + size
+        self._staged.clear()
+        return Committed(stored, nbytes, uncached)

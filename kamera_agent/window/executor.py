@@ -1,0 +1,323 @@
+"""Executing a window plan as cache edits, placing chunks, and answering over the window.
+
+Why separate from planning: the planner decides from states and a store view; the executor
+does what the plan says (place, apply a stored patch, form one with a conditioned forward,
+revert, defer) inside one `Txn`, so everything it stores is staged until the op succeeds. The
+window restores its state snapshot when anything fails. A stored patch the plan counted on but
+that has left the store since is formed instead (its state is the same: a state names what the
+KV encodes, not where it came from); an orbit patch that changed under the op raises
+`StaleLookup`, and the window plans again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import torch
+
+from kamera_agent.backends.base import DecodeConfig
+from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.config import WindowConfig
+from kamera_agent.core.identity import ChunkState, Context, effective_rank, orbit_key
+from kamera_agent.core.kv_core import KVCore, Txn
+from kamera_agent.operator.layout import ChunkKV
+from kamera_agent.operator.patch import Patch, form_patch, merge_patches
+from kamera_agent.results import Answer
+from kamera_agent.window.plan import Step, WindowPlan
+from kamera_agent.window.state import ChunkRef, Entry, Home, Placed, WindowState
+
+__all__ = ["Executor", "StaleLookup"]
+
+
+class StaleLookup(Exception):
+    """A store entry the plan relied on changed while the op ran (internal: the op is re-planned)."""
+
+
+class Executor:
+    """Applies plans to one window state inside one transaction; places chunks; decodes."""
+
+    def __init__(self, state: WindowState, core: KVCore, txn: Txn, config: WindowConfig) -> None:
+        self.state, self.core, self.txn, self.config = state, core, txn, config
+        self.layout = core.backend.layout
+        self._starts: dict[ChunkRef, int] = {}
+        self._free: dict[str, tuple[ChunkKV, Patch | None]] = {}
+        self._by_key: dict[str, Chunk] | None = None
+        self._order_changed()
+
+    # -- running a plan -------------------------------------------------------------------------
+    def run(self, plan: WindowPlan) -> None:
+        """Apply ``plan``: evictions, admissions, the new order, then every step left to right."""
+        state = self.state
+        if _changes(state, plan):
+            state.tick += 1
+        for ref in plan.evicted:
+            entry = state.entries[ref]
+            entry.in_window, entry.patch, entry.evicted_at = False, None, state.tick
+            state.placed.pop(ref, None)
+        for ref in plan.admitted:
+            if ref not in state.entries:
+                state.add(ref, Entry(plan.chunks[ref], ChunkState.canonical(ref.key, self.core.root)))
+            entry = state.entries[ref]
+            entry.in_window, entry.last_used = True, state.tick
+        state.order = list(plan.order)
+        self._order_changed()
+        if plan.op == "reorder":
+            for ref in plan.order:
+                state.entries[ref].last_used = state.tick
+        steps, index = list(plan.steps), 0
+        while index < len(steps):
+            step = steps[index]
+            if step.kind == "form_patch" and not step.off_window:
+                run, index = self._collect_run(steps, index)
+                self._form_in_window(run)
+            else:
+                self._apply(step)
+                index += 1
+
+    def _collect_run(self, steps: Sequence[Step], index: int) -> tuple[list[Step], int]:
+        """The in-window formation at ``index`` and the lossless ones that share its forward
+        (an admitted chunk's ``encode`` in between is done first)."""
+        run, index = [steps[index]], index + 1
+        while index < len(steps):
+            step = steps[index]
+            if step.kind == "encode":
+                self._apply(step)
+            elif step.kind == "form_patch" and step.in_run:
+                run.append(step)
+            else:
+                break
+            index += 1
+        return run, index
+
+    def _apply(self, step: Step) -> None:
+        entry = self.state.entries[step.ref]
+        if step.kind == "encode":
+            self.canonical(step.ref)
+        elif step.kind == "rotate":
+            if step.moved:
+                self._reused(step.ref)
+            self._settle(step.ref, entry.state, entry.patch, step.antecedents)
+        elif step.kind == "apply_patch":
+            patch = self._stored_patch(step)
+            if patch is None:  # left the store since planning: form it (the same state)
+                self._form_over(step.ref, step.state, step.antecedents or ())
+                return
+            self._settle(step.ref, step.state, patch, step.antecedents)
+            self.txn.meter.patches_applied += 1
+            self._reused(step.ref)
+        elif step.kind == "form_patch":  # off-window: a recall's original context
+            self._form_over(step.ref, step.state, step.antecedents or ())
+        else:  # revert, defer: the canonical alone
+            self._settle(step.ref, step.state, None, (), pending=step.kind == "defer")
+            self._reused(step.ref)
+
+    def _stored_patch(self, step: Step) -> Patch | None:
+        if step.state.kind == "orbit":  # planned from the committed store: read it there
+            patch = self.txn.store.store.get_patch(step.ref.key, step.variant)
+            if patch is None or patch.state != step.state.digest:
+                raise StaleLookup(f"the orbit patch of {step.ref} changed while the op ran")
+            return patch
+        return self.txn.store.get_patch(step.ref.key, step.variant)
+
+    # -- forming patches --------------------------------------------------------------------------
+    def _form_in_window(self, run: Sequence[Step]) -> None:
+        """Patches for consecutive in-window chunks, each over everything to its left: one forward."""
+        first = run[0].ref
+        left = self.state.order[: self.state.order.index(first)]
+        context = [self.core.anchor_kv(self.txn.meter), *(self.placed_kv(r) for r in left)]
+        chunks = [self.state.entries[step.ref].chunk for step in run]
+        conditioned = self.core.condition(chunks, context, self._starts[first], self.txn)
+        for step, kv in zip(run, conditioned, strict=True):
+            self._adopt(step.ref, step.state, kv, step.antecedents or ())
+
+    def _form_over(self, ref: ChunkRef, target: ChunkState, antecedents: Sequence[ChunkRef]) -> None:
+        """Form ``ref``'s patch over the context its target state names, placed behind the anchor."""
+        chunk = self.state.entries[ref].chunk
+        kv = self._conditioned_over(chunk, target.context)
+        self._adopt(ref, target, kv, antecedents)
+
+    def _conditioned_over(self, chunk: Chunk, context: Context) -> ChunkKV:
+        placed, start = [self.core.anchor_kv(self.txn.meter)], self.core.anchor.advance
+        for state in context.states():
+            source = self._chunk_for(state.chunk_key)
+            canonical, patch = self.free_kv(state)
+            placed.append(self.core.place(canonical, patch, source.positions_at(start)))
+            start += source.advance
+        return self.core.condition([chunk], placed, start, self.txn)[0]
+
+    def _adopt(
+        self, ref: ChunkRef, target: ChunkState, conditioned: ChunkKV, antecedents: Sequence[ChunkRef]
+    ) -> None:
+        """Patch ``ref`` with the deficit of ``conditioned``: stage it, fold it into the orbit."""
+        canonical = self.canonical(ref)
+        patch = form_patch(canonical, conditioned, self.layout, target.rank, state=target.digest)
+        self.txn.store.put_patch(patch)
+        self.txn.meter.patches_formed += 1
+        if self.config.orbit:
+            self._update_orbit(ref.key, target, patch)
+        self._settle(ref, target, patch, antecedents)
+
+    def _update_orbit(self, chunk_key: str, member: ChunkState, patch: Patch) -> None:
+        """Fold this ordering's patch into the mean over its antecedent set's orderings."""
+        keys = [state.chunk_key for state in member.context.states()]
+        address = orbit_key(chunk_key, member.rank, self.core.root, keys)
+        orbit = self.txn.store.get_patch(chunk_key, address)
+        members = json.loads(orbit.meta.get("members", "[]")) if orbit is not None else []
+        if member.digest in members:
+            return
+        if orbit is None:
+            merged = merge_patches([patch], member.rank)
+        else:
+            merged = merge_patches([orbit, patch], member.rank, weights=[len(members), 1])
+        members.append(member.digest)
+        state = ChunkState.orbit(chunk_key, member.rank, self.core.root, address, members)
+        meta = {"members": json.dumps(members)}
+        orbit_patch = Patch(
+            merged.factors,
+            merged.num_tokens,
+            chunk_key,
+            state.digest,
+            merged.model_fingerprint,
+            "orbit",
+            meta,
+        )
+        self.txn.store.put_patch(orbit_patch, address)
+
+    def _settle(
+        self,
+        ref: ChunkRef,
+        target: ChunkState,
+        patch: Patch | None,
+        antecedents: Sequence[ChunkRef] | None,
+        pending: bool = False,
+    ) -> None:
+        """Record the chunk's new KV: state, patch, graph edges; its first settled state is its home."""
+        entry = self.state.entries[ref]
+        entry.state, entry.patch, entry.pending = target, patch, pending
+        if antecedents is not None:
+            self.state.set_encodes(ref, antecedents)
+        if entry.home is None and not pending:
+            entry.home = Home(tuple(antecedents or ()), target)
+
+    # -- KV of chunks and states -------------------------------------------------------------------
+    def canonical(self, ref: ChunkRef) -> ChunkKV:
+        """The chunk's canonical (a prefill when the store has none: a re-encode if it had one)."""
+        entry = self.state.entries[ref]
+        meter = self.txn.meter
+        fresh = entry.chunk.key not in meter.prefilled
+        canonical = self.core.canonical(entry.chunk, self.txn)
+        if fresh and entry.chunk.key in meter.prefilled:
+            meter.reencodes += int(entry.encoded)
+        entry.encoded = True
+        return canonical
+
+    def free_kv(self, state: ChunkState) -> tuple[ChunkKV, Patch | None]:
+        """The canonical and patch a state names, from the store or rebuilt (for original contexts)."""
+        if state.digest in self._free:
+            return self._free[state.digest]
+        chunk = self._chunk_for(state.chunk_key)
+        canonical = self.core.canonical(chunk, self.txn)
+        patch: Patch | None = None
+        if state.kind == "orbit":
+            patch = self.txn.store.get_patch(state.chunk_key, state.address)
+            if patch is None or patch.state != state.digest:
+                raise StaleLookup(f"the orbit patch {state.digest[:8]} an original context needs is gone")
+        elif state.kind == "patched":
+            patch = self.txn.store.get_patch(state.chunk_key, state.digest)
+            if patch is None:
+                kv = self._conditioned_over(chunk, state.context)
+                patch = form_patch(canonical, kv, self.layout, state.rank, state=state.digest)
+                self.txn.store.put_patch(patch)
+                self.txn.meter.patches_formed += 1
+        self._free[state.digest] = (canonical, patch)
+        return canonical, patch
+
+    def placed_kv(self, ref: ChunkRef) -> ChunkKV:
+        """The chunk's KV at its place in the window (memoised per start and state)."""
+        start, entry = self._starts[ref], self.state.entries[ref]
+        memo = self.state.placed.get(ref)
+        if memo is not None and memo.start == start and memo.state == entry.state.digest:
+            return memo.kv
+        kv = self.core.place(self.canonical(ref), entry.patch, entry.chunk.positions_at(start))
+        self.state.placed[ref] = Placed(start, entry.state.digest, kv)
+        return kv
+
+    def placements(self) -> list[ChunkKV]:
+        """The anchor and every in-window chunk, placed: what a decode attends to."""
+        return [self.core.anchor_kv(self.txn.meter), *(self.placed_kv(ref) for ref in self.state.order)]
+
+    # -- reading the window ------------------------------------------------------------------------
+    def answer(self, query_ids: torch.Tensor, config: DecodeConfig) -> Answer:
+        """Decode the query over the window as it is."""
+        return self.core.decode(self.placements(), query_ids, self.end(), config, self.txn.meter)
+
+    def answer_without(self, removed: ChunkRef, query_ids: torch.Tensor, config: DecodeConfig) -> Answer:
+        """Decode with ``removed`` left out and its influence taken off the chunks that encode it:
+        each such chunk is served by a stored patch over the reduced left context, else its canonical."""
+        state, core = self.state, self.core
+        influenced = _Influence(state.entries[removed].state.digest)
+        placed, ctx, start = [core.anchor_kv(self.txn.meter)], core.root, core.anchor.advance
+        for ref in state.order:
+            if ref == removed:
+                continue
+            entry = state.entries[ref]
+            patch, served = entry.patch, entry.state
+            if removed in state.graph.pred[ref] or influenced(entry.state):
+                patch, served = self._reduced(ref, ctx)
+            placed.append(core.place(self.canonical(ref), patch, entry.chunk.positions_at(start)))
+            ctx, start = ctx.extend(served), start + entry.chunk.advance
+        return core.decode(placed, query_ids, start, config, self.txn.meter)
+
+    def _reduced(self, ref: ChunkRef, ctx: Context) -> tuple[Patch | None, ChunkState]:
+        """A stored patch of ``ref`` over ``ctx`` and the state it gives, else the canonical."""
+        canonical = ChunkState.canonical(ref.key, self.core.root)
+        rank = self.config.effective_rank
+        if rank == 0 or ctx.length == 0:
+            return None, canonical
+        n = self.state.entries[ref].chunk.num_tokens
+        target = ChunkState.patched(ref.key, effective_rank(rank, n, self.layout.features), ctx)
+        stored = self.txn.store.get_patch(ref.key, target.digest)
+        return (stored, target) if stored is not None else (None, canonical)
+
+    def end(self) -> int:
+        """The position after the window's last chunk (where a query starts)."""
+        return self.core.anchor.advance + sum(self.state.entries[r].chunk.advance for r in self.state.order)
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _order_changed(self) -> None:
+        self._starts, position = {}, self.core.anchor.advance
+        for ref in self.state.order:
+            self._starts[ref] = position
+            position += self.state.entries[ref].chunk.advance
+
+    def _reused(self, ref: ChunkRef) -> None:
+        chunk = self.state.entries[ref].chunk
+        self.txn.meter.reuse(ref, chunk.key, chunk.num_tokens)
+
+    def _chunk_for(self, chunk_key: str) -> Chunk:
+        if self._by_key is None:
+            self._by_key = {entry.chunk.key: entry.chunk for entry in self.state.entries.values()}
+        return self._by_key[chunk_key]
+
+
+class _Influence:
+    """Whether a state's KV carries (directly or through its antecedents) one state's influence."""
+
+    def __init__(self, digest: str) -> None:
+        self.digest = digest
+        self._memo: dict[str, bool] = {}
+
+    def __call__(self, state: ChunkState) -> bool:
+        if state.digest not in self._memo:
+            self._memo[state.digest] = any(s.digest == self.digest or self(s) for s in state.context.states())
+        return self._memo[state.digest]
+
+
+def _changes(state: WindowState, plan: WindowPlan) -> bool:
+    """Whether the plan changes the window's KV (an answer computed before it is then stale)."""
+    if plan.evicted or plan.admitted or list(plan.order) != state.order:
+        return True
+    return any(
+        step.kind != "encode" and not (step.kind == "rotate" and not step.moved) for step in plan.steps
+    )

@@ -1,0 +1,91 @@
+"""A planned window operation: the new order, evictions, admissions and one step per chunk.
+
+Why a value: the planner computes it without touching the window, the store or the model (so
+``window.plan(...)`` is a dry run by construction), the executor applies it as one
+transaction, and `WindowPlan.public` turns the same object into the user-facing `Plan`, whose
+predicted forwards are the executor's, step for step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.core.identity import ChunkState
+from kamera_agent.results import Edit, EditKind, Plan
+from kamera_agent.window.state import ChunkRef
+
+__all__ = ["Step", "WindowPlan"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One executable edit for one chunk.
+
+    Attributes:
+        kind: the edit (``encode`` makes sure the canonical exists; the others set the chunk's KV).
+        ref: the chunk.
+        state: what the chunk's KV encodes after the step.
+        antecedents: the refs its KV encodes after the step (the graph's in-edges); ``None``
+            leaves its edges as they are (a chunk kept as it was).
+        variant: for ``apply_patch``: where the stored patch is filed.
+        off_window: for ``form_patch``: the context is not the chunk's left in the window (a
+            recall's original context, placed behind the anchor for the forward).
+        in_run: for ``form_patch``: prefilled in the forward of the chunk before it (consecutive
+            lossless patches over one left context share one forward).
+        moved: for ``rotate``: the chunk's start changes (else the step is no edit at all).
+        forwards: forwards the step runs (rebuilding an original context included).
+        tokens: tokens those forwards prefill.
+        detail: why, in words (shown in plans).
+    """
+
+    kind: EditKind
+    ref: ChunkRef
+    state: ChunkState
+    antecedents: tuple[ChunkRef, ...] | None = None
+    variant: str = ""
+    off_window: bool = False
+    in_run: bool = False
+    moved: bool = True
+    forwards: int = 0
+    tokens: int = 0
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """An operation's new order, its evictions and admissions, and per-chunk steps in order.
+
+    ``probes`` non-empty means the eviction policy needs probe scores first: the executor runs
+    those probes (for ``probe_query``), records the scores and plans the operation again.
+    """
+
+    op: str
+    order: tuple[ChunkRef, ...]
+    evicted: tuple[ChunkRef, ...] = ()
+    admitted: tuple[ChunkRef, ...] = ()
+    steps: tuple[Step, ...] = ()
+    chunks: Mapping[ChunkRef, Chunk] = field(default_factory=dict)
+    probes: tuple[ChunkRef, ...] = ()
+    probe_query: str = ""
+    probe_tokens: int = 0
+
+    def public(self) -> Plan:
+        """The user-facing `Plan`: labelled edits with the forwards and tokens each will run."""
+        edits = [
+            Edit(
+                "probe", ref.label, f"scored against {self.probe_query!r} (one decode)", 1, self.probe_tokens
+            )
+            for ref in self.probes
+        ]
+        if self.probes:
+            edits.append(Edit("evict", "the lowest-KL chunk", "chosen by the probes above"))
+        edits += [Edit("evict", ref.label, "leaves the window; canonical kept") for ref in self.evicted]
+        edits += [Edit("admit", ref.label, "enters the window") for ref in self.admitted]
+        for step in self.steps:
+            if step.kind == "rotate" and not step.moved:
+                continue
+            detail = step.detail + (" (in the forward of the chunk before it)" if step.in_run else "")
+            edits.append(Edit(step.kind, step.ref.label, detail, step.forwards, step.tokens))
+        return Plan(self.op, tuple(edits))

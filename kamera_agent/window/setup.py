@@ -1,0 +1,133 @@
+"""Making a window's parts from what a user passes: a backend, a store, chunks from items.
+
+Why here: every setting must either apply or say where to set it. The store belongs to the
+window (above the engine), so ``memory_budget`` and ``disk_dir`` apply whatever the model is;
+``device`` and ``dtype`` say how to load or cast a model, so they apply to a checkpoint path or a
+loaded model and are checked, never silently ignored, against a `Backend` built elsewhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from kamera_agent.backends.base import Backend
+from kamera_agent.chunks.chunk import Chunk, ChunkKind
+from kamera_agent.chunks.encoder import ChunkEncoder
+from kamera_agent.chunks.sources import ChannelOrder, VideoFrame
+from kamera_agent.config import WindowConfig
+from kamera_agent.errors import SettingsError, UnreadableInputError
+from kamera_agent.store import ChunkStore
+
+__all__ = ["Item", "chunk_of", "resolve_backend", "resolve_store"]
+
+Item = Chunk | str | Image.Image | np.ndarray | Path | VideoFrame
+
+_STORE_FIELDS = ("memory_budget", "disk_dir", "disk_budget")
+
+
+def resolve_backend(
+    model: Any,
+    processor: Any | None,
+    tokenizer: Any | None,
+    image_processor: Any | None,
+    config: WindowConfig,
+) -> Backend:
+    """The backend for ``model`` (a `Backend`, a loaded transformers model or a checkpoint path).
+
+    Raises:
+        SettingsError: ``device``/``dtype`` set for a `Backend` that runs elsewhere.
+    """
+    from kamera_agent.loading import load_backend
+
+    dtype = getattr(torch, config.dtype) if config.dtype is not None else None
+    if isinstance(model, Backend):
+        _check_placement(model, config, dtype)
+        return model
+    if not isinstance(model, str | Path):
+        if config.device is not None:
+            model = model.to(torch.device(config.device))
+        if dtype is not None:
+            model = model.to(dtype)
+    return load_backend(
+        model,
+        processor,
+        tokenizer=tokenizer,
+        image_processor=image_processor,
+        dtype=dtype,
+        device=config.device,
+    )
+
+
+def resolve_store(backend: Backend, config: WindowConfig, store: ChunkStore | None) -> ChunkStore:
+    """``store`` if given (then no store setting may be set too), else one built from the settings.
+
+    Raises:
+        SettingsError: both a store and store settings.
+    """
+    if store is None:
+        return ChunkStore(
+            fingerprint=backend.fingerprint,
+            memory_budget=config.memory_budget,
+            disk_dir=config.disk_dir,
+            disk_budget=config.disk_budget,
+        )
+    given = sorted(name for name in _STORE_FIELDS if name in config.model_fields_set)
+    if given:
+        raise SettingsError(
+            f"{', '.join(given)} configure the store a window builds, but store= was passed too; set them "
+            "on that ChunkStore (ChunkStore(memory_budget=..., disk_dir=..., disk_budget=...)) or pass "
+            "no store"
+        )
+    return store
+
+
+def chunk_of(
+    encoder: ChunkEncoder,
+    item: Item,
+    kind: ChunkKind | None = None,
+    caption: str | None = None,
+    channel_order: ChannelOrder | None = None,
+    label: str | None = None,
+) -> Chunk:
+    """The model-ready chunk for a pushed item."""
+    if isinstance(item, Chunk):
+        return item
+    if isinstance(item, str):
+        return encoder.text(item, label=label)
+    if isinstance(item, VideoFrame):
+        meta = {"frame": str(item.index), "seconds": f"{item.seconds:.3f}"}
+        return encoder.image(item.image, kind=kind or "frame", caption=caption, label=label, meta=meta)
+    if isinstance(item, Image.Image | np.ndarray | Path):
+        return encoder.image(
+            item, kind=kind or "image", caption=caption, channel_order=channel_order, label=label
+        )
+    raise UnreadableInputError(
+        f"cannot push a {type(item).__name__}; push a PIL image, an array (with channel_order), "
+        "a Path to an image, a VideoFrame, text (str) or a Chunk"
+    )
+
+
+def _check_placement(backend: Backend, config: WindowConfig, dtype: torch.dtype | None) -> None:
+    wrong = []
+    if config.device is not None and _normal(torch.device(config.device)) != _normal(backend.device):
+        wrong.append(f"device={config.device!r} (it runs on {backend.device})")
+    if dtype is not None and dtype != backend.dtype:
+        wrong.append(f"dtype={config.dtype!r} (it computes in {backend.dtype})")
+    if wrong:
+        raise SettingsError(
+            f"WindowConfig sets {' and '.join(wrong)}, but a Backend was passed: move or cast the model "
+            "before building the backend (e.g. TransformersBackend(model.to(device, dtype), ...)), or pass "
+            "the model or its checkpoint path to KameraWindow so these settings can apply"
+        )
+
+
+def _normal(device: torch.device) -> torch.device:
+    """``cuda`` and ``cuda:0`` name the same device when it is the current one."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -1,0 +1,34 @@
+"""The backends window tests run on: 4-layer models that condition measurably, on both engines.
+
+A 2-layer model hides every bug that flows through a second layer of conditioning (a chunk's KV
+then depends only on its antecedents' layer-0 KV, which no patch changes), so every window test
+uses 4 decoder layers: tiny random Qwen2 (text) and Qwen2-VL (images) through transformers, and
+the plain-torch backend that proves the engine seam.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+
+from kamera_agent.backends.base import Backend
+from tests.backends.test_transformers_backend import text_backend, vl_backend
+
+
+def _tiny_torch() -> Backend:
+    from kamera_agent.backends.tiny_torch import TinyTorchBackend
+
+    return TinyTorchBackend(seed=0)
+
+
+BACKENDS: dict[str, Callable[[], Backend]] = {
+    "qwen2": lambda: text_backend("qwen2", layers=4),
+    "qwen2_vl": lambda: vl_backend("qwen2_vl", layers=4),
+    "tiny_torch": _tiny_torch,
+}
+
+
+@cache
+def backend_named(name: str) -> Backend:
+    """One shared instance per name (building a backend computes its fingerprint)."""
+    return BACKENDS[name]()
