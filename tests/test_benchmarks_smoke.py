@@ -27,3 +27,21 @@ def test_operator_benchmark_runs_and_reports_every_rank(tmp_path: Path) -> None:
     assert report["prefill_ms"] > 0 and report["relocate_ms"] > 0
     for row in report["ranks"]:
         assert 0 < row["patch_fraction_of_kv"] < 1
+
+
+def test_planning_benchmark_reports_every_op_at_every_size(tmp_path: Path) -> None:
+    out = tmp_path / "planning.json"
+    args = ["--chunks", "4", "8", "--repeats", "3", "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "planning.py"), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={"KAMERA_NUM_THREADS": "1", "PATH": ""},
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert set(report["median_ms"]) == {"4", "8"}
+    for row in report["median_ms"].values():
+        assert set(row) == {"push", "reorder", "slide", "evict", "recall"}
+        assert all(ms > 0 for ms in row.values())

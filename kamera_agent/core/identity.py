@@ -22,8 +22,9 @@ at or above a chunk's full rank is recorded as ``"full"`` (the patch is then los
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 __all__ = ["ChunkState", "Context", "StateKind", "StateRank", "effective_rank", "orbit_key"]
@@ -36,6 +37,18 @@ def _hash(*parts: str) -> str:
     return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=16).hexdigest()
 
 
+_MASK = (1 << 128) - 1
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _key_hash(chunk_key: str) -> int:
+    """128 bits of a content key (itself a sha256 hex digest), for order-free set fingerprints."""
+    try:
+        return int(chunk_key[:32], 16)
+    except ValueError:
+        return int(hashlib.blake2b(chunk_key.encode(), digest_size=16).hexdigest(), 16)
+
+
 class Context:
     """An ordered sequence of antecedent states behind the anchor, chained one state at a time.
 
@@ -45,14 +58,23 @@ class Context:
         last: the last antecedent's state (``None`` for the root).
         length: how many antecedents.
         exact: every antecedent is exact (a re-prefill computes the same KV).
+        keyset: an order-free fingerprint of the antecedents' content keys (a multiset sum):
+            equal for every ordering of the same chunks, the test an orbit patch needs.
     """
 
-    __slots__ = ("digest", "exact", "last", "length", "parent")
+    __slots__ = ("digest", "exact", "keyset", "last", "length", "parent")
 
     def __init__(
-        self, digest: str, parent: Context | None, last: ChunkState | None, length: int, exact: bool
+        self,
+        digest: str,
+        parent: Context | None,
+        last: ChunkState | None,
+        length: int,
+        exact: bool,
+        keyset: int = 0,
     ) -> None:
         self.digest, self.parent, self.last, self.length, self.exact = digest, parent, last, length, exact
+        self.keyset = keyset
 
     @classmethod
     def root(cls, anchor_key: str) -> Context:
@@ -61,9 +83,9 @@ class Context:
 
     def extend(self, state: ChunkState) -> Context:
         """This context followed by one more antecedent."""
-        return Context(
-            _hash(self.digest, state.digest), self, state, self.length + 1, self.exact and state.exact
-        )
+        keyset = (self.keyset + _key_hash(state.chunk_key)) & _MASK
+        digest = _hash(self.digest, state.digest)
+        return Context(digest, self, state, self.length + 1, self.exact and state.exact, keyset)
 
     def states(self) -> tuple[ChunkState, ...]:
         """The antecedent states, first to last (a walk: for checks and rebuilds, not hot paths)."""
@@ -104,11 +126,13 @@ class ChunkState:
         context: the antecedents it was conditioned on (the root for canonicals and orbits).
         members: an orbit's member states (digests), in the order they were merged.
         address: where an orbit patch is filed (its antecedent set's key); ``""`` otherwise.
+        keyset: the order-free fingerprint of the chunks it is conditioned on (`Context.keyset`;
+            an orbit's: its set's).
         exact: a re-prefill of its chain computes the same KV (canonical, or full rank over an
             exact context).
     """
 
-    __slots__ = ("address", "chunk_key", "context", "digest", "exact", "kind", "members", "rank")
+    __slots__ = ("address", "chunk_key", "context", "digest", "exact", "keyset", "kind", "members", "rank")
 
     def __init__(
         self,
@@ -119,9 +143,11 @@ class ChunkState:
         context: Context,
         members: tuple[str, ...] = (),
         address: str = "",
+        keyset: int | None = None,
     ) -> None:
         self.digest, self.chunk_key, self.kind, self.rank = digest, chunk_key, kind, rank
         self.context, self.members, self.address = context, members, address
+        self.keyset = context.keyset if keyset is None else keyset
         self.exact = kind == "canonical" or (kind == "patched" and rank == "full" and context.exact)
 
     @classmethod
@@ -140,11 +166,18 @@ class ChunkState:
 
     @classmethod
     def orbit(
-        cls, chunk_key: str, rank: StateRank, root: Context, address: str, members: Sequence[str]
+        cls,
+        chunk_key: str,
+        rank: StateRank,
+        root: Context,
+        address: str,
+        members: Sequence[str],
+        keyset: int = 0,
     ) -> ChunkState:
-        """The canonical plus the orbit patch at ``address`` merged from ``members`` in order."""
+        """The canonical plus the orbit patch at ``address`` merged from ``members`` in order
+        (``keyset``: the fingerprint of the antecedent set it averages over)."""
         digest = _hash("orbit", chunk_key, str(rank), root.digest, address, *members)
-        return cls(digest, chunk_key, "orbit", rank, root, tuple(members), address)
+        return cls(digest, chunk_key, "orbit", rank, root, tuple(members), address, keyset)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ChunkState) and other.digest == self.digest
@@ -166,6 +199,8 @@ def effective_rank(rank: StateRank, num_tokens: int, features: int) -> StateRank
     return rank
 
 
-def orbit_key(chunk_key: str, rank: StateRank, root: Context, antecedent_keys: Iterable[str]) -> str:
-    """Where the orbit patch of a chunk over one antecedent *set* (content keys) is filed."""
-    return _hash("orbit-set", chunk_key, str(rank), root.digest, *sorted(antecedent_keys))
+def orbit_key(chunk_key: str, rank: StateRank, root: Context, context: Context) -> str:
+    """Where the orbit patch of a chunk over the *set* of ``context``'s chunks is filed: the same
+    for every ordering of them (a multiset of content keys, folded in O(1) per antecedent)."""
+    size, keyset = str(context.length), f"{context.keyset:032x}"
+    return _hash("orbit-set", chunk_key, str(rank), root.digest, size, keyset)

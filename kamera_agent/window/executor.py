@@ -43,6 +43,7 @@ class Executor:
         self._starts: dict[ChunkRef, int] = {}
         self._free: dict[str, tuple[ChunkKV, Patch | None]] = {}
         self._by_key: dict[str, Chunk] | None = None
+        self._moved: frozenset[ChunkRef] = frozenset()
         self._order_changed()
 
     # -- running a plan -------------------------------------------------------------------------
@@ -65,7 +66,7 @@ class Executor:
         if plan.op == "reorder":
             for ref in plan.order:
                 state.entries[ref].last_used = state.tick
-        steps, index = list(plan.steps), 0
+        steps, index, self._moved = list(plan.steps), 0, plan.moved
         while index < len(steps):
             step = steps[index]
             if step.kind == "form_patch" and not step.off_window:
@@ -95,7 +96,7 @@ class Executor:
         if step.kind == "encode":
             self.canonical(step.ref)
         elif step.kind == "rotate":
-            if step.moved:
+            if step.ref in self._moved:
                 self._reused(step.ref)
             self._settle(step.ref, entry.state, entry.patch, step.antecedents)
         elif step.kind == "apply_patch":
@@ -160,8 +161,7 @@ class Executor:
 
     def _update_orbit(self, chunk_key: str, member: ChunkState, patch: Patch) -> None:
         """Fold this ordering's patch into the mean over its antecedent set's orderings."""
-        keys = [state.chunk_key for state in member.context.states()]
-        address = orbit_key(chunk_key, member.rank, self.core.root, keys)
+        address = orbit_key(chunk_key, member.rank, self.core.root, member.context)
         orbit = self.txn.store.get_patch(chunk_key, address)
         members = json.loads(orbit.meta.get("members", "[]")) if orbit is not None else []
         if member.digest in members:
@@ -316,8 +316,6 @@ class _Influence:
 
 def _changes(state: WindowState, plan: WindowPlan) -> bool:
     """Whether the plan changes the window's KV (an answer computed before it is then stale)."""
-    if plan.evicted or plan.admitted or list(plan.order) != state.order:
+    if plan.evicted or plan.admitted or plan.moved or list(plan.order) != state.order:
         return True
-    return any(
-        step.kind != "encode" and not (step.kind == "rotate" and not step.moved) for step in plan.steps
-    )
+    return any(step.kind not in ("encode", "rotate") for step in plan.steps)

@@ -19,9 +19,9 @@ from kamera_agent.window.state import ChunkRef
 __all__ = ["Step", "WindowPlan"]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Step:
-    """One executable edit for one chunk.
+    """One executable edit for one chunk (built by the planner, read-only once in a plan).
 
     Attributes:
         kind: the edit (``encode`` makes sure the canonical exists; the others set the chunk's KV).
@@ -34,7 +34,6 @@ class Step:
             recall's original context, placed behind the anchor for the forward).
         in_run: for ``form_patch``: prefilled in the forward of the chunk before it (consecutive
             lossless patches over one left context share one forward).
-        moved: for ``rotate``: the chunk's start changes (else the step is no edit at all).
         forwards: forwards the step runs (rebuilding an original context included).
         tokens: tokens those forwards prefill.
         detail: why, in words (shown in plans).
@@ -47,7 +46,6 @@ class Step:
     variant: str = ""
     off_window: bool = False
     in_run: bool = False
-    moved: bool = True
     forwards: int = 0
     tokens: int = 0
     detail: str = ""
@@ -57,8 +55,9 @@ class Step:
 class WindowPlan:
     """An operation's new order, its evictions and admissions, and per-chunk steps in order.
 
-    ``probes`` non-empty means the eviction policy needs probe scores first: the executor runs
-    those probes (for ``probe_query``), records the scores and plans the operation again.
+    ``moved`` holds the chunks whose start changes (a ``rotate`` of any other chunk is no edit
+    at all). ``probes`` non-empty means the eviction policy needs probe scores first: the
+    executor runs those probes (for ``probe_query``), records the scores and plans again.
     """
 
     op: str
@@ -67,6 +66,7 @@ class WindowPlan:
     admitted: tuple[ChunkRef, ...] = ()
     steps: tuple[Step, ...] = ()
     chunks: Mapping[ChunkRef, Chunk] = field(default_factory=dict)
+    moved: frozenset[ChunkRef] = frozenset()
     probes: tuple[ChunkRef, ...] = ()
     probe_query: str = ""
     probe_tokens: int = 0
@@ -84,7 +84,7 @@ class WindowPlan:
         edits += [Edit("evict", ref.label, "leaves the window; canonical kept") for ref in self.evicted]
         edits += [Edit("admit", ref.label, "enters the window") for ref in self.admitted]
         for step in self.steps:
-            if step.kind == "rotate" and not step.moved:
+            if step.kind == "rotate" and step.ref not in self.moved:
                 continue
             detail = step.detail + (" (in the forward of the chunk before it)" if step.in_run else "")
             edits.append(Edit(step.kind, step.ref.label, detail, step.forwards, step.tokens))

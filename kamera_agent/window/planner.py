@@ -101,21 +101,22 @@ class Planner:
         if len(set(order)) != len(order):
             duplicate = next(ref for ref in order if order.count(ref) > 1)
             raise DuplicateChunkError(f"{duplicate} appears twice in the new order; name each chunk once")
-        missing = [ref for ref in state.order if ref not in set(order)]
+        named = set(order)
+        missing = [ref for ref in state.order if ref not in named]
         if missing:
             raise UnknownChunkError(
                 f"reorder needs every in-window chunk; missing {missing}. Evict chunks first to drop them"
             )
         action = REORDER[self.config.reorder]
-        steps = self._walk(state, order, lambda i: action, {}, {})
-        return WindowPlan("reorder", order, steps=tuple(steps))
+        steps = self._walk(state, order, lambda i: action, {}, {}, keeps_order=False)
+        return WindowPlan("reorder", order, steps=tuple(steps), moved=self._moved(state, order, {}))
 
     def remove(self, state: WindowState, refs: Sequence[ChunkRef], op: str) -> WindowPlan:
         gone = set(refs)
         order = tuple(r for r in state.order if r not in gone)
         action = SURVIVORS[self.config.survivors]
         steps = self._walk(state, order, lambda i: action, {}, {})
-        return WindowPlan(op, order, tuple(refs), steps=tuple(steps))
+        return WindowPlan(op, order, tuple(refs), steps=tuple(steps), moved=self._moved(state, order, {}))
 
     def recall(self, state: WindowState, ref: ChunkRef, at: int | None) -> WindowPlan:
         entry = _known(state, ref)
@@ -141,7 +142,7 @@ class Planner:
         def step(ref: ChunkRef) -> Special:
             if state.entries[ref].pending:
                 return lambda i, ctx: self._formed(state, ref, i, order, ctx, "patch due (lazy)")
-            return lambda i, ctx: Step("rotate", ref, state.entries[ref].state, moved=False)
+            return lambda i, ctx: Step("rotate", ref, state.entries[ref].state)
 
         special = {ref: step(ref) for ref in order}
         return WindowPlan(
@@ -166,8 +167,9 @@ class Planner:
             return keep if i < index else follow
 
         special: dict[ChunkRef, Special] = {ref: lambda i, ctx: self._recalled(state, ref, i, order, ctx)}
-        steps = self._walk(state, order, action, special, {ref: entry.chunk})
-        return WindowPlan("recall", order, tuple(evicted), (ref,), tuple(steps))
+        steps = self._walk(state, order, action, special, {ref: entry.chunk}, moved_one=ref)
+        moved = self._moved(state, order, {ref: entry.chunk})
+        return WindowPlan("recall", order, tuple(evicted), (ref,), tuple(steps), moved=moved)
 
     def _push(
         self, state: WindowState, ref: ChunkRef, chunk: Chunk, evicted: Sequence[ChunkRef]
@@ -177,7 +179,8 @@ class Planner:
         keep = SURVIVORS[self.config.survivors]
         special: dict[ChunkRef, Special] = {ref: lambda i, ctx: self._pushed(ref, chunk, i, order, ctx)}
         steps = self._walk(state, order, lambda i: keep, special, {ref: chunk})
-        return WindowPlan("push", order, tuple(evicted), (ref,), tuple(steps), {ref: chunk})
+        moved = self._moved(state, order, {ref: chunk})
+        return WindowPlan("push", order, tuple(evicted), (ref,), tuple(steps), {ref: chunk}, moved)
 
     def _walk(
         self,
@@ -186,11 +189,19 @@ class Planner:
         action_at: Callable[[int], PatchAction],
         special: Mapping[ChunkRef, Special],
         chunks: Mapping[ChunkRef, Chunk],
+        *,
+        keeps_order: bool = True,
+        moved_one: ChunkRef | None = None,
     ) -> list[Step]:
-        """One step per chunk of ``order`` (and an ``encode`` before each admitted one)."""
-        before = self._left_contexts(state)
-        moved = self._moved(state, order, chunks)
+        """One step per chunk of ``order`` (and an ``encode`` before each admitted one).
+
+        ``keeps_order``: the op keeps the chunks' relative order except for ``moved_one`` (push,
+        slide, evict and recall do), so a chunk can only come to encode a chunk to its right by
+        encoding that one; a reorder (``False``) checks every antecedent.
+        """
+        before = _Once(lambda: self._left_contexts(state))
         index_of = {ref: i for i, ref in enumerate(order)}
+        causal = _causality(state, index_of, keeps_order, moved_one)
         force: set[ChunkRef] = set()
         while True:
             steps: list[Step] = []
@@ -206,9 +217,8 @@ class Planner:
                         state, ref, i, order, ctx, "formed first: a chunk to its right is patched over it"
                     )
                 else:
-                    step = self._decide(state, ref, i, order, index_of, ctx, before, action_at(i))
-                tokens = (chunks[ref] if ref in chunks else state.entries[ref].chunk).num_tokens
-                step = self._finish(step, moved[ref], previous, tokens)
+                    step = self._decide(state, ref, i, order, causal, ctx, before, action_at(i))
+                step = self._in_run(step, previous)
                 if step.kind == "defer":
                     deferred.append(ref)
                 elif (
@@ -230,9 +240,9 @@ class Planner:
         ref: ChunkRef,
         i: int,
         order: Sequence[ChunkRef],
-        index_of: Mapping[ChunkRef, int],
+        causal: Callable[[ChunkRef, int], bool],
         ctx: Context,
-        before: Mapping[ChunkRef, str],
+        before: _Once,
         action: PatchAction,
     ) -> Step:
         """The edit an in-window chunk needs at index ``i`` behind ``ctx`` (the module's rules)."""
@@ -253,11 +263,11 @@ class Planner:
             return Step(
                 "revert", ref, self._canonical(ref), detail="first in the window: the canonical is exact"
             )
-        rank = self._rank_of(entry.chunk)
-        preds = state.graph.pred[ref]
-        if self.config.orbit and len(preds) == i and all(index_of.get(p, i) < i for p in preds):
-            address = orbit_key(ref.key, rank, self.root, (r.key for r in order[:i]))
-            orbit = self._stored_orbit(ref.key, rank, address)
+        rank, n = self._rank_of(entry.chunk), entry.chunk.num_tokens
+        same_set = current.keyset == ctx.keyset and (current.kind == "orbit" or current.context.length == i)
+        if self.config.orbit and current.kind != "canonical" and same_set:
+            address = orbit_key(ref.key, rank, self.root, ctx)
+            orbit = self._stored_orbit(ref.key, rank, address, ctx.keyset)
             if orbit is not None:
                 return Step(
                     "apply_patch",
@@ -277,18 +287,17 @@ class Planner:
                 target.digest,
                 detail="stored patch for these antecedents",
             )
-        causal = all(index_of.get(p, -1) < i for p in preds)
-        if causal and before.get(ref) == ctx.digest:
+        if before().get(ref) == ctx.digest and causal(ref, i):
             return Step("rotate", ref, current, detail="this op left its left context as it was")
         if action == "keep":
-            if causal:
+            if causal(ref, i):
                 return Step("rotate", ref, current, detail="keeps its patch (policy: keep)")
-            return self._form(ref, target, order[:i], "its patch encodes a chunk now to its right")
+            return self._form(ref, target, order[:i], "its patch encodes a chunk now to its right", n)
         if action == "revert":
             return Step("revert", ref, self._canonical(ref), detail="no stored patch fits (policy: revert)")
         if action == "defer":
             return Step("defer", ref, self._canonical(ref), detail="patch formed before the next read (lazy)")
-        return self._form(ref, target, order[:i], "conditioned forward over its new left context")
+        return self._form(ref, target, order[:i], "conditioned forward over its new left context", n)
 
     def _pushed(self, ref: ChunkRef, chunk: Chunk, i: int, order: Sequence[ChunkRef], ctx: Context) -> Step:
         if self.rank == 0:
@@ -303,7 +312,7 @@ class Planner:
             )
         action = PATCH_TIMING[self.config.patch_mode]
         if action == "form":
-            return self._form(ref, target, left, "conditioned on its left context")
+            return self._form(ref, target, left, "conditioned on its left context", chunk.num_tokens)
         if action == "defer":
             return Step("defer", ref, self._canonical(ref), detail="patch timing: lazy")
         return Step("revert", ref, self._canonical(ref), detail=f"patch timing: {self.config.patch_mode}")
@@ -352,7 +361,7 @@ class Planner:
         target = ChunkState.patched(ref.key, self._rank_of(entry.chunk), ctx)
         if self.view.has_patch(ref.key, target.digest):
             return Step("apply_patch", ref, target, tuple(order[:i]), target.digest, detail=f"stored {why}")
-        return self._form(ref, target, order[:i], why)
+        return self._form(ref, target, order[:i], why, entry.chunk.num_tokens)
 
     def _formed(
         self, state: WindowState, ref: ChunkRef, i: int, order: Sequence[ChunkRef], ctx: Context, why: str
@@ -365,16 +374,16 @@ class Planner:
         target = ChunkState.patched(ref.key, self._rank_of(state.entries[ref].chunk), ctx)
         if self.view.has_patch(ref.key, target.digest):
             return Step("apply_patch", ref, target, tuple(order[:i]), target.digest, detail=f"{why}: stored")
-        return self._form(ref, target, order[:i], why)
+        return self._form(ref, target, order[:i], why, state.entries[ref].chunk.num_tokens)
 
     # -- pieces -------------------------------------------------------------------------------
-    def _form(self, ref: ChunkRef, target: ChunkState, left: Sequence[ChunkRef], why: str) -> Step:
-        return Step("form_patch", ref, target, tuple(left), forwards=1, detail=why)
+    def _form(
+        self, ref: ChunkRef, target: ChunkState, left: Sequence[ChunkRef], why: str, tokens: int
+    ) -> Step:
+        return Step("form_patch", ref, target, tuple(left), forwards=1, tokens=tokens, detail=why)
 
-    def _finish(self, step: Step, moved: bool, previous: Step | None, tokens: int) -> Step:
-        """Mark idle rotations, runs of lossless forms sharing one forward, and token counts."""
-        if step.kind == "rotate":
-            return replace(step, moved=moved)
+    def _in_run(self, step: Step, previous: Step | None) -> Step:
+        """Mark a lossless formation right after another: both share one forward."""
         if step.kind != "form_patch" or step.off_window:
             return step
         joins = (
@@ -384,7 +393,9 @@ class Planner:
             and previous.state.rank == "full"
             and step.state.rank == "full"
         )
-        return replace(step, in_run=joins, forwards=0 if joins else 1, tokens=tokens)
+        if joins:  # the step was just built for this walk: marking it in place is safe
+            step.in_run, step.forwards = True, 0
+        return step
 
     def _encode(self, ref: ChunkRef, chunk: Chunk) -> Step:
         stored = self.view.has_canonical(chunk.key)
@@ -412,12 +423,14 @@ class Planner:
         rank = self.rank
         return effective_rank(rank, chunk.num_tokens, self.inputs.features) if rank != 0 else 0
 
-    def _stored_orbit(self, chunk_key: str, rank: StateRank, address: str) -> ChunkState | None:
+    def _stored_orbit(
+        self, chunk_key: str, rank: StateRank, address: str, keyset: int = 0
+    ) -> ChunkState | None:
         info = self.view.patch_info(chunk_key, address)
         if info is None:
             return None
         members = tuple(json.loads(info[1].get("members", "[]")))
-        orbit = ChunkState.orbit(chunk_key, rank, self.root, address, members)
+        orbit = ChunkState.orbit(chunk_key, rank, self.root, address, members, keyset)
         return orbit if orbit.digest == info[0] else None
 
     def _rebuild_cost(self, state: WindowState, context: Context) -> tuple[int, int] | None:
@@ -444,7 +457,7 @@ class Planner:
                         f = base[0] + 1 + sum(b[0] for b in below if b is not None)
                         t = base[1] + chunk.num_tokens + sum(b[1] for b in below if b is not None)
                         result = (f, t)
-                elif self._stored_orbit(s.chunk_key, s.rank, s.address) == s:
+                elif self._stored_orbit(s.chunk_key, s.rank, s.address, s.keyset) == s:
                     result = base
             memo[s.digest] = result
             return result
@@ -464,18 +477,18 @@ class Planner:
 
     def _moved(
         self, state: WindowState, order: Sequence[ChunkRef], chunks: Mapping[ChunkRef, Chunk]
-    ) -> dict[ChunkRef, bool]:
-        """Whether each chunk's start changes from the current order to ``order``."""
+    ) -> frozenset[ChunkRef]:
+        """The chunks whose start changes from the current order to ``order``."""
         before, position = {}, 0
         for ref in state.order:
             before[ref] = position
             position += state.entries[ref].chunk.advance
-        out, position = {}, 0
+        moved, position = set(), 0
         for ref in order:
-            chunk = chunks[ref] if ref in chunks else state.entries[ref].chunk
-            out[ref] = before.get(ref) != position
-            position += chunk.advance
-        return out
+            if before.get(ref) != position:
+                moved.add(ref)
+            position += (chunks[ref] if ref in chunks else state.entries[ref].chunk).advance
+        return frozenset(moved)
 
     def _make_room(
         self,
@@ -534,6 +547,39 @@ class Planner:
 
 def _no_action(i: int) -> PatchAction:
     return "keep"
+
+
+class _Once:
+    """A value computed the first time it is asked for (the pre-op left contexts: only some
+    chunks' rules need them)."""
+
+    def __init__(self, make: Callable[[], dict[ChunkRef, str]]) -> None:
+        self._make = make
+        self._value: dict[ChunkRef, str] | None = None
+
+    def __call__(self) -> dict[ChunkRef, str]:
+        if self._value is None:
+            self._value = self._make()
+        return self._value
+
+
+def _causality(
+    state: WindowState, index_of: Mapping[ChunkRef, int], keeps_order: bool, moved: ChunkRef | None
+) -> Callable[[ChunkRef, int], bool]:
+    """Whether a chunk at index ``i`` encodes nothing now at or right of it.
+
+    Before every op, in-window edges point left to right. An op that keeps the other chunks'
+    relative order can only break that through the one chunk it moves; a reorder checks all.
+    """
+    graph = state.graph
+
+    def any_order(ref: ChunkRef, i: int) -> bool:
+        return all(index_of.get(p, -1) < i for p in graph.pred[ref])
+
+    def one_moved(ref: ChunkRef, i: int) -> bool:
+        return moved is None or moved not in graph.pred[ref] or index_of[moved] < i
+
+    return one_moved if keeps_order else any_order
 
 
 def _known(state: WindowState, ref: ChunkRef) -> Entry:

@@ -45,6 +45,13 @@ class ChunkRef:
     lineage: str
     key: str = field(compare=False)
     label: str = field(compare=False)
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.id, self.lineage)))  # refs key every dict
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __repr__(self) -> str:
         return f"ChunkRef({self.label!r})"
