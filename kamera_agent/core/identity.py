@@ -57,7 +57,8 @@ class Context:
         parent: the context without its last state (``None`` for the root).
         last: the last antecedent's state (``None`` for the root).
         length: how many antecedents.
-        exact: every antecedent is exact (a re-prefill computes the same KV).
+        exact: a re-prefill of its chunks, in order, computes exactly its states' KV (each state is
+            exact and conditioned on precisely the states before it here).
         keyset: an order-free fingerprint of the antecedents' content keys (a multiset sum):
             equal for every ordering of the same chunks, the test an orbit patch needs.
     """
@@ -85,7 +86,8 @@ class Context:
         """This context followed by one more antecedent."""
         keyset = (self.keyset + _key_hash(state.chunk_key)) & _MASK
         digest = _hash(self.digest, state.digest)
-        return Context(digest, self, state, self.length + 1, self.exact and state.exact, keyset)
+        exact = self.exact and state.exact and state.context.digest == self.digest
+        return Context(digest, self, state, self.length + 1, exact, keyset)
 
     def states(self) -> tuple[ChunkState, ...]:
         """The antecedent states, first to last (a walk: for checks and rebuilds, not hot paths)."""

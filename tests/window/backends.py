@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 from kamera_agent.backends.base import Backend
 from tests.backends.test_transformers_backend import text_backend, vl_backend
@@ -32,3 +33,60 @@ BACKENDS: dict[str, Callable[[], Backend]] = {
 def backend_named(name: str) -> Backend:
     """One shared instance per name (building a backend computes its fingerprint)."""
     return BACKENDS[name]()
+
+
+class CountingBackend(Backend):
+    """Another backend behind the same seam, counting every primitive call (and able to fail one).
+
+    The seam is small enough to wrap in a few lines: a window over this backend behaves exactly
+    like one over the wrapped backend, and a test can assert that a dry run called nothing.
+    """
+
+    def __init__(self, inner: Backend, fail_prefill_at: int | None = None) -> None:
+        self.inner, self.calls = inner, {"prefill": 0, "encode_vision": 0, "assemble": 0, "decode": 0}
+        self.fail_prefill_at = fail_prefill_at
+        self.layout, self.fingerprint, self.encoder = inner.layout, inner.fingerprint, inner.encoder
+        self.supports_reference = inner.supports_reference  # type: ignore[misc]
+
+    @property
+    def supports_vision(self) -> bool:
+        return self.inner.supports_vision
+
+    @property
+    def device(self) -> Any:
+        return self.inner.device
+
+    @property
+    def dtype(self) -> Any:
+        return self.inner.dtype
+
+    @property
+    def context_limit(self) -> int | None:
+        return self.inner.context_limit
+
+    def prefill(self, chunks: Any, context: Any, start: int, vision: Any = ()) -> Any:
+        self.calls["prefill"] += 1
+        if self.fail_prefill_at is not None and self.calls["prefill"] == self.fail_prefill_at:
+            raise RuntimeError("the engine failed mid-op")
+        return self.inner.prefill(chunks, context, start, vision)
+
+    def encode_vision(self, chunk: Any) -> Any:
+        self.calls["encode_vision"] += 1
+        return self.inner.encode_vision(chunk)
+
+    def assemble(self, placed: Any) -> Any:
+        self.calls["assemble"] += 1
+        return self.inner.assemble(placed)
+
+    def decode(self, cache: Any, query_ids: Any, start: int, config: Any) -> Any:
+        self.calls["decode"] += 1
+        return self.inner.decode(cache, query_ids, start, config)
+
+    def reference_prefill(self, chunks: Any, query_ids: Any = None) -> Any:
+        return self.inner.reference_prefill(chunks, query_ids)
+
+    def reference_inputs(self, chunks: Any, query_ids: Any = None) -> Any:
+        return self.inner.reference_inputs(chunks, query_ids)
+
+    def total(self) -> int:
+        return sum(self.calls.values())
