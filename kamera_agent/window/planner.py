@@ -10,14 +10,14 @@ encode exactly what is now to its left?
 
 1. its state's context is the planned left context → **rotate** only (relocation is exact);
 2. first in the window → **revert** to the canonical (exact there);
-3. same antecedent *set*, other order, orbit patches on, an orbit patch stored → **apply** it;
-4. a patch stored for the state it would have over the planned left context → **apply** it;
-5. its left context is what it was before this op and it encodes nothing now at or right of
+3. its left context is what it was before this op and it encodes nothing now at or right of
    it → **rotate**: the op did not touch what it depends on;
+4. same antecedent *set*, other order, orbit patches on, an orbit patch stored → **apply** it;
+5. a patch stored for the state it would have over the planned left context → **apply** it;
 6. otherwise the op's policy: **form** a patch (one conditioned forward), **keep** the old one
    (only while causal), **revert** to the canonical, or **defer** (lazy).
 
-Lookups in 3-4 go by chained state, so a patch formed over antecedents that encode something
+Lookups in 4-5 go by chained state, so a patch formed over antecedents that encode something
 else (a survivor of a slide, an approximate patch, another window's history) is never found
 where exact antecedents stand. A lazily deferred chunk is formed first whenever a chunk to its
 right would be patched over it, so nothing is ever conditioned on a placeholder.
@@ -263,6 +263,8 @@ class Planner:
             return Step(
                 "revert", ref, self._canonical(ref), detail="first in the window: the canonical is exact"
             )
+        if before().get(ref) == ctx.digest and causal(ref, i):
+            return Step("rotate", ref, current, detail="this op left its left context as it was")
         rank, n = self._rank_of(entry.chunk), entry.chunk.num_tokens
         same_set = current.keyset == ctx.keyset and (current.kind == "orbit" or current.context.length == i)
         if self.config.orbit and current.kind != "canonical" and same_set:
@@ -287,8 +289,6 @@ class Planner:
                 target.digest,
                 detail="stored patch for these antecedents",
             )
-        if before().get(ref) == ctx.digest and causal(ref, i):
-            return Step("rotate", ref, current, detail="this op left its left context as it was")
         if action == "keep":
             if causal(ref, i):
                 return Step("rotate", ref, current, detail="keeps its patch (policy: keep)")
@@ -383,18 +383,23 @@ class Planner:
         return Step("form_patch", ref, target, tuple(left), forwards=1, tokens=tokens, detail=why)
 
     def _in_run(self, step: Step, previous: Step | None) -> Step:
-        """Mark a lossless formation right after another: both share one forward."""
+        """A formation right after another shares its forward, and records what that forward gives.
+
+        One forward over consecutive chunks conditions each on the *exact* KV of the chunks
+        before it in the run, not on their rank-m patched KV: so the joining chunk's state is
+        its patch over the previous member as that forward computed it (its full-rank state).
+        With lossless ranks the two are the same state.
+        """
         if step.kind != "form_patch" or step.off_window:
             return step
-        joins = (
-            previous is not None
-            and previous.kind == "form_patch"
-            and not previous.off_window
-            and previous.state.rank == "full"
-            and step.state.rank == "full"
-        )
-        if joins:  # the step was just built for this walk: marking it in place is safe
-            step.in_run, step.forwards = True, 0
+        if previous is None or previous.kind != "form_patch" or previous.off_window:
+            return step
+        formed_over = previous.state.context  # what the previous member was conditioned on
+        exact_previous = ChunkState.patched(previous.ref.key, "full", formed_over)
+        context = formed_over.extend(exact_previous)
+        # The step was just built for this walk: marking it in place is safe.
+        step.state = ChunkState.patched(step.ref.key, step.state.rank, context)
+        step.in_run, step.forwards = True, 0
         return step
 
     def _encode(self, ref: ChunkRef, chunk: Chunk) -> Step:

@@ -112,15 +112,20 @@ def test_a_deferred_chunk_is_formed_first_when_a_chunk_to_its_right_is_patched_o
     assert d_step.kind == "form_patch" and "formed first" in d_step.detail
 
 
-def test_lossless_formations_share_one_forward_and_truncated_ones_do_not() -> None:
+def test_consecutive_formations_share_one_forward_and_record_what_it_computes() -> None:
     w = window()
     refs = [w.push(f"chunk number {i}") for i in range(4)]
     order = [refs[0], refs[3], refs[1], refs[2]]
     full = planner(w, SpyView()).reorder(w._state, order)
     forms = [s for s in full.steps if s.kind == "form_patch"]
     assert [s.in_run for s in forms] == [False, True, True] and full.public().forwards == 1
+    assert forms[1].state.context.last == forms[0].state  # lossless: the run is the natural chain
     truncated = planner(w, SpyView(), rank=2, orbit=False).reorder(w._state, order)
-    assert truncated.public().forwards == 3  # each rank-2 patch changes what the next one sees
+    forms = [s for s in truncated.steps if s.kind == "form_patch"]
+    assert truncated.public().forwards == 1
+    # One forward conditions each member on the previous one's exact KV, not on its rank-2 patch:
+    previous = forms[1].state.context.last
+    assert previous is not None and previous.rank == "full" and previous != forms[0].state
 
 
 def test_planning_asks_the_view_only_presence_questions() -> None:
