@@ -38,6 +38,7 @@ from kamera_agent.results import Answer, OpCost, Plan, Probe, WindowStats
 from kamera_agent.settings import THREADS_ENV, configure_threads
 from kamera_agent.store import ChunkStore
 from kamera_agent.window.executor import Executor, StaleLookup
+from kamera_agent.window.memory import release_evicted
 from kamera_agent.window.plan import WindowPlan
 from kamera_agent.window.planner import PlanInputs, Planner
 from kamera_agent.window.setup import Item, chunk_of, resolve_backend, resolve_store
@@ -348,7 +349,7 @@ class KameraWindow:
                 self._state = snapshot
                 raise
             txn.commit()
-            self._tidy(plan, meter)
+            release_evicted(self._state, self.store, self.config, plan.evicted, meter)
             cost = meter.finish()
             self._state.book.record(op, cost)
             return plan, (value, cost)
@@ -378,26 +379,6 @@ class KameraWindow:
         if last is not None and last.query == query and last.tick == self._state.tick:
             return last.answer
         return executor.answer(query_ids, config)
-
-    def _tidy(self, plan: WindowPlan, meter: CostMeter) -> None:
-        """After a committed op: release evicted images' pixels, forget the oldest evicted chunks."""
-        state, store = self._state, self.store
-        if self.config.evicted_pixels == "drop":
-            for ref in plan.evicted:
-                entry = state.entries[ref]
-                chunk = entry.chunk
-                held = store.has_canonical(chunk.key) or (
-                    chunk.vision_key is not None and store.has_vision(chunk.vision_key)
-                )
-                if chunk.has_pixels and held:
-                    entry.chunk = chunk.without_pixels()
-        limit = self.config.max_evicted
-        if limit is None:
-            return
-        evicted = sorted((e.evicted_at, r) for r, e in state.entries.items() if not e.in_window)
-        for _, ref in evicted[: max(0, len(evicted) - limit)]:
-            state.remove(ref)
-            meter.forgotten += 1
 
     def _planner(self, view: StoreView) -> Planner:
         core, layout = self._core, self._core.backend.layout

@@ -1,0 +1,324 @@
+"""The per-chunk rules of planning: which edit one chunk needs at its place in the new order.
+
+Why a module of its own: the planner walks an operation's new order left to right, chaining
+the planned states of the chunks to the left into a `Context`; at each chunk it asks these
+rules, which read only the chunk's state, that context and a read-only store view:
+
+1. its state's context is the planned left context → **rotate** only (relocation is exact);
+2. first in the window → **revert** to the canonical (exact there);
+3. its left context is what it was before this op and it encodes nothing now at or right of
+   it → **rotate**: the op did not touch what it depends on;
+4. same antecedent *set*, other order, orbit patches on, an orbit patch stored → **apply** it;
+5. a patch stored for the state it would have over the planned left context → **apply** it;
+6. otherwise the op's policy: **form** a patch (one conditioned forward), **keep** the old one
+   (only while causal), **revert** to the canonical, or **defer** (lazy).
+
+Lookups in 4-5 go by chained state, so a patch formed over antecedents that encode something
+else (a survivor of a slide, an approximate patch, another window's history) is never found
+where other antecedents stand. The pushed and the recalled chunk have rules of their own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.config import WindowConfig
+from kamera_agent.core.identity import ChunkState, Context, StateRank, effective_rank, orbit_key
+from kamera_agent.core.staging import StoreView, can_encode
+from kamera_agent.policies import PATCH_TIMING, PatchAction
+from kamera_agent.results import EditKind
+from kamera_agent.window.plan import Step
+from kamera_agent.window.state import ChunkRef, WindowState
+
+__all__ = ["Causality", "Once", "PlanInputs", "Rules"]
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What planning reads besides the window state, all of it read-only.
+
+    Attributes:
+        config: the window's settings.
+        view: presence of store entries and stored patches' states (no loads, no counts).
+        root: the context every window of this model and anchor starts behind.
+        features: the widest KV slot (heads · dim): a rank at or above it is lossless.
+        kv_bytes_per_token: bytes of one token's canonical, for budget checks.
+        anchor_ready: the anchor's KV is computed (else the first forward also runs it).
+        query_tokens: how many tokens a query has (probe edits' cost).
+    """
+
+    config: WindowConfig
+    view: StoreView
+    root: Context
+    features: int
+    kv_bytes_per_token: int
+    anchor_ready: bool = True
+    query_tokens: Callable[[str], int] = lambda query: 0
+
+
+Causality = Callable[[ChunkRef, int], bool]
+"""Whether the chunk at index ``i`` encodes nothing now at or right of it."""
+
+
+class Once:
+    """A value computed the first time it is asked for (the pre-op left contexts: only some
+    chunks' rules need them)."""
+
+    def __init__(self, make: Callable[[], dict[ChunkRef, str]]) -> None:
+        self._make = make
+        self._value: dict[ChunkRef, str] | None = None
+
+    def __call__(self) -> dict[ChunkRef, str]:
+        if self._value is None:
+            self._value = self._make()
+        return self._value
+
+
+class Rules:
+    """The rules above, for one planner's inputs (`PlanInputs`)."""
+
+    def __init__(self, inputs: PlanInputs) -> None:
+        self.inputs, self.config, self.view, self.root = inputs, inputs.config, inputs.view, inputs.root
+        self.rank = inputs.config.effective_rank
+
+    def decide(
+        self,
+        state: WindowState,
+        ref: ChunkRef,
+        i: int,
+        order: Sequence[ChunkRef],
+        causal: Causality,
+        ctx: Context,
+        before: Once,
+        action: PatchAction,
+    ) -> Step:
+        """The edit an in-window chunk needs at index ``i`` behind ``ctx`` (the module's rules)."""
+        entry = state.entries[ref]
+        current = entry.state
+        if self.rank == 0:
+            kind: EditKind = "rotate" if current.kind == "canonical" else "revert"
+            return Step(kind, ref, self.canonical(ref), detail="blind reuse: relocation only")
+        if entry.pending:
+            return Step("defer", ref, self.canonical(ref), detail="patch still due (lazy)")
+        if current.kind != "orbit" and current.context.digest == ctx.digest:
+            # The chunks to its left hold exactly the states it encodes (with repeated content,
+            # maybe other refs than before): its edges follow them.
+            return Step(
+                "rotate", ref, current, tuple(order[:i]), detail="antecedents unchanged: relocation only"
+            )
+        if i == 0:
+            return Step(
+                "revert", ref, self.canonical(ref), detail="first in the window: the canonical is exact"
+            )
+        if before().get(ref) == ctx.digest and causal(ref, i):
+            return Step("rotate", ref, current, detail="this op left its left context as it was")
+        rank, n = self.rank_of(entry.chunk), entry.chunk.num_tokens
+        same_set = current.keyset == ctx.keyset and (current.kind == "orbit" or current.context.length == i)
+        if self.config.orbit and current.kind != "canonical" and same_set:
+            address = orbit_key(ref.key, rank, self.root, ctx)
+            orbit = self.stored_orbit(ref.key, rank, address, ctx.keyset)
+            if orbit is not None:
+                return Step(
+                    "apply_patch",
+                    ref,
+                    orbit,
+                    tuple(order[:i]),
+                    address,
+                    detail="same antecedent set: orbit patch",
+                )
+        target = ChunkState.patched(ref.key, rank, ctx)
+        if self.view.has_patch(ref.key, target.digest):
+            return Step(
+                "apply_patch",
+                ref,
+                target,
+                tuple(order[:i]),
+                target.digest,
+                detail="stored patch for these antecedents",
+            )
+        if action == "keep":
+            if causal(ref, i):
+                return Step("rotate", ref, current, detail="keeps its patch (policy: keep)")
+            return self.form(ref, target, order[:i], "its patch encodes a chunk now to its right", n)
+        if action == "revert":
+            return Step("revert", ref, self.canonical(ref), detail="no stored patch fits (policy: revert)")
+        if action == "defer":
+            return Step("defer", ref, self.canonical(ref), detail="patch formed before the next read (lazy)")
+        return self.form(ref, target, order[:i], "conditioned forward over its new left context", n)
+
+    def pushed(self, ref: ChunkRef, chunk: Chunk, i: int, order: Sequence[ChunkRef], ctx: Context) -> Step:
+        if self.rank == 0:
+            return Step("rotate", ref, self.canonical(ref), detail="blind reuse")
+        if i == 0:
+            return Step("rotate", ref, self.canonical(ref), detail="canonical is exact here")
+        target = ChunkState.patched(ref.key, self.rank_of(chunk), ctx)
+        left = tuple(order[:i])
+        if self.view.has_patch(ref.key, target.digest):
+            return Step(
+                "apply_patch", ref, target, left, target.digest, detail="stored patch for this left context"
+            )
+        action = PATCH_TIMING[self.config.patch_mode]
+        if action == "form":
+            return self.form(ref, target, left, "conditioned on its left context", chunk.num_tokens)
+        if action == "defer":
+            return Step("defer", ref, self.canonical(ref), detail="patch timing: lazy")
+        return Step("revert", ref, self.canonical(ref), detail=f"patch timing: {self.config.patch_mode}")
+
+    def recalled(
+        self, state: WindowState, ref: ChunkRef, i: int, order: Sequence[ChunkRef], ctx: Context
+    ) -> Step:
+        entry = state.entries[ref]
+        if self.rank == 0:
+            return Step("revert", ref, self.canonical(ref), detail="blind reuse")
+        home, why = entry.home, "patch on the chunks now to its left"
+        if self.config.recall_context == "original" and home is not None:
+            if home.state.kind == "canonical":
+                return Step(
+                    "revert",
+                    ref,
+                    self.canonical(ref),
+                    detail="its context was empty: served as its canonical",
+                )
+            later = set(order[i + 1 :])
+            if any(r in later for r in home.refs):
+                why = "its earlier context is now to its right: patch on its new left"
+            elif self.view.has_patch(ref.key, home.state.digest):
+                detail = "stored patch on its original earlier context"
+                return Step("apply_patch", ref, home.state, home.refs, home.state.digest, detail=detail)
+            else:
+                cost = self.rebuild_cost(state, home.state.context)
+                if cost is not None:
+                    forwards, tokens = cost[0] + 1, cost[1] + entry.chunk.num_tokens
+                    detail = "patch on its original earlier context"
+                    return Step(
+                        "form_patch",
+                        ref,
+                        home.state,
+                        home.refs,
+                        off_window=True,
+                        forwards=forwards,
+                        tokens=tokens,
+                        detail=detail,
+                    )
+                why = "its original context can no longer be rebuilt: patch on the chunks now to its left"
+        if i == 0:
+            return Step(
+                "revert", ref, self.canonical(ref), detail="first in the window: the canonical is exact"
+            )
+        target = ChunkState.patched(ref.key, self.rank_of(entry.chunk), ctx)
+        if self.view.has_patch(ref.key, target.digest):
+            return Step("apply_patch", ref, target, tuple(order[:i]), target.digest, detail=f"stored {why}")
+        return self.form(ref, target, order[:i], why, entry.chunk.num_tokens)
+
+    def formed(
+        self, state: WindowState, ref: ChunkRef, i: int, order: Sequence[ChunkRef], ctx: Context, why: str
+    ) -> Step:
+        """A pending chunk's patch over its left context, now (or the canonical at the front)."""
+        if i == 0 or self.rank == 0:
+            return Step(
+                "revert", ref, self.canonical(ref), detail=f"{why}: first in the window, the canonical"
+            )
+        target = ChunkState.patched(ref.key, self.rank_of(state.entries[ref].chunk), ctx)
+        if self.view.has_patch(ref.key, target.digest):
+            return Step("apply_patch", ref, target, tuple(order[:i]), target.digest, detail=f"{why}: stored")
+        return self.form(ref, target, order[:i], why, state.entries[ref].chunk.num_tokens)
+
+    # -- pieces -------------------------------------------------------------------------------
+    def form(
+        self, ref: ChunkRef, target: ChunkState, left: Sequence[ChunkRef], why: str, tokens: int
+    ) -> Step:
+        return Step("form_patch", ref, target, tuple(left), forwards=1, tokens=tokens, detail=why)
+
+    def in_run(self, step: Step, previous: Step | None) -> Step:
+        """A formation right after another shares its forward, and records what that forward gives.
+
+        One forward over consecutive chunks conditions each on the *exact* KV of the chunks
+        before it in the run, not on their rank-m patched KV: so the joining chunk's state is
+        its patch over the previous member as that forward computed it (its full-rank state).
+        With lossless ranks the two are the same state.
+        """
+        if step.kind != "form_patch" or step.off_window:
+            return step
+        if previous is None or previous.kind != "form_patch" or previous.off_window:
+            return step
+        # The step was just built for this walk: marking it in place is safe.
+        if previous.state.rank != "full":  # else the run computes exactly the planned chain
+            formed_over = previous.state.context  # what the previous member was conditioned on
+            exact_previous = ChunkState.patched(previous.ref.key, "full", formed_over)
+            context = formed_over.extend(exact_previous)
+            step.state = ChunkState.patched(step.ref.key, step.state.rank, context)
+        step.in_run, step.forwards = True, 0
+        return step
+
+    def encode(self, ref: ChunkRef, chunk: Chunk) -> Step:
+        stored = self.view.has_canonical(chunk.key)
+        forwards = 0 if stored else 1 + int(not self.inputs.anchor_ready)
+        if stored:
+            detail = "canonical from the store (no forward)"
+        elif chunk.has_vision:
+            vision = chunk.vision_key is not None and self.view.has_vision(chunk.vision_key)
+            detail = "prefill behind the anchor" + (" (vision output from the store)" if vision else "")
+        else:
+            detail = "prefill behind the anchor"
+        return Step(
+            "encode",
+            ref,
+            self.canonical(ref),
+            forwards=forwards,
+            tokens=chunk.num_tokens * (not stored),
+            detail=detail,
+        )
+
+    def canonical(self, ref: ChunkRef) -> ChunkState:
+        return ChunkState.canonical(ref.key, self.root)
+
+    def rank_of(self, chunk: Chunk) -> StateRank:
+        rank = self.rank
+        return effective_rank(rank, chunk.num_tokens, self.inputs.features) if rank != 0 else 0
+
+    def stored_orbit(
+        self, chunk_key: str, rank: StateRank, address: str, keyset: int = 0
+    ) -> ChunkState | None:
+        info = self.view.patch_info(chunk_key, address)
+        if info is None:
+            return None
+        members = tuple(json.loads(info[1].get("members", "[]")))
+        orbit = ChunkState.orbit(chunk_key, rank, self.root, address, members, keyset)
+        return orbit if orbit.digest == info[0] else None
+
+    def rebuild_cost(self, state: WindowState, context: Context) -> tuple[int, int] | None:
+        """Forwards and tokens to rebuild every state of ``context`` from the store; ``None`` if one
+        cannot be (its chunk is forgotten, an orbit changed, an image lost its pixels and KV)."""
+        chunks = {entry.chunk.key: entry.chunk for entry in state.entries.values()}
+        memo: dict[str, tuple[int, int] | None] = {}
+
+        def cost(s: ChunkState) -> tuple[int, int] | None:
+            if s.digest in memo:
+                return memo[s.digest]
+            memo[s.digest] = None  # a cycle cannot occur; this only guards re-entry
+            chunk = chunks.get(s.chunk_key)
+            result: tuple[int, int] | None = None
+            if chunk is not None and can_encode(chunk, self.view):
+                base = (0, 0) if self.view.has_canonical(s.chunk_key) else (1, chunk.num_tokens)
+                if s.kind == "canonical" or (
+                    s.kind == "patched" and self.view.has_patch(s.chunk_key, s.digest)
+                ):
+                    result = base
+                elif s.kind == "patched":
+                    below = [cost(a) for a in s.context.states()]
+                    if all(b is not None for b in below):
+                        f = base[0] + 1 + sum(b[0] for b in below if b is not None)
+                        t = base[1] + chunk.num_tokens + sum(b[1] for b in below if b is not None)
+                        result = (f, t)
+                elif self.stored_orbit(s.chunk_key, s.rank, s.address, s.keyset) == s:
+                    result = base
+            memo[s.digest] = result
+            return result
+
+        total = [cost(s) for s in context.states()]
+        if any(t is None for t in total):
+            return None
+        return sum(t[0] for t in total if t), sum(t[1] for t in total if t)
