@@ -45,3 +45,19 @@ def test_planning_benchmark_reports_every_op_at_every_size(tmp_path: Path) -> No
     for row in report["median_ms"].values():
         assert set(row) == {"push", "reorder", "slide", "evict", "recall"}
         assert all(ms > 0 for ms in row.values())
+
+
+def test_window_memory_benchmark_drops_pixels_beside_keeping_them(tmp_path: Path) -> None:
+    out = tmp_path / "memory.json"
+    args = ["--images", "12", "--capacity", "3", "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "window_memory.py"), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={"KAMERA_NUM_THREADS": "1", "PATH": "", "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert rows["keep"]["pixel_mb"] > rows["drop"]["pixel_mb"] > 0  # the in-window frames keep theirs
+    assert rows["keep"]["chunks_remembered"] == rows["drop"]["chunks_remembered"] == 12
