@@ -77,8 +77,8 @@ class Executor:
                 index += 1
 
     def _collect_run(self, steps: Sequence[Step], index: int) -> tuple[list[Step], int]:
-        """The in-window formation at ``index`` and the lossless ones that share its forward
-        (an admitted chunk's ``encode`` in between is done first)."""
+        """The in-window formation at ``index`` and the ones planned to share its forward (an
+        admitted chunk's ``encode`` in between is done first)."""
         run, index = [steps[index]], index + 1
         while index < len(steps):
             step = steps[index]
@@ -114,12 +114,15 @@ class Executor:
             self._reused(step.ref)
 
     def _stored_patch(self, step: Step) -> Patch | None:
-        if step.state.kind == "orbit":  # planned from the committed store: read it there
-            patch = self.txn.store.store.get_patch(step.ref.key, step.variant)
-            if patch is None or patch.state != step.state.digest:
-                raise StaleLookup(f"the orbit patch of {step.ref} changed while the op ran")
-            return patch
-        return self.txn.store.get_patch(step.ref.key, step.variant)
+        if step.state.kind != "orbit":
+            return self.txn.store.get_patch(step.ref.key, step.variant)
+        # An orbit is filed by its set, so its content can change: serve only the planned one
+        # (this op may have merged a member into it since planning; the committed one is older).
+        for source in (self.txn.store, self.txn.store.store):
+            patch = source.get_patch(step.ref.key, step.variant)
+            if patch is not None and patch.state == step.state.digest:
+                return patch
+        raise StaleLookup(f"the orbit patch of {step.ref} changed while the op ran")
 
     # -- forming patches --------------------------------------------------------------------------
     def _form_in_window(self, run: Sequence[Step]) -> None:

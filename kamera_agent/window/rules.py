@@ -244,11 +244,13 @@ class Rules:
             return step
         if previous is None or previous.kind != "form_patch" or previous.off_window:
             return step
-        # The step was just built for this walk: marking it in place is safe.
-        if previous.state.rank != "full":  # else the run computes exactly the planned chain
-            formed_over = previous.state.context  # what the previous member was conditioned on
+        formed_over = previous.state.context  # what the previous member was conditioned on
+        planned = step.state.context  # the window's chain up to here: ... then previous.state
+        natural = previous.state.rank == "full" and planned.parent == formed_over
+        if not natural:  # the forward does not compute the planned chain: record what it does
             exact_previous = ChunkState.patched(previous.ref.key, "full", formed_over)
             context = formed_over.extend(exact_previous)
+            # The step was just built for this walk: changing it in place is safe.
             step.state = ChunkState.patched(step.ref.key, step.state.rank, context)
         step.in_run, step.forwards = True, 0
         return step

@@ -66,8 +66,11 @@ class WindowMachine(RuleBasedStateMachine):
     exact: ClassVar[bool] = False
     shared: ClassVar[bool] = False
 
-    @initialize(choice=st.integers(0, len(ANY_SETTINGS) - 1))
-    def setup(self, choice: int) -> None:
+    @initialize(
+        choice=st.integers(0, len(ANY_SETTINGS) - 1),
+        first=st.lists(st.sampled_from(TEXTS), min_size=2, max_size=4),
+    )
+    def setup(self, choice: int, first: list[str] | None = None) -> None:
         self.backend = backend_named(self.backend_name)
         self.config = (
             WindowConfig.exact(capacity_chunks=4) if self.exact else WindowConfig(**ANY_SETTINGS[choice])
@@ -82,6 +85,8 @@ class WindowMachine(RuleBasedStateMachine):
         self.oracle = StateOracle(self.backend)
         self.touched = 0
         self.history: list[str] = []  # every text pushed, in order, over all windows
+        for text in first or []:  # sequences start from a filled window: fewer steps to the bugs
+            self._push(0, text)
 
     def pick(self, data: st.DataObject) -> int:
         self.touched = data.draw(st.integers(0, len(self.windows) - 1)) if len(self.windows) > 1 else 0
@@ -105,12 +110,19 @@ class WindowMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def mirror(self, data: st.DataObject) -> None:
-        """Push, in order, what a window (this one or another) holds now: its chunks arrive with
-        fresh antecedents, where the source's may encode chunks that left it (a stored patch
-        formed over those must not be found here)."""
+        """Another agent starts over on what a window holds now: a fresh window over the same
+        store (or an emptied one) pushes its chunks in order. They arrive with fresh antecedents
+        where the source's may still encode chunks that left it, so a patch formed over those
+        must not be found here (the issue's repro, generalised)."""
         source = self.windows[data.draw(st.integers(0, len(self.windows) - 1))]
         texts = [ref.label for ref in source.refs]
-        i = self.pick(data)
+        if len(self.windows) < 4:
+            self.windows.append(KameraWindow(self.backend, config=self.config, store=self.store))
+            self.pushed.append(set())
+            i = len(self.windows) - 1
+        else:
+            i = self.pick(data)
+            self.windows[i].slide(len(self.windows[i]))
         for text in texts:
             self._push(i, text)
 
@@ -125,6 +137,14 @@ class WindowMachine(RuleBasedStateMachine):
         w = self.windows[self.pick(data)]
         if len(w) > 1:
             w.reorder(data.draw(st.permutations(w.refs)))
+
+    @rule(data=st.data(), text=st.sampled_from(TEXTS))
+    def advance(self, data: st.DataObject, text: str) -> None:
+        """A stream's step: the oldest chunk slides out, a new one comes in (its left context is
+        the survivors, which by default still encode the chunk that left)."""
+        i = self.pick(data)
+        self.windows[i].slide(1)
+        self._push(i, text)
 
     @rule(data=st.data(), n=st.integers(0, 2))
     def slide(self, data: st.DataObject, n: int) -> None:
