@@ -146,7 +146,7 @@ def _set_generation_ids(model: Model, tokenizer: PreTrainedTokenizerFast) -> Non
     model.generation_config.pad_token_id = tokenizer.pad_token_id
 
 
-def save_tiny_vl(path: str | os.PathLike[str], family: str, seed: int = 0) -> Model:
+def save_tiny_vl(path: str | os.PathLike[str], family: str, seed: int = 0, layers: int = 2) -> Model:
     """Save the tiny ``family`` model, its tokenizer and image processor to ``path``; return the model.
 
     ``AutoModelForImageTextToText``, ``AutoTokenizer`` and ``AutoImageProcessor`` then load the
@@ -157,7 +157,7 @@ def save_tiny_vl(path: str | os.PathLike[str], family: str, seed: int = 0) -> Mo
     if family not in VL_FACTORIES:
         raise KeyError(f"unknown family {family!r}; expected one of {sorted(VL_FACTORIES)}")
     target = Path(path)
-    model = VL_FACTORIES[family](seed=seed)
+    model = VL_FACTORIES[family](seed=seed, layers=layers)  # type: ignore[call-arg]
     tokenizer = tiny_tokenizer()
     _set_generation_ids(model, tokenizer)
     model.save_pretrained(target)

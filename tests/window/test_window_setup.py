@@ -15,7 +15,7 @@ from tests.window.helpers import answer_kl, chunk_errors
 
 
 def test_a_window_from_a_checkpoint_path_alone(tmp_path: Path) -> None:
-    save_tiny_vl(tmp_path, "qwen2_5_vl")
+    save_tiny_vl(tmp_path, "qwen2_5_vl", layers=4)
     window = KameraWindow(
         tmp_path, config=WindowConfig(rank="full", disk_dir=tmp_path / "store", disk_budget=1 << 26)
     )
@@ -27,7 +27,7 @@ def test_a_window_from_a_checkpoint_path_alone(tmp_path: Path) -> None:
 
 
 def test_a_window_from_a_loaded_model_finds_its_processing(tmp_path: Path) -> None:
-    save_tiny_vl(tmp_path, "qwen2_vl")
+    save_tiny_vl(tmp_path, "qwen2_vl", layers=4)
     window = KameraWindow(load_model(tmp_path))
     window.push(images(1, seed=32)[0])
     assert window.ask("What?", max_new_tokens=2).tokens
@@ -39,7 +39,7 @@ def test_a_window_without_processing_pieces_says_what_to_pass() -> None:
 
 
 def test_removal_patches_make_survivors_exact_again(tmp_path: Path) -> None:
-    save_tiny_vl(tmp_path, "qwen3_vl")
+    save_tiny_vl(tmp_path, "qwen3_vl", layers=4)
     window = KameraWindow(tmp_path, config=WindowConfig(rank="full", survivors="removal"))
     for seed in (33, 34, 35):
         window.push(images(1, seed=seed)[0])
