@@ -117,7 +117,7 @@ class KVCore:
         self.check_origin(chunk)
         hit = txn.store.get_canonical(chunk.key)
         if hit is not None:
-            return self._on_device(hit)
+            return self.on_device(hit)
         vision = [self.vision(chunk, txn)] if chunk.has_vision else []
         done = self.backend.prefill([chunk], [self.anchor_kv(txn.meter)], self.anchor.advance, vision)
         txn.meter.spend(done.spent)
@@ -195,7 +195,8 @@ class KVCore:
                 "re-create it with this window's encoder (window.push does this for you)"
             )
 
-    def _on_device(self, kv: ChunkKV) -> ChunkKV:
+    def on_device(self, kv: ChunkKV) -> ChunkKV:
+        """``kv`` on the engine's device (entries read back from a disk tier live on the CPU)."""
         device = self.backend.device
         if kv.keys.device == device:
             return kv

@@ -29,6 +29,8 @@ class StoreView(Protocol):
 
     def has_vision(self, key: str) -> bool: ...
 
+    def has_full(self, chunk_key: str, state: str) -> bool: ...
+
     def has_patch(self, chunk_key: str, variant: str) -> bool: ...
 
     def patch_info(self, chunk_key: str, variant: str) -> tuple[str, dict[str, str]] | None: ...
@@ -36,10 +38,13 @@ class StoreView(Protocol):
     def fits(self, nbytes: int) -> bool: ...
 
 
-def can_encode(chunk: Chunk, view: StoreView) -> bool:
-    """Whether the chunk's canonical can be had: stored, or prefilled from its pixels or from a
-    stored vision output (an evicted image keeps neither pixels nor KV once the store drops both)."""
+def can_encode(chunk: Chunk, view: StoreView, state: str = "") -> bool:
+    """Whether the chunk's KV can be had: its canonical or the full KV of ``state`` stored, or
+    prefilled from its pixels or from a stored vision output (an evicted image keeps neither
+    pixels nor KV once the store drops both)."""
     if not chunk.has_vision or chunk.has_pixels or view.has_canonical(chunk.key):
+        return True
+    if state and view.has_full(chunk.key, state):
         return True
     return chunk.vision_key is not None and view.has_vision(chunk.vision_key)
 
@@ -65,6 +70,10 @@ class StagedStore:
         staged = self._staged.get(EntryKey.canonical(key))
         return staged if isinstance(staged, ChunkKV) else self.store.get_canonical(key)
 
+    def get_full(self, chunk_key: str, state: str) -> ChunkKV | None:
+        staged = self._staged.get(EntryKey.full(chunk_key, state))
+        return staged if isinstance(staged, ChunkKV) else self.store.get_full(chunk_key, state)
+
     def get_vision(self, key: str) -> VisionFeatures | None:
         staged = self._staged.get(EntryKey.vision(key))
         return staged if isinstance(staged, dict) else self.store.get_vision(key)
@@ -75,6 +84,9 @@ class StagedStore:
 
     def has_canonical(self, key: str) -> bool:
         return EntryKey.canonical(key) in self._staged or self.store.has_canonical(key)
+
+    def has_full(self, chunk_key: str, state: str) -> bool:
+        return EntryKey.full(chunk_key, state) in self._staged or self.store.has_full(chunk_key, state)
 
     def has_vision(self, key: str) -> bool:
         return EntryKey.vision(key) in self._staged or self.store.has_vision(key)
@@ -94,6 +106,9 @@ class StagedStore:
     # -- writes: staged until commit --------------------------------------------------------
     def put_canonical(self, kv: ChunkKV) -> None:
         self._staged[EntryKey.canonical(kv.chunk_key)] = kv
+
+    def put_full(self, kv: ChunkKV, state: str) -> None:
+        self._staged[EntryKey.full(kv.chunk_key, state)] = kv
 
     def put_vision(self, key: str, outputs: VisionFeatures) -> None:
         self._staged[EntryKey.vision(key)] = dict(outputs)
@@ -121,6 +136,9 @@ class StagedStore:
             if key.kind == "canonical":
                 assert isinstance(value, ChunkKV)
                 self.store.put_canonical(value)
+            elif key.kind == "full":
+                assert isinstance(value, ChunkKV)
+                self.store.put_full(value, key.variant)
             elif key.kind == "vision":
                 assert isinstance(value, dict)
                 self.store.put_vision(key.key, value)

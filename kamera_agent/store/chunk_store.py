@@ -123,6 +123,20 @@ class ChunkStore:
         """The canonical stored under content key ``key``, or ``None``: re-encode the chunk."""
         return cast("ChunkKV | None", self._get(EntryKey.canonical(key)))
 
+    def put_full(self, kv: ChunkKV, state: str) -> EntryKey:
+        """Store the position-free KV of the full-rank chunk state ``state`` (a digest) of
+        ``kv.chunk_key``: a full-rank patch kept as the KV itself (smaller than its factors, and
+        usable without the chunk's canonical)."""
+        return self._put(EntryKey.full(kv.chunk_key, state), kv)
+
+    def get_full(self, chunk_key: str, state: str) -> ChunkKV | None:
+        """The KV of ``chunk_key`` in full-rank state ``state``, or ``None``: form it again."""
+        return cast("ChunkKV | None", self._get(EntryKey.full(chunk_key, state)))
+
+    def has_full(self, chunk_key: str, state: str) -> bool:
+        """Whether the KV of this full-rank chunk state is held, without loading it."""
+        return self.contains(EntryKey.full(chunk_key, state))
+
     def put_vision(self, key: str, outputs: Mapping[str, torch.Tensor]) -> EntryKey:
         """Store a vision tower's outputs (e.g. embeddings plus deepstack features) under ``key``."""
         if "__metadata__" in outputs:

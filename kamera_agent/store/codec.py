@@ -7,7 +7,7 @@ the safetensors metadata, so a directory can be re-indexed from its files alone.
 
     kind        tensors                                    metadata beyond the address
     canonical   keys [L, Hk, n, Dk], values [L, Hv, n, Dv],  -
-                positions [n] | [3, n] when placed
+    full        positions [n] | [3, n] when placed
     vision      the tower's outputs under their own names  -
     patch       "{layer}.{slot}.u" [n, m], ".v" [m, F]     num_tokens, patch_kind, state, meta (JSON)
 """
@@ -110,6 +110,13 @@ def _patch_build(tensors: Tensors, meta: Meta) -> Patch:
 _CODECS: Mapping[EntryKind, _Codec] = MappingProxyType(
     {
         "canonical": _Codec(
+            tensors=_chunk_tensors,
+            meta=lambda kv: {},
+            build=_chunk_build,
+            fingerprint=lambda kv: kv.model_fingerprint,
+            stamp=lambda kv, fp: replace(kv, model_fingerprint=fp),
+        ),
+        "full": _Codec(
             tensors=_chunk_tensors,
             meta=lambda kv: {},
             build=_chunk_build,

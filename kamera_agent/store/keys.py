@@ -16,7 +16,7 @@ from typing import Literal
 
 __all__ = ["EntryKey", "EntryKind"]
 
-EntryKind = Literal["canonical", "vision", "patch"]
+EntryKind = Literal["canonical", "full", "vision", "patch"]
 
 
 @dataclass(frozen=True, order=True)
@@ -24,11 +24,12 @@ class EntryKey:
     """The address of one store entry.
 
     Attributes:
-        kind: ``"canonical"`` (position-free `ChunkKV`), ``"vision"`` (a vision tower's output,
+        kind: ``"canonical"`` (position-free `ChunkKV`), ``"full"`` (the position-free KV of one
+            full-rank chunk state, filed under the state's digest), ``"vision"`` (a vision tower's output,
             ``dict[str, Tensor]``) or ``"patch"`` (a `Patch`).
         key: the chunk's content key (hex string).
-        variant: a patch's variant (the state digest it gives, or an orbit's set key); ``""`` for
-            canonicals and vision embeddings.
+        variant: a patch's variant (the state digest it gives, or an orbit's set key), a full
+            KV's state digest; ``""`` for canonicals and vision embeddings.
     """
 
     kind: EntryKind
@@ -38,6 +39,10 @@ class EntryKey:
     @classmethod
     def canonical(cls, key: str) -> EntryKey:
         return cls("canonical", key)
+
+    @classmethod
+    def full(cls, chunk_key: str, state: str) -> EntryKey:
+        return cls("full", chunk_key, state)
 
     @classmethod
     def vision(cls, key: str) -> EntryKey:
@@ -54,5 +59,5 @@ class EntryKey:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def __str__(self) -> str:
-        tail = f" | {self.variant[:16]}" if self.kind == "patch" else ""
+        tail = f" | {self.variant[:16]}" if self.variant else ""
         return f"{self.kind}:{self.key[:16]}{tail}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -21,7 +22,7 @@ from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.identity import ChunkState, Context, effective_rank, orbit_key
 from kamera_agent.core.kv_core import KVCore, Txn
-from kamera_agent.operator.layout import ChunkKV
+from kamera_agent.operator.layout import ChunkKV, to_position_free
 from kamera_agent.operator.patch import Patch, form_patch, merge_patches
 from kamera_agent.results import Answer
 from kamera_agent.window.plan import Step, WindowPlan
@@ -42,6 +43,7 @@ class Executor:
         self.layout = core.backend.layout
         self._starts: dict[ChunkRef, int] = {}
         self._free: dict[str, tuple[ChunkKV, Patch | None]] = {}
+        self._full: dict[str, ChunkKV] = {}
         self._by_key: dict[str, Chunk] | None = None
         self._moved: frozenset[ChunkRef] = frozenset()
         self._order_changed()
@@ -54,7 +56,7 @@ class Executor:
             state.tick += 1
         for ref in plan.evicted:
             entry = state.entries[ref]
-            entry.in_window, entry.patch, entry.evicted_at = False, None, state.tick
+            entry.in_window, entry.patch, entry.full, entry.evicted_at = False, None, None, state.tick
             state.placed.pop(ref, None)
         for ref in plan.admitted:
             if ref not in state.entries:
@@ -104,7 +106,9 @@ class Executor:
             if patch is None:  # left the store since planning: form it (the same state)
                 self._form_over(step.ref, step.state, step.antecedents or ())
                 return
-            self._settle(step.ref, step.state, patch, step.antecedents)
+            held = self._full_kv(step.state, entry.chunk) if patch is _FULL else None
+            kept = None if patch is _FULL else patch
+            self._settle(step.ref, step.state, kept, step.antecedents, full=held)
             self.txn.meter.patches_applied += 1
             self._reused(step.ref)
         elif step.kind == "form_patch":  # off-window: a recall's original context
@@ -114,6 +118,12 @@ class Executor:
             self._reused(step.ref)
 
     def _stored_patch(self, step: Step) -> Patch | None:
+        if _is_full(step.state):  # a full KV, not a patch: served by placement from the store
+            if self.txn.store.has_full(step.ref.key, step.state.digest):
+                return _FULL
+            if step.state.kind == "orbit":  # a mean KV cannot be formed again from one ordering
+                raise StaleLookup(f"the mean KV of {step.ref}'s orbit left the store while the op ran")
+            return None
         if step.state.kind != "orbit":
             return self.txn.store.get_patch(step.ref.key, step.variant)
         # An orbit is filed by its set, so its content can change: serve only the planned one
@@ -153,11 +163,23 @@ class Executor:
     def _adopt(
         self, ref: ChunkRef, target: ChunkState, conditioned: ChunkKV, antecedents: Sequence[ChunkRef]
     ) -> None:
-        """Patch ``ref`` with the deficit of ``conditioned``: stage it, fold it into the orbit."""
+        """Give ``ref`` what ``conditioned`` says: a full-rank state keeps the KV itself (stored as
+        is: no canonical needed, smaller than full-rank factors); a rank-m one a patch against its
+        canonical. Either way the patch this ordering gives is folded into the orbit."""
+        entry = self.state.entries[ref]
+        self.txn.meter.patches_formed += 1
+        if _is_full(target):
+            kv = replace(to_position_free(conditioned, self.layout), chunk_key=ref.key)
+            self.txn.store.put_full(kv, target.digest)
+            self._full[target.digest] = kv
+            entry.encoded = True
+            if self.config.orbit:
+                self._update_full_orbit(ref.key, target, kv)
+            self._settle(ref, target, None, antecedents, full=kv)
+            return
         canonical = self.canonical(ref)
         patch = form_patch(canonical, conditioned, self.layout, target.rank, state=target.digest)
         self.txn.store.put_patch(patch)
-        self.txn.meter.patches_formed += 1
         if self.config.orbit:
             self._update_orbit(ref.key, target, patch)
         self._settle(ref, target, patch, antecedents)
@@ -187,6 +209,33 @@ class Executor:
         )
         self.txn.store.put_patch(orbit_patch, address)
 
+    def _update_full_orbit(self, chunk_key: str, member: ChunkState, kv: ChunkKV) -> None:
+        """Fold this ordering's full KV into the mean KV over its antecedent set's orderings.
+
+        At full rank an orbit patch is the mean deficit, so canonical + orbit is the mean of the
+        members' KVs: it is kept as that KV (no canonical needed), with its membership in a
+        factor-free orbit entry at the set's address (what planning peeks at)."""
+        address = orbit_key(chunk_key, member.rank, self.core.root, member.context)
+        info = self.txn.store.patch_info(chunk_key, address)
+        members: list[str] = json.loads(info[1].get("members", "[]")) if info is not None else []
+        if member.digest in members:
+            return
+        previous = self.txn.store.get_full(chunk_key, info[0]) if info is not None else None
+        if previous is None:  # a first member (or the old mean left the store): start again
+            members, mean = [], kv
+        else:
+            count = len(members)
+            keys = (previous.keys.float() * count + kv.keys.float()) / (count + 1)
+            values = (previous.values.float() * count + kv.values.float()) / (count + 1)
+            mean = replace(kv, keys=keys.to(kv.keys.dtype), values=values.to(kv.values.dtype))
+        members.append(member.digest)
+        state = ChunkState.orbit(chunk_key, member.rank, self.core.root, address, members)
+        self.txn.store.put_full(mean, state.digest)
+        record = Patch(
+            {}, kv.num_tokens, chunk_key, state.digest, "", "orbit", {"members": json.dumps(members)}
+        )
+        self.txn.store.put_patch(record, address)
+
     def _settle(
         self,
         ref: ChunkRef,
@@ -194,9 +243,12 @@ class Executor:
         patch: Patch | None,
         antecedents: Sequence[ChunkRef] | None,
         pending: bool = False,
+        full: ChunkKV | None = None,
     ) -> None:
         """Record the chunk's new KV: state, patch, graph edges; its first settled state is its home."""
         entry = self.state.entries[ref]
+        if target != entry.state or full is not None:
+            entry.full = full
         entry.state, entry.patch, entry.pending = target, patch, pending
         if antecedents is not None:
             self.state.set_encodes(ref, antecedents)
@@ -216,25 +268,51 @@ class Executor:
         return canonical
 
     def free_kv(self, state: ChunkState) -> tuple[ChunkKV, Patch | None]:
-        """The canonical and patch a state names, from the store or rebuilt (for original contexts)."""
+        """What a state is made of, position-free: its full KV, or its canonical and patch; from
+        the store, or rebuilt (original contexts, entries the store has dropped)."""
         if state.digest in self._free:
             return self._free[state.digest]
+        holder = self._holder(state)
+        if holder is not None:  # a chunk in the window has it (its patch or KV may be held only there)
+            self._free[state.digest] = self._made_of(holder)
+            return self._free[state.digest]
         chunk = self._chunk_for(state.chunk_key)
-        canonical = self.core.canonical(chunk, self.txn)
         patch: Patch | None = None
-        if state.kind == "orbit":
+        full = _is_full(state)
+        reference = self._full_kv(state, chunk) if full else self.core.canonical(chunk, self.txn)
+        if state.kind == "orbit" and not full:
             patch = self.txn.store.get_patch(state.chunk_key, state.address)
             if patch is None or patch.state != state.digest:
                 raise StaleLookup(f"the orbit patch {state.digest[:8]} an original context needs is gone")
-        elif state.kind == "patched":
+        elif state.kind == "patched" and not full:
             patch = self.txn.store.get_patch(state.chunk_key, state.digest)
             if patch is None:
                 kv = self._conditioned_over(chunk, state.context)
-                patch = form_patch(canonical, kv, self.layout, state.rank, state=state.digest)
+                patch = form_patch(reference, kv, self.layout, state.rank, state=state.digest)
                 self.txn.store.put_patch(patch)
                 self.txn.meter.patches_formed += 1
-        self._free[state.digest] = (canonical, patch)
-        return canonical, patch
+        self._free[state.digest] = (reference, patch)
+        return reference, patch
+
+    def _full_kv(self, state: ChunkState, chunk: Chunk, held: bool = False) -> ChunkKV:
+        """A full-rank state's KV: from this op, the store, or one conditioned forward (stored).
+
+        ``held``: a chunk in the window holds this state, so its KV was stored once and missing
+        now means a budget dropped it (a re-encode)."""
+        if state.digest in self._full:
+            return self._full[state.digest]
+        kv = self.txn.store.get_full(state.chunk_key, state.digest)
+        if kv is None and state.kind == "orbit":
+            raise StaleLookup(f"the mean KV of orbit {state.digest[:8]} left the store")
+        if kv is None:
+            conditioned = self._conditioned_over(chunk, state.context)
+            kv = replace(to_position_free(conditioned, self.layout), chunk_key=state.chunk_key)
+            self.txn.store.put_full(kv, state.digest)
+            self.txn.meter.reencodes += int(held)
+        else:
+            kv = self.core.on_device(kv)
+        self._full[state.digest] = kv
+        return kv
 
     def placed_kv(self, ref: ChunkRef) -> ChunkKV:
         """The chunk's KV at its place in the window (memoised per start and state)."""
@@ -242,7 +320,8 @@ class Executor:
         memo = self.state.placed.get(ref)
         if memo is not None and memo.start == start and memo.state == entry.state.digest:
             return memo.kv
-        kv = self.core.place(self.canonical(ref), entry.patch, entry.chunk.positions_at(start))
+        reference, patch = self._made_of(ref)
+        kv = self.core.place(reference, patch, entry.chunk.positions_at(start))
         self.state.placed[ref] = Placed(start, entry.state.digest, kv)
         return kv
 
@@ -265,23 +344,38 @@ class Executor:
             if ref == removed:
                 continue
             entry = state.entries[ref]
-            patch, served = entry.patch, entry.state
+            served = entry.state
             if removed in state.graph.pred[ref] or influenced(entry.state):
-                patch, served = self._reduced(ref, ctx)
-            placed.append(core.place(self.canonical(ref), patch, entry.chunk.positions_at(start)))
+                served = self._reduced(ref, ctx)
+            reference, patch = self.free_kv(served) if served != entry.state else self._made_of(ref)
+            placed.append(core.place(reference, patch, entry.chunk.positions_at(start)))
             ctx, start = ctx.extend(served), start + entry.chunk.advance
         return core.decode(placed, query_ids, start, config, self.txn.meter)
 
-    def _reduced(self, ref: ChunkRef, ctx: Context) -> tuple[Patch | None, ChunkState]:
-        """A stored patch of ``ref`` over ``ctx`` and the state it gives, else the canonical."""
+    def _reduced(self, ref: ChunkRef, ctx: Context) -> ChunkState:
+        """The state ``ref`` can be served in over ``ctx`` from the store (its full KV there, a
+        stored patch), else its canonical: the view with a chunk's influence switched off."""
         canonical = ChunkState.canonical(ref.key, self.core.root)
         rank = self.config.effective_rank
         if rank == 0 or ctx.length == 0:
-            return None, canonical
+            return canonical
+        full = ChunkState.patched(ref.key, "full", ctx)
+        if self.txn.store.has_full(ref.key, full.digest):
+            return full
         n = self.state.entries[ref].chunk.num_tokens
         target = ChunkState.patched(ref.key, effective_rank(rank, n, self.layout.features), ctx)
-        stored = self.txn.store.get_patch(ref.key, target.digest)
-        return (stored, target) if stored is not None else (None, canonical)
+        if not _is_full(target) and self.txn.store.has_patch(ref.key, target.digest):
+            return target
+        return canonical
+
+    def _made_of(self, ref: ChunkRef) -> tuple[ChunkKV, Patch | None]:
+        """What an in-window chunk's KV is made of now: its full KV, or its canonical and patch."""
+        entry = self.state.entries[ref]
+        if entry.full is not None:
+            return entry.full, None
+        if _is_full(entry.state):
+            return self._full_kv(entry.state, entry.chunk, held=True), None
+        return self.canonical(ref), entry.patch
 
     def end(self) -> int:
         """The position after the window's last chunk (where a query starts)."""
@@ -297,6 +391,14 @@ class Executor:
     def _reused(self, ref: ChunkRef) -> None:
         chunk = self.state.entries[ref].chunk
         self.txn.meter.reuse(ref, chunk.key, chunk.num_tokens)
+
+    def _holder(self, state: ChunkState) -> ChunkRef | None:
+        """An in-window chunk in exactly this state, if any."""
+        for ref in self.state.order:
+            entry = self.state.entries[ref]
+            if entry.state.digest == state.digest and not entry.pending:
+                return ref
+        return None
 
     def _chunk_for(self, chunk_key: str) -> Chunk:
         if self._by_key is None:
@@ -315,6 +417,15 @@ class _Influence:
         if state.digest not in self._memo:
             self._memo[state.digest] = any(s.digest == self.digest or self(s) for s in state.context.states())
         return self._memo[state.digest]
+
+
+_FULL = Patch({}, 0)
+"""Stands for "the store holds this full KV" in `_stored_patch` (a full state carries no patch)."""
+
+
+def _is_full(state: ChunkState) -> bool:
+    """A full-rank patched or orbit state: its KV is stored as is, not as a patch on its canonical."""
+    return state.rank == "full" and state.kind in ("patched", "orbit")
 
 
 def _changes(state: WindowState, plan: WindowPlan) -> bool:

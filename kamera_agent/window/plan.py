@@ -33,7 +33,9 @@ class Step:
         off_window: for ``form_patch``: the context is not the chunk's left in the window (a
             recall's original context, placed behind the anchor for the forward).
         in_run: for ``form_patch``: prefilled in the forward of the chunk before it (consecutive
-            lossless patches over one left context share one forward).
+            formations over one left context share one forward).
+        needs_canonical: its KV is built on the chunk's canonical, which the store does not hold:
+            an ``encode`` runs first.
         forwards: forwards the step runs (rebuilding an original context included).
         tokens: tokens those forwards prefill.
         detail: why, in words (shown in plans).
@@ -46,6 +48,7 @@ class Step:
     variant: str = ""
     off_window: bool = False
     in_run: bool = False
+    needs_canonical: bool = False
     forwards: int = 0
     tokens: int = 0
     detail: str = ""

@@ -89,7 +89,8 @@ class Planner:
         entry = _known(state, ref)
         if entry.in_window:
             raise ChunkInWindowError(f"{ref} is already in the window; reorder it instead of recalling it")
-        if not can_encode(entry.chunk, self.view):
+        held = [entry.state.digest, *([entry.home.state.digest] if entry.home else [])]
+        if not any(can_encode(entry.chunk, self.view, digest) for digest in held):
             raise ChunkLostError(
                 f"{ref} released its pixels at eviction and the store no longer holds its canonical or "
                 "vision output; push the content again (a disk tier or evicted_pixels='keep' prevents this)"
@@ -177,8 +178,6 @@ class Planner:
             ctx, deferred, must_form = self.root, [], set()
             previous: Step | None = None
             for i, ref in enumerate(order):
-                if ref in chunks:
-                    steps.append(self.rules.encode(ref, chunks[ref]))
                 if ref in special:
                     step = special[ref](i, ctx)
                 elif ref in force:
@@ -188,6 +187,8 @@ class Planner:
                 else:
                     step = self.rules.decide(state, ref, i, order, causal, ctx, before, action_at(i))
                 step = self.rules.in_run(step, previous)
+                if step.needs_canonical:
+                    steps.append(self.rules.encode(ref, chunks.get(ref) or state.entries[ref].chunk))
                 if step.kind == "defer":
                     deferred.append(ref)
                 elif (

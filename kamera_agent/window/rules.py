@@ -97,10 +97,10 @@ class Rules:
     ) -> Step:
         """The edit an in-window chunk needs at index ``i`` behind ``ctx`` (the module's rules)."""
         entry = state.entries[ref]
-        current = entry.state
+        current, chunk = entry.state, entry.chunk
         if self.rank == 0:
             kind: EditKind = "rotate" if current.kind == "canonical" else "revert"
-            return Step(kind, ref, self.canonical(ref), detail="blind reuse: relocation only")
+            return self.canonical_step(kind, ref, "blind reuse: relocation only")
         if entry.pending:
             return Step("defer", ref, self.canonical(ref), detail="patch still due (lazy)")
         if current.kind != "orbit" and current.context.digest == ctx.digest:
@@ -110,90 +110,74 @@ class Rules:
                 "rotate", ref, current, tuple(order[:i]), detail="antecedents unchanged: relocation only"
             )
         if i == 0:
-            return Step(
-                "revert", ref, self.canonical(ref), detail="first in the window: the canonical is exact"
-            )
+            if action == "keep" and causal(ref, i) and not self.view.has_canonical(ref.key):
+                return Step("rotate", ref, current, detail="first in the window, keeps what it absorbed")
+            return self.canonical_step("revert", ref, "first in the window: the canonical is exact")
         if before().get(ref) == ctx.digest and causal(ref, i):
             return Step("rotate", ref, current, detail="this op left its left context as it was")
-        rank, n = self.rank_of(entry.chunk), entry.chunk.num_tokens
+        rank = self.rank_of(chunk)
         same_set = current.keyset == ctx.keyset and (current.kind == "orbit" or current.context.length == i)
         if self.config.orbit and current.kind != "canonical" and same_set:
             address = orbit_key(ref.key, rank, self.root, ctx)
             orbit = self.stored_orbit(ref.key, rank, address, ctx.keyset)
             if orbit is not None:
-                return Step(
-                    "apply_patch",
-                    ref,
-                    orbit,
-                    tuple(order[:i]),
-                    address,
-                    detail="same antecedent set: orbit patch",
+                detail = "same antecedent set: orbit patch"
+                return self.with_canonical(
+                    Step("apply_patch", ref, orbit, tuple(order[:i]), address, detail=detail)
                 )
-        target = ChunkState.patched(ref.key, rank, ctx)
-        if self.view.has_patch(ref.key, target.digest):
-            return Step(
-                "apply_patch",
-                ref,
-                target,
-                tuple(order[:i]),
-                target.digest,
-                detail="stored patch for these antecedents",
-            )
+        stored = self.stored(ref, chunk, ctx, order[:i], "for these antecedents")
+        if stored is not None:
+            return stored
         if action == "keep":
             if causal(ref, i):
                 return Step("rotate", ref, current, detail="keeps its patch (policy: keep)")
-            return self.form(ref, target, order[:i], "its patch encodes a chunk now to its right", n)
+            return self.formation(ref, chunk, ctx, order[:i], "its patch encodes a chunk now to its right")
         if action == "revert":
-            return Step("revert", ref, self.canonical(ref), detail="no stored patch fits (policy: revert)")
+            return self.canonical_step("revert", ref, "no stored patch fits (policy: revert)")
         if action == "defer":
             return Step("defer", ref, self.canonical(ref), detail="patch formed before the next read (lazy)")
-        return self.form(ref, target, order[:i], "conditioned forward over its new left context", n)
+        return self.formation(ref, chunk, ctx, order[:i], "conditioned forward over its new left context")
 
     def pushed(self, ref: ChunkRef, chunk: Chunk, i: int, order: Sequence[ChunkRef], ctx: Context) -> Step:
         if self.rank == 0:
-            return Step("rotate", ref, self.canonical(ref), detail="blind reuse")
+            return self.canonical_step("rotate", ref, "blind reuse")
         if i == 0:
-            return Step("rotate", ref, self.canonical(ref), detail="canonical is exact here")
-        target = ChunkState.patched(ref.key, self.rank_of(chunk), ctx)
-        left = tuple(order[:i])
-        if self.view.has_patch(ref.key, target.digest):
-            return Step(
-                "apply_patch", ref, target, left, target.digest, detail="stored patch for this left context"
-            )
+            return self.canonical_step("rotate", ref, "first in the window: its canonical is exact here")
+        stored = self.stored(ref, chunk, ctx, order[:i], "for this left context")
+        if stored is not None:
+            return stored
         action = PATCH_TIMING[self.config.patch_mode]
         if action == "form":
-            return self.form(ref, target, left, "conditioned on its left context", chunk.num_tokens)
+            return self.formation(
+                ref, chunk, ctx, order[:i], "conditioned on its left context", admission=True
+            )
         if action == "defer":
             return Step("defer", ref, self.canonical(ref), detail="patch timing: lazy")
-        return Step("revert", ref, self.canonical(ref), detail=f"patch timing: {self.config.patch_mode}")
+        return self.canonical_step("revert", ref, f"patch timing: {self.config.patch_mode}")
 
     def recalled(
         self, state: WindowState, ref: ChunkRef, i: int, order: Sequence[ChunkRef], ctx: Context
     ) -> Step:
         entry = state.entries[ref]
         if self.rank == 0:
-            return Step("revert", ref, self.canonical(ref), detail="blind reuse")
+            return self.canonical_step("revert", ref, "blind reuse")
         home, why = entry.home, "patch on the chunks now to its left"
         if self.config.recall_context == "original" and home is not None:
             if home.state.kind == "canonical":
-                return Step(
-                    "revert",
-                    ref,
-                    self.canonical(ref),
-                    detail="its context was empty: served as its canonical",
-                )
+                return self.canonical_step("revert", ref, "its context was empty: served as its canonical")
             later = set(order[i + 1 :])
             if any(r in later for r in home.refs):
                 why = "its earlier context is now to its right: patch on its new left"
-            elif self.view.has_patch(ref.key, home.state.digest):
-                detail = "stored patch on its original earlier context"
-                return Step("apply_patch", ref, home.state, home.refs, home.state.digest, detail=detail)
+            elif self.has(ref, home.state):
+                detail = "its stored KV over its original earlier context"
+                step = Step("apply_patch", ref, home.state, home.refs, home.state.digest, detail=detail)
+                return self.with_canonical(step)
             else:
                 cost = self.rebuild_cost(state, home.state.context)
                 if cost is not None:
                     forwards, tokens = cost[0] + 1, cost[1] + entry.chunk.num_tokens
                     detail = "patch on its original earlier context"
-                    return Step(
+                    step = Step(
                         "form_patch",
                         ref,
                         home.state,
@@ -203,34 +187,79 @@ class Rules:
                         tokens=tokens,
                         detail=detail,
                     )
+                    return self.with_canonical(step)
                 why = "its original context can no longer be rebuilt: patch on the chunks now to its left"
         if i == 0:
-            return Step(
-                "revert", ref, self.canonical(ref), detail="first in the window: the canonical is exact"
-            )
-        target = ChunkState.patched(ref.key, self.rank_of(entry.chunk), ctx)
-        if self.view.has_patch(ref.key, target.digest):
-            return Step("apply_patch", ref, target, tuple(order[:i]), target.digest, detail=f"stored {why}")
-        return self.form(ref, target, order[:i], why, entry.chunk.num_tokens)
+            return self.canonical_step("revert", ref, "first in the window: the canonical is exact")
+        stored = self.stored(ref, entry.chunk, ctx, order[:i], why.replace("patch on", "for"))
+        if stored is not None:
+            return stored
+        return self.formation(ref, entry.chunk, ctx, order[:i], why)
 
     def formed(
         self, state: WindowState, ref: ChunkRef, i: int, order: Sequence[ChunkRef], ctx: Context, why: str
     ) -> Step:
         """A pending chunk's patch over its left context, now (or the canonical at the front)."""
         if i == 0 or self.rank == 0:
-            return Step(
-                "revert", ref, self.canonical(ref), detail=f"{why}: first in the window, the canonical"
-            )
-        target = ChunkState.patched(ref.key, self.rank_of(state.entries[ref].chunk), ctx)
-        if self.view.has_patch(ref.key, target.digest):
-            return Step("apply_patch", ref, target, tuple(order[:i]), target.digest, detail=f"{why}: stored")
-        return self.form(ref, target, order[:i], why, state.entries[ref].chunk.num_tokens)
+            return self.canonical_step("revert", ref, f"{why}: first in the window, the canonical")
+        chunk = state.entries[ref].chunk
+        stored = self.stored(ref, chunk, ctx, order[:i], why)
+        if stored is not None:
+            return stored
+        return self.formation(ref, chunk, ctx, order[:i], why, admission=True)
 
     # -- pieces -------------------------------------------------------------------------------
-    def form(
-        self, ref: ChunkRef, target: ChunkState, left: Sequence[ChunkRef], why: str, tokens: int
+    def stored(
+        self, ref: ChunkRef, chunk: Chunk, ctx: Context, left: Sequence[ChunkRef], why: str
+    ) -> Step | None:
+        """A stored KV for the chunk over ``ctx``: its full KV there (exact), else a stored patch."""
+        full = ChunkState.patched(ref.key, "full", ctx)
+        if self.view.has_full(ref.key, full.digest):
+            return Step("apply_patch", ref, full, tuple(left), full.digest, detail=f"stored exact KV {why}")
+        rank = self.rank_of(chunk)
+        if rank == "full":
+            return None
+        target = ChunkState.patched(ref.key, rank, ctx)
+        if not self.view.has_patch(ref.key, target.digest):
+            return None
+        step = Step("apply_patch", ref, target, tuple(left), target.digest, detail=f"stored patch {why}")
+        return self.with_canonical(step)
+
+    def formation(
+        self,
+        ref: ChunkRef,
+        chunk: Chunk,
+        ctx: Context,
+        left: Sequence[ChunkRef],
+        why: str,
+        admission: bool = False,
     ) -> Step:
-        return Step("form_patch", ref, target, tuple(left), forwards=1, tokens=tokens, detail=why)
+        """One conditioned forward over ``ctx``: the chunk's full KV where its rank is lossless, or
+        where it is being admitted and its canonical is not stored (new content pays one forward,
+        as a prefix cache does); else a rank-m patch against its canonical (formed first if needed)."""
+        rank = self.rank_of(chunk)
+        if rank != "full" and admission and not self.view.has_canonical(ref.key):
+            rank, why = "full", f"{why}; new content: its exact KV from this one forward"
+        target = ChunkState.patched(ref.key, rank, ctx)
+        step = Step("form_patch", ref, target, tuple(left), forwards=1, tokens=chunk.num_tokens, detail=why)
+        return self.with_canonical(step)
+
+    def canonical_step(self, kind: EditKind, ref: ChunkRef, why: str) -> Step:
+        """The chunk served as its canonical (prefilled behind the anchor first, if not stored)."""
+        return self.with_canonical(Step(kind, ref, self.canonical(ref), (), detail=why))
+
+    def with_canonical(self, step: Step) -> Step:
+        """Mark a step whose KV is built on the canonical when the store does not hold it."""
+        full = step.state.rank == "full" and step.state.kind in ("patched", "orbit")
+        built_on_canonical = not full
+        step.needs_canonical = built_on_canonical and not self.view.has_canonical(step.ref.key)
+        return step
+
+    def has(self, ref: ChunkRef, target: ChunkState) -> bool:
+        """Whether the store holds what ``target`` is made of (a full KV, or a patch)."""
+        if target.rank == "full" and target.kind in ("patched", "orbit"):
+            return self.view.has_full(ref.key, target.digest)
+        return self.view.has_patch(ref.key, target.digest)
 
     def in_run(self, step: Step, previous: Step | None) -> Step:
         """A formation right after another shares its forward, and records what that forward gives.
@@ -289,7 +318,36 @@ class Rules:
             return None
         members = tuple(json.loads(info[1].get("members", "[]")))
         orbit = ChunkState.orbit(chunk_key, rank, self.root, address, members, keyset)
-        return orbit if orbit.digest == info[0] else None
+        if orbit.digest != info[0]:
+            return None
+        if rank == "full" and not self.view.has_full(chunk_key, orbit.digest):
+            return None  # a full-rank orbit is its mean KV: gone, so is the orbit
+        return orbit
+
+    def _cost_of(
+        self, s: ChunkState, chunk: Chunk, cost: Callable[[ChunkState], tuple[int, int] | None]
+    ) -> tuple[int, int] | None:
+        """Forwards and tokens to have state ``s`` of ``chunk`` from the store (rebuilding what is not)."""
+        full = s.kind in ("patched", "orbit") and s.rank == "full"
+        if full and self.view.has_full(s.chunk_key, s.digest):
+            return (0, 0)
+        if full and s.kind == "orbit":
+            return None
+        if not can_encode(chunk, self.view):
+            return None
+        canonical = (0, 0) if full or self.view.has_canonical(s.chunk_key) else (1, chunk.num_tokens)
+        if s.kind == "canonical" or (
+            not full and s.kind == "patched" and self.view.has_patch(s.chunk_key, s.digest)
+        ):
+            return canonical
+        if s.kind == "orbit":
+            return canonical if self.stored_orbit(s.chunk_key, s.rank, s.address, s.keyset) == s else None
+        below = [cost(a) for a in s.context.states()]
+        if any(b is None for b in below):
+            return None
+        forwards = canonical[0] + 1 + sum(b[0] for b in below if b is not None)
+        tokens = canonical[1] + chunk.num_tokens + sum(b[1] for b in below if b is not None)
+        return forwards, tokens
 
     def rebuild_cost(self, state: WindowState, context: Context) -> tuple[int, int] | None:
         """Forwards and tokens to rebuild every state of ``context`` from the store; ``None`` if one
@@ -302,23 +360,8 @@ class Rules:
                 return memo[s.digest]
             memo[s.digest] = None  # a cycle cannot occur; this only guards re-entry
             chunk = chunks.get(s.chunk_key)
-            result: tuple[int, int] | None = None
-            if chunk is not None and can_encode(chunk, self.view):
-                base = (0, 0) if self.view.has_canonical(s.chunk_key) else (1, chunk.num_tokens)
-                if s.kind == "canonical" or (
-                    s.kind == "patched" and self.view.has_patch(s.chunk_key, s.digest)
-                ):
-                    result = base
-                elif s.kind == "patched":
-                    below = [cost(a) for a in s.context.states()]
-                    if all(b is not None for b in below):
-                        f = base[0] + 1 + sum(b[0] for b in below if b is not None)
-                        t = base[1] + chunk.num_tokens + sum(b[1] for b in below if b is not None)
-                        result = (f, t)
-                elif self.stored_orbit(s.chunk_key, s.rank, s.address, s.keyset) == s:
-                    result = base
-            memo[s.digest] = result
-            return result
+            memo[s.digest] = None if chunk is None else self._cost_of(s, chunk, cost)
+            return memo[s.digest]
 
         total = [cost(s) for s in context.states()]
         if any(t is None for t in total):

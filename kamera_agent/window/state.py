@@ -73,7 +73,10 @@ class Entry:
         chunk: the model-ready chunk (an evicted image drops its pixels once they are not needed).
         state: what its KV encodes (an evicted chunk keeps its last state).
         in_window: whether it is in the window now (else evicted, recallable).
-        patch: the patch its KV carries while in the window (``None``: the canonical alone).
+        patch: the patch its KV carries while in the window (``None``: its canonical or full KV).
+        full: its full KV while in the window, for a full-rank state (the same tensors the store
+            holds, kept alive here: rebuilding one the store dropped would need every antecedent's
+            chunk, and a full-rank orbit's mean cannot be rebuilt at all).
         pending: its patch is due (lazy timing) and is formed before the next read.
         home: its first settled state and antecedents: the fixed earlier context recall uses.
         last_used: op counter of its last push, recall or reorder.
@@ -85,6 +88,7 @@ class Entry:
     state: ChunkState
     in_window: bool = True
     patch: Patch | None = None
+    full: ChunkKV | None = None
     pending: bool = False
     home: Home | None = None
     last_used: int = 0
@@ -182,9 +186,11 @@ class WindowState:
     def set_encodes(self, ref: ChunkRef, antecedents: Sequence[ChunkRef]) -> None:
         """Make ``ref``'s in-edges exactly ``antecedents``, each carrying the state ``ref`` encodes."""
         self.graph.remove_edges_from(list(self.graph.in_edges(ref)))
-        states = self.entries[ref].state.context.states() if antecedents else ()
+        chain = self.entries[ref].state.context.states() if antecedents else ()
+        if len(chain) != len(antecedents):  # an orbit encodes a set: its members' states as they are
+            chain = tuple(self.entries[source].state for source in antecedents if source in self.entries)
         self.graph.add_edges_from(
-            (source, ref, {"index": i, "state": states[i].digest if i < len(states) else ""})
+            (source, ref, {"index": i, "state": chain[i].digest})
             for i, source in enumerate(antecedents)
             if source in self.entries
         )

@@ -23,6 +23,7 @@ class SpyView:
     """A store view that holds given patch variants and canonicals, and records every question."""
 
     patches: set[tuple[str, str]] = field(default_factory=set)
+    fulls: set[tuple[str, str]] = field(default_factory=set)
     canonicals: set[str] = field(default_factory=set)
     asked: list[str] = field(default_factory=list)
 
@@ -32,6 +33,10 @@ class SpyView:
 
     def has_vision(self, key: str) -> bool:
         return False
+
+    def has_full(self, chunk_key: str, state: str) -> bool:
+        self.asked.append("full")
+        return (chunk_key, state) in self.fulls
 
     def has_patch(self, chunk_key: str, variant: str) -> bool:
         self.asked.append("patch")
@@ -74,7 +79,7 @@ def test_a_stored_patch_is_found_only_over_the_states_it_was_formed_over() -> No
     b, c = fresh.push("a second"), fresh.push("a third")  # the same content, encoding nothing else
     d = fresh.backend.encoder.text("a fourth")
     natural = ChunkState.patched(d.key, "full", _context(fresh, [b, c]))
-    view = SpyView(patches={(d.key, natural.digest)})
+    view = SpyView(fulls={(d.key, natural.digest)})  # a full-rank state is stored as its KV
     new = survivor._state.mint(d, None)
     assert step_of(planner(survivor, view).push(survivor._state, d, None), new) == "form_patch"
     new = fresh._state.mint(d, None)
@@ -85,7 +90,7 @@ def test_a_reorder_with_the_same_set_but_another_chain_forms_a_patch() -> None:
     w = window(orbit=False)
     a, b, c = (w.push(text) for text in ("a first", "a second", "a third"))
     natural = ChunkState.patched(c.key, "full", _context(w, [a, b]))
-    plan = planner(w, SpyView(patches={(c.key, natural.digest)})).reorder(w._state, [b, a, c])
+    plan = planner(w, SpyView(fulls={(c.key, natural.digest)})).reorder(w._state, [b, a, c])
     assert step_of(plan, c) == "form_patch"  # over (b, a|b): another chain than the stored one
 
 
@@ -122,7 +127,8 @@ def test_consecutive_formations_share_one_forward_and_record_what_it_computes() 
     assert forms[1].state.context.last == forms[0].state  # lossless: the run is the natural chain
     truncated = planner(w, SpyView(), rank=2, orbit=False).reorder(w._state, order)
     forms = [s for s in truncated.steps if s.kind == "form_patch"]
-    assert truncated.public().forwards == 1
+    public = truncated.public()  # rank-2 patches are made against canonicals, formed first here
+    assert public.forwards == 1 + public.count("encode") and public.count("encode") == 3
     # One forward conditions each member on the previous one's exact KV, not on its rank-2 patch:
     previous = forms[1].state.context.last
     assert previous is not None and previous.rank == "full" and previous != forms[0].state
@@ -134,7 +140,7 @@ def test_planning_asks_the_view_only_presence_questions() -> None:
     view = SpyView()
     planner(w, view).reorder(w._state, list(reversed(refs)))
     planner(w, view).push(w._state, w.backend.encoder.text("one more"), None)
-    assert set(view.asked) <= {"canonical", "patch", "info"} and view.asked
+    assert set(view.asked) <= {"canonical", "full", "patch", "info"} and view.asked
 
 
 def _context(w: KameraWindow, refs: list[ChunkRef]) -> Context:
