@@ -6,7 +6,7 @@ position-free form, device moves, cost accounting) lives once above this seam, i
 
     prefill        chunks' tokens at given positions over given placed KV -> each chunk's KV
     encode_vision  a chunk's pixels -> the vision tower's outputs (VLMs)
-    assemble       placed KV back to back -> the engine's own cache
+    assemble       placed KV back to back -> the engine's own cache (or onto one, with crop)
     decode         a query over an assembled cache -> an answer
 
 plus its `KVLayout` (the KV layout and the rotary spec), its model fingerprint, the
@@ -139,6 +139,9 @@ class Backend(ABC):
 
     supports_mla: ClassVar[bool] = False
     supports_reference: ClassVar[bool] = False
+    supports_extend: ClassVar[bool] = False
+    """`assemble` can append onto an assembled cache and `crop` can cut one back: a window then
+    reuses its assembled cache across answers for the chunks that did not move."""
     layout: KVLayout
     fingerprint: str
     encoder: ChunkEncoder
@@ -188,8 +191,13 @@ class Backend(ABC):
         raise CapabilityError(f"{type(self).__name__} has no vision tower; push text chunks only")
 
     @abstractmethod
-    def assemble(self, placed: Sequence[ChunkKV]) -> Any:
-        """The engine's cache holding ``placed`` back to back (each already at its positions)."""
+    def assemble(self, placed: Sequence[ChunkKV], onto: Any | None = None) -> Any:
+        """The engine's cache holding ``placed`` back to back (each already at its positions),
+        appended to ``onto`` (an assembled cache, extended in place) where the engine can."""
+
+    def crop(self, cache: Any, slots: int) -> Any:
+        """``cache`` cut back to its first ``slots`` cache slots (engines with ``supports_extend``)."""
+        raise CapabilityError(f"{type(self).__name__} cannot crop an assembled cache; assemble a new one")
 
     @abstractmethod
     def decode(self, cache: Any, query_ids: torch.Tensor, start: int, config: DecodeConfig) -> Decoded:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ from kamera_agent.core.identity import Context
 from kamera_agent.core.staging import Committed, StagedStore
 from kamera_agent.errors import ChunkLostError, ContextOverflowError, ForeignChunkError
 from kamera_agent.operator.layout import ChunkKV, to_position_free
-from kamera_agent.operator.patch import Patch, apply_patch
+from kamera_agent.operator.patch import Patch, apply_patch, place_many
 from kamera_agent.results import Answer
 from kamera_agent.store import ChunkStore
 
@@ -159,6 +160,10 @@ class KVCore:
         """The chunk at ``positions`` with its conditioning restored: rotate(canonical + patch)."""
         return apply_patch(canonical, patch, self.backend.layout, positions)
 
+    def place_many(self, chunks: Sequence[tuple[ChunkKV, Patch | None, torch.Tensor]]) -> list[ChunkKV]:
+        """Several chunks placed with one rotation over all their tokens (see `place_many`)."""
+        return place_many(chunks, self.backend.layout)
+
     # -- answering ----------------------------------------------------------------------------
     def check_fits(self, end: int, query_ids: torch.Tensor, config: DecodeConfig) -> None:
         """Raise `ContextOverflowError` unless window + query + answer fit the model's context."""
@@ -172,16 +177,11 @@ class KVCore:
             )
 
     def decode(
-        self,
-        placed: Sequence[ChunkKV],
-        query_ids: torch.Tensor,
-        end: int,
-        config: DecodeConfig,
-        meter: CostMeter,
+        self, cache: Any, query_ids: torch.Tensor, end: int, config: DecodeConfig, meter: CostMeter
     ) -> Answer:
-        """Assemble ``placed`` (anchor first) and answer the query placed at ``end``."""
+        """Answer the query placed at ``end`` over an assembled ``cache`` (anchor first)."""
         self.check_fits(end, query_ids, config)
-        done = self.backend.decode(self.backend.assemble(placed), query_ids, end, config)
+        done = self.backend.decode(cache, query_ids, end, config)
         meter.spend(done.spent)
         return done.answer
 

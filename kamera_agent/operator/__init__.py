@@ -22,6 +22,7 @@ from kamera_agent.operator.patch import (
     form_patch,
     load_patch,
     merge_patches,
+    place_many,
     save_patch,
     select_layers,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "form_patch",
     "load_patch",
     "merge_patches",
+    "place_many",
     "relocate",
     "rotary_angles",
     "rotate",

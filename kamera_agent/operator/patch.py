@@ -35,6 +35,7 @@ __all__ = [
     "form_patch",
     "load_patch",
     "merge_patches",
+    "place_many",
     "save_patch",
     "select_layers",
 ]
@@ -206,31 +207,64 @@ def apply_patch(
     ``patch=None`` is blind reuse (relocation only). The add and the rotation run in float32
     and round once to the canonical's dtype.
     """
-    if canonical.positions is not None:
-        raise LayoutMismatchError("apply_patch needs the position-free canonical (positions is None)")
-    check_layout(canonical, layout)
-    if patch is None:
-        return at_positions(canonical, layout, positions)
-    _check_patch(canonical, patch)
+    return place_many([(canonical, patch, positions)], layout)[0]
+
+
+def place_many(
+    chunks: Sequence[tuple[ChunkKV, Patch | None, torch.Tensor]], layout: KVLayout
+) -> list[ChunkKV]:
+    """`apply_patch` for several chunks with one rotation over all their tokens.
+
+    Why: after a slide every survivor moves; rotating them together costs one pass over the
+    window's keys instead of a call per chunk. Each chunk is added to its patch in float32,
+    rotated in float32 and rounded once to its own dtype, exactly as `apply_patch` does.
+    """
+    if not chunks:
+        return []
+    frees: list[ChunkKV] = []
+    for canonical, patch, _ in chunks:
+        if canonical.positions is not None:
+            raise LayoutMismatchError("apply_patch needs the position-free canonical (positions is None)")
+        check_layout(canonical, layout)
+        frees.append(_patched(canonical, patch))
+    if len(frees) == 1:
+        placed = [at_positions(frees[0], layout, chunks[0][2])]
+    else:
+        joined = ChunkKV(torch.cat([f.keys for f in frees], 2), torch.cat([f.values for f in frees], 2))
+        positions = torch.cat([where for _, _, where in chunks], dim=-1)
+        together = at_positions(joined, layout, positions)
+        placed, start = [], 0
+        for free, (_, _, where) in zip(frees, chunks, strict=True):
+            n = free.num_tokens
+            keys, values = together.keys[:, :, start : start + n], together.values[:, :, start : start + n]
+            placed.append(ChunkKV(keys, values, where))
+            start += n
+    return [
+        ChunkKV(
+            kv.keys.to(canonical.keys.dtype),
+            kv.values.to(canonical.values.dtype),
+            kv.positions,
+            canonical.chunk_key,
+            canonical.model_fingerprint,
+        )
+        for kv, (canonical, _, _) in zip(placed, chunks, strict=True)
+    ]
+
+
+def _patched(canonical: ChunkKV, patch: Patch | None) -> ChunkKV:
+    """``canonical + U V`` position-free, in float32 (a copy: the stored canonical is never written)."""
+    if patch is not None:
+        _check_patch(canonical, patch)
     slots: dict[Slot, torch.Tensor] = {}
     for slot in _SLOTS:
-        stored = canonical.slot(slot)  # [L, H, n, D]
-        x = stored.to(torch.float32, copy=True)  # never write into the stored canonical
-        for (layer, name), (u, v) in patch.factors.items():
+        x = canonical.slot(slot).to(torch.float32, copy=True)  # [L, H, n, D]
+        for (layer, name), (u, v) in patch.factors.items() if patch is not None else ():
             if name == slot:
                 # Factors may live elsewhere (a store's disk tier loads them on the CPU).
                 delta = u.to(x.device, torch.float32) @ v.to(x.device, torch.float32)  # [n, H·D]
                 x[layer] += delta.view(x.shape[2], x.shape[1], x.shape[3]).transpose(0, 1)
         slots[slot] = x
-    patched = ChunkKV(slots["keys"], slots["values"], None, canonical.chunk_key, canonical.model_fingerprint)
-    placed = at_positions(patched, layout, positions)
-    return ChunkKV(
-        placed.keys.to(canonical.keys.dtype),
-        placed.values.to(canonical.values.dtype),
-        placed.positions,
-        canonical.chunk_key,
-        canonical.model_fingerprint,
-    )
+    return ChunkKV(slots["keys"], slots["values"], None, canonical.chunk_key, canonical.model_fingerprint)
 
 
 def save_patch(patch: Patch, path: str | Path) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ from kamera_agent.operator.layout import ChunkKV, to_position_free
 from kamera_agent.operator.patch import Patch, form_patch, merge_patches
 from kamera_agent.results import Answer
 from kamera_agent.window.plan import Step, WindowPlan
-from kamera_agent.window.state import ChunkRef, Entry, Home, Placed, WindowState
+from kamera_agent.window.state import Assembled, ChunkRef, Entry, Home, WindowState
 
 __all__ = ["Executor", "StaleLookup"]
 
@@ -46,6 +47,7 @@ class Executor:
         self._full: dict[str, ChunkKV] = {}
         self._by_key: dict[str, Chunk] | None = None
         self._moved: frozenset[ChunkRef] = frozenset()
+        self._placed: dict[tuple[ChunkRef, int, str], ChunkKV] = {}
         self._order_changed()
 
     # -- running a plan -------------------------------------------------------------------------
@@ -57,7 +59,6 @@ class Executor:
         for ref in plan.evicted:
             entry = state.entries[ref]
             entry.in_window, entry.patch, entry.full, entry.evicted_at = False, None, None, state.tick
-            state.placed.pop(ref, None)
         for ref in plan.admitted:
             if ref not in state.entries:
                 state.add(ref, Entry(plan.chunks[ref], ChunkState.canonical(ref.key, self.core.root)))
@@ -139,7 +140,7 @@ class Executor:
         """Patches for consecutive in-window chunks, each over everything to its left: one forward."""
         first = run[0].ref
         left = self.state.order[: self.state.order.index(first)]
-        context = [self.core.anchor_kv(self.txn.meter), *(self.placed_kv(r) for r in left)]
+        context = [self.core.anchor_kv(self.txn.meter), *self._places(left)]
         chunks = [self.state.entries[step.ref].chunk for step in run]
         conditioned = self.core.condition(chunks, context, self._starts[first], self.txn)
         for step, kv in zip(run, conditioned, strict=True):
@@ -152,12 +153,12 @@ class Executor:
         self._adopt(ref, target, kv, antecedents)
 
     def _conditioned_over(self, chunk: Chunk, context: Context) -> ChunkKV:
-        placed, start = [self.core.anchor_kv(self.txn.meter)], self.core.anchor.advance
+        jobs, start = [], self.core.anchor.advance
         for state in context.states():
             source = self._chunk_for(state.chunk_key)
-            canonical, patch = self.free_kv(state)
-            placed.append(self.core.place(canonical, patch, source.positions_at(start)))
+            jobs.append((*self.free_kv(state), source.positions_at(start)))
             start += source.advance
+        placed = [self.core.anchor_kv(self.txn.meter), *self.core.place_many(jobs)]
         return self.core.condition([chunk], placed, start, self.txn)[0]
 
     def _adopt(
@@ -315,31 +316,62 @@ class Executor:
         return kv
 
     def placed_kv(self, ref: ChunkRef) -> ChunkKV:
-        """The chunk's KV at its place in the window (memoised per start and state)."""
-        start, entry = self._starts[ref], self.state.entries[ref]
-        memo = self.state.placed.get(ref)
-        if memo is not None and memo.start == start and memo.state == entry.state.digest:
-            return memo.kv
-        reference, patch = self._made_of(ref)
-        kv = self.core.place(reference, patch, entry.chunk.positions_at(start))
-        self.state.placed[ref] = Placed(start, entry.state.digest, kv)
-        return kv
+        """The chunk's KV at its place in the window."""
+        return self._places([ref])[0]
+
+    def _places(self, refs: Sequence[ChunkRef]) -> list[ChunkKV]:
+        """In-window chunks at their places, those not yet placed in this op rotated together."""
+        keys = [(ref, self._starts[ref], self.state.entries[ref].state.digest) for ref in refs]
+        missing = [key for key in dict.fromkeys(keys) if key not in self._placed]
+        entries = self.state.entries
+        jobs = [(*self._made_of(ref), entries[ref].chunk.positions_at(start)) for ref, start, _ in missing]
+        self._placed.update(zip(missing, self.core.place_many(jobs), strict=True))
+        return [self._placed[key] for key in keys]
 
     def placements(self) -> list[ChunkKV]:
         """The anchor and every in-window chunk, placed: what a decode attends to."""
-        return [self.core.anchor_kv(self.txn.meter), *(self.placed_kv(ref) for ref in self.state.order)]
+        return [self.core.anchor_kv(self.txn.meter), *self._places(self.state.order)]
+
+    def window_cache(self) -> Any:
+        """The engine cache holding the window as it is now.
+
+        Why incremental: an agent pushes, asks, pushes, asks. Where the engine can crop and
+        extend a cache, the one the last answer used is cut back to the longest run of leading
+        chunks that did not change (same place, same state) and only the rest is placed and
+        appended: a push then costs its own tokens, not a copy of the window. A chunk that moved
+        or changed state, and everything after it, is placed again.
+        """
+        backend, state = self.core.backend, self.state
+        pieces: list[tuple[tuple[object, ...], int]] = [(("anchor",), self.core.anchor.num_tokens)]
+        for ref in state.order:
+            entry = state.entries[ref]
+            pieces.append(((ref, self._starts[ref], entry.state.digest), entry.chunk.num_tokens))
+        memo, keep = state.assembled, 0
+        if backend.supports_extend and memo is not None:
+            for mine, theirs in zip(pieces, memo.pieces, strict=False):
+                if mine != theirs:
+                    break
+                keep += 1
+        if keep == 0:
+            cache = backend.assemble(self.placements())
+        else:
+            assert memo is not None
+            cache = backend.crop(memo.cache, sum(slots for _, slots in pieces[:keep]))
+            cache = backend.assemble(self._places(state.order[keep - 1 :]), onto=cache)
+        state.assembled = Assembled(cache, tuple(pieces)) if backend.supports_extend else None
+        return cache
 
     # -- reading the window ------------------------------------------------------------------------
     def answer(self, query_ids: torch.Tensor, config: DecodeConfig) -> Answer:
         """Decode the query over the window as it is."""
-        return self.core.decode(self.placements(), query_ids, self.end(), config, self.txn.meter)
+        return self.core.decode(self.window_cache(), query_ids, self.end(), config, self.txn.meter)
 
     def answer_without(self, removed: ChunkRef, query_ids: torch.Tensor, config: DecodeConfig) -> Answer:
         """Decode with ``removed`` left out and its influence taken off the chunks that encode it:
         each such chunk is served by a stored patch over the reduced left context, else its canonical."""
         state, core = self.state, self.core
         influenced = _Influence(state.entries[removed].state.digest)
-        placed, ctx, start = [core.anchor_kv(self.txn.meter)], core.root, core.anchor.advance
+        jobs, ctx, start = [], core.root, core.anchor.advance
         for ref in state.order:
             if ref == removed:
                 continue
@@ -348,9 +380,10 @@ class Executor:
             if removed in state.graph.pred[ref] or influenced(entry.state):
                 served = self._reduced(ref, ctx)
             reference, patch = self.free_kv(served) if served != entry.state else self._made_of(ref)
-            placed.append(core.place(reference, patch, entry.chunk.positions_at(start)))
+            jobs.append((reference, patch, entry.chunk.positions_at(start)))
             ctx, start = ctx.extend(served), start + entry.chunk.advance
-        return core.decode(placed, query_ids, start, config, self.txn.meter)
+        cache = core.backend.assemble([core.anchor_kv(self.txn.meter), *core.place_many(jobs)])
+        return core.decode(cache, query_ids, start, config, self.txn.meter)
 
     def _reduced(self, ref: ChunkRef, ctx: Context) -> ChunkState:
         """The state ``ref`` can be served in over ``ctx`` from the store (its full KV there, a

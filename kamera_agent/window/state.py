@@ -14,6 +14,7 @@ import copy
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import networkx as nx
 
@@ -24,7 +25,7 @@ from kamera_agent.operator.patch import Patch
 from kamera_agent.results import Answer
 from kamera_agent.window.costs import StatsBook
 
-__all__ = ["ChunkRef", "Entry", "Home", "LastAnswer", "Placed", "Scores", "WindowState"]
+__all__ = ["Assembled", "ChunkRef", "Entry", "Home", "LastAnswer", "Scores", "WindowState"]
 
 
 @dataclass(frozen=True, order=True)
@@ -115,12 +116,17 @@ class Scores:
 
 
 @dataclass(frozen=True)
-class Placed:
-    """A chunk's KV at one start, for one state: reused while neither changes."""
+class Assembled:
+    """The engine cache the last answer was decoded over, and what each of its pieces held.
 
-    start: int
-    state: str
-    kv: ChunkKV
+    A piece is ``("anchor",)`` or ``(ref, start, state digest)`` with its slot count: the next
+    answer keeps the longest prefix of pieces that is unchanged (crop) and appends the rest.
+    The cache object is the engine's, mutated by decodes (which only append); it is cropped
+    before every reuse, so whatever a decode appended is never read.
+    """
+
+    cache: Any
+    pieces: tuple[tuple[tuple[Any, ...], int], ...]
 
 
 def _lineage() -> str:
@@ -139,7 +145,7 @@ class WindowState:
     tick: int = 0
     last_answer: LastAnswer | None = None
     scores: Scores | None = None
-    placed: dict[ChunkRef, Placed] = field(default_factory=dict)
+    assembled: Assembled | None = None
     book: StatsBook = field(default_factory=StatsBook)
 
     def copy(self) -> WindowState:
@@ -153,7 +159,7 @@ class WindowState:
             tick=self.tick,
             last_answer=self.last_answer,
             scores=self.scores,
-            placed=dict(self.placed),
+            assembled=self.assembled,
             book=self.book.copy(),
         )
 
@@ -161,6 +167,7 @@ class WindowState:
         """A branch: the same chunks and costs so far, its own lineage for the refs it mints."""
         branch = self.copy()
         branch.lineage = _lineage()
+        branch.assembled = None  # an engine cache is mutable: each branch assembles its own
         return branch
 
     def mint(self, chunk: Chunk, label: str | None) -> ChunkRef:
@@ -176,7 +183,6 @@ class WindowState:
         """Forget a chunk for good: its entry, its node and every edge from or to it."""
         del self.entries[ref]
         self.graph.remove_node(ref)
-        self.placed.pop(ref, None)
 
     def encodes(self, ref: ChunkRef) -> tuple[ChunkRef, ...]:
         """The antecedents ``ref``'s current KV encodes (those still known), in their order."""

@@ -343,10 +343,10 @@ class KameraWindow:
                 executor.run(plan)
                 value = read(executor) if read is not None else None
             except StaleLookup:
-                self._state = snapshot
+                self._state = _restored(snapshot)
                 continue
             except BaseException:
-                self._state = snapshot
+                self._state = _restored(snapshot)
                 raise
             txn.commit()
             release_evicted(self._state, self.store, self.config, plan.evicted, meter)
@@ -412,3 +412,10 @@ class KameraWindow:
         if not self._entry(ref).in_window:
             raise UnknownChunkError(f"{ref} is not in the window (evicted); recall it first")
         return ref
+
+
+def _restored(snapshot: WindowState) -> WindowState:
+    """The snapshot an op failed back to, without the assembled cache: the op may have cropped
+    or extended that engine cache in place, so it no longer holds what the snapshot says."""
+    snapshot.assembled = None
+    return snapshot

@@ -47,6 +47,10 @@ class CountingBackend(Backend):
         self.fail_prefill_at = fail_prefill_at
         self.layout, self.fingerprint, self.encoder = inner.layout, inner.fingerprint, inner.encoder
         self.supports_reference = inner.supports_reference  # type: ignore[misc]
+        self.supports_extend = inner.supports_extend  # type: ignore[misc]
+        self.calls["crop"] = 0
+        self.assembles: list[tuple[int, bool]] = []
+        """Each `assemble` call: how many placed pieces, and whether it appended onto a cache."""
 
     @property
     def supports_vision(self) -> bool:
@@ -74,9 +78,14 @@ class CountingBackend(Backend):
         self.calls["encode_vision"] += 1
         return self.inner.encode_vision(chunk)
 
-    def assemble(self, placed: Any) -> Any:
+    def assemble(self, placed: Any, onto: Any = None) -> Any:
         self.calls["assemble"] += 1
-        return self.inner.assemble(placed)
+        self.assembles.append((len(placed), onto is not None))
+        return self.inner.assemble(placed, onto)
+
+    def crop(self, cache: Any, slots: int) -> Any:
+        self.calls["crop"] += 1
+        return self.inner.crop(cache, slots)
 
     def decode(self, cache: Any, query_ids: Any, start: int, config: Any) -> Any:
         self.calls["decode"] += 1

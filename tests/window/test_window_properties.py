@@ -346,7 +346,7 @@ TestExactSharedTinyTorch.settings = _settings(80)
 
 def test_budget_forced_re_encodes_are_reported() -> None:
     backend = backend_named("qwen2")
-    store = ChunkStore(fingerprint=backend.fingerprint, memory_budget=40_000)
+    store = ChunkStore(fingerprint=backend.fingerprint, memory_budget=25_000)
     w = KameraWindow(backend, config=WindowConfig(rank=4), store=store)
     refs = [w.push(text, label=text) for text in TEXTS[:6]]
     w.slide(len(refs))

@@ -61,6 +61,7 @@ class TinyTorchBackend(Backend):
     """
 
     supports_reference = True
+    supports_extend = True
 
     def __init__(self, config: TinyConfig | None = None, seed: int = 0) -> None:
         c = self.config = config or TinyConfig()
@@ -137,17 +138,28 @@ class TinyTorchBackend(Backend):
             embeds = self.model.encode_image(chunk.pixel_values)  # [n_image_tokens, hidden]
         return VisionOutput({"embeds": embeds}, Spent(vision_encodes=1))
 
-    def assemble(self, placed: Sequence[ChunkKV]) -> TinyKVCache:
-        """A `TinyKVCache` holding ``placed`` back to back: ``[L, H, n, D]`` -> per layer ``[H, S, D]``."""
+    def assemble(self, placed: Sequence[ChunkKV], onto: Any | None = None) -> TinyKVCache:
+        """A `TinyKVCache` holding ``placed`` back to back (after ``onto``'s slots):
+        ``[L, H, n, D]`` -> per layer ``[H, S, D]``."""
         for kv in placed:
             if kv.positions is None:
                 raise LayoutMismatchError("assemble needs placed KV (positions set); place canonicals first")
             check_layout(kv, self.layout)
+        cache = onto if isinstance(onto, TinyKVCache) else TinyKVCache.empty(self.config)
         if not placed:
-            return TinyKVCache.empty(self.config)
+            return cache
         keys = torch.cat([kv.keys for kv in placed], dim=2).to(self.device, self.dtype)  # [L, H, S, D]
         values = torch.cat([kv.values for kv in placed], dim=2).to(self.device, self.dtype)
-        return TinyKVCache(list(keys.unbind(0)), list(values.unbind(0)))
+        for layer in range(self.config.layers):
+            cache.append(layer, keys[layer], values[layer])
+        return cache
+
+    def crop(self, cache: Any, slots: int) -> TinyKVCache:
+        if not isinstance(cache, TinyKVCache):
+            raise TypeError(f"crop needs a TinyKVCache from assemble, got {type(cache).__name__}")
+        cache.keys = [k[:, :slots] for k in cache.keys]
+        cache.values = [v[:, :slots] for v in cache.values]
+        return cache
 
     def decode(self, cache: Any, query_ids: torch.Tensor, start: int, config: DecodeConfig) -> Decoded:
         if not isinstance(cache, TinyKVCache):

@@ -27,6 +27,7 @@ from kamera_agent.backends.base import (
     VisionOutput,
 )
 from kamera_agent.backends.decoding import decode_loop
+from kamera_agent.backends.transformers.cache import buffered_cache
 from kamera_agent.backends.transformers.parts import ModelParts, model_parts
 from kamera_agent.backends.transformers.positions import position_scheme
 from kamera_agent.backends.transformers.reading import kv_layout, read_chunk
@@ -55,6 +56,7 @@ class TransformersBackend(Backend):
 
     supports_mla = True
     supports_reference = True
+    supports_extend = True
 
     def __init__(
         self,
@@ -155,10 +157,10 @@ class TransformersBackend(Backend):
         features = self.parts.image_features(chunk.pixel_values, chunk.image_grid_thw)
         return VisionOutput(features, Spent(vision_encodes=1))
 
-    def assemble(self, placed: Sequence[ChunkKV]) -> Any:
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
+    def assemble(self, placed: Sequence[ChunkKV], onto: Any | None = None) -> Any:
+        """A ``DynamicCache`` of `BufferedLayer` s (appends cost the new tokens only) holding
+        ``placed`` back to back, after what ``onto`` already holds."""
+        cache = onto if onto is not None else self.empty_cache()
         if not placed:
             return cache
         for kv in placed:
@@ -171,6 +173,16 @@ class TransformersBackend(Backend):
         for layer in range(self.layout.num_layers):
             cache.update(keys[layer][None], values[layer][None], layer)
         return cache
+
+    def crop(self, cache: Any, slots: int) -> Any:
+        surplus = cache.get_seq_length() - slots
+        if surplus > 0:
+            cache.crop(-surplus)
+        return cache
+
+    def empty_cache(self) -> Any:
+        """An empty cache for this model whose appends cost the new tokens only."""
+        return buffered_cache(self.model.config)
 
     def decode(self, cache: Any, query_ids: torch.Tensor, start: int, config: DecodeConfig) -> Decoded:
         def forward(ids: torch.Tensor, positions: torch.Tensor, cache: Any) -> tuple[Any, torch.Tensor]:
