@@ -24,7 +24,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kamera_agent.errors import ForeignPatchError, LayoutMismatchError
-from kamera_agent.operator.layout import ChunkKV, KVLayout, Slot, at_positions, check_layout, to_position_free
+from kamera_agent.operator.layout import (
+    ChunkKV,
+    KVLayout,
+    Slot,
+    check_layout,
+    check_positions,
+    to_position_free,
+)
+from kamera_agent.operator.rope import rotate
 
 __all__ = [
     "Patch",
@@ -216,53 +224,60 @@ def place_many(
     """`apply_patch` for several chunks with one rotation over all their tokens.
 
     Why: after a slide every survivor moves; rotating them together costs one pass over the
-    window's keys instead of a call per chunk. Each chunk is added to its patch in float32,
-    rotated in float32 and rounded once to its own dtype, exactly as `apply_patch` does.
+    window's rotary band instead of a call per chunk. A patched slot is added in float32 and the
+    band rotated in float32, each rounded once to the chunk's own dtype, exactly as `apply_patch`
+    does; a slot without factors (the unrotated one of an unpatched chunk) is passed through
+    without a copy.
     """
     if not chunks:
         return []
     frees: list[ChunkKV] = []
-    for canonical, patch, _ in chunks:
+    for canonical, patch, positions in chunks:
         if canonical.positions is not None:
             raise LayoutMismatchError("apply_patch needs the position-free canonical (positions is None)")
         check_layout(canonical, layout)
+        check_positions(positions, canonical.num_tokens)
         frees.append(_patched(canonical, patch))
+    slot = layout.rope_slot
+    bands = [free.slot(slot).to(torch.float32) for free in frees]
     if len(frees) == 1:
-        placed = [at_positions(frees[0], layout, chunks[0][2])]
+        rotated = [rotate(bands[0], layout.rope, chunks[0][2])]
     else:
-        joined = ChunkKV(torch.cat([f.keys for f in frees], 2), torch.cat([f.values for f in frees], 2))
-        positions = torch.cat([where for _, _, where in chunks], dim=-1)
-        together = at_positions(joined, layout, positions)
-        placed, start = [], 0
-        for free, (_, _, where) in zip(frees, chunks, strict=True):
-            n = free.num_tokens
-            keys, values = together.keys[:, :, start : start + n], together.values[:, :, start : start + n]
-            placed.append(ChunkKV(keys, values, where))
-            start += n
-    return [
-        ChunkKV(
-            kv.keys.to(canonical.keys.dtype),
-            kv.values.to(canonical.values.dtype),
-            kv.positions,
-            canonical.chunk_key,
-            canonical.model_fingerprint,
+        together = rotate(torch.cat(bands, dim=2), layout.rope, torch.cat([w for _, _, w in chunks], dim=-1))
+        rotated = list(together.split([free.num_tokens for free in frees], dim=2))
+    placed = []
+    for (canonical, _, where), free, band in zip(chunks, frees, rotated, strict=True):
+        keys = band if slot == "keys" else free.keys
+        values = band if slot == "values" else free.values
+        placed.append(
+            ChunkKV(
+                keys.to(canonical.keys.dtype),
+                values.to(canonical.values.dtype),
+                where,
+                canonical.chunk_key,
+                canonical.model_fingerprint,
+            )
         )
-        for kv, (canonical, _, _) in zip(placed, chunks, strict=True)
-    ]
+    return placed
 
 
 def _patched(canonical: ChunkKV, patch: Patch | None) -> ChunkKV:
-    """``canonical + U V`` position-free, in float32 (a copy: the stored canonical is never written)."""
-    if patch is not None:
-        _check_patch(canonical, patch)
+    """``canonical + U V`` position-free: each slot with factors added in float32 (a copy: the
+    stored canonical is never written); a slot without factors is the canonical's own tensor."""
+    if patch is None:
+        return canonical
+    _check_patch(canonical, patch)
     slots: dict[Slot, torch.Tensor] = {}
     for slot in _SLOTS:
+        factors = [(layer, u, v) for (layer, name), (u, v) in patch.factors.items() if name == slot]
+        if not factors:
+            slots[slot] = canonical.slot(slot)
+            continue
         x = canonical.slot(slot).to(torch.float32, copy=True)  # [L, H, n, D]
-        for (layer, name), (u, v) in patch.factors.items() if patch is not None else ():
-            if name == slot:
-                # Factors may live elsewhere (a store's disk tier loads them on the CPU).
-                delta = u.to(x.device, torch.float32) @ v.to(x.device, torch.float32)  # [n, H·D]
-                x[layer] += delta.view(x.shape[2], x.shape[1], x.shape[3]).transpose(0, 1)
+        for layer, u, v in factors:
+            # Factors may live elsewhere (a store's disk tier loads them on the CPU).
+            delta = u.to(x.device, torch.float32) @ v.to(x.device, torch.float32)  # [n, H·D]
+            x[layer] += delta.view(x.shape[2], x.shape[1], x.shape[3]).transpose(0, 1)
         slots[slot] = x
     return ChunkKV(slots["keys"], slots["values"], None, canonical.chunk_key, canonical.model_fingerprint)
 

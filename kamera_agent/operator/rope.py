@@ -170,12 +170,20 @@ def _apply_angles(keys: torch.Tensor, spec: RotarySpec, angles: torch.Tensor) ->
     cos = torch.cos(angles).to(device=keys.device, dtype=torch.float32)  # [n, F]
     sin = torch.sin(angles).to(device=keys.device, dtype=torch.float32)  # [n, F]
     x = keys.to(torch.float32)
-    band, rest = x[..., : 2 * f], x[..., 2 * f :]
+    out = torch.empty_like(x)  # written in place below: two passes per half, no temporaries
     if spec.pairing == "half":
-        a, b = band[..., :f], band[..., f:]
-        rotated = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+        a, b, first, second = x[..., :f], x[..., f : 2 * f], out[..., :f], out[..., f : 2 * f]
     else:
-        a, b = band[..., 0::2], band[..., 1::2]
-        rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-    out = torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
+        a, b, first, second = (
+            x[..., 0 : 2 * f : 2],
+            x[..., 1 : 2 * f : 2],
+            out[..., 0 : 2 * f : 2],
+            out[..., 1 : 2 * f : 2],
+        )
+    torch.mul(a, cos, out=first)
+    first.addcmul_(b, sin, value=-1.0)
+    torch.mul(a, sin, out=second)
+    second.addcmul_(b, cos)
+    if x.shape[-1] > 2 * f:
+        out[..., 2 * f :] = x[..., 2 * f :]
     return out.to(keys.dtype)

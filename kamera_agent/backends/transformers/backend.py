@@ -27,7 +27,7 @@ from kamera_agent.backends.base import (
     VisionOutput,
 )
 from kamera_agent.backends.decoding import decode_loop
-from kamera_agent.backends.transformers.cache import buffered_cache
+from kamera_agent.backends.transformers.cache import HEADROOM, BufferedLayer, buffered_cache
 from kamera_agent.backends.transformers.parts import ModelParts, model_parts
 from kamera_agent.backends.transformers.positions import position_scheme
 from kamera_agent.backends.transformers.reading import kv_layout, read_chunk
@@ -168,10 +168,16 @@ class TransformersBackend(Backend):
                 raise LayoutMismatchError(
                     "assemble needs placed KV (positions set); place canonicals with apply_patch"
                 )
-        keys = torch.cat([kv.keys for kv in placed], dim=2).to(self.device)  # [L, H, S, D]
-        values = torch.cat([kv.values for kv in placed], dim=2).to(self.device)
+        total = cache.get_seq_length() + sum(kv.num_tokens for kv in placed) + HEADROOM
+        device = self.device
         for layer in range(self.layout.num_layers):
-            cache.update(keys[layer][None], values[layer][None], layer)
+            pieces = [(kv.keys[layer][None].to(device), kv.values[layer][None].to(device)) for kv in placed]
+            if isinstance(cache.layers[layer], BufferedLayer):
+                cache.layers[layer].reserve(*pieces[0], total)  # one allocation, then copies in place
+            else:  # a layer that concatenates: join first, so it copies once
+                pieces = [(torch.cat([k for k, _ in pieces], 2), torch.cat([v for _, v in pieces], 2))]
+            for keys, values in pieces:
+                cache.update(keys, values, layer)
         return cache
 
     def crop(self, cache: Any, slots: int) -> Any:

@@ -17,7 +17,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["BufferedLayer", "buffered_cache"]
+__all__ = ["HEADROOM", "BufferedLayer", "buffered_cache"]
+
+HEADROOM = 1024
+"""Spare slots a reservation adds: a query and its answer then append without regrowing."""
 
 
 class BufferedLayer(DynamicLayer):  # type: ignore[misc]
@@ -53,6 +56,13 @@ class BufferedLayer(DynamicLayer):  # type: ignore[misc]
         self._filled = max(0, self._filled + tokens_to_remove)
         self.keys = self._keys[..., : self._filled, :]
         self.values = self._values[..., : self._filled, :]
+
+    def reserve(self, like_keys: torch.Tensor, like_values: torch.Tensor, slots: int) -> None:
+        """Make room for ``slots`` tokens in all (one allocation before a batch of appends)."""
+        if not self.is_initialized:
+            self.lazy_initialization(like_keys, like_values)
+        if self._keys is None or slots > self._keys.shape[-2]:
+            self._grow(like_keys, like_values, slots)
 
     def reset(self) -> None:
         super().reset()
