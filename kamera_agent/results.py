@@ -26,6 +26,8 @@ class OpCost:
         forwards: language-model forwards run (chunk encodes, patch-forming forwards, decodes).
         tokens_prefilled: tokens those forwards processed.
         tokens_reused: chunk tokens served from the store by rotation and patch, with no forward.
+        tokens_placed: window tokens placed (rotated, patched) and copied into the engine cache an
+            answer decodes over; those its kept cache already held at the same place are not.
         vision_encodes: vision-tower runs.
         reencodes: canonicals rebuilt because the store's budget had dropped them.
         patches_formed: patches computed (each from one conditioned forward + an SVD).
@@ -40,6 +42,7 @@ class OpCost:
     forwards: int = 0
     tokens_prefilled: int = 0
     tokens_reused: int = 0
+    tokens_placed: int = 0
     vision_encodes: int = 0
     reencodes: int = 0
     patches_formed: int = 0

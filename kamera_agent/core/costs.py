@@ -24,6 +24,7 @@ class CostMeter:
 
     spent: Spent = field(default_factory=Spent)
     tokens_reused: int = 0
+    tokens_placed: int = 0
     reencodes: int = 0
     patches_formed: int = 0
     patches_applied: int = 0
@@ -50,6 +51,7 @@ class CostMeter:
             forwards=self.spent.forwards,
             tokens_prefilled=self.spent.tokens_prefilled,
             tokens_reused=self.tokens_reused,
+            tokens_placed=self.tokens_placed,
             vision_encodes=self.spent.vision_encodes,
             reencodes=self.reencodes,
             patches_formed=self.patches_formed,

@@ -359,6 +359,7 @@ class Executor:
             cache = backend.crop(memo.cache, sum(slots for _, slots in pieces[:keep]))
             cache = backend.assemble(self._places(state.order[keep - 1 :]), onto=cache)
         state.assembled = Assembled(cache, tuple(pieces)) if backend.supports_extend else None
+        self.txn.meter.tokens_placed += sum(slots for _, slots in pieces[keep:])
         return cache
 
     # -- reading the window ------------------------------------------------------------------------
@@ -382,7 +383,9 @@ class Executor:
             reference, patch = self.free_kv(served) if served != entry.state else self._made_of(ref)
             jobs.append((reference, patch, entry.chunk.positions_at(start)))
             ctx, start = ctx.extend(served), start + entry.chunk.advance
-        cache = core.backend.assemble([core.anchor_kv(self.txn.meter), *core.place_many(jobs)])
+        placed = [core.anchor_kv(self.txn.meter), *core.place_many(jobs)]
+        self.txn.meter.tokens_placed += sum(kv.num_tokens for kv in placed)
+        cache = core.backend.assemble(placed)
         return core.decode(cache, query_ids, start, config, self.txn.meter)
 
     def _reduced(self, ref: ChunkRef, ctx: Context) -> ChunkState:

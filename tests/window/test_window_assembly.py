@@ -28,15 +28,17 @@ def answer_error(window: KameraWindow, query: str = "What is it?") -> float:
 @pytest.mark.parametrize("name", TEXT_BACKENDS)
 def test_an_answer_after_a_push_appends_only_the_pushed_chunk(name: str) -> None:
     window, backend = window_over(name)
-    window.push(A)
-    window.push(B)
+    refs = [window.push(A), window.push(B)]
     assert answer_error(window) < 1e-4
     assert backend.assembles[-1] == (3, False)  # the first answer assembles anchor, A, B
-    window.push(C)
+    anchor = window.backend.encoder.anchor().num_tokens
+    assert window.stats.last.tokens_placed == anchor + sum(window.chunk(r).num_tokens for r in refs)
+    pushed = window.push(C)
     assert answer_error(window) < 1e-4  # the first answer's query and generated tokens are cropped
     assert backend.assembles[-1] == (1, True) and backend.calls["crop"] == 1
+    assert window.stats.last.tokens_placed == window.chunk(pushed).num_tokens
     assert answer_error(window, "And now?") < 1e-4  # nothing changed: crop to the window, append nothing
-    assert backend.assembles[-1] == (0, True)
+    assert backend.assembles[-1] == (0, True) and window.stats.last.tokens_placed == 0
 
 
 @pytest.mark.parametrize("name", TEXT_BACKENDS)
