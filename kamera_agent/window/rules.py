@@ -234,12 +234,20 @@ class Rules:
         why: str,
         admission: bool = False,
     ) -> Step:
-        """One conditioned forward over ``ctx``: the chunk's full KV where its rank is lossless, or
-        where it is being admitted and its canonical is not stored (new content pays one forward,
-        as a prefix cache does); else a rank-m patch against its canonical (formed first if needed)."""
+        """One conditioned forward over ``ctx``: the chunk's full KV where its rank is lossless or
+        where its canonical is not stored; else a rank-m patch against its canonical.
+
+        Why keep the exact KV without a canonical: a rank-m patch needs the canonical, and
+        forming that is a second forward over the chunk's tokens that no answer asked for (new
+        content would prefill twice what a prefix cache does; a chunk re-formed after a reorder
+        or a recall, twice what a re-prefill does). The exact KV costs the bytes the canonical
+        would; once a canonical is stored (blind reuse, a revert, a probe formed it), later
+        formations are compact rank-m patches against it.
+        """
         rank = self.rank_of(chunk)
-        if rank != "full" and admission and not self.view.has_canonical(ref.key):
-            rank, why = "full", f"{why}; new content: its exact KV from this one forward"
+        if rank != "full" and not self.view.has_canonical(ref.key):
+            kept = "new content" if admission else "no canonical stored"
+            rank, why = "full", f"{why}; {kept}: its exact KV from this one forward"
         target = ChunkState.patched(ref.key, rank, ctx)
         step = Step("form_patch", ref, target, tuple(left), forwards=1, tokens=chunk.num_tokens, detail=why)
         return self.with_canonical(step)

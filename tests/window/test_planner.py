@@ -125,13 +125,19 @@ def test_consecutive_formations_share_one_forward_and_record_what_it_computes() 
     forms = [s for s in full.steps if s.kind == "form_patch"]
     assert [s.in_run for s in forms] == [False, True, True] and full.public().forwards == 1
     assert forms[1].state.context.last == forms[0].state  # lossless: the run is the natural chain
-    truncated = planner(w, SpyView(), rank=2, orbit=False).reorder(w._state, order)
+    stored = SpyView(canonicals={ref.key for ref in refs})
+    truncated = planner(w, stored, rank=2, orbit=False).reorder(w._state, order)
     forms = [s for s in truncated.steps if s.kind == "form_patch"]
-    public = truncated.public()  # rank-2 patches are made against canonicals, formed first here
-    assert public.forwards == 1 + public.count("encode") and public.count("encode") == 3
+    public = truncated.public()  # the canonicals are stored: rank-2 patches against them
+    assert public.forwards == 1 and public.count("encode") == 0 and forms[0].state.rank == 2
     # One forward conditions each member on the previous one's exact KV, not on its rank-2 patch:
     previous = forms[1].state.context.last
     assert previous is not None and previous.rank == "full" and previous != forms[0].state
+    # No canonical stored: each formation keeps the exact KV its forward gave (no second forward).
+    bare = planner(w, SpyView(), rank=2, orbit=False).reorder(w._state, order)
+    forms = [s for s in bare.steps if s.kind == "form_patch"]
+    assert bare.public().forwards == 1 and bare.public().count("encode") == 0
+    assert all(step.state.rank == "full" for step in forms)
 
 
 def test_planning_asks_the_view_only_presence_questions() -> None:

@@ -199,10 +199,14 @@ def test_a_patch_larger_than_the_budget_is_used_uncached_and_counted() -> None:
     rank = max(sizes) - 1
     config = WindowConfig(rank=rank, orbit=False, memory_budget=int(canonical * 1.05))
     window = KameraWindow(backend, config=config)
-    a, b, c = (window.push(text) for text in texts)
-    longest = (a, b, c)[sizes.index(max(sizes))]
-    others = [ref for ref in (a, b, c) if ref != longest]
-    window.reorder([*others, longest])  # the longest chunk gets a rank-m patch on new antecedents
+    longest_text = texts[sizes.index(max(sizes))]
+    first, second = (window.push(text) for text in texts if text != longest_text)
+    longest = window.push(longest_text)
+    a, b, c = first, second, longest
+    # A rank-m patch needs the canonical: serving the window without `first` forms and stores it
+    # (the last entry the budget holds), so new antecedents then give a rank-m patch against it.
+    window.probe_without(first, "What is it?")
+    window.reorder([second, first, longest])
     assert window.stats.last.uncached >= 1 and window.state_of(longest).rank == rank
     assert window.patch_of(longest) is not None  # held by the window: it serves the next answers
     oracle = StateOracle(backend)
