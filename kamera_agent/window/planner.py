@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.core.identity import Context
@@ -52,14 +53,39 @@ class Planner:
 
     # -- operations ---------------------------------------------------------------------------
     def push(self, state: WindowState, chunk: Chunk, label: str | None) -> WindowPlan:
-        ref = state.mint(chunk, label)
-        self._check_storable(chunk)
-        evicted, probes = self._make_room(state, chunk.num_tokens, keep=())
+        return self.extend(state, [(chunk, label)], "push")
+
+    def extend(
+        self, state: WindowState, items: Sequence[tuple[Chunk, str | None]], op: str = "extend"
+    ) -> WindowPlan:
+        """New chunks at the right end, in order: consecutive formations, so one forward for all."""
+        if not items:
+            raise WindowError(f"{op} needs at least one chunk")
+        chunks = {state.mint(chunk, label, i): chunk for i, (chunk, label) in enumerate(items)}
+        for chunk in chunks.values():
+            self._check_storable(chunk)
+        tokens, count = sum(chunk.num_tokens for chunk in chunks.values()), len(chunks)
+        evicted, probes = self._make_room(state, tokens, keep=(), count=count)
         if probes:  # a dry run shows the FIFO outcome; the real one is planned after the probes
-            placeholder, _ = self._make_room(state, chunk.num_tokens, keep=(), scores={})
-            plan = self._push(state, ref, chunk, placeholder)
+            placeholder, _ = self._make_room(state, tokens, keep=(), scores={}, count=count)
+            plan = self._admit(state, op, chunks, placeholder)
             return self._with_probes(state, plan, probes)
-        return self._push(state, ref, chunk, evicted)
+        return self._admit(state, op, chunks, evicted)
+
+    def replace(self, state: WindowState, ref: ChunkRef, chunk: Chunk, label: str | None) -> WindowPlan:
+        """``chunk`` takes ``ref``'s slot and ``ref`` is evicted; the chunks to its right are
+        survivors of that eviction (they keep what they absorbed from ``ref`` under
+        ``survivors="keep"``: a caption or summary replacing a screenshot leaves them encoding the
+        screenshot itself)."""
+        _in_window(state, ref)
+        new = state.mint(chunk, label)
+        self._check_storable(chunk)
+        evicted, probes = self._make_room(state, chunk.num_tokens, keep=(), gone=(ref,))
+        if probes:
+            placeholder, _ = self._make_room(state, chunk.num_tokens, keep=(), scores={}, gone=(ref,))
+            plan = self._admit(state, "replace", {new: chunk}, [ref, *placeholder], at=ref)
+            return self._with_probes(state, plan, probes)
+        return self._admit(state, "replace", {new: chunk}, [ref, *evicted], at=ref)
 
     def reorder(self, state: WindowState, refs: Sequence[ChunkRef]) -> WindowPlan:
         order = tuple(refs)
@@ -141,16 +167,34 @@ class Planner:
         moved = self._moved(state, order, {ref: entry.chunk})
         return WindowPlan("recall", order, tuple(evicted), (ref,), tuple(steps), moved=moved)
 
-    def _push(
-        self, state: WindowState, ref: ChunkRef, chunk: Chunk, evicted: Sequence[ChunkRef]
+    def _admit(
+        self,
+        state: WindowState,
+        op: str,
+        chunks: Mapping[ChunkRef, Chunk],
+        evicted: Sequence[ChunkRef],
+        at: ChunkRef | None = None,
     ) -> WindowPlan:
-        gone = set(evicted)
-        order = (*(r for r in state.order if r not in gone), ref)
+        """New chunks at the right end, or in the slot of ``at`` (which is among ``evicted``)."""
+        gone, new = set(evicted), tuple(chunks)
+        order: list[ChunkRef] = []
+        for ref in state.order:
+            if ref == at:
+                order.extend(new)
+            elif ref not in gone:
+                order.append(ref)
+        if at is None:
+            order.extend(new)
         keep = SURVIVORS[self.config.survivors]
-        special: dict[ChunkRef, Special] = {ref: lambda i, ctx: self.rules.pushed(ref, chunk, i, order, ctx)}
-        steps = self._walk(state, order, lambda i: keep, special, {ref: chunk})
-        moved = self._moved(state, order, {ref: chunk})
-        return WindowPlan("push", order, tuple(evicted), (ref,), tuple(steps), {ref: chunk}, moved)
+        special: dict[ChunkRef, Special] = {
+            ref: partial(self._pushed, ref, chunk, tuple(order)) for ref, chunk in chunks.items()
+        }
+        steps = self._walk(state, order, lambda i: keep, special, chunks)
+        moved = self._moved(state, order, chunks)
+        return WindowPlan(op, tuple(order), tuple(evicted), new, tuple(steps), dict(chunks), moved)
+
+    def _pushed(self, ref: ChunkRef, chunk: Chunk, order: Sequence[ChunkRef], i: int, ctx: Context) -> Step:
+        return self.rules.pushed(ref, chunk, i, order, ctx)
 
     def _walk(
         self,
@@ -233,18 +277,27 @@ class Planner:
         tokens: int,
         keep: Sequence[ChunkRef],
         scores: Mapping[ChunkRef, float] | None = None,
+        count: int = 1,
+        gone: Sequence[ChunkRef] = (),
     ) -> tuple[list[ChunkRef], tuple[ChunkRef, ...]]:
-        """Chunks to evict so that a chunk of ``tokens`` fits, or the chunks to probe first."""
+        """Chunks to evict so that ``count`` new chunks of ``tokens`` in all fit (``gone`` are
+        leaving anyway), or the chunks to probe first."""
         cap_chunks, cap_tokens = self.config.capacity_chunks, self.config.capacity_tokens
         if cap_tokens is not None and tokens > cap_tokens:
             raise CapacityError(
-                f"a chunk of {tokens} tokens can never fit capacity_tokens={cap_tokens}; raise the capacity"
+                f"{tokens} new tokens can never fit capacity_tokens={cap_tokens}; raise the capacity"
             )
-        order = [r for r in state.order if r not in set(keep)]
-        used = sum(state.entries[r].chunk.num_tokens for r in order)
+        if cap_chunks is not None and count > cap_chunks:
+            raise CapacityError(
+                f"{count} new chunks can never fit capacity_chunks={cap_chunks}; raise the capacity"
+            )
+        leaving = set(gone)
+        order = [r for r in state.order if r not in set(keep) and r not in leaving]
+        kept = sum(1 for r in keep if r in state.order and r not in leaving)
+        used = sum(state.entries[r].chunk.num_tokens for r in state.order if r not in leaving)
 
         def over(evicted: int, used: int) -> bool:
-            chunks = cap_chunks is not None and len(order) - evicted + 1 > cap_chunks
+            chunks = cap_chunks is not None and len(order) + kept - evicted + count > cap_chunks
             return chunks or (cap_tokens is not None and used + tokens > cap_tokens)
 
         if not over(0, used):

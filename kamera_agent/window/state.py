@@ -170,9 +170,11 @@ class WindowState:
         branch.assembled = None  # an engine cache is mutable: each branch assembles its own
         return branch
 
-    def mint(self, chunk: Chunk, label: str | None) -> ChunkRef:
-        """The ref the next admitted chunk gets (nothing is recorded until it is added)."""
-        return ChunkRef(self.next_id, self.lineage, chunk.key, label or f"{chunk.kind}-{self.next_id}")
+    def mint(self, chunk: Chunk, label: str | None, offset: int = 0) -> ChunkRef:
+        """The ref the next admitted chunk gets, or the ``offset``-th after it when one op admits
+        several (nothing is recorded until it is added)."""
+        number = self.next_id + offset
+        return ChunkRef(number, self.lineage, chunk.key, label or f"{chunk.kind}-{number}")
 
     def add(self, ref: ChunkRef, entry: Entry) -> None:
         self.entries[ref] = entry

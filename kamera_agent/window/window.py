@@ -154,6 +154,45 @@ class KameraWindow:
         plan, _ = self._transact("push", lambda planner: planner.push(self._state, chunk, label))
         return plan.admitted[0]
 
+    def extend(self, items: Sequence[Item], *, labels: Sequence[str | None] | None = None) -> list[ChunkRef]:
+        """Admit several items at the right end, in order, as one op: where their patches must
+        be formed, one forward conditions them all (as a prefix cache prefills one request).
+
+        Items are read as `push` reads them (with their default kinds; pass `Chunk` s, e.g. from
+        ``window.backend.encoder.image(..., kind="screenshot")``, for other kinds or captions).
+        Over capacity, the eviction policy makes room for all of them first.
+
+        Mutates: the window (admits the chunks, may evict), the store.
+        """
+        chunks = self._labelled_chunks(items, labels)
+        plan, _ = self._transact("extend", lambda planner: planner.extend(self._state, chunks))
+        return list(plan.admitted)
+
+    def replace(
+        self,
+        ref: ChunkRef,
+        item: Item,
+        *,
+        label: str | None = None,
+        kind: ChunkKind | None = None,
+        caption: str | None = None,
+        channel_order: ChannelOrder | None = None,
+    ) -> ChunkRef:
+        """Put ``item`` in ``ref``'s slot and evict ``ref`` (recallable), e.g. a screenshot by
+        its caption or a page by its summary.
+
+        The new chunk is conditioned on its left context (one forward of its tokens); the
+        chunks to its right are survivors of ``ref``'s eviction: with ``survivors="keep"`` they
+        keep their KV, which absorbed ``ref`` itself (rotated by the change in length); with
+        ``"removal"`` they are patched over their new left context.
+
+        Mutates: the window (admits one chunk, evicts ``ref``), the store.
+        """
+        self._in_window(ref)
+        chunk = chunk_of(self._core.backend.encoder, item, kind, caption, channel_order, label)
+        plan, _ = self._transact("replace", lambda planner: planner.replace(self._state, ref, chunk, label))
+        return plan.admitted[0]
+
     def reorder(self, refs: Sequence[ChunkRef]) -> None:
         """Put the window's chunks in a new order (a permutation of `refs`).
 
@@ -274,7 +313,8 @@ class KameraWindow:
         return branch
 
     def plan(self, op: str, *args: Any, **kwargs: Any) -> Plan:
-        """Dry run: the edits ``op`` ("push", "reorder", "slide", "evict", "recall") would do.
+        """Dry run: the edits ``op`` ("push", "extend", "replace", "reorder", "slide", "evict",
+        "recall") would do.
 
         Nothing runs and nothing changes: no forward, no store write, no store hit counted, no
         stats. Predicted forwards count a chunk encode only when its canonical is not stored;
@@ -283,6 +323,15 @@ class KameraWindow:
         builders: dict[str, Callable[..., WindowPlan]] = {
             "push": lambda item, label=None, **kw: planner.push(
                 self._state, chunk_of(self._core.backend.encoder, item, label=label, **kw), label
+            ),
+            "extend": lambda items, labels=None: planner.extend(
+                self._state, self._labelled_chunks(items, labels)
+            ),
+            "replace": lambda ref, item, label=None, **kw: planner.replace(
+                self._state,
+                self._in_window(ref),
+                chunk_of(self._core.backend.encoder, item, label=label, **kw),
+                label,
             ),
             "reorder": lambda refs: planner.reorder(self._state, refs),
             "slide": lambda n=1: planner.remove(self._state, self._state.order[:n], "slide"),
@@ -314,6 +363,17 @@ class KameraWindow:
         return self._core.backend.reference_inputs(chunks, query_ids)
 
     # -- transactions -------------------------------------------------------------------------
+    def _labelled_chunks(
+        self, items: Sequence[Item], labels: Sequence[str | None] | None
+    ) -> list[tuple[Chunk, str | None]]:
+        names = list(labels) if labels is not None else [None] * len(items)
+        if len(names) != len(items):
+            raise WindowError(
+                f"extend got {len(items)} items but {len(names)} labels; give one label per item"
+            )
+        encoder = self._core.backend.encoder
+        return [(chunk_of(encoder, item, label=name), name) for item, name in zip(items, names, strict=True)]
+
     def _transact(self, op: str, build: Callable[[Planner], WindowPlan]) -> tuple[WindowPlan, OpCost]:
         """Plan and execute ``op`` as one transaction over window and store; record its cost."""
         plan, (_, cost) = self._run(op, build, None)

@@ -21,6 +21,7 @@ from kamera_agent.errors import (
     DuplicateChunkError,
     UnknownChunkError,
     UnreadableInputError,
+    WindowError,
 )
 from kamera_agent.window import KameraWindow
 from tests.backends.test_transformers_backend import images
@@ -275,3 +276,58 @@ def test_a_chunk_left_alone_by_an_op_still_never_encodes_a_chunk_to_its_right(ma
         if source in order and target in order:
             assert order[source] < order[target]
     assert w.state_of(c).kind != "canonical"  # it keeps what it encodes
+
+
+def test_extend_admits_several_chunks_with_one_forward_and_matches_reprefill(make: Make) -> None:
+    w = make()
+    w.push("the window starts with this line", label="first")
+    pics = images(2, seed=51)
+    plan = w.plan("extend", [pics[0], "a caption in between", pics[1]], labels=["p", "t", "q"])
+    assert plan.forwards == 1 and plan.count("form_patch") == 3  # one forward for all three
+    refs = w.extend([pics[0], "a caption in between", pics[1]], labels=["p", "t", "q"])
+    assert [r.label for r in refs] == ["p", "t", "q"] and w.refs[1:] == refs
+    assert w.stats.last.forwards == 1 and w.stats.ops["extend"] == 1
+    assert w.stats.last.tokens_prefilled == sum(w.chunk(r).num_tokens for r in refs)
+    assert_exact(w)
+
+
+def test_extend_over_capacity_makes_room_for_all_and_rejects_what_never_fits(make: Make) -> None:
+    w = make(capacity_chunks=3)
+    a, b, c = three(w)
+    d, e = w.extend(["line d", "line e"])
+    assert w.refs == [c, d, e] and w.evicted == [a, b]
+    state = (w.refs, w.store.stats().puts)
+    with pytest.raises(CapacityError, match="never fit"):
+        w.extend(["one", "two", "three", "four"])
+    with pytest.raises(WindowError, match="labels"):
+        w.extend(["one", "two"], labels=["only one"])
+    with pytest.raises(WindowError, match="at least one"):
+        w.extend([])
+    assert state == (w.refs, w.store.stats().puts)
+
+
+def test_replace_takes_the_slot_and_survivors_keep_what_they_absorbed(make: Make) -> None:
+    w = make()
+    a, b, c = three(w)
+    kept = w.state_of(c)
+    caption = w.replace(b, "a short caption", label="b'")
+    assert w.refs == [a, caption, c] and b in w.evicted
+    assert w.stats.last.forwards == 1 and w.stats.last.tokens_prefilled == w.chunk(caption).num_tokens
+    assert w.state_of(c) == kept  # c still encodes b (survivors="keep"): rotated, not re-formed
+    oracle = StateOracle(w.backend)
+    for ref in (a, b, c, caption):
+        oracle.know(w.chunk(ref))
+    assert max(error for error, _ in oracle.errors(w).values()) <= EXACT  # each chunk is what it says
+    back = w.replace(caption, w.chunk(b))  # the same content again: a new ref, its stored KV
+    assert w.refs == [a, back, c] and back.key == b.key and back != b
+    assert w.stats.last.forwards == 0  # b's KV over a is stored: applied, no forward
+
+
+def test_replace_under_the_exact_settings_re_forms_the_chunks_to_its_right(make: Make) -> None:
+    w = make(survivors="removal")
+    a, b, c = three(w)
+    caption = w.replace(b, "a short caption")
+    assert w.refs == [a, caption, c] and w.stats.last.forwards == 1  # caption and c: one forward
+    assert_exact(w)
+    with pytest.raises(UnknownChunkError):
+        w.replace(b, "not in the window any more")
