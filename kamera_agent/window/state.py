@@ -140,21 +140,37 @@ class WindowState:
     lineage: str = field(default_factory=_lineage)
     order: list[ChunkRef] = field(default_factory=list)
     entries: dict[ChunkRef, Entry] = field(default_factory=dict)
-    graph: nx.DiGraph = field(default_factory=nx.DiGraph)
+    _graph: nx.DiGraph = field(default_factory=nx.DiGraph, repr=False)
     next_id: int = 0
     tick: int = 0
     last_answer: LastAnswer | None = None
     scores: Scores | None = None
     assembled: Assembled | None = None
     book: StatsBook = field(default_factory=StatsBook)
+    _owns_graph: bool = field(default=True, repr=False)
+
+    @property
+    def graph(self) -> nx.DiGraph:
+        """The antecedent graph: read it here, change it through `add`, `remove`, `set_encodes`."""
+        return self._graph
+
+    def _writable_graph(self) -> nx.DiGraph:
+        """The graph, copied first if a snapshot shares it (copy on write: every op snapshots the
+        state, most ops never touch the graph, and copying it is O(edges))."""
+        if not self._owns_graph:
+            self._graph, self._owns_graph = self._graph.copy(), True
+        return self._graph
 
     def copy(self) -> WindowState:
-        """A snapshot: same lineage, independent entries, graph, memo and stats."""
+        """A snapshot: same lineage, independent entries, graph (shared until either writes),
+        memo and stats."""
+        self._owns_graph = False
         return WindowState(
             lineage=self.lineage,
             order=list(self.order),
             entries={ref: copy.copy(entry) for ref, entry in self.entries.items()},
-            graph=self.graph.copy(),
+            _graph=self._graph,
+            _owns_graph=False,
             next_id=self.next_id,
             tick=self.tick,
             last_answer=self.last_answer,
@@ -178,13 +194,13 @@ class WindowState:
 
     def add(self, ref: ChunkRef, entry: Entry) -> None:
         self.entries[ref] = entry
-        self.graph.add_node(ref)
+        self._writable_graph().add_node(ref)
         self.next_id = max(self.next_id, ref.id + 1)
 
     def remove(self, ref: ChunkRef) -> None:
         """Forget a chunk for good: its entry, its node and every edge from or to it."""
         del self.entries[ref]
-        self.graph.remove_node(ref)
+        self._writable_graph().remove_node(ref)
 
     def encodes(self, ref: ChunkRef) -> tuple[ChunkRef, ...]:
         """The antecedents ``ref``'s current KV encodes (those still known), in their order."""
@@ -193,11 +209,12 @@ class WindowState:
 
     def set_encodes(self, ref: ChunkRef, antecedents: Sequence[ChunkRef]) -> None:
         """Make ``ref``'s in-edges exactly ``antecedents``, each carrying the state ``ref`` encodes."""
-        self.graph.remove_edges_from(list(self.graph.in_edges(ref)))
+        graph = self._writable_graph()
+        graph.remove_edges_from(list(graph.in_edges(ref)))
         chain = self.entries[ref].state.context.states() if antecedents else ()
         if len(chain) != len(antecedents):  # an orbit encodes a set: its members' states as they are
             chain = tuple(self.entries[source].state for source in antecedents if source in self.entries)
-        self.graph.add_edges_from(
+        graph.add_edges_from(
             (source, ref, {"index": i, "state": chain[i].digest})
             for i, source in enumerate(antecedents)
             if source in self.entries
