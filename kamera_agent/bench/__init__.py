@@ -4,7 +4,10 @@
   rank, deep-half and orbit patches) on the same held-out demo items, against re-prefill;
 - `cost`: time to first token after reuse versus after re-prefill, bytes, break-even;
 - `window_suite`: a long scripted agent episode through `KameraWindow` against a real
-  prefix cache (`prefix_cache`);
+  prefix cache (`prefix_cache`, vision-tower outputs cached by content as vLLM and SGLang do);
+- `agents`: four agents (stream, video, web, document) as scripts of window ops, each on
+  kamera (defaults and exact settings) and the prefix cache, on a realistic shape and the
+  demo model;
 - `results`, `report`, `plots`: results.json, the tables (screen and report.md), PNG plots;
 - `runner`: the command (``add_bench_parser``, ``run_bench_command``) and `run_bench`.
 """

@@ -29,7 +29,9 @@ from rich.progress import (
 )
 
 __all__ = [
+    "AGENT_NAMES",
     "HELD_OUT_SEED",
+    "AgentName",
     "BenchOptions",
     "SuiteName",
     "finite",
@@ -38,7 +40,10 @@ __all__ = [
     "median_seconds",
 ]
 
-SuiteName = Literal["fidelity", "cost", "window"]
+SuiteName = Literal["fidelity", "cost", "window", "agents"]
+AgentName = Literal["stream", "video", "web", "document"]
+AGENT_NAMES: tuple[AgentName, ...] = ("stream", "video", "web", "document")
+"""The agents suite's agents, in the order it runs them (`kamera_agent.bench.agents`)."""
 HELD_OUT_SEED = 424242
 """Default item seed: training draws its item seeds from ``random.Random(0)``, evaluation its own."""
 
@@ -49,28 +54,30 @@ class BenchOptions(BaseModel):
     """What one ``kamera bench`` run does.
 
     Attributes:
-        suite: ``"fidelity"``, ``"cost"``, ``"window"`` or ``"all"``.
+        suite: ``"fidelity"``, ``"cost"``, ``"window"``, ``"agents"`` or ``"all"``.
         model: a kamera-tiny-vl checkpoint directory (default: the shipped one).
         out: where results.json, report.md and the plots go.
         quick: small sizes everywhere (a smoke run: about a minute on 2 CPU cores).
         items: held-out fidelity items (default 1000; quick 24).
         ops: window-episode operations (default 240; quick 30).
+        agents: the agents suite's agents (default: all four; quick sizes with ``quick``).
         seed: the held-out item seed; the episode and the cost model derive theirs from it.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    suite: Literal["fidelity", "cost", "window", "all"] = "all"
+    suite: Literal["fidelity", "cost", "window", "agents", "all"] = "all"
     model: Path | None = None
     out: Path = Path("bench-results")
     quick: bool = False
     items: int | None = Field(default=None, ge=1)
     ops: int | None = Field(default=None, ge=1)
+    agents: tuple[AgentName, ...] = AGENT_NAMES
     seed: int = HELD_OUT_SEED
 
     @property
     def suites(self) -> list[SuiteName]:
-        return ["fidelity", "cost", "window"] if self.suite == "all" else [self.suite]
+        return ["fidelity", "cost", "window", "agents"] if self.suite == "all" else [self.suite]
 
     @property
     def item_count(self) -> int:
@@ -83,7 +90,12 @@ class BenchOptions(BaseModel):
     @property
     def seeds(self) -> dict[str, int]:
         """Every seed the run uses, derived from one, so a run is reproducible from its record."""
-        return {"items": self.seed, "episode": self.seed + 1, "cost_model": self.seed + 2}
+        return {
+            "items": self.seed,
+            "episode": self.seed + 1,
+            "cost_model": self.seed + 2,
+            "agents": self.seed + 3,
+        }
 
 
 def median_seconds(fn: Callable[[], T], repeats: int, *, warmup: bool = True) -> tuple[float, T]:

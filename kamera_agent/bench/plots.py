@@ -1,8 +1,8 @@
 """PNG plots of a bench run, when matplotlib is installed (the optional ``[bench]`` extra).
 
 Why optional: the tables carry every figure; plots are for reading trends (fidelity against
-rank, speed-up against chunk length, cost accumulating over an episode). CI does not install
-matplotlib, so a missing one is reported as a note, never an error.
+rank, speed-up against chunk length, cost accumulating over an episode or an agent's run). CI
+does not install matplotlib, so a missing one is reported as a note, never an error.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+from kamera_agent.bench.agents.plots import write_agent_plots
 from kamera_agent.bench.cost import CostRun
 from kamera_agent.bench.fidelity import RANKS, FidelityRun
 from kamera_agent.bench.results import BenchResults
@@ -50,6 +51,8 @@ def write_plots(results: BenchResults, out: Path) -> list[Path]:
         figure.savefig(out / name, dpi=120)
         plt.close(figure)
         written.append(out / name)
+    if results.agents is not None:
+        written += write_agent_plots(results.agents, out, plt)
     return written
 
 

@@ -7,29 +7,20 @@ through one `Grid` (title, columns, rows of formatted cells, a note) and two sma
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from kamera_agent.bench.agents.report import agent_grids
 from kamera_agent.bench.cost import CostRun
 from kamera_agent.bench.fidelity import FidelityRun
 from kamera_agent.bench.results import BenchResults, targets
+from kamera_agent.bench.tables import Grid
 from kamera_agent.bench.window_suite import POLICIES, OpRecord, WindowRun
 
 __all__ = ["Grid", "grids", "print_report", "write_markdown"]
-
-
-@dataclass(frozen=True)
-class Grid:
-    """A titled table of formatted cells, with a note printed under it."""
-
-    title: str
-    columns: tuple[str, ...]
-    rows: tuple[tuple[str, ...], ...]
-    note: str = ""
 
 
 def _pct(value: float) -> str:
@@ -124,11 +115,13 @@ def window_grid(run: WindowRun) -> Grid:
         "prefix fwd",
         "kamera ms",
         "prefix ms",
+        "kamera vision",
+        "prefix vision",
     )
     rows = []
     for op in ("push", "slide", "reorder", "recall", None):
         chosen = [r for r in run.records if op is None or r.op == op]
-        cells = [total(chosen, name) for name in (*names, "baseline_ms")]
+        cells = [total(chosen, name) for name in (*names, "baseline_ms", "kamera_vision", "baseline_vision")]
         rows.append((op or "all", str(len(chosen)), *cells))
     settings = ", ".join(f"{k}={v}" for k, v in POLICIES[run.policy].items()) or "the defaults"
     note = (
@@ -136,8 +129,9 @@ def window_grid(run: WindowRun) -> Grid:
         f"rank {run.rank}, window settings: {settings}; tokens prefilled, forwards and wall time per op "
         "kind. Final window vs the "
         f"model's own re-prefill: prefix cache max |Δlogit| {_sci(run.baseline_logit_error)}, kamera "
-        f"next-token KL {_sci(run.kamera_kl)}. The prefix cache re-runs the vision tower on the frames "
-        "it re-prefills; kamera encodes each frame once."
+        f"next-token KL {_sci(run.kamera_kl)}. Vision: vision-tower runs; the prefix cache keeps the "
+        "tower's outputs by content (as vLLM and SGLang do), so it re-prefills moved frames without "
+        "re-encoding them."
     )
     title = f"Window ({run.policy} settings): scripted episode, KameraWindow vs a prefix cache"
     return Grid(title, columns, tuple(rows), note)
@@ -154,6 +148,7 @@ def grids(results: BenchResults) -> list[Grid]:
     tables = [fidelity_grid(results.fidelity)] if results.fidelity is not None else []
     tables += cost_grids(results.cost) if results.cost is not None else []
     tables += [window_grid(run) for run in (results.window, results.window_exact) if run is not None]
+    tables += agent_grids(results.agents) if results.agents is not None else []
     return [*tables, targets_grid(results)]
 
 

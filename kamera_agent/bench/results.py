@@ -10,9 +10,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kamera_agent.bench.agents.records import AgentsRun
+from kamera_agent.bench.agents.report import agent_targets
 from kamera_agent.bench.common import BenchOptions, finite, machine_info
 from kamera_agent.bench.cost import CostRun
 from kamera_agent.bench.fidelity import RANK_ARMS, Budget, FidelityRun
+from kamera_agent.bench.tables import Target
 from kamera_agent.bench.window_suite import WindowRun
 
 __all__ = ["BenchResults", "Target", "targets"]
@@ -37,6 +40,7 @@ class BenchResults:
     window: WindowRun | None = None
     window_exact: WindowRun | None = None
     """The same episode under the exact window settings (``POLICIES["exact"]``)."""
+    agents: AgentsRun | None = None
     partial: bool = False
     interrupted: str | None = None
     seconds: float = 0.0
@@ -50,6 +54,7 @@ class BenchResults:
                 ("cost", self.cost),
                 ("window", self.window),
                 ("window_exact", self.window_exact),
+                ("agents", self.agents),
             )
             if run is not None
         }
@@ -66,21 +71,13 @@ class BenchResults:
         }
 
 
-@dataclass(frozen=True)
-class Target:
-    """A claim the benchmark must show, the figure measured for it, and whether it holds.
-
-    ``met`` is ``None`` when the run did not measure it (suite skipped, quick sizes, no items).
-    """
-
-    claim: str
-    measured: str
-    met: bool | None
-
-
 def targets(results: BenchResults) -> list[Target]:
-    """The three claims of the project, checked against this run's figures."""
-    return [*_fidelity_targets(results.fidelity), *_cost_targets(results.cost)]
+    """The project's claims, checked against this run's figures (the agents' from their suite)."""
+    return [
+        *_fidelity_targets(results.fidelity),
+        *_cost_targets(results.cost),
+        *agent_targets(results.agents),
+    ]
 
 
 def _fidelity_targets(run: FidelityRun | None) -> list[Target]:

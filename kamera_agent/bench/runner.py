@@ -22,7 +22,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from kamera_agent.bench.common import HELD_OUT_SEED, BenchOptions, make_progress
+from kamera_agent.bench.common import AGENT_NAMES, HELD_OUT_SEED, BenchOptions, make_progress
 from kamera_agent.bench.cost import CostRun, CostShape, run_cost
 from kamera_agent.bench.fidelity import FidelityRun, run_fidelity
 from kamera_agent.bench.plots import plots_available, write_plots
@@ -49,13 +49,20 @@ class BenchOutcome:
 
 def add_bench_parser(commands: Any) -> None:
     """Register ``bench`` on the ``kamera`` command's subparsers."""
-    bench = commands.add_parser("bench", help="fidelity, cost and window benchmarks, with a report")
-    bench.add_argument("--suite", choices=["fidelity", "cost", "window", "all"], default="all")
+    bench = commands.add_parser("bench", help="fidelity, cost, window and agent benchmarks, with a report")
+    bench.add_argument("--suite", choices=["fidelity", "cost", "window", "agents", "all"], default="all")
     bench.add_argument("--model", default=None, help="a kamera-tiny-vl checkpoint (default: shipped)")
     bench.add_argument("--out", default="bench-results", help="output directory (default: bench-results)")
     bench.add_argument("--quick", action="store_true", help="small sizes: a smoke run of about a minute")
     bench.add_argument("--items", type=_positive, default=None, help="fidelity items (default 1000)")
     bench.add_argument("--ops", type=_positive, default=None, help="window-episode ops (default 240)")
+    bench.add_argument(
+        "--agents",
+        nargs="+",
+        choices=AGENT_NAMES,
+        default=list(AGENT_NAMES),
+        help="agents suite: which agents",
+    )
     bench.add_argument("--seed", type=int, default=HELD_OUT_SEED, help="held-out item seed")
 
 
@@ -68,6 +75,7 @@ def run_bench_command(args: argparse.Namespace, console: Console) -> int:
         quick=args.quick,
         items=args.items,
         ops=args.ops,
+        agents=tuple(args.agents),
         seed=args.seed,
     )
     return run_bench(options, console).exit_code
@@ -134,7 +142,7 @@ class _Context:
 
 def _missing_model(context: _Context) -> str:
     """Why the chosen suites cannot run (before any of them starts), or ``""``."""
-    if not {"fidelity", "window"} & set(context.options.suites):
+    if not {"fidelity", "window", "agents"} & set(context.options.suites):
         return ""
     if (Path(context.model_name) / "config.json").is_file():
         return ""
@@ -176,8 +184,17 @@ def _window(context: _Context, progress: Progress) -> None:
         run_window(model, tokenizer, image_processor, run, progress)
 
 
+def _agents(context: _Context, progress: Progress) -> None:
+    from kamera_agent.bench.agents.run import new_run, run_suite
+
+    options = context.options
+    run = new_run(options.quick, options.agents, context.model_name)
+    context.results.agents = run
+    run_suite(run, context.demo_model(progress), options.seeds["agents"], progress)
+
+
 SUITES: Mapping[str, Callable[[_Context, Progress], None]] = MappingProxyType(
-    {"fidelity": _fidelity, "cost": _cost, "window": _window}
+    {"fidelity": _fidelity, "cost": _cost, "window": _window, "agents": _agents}
 )
 
 
@@ -195,7 +212,7 @@ def _write_outputs(results: BenchResults, console: Console) -> list[Path]:
             files += write_plots(results, out)
             progress.advance(task)
     else:
-        console.print("[dim]plots skipped: matplotlib is not installed (pip install 'kamera-agent[bench]')")
+        console.print("[dim]plots skipped: matplotlib is not installed (pip install 'kamera-agent\\[bench]')")
     console.print(f"wrote {', '.join(str(path) for path in files)}")
     return files
 

@@ -9,6 +9,8 @@ Frames are rendered and preprocessed before either side's clock starts.
 
 At the end both are checked against the model's own re-prefill of the final window: the
 baseline must match it (it is exact by construction), and kamera's next-token KL is reported.
+The prefix cache keeps vision-tower outputs by content, as vLLM and SGLang do, so neither side
+re-runs the vision tower for pixels it has seen; what differs is the language model's work.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class OpRecord:
     baseline_tokens: int
     baseline_forwards: int
     baseline_ms: float
+    kamera_vision: int = 0
+    baseline_vision: int = 0
 
 
 @dataclass
@@ -95,8 +99,8 @@ class WindowRun:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        totals = {name: self.total(name) for name in ("kamera_tokens", "baseline_tokens", "kamera_ms")}
-        totals["baseline_ms"] = self.total("baseline_ms")
+        names = ("kamera_tokens", "baseline_tokens", "kamera_ms", "baseline_ms")
+        totals = {name: self.total(name) for name in (*names, "kamera_vision", "baseline_vision")}
         return {
             "seed": self.seed,
             "ops_requested": self.ops_requested,
@@ -147,8 +151,10 @@ def run_window(model: Any, tokenizer: Any, image_processor: Any, run: WindowRun,
                 cost.forwards,
                 kamera_s * 1e3,
                 synced.tokens,
-                int(synced.tokens > 0),
+                synced.forwards,
                 synced.seconds * 1e3,
+                cost.vision_encodes,
+                synced.vision_runs,
             )
         )
         progress.advance(task)

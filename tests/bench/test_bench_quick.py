@@ -53,10 +53,10 @@ def test_quick_run_writes_every_output(quick_run: tuple[int, Path]) -> None:
     assert {"platform", "processor", "cpu_count", "torch", "transformers", "torch_threads"} <= results[
         "machine"
     ].keys()
-    assert set(results["suites"]) == {"fidelity", "cost", "window", "window_exact"}
-    assert len(results["targets"]) == 4
+    assert set(results["suites"]) == {"fidelity", "cost", "window", "window_exact", "agents"}
+    assert len(results["targets"]) == 10  # fidelity 2, cost 2, agents 5, time to first token 1
     report = (out / "report.md").read_text()
-    for title in ("Fidelity", "Cost", "Window", "Targets"):
+    for title in ("Fidelity", "Cost", "Window", "Agent stream", "Targets"):
         assert f"## {title}" in report
 
 

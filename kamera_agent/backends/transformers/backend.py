@@ -131,7 +131,9 @@ class TransformersBackend(Backend):
         ids = torch.cat([c.input_ids for c in chunks])
         mm = torch.cat([c.mm_token_type_ids for c in chunks])
         merged = _merge_features(list(vision))
-        cache, _ = self._run(ids, mm, torch.cat(positions, dim=-1), self.assemble(context), merged, False)
+        cache, _ = self.forward(
+            ids, mm, torch.cat(positions, dim=-1), self.assemble(context), merged, logits=False
+        )
         out, slot = [], sum(kv.num_tokens for kv in context)
         for chunk, where in zip(chunks, positions, strict=True):
             kv = read_chunk(
@@ -274,21 +276,25 @@ class TransformersBackend(Backend):
     ) -> tuple[Any, torch.Tensor | None]:
         """Prefill text tokens ``[n]`` at ``positions`` over ``cache``; returns (cache, last logits)."""
         mm = torch.zeros_like(input_ids)
-        return self._run(input_ids, mm, positions, cache, None, logits)
+        return self.forward(input_ids, mm, positions, cache, None, logits=logits)
 
     def _forward(self, chunk: Chunk, positions: torch.Tensor, cache: Any) -> tuple[Any, torch.Tensor | None]:
         vision = self.encode_vision(chunk).features if chunk.has_vision else None
-        return self._run(chunk.input_ids, chunk.mm_token_type_ids, positions, cache, vision, logits=False)
+        return self.forward(chunk.input_ids, chunk.mm_token_type_ids, positions, cache, vision, logits=False)
 
-    def _run(
+    def forward(
         self,
         input_ids: torch.Tensor,
         mm_types: torch.Tensor,
         positions: torch.Tensor,
         cache: Any,
-        vision: VisionFeatures | None,
-        logits: bool,
+        vision: VisionFeatures | None = None,
+        *,
+        logits: bool = True,
     ) -> tuple[Any, torch.Tensor | None]:
+        """The model's own forward over ``cache`` for tokens ``[n]`` at ``positions``: embed, the
+        vision tower's outputs over the image tokens (``mm_types == 1``; Qwen3-VL's deepstack
+        features passed on), the decoder, the LM head on the last token (``logits``)."""
         parts, device = self.parts, self.parts.device
         embeds = parts.embed(input_ids)  # [n, hidden]
         extra: dict[str, Any] = {}

@@ -1,0 +1,248 @@
+"""What the agents suite measured: per agent × model, every step of every side, and the checks.
+
+Why records per step and per op: totals say who wins, the records say where the time goes (a
+push, a reorder's re-formed patches, a question) and feed the plots; results.json holds them
+all, so any figure in the report can be recomputed from the file.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kamera_agent.bench.agents.script import Script
+from kamera_agent.bench.agents.scripts import AgentCounts
+from kamera_agent.bench.agents.sides import OpSpent, SideCost
+from kamera_agent.bench.agents.ttft import TTFTRun
+from kamera_agent.bench.common import finite
+from kamera_agent.models.random_qwen2 import Qwen2Shape
+
+__all__ = ["PREFIX", "SIDES", "AgentRun", "AgentsRun", "AskRecord", "StepRecord"]
+
+PREFIX = "prefix"
+SIDES: tuple[str, ...] = ("kamera", "kamera-exact", PREFIX)
+"""The sides every agent runs on: kamera at its defaults, under `WindowConfig.exact`, the prefix cache."""
+MODELS: tuple[str, ...] = ("realistic", "demo")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step of the script and what each side spent on it.
+
+    Attributes:
+        index: the step's place in the script.
+        kind: what the agent did ("push", "frame", "replace+append", "read", "go back" ...).
+        detail: which chunks, in words.
+        chunks: chunks in the window after the step.
+        window_tokens: cache slots those chunks take.
+        asked: the step ended with a question.
+        sides: side -> its cost for the step.
+        ops: side -> its cost op by op (window ops and the question; the prefix cache's sync).
+    """
+
+    index: int
+    kind: str
+    detail: str
+    chunks: int
+    window_tokens: int
+    asked: bool
+    sides: Mapping[str, SideCost]
+    ops: Mapping[str, tuple[OpSpent, ...]]
+
+
+@dataclass(frozen=True)
+class AskRecord:
+    """A question's answer on each kamera side against the reference.
+
+    Attributes:
+        step: the step it ended.
+        query: the question.
+        reference: ``"re-prefill"`` (the model's own forward over the window: demo model) or
+            ``"prefix"`` (the prefix cache's logits, themselves a re-prefill: the realistic shape,
+            where a second full re-prefill per question would cost as much as the baseline).
+        top1: side -> its first answer token is the reference's.
+        kl: side -> next-token KL(reference ‖ side).
+        baseline_error: max |logit difference| of the prefix cache to the model's own forward
+            (NaN where the reference is the prefix cache itself).
+    """
+
+    step: int
+    query: str
+    reference: str
+    top1: Mapping[str, bool]
+    kl: Mapping[str, float]
+    baseline_error: float = math.nan
+
+
+@dataclass
+class AgentRun:
+    """One agent on one model: set up before its first step, filled as it runs.
+
+    Attributes:
+        baseline_logit_error: at the end, max |logit difference| between the prefix cache and
+            the model's own re-prefill of the final window (should be ~1e-5: it is exact).
+        final_kl: side -> next-token KL of its answer over the final window to that re-prefill.
+    """
+
+    agent: str
+    model: str
+    summary: str
+    capacity: int | None
+    sizes: dict[str, str]
+    steps_requested: int
+    asks_requested: int
+    sides: tuple[str, ...] = SIDES
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    records: list[StepRecord] = field(default_factory=list)
+    asks: list[AskRecord] = field(default_factory=list)
+    baseline_logit_error: float = math.nan
+    final_kl: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @classmethod
+    def of(cls, script: Script, model: str, sides: tuple[str, ...] = SIDES) -> AgentRun:
+        return cls(
+            script.agent,
+            model,
+            script.summary,
+            script.capacity,
+            script.sizes,
+            len(script.steps),
+            script.asks,
+            sides,
+        )
+
+    @property
+    def complete(self) -> bool:
+        return len(self.records) == self.steps_requested
+
+    def total(self, side: str, name: str) -> float:
+        """A side's sum of one `SideCost` field over the steps done."""
+        return float(
+            sum(getattr(record.sides[side], name) for record in self.records if side in record.sides)
+        )
+
+    def ratio(self, name: str, side: str) -> float:
+        """The prefix cache's total over ``side``'s: how many times less ``side`` spent (NaN at 0)."""
+        ours, theirs = self.total(side, name), self.total(PREFIX, name)
+        return theirs / ours if ours > 0 and theirs > 0 else math.nan
+
+    def cumulative(self, side: str, name: str) -> list[float]:
+        running, out = 0.0, []
+        for record in self.records:
+            running += getattr(record.sides[side], name)
+            out.append(running)
+        return out
+
+    def op_ms(self, side: str) -> dict[str, float]:
+        """A side's wall milliseconds by op kind (push, evict, reorder, recall, sync, ask)."""
+        out: dict[str, float] = {}
+        for record in self.records:
+            for op in record.ops.get(side, ()):
+                out[op.op] = out.get(op.op, 0.0) + op.ms
+        return out
+
+    def agreement(self, side: str) -> float:
+        votes = [ask.top1[side] for ask in self.asks if side in ask.top1]
+        return sum(votes) / len(votes) if votes else math.nan
+
+    def kl(self, side: str) -> tuple[float, float]:
+        """(mean, max) next-token KL to the reference over the questions asked."""
+        values = [ask.kl[side] for ask in self.asks if side in ask.kl]
+        return (statistics.fmean(values), max(values)) if values else (math.nan, math.nan)
+
+    def max_baseline_error(self) -> float:
+        """The prefix cache's largest |logit difference| to the model's own forward, over every
+        check made (per question on the demo model, the final window on both)."""
+        errors = [ask.baseline_error for ask in self.asks] + [self.baseline_logit_error]
+        finite_errors = [error for error in errors if math.isfinite(error)]
+        return max(finite_errors) if finite_errors else math.nan
+
+    def to_json(self) -> dict[str, Any]:
+        keys = ("ms", "tokens", "forwards", "vision", "ask_ms")
+        sides = {}
+        for side in self.sides:
+            totals: dict[str, Any] = {key: self.total(side, key) for key in keys}
+            totals["by_op_ms"] = self.op_ms(side)
+            entry: dict[str, Any] = {"settings": self.settings.get(side, {}), "totals": totals}
+            if side != PREFIX:
+                entry["ratios"] = {key: finite(self.ratio(key, side)) for key in ("ms", "tokens", "forwards")}
+                mean, worst = self.kl(side)
+                entry["fidelity"] = {
+                    "asks": sum(side in ask.top1 for ask in self.asks),
+                    "agreement": finite(self.agreement(side)),
+                    "kl_mean": finite(mean),
+                    "kl_max": finite(worst),
+                    "final_kl": finite(self.final_kl.get(side, math.nan)),
+                }
+            sides[side] = entry
+        return {
+            "agent": self.agent,
+            "model": self.model,
+            "summary": self.summary,
+            "capacity_chunks": self.capacity,
+            "tokens_per_chunk": self.sizes,
+            "steps_requested": self.steps_requested,
+            "steps_done": len(self.records),
+            "asks_requested": self.asks_requested,
+            "seconds": self.seconds,
+            "baseline_logit_error": finite(self.baseline_logit_error),
+            "baseline_max_error": finite(self.max_baseline_error()),
+            "sides": sides,
+            "records": [_record_json(record) for record in self.records],
+            "asks": [{**asdict(ask), "baseline_error": finite(ask.baseline_error)} for ask in self.asks],
+        }
+
+
+def _record_json(record: StepRecord) -> dict[str, Any]:
+    return {
+        "index": record.index,
+        "kind": record.kind,
+        "detail": record.detail,
+        "chunks": record.chunks,
+        "window_tokens": record.window_tokens,
+        "asked": record.asked,
+        "sides": {side: asdict(cost) for side, cost in record.sides.items()},
+        "ops": {side: [asdict(op) for op in ops] for side, ops in record.ops.items()},
+    }
+
+
+@dataclass
+class AgentsRun:
+    """The suite's live state: its sizes, then an `AgentRun` per agent × model as each starts.
+
+    Attributes:
+        quick: smoke sizes (a tiny model shape too): timings say nothing about the targets.
+        shape: the realistic model's shape (random init, float32, text-only).
+        tokens: tokens per chunk of each content kind on the realistic shape.
+    """
+
+    quick: bool
+    threads: int
+    shape: Qwen2Shape
+    demo_model: str
+    counts: AgentCounts
+    tokens: Mapping[str, int]
+    agents: tuple[str, ...]
+    runs: list[AgentRun] = field(default_factory=list)
+    ttft: TTFTRun | None = None
+    """Time to first token after window ops against its floor (`kamera_agent.bench.agents.ttft`)."""
+
+    def find(self, agent: str, model: str) -> AgentRun | None:
+        return next((r for r in self.runs if r.agent == agent and r.model == model), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "quick": self.quick,
+            "threads": self.threads,
+            "realistic_shape": asdict(self.shape),
+            "demo_model": self.demo_model,
+            "counts": asdict(self.counts),
+            "realistic_tokens_per_chunk": dict(self.tokens),
+            "agents": list(self.agents),
+            "runs": [run.to_json() for run in self.runs],
+            "ttft": self.ttft.to_json() if self.ttft is not None else None,
+        }

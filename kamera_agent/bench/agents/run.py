@@ -1,0 +1,231 @@
+"""Running the agents: every script on every side, step by step, timed side by side.
+
+Why one loop for all sides: the ratios are only meaningful when both sides of a comparison see
+the same machine state, so each step runs on the kamera window (defaults), the kamera window
+(`WindowConfig.exact`) and the prefix cache one after the other, the order rotating from step
+to step, all over one model in one process. Checks (answer agreement, KL, the baseline against
+the model's own re-prefill) run between steps, outside every clock.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import gc
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from rich.progress import Progress
+
+from kamera_agent.backends.transformers import TransformersBackend
+from kamera_agent.bench.agents.contents import Contents, DemoContents, RandomContents
+from kamera_agent.bench.agents.records import PREFIX, AgentRun, AgentsRun, AskRecord, StepRecord
+from kamera_agent.bench.agents.script import Script, Step
+from kamera_agent.bench.agents.scripts import AGENTS, QUICK_TOKENS, REALISTIC_TOKENS, AgentCounts
+from kamera_agent.bench.agents.sides import KameraSide, Outcome, PrefixSide
+from kamera_agent.bench.agents.ttft import TTFTShape, run_ttft
+from kamera_agent.config import WindowConfig
+from kamera_agent.metrics import next_token_kl
+from kamera_agent.models.random_qwen2 import QWEN2_1_5B_SLICE, Qwen2Shape, random_qwen2
+
+__all__ = ["QUICK_SHAPE", "new_run", "realistic_backend", "run_agent", "run_suite", "side_configs"]
+
+QUICK_SHAPE = Qwen2Shape(layers=2, hidden=64, heads=4, kv_heads=2, mlp=128, vocab=1024)
+"""The realistic model's stand-in for smoke runs: the same architecture at toy widths."""
+Side = KameraSide | PrefixSide
+
+
+def new_run(quick: bool, agents: Sequence[str], demo_model: str) -> AgentsRun:
+    """The suite's record, sized for a full or a quick run (set up before anything runs)."""
+    return AgentsRun(
+        quick=quick,
+        threads=torch.get_num_threads(),
+        shape=QUICK_SHAPE if quick else QWEN2_1_5B_SLICE,
+        demo_model=demo_model,
+        counts=AgentCounts.quick() if quick else AgentCounts(),
+        tokens=QUICK_TOKENS if quick else REALISTIC_TOKENS,
+        agents=tuple(agents),
+    )
+
+
+def realistic_backend(shape: Qwen2Shape, seed: int) -> TransformersBackend:
+    """A random-init Qwen2 of ``shape`` (float32) behind the transformers backend."""
+    from kamera_agent.models.tiny_tokenizer import build_byte_tokenizer
+
+    model = random_qwen2(shape, seed=seed, max_positions=32768)
+    return TransformersBackend(model, tokenizer=build_byte_tokenizer(vocab_size=shape.vocab))
+
+
+def side_configs(capacity: int | None) -> dict[str, WindowConfig]:
+    """The two kamera sides' settings: the defaults, and the exact ones (one token answers)."""
+    return {
+        "kamera": WindowConfig(capacity_chunks=capacity, max_new_tokens=1),
+        "kamera-exact": WindowConfig.exact(capacity_chunks=capacity, max_new_tokens=1),
+    }
+
+
+def run_suite(run: AgentsRun, demo_parts: tuple[Any, Any, Any], seed: int, progress: Progress) -> None:
+    """Every agent of ``run`` on the demo model, then on the realistic shape; then time to first
+    token after window ops on the realistic shape.
+
+    Mutates: ``run.runs`` (an `AgentRun` per agent × model, appended as each starts), ``run.ttft``.
+    """
+    model, tokenizer, image_processor = demo_parts
+    demo = TransformersBackend(model, tokenizer=tokenizer, image_processor=image_processor)
+    realistic = realistic_backend(run.shape, seed)
+    backends = {"demo": demo, "realistic": realistic}
+    contents: dict[str, Contents] = {
+        "demo": DemoContents(demo.encoder, seed),
+        "realistic": RandomContents(realistic.encoder, run.tokens, run.shape.vocab, seed),
+    }
+    for backend in backends.values():
+        _warm(backend)
+    for agent in run.agents:
+        for name, backend in backends.items():
+            script = AGENTS[agent](contents[name], run.counts)
+            record = AgentRun.of(script, name)
+            run.runs.append(record)
+            run_agent(script, backend, record, progress, reference="re-prefill" if name == "demo" else PREFIX)
+    shape = TTFTShape.quick() if run.quick else TTFTShape()
+    run.ttft = run_ttft(realistic, shape, seed, progress)
+
+
+def run_agent(
+    script: Script,
+    backend: TransformersBackend,
+    record: AgentRun,
+    progress: Progress,
+    *,
+    reference: str,
+    profiler: cProfile.Profile | None = None,
+) -> None:
+    """Run ``script`` on every side of ``record``, then check the final window.
+
+    Args:
+        reference: what each answer is compared with: ``"re-prefill"`` (the model's own forward
+            over the window, per question) or ``"prefix"`` (the prefix cache's own logits).
+        profiler: profiles the default kamera side's steps only (``kamera_agent.bench.agents.profile``).
+
+    Mutates: ``record`` (a record per step, a check per question, the final checks).
+
+    Raises:
+        RuntimeError: a window's lineup differs from the script's after a step.
+    """
+    began = time.perf_counter()
+    configs = side_configs(script.capacity)
+    sides: dict[str, Side] = {
+        name: PrefixSide(backend, script.chunks)
+        if name == PREFIX
+        else KameraSide(backend, configs[name], script.chunks)
+        for name in record.sides
+    }
+    record.settings = {name: config.model_dump(mode="json") for name, config in configs.items()}
+    record.settings[PREFIX] = {"cache_vision": True, "syncs": "once per step, before its question"}
+    names = list(record.sides)
+    task = progress.add_task(
+        f"agents · {script.agent} on {record.model} · {len(names)} sides", total=len(script.steps)
+    )
+    for index, step in enumerate(script.steps):
+        shift = index % len(names)
+        outcomes = {
+            name: _timed(sides[name], step, profiler if name == "kamera" else None)
+            for name in names[shift:] + names[:shift]
+        }
+        _check_lineups(sides, step)
+        chunks = [script.chunks[label] for label in step.lineup]
+        record.records.append(
+            StepRecord(
+                index,
+                step.kind,
+                step.detail,
+                len(chunks),
+                sum(chunk.num_tokens for chunk in chunks),
+                step.ask is not None,
+                {name: outcomes[name].cost for name in names},
+                {name: outcomes[name].ops for name in names},
+            )
+        )
+        if step.ask is not None:
+            checked = _check_ask(index, step.ask, chunks, backend, outcomes, reference)
+            if checked is not None:
+                record.asks.append(checked)
+        progress.advance(task)
+    _final_checks(script, backend, sides, record)
+    record.seconds = time.perf_counter() - began
+    del sides
+    gc.collect()
+
+
+def _timed(side: Side, step: Step, profiler: cProfile.Profile | None) -> Outcome:
+    if profiler is None:
+        return side.run(step)
+    profiler.enable()
+    try:
+        return side.run(step)
+    finally:
+        profiler.disable()
+
+
+def _check_lineups(sides: Mapping[str, Side], step: Step) -> None:
+    for name, side in sides.items():
+        if isinstance(side, KameraSide) and side.lineup() != step.lineup:
+            raise RuntimeError(
+                f"{name} holds {list(side.lineup())} after {step.kind} ({step.detail}); the script "
+                f"expects {list(step.lineup)}"
+            )
+
+
+def _check_ask(
+    index: int,
+    query: str,
+    chunks: Sequence[Any],
+    backend: TransformersBackend,
+    outcomes: Mapping[str, Outcome],
+    reference: str,
+) -> AskRecord | None:
+    """Each kamera side's first token and next-token KL against the reference's."""
+    prefix = outcomes.get(PREFIX)
+    error = math.nan
+    if reference == "re-prefill":
+        truth = backend.reference_prefill(chunks, backend.encoder.query_ids(query)).logits
+        if prefix is not None and prefix.logits is not None:
+            error = float((prefix.logits - truth).abs().max())
+    elif prefix is not None and prefix.logits is not None:
+        truth = prefix.logits
+    else:
+        return None
+    answers = {
+        name: out.logits for name, out in outcomes.items() if name != PREFIX and out.logits is not None
+    }
+    top1 = {name: int(logits.argmax()) == int(truth.argmax()) for name, logits in answers.items()}
+    kl = {name: next_token_kl(truth, logits) for name, logits in answers.items()}
+    return AskRecord(index, query, reference, top1, kl, error)
+
+
+def _final_checks(
+    script: Script, backend: TransformersBackend, sides: Mapping[str, Side], record: AgentRun
+) -> None:
+    """Every side's next-token logits over the final window against the model's own re-prefill."""
+    query = next((step.ask for step in reversed(script.steps) if step.ask is not None), None)
+    if query is None or not script.steps:
+        return
+    chunks = [script.chunks[label] for label in script.steps[-1].lineup]
+    query_ids = backend.encoder.query_ids(query)
+    truth = backend.reference_prefill(chunks, query_ids).logits
+    for name, side in sides.items():
+        if isinstance(side, PrefixSide):
+            side.cache.sync(chunks)  # crops the last question off; nothing to prefill
+            record.baseline_logit_error = float((side.cache.ask(query_ids).logits - truth).abs().max())
+        else:
+            record.final_kl[name] = next_token_kl(
+                truth, side.window.ask(query, max_new_tokens=1).first_logits
+            )
+
+
+def _warm(backend: TransformersBackend) -> None:
+    """Two untimed forwards: the first calls of a process pay allocator and kernel set-up."""
+    anchor = backend.anchor
+    for _ in range(2):
+        backend.forward_tokens(anchor.input_ids, anchor.positions_at(0), backend.assemble([]))

@@ -1,0 +1,158 @@
+"""The sides an agent script runs on: kamera windows and the prefix cache, each timed per step.
+
+Why each side owns its handles: a script names chunks by label; a `KameraWindow` hands out
+its own refs, the prefix cache only needs the step's lineup. Each side runs one step (its ops,
+then the question) and reports what it spent; the loop in `kamera_agent.bench.agents.run`
+alternates the sides' order from step to step so that none always runs first.
+
+The prefix cache is brought to the window's sequence once per step, when the agent would send
+its next request: a prefix cache computes only when asked to (an engine prefills a request,
+not each edit an agent makes to its prompt), so it pays for a step's net change, never for
+each of its ops. Its question is tokenized inside its clock, as ``KameraWindow.ask`` does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from kamera_agent.backends.transformers import TransformersBackend
+from kamera_agent.bench.agents.script import Evict, Extend, Op, Push, Reorder, Replace, Step
+from kamera_agent.bench.prefix_cache import PrefixCache
+from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.config import WindowConfig
+from kamera_agent.window import KameraWindow
+from kamera_agent.window.state import ChunkRef
+
+__all__ = ["KameraSide", "OpSpent", "Outcome", "PrefixSide", "SideCost"]
+
+
+@dataclass(frozen=True)
+class OpSpent:
+    """One op of a step (a window op, or ``"sync"`` / ``"ask"``) and what it spent.
+
+    Attributes:
+        op: ``push``, ``evict``, ``reorder``, ``recall``, ``ask`` (kamera); ``sync``, ``ask`` (prefix).
+        ms: wall milliseconds.
+        tokens: tokens prefilled.
+        forwards: language-model forwards.
+        vision: vision-tower runs.
+    """
+
+    op: str
+    ms: float
+    tokens: int
+    forwards: int
+    vision: int = 0
+
+
+@dataclass(frozen=True)
+class SideCost:
+    """What one side spent on one step (its ops and its question together)."""
+
+    ms: float
+    tokens: int
+    forwards: int
+    vision: int
+    ask_ms: float = 0.0
+    """The part of ``ms`` spent answering the question (0 without one)."""
+
+    @classmethod
+    def of(cls, ops: tuple[OpSpent, ...]) -> SideCost:
+        return cls(
+            sum(o.ms for o in ops),
+            sum(o.tokens for o in ops),
+            sum(o.forwards for o in ops),
+            sum(o.vision for o in ops),
+            sum(o.ms for o in ops if o.op == "ask"),
+        )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A side's step: its cost, op by op, and the answer's next-token logits (if it asked)."""
+
+    ops: tuple[OpSpent, ...]
+    logits: torch.Tensor | None
+
+    @property
+    def cost(self) -> SideCost:
+        return SideCost.of(self.ops)
+
+
+class KameraSide:
+    """A `KameraWindow` with a store of its own, over a shared backend, driven by labels."""
+
+    def __init__(
+        self, backend: TransformersBackend, config: WindowConfig, chunks: Mapping[str, Chunk]
+    ) -> None:
+        self.window = KameraWindow(backend, config=config)
+        self.chunks = chunks
+        self.refs: dict[str, ChunkRef] = {}
+
+    def run(self, step: Step) -> Outcome:
+        """Run the step's ops, then its question, each timed on its own; costs from the window."""
+        spent, logits = [], None
+        for op in step.ops:
+            began = time.perf_counter()
+            self._apply(op)
+            seconds, cost = time.perf_counter() - began, self.window.stats.last
+            name = type(op).__name__.lower()
+            spent.append(
+                OpSpent(name, seconds * 1e3, cost.tokens_prefilled, cost.forwards, cost.vision_encodes)
+            )
+        if step.ask is not None:
+            began = time.perf_counter()
+            answer = self.window.ask(step.ask, max_new_tokens=1)
+            seconds, cost = time.perf_counter() - began, self.window.stats.last
+            spent.append(
+                OpSpent("ask", seconds * 1e3, cost.tokens_prefilled, cost.forwards, cost.vision_encodes)
+            )
+            logits = answer.first_logits
+        return Outcome(tuple(spent), logits)
+
+    def _apply(self, op: Op) -> None:
+        window = self.window
+        if isinstance(op, Push):
+            self.refs[op.label] = window.push(self.chunks[op.label], label=op.label)
+        elif isinstance(op, Extend):
+            refs = window.extend([self.chunks[label] for label in op.labels], labels=list(op.labels))
+            self.refs.update(zip(op.labels, refs, strict=True))
+        elif isinstance(op, Replace):
+            self.refs[op.label] = window.replace(self.refs[op.old], self.chunks[op.label], label=op.label)
+        elif isinstance(op, Evict):
+            window.evict(self.refs[op.label])
+        elif isinstance(op, Reorder):
+            window.reorder([self.refs[label] for label in op.order])
+        else:
+            window.recall(self.refs[op.label], at=op.at)
+
+    def lineup(self) -> tuple[str, ...]:
+        """The labels in the window, left to right (checked against the script after each step)."""
+        return tuple(str(ref.label) for ref in self.window.refs)
+
+
+class PrefixSide:
+    """The prefix cache (`PrefixCache`, vision outputs cached by content) over a shared backend."""
+
+    def __init__(self, backend: TransformersBackend, chunks: Mapping[str, Chunk]) -> None:
+        self.cache = PrefixCache(backend)
+        self.chunks = chunks
+
+    def run(self, step: Step) -> Outcome:
+        """Sync to the step's lineup (one forward over everything from the first change), then
+        prefill the question over it."""
+        sequence = [self.chunks[label] for label in step.lineup]
+        synced = self.cache.sync(sequence)
+        spent = [OpSpent("sync", synced.seconds * 1e3, synced.tokens, synced.forwards, synced.vision_runs)]
+        logits = None
+        if step.ask is not None:
+            began = time.perf_counter()
+            answered = self.cache.ask(self.cache.backend.encoder.query_ids(step.ask))
+            seconds = time.perf_counter() - began
+            spent.append(OpSpent("ask", seconds * 1e3, answered.tokens, answered.forwards))
+            logits = answered.logits
+        return Outcome(tuple(spent), logits)

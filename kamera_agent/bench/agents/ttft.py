@@ -1,0 +1,189 @@
+"""Time to first token after a window op, against its floor: one forward of the query over the
+assembled KV.
+
+Why a floor: an ask after an op does three things, placing what changed (relocation, patch
+adds), appending it to the assembled cache, and one forward of the query; only the last is
+work a prefix cache would also do on a hit. ``ttft / floor`` is what kamera's bookkeeping
+costs on top, per op. The floor is the same query's forward over the same window, timed
+right after the ask over a freshly assembled cache (`KameraWindow.kv`; the faster of two
+runs), so both see the same machine state; the op's own work (a new chunk's forward, patches
+formed) is timed beside it.
+
+The window is ``chunks`` random-token pages of ``tokens`` each on the realistic shape, with the
+default settings. Each op is repeated and its median kept: an op and its inverse alternate
+(append a line, evict it), and a stream step slides the oldest page out as a new one enters.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from rich.progress import Progress
+
+from kamera_agent.backends.transformers import TransformersBackend
+from kamera_agent.bench.agents.contents import RandomContents
+from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.config import WindowConfig
+from kamera_agent.window import KameraWindow
+
+__all__ = ["TTFTRow", "TTFTRun", "TTFTShape", "run_ttft"]
+
+QUESTION = "What changed on the last page?"
+
+
+@dataclass(frozen=True)
+class TTFTShape:
+    """The window timed: ``chunks`` pages of ``tokens`` tokens, lines of ``line`` tokens."""
+
+    chunks: int = 8
+    tokens: int = 2048
+    line: int = 64
+    repeats: int = 3
+    stream_steps: int = 2
+
+    @classmethod
+    def quick(cls) -> TTFTShape:
+        return cls(chunks=4, tokens=64, line=16, repeats=2, stream_steps=2)
+
+
+@dataclass(frozen=True)
+class TTFTRow:
+    """One op: its own time, the first token's after it, and the floor, medians over repeats.
+
+    Attributes:
+        op: what the op did.
+        placed: window tokens the ask after it placed into the cache (``tokens_placed``: moved,
+            changed or new chunks; the rest was kept in the assembled cache).
+        op_ms: the op itself (its forwards included).
+        ttft_ms: the ask after it (``max_new_tokens=1``): placing, appending, the query's forward.
+        floor_ms: the query's forward over the assembled window, timed beside it.
+        samples: how many times it ran.
+    """
+
+    op: str
+    placed: int
+    op_ms: float
+    ttft_ms: float
+    floor_ms: float
+    samples: int
+
+    @property
+    def ratio(self) -> float:
+        return self.ttft_ms / self.floor_ms
+
+
+@dataclass
+class TTFTRun:
+    """The measurement: its shape, the window it timed, and a row per op."""
+
+    shape: TTFTShape
+    window_tokens: int = 0
+    rows: list[TTFTRow] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shape": asdict(self.shape),
+            "window_tokens": self.window_tokens,
+            "rows": [{**asdict(row), "ratio": row.ratio} for row in self.rows],
+        }
+
+
+@dataclass
+class _Samples:
+    op_ms: list[float] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)
+    floor_ms: list[float] = field(default_factory=list)
+    placed: list[int] = field(default_factory=list)
+
+
+def run_ttft(backend: TransformersBackend, shape: TTFTShape, seed: int, progress: Progress) -> TTFTRun:
+    """Fill the window, then time each op and the first token after it (see the module doc)."""
+    vocab = int(backend.model.config.vocab_size)
+    contents = RandomContents(backend.encoder, {"page": shape.tokens, "line": shape.line}, vocab, seed)
+    window = KameraWindow(backend, config=WindowConfig(max_new_tokens=1))
+    run = TTFTRun(shape)
+    ops = 2 + 2 * shape.repeats + shape.repeats + shape.stream_steps
+    task = progress.add_task(f"ttft · {shape.chunks} × {shape.tokens} tokens", total=shape.chunks + ops)
+    for index in range(shape.chunks):
+        window.push(contents.make("page", index))
+        progress.advance(task)
+    run.window_tokens = _tokens(window)
+
+    samples: dict[str, _Samples] = {}
+
+    def timed(name: str, op: Callable[[], object]) -> None:
+        began = time.perf_counter()
+        op()
+        op_ms = (time.perf_counter() - began) * 1e3
+        ttft = _ttft(window)
+        placed = window.stats.last.tokens_placed
+        floor = min(_floor(window, backend) for _ in range(2))  # the floor's own noise, taken out
+        record = samples.setdefault(name, _Samples())
+        record.op_ms.append(op_ms)
+        record.ttft_ms.append(ttft)
+        record.floor_ms.append(floor)
+        record.placed.append(placed)
+        progress.advance(task)
+
+    timed("first ask (assembles the window)", lambda: None)
+    timed("ask again (nothing changed)", lambda: None)
+    for index in range(shape.repeats):
+        line = contents.make("line", index)
+        timed(f"push a {shape.line}-token line", partial(window.push, line))
+        timed("evict the last chunk", lambda: window.evict(window.refs[-1]))
+    lines = [window.push(contents.make("line", shape.repeats + i)) for i in range(2)]
+    for _ in range(shape.repeats):
+        timed(
+            "swap the last two lines",
+            lambda: window.reorder([*window.refs[:-2], window.refs[-1], window.refs[-2]]),
+        )
+    for ref in lines:
+        window.evict(ref)
+    for index in range(shape.stream_steps):
+        page = contents.make("page", shape.chunks + index)
+        timed("stream: slide the oldest page out, push a new one", partial(_stream, window, page))
+    for name, record in samples.items():
+        run.rows.append(
+            TTFTRow(
+                name,
+                int(statistics.median(record.placed)),
+                statistics.median(record.op_ms),
+                statistics.median(record.ttft_ms),
+                statistics.median(record.floor_ms),
+                len(record.ttft_ms),
+            )
+        )
+    return run
+
+
+def _stream(window: KameraWindow, page: Chunk) -> None:
+    window.slide()
+    window.push(page)
+
+
+def _ttft(window: KameraWindow) -> float:
+    began = time.perf_counter()
+    window.ask(QUESTION, max_new_tokens=1)
+    return (time.perf_counter() - began) * 1e3
+
+
+def _floor(window: KameraWindow, backend: TransformersBackend) -> float:
+    """The query's forward (and its next-token logits) over the window's assembled KV."""
+    cache = window.kv()
+    query_ids = backend.encoder.query_ids(QUESTION)
+    end = backend.anchor.advance + sum(window.chunk(ref).advance for ref in window.refs)
+    positions = backend.positions.text(end, int(query_ids.shape[0]))
+    began = time.perf_counter()
+    with torch.no_grad():
+        backend.forward_tokens(query_ids, positions, cache)
+    return (time.perf_counter() - began) * 1e3
+
+
+def _tokens(window: KameraWindow) -> int:
+    return sum(window.chunk(ref).num_tokens for ref in window.refs)
