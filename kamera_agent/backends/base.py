@@ -70,10 +70,14 @@ class Spent:
 
 @dataclass(frozen=True)
 class Prefilled:
-    """Each prefilled chunk's KV, placed at the positions it was computed at, and the cost."""
+    """Each prefilled chunk's KV, placed at the positions it was computed at, and the cost.
+
+    ``cache``: with ``supports_extend``, the engine cache the forward ran over, now holding the
+    context and the prefilled chunks: a window keeps it for its next answer (``None`` elsewhere)."""
 
     kv: tuple[ChunkKV, ...]
     spent: Spent
+    cache: Any = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,7 @@ class Backend(ABC):
         context: Sequence[ChunkKV],
         start: int,
         vision: Sequence[VisionFeatures] = (),
+        onto: Any | None = None,
     ) -> Prefilled:
         """Run ``chunks``' tokens, placed back to back from position ``start``, over ``context``.
 
@@ -181,6 +186,8 @@ class Backend(ABC):
             context: placed KV already in the cache, back to back (the anchor first, or empty).
             start: the position of the first chunk's first token.
             vision: the vision outputs of the chunks that have vision, in order.
+            onto: with ``supports_extend``: an assembled cache that holds what comes before
+                ``context`` (extended in place: the forward appends to it, nothing is copied).
 
         Returns:
             Each chunk's KV at the positions it was computed at, and the cost (one forward).

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kamera_agent.backends.base import Backend, DecodeConfig, VisionFeatures
+from kamera_agent.backends.base import Backend, DecodeConfig, Prefilled, VisionFeatures
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.identity import Context
@@ -145,16 +145,22 @@ class KVCore:
 
     # -- conditioned KV -----------------------------------------------------------------------
     def condition(
-        self, chunks: Sequence[Chunk], context: Sequence[ChunkKV], start: int, txn: Txn
-    ) -> tuple[ChunkKV, ...]:
-        """``KV(B_i | context, B_<i)`` of consecutive chunks from ``start`` (anchor first in
-        ``context``): one forward, each chunk at its positions."""
+        self,
+        chunks: Sequence[Chunk],
+        context: Sequence[ChunkKV],
+        start: int,
+        txn: Txn,
+        onto: Any | None = None,
+    ) -> Prefilled:
+        """``KV(B_i | context, B_<i)`` of consecutive chunks from ``start`` (the anchor first in
+        ``onto`` or ``context``): one forward, each chunk at its positions; with it the engine
+        cache it ran over, where the engine keeps one (``Backend.prefill``)."""
         for chunk in chunks:
             self.check_origin(chunk)
         vision = [self.vision(chunk, txn) for chunk in chunks if chunk.has_vision]
-        done = self.backend.prefill(chunks, context, start, vision)
+        done = self.backend.prefill(chunks, context, start, vision, onto)
         txn.meter.spend(done.spent)
-        return done.kv
+        return done
 
     def place(self, canonical: ChunkKV, patch: Patch | None, positions: torch.Tensor) -> ChunkKV:
         """The chunk at ``positions`` with its conditioning restored: rotate(canonical + patch)."""

@@ -31,6 +31,10 @@ from kamera_agent.window.state import Assembled, ChunkRef, Entry, Home, WindowSt
 
 __all__ = ["Executor", "StaleLookup"]
 
+Piece = tuple[tuple[object, ...], int]
+"""What one stretch of an assembled cache holds (the anchor, or a chunk at its start in its
+state) and how many cache slots it takes."""
+
 
 class StaleLookup(Exception):
     """A store entry the plan relied on changed while the op ran (internal: the op is re-planned)."""
@@ -137,14 +141,30 @@ class Executor:
 
     # -- forming patches --------------------------------------------------------------------------
     def _form_in_window(self, run: Sequence[Step]) -> None:
-        """Patches for consecutive in-window chunks, each over everything to its left: one forward."""
+        """Patches for consecutive in-window chunks, each over everything to its left: one forward.
+
+        Where the engine keeps caches, the forward runs over the window's kept cache (cut back
+        to the chunks before the run that did not change, the rest placed onto it) and that
+        cache is kept again with the run's chunks whose KV is this forward's exact output: an
+        answer right after a push then places nothing, it appends its query."""
         first = run[0].ref
-        left = self.state.order[: self.state.order.index(first)]
-        context = [self.core.anchor_kv(self.txn.meter), *self._places(left)]
+        count, start = self.state.order.index(first), self._starts[first]
         chunks = [self.state.entries[step.ref].chunk for step in run]
-        conditioned = self.core.condition(chunks, context, self._starts[first], self.txn)
-        for step, kv in zip(run, conditioned, strict=True):
+        if not self.core.backend.supports_extend:
+            left = self.state.order[:count]
+            context = [self.core.anchor_kv(self.txn.meter), *self._places(left)]
+            done = self.core.condition(chunks, context, start, self.txn)
+        else:
+            cache, pieces = self._cache_through(count)
+            done = self.core.condition(chunks, [], start, self.txn, onto=cache)
+        for step, kv in zip(run, done.kv, strict=True):
             self._adopt(step.ref, step.state, kv, step.antecedents or ())
+        if self.core.backend.supports_extend and done.cache is not None:
+            for step, chunk in zip(run, chunks, strict=True):
+                if not _is_full(step.state):  # served as canonical + patch, not as this output
+                    break
+                pieces.append(((step.ref, self._starts[step.ref], step.state.digest), chunk.num_tokens))
+            self.state.assembled = Assembled(done.cache, tuple(pieces))
 
     def _form_over(self, ref: ChunkRef, target: ChunkState, antecedents: Sequence[ChunkRef]) -> None:
         """Form ``ref``'s patch over the context its target state names, placed behind the anchor."""
@@ -159,7 +179,7 @@ class Executor:
             jobs.append((*self.free_kv(state), source.positions_at(start)))
             start += source.advance
         placed = [self.core.anchor_kv(self.txn.meter), *self.core.place_many(jobs)]
-        return self.core.condition([chunk], placed, start, self.txn)[0]
+        return self.core.condition([chunk], placed, start, self.txn).kv[0]
 
     def _adopt(
         self, ref: ChunkRef, target: ChunkState, conditioned: ChunkKV, antecedents: Sequence[ChunkRef]
@@ -167,13 +187,11 @@ class Executor:
         """Give ``ref`` what ``conditioned`` says: a full-rank state keeps the KV itself (stored as
         is: no canonical needed, smaller than full-rank factors); a rank-m one a patch against its
         canonical. Either way the patch this ordering gives is folded into the orbit."""
-        entry = self.state.entries[ref]
         self.txn.meter.patches_formed += 1
         if _is_full(target):
             kv = replace(to_position_free(conditioned, self.layout), chunk_key=ref.key)
             self.txn.store.put_full(kv, target.digest)
             self._full[target.digest] = kv
-            entry.encoded = True
             if self.config.orbit:
                 self._update_full_orbit(ref.key, target, kv)
             self._settle(ref, target, None, antecedents, full=kv)
@@ -341,9 +359,16 @@ class Executor:
         appended: a push then costs its own tokens, not a copy of the window. A chunk that moved
         or changed state, and everything after it, is placed again.
         """
+        cache, pieces = self._cache_through(len(self.state.order))
+        self.state.assembled = Assembled(cache, tuple(pieces)) if self.core.backend.supports_extend else None
+        return cache
+
+    def _cache_through(self, count: int) -> tuple[Any, list[Piece]]:
+        """An engine cache holding the anchor and the first ``count`` in-window chunks as they
+        are now, built on the kept one where the engine can (see `window_cache`), and its pieces."""
         backend, state = self.core.backend, self.state
-        pieces: list[tuple[tuple[object, ...], int]] = [(("anchor",), self.core.anchor.num_tokens)]
-        for ref in state.order:
+        pieces: list[Piece] = [(("anchor",), self.core.anchor.num_tokens)]
+        for ref in state.order[:count]:
             entry = state.entries[ref]
             pieces.append(((ref, self._starts[ref], entry.state.digest), entry.chunk.num_tokens))
         memo, keep = state.assembled, 0
@@ -353,14 +378,15 @@ class Executor:
                     break
                 keep += 1
         if keep == 0:
-            cache = backend.assemble(self.placements())
+            cache = backend.assemble(
+                [self.core.anchor_kv(self.txn.meter), *self._places(state.order[:count])]
+            )
         else:
             assert memo is not None
             cache = backend.crop(memo.cache, sum(slots for _, slots in pieces[:keep]))
-            cache = backend.assemble(self._places(state.order[keep - 1 :]), onto=cache)
-        state.assembled = Assembled(cache, tuple(pieces)) if backend.supports_extend else None
+            cache = backend.assemble(self._places(state.order[keep - 1 : count]), onto=cache)
         self.txn.meter.tokens_placed += sum(slots for _, slots in pieces[keep:])
-        return cache
+        return cache, pieces
 
     # -- reading the window ------------------------------------------------------------------------
     def answer(self, query_ids: torch.Tensor, config: DecodeConfig) -> Answer:

@@ -117,12 +117,13 @@ class Scores:
 
 @dataclass(frozen=True)
 class Assembled:
-    """The engine cache the last answer was decoded over, and what each of its pieces held.
+    """The engine cache the last answer was decoded over (or the last in-window formation ran
+    over), and what each of its pieces held.
 
     A piece is ``("anchor",)`` or ``(ref, start, state digest)`` with its slot count: the next
     answer keeps the longest prefix of pieces that is unchanged (crop) and appends the rest.
-    The cache object is the engine's, mutated by decodes (which only append); it is cropped
-    before every reuse, so whatever a decode appended is never read.
+    The cache object is the engine's, mutated by decodes and formations (which only append); it
+    is cropped before every reuse, so whatever was appended beyond its pieces is never read.
     """
 
     cache: Any

@@ -89,7 +89,7 @@ def serve(
     start = core.anchor.advance
     for chunk in chunks:
         canonical = core.canonical(chunk, txn)
-        (conditioned,) = core.condition([chunk], placed, start, txn)
+        (conditioned,) = core.condition([chunk], placed, start, txn).kv
         patch = form_patch(canonical, conditioned, backend.layout, rank) if rank else None  # type: ignore[arg-type]
         placed.append(core.place(canonical, patch, chunk.positions_at(start)))
         start += chunk.advance

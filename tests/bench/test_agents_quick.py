@@ -94,11 +94,12 @@ def test_time_to_first_token_is_measured_after_each_op(agents: dict[str, Any]) -
     ttft = agents["results"]["suites"]["agents"]["ttft"]
     rows = {row["op"]: row for row in ttft["rows"]}
     assert len(rows) == 6 and all(row["ttft_ms"] > 0 and row["floor_ms"] > 0 for row in rows.values())
-    first = next(row for op, row in rows.items() if op.startswith("first ask"))
-    again = next(row for op, row in rows.items() if op.startswith("ask again"))
-    assert first["placed"] > ttft["window_tokens"] and again["placed"] == 0  # the kept cache
-    pushed = next(row for op, row in rows.items() if op.startswith("push"))
-    assert pushed["placed"] == ttft["shape"]["line"]  # only the pushed line is placed
+    # The last push's forward left the whole window in the kept cache; a push's and a stream
+    # step's forwards likewise: the ask after them places nothing. (A swap served from stored
+    # KV runs no forward: its ask places the swapped lines.)
+    for prefix in ("first ask", "ask again", "push", "stream"):
+        row = next(row for op, row in rows.items() if op.startswith(prefix))
+        assert row["placed"] == 0, row
     assert "## Time to first token" in agents["report"]
     assert any(t["claim"].startswith("TTFT") for t in agents["results"]["targets"])
 

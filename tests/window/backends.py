@@ -68,11 +68,11 @@ class CountingBackend(Backend):
     def context_limit(self) -> int | None:
         return self.inner.context_limit
 
-    def prefill(self, chunks: Any, context: Any, start: int, vision: Any = ()) -> Any:
+    def prefill(self, chunks: Any, context: Any, start: int, vision: Any = (), onto: Any = None) -> Any:
         self.calls["prefill"] += 1
         if self.fail_prefill_at is not None and self.calls["prefill"] == self.fail_prefill_at:
             raise RuntimeError("the engine failed mid-op")
-        return self.inner.prefill(chunks, context, start, vision)
+        return self.inner.prefill(chunks, context, start, vision, onto)
 
     def encode_vision(self, chunk: Any) -> Any:
         self.calls["encode_vision"] += 1

@@ -109,6 +109,7 @@ class TinyTorchBackend(Backend):
         context: Sequence[ChunkKV],
         start: int,
         vision: Sequence[VisionFeatures] = (),
+        onto: Any | None = None,
     ) -> Prefilled:
         """One forward over ``chunks`` back to back from ``start`` over the ``context`` KV."""
         if not chunks:
@@ -119,7 +120,7 @@ class TinyTorchBackend(Backend):
             position += chunk.advance
         ids = torch.cat([c.input_ids for c in chunks])
         mm = torch.cat([c.mm_token_type_ids for c in chunks])
-        cache: TinyKVCache = self.assemble(context)
+        cache: TinyKVCache = self.assemble(context, onto)
         slot = cache.length
         with torch.no_grad():
             _, cache = self.model(self._embeds(ids, mm, vision), torch.cat(positions), cache)
@@ -127,7 +128,7 @@ class TinyTorchBackend(Backend):
         for chunk, where in zip(chunks, positions, strict=True):
             out.append(self._read(cache, slot, chunk.num_tokens, where, chunk.key))
             slot += chunk.num_tokens
-        return Prefilled(tuple(out), Spent(forwards=1, tokens_prefilled=int(ids.shape[0])))
+        return Prefilled(tuple(out), Spent(forwards=1, tokens_prefilled=int(ids.shape[0])), cache)
 
     def encode_vision(self, chunk: Chunk) -> VisionOutput:
         if chunk.pixel_values is None:

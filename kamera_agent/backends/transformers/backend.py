@@ -120,6 +120,7 @@ class TransformersBackend(Backend):
         context: Sequence[ChunkKV],
         start: int,
         vision: Sequence[VisionFeatures] = (),
+        onto: Any | None = None,
     ) -> Prefilled:
         """One forward over consecutive chunks from ``start``: each chunk's KV is conditioned on
         ``context`` and the exact KV of the chunks before it in the run (what a re-prefill of the
@@ -131,10 +132,10 @@ class TransformersBackend(Backend):
         ids = torch.cat([c.input_ids for c in chunks])
         mm = torch.cat([c.mm_token_type_ids for c in chunks])
         merged = _merge_features(list(vision))
-        cache, _ = self.forward(
-            ids, mm, torch.cat(positions, dim=-1), self.assemble(context), merged, logits=False
-        )
-        out, slot = [], sum(kv.num_tokens for kv in context)
+        cache = self.assemble(context, onto)
+        slot = cache.get_seq_length()
+        cache, _ = self.forward(ids, mm, torch.cat(positions, dim=-1), cache, merged, logits=False)
+        out = []
         for chunk, where in zip(chunks, positions, strict=True):
             kv = read_chunk(
                 cache,
@@ -147,7 +148,7 @@ class TransformersBackend(Backend):
             )
             out.append(kv)
             slot += chunk.num_tokens
-        return Prefilled(tuple(out), Spent(forwards=1, tokens_prefilled=int(ids.shape[0])))
+        return Prefilled(tuple(out), Spent(forwards=1, tokens_prefilled=int(ids.shape[0])), cache)
 
     def encode_vision(self, chunk: Chunk) -> VisionOutput:
         if not self.parts.has_vision:

@@ -4,10 +4,12 @@ assembled KV.
 Why a floor: an ask after an op does three things, placing what changed (relocation, patch
 adds), appending it to the assembled cache, and one forward of the query; only the last is
 work a prefix cache would also do on a hit. ``ttft / floor`` is what kamera's bookkeeping
-costs on top, per op. The floor is the same query's forward over the same window, timed
-right after the ask over a freshly assembled cache (`KameraWindow.kv`; the faster of two
-runs), so both see the same machine state; the op's own work (a new chunk's forward, patches
-formed) is timed beside it.
+costs on top, per op. Where the op ran a forward over the window (a push, a re-formation),
+the cache that forward ran over is kept, so the ask after it places nothing (the op paid
+the placing, inside ``op_ms``); after a slide alone, the ask places the moved survivors.
+The floor is the same query's forward over the same window, timed right after the ask over
+a freshly assembled cache (`KameraWindow.kv`; the faster of two runs), so both see the same
+machine state; the op's own work (a new chunk's forward, patches formed) is timed beside it.
 
 The window is ``chunks`` random-token pages of ``tokens`` each on the realistic shape, with the
 default settings. Each op is repeated and its median kept: an op and its inverse alternate
@@ -131,7 +133,7 @@ def run_ttft(backend: TransformersBackend, shape: TTFTShape, seed: int, progress
         record.placed.append(placed)
         progress.advance(task)
 
-    timed("first ask (assembles the window)", lambda: None)
+    timed("first ask (after the pushes)", lambda: None)
     timed("ask again (nothing changed)", lambda: None)
     for index in range(shape.repeats):
         line = contents.make("line", index)
