@@ -118,13 +118,17 @@ class Rules:
         rank = self.rank_of(chunk)
         same_set = current.keyset == ctx.keyset and (current.kind == "orbit" or current.context.length == i)
         if self.config.orbit and current.kind != "canonical" and same_set:
-            address = orbit_key(ref.key, rank, self.root, ctx)
-            orbit = self.stored_orbit(ref.key, rank, address, ctx.keyset)
-            if orbit is not None:
-                detail = "same antecedent set: orbit patch"
-                return self.with_canonical(
-                    Step("apply_patch", ref, orbit, tuple(order[:i]), address, detail=detail)
-                )
+            # At the chunk's rank, else its full-rank orbit: the mean of the exact KVs its
+            # orderings were formed with where no canonical was stored (formation).
+            ranks: tuple[StateRank, ...] = (rank, "full") if rank != "full" else ("full",)
+            for orbit_rank in ranks:
+                address = orbit_key(ref.key, orbit_rank, self.root, ctx)
+                orbit = self.stored_orbit(ref.key, orbit_rank, address, ctx.keyset)
+                if orbit is not None:
+                    detail = "same antecedent set: orbit patch"
+                    return self.with_canonical(
+                        Step("apply_patch", ref, orbit, tuple(order[:i]), address, detail=detail)
+                    )
         stored = self.stored(ref, chunk, ctx, order[:i], "for these antecedents")
         if stored is not None:
             return stored

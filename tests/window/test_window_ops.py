@@ -95,6 +95,21 @@ def test_orbit_patch_serves_a_new_ordering_of_the_same_set_without_a_forward(mak
     assert answer_kl(w) < APPROX_KL
 
 
+def test_a_truncated_rank_serves_the_full_orbit_its_pushes_formed(make: Make) -> None:
+    """At rank 2 (below every chunk's size) pushes with no canonical stored keep exact KV, so
+    their orbit is a mean of exact KVs at full rank: a reorder within the set is served by it."""
+    w = make(rank=2)
+    a, b, c = three(w)
+    assert w.state_of(c).rank == "full"  # new content: its exact KV, no canonical formed
+    c_edit = next(edit for edit in w.plan("reorder", [b, a, c]).edits if edit.label == "c")
+    assert (c_edit.kind, c_edit.forwards) == ("apply_patch", 0) and "orbit" in c_edit.detail
+    w.reorder([b, a, c])  # b reverts (its canonical's prefill), a is formed behind b, c: no forward
+    assert (w.stats.last.forwards, w.stats.last.patches_applied) == (2, 1)
+    assert w.state_of(c).kind == "orbit" and w.state_of(c).rank == "full"
+    assert chunk_errors(w)["c"] > EXACT  # the mean over orderings approximates this one
+    assert answer_kl(w) < APPROX_KL
+
+
 def test_slide_only_rotates_survivors_and_runs_no_forward(make: Make) -> None:
     w = make()
     a, b, c = three(w)
