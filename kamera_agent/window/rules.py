@@ -8,8 +8,9 @@ rules, which read only the chunk's state, that context and a read-only store vie
 2. first in the window → **revert** to the canonical (exact there);
 3. its left context is what it was before this op and it encodes nothing now at or right of
    it → **rotate**: the op did not touch what it depends on;
-4. same antecedent *set*, other order, orbit patches on, an orbit patch stored → **apply** it;
-5. a patch stored for the state it would have over the planned left context → **apply** it;
+4. a patch (or full KV) stored for the state it would have over the planned left context →
+   **apply** it (exact for this ordering, so it comes before the orbit);
+5. same antecedent *set*, other order, orbit patches on, an orbit patch stored → **apply** it;
 6. otherwise the op's policy: **form** a patch (one conditioned forward), **keep** the old one
    (only while causal), **revert** to the canonical, or **defer** (lazy).
 
@@ -115,6 +116,9 @@ class Rules:
             return self.canonical_step("revert", ref, "first in the window: the canonical is exact")
         if before().get(ref) == ctx.digest and causal(ref, i):
             return Step("rotate", ref, current, detail="this op left its left context as it was")
+        stored = self.stored(ref, chunk, ctx, order[:i], "for these antecedents")
+        if stored is not None:  # exact for this ordering: before the orbit's mean over orderings
+            return stored
         rank = self.rank_of(chunk)
         same_set = current.keyset == ctx.keyset and (current.kind == "orbit" or current.context.length == i)
         if self.config.orbit and current.kind != "canonical" and same_set:
@@ -129,9 +133,6 @@ class Rules:
                     return self.with_canonical(
                         Step("apply_patch", ref, orbit, tuple(order[:i]), address, detail=detail)
                     )
-        stored = self.stored(ref, chunk, ctx, order[:i], "for these antecedents")
-        if stored is not None:
-            return stored
         if action == "keep":
             if causal(ref, i):
                 return Step("rotate", ref, current, detail="keeps its patch (policy: keep)")

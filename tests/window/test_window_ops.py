@@ -110,6 +110,21 @@ def test_a_truncated_rank_serves_the_full_orbit_its_pushes_formed(make: Make) ->
     assert answer_kl(w) < APPROX_KL
 
 
+def test_an_ordering_with_stored_exact_kv_is_served_exactly_not_by_its_orbit(make: Make) -> None:
+    """A second window sharing the store admits the same chunks as b, a, c: c's orbit is now a
+    mean over both orderings, and c's exact KV behind (b, a) is stored. Reordering the first
+    window to b, a, c serves that exact KV, not the mean."""
+    w = make()
+    a, b, c = three(w)
+    other = KameraWindow(w.backend, config=w.config, store=w.store)
+    other.push(w.chunk(b), label="b")
+    other.push(w.chunk(a), label="a")
+    other.push(w.chunk(c), label="c")
+    w.reorder([b, a, c])
+    assert w.state_of(c) == other.state_of(other.refs[2]) and w.stats.last.forwards == 0
+    assert_exact(w)
+
+
 def test_slide_only_rotates_survivors_and_runs_no_forward(make: Make) -> None:
     w = make()
     a, b, c = three(w)
