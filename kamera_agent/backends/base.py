@@ -146,6 +146,9 @@ class Backend(ABC):
     supports_extend: ClassVar[bool] = False
     """`assemble` can append onto an assembled cache and `crop` can cut one back: a window then
     reuses its assembled cache across answers for the chunks that did not move."""
+    supports_gaps: ClassVar[bool] = False
+    """`prefill` takes ``starts`` and ``sees``: formations with placed chunks between them (a
+    replacement mid-window and new chunks at the end) then share one forward."""
     layout: KVLayout
     fingerprint: str
     encoder: ChunkEncoder
@@ -178,6 +181,9 @@ class Backend(ABC):
         start: int,
         vision: Sequence[VisionFeatures] = (),
         onto: Any | None = None,
+        *,
+        starts: Sequence[int] | None = None,
+        sees: Sequence[int] | None = None,
     ) -> Prefilled:
         """Run ``chunks``' tokens, placed back to back from position ``start``, over ``context``.
 
@@ -188,6 +194,9 @@ class Backend(ABC):
             vision: the vision outputs of the chunks that have vision, in order.
             onto: with ``supports_extend``: an assembled cache that holds what comes before
                 ``context`` (extended in place: the forward appends to it, nothing is copied).
+            starts: with ``supports_gaps``: each chunk's first position (instead of back to back).
+            sees: with ``supports_gaps``: for each chunk, how many leading cache slots (``onto``
+                then ``context``) it attends to; it always sees the run's earlier chunks.
 
         Returns:
             Each chunk's KV at the positions it was computed at, and the cost (one forward).

@@ -151,14 +151,18 @@ class KVCore:
         start: int,
         txn: Txn,
         onto: Any | None = None,
+        *,
+        starts: Sequence[int] | None = None,
+        sees: Sequence[int] | None = None,
     ) -> Prefilled:
         """``KV(B_i | context, B_<i)`` of consecutive chunks from ``start`` (the anchor first in
         ``onto`` or ``context``): one forward, each chunk at its positions; with it the engine
-        cache it ran over, where the engine keeps one (``Backend.prefill``)."""
+        cache it ran over, where the engine keeps one; ``starts``/``sees`` for runs with placed
+        chunks between their members (``Backend.prefill``)."""
         for chunk in chunks:
             self.check_origin(chunk)
         vision = [self.vision(chunk, txn) for chunk in chunks if chunk.has_vision]
-        done = self.backend.prefill(chunks, context, start, vision, onto)
+        done = self.backend.prefill(chunks, context, start, vision, onto, starts=starts, sees=sees)
         txn.meter.spend(done.spent)
         return done
 

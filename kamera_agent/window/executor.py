@@ -85,18 +85,24 @@ class Executor:
 
     def _collect_run(self, steps: Sequence[Step], index: int) -> tuple[list[Step], int]:
         """The in-window formation at ``index`` and the ones planned to share its forward (an
-        admitted chunk's ``encode`` in between is done first)."""
+        admitted chunk's ``encode`` in between is done first; so are the placed chunks between
+        members, where the planner let a formation join across them: `Rules.across_gap`)."""
         run, index = [steps[index]], index + 1
+        between: list[Step] = []
+        resume = index
         while index < len(steps):
             step = steps[index]
-            if step.kind == "encode":
-                self._apply(step)
-            elif step.kind == "form_patch" and step.in_run:
+            if step.kind == "form_patch" and step.in_run:
+                for placed in between:  # KV from the store or a canonical: no member needed
+                    self._apply(placed)
                 run.append(step)
+                between, resume = [], index + 1
+            elif step.kind == "encode" or (step.kind != "form_patch" and self.core.backend.supports_gaps):
+                between.append(step)
             else:
                 break
             index += 1
-        return run, index
+        return run, resume  # steps after the last member are run one by one
 
     def _apply(self, step: Step) -> None:
         entry = self.state.entries[step.ref]
@@ -150,6 +156,9 @@ class Executor:
         first = run[0].ref
         count, start = self.state.order.index(first), self._starts[first]
         chunks = [self.state.entries[step.ref].chunk for step in run]
+        if self.state.order[count : count + len(run)] != [step.ref for step in run]:
+            self._form_across_gaps(run, chunks, count)
+            return
         if not self.core.backend.supports_extend:
             left = self.state.order[:count]
             context = [self.core.anchor_kv(self.txn.meter), *self._places(left)]
@@ -165,6 +174,34 @@ class Executor:
                     break
                 pieces.append(((step.ref, self._starts[step.ref], step.state.digest), chunk.num_tokens))
             self.state.assembled = Assembled(done.cache, tuple(pieces))
+
+    def _form_across_gaps(self, run: Sequence[Step], chunks: Sequence[Chunk], count: int) -> None:
+        """One forward for formations with placed chunks between them: the window's kept cache
+        up to the first member, the chunks between members placed onto it, then every member at
+        its own start, seeing the placed slots to its left (and the members before it).
+
+        The cache keeps the window's order only up to the first member (the members sit after
+        the placed chunks in it), so that is what stays kept; the next answer places the rest."""
+        members = {step.ref for step in run}
+        last = self.state.order.index(run[-1].ref)
+        between = [ref for ref in self.state.order[count:last] if ref not in members]
+        cache, pieces = self._cache_through(count)
+        cached = sum(slots for _, slots in pieces)
+        placed = self._places(between)
+        cache = self.core.backend.assemble(placed, onto=cache)
+        self.txn.meter.tokens_placed += sum(kv.num_tokens for kv in placed)
+        slots = dict(zip(between, (kv.num_tokens for kv in placed), strict=True))
+        sees, seen = [], cached
+        for ref in self.state.order[count : last + 1]:
+            if ref in members:
+                sees.append(seen)
+            else:
+                seen += slots[ref]
+        starts = [self._starts[step.ref] for step in run]
+        done = self.core.condition(chunks, [], starts[0], self.txn, onto=cache, starts=starts, sees=sees)
+        for step, kv in zip(run, done.kv, strict=True):
+            self._adopt(step.ref, step.state, kv, step.antecedents or ())
+        self.state.assembled = Assembled(done.cache, tuple(pieces))
 
     def _form_over(self, ref: ChunkRef, target: ChunkState, antecedents: Sequence[ChunkRef]) -> None:
         """Form ``ref``'s patch over the context its target state names, placed behind the anchor."""

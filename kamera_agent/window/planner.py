@@ -72,20 +72,32 @@ class Planner:
             return self._with_probes(state, plan, probes)
         return self._admit(state, op, chunks, evicted)
 
-    def replace(self, state: WindowState, ref: ChunkRef, chunk: Chunk, label: str | None) -> WindowPlan:
+    def replace(
+        self,
+        state: WindowState,
+        ref: ChunkRef,
+        chunk: Chunk,
+        label: str | None,
+        append: Sequence[tuple[Chunk, str | None]] = (),
+    ) -> WindowPlan:
         """``chunk`` takes ``ref``'s slot and ``ref`` is evicted; the chunks to its right are
         survivors of that eviction (they keep what they absorbed from ``ref`` under
         ``survivors="keep"``: a caption or summary replacing a screenshot leaves them encoding the
-        screenshot itself)."""
+        screenshot itself). ``append``: new chunks at the right end in the same op (where the
+        engine supports gaps, their formation shares the replacement's forward)."""
         _in_window(state, ref)
         new = state.mint(chunk, label)
-        self._check_storable(chunk)
-        evicted, probes = self._make_room(state, chunk.num_tokens, keep=(), gone=(ref,))
+        appended = {state.mint(c, name, 1 + i): c for i, (c, name) in enumerate(append)}
+        for admitted in (chunk, *appended.values()):
+            self._check_storable(admitted)
+        tokens = chunk.num_tokens + sum(c.num_tokens for c in appended.values())
+        count = 1 + len(appended)
+        evicted, probes = self._make_room(state, tokens, keep=(), gone=(ref,), count=count)
         if probes:
-            placeholder, _ = self._make_room(state, chunk.num_tokens, keep=(), scores={}, gone=(ref,))
-            plan = self._admit(state, "replace", {new: chunk}, [ref, *placeholder], at=ref)
+            placeholder, _ = self._make_room(state, tokens, keep=(), scores={}, gone=(ref,), count=count)
+            plan = self._admit(state, "replace", {new: chunk}, [ref, *placeholder], at=ref, appended=appended)
             return self._with_probes(state, plan, probes)
-        return self._admit(state, "replace", {new: chunk}, [ref, *evicted], at=ref)
+        return self._admit(state, "replace", {new: chunk}, [ref, *evicted], at=ref, appended=appended)
 
     def reorder(self, state: WindowState, refs: Sequence[ChunkRef]) -> WindowPlan:
         order = tuple(refs)
@@ -174,8 +186,10 @@ class Planner:
         chunks: Mapping[ChunkRef, Chunk],
         evicted: Sequence[ChunkRef],
         at: ChunkRef | None = None,
+        appended: Mapping[ChunkRef, Chunk] | None = None,
     ) -> WindowPlan:
-        """New chunks at the right end, or in the slot of ``at`` (which is among ``evicted``)."""
+        """New chunks at the right end, or in the slot of ``at`` (which is among ``evicted``),
+        with ``appended`` ones at the right end as well."""
         gone, new = set(evicted), tuple(chunks)
         order: list[ChunkRef] = []
         for ref in state.order:
@@ -185,6 +199,10 @@ class Planner:
                 order.append(ref)
         if at is None:
             order.extend(new)
+        if appended:
+            chunks = {**chunks, **appended}
+            new = (*new, *appended)
+            order.extend(appended)
         keep = SURVIVORS[self.config.survivors]
         special: dict[ChunkRef, Special] = {
             ref: partial(self._pushed, ref, chunk, tuple(order)) for ref, chunk in chunks.items()
@@ -221,6 +239,7 @@ class Planner:
             steps: list[Step] = []
             ctx, deferred, must_form = self.root, [], set()
             previous: Step | None = None
+            group: list[Step] = []  # the in-window formations sharing the current forward
             for i, ref in enumerate(order):
                 if ref in special:
                     step = special[ref](i, ctx)
@@ -230,7 +249,9 @@ class Planner:
                     )
                 else:
                     step = self.rules.decide(state, ref, i, order, causal, ctx, before, action_at(i))
-                step = self.rules.in_run(step, previous)
+                step = self.rules.across_gap(self.rules.in_run(step, previous), group)
+                if step.kind == "form_patch":
+                    group = [] if step.off_window else [*group, step] if step.in_run else [step]
                 if step.needs_canonical:
                     steps.append(self.rules.encode(ref, chunks.get(ref) or state.entries[ref].chunk))
                 if step.kind == "defer":

@@ -49,6 +49,8 @@ class PlanInputs:
         kv_bytes_per_token: bytes of one token's canonical, for budget checks.
         anchor_ready: the anchor's KV is computed (else the first forward also runs it).
         query_tokens: how many tokens a query has (probe edits' cost).
+        gaps: the engine runs formations with placed chunks between them in one forward
+            (`Backend.supports_gaps`).
     """
 
     config: WindowConfig
@@ -58,6 +60,7 @@ class PlanInputs:
     kv_bytes_per_token: int
     anchor_ready: bool = True
     query_tokens: Callable[[str], int] = lambda query: 0
+    gaps: bool = False
 
 
 Causality = Callable[[ChunkRef, int], bool]
@@ -294,6 +297,21 @@ class Rules:
             context = formed_over.extend(exact_previous)
             # The step was just built for this walk: changing it in place is safe.
             step.state = ChunkState.patched(step.ref.key, step.state.rank, context)
+        step.in_run, step.forwards = True, 0
+        return step
+
+    def across_gap(self, step: Step, group: Sequence[Step]) -> Step:
+        """A formation after placed chunks joins the forward of this op's earlier formations
+        (``group``, consecutive or not) where the engine supports gaps and every member is served
+        as that forward's output (its full KV): the forward then computes exactly the planned
+        chain, each chunk seeing the placed chunks to its left and the members before it. A
+        rank-m member is served as canonical + patch, not as the forward's output: the next
+        formation after a gap starts a forward of its own.
+        """
+        if not self.inputs.gaps or step.kind != "form_patch" or step.off_window or step.in_run or not group:
+            return step
+        if not all(member.state.rank == "full" for member in group):
+            return step
         step.in_run, step.forwards = True, 0
         return step
 

@@ -177,20 +177,31 @@ class KameraWindow:
         kind: ChunkKind | None = None,
         caption: str | None = None,
         channel_order: ChannelOrder | None = None,
+        append: Sequence[Item] = (),
+        append_labels: Sequence[str | None] | None = None,
     ) -> ChunkRef:
         """Put ``item`` in ``ref``'s slot and evict ``ref`` (recallable), e.g. a screenshot by
-        its caption or a page by its summary.
+        its caption or a page by its summary; ``append`` (read as `extend` reads its items)
+        admits new chunks at the right end in the same op.
 
-        The new chunk is conditioned on its left context (one forward of its tokens); the
-        chunks to its right are survivors of ``ref``'s eviction: with ``survivors="keep"`` they
-        keep their KV, which absorbed ``ref`` itself (rotated by the change in length); with
-        ``"removal"`` they are patched over their new left context.
+        The new chunk is conditioned on its left context (one forward of its tokens, shared
+        with the appended chunks' where the engine supports gaps: a browsing agent's step is
+        then one forward, as a prefix cache's is); the chunks to its right are survivors of
+        ``ref``'s eviction: with ``survivors="keep"`` they keep their KV, which absorbed ``ref``
+        itself (rotated by the change in length); with ``"removal"`` they are patched over their
+        new left context.
 
-        Mutates: the window (admits one chunk, evicts ``ref``), the store.
+        Returns:
+            The replacement's ref (the appended ones are the window's last ``len(append)``).
+
+        Mutates: the window (admits the chunks, evicts ``ref``, may evict more), the store.
         """
         self._in_window(ref)
         chunk = chunk_of(self._core.backend.encoder, item, kind, caption, channel_order, label)
-        plan, _ = self._transact("replace", lambda planner: planner.replace(self._state, ref, chunk, label))
+        extra = self._labelled_chunks(append, append_labels) if append else []
+        plan, _ = self._transact(
+            "replace", lambda planner: planner.replace(self._state, ref, chunk, label, extra)
+        )
         return plan.admitted[0]
 
     def reorder(self, refs: Sequence[ChunkRef]) -> None:
@@ -327,11 +338,12 @@ class KameraWindow:
             "extend": lambda items, labels=None: planner.extend(
                 self._state, self._labelled_chunks(items, labels)
             ),
-            "replace": lambda ref, item, label=None, **kw: planner.replace(
+            "replace": lambda ref, item, label=None, append=(), append_labels=None, **kw: planner.replace(
                 self._state,
                 self._in_window(ref),
                 chunk_of(self._core.backend.encoder, item, label=label, **kw),
                 label,
+                self._labelled_chunks(append, append_labels) if append else [],
             ),
             "reorder": lambda refs: planner.reorder(self._state, refs),
             "slide": lambda n=1: planner.remove(self._state, self._state.order[:n], "slide"),
@@ -368,9 +380,7 @@ class KameraWindow:
     ) -> list[tuple[Chunk, str | None]]:
         names = list(labels) if labels is not None else [None] * len(items)
         if len(names) != len(items):
-            raise WindowError(
-                f"extend got {len(items)} items but {len(names)} labels; give one label per item"
-            )
+            raise WindowError(f"got {len(items)} items but {len(names)} labels; give one label per item")
         encoder = self._core.backend.encoder
         return [(chunk_of(encoder, item, label=name), name) for item, name in zip(items, names, strict=True)]
 
@@ -450,6 +460,7 @@ class KameraWindow:
             kv_bytes_per_token=layout.bytes_per_token(core.backend.dtype),
             anchor_ready=core.anchor_ready,
             query_tokens=lambda query: int(core.backend.encoder.query_ids(query).shape[0]),
+            gaps=core.backend.supports_gaps,
         )
         return Planner(inputs)
 

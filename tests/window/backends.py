@@ -48,6 +48,7 @@ class CountingBackend(Backend):
         self.layout, self.fingerprint, self.encoder = inner.layout, inner.fingerprint, inner.encoder
         self.supports_reference = inner.supports_reference  # type: ignore[misc]
         self.supports_extend = inner.supports_extend  # type: ignore[misc]
+        self.supports_gaps = inner.supports_gaps  # type: ignore[misc]
         self.calls["crop"] = 0
         self.assembles: list[tuple[int, bool]] = []
         """Each `assemble` call: how many placed pieces, and whether it appended onto a cache."""
@@ -68,11 +69,13 @@ class CountingBackend(Backend):
     def context_limit(self) -> int | None:
         return self.inner.context_limit
 
-    def prefill(self, chunks: Any, context: Any, start: int, vision: Any = (), onto: Any = None) -> Any:
+    def prefill(
+        self, chunks: Any, context: Any, start: int, vision: Any = (), onto: Any = None, **gaps: Any
+    ) -> Any:
         self.calls["prefill"] += 1
         if self.fail_prefill_at is not None and self.calls["prefill"] == self.fail_prefill_at:
             raise RuntimeError("the engine failed mid-op")
-        return self.inner.prefill(chunks, context, start, vision, onto)
+        return self.inner.prefill(chunks, context, start, vision, onto, **gaps)
 
     def encode_vision(self, chunk: Any) -> Any:
         self.calls["encode_vision"] += 1

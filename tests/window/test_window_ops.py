@@ -353,6 +353,45 @@ def test_replace_takes_the_slot_and_survivors_keep_what_they_absorbed(make: Make
     assert w.stats.last.forwards == 0  # b's KV over a is stored: applied, no forward
 
 
+def test_replace_with_appended_chunks_is_one_forward_that_each_chunk_checks_against(make: Make) -> None:
+    """A browsing agent's step: the oldest screenshot replaced by its caption, a line and a new
+    screenshot appended. One forward forms the caption (over a only: c sits between) and the
+    appended chunks (over everything); each chunk's KV is what its state says it encodes."""
+    w = make()
+    a, b, c = three(w)
+    pic = images(1, seed=61)[0]
+    plan = w.plan(
+        "replace", b, "a short caption", append=["clicked next", pic], append_labels=["line", "shot"]
+    )
+    assert plan.forwards == 1 and plan.count("form_patch") == 3
+    caption = w.replace(b, "a short caption", append=["clicked next", pic], append_labels=["line", "shot"])
+    line, shot = w.refs[-2:]
+    assert w.refs == [a, caption, c, line, shot] and (line.label, shot.label) == ("line", "shot")
+    assert w.stats.last.forwards == 1 and b in w.evicted
+    assert w.stats.last.tokens_prefilled == sum(w.chunk(r).num_tokens for r in (caption, line, shot))
+    oracle = StateOracle(w.backend)
+    for ref in (a, b, c, caption, line, shot):
+        oracle.know(w.chunk(ref))
+    assert max(error for error, _ in oracle.errors(w).values()) <= EXACT
+
+
+def test_replace_with_appended_chunks_answers_like_replace_then_extend(make: Make) -> None:
+    """Same KV either way (one forward or two): the answers agree; under the exact settings
+    both equal a re-prefill."""
+    answers = []
+    for fused in (True, False):
+        w = make(survivors="removal")
+        b = three(w)[1]
+        if fused:
+            w.replace(b, "a short caption", append=["clicked next"])
+        else:
+            w.replace(b, "a short caption")
+            w.extend(["clicked next"])
+        assert_exact(w)
+        answers.append(w.ask("What is it?", max_new_tokens=2).first_logits)
+    assert float((answers[0] - answers[1]).abs().max()) < 1e-4
+
+
 def test_replace_under_the_exact_settings_re_forms_the_chunks_to_its_right(make: Make) -> None:
     w = make(survivors="removal")
     a, b, c = three(w)

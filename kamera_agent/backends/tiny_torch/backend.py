@@ -28,6 +28,7 @@ from kamera_agent.backends.base import (
     VisionOutput,
 )
 from kamera_agent.backends.decoding import decode_loop
+from kamera_agent.backends.runs import hidden_slots, run_positions
 from kamera_agent.backends.tiny_torch.model import TinyConfig, TinyKVCache, TinyRopeLM
 from kamera_agent.backends.tiny_torch.tokenizer import TinyByteTokenizer, TinyImageProcessor
 from kamera_agent.chunks.chunk import Chunk
@@ -62,6 +63,7 @@ class TinyTorchBackend(Backend):
 
     supports_reference = True
     supports_extend = True
+    supports_gaps = True
 
     def __init__(self, config: TinyConfig | None = None, seed: int = 0) -> None:
         c = self.config = config or TinyConfig()
@@ -110,20 +112,21 @@ class TinyTorchBackend(Backend):
         start: int,
         vision: Sequence[VisionFeatures] = (),
         onto: Any | None = None,
+        *,
+        starts: Sequence[int] | None = None,
+        sees: Sequence[int] | None = None,
     ) -> Prefilled:
         """One forward over ``chunks`` back to back from ``start`` over the ``context`` KV."""
         if not chunks:
             raise ValueError("prefill needs at least one chunk")
-        positions, position = [], start
-        for chunk in chunks:
-            positions.append(chunk.positions_at(position))
-            position += chunk.advance
+        positions = run_positions(chunks, start, starts)
         ids = torch.cat([c.input_ids for c in chunks])
         mm = torch.cat([c.mm_token_type_ids for c in chunks])
         cache: TinyKVCache = self.assemble(context, onto)
         slot = cache.length
+        hidden = hidden_slots(chunks, slot, sees) if sees is not None else None
         with torch.no_grad():
-            _, cache = self.model(self._embeds(ids, mm, vision), torch.cat(positions), cache)
+            _, cache = self.model(self._embeds(ids, mm, vision), torch.cat(positions), cache, hidden)
         out = []
         for chunk, where in zip(chunks, positions, strict=True):
             out.append(self._read(cache, slot, chunk.num_tokens, where, chunk.key))

@@ -82,7 +82,12 @@ class _Attention(nn.Module):
         self.o = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
 
     def forward(
-        self, x: torch.Tensor, rotation: torch.Tensor, cache: TinyKVCache, layer: int
+        self,
+        x: torch.Tensor,
+        rotation: torch.Tensor,
+        cache: TinyKVCache,
+        layer: int,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         c, n = self.c, int(x.shape[0])
         q = _rope(self.q(x).view(n, c.heads, c.head_dim).transpose(0, 1), rotation)  # [H, n, D]
@@ -93,6 +98,8 @@ class _Attention(nn.Module):
         keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
         scores = q @ keys.transpose(1, 2) / math.sqrt(c.head_dim)  # [H, n, S]
         visible = torch.ones(n, keys.shape[1], dtype=torch.bool).tril(keys.shape[1] - n)  # causal by slot
+        if hidden is not None:
+            visible = visible & ~hidden
         weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out: torch.Tensor = self.o((weights @ values).transpose(0, 1).reshape(n, c.heads * c.head_dim))
         return out
@@ -108,9 +115,14 @@ class _Block(nn.Module):
         self.down = nn.Linear(c.mlp, c.hidden, bias=False)
 
     def forward(
-        self, x: torch.Tensor, rotation: torch.Tensor, cache: TinyKVCache, layer: int
+        self,
+        x: torch.Tensor,
+        rotation: torch.Tensor,
+        cache: TinyKVCache,
+        layer: int,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rotation, cache, layer)
+        x = x + self.attn(self.attn_norm(x), rotation, cache, layer, hidden)
         h = self.mlp_norm(x)
         out: torch.Tensor = x + self.down(F.silu(self.gate(h)) * self.up(h))  # SwiGLU
         return out
@@ -161,12 +173,17 @@ class TinyRopeLM(nn.Module):
         return out
 
     def forward(
-        self, embeds: torch.Tensor, positions: torch.Tensor, cache: TinyKVCache
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        cache: TinyKVCache,
+        hidden: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, TinyKVCache]:
         """Run ``embeds`` ``[n, hidden]`` at absolute ``positions`` ``[n]`` over ``cache``.
 
         The new tokens attend to every cached slot and to themselves causally (by slot, whatever
-        the positions); their rotated keys and values are appended to ``cache``.
+        the positions), except the slots ``hidden`` ``[n, cached + n]`` (bool) marks; their
+        rotated keys and values are appended to ``cache``.
 
         Returns:
             Final-norm hidden states ``[n, hidden]`` and the (grown) cache.
@@ -175,5 +192,5 @@ class TinyRopeLM(nn.Module):
         rotation = torch.polar(torch.ones_like(angles), angles)  # cos + i sin, in float32
         x = embeds
         for layer, block in enumerate(self.layers):
-            x = block(x, rotation, cache, layer)
+            x = block(x, rotation, cache, layer, hidden)
         return self.norm(x), cache

@@ -27,6 +27,7 @@ from kamera_agent.backends.base import (
     VisionOutput,
 )
 from kamera_agent.backends.decoding import decode_loop
+from kamera_agent.backends.runs import hidden_slots, run_positions
 from kamera_agent.backends.transformers.cache import HEADROOM, BufferedLayer, buffered_cache
 from kamera_agent.backends.transformers.parts import ModelParts, model_parts
 from kamera_agent.backends.transformers.positions import position_scheme
@@ -57,6 +58,7 @@ class TransformersBackend(Backend):
     supports_mla = True
     supports_reference = True
     supports_extend = True
+    supports_gaps = True
 
     def __init__(
         self,
@@ -121,20 +123,23 @@ class TransformersBackend(Backend):
         start: int,
         vision: Sequence[VisionFeatures] = (),
         onto: Any | None = None,
+        *,
+        starts: Sequence[int] | None = None,
+        sees: Sequence[int] | None = None,
     ) -> Prefilled:
         """One forward over consecutive chunks from ``start``: each chunk's KV is conditioned on
         ``context`` and the exact KV of the chunks before it in the run (what a re-prefill of the
         run computes), in the time of a single prefill of the run's tokens."""
-        positions, position = [], start
-        for chunk in chunks:
-            positions.append(chunk.positions_at(position))
-            position += chunk.advance
+        positions = run_positions(chunks, start, starts)
         ids = torch.cat([c.input_ids for c in chunks])
         mm = torch.cat([c.mm_token_type_ids for c in chunks])
         merged = _merge_features(list(vision))
         cache = self.assemble(context, onto)
         slot = cache.get_seq_length()
-        cache, _ = self.forward(ids, mm, torch.cat(positions, dim=-1), cache, merged, logits=False)
+        hidden = hidden_slots(chunks, slot, sees) if sees is not None else None
+        cache, _ = self.forward(
+            ids, mm, torch.cat(positions, dim=-1), cache, merged, logits=False, hidden=hidden
+        )
         out = []
         for chunk, where in zip(chunks, positions, strict=True):
             kv = read_chunk(
@@ -292,10 +297,14 @@ class TransformersBackend(Backend):
         vision: VisionFeatures | None = None,
         *,
         logits: bool = True,
+        hidden: torch.Tensor | None = None,
     ) -> tuple[Any, torch.Tensor | None]:
         """The model's own forward over ``cache`` for tokens ``[n]`` at ``positions``: embed, the
         vision tower's outputs over the image tokens (``mm_types == 1``; Qwen3-VL's deepstack
-        features passed on), the decoder, the LM head on the last token (``logits``)."""
+        features passed on), the decoder, the LM head on the last token (``logits``).
+
+        ``hidden`` ``[n, cached + n]`` (bool): slots the tokens must not attend to besides the
+        causal ones; passed to the model as a 4-D additive mask, which transformers uses as is."""
         parts, device = self.parts, self.parts.device
         embeds = parts.embed(input_ids)  # [n, hidden]
         extra: dict[str, Any] = {}
@@ -312,11 +321,16 @@ class TransformersBackend(Backend):
         past = cache.get_seq_length() if cache is not None else 0
         n = int(input_ids.shape[0])
         pos = positions[None] if positions.ndim == 1 else positions[:, None]  # [1, n] or [3, 1, n]
+        mask: torch.Tensor = torch.ones(1, past + n, dtype=torch.long, device=device)
+        if hidden is not None:
+            blocked = hidden | torch.ones(n, past + n, dtype=torch.bool).triu(past + 1)  # and the future
+            mask = torch.zeros(1, 1, n, past + n, dtype=embeds.dtype, device=device)
+            mask.masked_fill_(blocked.to(device)[None, None], torch.finfo(embeds.dtype).min)
         with torch.no_grad():
             out = parts.language_model(
                 inputs_embeds=embeds[None],
                 position_ids=pos.to(device),
-                attention_mask=torch.ones(1, past + n, dtype=torch.long, device=device),
+                attention_mask=mask,
                 use_cache=True,
                 **{parts.cache_kwarg: cache},
                 **extra,

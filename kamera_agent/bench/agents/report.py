@@ -88,8 +88,9 @@ def time_grid(suite: AgentsRun) -> Grid | None:
     if not rows:
         return None
     note = (
-        "Milliseconds per op kind, summed over the run. kamera: its window ops and questions; the "
-        "prefix cache: one sync per step (crop at the first change, prefill the rest) and its questions."
+        "Milliseconds per op kind, summed over the run. kamera: its window ops (a web step's replace "
+        "includes the line and screenshot it appends) and questions; the prefix cache: one sync per "
+        "step (crop at the first change, prefill the rest) and its questions."
     )
     return Grid(
         "Agents: wall time by op (realistic shape)", ("agent", "side", *_OPS, "total"), tuple(rows), note

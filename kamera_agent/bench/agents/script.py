@@ -14,7 +14,7 @@ instead of timing something else.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kamera_agent.chunks.chunk import Chunk
@@ -38,10 +38,12 @@ class Extend:
 
 @dataclass(frozen=True)
 class Replace:
-    """Put the chunk ``label`` in ``old``'s slot and evict ``old`` (`KameraWindow.replace`)."""
+    """Put the chunk ``label`` in ``old``'s slot and evict ``old``, admitting the chunks
+    ``append`` at the right end in the same op (`KameraWindow.replace`)."""
 
     old: str
     label: str
+    append: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -157,13 +159,25 @@ class ScriptBuilder:
         del self._ops[-len(items) :]
         self._ops.append(Extend(tuple(label for label, _, _ in items)))
 
-    def replace(self, old: str, label: str, chunk: Chunk, kind: str) -> None:
+    def replace(
+        self,
+        old: str,
+        label: str,
+        chunk: Chunk,
+        kind: str,
+        append: Sequence[tuple[str, Chunk, str]] = (),
+    ) -> None:
+        """``label`` in ``old``'s slot; ``append`` (label, chunk, kind) at the right end, one op."""
         if label in self.chunks:
             raise ValueError(f"{label!r} is pushed twice; labels name one chunk each")
         slot = self.lineup.index(old)  # ValueError when it is not in the window
         self.chunks[label], self.kinds[label] = chunk, kind
         self.lineup[slot] = label
-        self._ops.append(Replace(old, label))
+        for name, extra, extra_kind in append:
+            self.push(name, extra, extra_kind)
+        if append:
+            del self._ops[-len(append) :]
+        self._ops.append(Replace(old, label, tuple(name for name, _, _ in append)))
 
     def evict(self, label: str) -> None:
         self.lineup.remove(label)  # ValueError when it is not in the window

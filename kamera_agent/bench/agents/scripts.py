@@ -5,10 +5,9 @@
 - **video**: a sliding window of frames over a longer clip (FIFO eviction at capacity), a
   question every few frames; a prefix cache re-prefills every frame after each slide.
 - **web**: a browsing agent over a growing transcript: each step appends an action/observation
-  line and a new screenshot (one `extend`); only the newest screenshots stay, the oldest is
-  replaced in its slot by its caption (`replace`). The replacement is made before the step's
-  new chunks are appended: the window a step ends with is the same either way, and that order
-  leaves fewer chunks to the right of the edit for either side to redo.
+  line and a new screenshot; only the newest screenshots stay, the oldest is replaced in its
+  slot by its caption. A step is one op, as an agent sends one request per step: `replace`
+  with the line and screenshot appended (`extend` while no screenshot is due to go).
 - **document**: a coarse-to-fine reader: low-detail views of every page first, then detailed
   pages in a working set (the oldest detailed page evicted as each new one comes), going back
   to an earlier page now and then (recalled in reading order, right after the overviews).
@@ -115,16 +114,18 @@ def web(contents: Contents, counts: AgentCounts) -> Script:
     shots: list[str] = []
     for k in range(steps):
         detail = ""
+        line, shot = contents.make("line", k), contents.make("screenshot", k)
+        assert line.label is not None and shot.label is not None
+        new = [(line.label, line, "line"), (shot.label, shot, "screenshot")]
         if len(shots) == keep:
             old = shots.pop(0)
             slot = builder.lineup.index(old)
             caption = contents.make("caption", int(old.rsplit(" ", 1)[1]))
             assert caption.label is not None
-            builder.replace(old, caption.label, caption, "caption")
+            builder.replace(old, caption.label, caption, "caption", append=new)
             detail = f"; {old} -> {caption.label} at slot {slot}"
-        line, shot = contents.make("line", k), contents.make("screenshot", k)
-        assert line.label is not None and shot.label is not None
-        builder.extend([(line.label, line, "line"), (shot.label, shot, "screenshot")])
+        else:
+            builder.extend(new)
         shots.append(shot.label)
         kind = "replace+append" if detail else "append"
         builder.step(

@@ -122,7 +122,13 @@ class KameraSide:
             refs = window.extend([self.chunks[label] for label in op.labels], labels=list(op.labels))
             self.refs.update(zip(op.labels, refs, strict=True))
         elif isinstance(op, Replace):
-            self.refs[op.label] = window.replace(self.refs[op.old], self.chunks[op.label], label=op.label)
+            extra = [self.chunks[label] for label in op.append]
+            old, chunk = self.refs[op.old], self.chunks[op.label]
+            self.refs[op.label] = window.replace(
+                old, chunk, label=op.label, append=extra, append_labels=op.append
+            )
+            if op.append:
+                self.refs.update(zip(op.append, window.refs[-len(op.append) :], strict=True))
         elif isinstance(op, Evict):
             window.evict(self.refs[op.label])
         elif isinstance(op, Reorder):
