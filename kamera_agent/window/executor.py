@@ -185,11 +185,19 @@ class Executor:
         members = {step.ref for step in run}
         last = self.state.order.index(run[-1].ref)
         between = [ref for ref in self.state.order[count:last] if ref not in members]
-        cache, pieces = self._cache_through(count)
-        cached = sum(slots for _, slots in pieces)
+        keeps = self.core.backend.supports_extend
         placed = self._places(between)
-        cache = self.core.backend.assemble(placed, onto=cache)
         self.txn.meter.tokens_placed += sum(kv.num_tokens for kv in placed)
+        if keeps:
+            cache, pieces = self._cache_through(count)
+            cached, context = sum(slots for _, slots in pieces), placed
+        else:
+            cache, context = (
+                None,
+                [self.core.anchor_kv(self.txn.meter), *self._places(self.state.order[:count])],
+            )
+            cached = sum(kv.num_tokens for kv in context)
+            context = [*context, *placed]
         slots = dict(zip(between, (kv.num_tokens for kv in placed), strict=True))
         sees, seen = [], cached
         for ref in self.state.order[count : last + 1]:
@@ -198,10 +206,11 @@ class Executor:
             else:
                 seen += slots[ref]
         starts = [self._starts[step.ref] for step in run]
-        done = self.core.condition(chunks, [], starts[0], self.txn, onto=cache, starts=starts, sees=sees)
+        done = self.core.condition(chunks, context, starts[0], self.txn, onto=cache, starts=starts, sees=sees)
         for step, kv in zip(run, done.kv, strict=True):
             self._adopt(step.ref, step.state, kv, step.antecedents or ())
-        self.state.assembled = Assembled(done.cache, tuple(pieces))
+        if keeps and done.cache is not None:
+            self.state.assembled = Assembled(done.cache, tuple(pieces))
 
     def _form_over(self, ref: ChunkRef, target: ChunkState, antecedents: Sequence[ChunkRef]) -> None:
         """Form ``ref``'s patch over the context its target state names, placed behind the anchor."""

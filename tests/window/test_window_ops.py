@@ -25,7 +25,7 @@ from kamera_agent.errors import (
 )
 from kamera_agent.window import KameraWindow
 from tests.backends.test_transformers_backend import images
-from tests.window.backends import backend_named
+from tests.window.backends import CountingBackend, backend_named
 from tests.window.helpers import answer_kl, chunk_errors
 from tests.window.oracle import StateOracle
 
@@ -371,6 +371,21 @@ def test_replace_with_appended_chunks_is_one_forward_that_each_chunk_checks_agai
     assert w.stats.last.tokens_prefilled == sum(w.chunk(r).num_tokens for r in (caption, line, shot))
     oracle = StateOracle(w.backend)
     for ref in (a, b, c, caption, line, shot):
+        oracle.know(w.chunk(ref))
+    assert max(error for error, _ in oracle.errors(w).values()) <= EXACT
+
+
+def test_a_gapped_forward_without_a_kept_cache_matches_reprefill() -> None:
+    """An engine that runs gaps but cannot extend caches: the forward's context is assembled
+    afresh (anchor, the chunks left of the first member, the chunks between members)."""
+    backend = CountingBackend(backend_named("tiny_torch"))
+    backend.supports_extend = False  # type: ignore[misc]
+    w = KameraWindow(backend, config=WindowConfig(rank="full"))
+    b = [w.push(text) for text in ("first line here", "second line", "third line")][1]
+    w.replace(b, "a caption", append=["one more line"])
+    assert w.stats.last.forwards == 1 and backend.calls["crop"] == 0
+    oracle = StateOracle(w.backend)
+    for ref in [*w.refs, b]:
         oracle.know(w.chunk(ref))
     assert max(error for error, _ in oracle.errors(w).values()) <= EXACT
 
