@@ -61,3 +61,25 @@ def test_window_memory_benchmark_drops_pixels_beside_keeping_them(tmp_path: Path
     rows = json.loads(out.read_text())["rows"]
     assert rows["keep"]["pixel_mb"] > rows["drop"]["pixel_mb"] > 0  # the in-window frames keep theirs
     assert rows["keep"]["chunks_remembered"] == rows["drop"]["chunks_remembered"] == 12
+
+
+def test_agent_settings_benchmark_runs_a_variant_beside_the_defaults(tmp_path: Path) -> None:
+    out = tmp_path / "variant.json"
+    args = ["--quick", "--agent", "document", "--set", "cascade=keep", "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "agent_settings.py"), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={"KAMERA_NUM_THREADS": "1", "PATH": "", "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["variant"] == {"cascade": "keep"} and set(report["sides"]) == {
+        "kamera",
+        "variant",
+        "prefix",
+    }
+    sides = report["sides"]
+    assert all(side["ms"] > 0 and side["tokens"] > 0 for side in sides.values())
+    assert sides["variant"]["tokens"] < sides["kamera"]["tokens"]  # keep re-forms nothing on recall

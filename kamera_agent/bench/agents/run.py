@@ -30,7 +30,7 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.metrics import next_token_kl
 from kamera_agent.models.random_qwen2 import QWEN2_1_5B_SLICE, Qwen2Shape, random_qwen2
 
-__all__ = ["QUICK_SHAPE", "new_run", "realistic_backend", "run_agent", "run_suite", "side_configs"]
+__all__ = ["QUICK_SHAPE", "new_run", "realistic_backend", "run_agent", "run_suite", "side_configs", "warm"]
 
 QUICK_SHAPE = Qwen2Shape(layers=2, hidden=64, heads=4, kv_heads=2, mlp=128, vocab=1024)
 """The realistic model's stand-in for smoke runs: the same architecture at toy widths."""
@@ -81,7 +81,7 @@ def run_suite(run: AgentsRun, demo_parts: tuple[Any, Any, Any], seed: int, progr
         "realistic": RandomContents(realistic.encoder, run.tokens, run.shape.vocab, seed),
     }
     for backend in backends.values():
-        _warm(backend)
+        warm(backend)
     for agent in run.agents:
         for name, backend in backends.items():
             script = AGENTS[agent](contents[name], run.counts)
@@ -100,6 +100,7 @@ def run_agent(
     *,
     reference: str,
     profiler: cProfile.Profile | None = None,
+    configs: Mapping[str, WindowConfig] | None = None,
 ) -> None:
     """Run ``script`` on every side of ``record``, then check the final window.
 
@@ -107,6 +108,7 @@ def run_agent(
         reference: what each answer is compared with: ``"re-prefill"`` (the model's own forward
             over the window, per question) or ``"prefix"`` (the prefix cache's own logits).
         profiler: profiles the default kamera side's steps only (``kamera_agent.bench.agents.profile``).
+        configs: each kamera side's settings, by side name (default: `side_configs`).
 
     Mutates: ``record`` (a record per step, a check per question, the final checks).
 
@@ -114,7 +116,7 @@ def run_agent(
         RuntimeError: a window's lineup differs from the script's after a step.
     """
     began = time.perf_counter()
-    configs = side_configs(script.capacity)
+    configs = configs if configs is not None else side_configs(script.capacity)
     sides: dict[str, Side] = {
         name: PrefixSide(backend, script.chunks)
         if name == PREFIX
@@ -224,7 +226,7 @@ def _final_checks(
             )
 
 
-def _warm(backend: TransformersBackend) -> None:
+def warm(backend: TransformersBackend) -> None:
     """Two untimed forwards: the first calls of a process pay allocator and kernel set-up."""
     anchor = backend.anchor
     for _ in range(2):

@@ -1,0 +1,89 @@
+"""One agent of ``kamera bench --suite agents`` under other window settings, side by side with the
+defaults and the prefix cache, on the realistic shape (8 layers of a 1.5B-class Qwen2, random
+init, float32).
+
+Why: the suite judges kamera at its defaults; a setting that trades fidelity for time (e.g.
+``cascade="keep"`` for a reader that goes back to earlier pages) is measured here on the same
+script, in the same process, the side order rotating every step, with the final window's
+next-token KL to the model's own re-prefill beside wall time and tokens.
+
+    python benchmarks/agent_settings.py --agent document --set cascade=keep
+    python benchmarks/agent_settings.py --agent web --set survivors=removal
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from kamera_agent.bench.agents.contents import RandomContents
+from kamera_agent.bench.agents.records import PREFIX, AgentRun
+from kamera_agent.bench.agents.run import QUICK_SHAPE, realistic_backend, run_agent, warm
+from kamera_agent.bench.agents.scripts import AGENTS, QUICK_TOKENS, REALISTIC_TOKENS, AgentCounts
+from kamera_agent.config import WindowConfig
+from kamera_agent.models.random_qwen2 import QWEN2_1_5B_SLICE
+from kamera_agent.settings import configure_threads
+
+SIDES = ("kamera", "variant", PREFIX)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agent", choices=sorted(AGENTS), default="document")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a WindowConfig field"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--quick", action="store_true", help="toy shape and counts (a smoke run)")
+    args = parser.parse_args(argv)
+    configure_threads(args.threads)
+    overrides = dict(item.split("=", 1) for item in args.set)
+    shape = QUICK_SHAPE if args.quick else QWEN2_1_5B_SLICE
+    backend = realistic_backend(shape, args.seed)
+    warm(backend)
+    tokens = QUICK_TOKENS if args.quick else REALISTIC_TOKENS
+    contents = RandomContents(backend.encoder, tokens, shape.vocab, args.seed)
+    script = AGENTS[args.agent](contents, AgentCounts.quick() if args.quick else AgentCounts())
+    record = AgentRun.of(script, "realistic", SIDES)
+    base = {"capacity_chunks": script.capacity, "max_new_tokens": 1}
+    configs = {"kamera": WindowConfig(**base), "variant": WindowConfig(**base, **overrides)}
+    with Progress() as progress:
+        run_agent(script, backend, record, progress, reference=PREFIX, configs=configs)
+    report: dict[str, Any] = {"agent": args.agent, "variant": overrides, "sides": {}}
+    table = Table(title=f"{args.agent} · realistic shape · variant {overrides}")
+    for column in ("side", "wall s", "tokens", "forwards", "wall ×", "tokens ×", "final-window KL"):
+        table.add_column(column, justify="right")
+    for side in SIDES:
+        figures = {
+            "ms": record.total(side, "ms"),
+            "tokens": record.total(side, "tokens"),
+            "forwards": record.total(side, "forwards"),
+            "final_kl": record.final_kl.get(side),
+        }
+        report["sides"][side] = figures
+        kl = figures["final_kl"]
+        table.add_row(
+            side,
+            f"{figures['ms'] / 1e3:.1f}",
+            f"{figures['tokens']:.0f}",
+            f"{figures['forwards']:.0f}",
+            f"{record.ratio('ms', side):.2f}×",
+            f"{record.ratio('tokens', side):.2f}×",
+            "–" if kl is None else f"{kl:.1e}",
+        )
+    Console().print(table)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()
