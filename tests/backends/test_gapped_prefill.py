@@ -7,19 +7,32 @@ import pytest
 import torch
 
 from kamera_agent.backends.base import Backend
+from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.errors import LayoutMismatchError
+from kamera_agent.models.random_qwen2 import Qwen2Shape, random_qwen2
+from kamera_agent.models.tiny_tokenizer import build_byte_tokenizer
 from tests.window.backends import backend_named
+
+SDPA_SHAPE = Qwen2Shape(layers=4, hidden=64, heads=4, kv_heads=2, mlp=128, vocab=512)
+
+
+def _backend(name: str) -> Backend:
+    if name == "qwen2_sdpa":  # the realistic bench shape's attention implementation
+        model = random_qwen2(SDPA_SHAPE, seed=3, attention="sdpa")
+        return TransformersBackend(model, tokenizer=build_byte_tokenizer(vocab_size=SDPA_SHAPE.vocab))
+    return backend_named(name)
 
 
 def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen2_vl", "tiny_torch"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_sdpa", "qwen2_vl", "tiny_torch"])
 def test_a_gapped_run_equals_separate_forwards(name: str) -> None:
     """Window order: anchor, x, p, y, q. p and q are formed in one forward over anchor, x, y
     (placed): p sees anchor and x only, q sees everything (y from the cache, p from the run)."""
-    b: Backend = backend_named(name)
+    b = _backend(name)
+    assert b.supports_gaps
     enc = b.encoder
     anchor = enc.anchor()
     x, p, y, q = (enc.text(t) for t in ("a red ball", "a caption here", "then it rolled", "and what now"))
@@ -55,3 +68,11 @@ def test_sees_must_lie_within_the_cached_slots() -> None:
         b.prefill([chunk], [anchor_kv], anchor.advance, sees=[anchor.num_tokens + 1])
     with pytest.raises(LayoutMismatchError, match="starts"):
         b.prefill([chunk], [anchor_kv], anchor.advance, starts=[1, 2])
+
+
+def test_flash_style_attention_runs_no_gapped_prefill() -> None:
+    """Kernels that take no custom 4-D mask would ignore it: such a model reports no gaps."""
+    model = random_qwen2(SDPA_SHAPE, seed=3, attention="sdpa")
+    model.config._attn_implementation = "flash_attention_2"
+    backend = TransformersBackend(model, tokenizer=build_byte_tokenizer(vocab_size=SDPA_SHAPE.vocab))
+    assert not backend.supports_gaps and TransformersBackend.supports_gaps

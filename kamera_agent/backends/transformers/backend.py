@@ -92,6 +92,9 @@ class TransformersBackend(Backend):
             self.parts.tokens_per_image(),
         )
         self._eos = eos_token_ids(model, tokenizer)
+        if getattr(model.config, "_attn_implementation", None) not in MASKED_ATTENTION:
+            # Flash-style kernels take no custom 4-D mask: formations across gaps run apart.
+            self.supports_gaps = False  # type: ignore[misc]
         self.anchor: Chunk = self.encoder.anchor()
         """The anchor chunk every window starts with (the one the encoder gives)."""
 
@@ -337,6 +340,10 @@ class TransformersBackend(Backend):
             )
             last = parts.lm_head(out.last_hidden_state[:, -1]).float()[0] if logits else None
         return output_cache(out), last
+
+
+MASKED_ATTENTION = frozenset({"eager", "sdpa"})
+"""Attention implementations that apply a custom 4-D additive mask as given (gapped prefills)."""
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
