@@ -10,18 +10,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_benchmark(name: str, args: list[str]) -> None:
+    """``benchmarks/<name>.py`` with ``args`` in a fresh interpreter: 1 thread, offline."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={"KAMERA_NUM_THREADS": "1", "PATH": "", "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+
+
 def test_operator_benchmark_runs_and_reports_every_rank(tmp_path: Path) -> None:
     out = tmp_path / "operator.json"
     toy = "--tokens 64 --layers 2 --hidden 64 --heads 4 --kv-heads 2 --mlp 128 --vocab 256"
     args = [*toy.split(), "--ranks", "4", "8", "--repeats", "1", "--antecedent", "16", "--json", str(out)]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "operator.py"), *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={"KAMERA_NUM_THREADS": "1", "PATH": ""},
-    )
-    assert result.returncode == 0, result.stderr
+    run_benchmark("operator", args)
     report = json.loads(out.read_text())
     assert [row["rank"] for row in report["ranks"]] == [4, 8]
     assert report["prefill_ms"] > 0 and report["relocate_ms"] > 0
@@ -32,14 +37,7 @@ def test_operator_benchmark_runs_and_reports_every_rank(tmp_path: Path) -> None:
 def test_planning_benchmark_reports_every_op_at_every_size(tmp_path: Path) -> None:
     out = tmp_path / "planning.json"
     args = ["--chunks", "4", "8", "--repeats", "3", "--json", str(out)]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "planning.py"), *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={"KAMERA_NUM_THREADS": "1", "PATH": ""},
-    )
-    assert result.returncode == 0, result.stderr
+    run_benchmark("planning", args)
     report = json.loads(out.read_text())
     assert set(report["median_ms"]) == {"4", "8"}
     for row in report["median_ms"].values():
@@ -50,14 +48,7 @@ def test_planning_benchmark_reports_every_op_at_every_size(tmp_path: Path) -> No
 def test_window_memory_benchmark_drops_pixels_beside_keeping_them(tmp_path: Path) -> None:
     out = tmp_path / "memory.json"
     args = ["--images", "12", "--capacity", "3", "--json", str(out)]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "window_memory.py"), *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={"KAMERA_NUM_THREADS": "1", "PATH": "", "HF_HUB_OFFLINE": "1"},
-    )
-    assert result.returncode == 0, result.stderr
+    run_benchmark("window_memory", args)
     rows = json.loads(out.read_text())["rows"]
     assert rows["keep"]["pixel_mb"] > rows["drop"]["pixel_mb"] > 0  # the in-window frames keep theirs
     assert rows["keep"]["chunks_remembered"] == rows["drop"]["chunks_remembered"] == 12
@@ -66,14 +57,7 @@ def test_window_memory_benchmark_drops_pixels_beside_keeping_them(tmp_path: Path
 def test_agent_settings_benchmark_runs_a_variant_beside_the_defaults(tmp_path: Path) -> None:
     out = tmp_path / "variant.json"
     args = ["--quick", "--agent", "document", "--set", "cascade=keep", "--json", str(out)]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "agent_settings.py"), *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={"KAMERA_NUM_THREADS": "1", "PATH": "", "HF_HUB_OFFLINE": "1"},
-    )
-    assert result.returncode == 0, result.stderr
+    run_benchmark("agent_settings", args)
     report = json.loads(out.read_text())
     assert report["variant"] == {"cascade": "keep"} and set(report["sides"]) == {
         "kamera",
