@@ -14,10 +14,8 @@ next-token KL to the model's own re-prefill beside wall time and tokens.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
-from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
@@ -25,6 +23,7 @@ from kamera_agent.bench.agents.contents import RandomContents
 from kamera_agent.bench.agents.records import PREFIX, AgentRun
 from kamera_agent.bench.agents.run import QUICK_SHAPE, realistic_backend, run_agent, warm
 from kamera_agent.bench.agents.scripts import AGENTS, QUICK_TOKENS, REALISTIC_TOKENS, AgentCounts
+from kamera_agent.bench.common import show_and_save
 from kamera_agent.config import WindowConfig
 from kamera_agent.models.random_qwen2 import QWEN2_1_5B_SLICE
 from kamera_agent.settings import configure_threads
@@ -78,11 +77,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{record.ratio('tokens', side):.2f}×",
             "–" if kl is None else f"{kl:.1e}",
         )
-    Console().print(table)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
-    return report
+    return show_and_save(table, report, args.json)
 
 
 if __name__ == "__main__":

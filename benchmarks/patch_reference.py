@@ -14,15 +14,14 @@ another item's; each rank-m patch's KV is compared with the model's own KV of th
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from typing import Any
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from kamera_agent.backends.transformers import TransformersBackend
+from kamera_agent.bench.common import show_and_save
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.demo import load_demo_model
 from kamera_agent.demo.task import QUESTIONS, make_items, render_legend, render_page
@@ -107,11 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{report['kl'][f'{ref}@{rank}']:.2e}",
             ]
         table.add_row(str(rank), *cells)
-    Console().print(table)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
-    return report
+    return show_and_save(table, report, args.json)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ formed, one chunk evicted so recalls can be planned, median over ``--repeats`` p
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
@@ -26,10 +25,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 from kamera_agent.backends.tiny_torch import TinyConfig, TinyTorchBackend
+from kamera_agent.bench.common import show_and_save
 from kamera_agent.config import WindowConfig
 from kamera_agent.settings import configure_threads
 from kamera_agent.window import KameraWindow
@@ -97,11 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         table.add_column(op, justify="right")
     for size, row in rows.items():
         table.add_row(str(size), *(f"{row[op]:.3f}" for op in OPS))
-    Console().print(table)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
-    return report
+    return show_and_save(table, report, args.json)
 
 
 if __name__ == "__main__":

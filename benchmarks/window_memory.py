@@ -17,15 +17,14 @@ prints the bytes of pixels the window holds, the chunks it remembers and the sto
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
 import numpy as np
 from PIL import Image
-from rich.console import Console
 from rich.table import Table
 
+from kamera_agent.bench.common import show_and_save
 from kamera_agent.config import WindowConfig
 from kamera_agent.demo import load_demo_model
 from kamera_agent.settings import configure_threads
@@ -82,12 +81,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{row['store_mb']:.1f} MB",
             f"{row['seconds']:.1f} s",
         )
-    Console().print(table)
     report = {"images": args.images, "capacity": args.capacity, "rows": rows}
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
-    return report
+    return show_and_save(table, report, args.json)
 
 
 if __name__ == "__main__":

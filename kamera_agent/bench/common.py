@@ -7,6 +7,7 @@ record the same facts about the machine, and read one validated options object.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -27,6 +28,7 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
+from rich.table import Table
 
 __all__ = [
     "AGENT_NAMES",
@@ -38,6 +40,7 @@ __all__ = [
     "machine_info",
     "make_progress",
     "median_seconds",
+    "show_and_save",
 ]
 
 SuiteName = Literal["fidelity", "cost", "window", "agents"]
@@ -143,3 +146,12 @@ def machine_info() -> dict[str, Any]:
 def finite(value: float) -> float | None:
     """``value``, or ``None`` for NaN/inf: results.json stays strict JSON."""
     return value if math.isfinite(value) else None
+
+
+def show_and_save(table: Table, report: dict[str, Any], path: str | None) -> dict[str, Any]:
+    """Print a standalone benchmark's table and write its figures as JSON where ``path`` is
+    given (the scripts' ``--json``); returns ``report``."""
+    Console().print(table)
+    if path:
+        Path(path).write_text(json.dumps(report, indent=2))
+    return report

@@ -147,70 +147,50 @@ class Executor:
 
     # -- forming patches --------------------------------------------------------------------------
     def _form_in_window(self, run: Sequence[Step]) -> None:
-        """Patches for consecutive in-window chunks, each over everything to its left: one forward.
+        """Patches for in-window chunks, each over everything to its left: one forward.
 
-        Where the engine keeps caches, the forward runs over the window's kept cache (cut back
-        to the chunks before the run that did not change, the rest placed onto it) and that
-        cache is kept again with the run's chunks whose KV is this forward's exact output: an
-        answer right after a push then places nothing, it appends its query."""
-        first = run[0].ref
-        count, start = self.state.order.index(first), self._starts[first]
+        The members are consecutive, or have placed chunks between them (`Rules.across_gap`):
+        those are placed first and each member sees the placed slots to its left and the
+        members before it (``starts``/``sees``). Where the engine keeps caches, the forward runs
+        over the window's kept cache (cut back to the chunks before the run that did not
+        change, the rest placed onto it) and that cache is kept again: with the run's chunks
+        whose KV is this forward's exact output when the run is consecutive (an answer right
+        after a push then places nothing but its query), up to the first member otherwise (the
+        members sit after the placed chunks in it)."""
+        order, members = self.state.order, {step.ref for step in run}
+        count, last = order.index(run[0].ref), order.index(run[-1].ref)
         chunks = [self.state.entries[step.ref].chunk for step in run]
-        if self.state.order[count : count + len(run)] != [step.ref for step in run]:
-            self._form_across_gaps(run, chunks, count)
-            return
-        if not self.core.backend.supports_extend:
-            left = self.state.order[:count]
-            context = [self.core.anchor_kv(self.txn.meter), *self._places(left)]
-            done = self.core.condition(chunks, context, start, self.txn)
-        else:
-            cache, pieces = self._cache_through(count)
-            done = self.core.condition(chunks, [], start, self.txn, onto=cache)
-        for step, kv in zip(run, done.kv, strict=True):
-            self._adopt(step.ref, step.state, kv, step.antecedents or ())
-        if self.core.backend.supports_extend and done.cache is not None:
-            for step, chunk in zip(run, chunks, strict=True):
-                if not _is_full(step.state):  # served as canonical + patch, not as this output
-                    break
-                pieces.append(((step.ref, self._starts[step.ref], step.state.digest), chunk.num_tokens))
-            self.state.assembled = Assembled(done.cache, tuple(pieces))
-
-    def _form_across_gaps(self, run: Sequence[Step], chunks: Sequence[Chunk], count: int) -> None:
-        """One forward for formations with placed chunks between them: the window's kept cache
-        up to the first member, the chunks between members placed onto it, then every member at
-        its own start, seeing the placed slots to its left (and the members before it).
-
-        The cache keeps the window's order only up to the first member (the members sit after
-        the placed chunks in it), so that is what stays kept; the next answer places the rest."""
-        members = {step.ref for step in run}
-        last = self.state.order.index(run[-1].ref)
-        between = [ref for ref in self.state.order[count:last] if ref not in members]
-        keeps = self.core.backend.supports_extend
+        between = [ref for ref in order[count:last] if ref not in members]
         placed = self._places(between)
         self.txn.meter.tokens_placed += sum(kv.num_tokens for kv in placed)
+        keeps = self.core.backend.supports_extend
         if keeps:
             cache, pieces = self._cache_through(count)
             cached, context = sum(slots for _, slots in pieces), placed
         else:
-            cache, context = (
-                None,
-                [self.core.anchor_kv(self.txn.meter), *self._places(self.state.order[:count])],
-            )
-            cached = sum(kv.num_tokens for kv in context)
-            context = [*context, *placed]
-        slots = dict(zip(between, (kv.num_tokens for kv in placed), strict=True))
-        sees, seen = [], cached
-        for ref in self.state.order[count : last + 1]:
-            if ref in members:
-                sees.append(seen)
-            else:
-                seen += slots[ref]
-        starts = [self._starts[step.ref] for step in run]
-        done = self.core.condition(chunks, context, starts[0], self.txn, onto=cache, starts=starts, sees=sees)
+            cache, context = None, [self.core.anchor_kv(self.txn.meter), *self._places(order[:count])]
+            cached, context = sum(kv.num_tokens for kv in context), [*context, *placed]
+        starts: list[int] | None = None
+        sees: list[int] | None = None
+        if between:
+            slots = dict(zip(between, (kv.num_tokens for kv in placed), strict=True))
+            starts, sees, seen = [self._starts[step.ref] for step in run], [], cached
+            for ref in order[count : last + 1]:
+                if ref in members:
+                    sees.append(seen)
+                else:
+                    seen += slots[ref]
+        start = self._starts[run[0].ref]
+        done = self.core.condition(chunks, context, start, self.txn, onto=cache, starts=starts, sees=sees)
         for step, kv in zip(run, done.kv, strict=True):
             self._adopt(step.ref, step.state, kv, step.antecedents or ())
-        if keeps and done.cache is not None:
-            self.state.assembled = Assembled(done.cache, tuple(pieces))
+        if not keeps or done.cache is None:
+            return
+        for step, chunk in zip(run, chunks, strict=True):
+            if between or not _is_full(step.state):  # out of window order / canonical + patch
+                break
+            pieces.append(((step.ref, self._starts[step.ref], step.state.digest), chunk.num_tokens))
+        self.state.assembled = Assembled(done.cache, tuple(pieces))
 
     def _form_over(self, ref: ChunkRef, target: ChunkState, antecedents: Sequence[ChunkRef]) -> None:
         """Form ``ref``'s patch over the context its target state names, placed behind the anchor."""
