@@ -1,4 +1,5 @@
-"""The ``kamera`` command: ``demo`` (the README's main job), ``check`` a checkpoint, ``bench`` it."""
+"""The ``kamera`` command: ``demo`` (the README's main job), ``check`` a checkpoint, ``bench`` it,
+``store`` (a shared store's contents)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from rich.console import Console
 
 from kamera_agent.bench.runner import add_bench_parser, run_bench_command
 from kamera_agent.settings import configure_threads
+from kamera_agent.store.remote.command import add_store_parser, run_store_command
 
 __all__ = ["main"]
 
@@ -34,11 +36,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     check.add_argument("model", help="a local checkpoint directory (model + tokenizer + image processor)")
     check.add_argument("--device", default=None)
     add_bench_parser(commands)
+    add_store_parser(commands)
     args = parser.parse_args(argv)
     configure_threads(args.threads)
     console = Console()
     if args.command == "bench":
         return run_bench_command(args, console)
+    if args.command == "store":
+        return run_store_command(args, console)
     if args.command == "demo":
         if args.operator:
             from kamera_agent.demo.operator_demo import run_operator_demo

@@ -45,6 +45,10 @@ class WindowConfig(BaseModel):
         memory_budget: bytes the chunk store keeps in memory.
         disk_dir: a directory for the store's disk tier (``None``: memory only).
         disk_budget: bytes the disk tier may hold.
+        store_url: a Valkey/Redis server or cluster shared by every process that names it
+            (``redis://host:6379/0``, ``valkey://…``, ``redis+cluster://h1:p1,h2:p2``; options
+            in `kamera_agent.store.remote.address`); ``None``: the ``KAMERA_STORE_URL``
+            environment variable, else a store of this process alone.
         max_evicted: most evicted chunks a window keeps recallable (the oldest evicted are
             forgotten first, counted in ``stats``); ``None``: unbounded.
         evicted_pixels: ``"drop"`` releases an evicted image's pixels once its vision output or
@@ -72,6 +76,7 @@ class WindowConfig(BaseModel):
     memory_budget: int = Field(default=2 << 30, ge=1)
     disk_dir: Path | None = None
     disk_budget: int | None = Field(default=None, ge=1)
+    store_url: str | None = None
     max_evicted: int | None = Field(default=1024, ge=0)
     evicted_pixels: Literal["drop", "keep"] = "drop"
 
@@ -95,6 +100,15 @@ class WindowConfig(BaseModel):
         if name not in known:
             raise ValueError(f"unknown {info.field_name} policy {name!r}; known: {', '.join(sorted(known))}")
         return name
+
+    @field_validator("store_url")
+    @classmethod
+    def _store_url_parses(cls, url: str | None) -> str | None:
+        if url is not None:
+            from kamera_agent.store.remote import parse_store_url
+
+            parse_store_url(url)  # StoreURLError (a ValueError) names what is wrong
+        return url
 
     @model_validator(mode="after")
     def _disk_settings_go_together(self) -> WindowConfig:

@@ -15,6 +15,7 @@ failed call never corrupts a window or a store.
     │   └── ForeignChunkError        a stored entry made by another model than the store's
     ├── StoreBudgetError             a store budget too small for one entry, or not a budget
     ├── StoreKeyError                an entry without the content key it must be stored under
+    ├── StoreURLError                a store_url kamera cannot connect by (scheme, host, option)
     ├── WindowError                  a window op that cannot be done as asked
     │   ├── UnknownChunkError        a ref this window does not know
     │   ├── DuplicateChunkError      a ref named twice in a reorder
@@ -52,6 +53,7 @@ __all__ = [
     "SettingsError",
     "StoreBudgetError",
     "StoreKeyError",
+    "StoreURLError",
     "UnknownChunkError",
     "UnreadableInputError",
     "UnsupportedModelError",
@@ -105,6 +107,10 @@ class StoreBudgetError(KameraError, ValueError):
 
 class StoreKeyError(KameraError, ValueError):
     """An entry lacks the content key the store files it under (empty chunk key, reserved name)."""
+
+
+class StoreURLError(KameraError, ValueError):
+    """A shared-store URL that names no server kamera can use (scheme, host list, option)."""
 
 
 class InputError(KameraError, ValueError):

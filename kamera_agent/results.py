@@ -29,6 +29,8 @@ class OpCost:
         tokens_placed: window tokens placed (rotated, patched) and copied into the engine cache an
             answer decodes over; those its kept cache already held at the same place are not.
         vision_encodes: vision-tower runs.
+        canonicals_formed: canonical prefills run (``KV(B|∅)`` behind the anchor); zero when
+            the store (a shared one included) already held every canonical the op needed.
         reencodes: canonicals rebuilt because the store's budget had dropped them.
         patches_formed: patches computed (each from one conditioned forward + an SVD).
         patches_applied: stored patches reused with no forward.
@@ -44,6 +46,7 @@ class OpCost:
     tokens_reused: int = 0
     tokens_placed: int = 0
     vision_encodes: int = 0
+    canonicals_formed: int = 0
     reencodes: int = 0
     patches_formed: int = 0
     patches_applied: int = 0

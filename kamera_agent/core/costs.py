@@ -25,6 +25,7 @@ class CostMeter:
     spent: Spent = field(default_factory=Spent)
     tokens_reused: int = 0
     tokens_placed: int = 0
+    canonicals_formed: int = 0
     reencodes: int = 0
     patches_formed: int = 0
     patches_applied: int = 0
@@ -53,6 +54,7 @@ class CostMeter:
             tokens_reused=self.tokens_reused,
             tokens_placed=self.tokens_placed,
             vision_encodes=self.spent.vision_encodes,
+            canonicals_formed=self.canonicals_formed,
             reencodes=self.reencodes,
             patches_formed=self.patches_formed,
             patches_applied=self.patches_applied,

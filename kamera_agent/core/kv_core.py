@@ -123,6 +123,7 @@ class KVCore:
         done = self.backend.prefill([chunk], [self.anchor_kv(txn.meter)], self.anchor.advance, vision)
         txn.meter.spend(done.spent)
         txn.meter.prefilled.add(chunk.key)
+        txn.meter.canonicals_formed += 1
         canonical = replace(to_position_free(done.kv[0], self.backend.layout), chunk_key=chunk.key)
         txn.store.put_canonical(canonical)
         return canonical

@@ -1,4 +1,4 @@
-"""The content-addressed `ChunkStore`: canonicals, vision embeddings and patches, in two tiers.
+"""The content-addressed `ChunkStore`: canonicals, vision embeddings and patches, in up to three tiers.
 
 Why: every reuse in kamera-agent starts with a lookup by content key. A hit skips the vision
 encode and the canonical prefill (or, for a patch, the conditioned forward), so the store is
@@ -10,6 +10,12 @@ silently: every spill, drop, disk eviction and corrupt file is a `StoreEvent` an
     put ──► memory (budget, policy) ──evict──► disk (budget, LRU files) ──evict──► gone (counted)
     get ◄── memory hit │ miss ──► disk: sha256 ok? ──► decode ──► promote ──► hit
                                         └ no: delete, corrupt_dropped += 1, miss (re-encode)
+
+A third, shared tier (``remote=``, a Valkey/Redis URL: `kamera_agent.store.remote`) sits under
+both: every put is also written there in the background, and a get that misses memory and disk
+asks it, outside the lock (a slow network never blocks the other threads' local hits); what
+it returns is verified and promoted like a disk read. It only ever costs misses: a server that
+is down, slow, or holds a damaged or foreign value makes the caller compute the entry.
 
 Tiers are inclusive: a promoted entry keeps its file, so evicting it again costs no write.
 Entries carry the store's model fingerprint; an entry of another model is refused on put and
@@ -25,7 +31,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -38,6 +44,7 @@ from kamera_agent.store.codec import stamp as stamp_fingerprint
 from kamera_agent.store.disk import DiskTier
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.memory import MemoryTier
+from kamera_agent.store.remote import RemoteAddress, RemoteTier, parse_store_url
 from kamera_agent.store.stats import EventLog, StoreEvent, StoreStats
 
 __all__ = ["ChunkStore"]
@@ -64,11 +71,16 @@ class ChunkStore:
         policy: memory eviction policy, a name in `EVICTION_POLICIES` or a scoring function.
         disk_policy: which file leaves the disk tier first.
         event_capacity: how many recent `StoreEvent` are kept (counters keep counting).
+        remote: a shared Valkey/Redis tier: its URL (``redis://host:6379/0``, ``valkey://``,
+            ``redis+cluster://h1:p1,h2:p2``; options in `kamera_agent.store.remote.address`)
+            or a parsed `RemoteAddress`; ``None`` for a store of this process alone.
 
     Raises:
         StoreBudgetError: a budget that is not a positive byte count, or a disk directory
             without a disk budget (or the reverse).
         StoreKeyError: an empty fingerprint.
+        StoreURLError: a remote URL kamera cannot use.
+        SettingsError: a remote URL without the ``valkey`` client installed.
     """
 
     def __init__(
@@ -81,6 +93,7 @@ class ChunkStore:
         policy: str | EvictionPolicy = "lru",
         disk_policy: str | EvictionPolicy = "lru",
         event_capacity: int = 1024,
+        remote: str | RemoteAddress | None = None,
     ) -> None:
         if not fingerprint:
             raise StoreKeyError(
@@ -103,6 +116,10 @@ class ChunkStore:
             self._disk = DiskTier(
                 Path(disk_dir), disk_budget, resolve_policy(disk_policy), self._log, in_memory
             )
+        self._remote: RemoteTier | None = None
+        if remote is not None:
+            address = parse_store_url(remote) if isinstance(remote, str) else remote
+            self._remote = RemoteTier(address, fingerprint)
 
     @property
     def fingerprint(self) -> str:
@@ -112,6 +129,11 @@ class ChunkStore:
     @property
     def disk_dir(self) -> Path | None:
         return None if self._disk is None else self._disk.directory
+
+    @property
+    def remote(self) -> RemoteAddress | None:
+        """The shared tier's address (no password), or ``None``."""
+        return None if self._remote is None else self._remote.address
 
     # --- typed entry points -------------------------------------------------------------
 
@@ -166,13 +188,15 @@ class ChunkStore:
                 patch = cast(Patch, resident)
                 return patch.state, dict(patch.meta)
             header = None if self._disk is None or key not in self._disk else self._disk.header(key)
-            if header is None or "state" not in header:
-                return None
-            try:
-                meta = json.loads(header.get("meta", "{}"))
-            except ValueError:
-                return None
-            return header["state"], {str(k): str(v) for k, v in meta.items()}
+        if header is None and self._remote is not None:
+            header = self._remote.peek(key)
+        if header is None or "state" not in header:
+            return None
+        try:
+            meta = json.loads(header.get("meta", "{}"))
+        except ValueError:
+            return None
+        return header["state"], {str(k): str(v) for k, v in meta.items()}
 
     def has_canonical(self, key: str) -> bool:
         """Whether a canonical for this chunk key is held (memory or disk), without loading it."""
@@ -192,16 +216,19 @@ class ChunkStore:
         return nbytes <= self._memory.budget and nbytes <= disk
 
     def contains(self, key: EntryKey) -> bool:
-        """Whether a tier holds ``key``. A disk copy is verified only when read, so a get can
-        still miss (and ``corrupt_dropped`` says why)."""
+        """Whether a tier holds ``key``. A disk or remote copy is verified only when read, so a
+        get can still miss (and ``corrupt_dropped`` or ``remote_rejected`` says why)."""
         with self._lock:
-            return key in self._memory or (self._disk is not None and key in self._disk)
+            if key in self._memory or (self._disk is not None and key in self._disk):
+                return True
+        return self._remote is not None and self._remote.contains(key)
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, EntryKey) and self.contains(key)
 
     def keys(self) -> list[EntryKey]:
-        """Every address a tier holds, sorted."""
+        """Every address the local tiers hold, sorted (the shared tier is not listed: it holds
+        every process's entries; ``kamera store stats`` counts them)."""
         with self._lock:
             on_disk = set() if self._disk is None else set(self._disk.keys())
             return sorted(on_disk | set(self._memory.keys()))
@@ -214,7 +241,7 @@ class ChunkStore:
             c, disk = self._log.counts, self._disk
             return StoreStats(
                 puts=c["puts"],
-                hits=c["memory_hits"] + c["disk_hits"],
+                hits=c["memory_hits"] + c["disk_hits"] + c["remote_hits"],
                 memory_hits=c["memory_hits"],
                 disk_hits=c["disk_hits"],
                 misses=c["misses"],
@@ -230,7 +257,25 @@ class ChunkStore:
                 disk_evictions=c["disk_evict"],
                 corrupt_dropped=c["corrupt"],
                 lost=c["lost"],
+                **self._remote_stats(),
             )
+
+    def _remote_stats(self) -> dict[str, Any]:
+        if self._remote is None:
+            return {}
+        r = self._remote.snapshot()
+        return {
+            "remote_state": r["state"],
+            "remote_hits": self._log.counts["remote_hits"],
+            "remote_misses": r["misses"],
+            "remote_errors": r["errors"],
+            "remote_writes": r["writes"],
+            "remote_bytes_written": r["bytes_written"],
+            "remote_writes_skipped": r["writes_skipped"],
+            "remote_writes_failed": r["writes_failed"],
+            "remote_rejected": r["rejected"],
+            "remote_outages": r["outages"],
+        }
 
     def events(self) -> list[StoreEvent]:
         """The most recent events, oldest first (the log keeps ``event_capacity`` of them)."""
@@ -250,6 +295,8 @@ class ChunkStore:
         Spills happen on eviction anyway; call this before a process exits so that a new
         process reopening ``disk_dir`` finds the entries still in memory too.
         """
+        if self._remote is not None:
+            self._remote.flush()
         with self._lock:
             if self._disk is None:
                 return 0
@@ -262,7 +309,10 @@ class ChunkStore:
             return written
 
     def close(self) -> None:
-        """Save the disk index (advisory: a reopen rescans the directory in any case)."""
+        """Save the disk index (advisory: a reopen rescans the directory in any case) and finish
+        the shared tier's queued writes."""
+        if self._remote is not None:
+            self._remote.close()
         with self._lock:
             if self._disk is not None:
                 self._disk.save_index()
@@ -295,6 +345,9 @@ class ChunkStore:
                 self._disk.remove(key)  # a stale file must never be served after a re-put
             self._memory.add(key, value, nbytes)
             self._evict(keep=key)
+        if self._remote is not None:
+            stored, fingerprint = value, self._fingerprint
+            self._remote.put(key, lambda: encode(key, stored, fingerprint), nbytes)
         return key
 
     def _get(self, key: EntryKey) -> StoredValue | None:
@@ -304,8 +357,35 @@ class ChunkStore:
                 self._log.count("memory_hits")
                 return value
             value = self._from_disk(key)
-            self._log.count("misses" if value is None else "disk_hits")
-            return value
+            if value is not None or self._remote is None:
+                self._log.count("misses" if value is None else "disk_hits")
+                return value
+        value = self._from_remote(key)  # outside the lock: the network must not block local hits
+        with self._lock:
+            self._log.count("misses" if value is None else "remote_hits")
+            if value is not None:
+                nbytes = entry_nbytes(key.kind, value)
+                if nbytes <= self._memory.budget:
+                    self._memory.add(key, value, nbytes)
+                    self._evict(keep=key)
+        return value
+
+    def _from_remote(self, key: EntryKey) -> StoredValue | None:
+        """The shared tier's copy, verified (digest, address, model) and stamped, or ``None``."""
+        assert self._remote is not None
+        blob = self._remote.get(key)
+        if blob is None:
+            return None
+        try:
+            address, value, fingerprint = decode(blob)
+            if address != key:
+                raise CorruptEntry(f"holds {address}")
+            if fingerprint != self._fingerprint:
+                raise CorruptEntry(f"made by model {fingerprint[:16]}…")
+        except CorruptEntry as exc:
+            self._remote.reject(key, str(exc))
+            return None
+        return stamp_fingerprint(key.kind, value, self._fingerprint)
 
     def _from_disk(self, key: EntryKey) -> StoredValue | None:
         if self._disk is None or key not in self._disk:

@@ -46,7 +46,7 @@ class StoreStats:
 
     Attributes:
         puts: entries stored by the caller.
-        hits: gets served (``memory_hits + disk_hits``).
+        hits: gets served (``memory_hits + disk_hits + remote_hits``).
         memory_hits: gets served from memory.
         disk_hits: gets served from a verified disk file (and promoted when it fits).
         misses: gets that found nothing servable.
@@ -62,6 +62,18 @@ class StoreStats:
         disk_evictions: files removed for the disk budget.
         corrupt_dropped: files that failed their checksum or decode, deleted, never served.
         lost: entries no tier holds any more, over all the causes above.
+        remote_state: the shared tier: ``"off"`` (none), ``"up"``, or ``"down"`` (working
+            locally, retrying with backoff).
+        remote_hits: gets served from the shared tier (verified, then promoted to memory).
+        remote_misses: shared-tier lookups that found nothing servable (``remote_errors`` of
+            them because the server did not answer).
+        remote_errors: shared-tier reads that failed or were skipped while it was down.
+        remote_writes: entries written to the shared tier; ``remote_bytes_written`` their bytes.
+        remote_writes_skipped: writes not queued (the background queue's byte bound was full).
+        remote_writes_failed: queued writes the server did not take (the entry stays local).
+        remote_rejected: shared values that failed a check (digest, length, address, model):
+            deleted, never served.
+        remote_outages: times the server went from answering to not answering.
     """
 
     puts: int
@@ -81,6 +93,16 @@ class StoreStats:
     disk_evictions: int
     corrupt_dropped: int
     lost: int
+    remote_state: str = "off"
+    remote_hits: int = 0
+    remote_misses: int = 0
+    remote_errors: int = 0
+    remote_writes: int = 0
+    remote_bytes_written: int = 0
+    remote_writes_skipped: int = 0
+    remote_writes_failed: int = 0
+    remote_rejected: int = 0
+    remote_outages: int = 0
 
 
 class EventLog:

@@ -8,6 +8,7 @@ loaded model and are checked, never silently ignored, against a `Backend` built 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,9 @@ __all__ = ["Item", "chunk_of", "resolve_backend", "resolve_store"]
 
 Item = Chunk | str | Image.Image | np.ndarray | Path | VideoFrame
 
-_STORE_FIELDS = ("memory_budget", "disk_dir", "disk_budget")
+_STORE_FIELDS = ("memory_budget", "disk_dir", "disk_budget", "store_url")
+STORE_URL_VARIABLE = "KAMERA_STORE_URL"
+"""The environment variable a window reads the shared store's URL from when its config sets none."""
 
 
 def resolve_backend(
@@ -64,10 +67,12 @@ def resolve_backend(
 
 
 def resolve_store(backend: Backend, config: WindowConfig, store: ChunkStore | None) -> ChunkStore:
-    """``store`` if given (then no store setting may be set too), else one built from the settings.
+    """``store`` if given (then no store setting may be set too), else one built from the settings
+    (the shared tier from ``config.store_url``, else from ``KAMERA_STORE_URL``).
 
     Raises:
         SettingsError: both a store and store settings.
+        StoreURLError: a store URL kamera cannot use.
     """
     if store is None:
         return ChunkStore(
@@ -75,12 +80,13 @@ def resolve_store(backend: Backend, config: WindowConfig, store: ChunkStore | No
             memory_budget=config.memory_budget,
             disk_dir=config.disk_dir,
             disk_budget=config.disk_budget,
+            remote=config.store_url or os.environ.get(STORE_URL_VARIABLE) or None,
         )
     given = sorted(name for name in _STORE_FIELDS if name in config.model_fields_set)
     if given:
         raise SettingsError(
             f"{', '.join(given)} configure the store a window builds, but store= was passed too; set them "
-            "on that ChunkStore (ChunkStore(memory_budget=..., disk_dir=..., disk_budget=...)) or pass "
+            "on that ChunkStore (ChunkStore(memory_budget=..., disk_dir=..., remote=...)) or pass "
             "no store"
         )
     return store

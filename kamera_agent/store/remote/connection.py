@@ -1,0 +1,139 @@
+"""A bounded connection to Valkey/Redis that fails fast and backs off while the server is away.
+
+Why: the remote tier is an optimisation under a store that already works alone. A call that
+hangs, or an exception from a dead server reaching a window op, would make the shared store a
+liability. So every call has the URL's timeout (0.2 s by default) and no client-side retries;
+a failure opens a breaker that skips the server for a while (0.25 s, doubling to 30 s), and the
+first call after that tries again: a restarted server is picked up without anyone asking. The
+tier says so once per outage (a log warning), and once when the server is back.
+
+Client: valkey-py (``valkey`` on PyPI), the Valkey project's own fork of redis-py: the same
+API for Valkey and Redis servers, a cluster client that routes by hash slot, and pipelines.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kamera_agent.errors import SettingsError
+from kamera_agent.store.remote.address import RemoteAddress
+
+__all__ = ["Connection", "RemoteUnavailable"]
+
+_LOG = logging.getLogger("kamera_agent.store.remote")
+T = TypeVar("T")
+
+
+class RemoteUnavailable(Exception):
+    """The server did not answer (internal to the remote tier: never leaves the store)."""
+
+
+class Connection:
+    """Calls to the store's server, each bounded, behind a breaker.
+
+    Thread-safe: valkey-py clients pool their connections; the breaker has its own lock.
+
+    Args:
+        address: where the server is.
+        backoff: first pause after a failure, seconds (doubles up to ``max_backoff``).
+        max_backoff: longest pause, seconds.
+
+    Raises:
+        SettingsError: the ``valkey`` client package is not installed.
+    """
+
+    def __init__(self, address: RemoteAddress, backoff: float = 0.25, max_backoff: float = 30.0) -> None:
+        try:
+            import valkey  # noqa: F401  (a clear error now beats one at the first call)
+        except ImportError as exc:
+            raise SettingsError(
+                "store_url needs the valkey client: pip install 'kamera-agent[remote]'"
+            ) from exc
+        self.address = address
+        self._backoff, self._max_backoff = backoff, max_backoff
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._pause = backoff
+        self._retry_at = 0.0
+        self.down = False
+        self.failures = 0
+        self.outages = 0
+
+    def call(self, work: Callable[[Any], T]) -> T:
+        """``work(client)`` within the timeout, or `RemoteUnavailable` (at once while backing off)."""
+        from valkey.exceptions import ResponseError, ValkeyError
+
+        with self._lock:
+            if self.down and time.monotonic() < self._retry_at:
+                raise RemoteUnavailable("backing off")
+        try:
+            result = work(self._connected())
+        except ResponseError:
+            raise  # the server answered: a command error is a bug, not an outage
+        except (ValkeyError, OSError) as exc:
+            self._failed(exc)
+            raise RemoteUnavailable(str(exc)) from exc
+        self._succeeded()
+        return result
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def _connected(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                self._client = self._make_client()
+            return self._client
+
+    def _make_client(self) -> Any:
+        import valkey
+        from valkey.backoff import NoBackoff
+        from valkey.retry import Retry
+
+        a = self.address
+        common: dict[str, Any] = {
+            "socket_timeout": a.timeout,
+            "socket_connect_timeout": a.timeout,
+            "retry": Retry(NoBackoff(), 0),
+            "username": a.username,
+            "password": a.password,
+            "ssl": a.tls,
+        }
+        if not a.cluster:
+            host, port = a.nodes[0]
+            return valkey.Valkey(host=host, port=port, db=a.db, **common)
+        from valkey.cluster import ClusterNode, ValkeyCluster
+
+        nodes = [ClusterNode(host, port) for host, port in a.nodes]
+        return ValkeyCluster(startup_nodes=nodes, cluster_error_retry_attempts=1, **common)
+
+    def _failed(self, exc: BaseException) -> None:
+        with self._lock:
+            self.failures += 1
+            was_down, self.down = self.down, True
+            self._retry_at = time.monotonic() + self._pause
+            self._pause = min(self._max_backoff, self._pause * 2)
+            if self.address.cluster:
+                self._client = None  # the slot map may be stale: rebuild it on the next try
+            if not was_down:
+                self.outages += 1
+        if not was_down:
+            _LOG.warning(
+                "shared store %s is unreachable (%s): working locally, retrying with backoff",
+                self.address,
+                exc,
+            )
+
+    def _succeeded(self) -> None:
+        with self._lock:
+            was_down, self.down = self.down, False
+            self._pause = self._backoff
+        if was_down:
+            _LOG.warning("shared store %s answers again: sharing resumed", self.address)

@@ -1,0 +1,289 @@
+"""The remote tier: entries shared through Valkey/Redis by every process that names one URL.
+
+Why: the same frames, screenshots and pages recur across workers and nodes; a canonical, a
+vision output or a patch one process computed should cost the others a fetch, not a forward.
+The tier moves encoded entries (the store's safetensors bytes) and knows nothing of tensors.
+
+    put ──► queue (bounded bytes) ──writer thread──► parts, then head (SET ... EX ttl)
+    get ──► GET head ──► parts (one pipelined round trip) ──► sha256 ok? ──► payload
+                                                               └ no: DEL, rejected += 1, miss
+
+Writes are write-behind: an op never waits for the network; `flush` waits for the queue. A
+miss is remembered for a second, so a planner asking "is it there?" of many absent entries
+does not pay a round trip each. Every failure is a miss (the caller computes the entry), never
+an exception and never a wait beyond the URL's timeout (`Connection`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any
+
+from kamera_agent.store.codec import CorruptEntry
+from kamera_agent.store.keys import EntryKey
+from kamera_agent.store.remote.address import RemoteAddress
+from kamera_agent.store.remote.connection import Connection, RemoteUnavailable
+from kamera_agent.store.remote.framing import HEAD_PEEK, assemble, entry_name, frame, part_names, read_head
+
+__all__ = ["ABSENT_FOR", "RemoteTier"]
+
+_LOG = logging.getLogger("kamera_agent.store.remote")
+ABSENT_FOR = 1.0
+"""Seconds a miss is remembered: another process's write becomes visible within this time."""
+
+
+class RemoteTier:
+    """Encoded entries of one model on a Valkey/Redis server or cluster.
+
+    Thread-safe. A daemon thread writes in the background; `close` drains it.
+
+    Args:
+        address: where the server is (`parse_store_url`).
+        fingerprint: the model fingerprint every key and payload carries.
+    """
+
+    def __init__(self, address: RemoteAddress, fingerprint: str) -> None:
+        self.address = address
+        self._fingerprint = fingerprint
+        self._connection = Connection(address)
+        self._lock = threading.Condition()
+        self._queue: deque[tuple[EntryKey, Callable[[], bytes], int]] = deque()
+        self._pending = 0  # bytes queued or being written
+        self._closing = False
+        self._absent: dict[str, float] = {}
+        self.counts: Counter[str] = Counter()
+        self._writer = threading.Thread(target=self._write_loop, name="kamera-store-writer", daemon=True)
+        self._writer.start()
+        atexit.register(self._finish_at_exit)  # a process that never closes its store still shares
+        self.reachable = self._probe()
+
+    # -- reads -----------------------------------------------------------------------------------
+    def get(self, key: EntryKey) -> bytes | None:
+        """The entry's verified payload, or ``None`` (absent, unreachable, or rejected)."""
+        name = self._name(key)
+        if self._known_absent(name):
+            self._count_miss()
+            return None
+        try:
+            value = self._connection.call(lambda client: client.get(name))
+            if value is None:
+                self._remember_absent(name)
+                self._count_miss()
+                return None
+            head, inline = read_head(value)
+            self._check(head.address, head.fingerprint, key)
+            parts = part_names(name, head)
+            fetched = self._connection.call(lambda client: _get_all(client, parts)) if parts else []
+            payload = assemble(head, inline, fetched)
+        except RemoteUnavailable:
+            self._count_miss(error=True)
+            return None
+        except CorruptEntry as exc:
+            self.reject(key, str(exc))
+            return None
+        self._count("hits")
+        return payload
+
+    def peek(self, key: EntryKey) -> dict[str, str] | None:
+        """The codec metadata of the entry (a patch's state and meta) without its tensors."""
+        name = self._name(key)
+        if self._known_absent(name):
+            return None
+        try:
+            prefix = self._connection.call(lambda client: client.getrange(name, 0, HEAD_PEEK - 1))
+            if not prefix:
+                self._remember_absent(name)
+                return None
+            head, _ = read_head(prefix)
+            self._check(head.address, head.fingerprint, key)
+        except RemoteUnavailable:
+            return None
+        except CorruptEntry as exc:
+            self.reject(key, str(exc))
+            return None
+        return head.info
+
+    def contains(self, key: EntryKey) -> bool:
+        """Whether the server holds the entry's head (its parts are checked only when read)."""
+        name = self._name(key)
+        if self._known_absent(name):
+            return False
+        try:
+            found = bool(self._connection.call(lambda client: client.exists(name)))
+        except RemoteUnavailable:
+            return False
+        if not found:
+            self._remember_absent(name)
+        return found
+
+    def reject(self, key: EntryKey, why: str) -> None:
+        """Delete an entry that failed a check (it is never served) and count it."""
+        self._count("rejected")
+        _LOG.warning("shared store: dropped %s (%s); it will be computed again", key, why)
+        name = self._name(key)
+        self._remember_absent(name)
+        with contextlib.suppress(RemoteUnavailable):
+            self._connection.call(lambda client: client.delete(name))
+
+    # -- writes ----------------------------------------------------------------------------------
+    def put(self, key: EntryKey, encode: Callable[[], bytes], nbytes: int) -> bool:
+        """Queue ``encode()`` (run on the writer thread) for ``key``; ``False`` when the queue is
+        full (the write is skipped and counted: the entry stays local)."""
+        with self._lock:
+            if self._closing or self._pending + nbytes > self.address.pending_bytes:
+                self.counts["writes_skipped"] += 1
+                return False
+            self._queue.append((key, encode, nbytes))
+            self._pending += nbytes
+            self._absent.pop(self._name(key), None)
+            self._lock.notify_all()
+        return True
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued write is done (or failed); ``False`` if ``timeout`` passed first."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Drain the queue (within ``timeout``), stop the writer, close the connection."""
+        atexit.unregister(self._finish_at_exit)
+        self.flush(timeout)
+        with self._lock:
+            self._closing = True
+            self._lock.notify_all()
+        self._writer.join(timeout=1.0)
+        self._connection.close()
+
+    # -- accounting ------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """Counters and state: hits, misses, errors, writes, bytes_written, writes_skipped,
+        writes_failed, rejected, pending_bytes, state (``"up"`` or ``"down"``), outages."""
+        with self._lock:
+            counts = dict(self.counts)
+            pending = self._pending
+        return {
+            **{name: counts.get(name, 0) for name in _COUNTERS},
+            "pending_bytes": pending,
+            "state": "down" if self._connection.down else "up",
+            "outages": self._connection.outages,
+        }
+
+    # -- internals -------------------------------------------------------------------------------
+    def _finish_at_exit(self) -> None:
+        self.flush(timeout=5.0)
+
+    def _name(self, key: EntryKey) -> str:
+        return entry_name(self.address.prefix, self._fingerprint, key)
+
+    def _check(self, address: EntryKey, fingerprint: str, key: EntryKey) -> None:
+        if fingerprint != self._fingerprint:
+            raise CorruptEntry(
+                f"written by model {fingerprint[:16]}…, this store serves {self._fingerprint[:16]}…"
+            )
+        if address != key:
+            raise CorruptEntry(f"holds {address}, not {key}")
+
+    def _probe(self) -> bool:
+        try:
+            self._connection.call(lambda client: client.ping())
+        except RemoteUnavailable:
+            return False
+        return True
+
+    def _known_absent(self, name: str) -> bool:
+        with self._lock:
+            until = self._absent.get(name)
+            if until is None:
+                return False
+            if time.monotonic() < until:
+                return True
+            del self._absent[name]
+            return False
+
+    def _remember_absent(self, name: str) -> None:
+        with self._lock:
+            if len(self._absent) > 65536:  # bounded: forget the oldest half
+                for stale in list(self._absent)[:32768]:
+                    del self._absent[stale]
+            self._absent[name] = time.monotonic() + ABSENT_FOR
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[name] += n
+
+    def _count_miss(self, error: bool = False) -> None:
+        with self._lock:
+            self.counts["misses"] += 1
+            self.counts["errors"] += int(error)
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closing:
+                    self._lock.wait()
+                if not self._queue:
+                    return
+                key, encode, nbytes = self._queue.popleft()
+            try:
+                written = self._write(key, encode())
+                self._count("writes")
+                self._count("bytes_written", written)
+            except RemoteUnavailable:
+                self._count("writes_failed")
+            except Exception:  # a bug must not kill the writer; the entry stays local
+                _LOG.exception("shared store: writing %s failed", key)
+                self._count("writes_failed")
+            finally:
+                with self._lock:
+                    self._pending -= nbytes
+                    self._lock.notify_all()
+
+    def _write(self, key: EntryKey, payload: bytes) -> int:
+        name = self._name(key)
+        head, value, parts = frame(key, self._fingerprint, payload, self.address.part_bytes)
+        expiry = self.address.ttl or None
+
+        def write(client: Any) -> None:
+            if parts:  # the parts first: a head only ever points at parts already written
+                pipe = client.pipeline(transaction=False)
+                for part_name, part in zip(part_names(name, head), parts, strict=True):
+                    pipe.set(part_name, part, ex=expiry)
+                pipe.execute()
+            client.set(name, value, ex=expiry)
+
+        self._connection.call(write)
+        with self._lock:
+            self._absent.pop(name, None)
+        return len(value) + sum(len(part) for part in parts)
+
+
+_COUNTERS = (
+    "hits",
+    "misses",
+    "errors",
+    "writes",
+    "bytes_written",
+    "writes_skipped",
+    "writes_failed",
+    "rejected",
+)
+
+
+def _get_all(client: Any, names: list[str]) -> list[bytes | None]:
+    """Every key's value in one round trip (they share a hash slot, so a cluster serves it too)."""
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.get(name)
+    return list(pipe.execute())
