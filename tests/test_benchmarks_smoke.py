@@ -67,3 +67,12 @@ def test_agent_settings_benchmark_runs_a_variant_beside_the_defaults(tmp_path: P
     sides = report["sides"]
     assert all(side["ms"] > 0 and side["tokens"] > 0 for side in sides.values())
     assert sides["variant"]["tokens"] < sides["kamera"]["tokens"]  # keep re-forms nothing on recall
+
+
+def test_remote_store_benchmark_fetches_what_it_stored(tmp_path: Path) -> None:
+    out = tmp_path / "remote.json"
+    run_benchmark("remote_store", ["--quick", "--tokens", "32", "--repeats", "1", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["prefill_ms"] > 0 and report["fetch_ms"] > 0
+    # a warm-up and 5 timed fetches, every one from the server (nothing is kept in memory)
+    assert report["remote_hits"] == 6 and report["remote_misses"] == 0
