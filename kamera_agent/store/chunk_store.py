@@ -363,6 +363,9 @@ class ChunkStore:
         value = self._from_remote(key)  # outside the lock: the network must not block local hits
         with self._lock:
             self._log.count("misses" if value is None else "remote_hits")
+            local = self._memory.peek(key)
+            if local is not None:  # put here meanwhile: this process's own value is the newer one
+                return local
             if value is not None:
                 nbytes = entry_nbytes(key.kind, value)
                 if nbytes <= self._memory.budget:

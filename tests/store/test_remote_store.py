@@ -332,3 +332,50 @@ def test_the_store_command_counts_and_clears_kameras_entries(
     assert main(["store", "clear", "--url", store_url, "--yes"]) == 0
     assert "removed 15 keys" in capsys.readouterr().out  # 2 heads, 13 parts
     assert main(["store", "stats", "--url", "http://nowhere"]) == 2
+
+
+def test_windows_take_the_url_from_their_config_or_the_environment(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pydantic import ValidationError
+
+    from kamera_agent.config import WindowConfig
+    from kamera_agent.errors import SettingsError
+    from kamera_agent.window import KameraWindow
+    from tests.window.backends import backend_named
+
+    backend = backend_named("tiny_torch")
+    with pytest.raises(ValidationError, match="scheme"):
+        WindowConfig(store_url="http://cache:6379")
+    window = KameraWindow(backend, config=WindowConfig(store_url=store_url))  # type: ignore[arg-type]
+    assert window.store.remote is not None and window.store.remote.nodes[0][0] == "127.0.0.1"
+    window.store.close()
+    monkeypatch.setenv("KAMERA_STORE_URL", store_url)
+    from_env = KameraWindow(backend)  # type: ignore[arg-type]
+    assert from_env.store.remote == window.store.remote
+    from_env.store.close()
+    monkeypatch.delenv("KAMERA_STORE_URL")
+    assert KameraWindow(backend).store.remote is None  # type: ignore[arg-type]
+    with pytest.raises(SettingsError, match="store_url"):
+        KameraWindow(backend, config=WindowConfig(store_url=store_url), store=window.store)  # type: ignore[arg-type]
+
+
+def test_a_server_that_refuses_costs_a_miss_not_an_exception(store_url: str) -> None:
+    """A key of another type under our name (WRONGTYPE) and a full server (OOM) are refusals."""
+    import valkey
+
+    client = valkey.Valkey.from_url(store_url)
+    client.hset(entry_name("kam", FP, EntryKey.canonical("chunk")), "field", "value")
+    store = _store(store_url)
+    assert store.get_canonical("chunk") is None and store.stats().remote_state == "up"
+    client.set("ballast", b"x" * (2 << 20))
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", "1mb")  # below what it holds: every write is refused now
+    try:
+        store.put_canonical(_kv("refused"))
+        store.flush()
+        assert store.stats().remote_writes_failed == 1 and store.get_canonical("refused") is not None
+    finally:
+        client.delete("ballast")
+        client.config_set("maxmemory", "0")
+    store.close()

@@ -72,8 +72,8 @@ class Connection:
                 raise RemoteUnavailable("backing off")
         try:
             result = work(self._connected())
-        except ResponseError:
-            raise  # the server answered: a command error is a bug, not an outage
+        except ResponseError as exc:  # it answered but refused (OOM under noeviction, WRONGTYPE):
+            raise RemoteUnavailable(f"refused: {exc}") from exc  # this call fails; no outage
         except (ValkeyError, OSError) as exc:
             self._failed(exc)
             raise RemoteUnavailable(str(exc)) from exc
