@@ -199,11 +199,11 @@ class ChunkStore:
         return header["state"], {str(k): str(v) for k, v in meta.items()}
 
     def has_canonical(self, key: str) -> bool:
-        """Whether a canonical for this chunk key is held (memory or disk), without loading it."""
+        """Whether a canonical for this chunk key is held (any tier), without loading it."""
         return self.contains(EntryKey.canonical(key))
 
     def has_vision(self, key: str) -> bool:
-        """Whether vision outputs for this pixel key are held (memory or disk), without loading them."""
+        """Whether vision outputs for this pixel key are held (any tier), without loading them."""
         return self.contains(EntryKey.vision(key))
 
     def has_patch(self, chunk_key: str, variant: str) -> bool:
