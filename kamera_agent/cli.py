@@ -1,5 +1,5 @@
 """The ``kamera`` command: ``demo`` (the README's main job), ``check`` a checkpoint, ``bench`` it,
-``store`` (a shared store's contents)."""
+``store`` (a shared store's contents), ``serve`` (an OpenAI-compatible chat server)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from kamera_agent.bench.runner import add_bench_parser, run_bench_command
+from kamera_agent.serve.command import add_serve_parser
 from kamera_agent.settings import configure_threads
 from kamera_agent.store.remote.command import add_store_parser, run_store_command
 
@@ -37,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check.add_argument("--device", default=None)
     add_bench_parser(commands)
     add_store_parser(commands)
+    add_serve_parser(commands)
     args = parser.parse_args(argv)
     configure_threads(args.threads)
     console = Console()
@@ -44,6 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_bench_command(args, console)
     if args.command == "store":
         return run_store_command(args, console)
+    if args.command == "serve":
+        from kamera_agent.serve.command import run_serve_command
+
+        return run_serve_command(args, console)
     if args.command == "demo":
         if args.operator:
             from kamera_agent.demo.operator_demo import run_operator_demo

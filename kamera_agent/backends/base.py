@@ -18,8 +18,9 @@ inferred from side effects. Checks against the engine's own full forward are a c
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -27,6 +28,7 @@ import torch
 
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
+from kamera_agent.chunks.prompt import PromptFormat
 from kamera_agent.errors import CapabilityError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.results import Answer
@@ -121,6 +123,8 @@ class DecodeConfig:
         seed: sampling seed, for reproducible samples.
         stop: strings that end the answer (not included in it).
         return_logits: keep the logits of every generated step.
+        on_text: called with each new piece of the answer's text as it is decoded; text that
+            may be the start of a stop string is held back until it cannot be.
     """
 
     max_new_tokens: int = 32
@@ -130,6 +134,7 @@ class DecodeConfig:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     return_logits: bool = False
+    on_text: Callable[[str], None] | None = None
 
 
 class Backend(ABC):
@@ -157,6 +162,26 @@ class Backend(ABC):
     def supports_vision(self) -> bool:
         """Whether `encode_vision` runs a vision tower (image chunks can be admitted)."""
         return False
+
+    def with_prompt(self, prompt: PromptFormat) -> Backend:
+        """This engine preparing chunks for ``prompt`` (another anchor, e.g. a conversation's
+        system prompt): the model, its weights and its state are shared, only the encoder (and
+        so the anchor and every content key) differs."""
+        view = copy.copy(self)
+        e = self.encoder
+        view.encoder = ChunkEncoder(
+            e.tokenizer,
+            e.image_processor,
+            prompt,
+            e.positions,
+            e.model_fingerprint,
+            e.merge_size,
+            e.tokens_per_image,
+        )
+        for name, value in (("prompt", prompt), ("anchor", view.encoder.anchor())):
+            if hasattr(view, name):
+                setattr(view, name, value)
+        return view
 
     @property
     @abstractmethod

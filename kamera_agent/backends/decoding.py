@@ -45,6 +45,7 @@ def decode_loop(
     tokens: list[int] = []
     steps: list[torch.Tensor] = []
     position, finish, text = start + n_query, "length", ""
+    stream = _Stream(config.on_text, config.stop)
     for _ in range(config.max_new_tokens):
         if config.return_logits:
             steps.append(logits.detach().to("cpu"))
@@ -58,10 +59,12 @@ def decode_loop(
         if hit is not None:
             text, finish = text[: text.index(hit)], "stop"
             break
+        stream.saw(text)
         if len(tokens) == config.max_new_tokens:
             break
         cache, logits = forward(torch.tensor([token], dtype=torch.long), text_positions(position, 1), cache)
         position += 1
+    stream.done(text)
     decode_steps = max(0, len(tokens) - 1) if finish != "eos" else len(tokens)
     answer = Answer(
         text=text,
@@ -74,6 +77,35 @@ def decode_loop(
         forwards=1 + decode_steps, tokens_prefilled=n_query + decode_steps, decode_steps=decode_steps
     )
     return Decoded(answer, spent)
+
+
+class _Stream:
+    """Hands the answer's text to ``on_text`` piece by piece, never a piece a stop string or a
+    later token could take back (a partial stop string, an incomplete multi-byte character)."""
+
+    def __init__(self, on_text: Callable[[str], None] | None, stop: Collection[str]) -> None:
+        self.on_text, self.stop, self.sent = on_text, tuple(stop), 0
+
+    def saw(self, text: str) -> None:
+        if self.on_text is None:
+            return
+        safe = len(text.rstrip("\ufffd"))  # a character still being decoded renders as U+FFFD
+        for stop in self.stop:
+            for n in range(min(len(stop) - 1, safe), 0, -1):
+                if text[:safe].endswith(stop[:n]):
+                    safe -= n
+                    break
+        self._send(text, safe)
+
+    def done(self, text: str) -> None:
+        if self.on_text is not None:
+            self._send(text, len(text))
+
+    def _send(self, text: str, upto: int) -> None:
+        assert self.on_text is not None
+        if upto > self.sent:
+            self.on_text(text[self.sent : upto])
+            self.sent = upto
 
 
 def pick_token(logits: torch.Tensor, config: DecodeConfig, generator: torch.Generator) -> int:

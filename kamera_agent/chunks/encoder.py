@@ -87,13 +87,16 @@ class ChunkEncoder:
         channel_order: ChannelOrder | None = None,
         label: str | None = None,
         meta: dict[str, str] | None = None,
+        trailer: str = "",
     ) -> Chunk:
         """An image (frame, screenshot, page) framed as the chat template frames images.
 
         Args:
             item: a PIL image, an array (with ``channel_order``) or an image path.
             kind: what the image is to the agent.
-            caption: text placed before the image, e.g. a frame's timestamp.
+            caption: text placed before the image, e.g. a frame's timestamp (or a message's
+                opening role marker).
+            trailer: text placed after it (a message's closing marker).
             channel_order: ``"rgb"`` or ``"bgr"`` for arrays (never guessed).
             label: the caller's name for it.
             meta: source details kept on the chunk.
@@ -114,7 +117,7 @@ class ChunkEncoder:
         n_image = self._image_tokens(grid)
         before = self.tokens((caption or "") + self.prompt.image_open)
         pad = torch.full((n_image,), self._image_token_id(), dtype=torch.long)
-        after = self.tokens(self.prompt.image_close)
+        after = self.tokens(self.prompt.image_close + trailer)
         input_ids = torch.cat([before, pad, after])
         mm_types = torch.cat([torch.zeros_like(before), torch.ones_like(pad), torch.zeros_like(after)])
         relative, advance = self.positions.relative(input_ids, mm_types, grid)

@@ -23,6 +23,7 @@ import networkx as nx
 import torch
 
 from kamera_agent.backends.base import Backend, DecodeConfig
+from kamera_agent.chunks.chat import ChatTemplate
 from kamera_agent.chunks.chunk import Chunk, ChunkKind
 from kamera_agent.chunks.sources import ChannelOrder
 from kamera_agent.config import WindowConfig
@@ -30,13 +31,20 @@ from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.identity import ChunkState
 from kamera_agent.core.kv_core import KVCore, Txn
 from kamera_agent.core.staging import StagedStore, StoreView
-from kamera_agent.errors import ChunkInWindowError, UnknownChunkError, WindowError
+from kamera_agent.errors import (
+    ChunkInWindowError,
+    DuplicateChunkError,
+    SettingsError,
+    UnknownChunkError,
+    WindowError,
+)
 from kamera_agent.metrics import next_token_kl
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.operator.patch import Patch
 from kamera_agent.results import Answer, OpCost, Plan, Probe, WindowStats
 from kamera_agent.settings import THREADS_ENV, configure_threads
 from kamera_agent.store import ChunkStore
+from kamera_agent.window.conversation import Conversation, MessagePart
 from kamera_agent.window.executor import Executor, StaleLookup
 from kamera_agent.window.memory import release_evicted
 from kamera_agent.window.plan import WindowPlan
@@ -60,11 +68,17 @@ class KameraWindow:
         image_processor: the image processor, when no processor is given (VLMs).
         config: how the window behaves (`WindowConfig`); default ``WindowConfig()``.
         store: a `ChunkStore` to share between windows of the same model (default: one built
-            from the config's ``memory_budget``, ``disk_dir`` and ``disk_budget``).
+            from the config's ``memory_budget``, ``disk_dir``, ``disk_budget`` and ``store_url``).
+        conversation: hold a chat (`push_message`; questions are framed as user messages) rather
+            than one user turn; implied by ``system_prompt``.
+        system_prompt: the conversation's system prompt (it is the window's anchor: fixed,
+            never moved); ``None`` with ``conversation=True``: the chat template's default.
 
     Raises:
         SettingsError: a setting that cannot apply (``device``/``dtype`` for a `Backend` built
             elsewhere, store settings together with ``store=``).
+        UnsupportedModelError: a conversation on a model whose chat template cannot frame
+            messages as movable chunks (`ChatTemplate`).
     """
 
     def __init__(
@@ -76,11 +90,20 @@ class KameraWindow:
         image_processor: Any | None = None,
         config: WindowConfig | None = None,
         store: ChunkStore | None = None,
+        conversation: bool = False,
+        system_prompt: str | None = None,
     ) -> None:
         self.config = config or WindowConfig()
         if self.config.threads is not None or THREADS_ENV in os.environ:
             configure_threads(self.config.threads)  # the setting, else $KAMERA_NUM_THREADS
         self.backend: Backend = resolve_backend(model, processor, tokenizer, image_processor, self.config)
+        self.conversation: Conversation | None = None
+        if conversation or system_prompt is not None:
+            template = ChatTemplate.from_tokenizer(
+                self.backend.encoder.tokenizer, self.backend.encoder.prompt
+            )
+            self.backend = self.backend.with_prompt(template.prompt_format(system_prompt))
+            self.conversation = Conversation(template, self.backend.encoder)
         self._core = KVCore(self.backend, resolve_store(self.backend, self.config, store))
         self._state = WindowState()
 
@@ -226,13 +249,21 @@ class KameraWindow:
         )
         return list(plan.evicted)
 
-    def evict(self, ref: ChunkRef) -> None:
-        """Take one chunk out of the window (its canonical and patches stay: recallable).
+    def evict(self, ref: ChunkRef, *more: ChunkRef) -> None:
+        """Take chunks out of the window (their canonicals and patches stay: recallable); several
+        at once are one op, so survivors are settled once, not once per chunk.
+
+        Raises:
+            DuplicateChunkError: a chunk named twice.
 
         Mutates: the window.
         """
-        self._in_window(ref)
-        self._transact("evict", lambda planner: planner.remove(self._state, [ref], "evict"))
+        refs = [ref, *more]
+        if len(set(refs)) != len(refs):
+            raise DuplicateChunkError("evict names a chunk twice; name each chunk once")
+        for each in refs:
+            self._in_window(each)
+        self._transact("evict", lambda planner: planner.remove(self._state, refs, "evict"))
 
     def recall(self, ref: ChunkRef, at: int | None = None) -> ChunkRef:
         """Re-admit an evicted chunk at index ``at`` (default: the right end).
@@ -269,8 +300,28 @@ class KameraWindow:
         seed: int | None = None,
         stop: Sequence[str] = (),
         return_logits: bool = False,
+        on_text: Callable[[str], None] | None = None,
+        in_message: bool = False,
+        remember: bool = False,
     ) -> Answer:
-        """Answer ``query`` over the window: greedy by default, sampled with a temperature."""
+        """Answer ``query`` over the window: greedy by default, sampled with a temperature.
+
+        Args:
+            on_text: called with each piece of the answer's text as it is decoded (streaming;
+                text that may begin a stop string is held back until it cannot).
+            in_message: conversation windows: the query ends the user message that the last
+                chunks began (`push_message(..., closed=False)`), e.g. after its images.
+            remember: conversation windows: admit the question and the answer as the
+                conversation's next messages (one forward), so the next turn's history matches.
+
+        Raises:
+            SettingsError: ``in_message`` or ``remember`` on a window that holds no conversation.
+        """
+        if (in_message or remember) and self.conversation is None:
+            raise SettingsError(
+                "in_message and remember frame chat messages: create the window with conversation=True "
+                "or a system_prompt"
+            )
         config = DecodeConfig(
             max_new_tokens or self.config.max_new_tokens,
             temperature,
@@ -279,13 +330,54 @@ class KameraWindow:
             seed,
             tuple(stop),
             return_logits,
+            on_text,
         )
-        query_ids = self._core.backend.encoder.query_ids(query)
+        query_ids = self._query_ids(query, opened=not in_message)
         self._core.check_fits(self._end(), query_ids, config)
         answer, cost = self._read("ask", lambda executor: executor.answer(query_ids, config))
-        if temperature <= 0:
+        if temperature <= 0 and not in_message:
             self._state.last_answer = LastAnswer(query, self._state.tick, answer)
+        if remember:
+            assert self.conversation is not None
+            asked = self.conversation.message("user", [query], opened=not in_message)
+            replied = self.conversation.message("assistant", [answer.text])
+            self._transact(
+                "extend",
+                lambda planner: planner.extend(self._state, [(c, c.label) for c in (*asked, *replied)]),
+            )
         return replace(answer, cost=cost)
+
+    def push_message(
+        self,
+        role: str,
+        content: str | Sequence[MessagePart],
+        *,
+        opened: bool = True,
+        closed: bool = True,
+        labels: Sequence[str | None] | None = None,
+    ) -> list[ChunkRef]:
+        """Admit a chat message (``"user"``, ``"assistant"`` or ``"tool"``) at the right end: a chunk
+        per part (text, images), framed by the chat template's role markers, as one op.
+
+        ``opened=False`` continues a message the last chunks began; ``closed=False`` leaves it
+        open for more parts or for the query (`ask(..., in_message=True)`).
+
+        Raises:
+            SettingsError: the window holds no conversation.
+            InputError: an unknown role or an empty message.
+
+        Mutates: the window (admits the chunks, may evict), the store.
+        """
+        if self.conversation is None:
+            raise SettingsError(
+                "push_message frames chat messages: create the window with conversation=True or a "
+                "system_prompt (a plain window is one user turn: push its parts)"
+            )
+        parts = [content] if isinstance(content, str) else list(content)
+        chunks = self.conversation.message(role, parts, opened=opened, closed=closed, labels=labels)
+        labelled = [(chunk, chunk.label) for chunk in chunks]
+        plan, _ = self._transact("extend", lambda planner: planner.extend(self._state, labelled))
+        return list(plan.admitted)
 
     def probe_without(self, ref: ChunkRef, query: str, *, max_new_tokens: int = 8) -> Probe:
         """Is ``ref`` still load-bearing for ``query``? Decode with its influence switched off.
@@ -298,7 +390,7 @@ class KameraWindow:
         """
         self._in_window(ref)
         config = DecodeConfig(max_new_tokens=max_new_tokens)
-        query_ids = self._core.backend.encoder.query_ids(query)
+        query_ids = self._query_ids(query)
         self._core.check_fits(self._end(), query_ids, config)
 
         def both(executor: Executor) -> tuple[Answer, Answer]:
@@ -320,6 +412,7 @@ class KameraWindow:
         it mints stay in their branch."""
         branch = object.__new__(KameraWindow)
         branch.config, branch.backend, branch._core = self.config, self.backend, self._core
+        branch.conversation = self.conversation
         branch._state = self._state.fork()
         return branch
 
@@ -371,7 +464,7 @@ class KameraWindow:
         """Keyword arguments for the model's own forward over a full re-prefill of the window
         (input ids, pixel values, grids, token types): the ground truth for exactness checks."""
         chunks = [self._state.entries[ref].chunk for ref in self._state.order]
-        query_ids = None if query is None else self._core.backend.encoder.query_ids(query)
+        query_ids = None if query is None else self._query_ids(query)
         return self._core.backend.reference_inputs(chunks, query_ids)
 
     # -- transactions -------------------------------------------------------------------------
@@ -430,7 +523,7 @@ class KameraWindow:
         executor = Executor(self._state, self._core, txn, self.config)
         executor.run(self._planner(txn.store).materialize(self._state))
         query, config = plan.probe_query, DecodeConfig(max_new_tokens=1)
-        query_ids = self._core.backend.encoder.query_ids(query)
+        query_ids = self._query_ids(query)
         with_chunk = self._with_answer(executor, query, query_ids, config)
         kl = {
             ref: next_token_kl(
@@ -459,12 +552,21 @@ class KameraWindow:
             features=layout.features,
             kv_bytes_per_token=layout.bytes_per_token(core.backend.dtype),
             anchor_ready=core.anchor_ready,
-            query_tokens=lambda query: int(core.backend.encoder.query_ids(query).shape[0]),
+            query_tokens=lambda query: int(self._query_ids(query).shape[0]),
             gaps=core.backend.supports_gaps,
         )
         return Planner(inputs)
 
+    def query_ids(self, query: str, *, in_message: bool = False) -> torch.Tensor:
+        """The token ids ``ask`` would decode ``query`` from (its framing included)."""
+        return self._query_ids(query, opened=not in_message)
+
     # -- helpers -------------------------------------------------------------------------------
+    def _query_ids(self, query: str, opened: bool = True) -> torch.Tensor:
+        if self.conversation is not None:
+            return self.conversation.query_ids(query, opened=opened)
+        return self._core.backend.encoder.query_ids(query)
+
     def _end(self) -> int:
         entries = self._state.entries
         return self._core.anchor.advance + sum(entries[r].chunk.advance for r in self._state.order)

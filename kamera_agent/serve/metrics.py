@@ -1,0 +1,80 @@
+"""``GET /metrics``: the server's counters in Prometheus' text format.
+
+Why these: an operator wants to see that reuse happens (tokens prefilled against served from
+reuse, forwards, ops by kind) and what it costs (store bytes, sessions). The usage counters are
+sums of what each response's ``usage`` said, so the two can be reconciled.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+
+from kamera_agent.results import OpCost
+
+__all__ = ["Metrics"]
+
+
+class Metrics:
+    """Thread-safe counters; ``render`` adds the gauges ``gauges()`` reports at scrape time."""
+
+    def __init__(self, gauges: Callable[[], dict[str, float]]) -> None:
+        self._lock = threading.Lock()
+        self._gauges = gauges
+        self.counts: Counter[str] = Counter()
+        self.ops: Counter[str] = Counter()
+        self.statuses: Counter[int] = Counter()
+
+    def request(self, status: int) -> None:
+        with self._lock:
+            self.statuses[status] += 1
+
+    def served(self, prompt: int, cached: int, completion: int, ops: list[tuple[str, OpCost]]) -> None:
+        """A served request: its usage and the cost of every op it ran (the ask included)."""
+        with self._lock:
+            self.counts["prompt_tokens"] += prompt
+            self.counts["cached_tokens"] += cached
+            self.counts["completion_tokens"] += completion
+            for op, cost in ops:
+                self.ops[op] += 1
+                self.counts["tokens_prefilled"] += cost.tokens_prefilled
+                self.counts["tokens_reused"] += cost.tokens_reused
+                self.counts["forwards"] += cost.forwards
+                self.counts["vision_encodes"] += cost.vision_encodes
+
+    def render(self) -> str:
+        with self._lock:
+            counts, ops, statuses = dict(self.counts), dict(self.ops), dict(self.statuses)
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+            lines.append(f"# HELP kamera_{name} {help_text}")
+            lines.append(f"# TYPE kamera_{name} {kind}")
+            lines.extend(f"kamera_{name}{labels} {value:g}" for labels, value in samples)
+
+        metric(
+            "requests_total",
+            "counter",
+            "chat completion requests by HTTP status",
+            [(f'{{status="{s}"}}', n) for s, n in sorted(statuses.items())] or [("", 0)],
+        )
+        for name, help_text in (
+            ("prompt_tokens", "prompt tokens of served requests (usage.prompt_tokens)"),
+            ("cached_tokens", "prompt tokens served from reuse (usage.prompt_tokens_details.cached_tokens)"),
+            ("completion_tokens", "generated tokens (usage.completion_tokens)"),
+            ("tokens_prefilled", "tokens every forward processed (prompts, formations, decode steps)"),
+            ("tokens_reused", "chunk tokens served from the store with no forward"),
+            ("forwards", "language-model forwards run"),
+            ("vision_encodes", "vision-tower runs"),
+        ):
+            metric(f"{name}_total", "counter", help_text, [("", counts.get(name, 0))])
+        metric(
+            "ops_total",
+            "counter",
+            "window ops by kind",
+            [(f'{{op="{op}"}}', n) for op, n in sorted(ops.items())] or [("", 0)],
+        )
+        for name, value in sorted(self._gauges().items()):
+            metric(name, "gauge", name.replace("_", " "), [("", value)])
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,87 @@
+"""Chat messages as window chunks: each message frames itself with its role's markers.
+
+Why a separate piece the window holds: a plain window is one user turn (its chunks are that
+turn's parts, its query closes it); a conversation window frames every message as the chat
+template does (`ChatTemplate`), so the window can hold many turns, replies included, and a
+message is the same chunks wherever it sits. The window delegates framing here and keeps its
+ops; nothing else changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kamera_agent.chunks.chat import ROLES, ChatTemplate
+from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.chunks.encoder import ChunkEncoder
+from kamera_agent.chunks.sources import VideoFrame
+from kamera_agent.errors import InputError
+
+__all__ = ["Conversation", "MessagePart"]
+
+MessagePart = Any
+"""A message part: text (``str``), or an image (PIL image, path, array, `VideoFrame`)."""
+
+
+class Conversation:
+    """Frames messages for one conversation window.
+
+    Args:
+        template: the chat template's pieces.
+        encoder: the window's encoder (its anchor holds the system prompt).
+    """
+
+    def __init__(self, template: ChatTemplate, encoder: ChunkEncoder) -> None:
+        self.template = template
+        self.encoder = encoder
+
+    def message(
+        self,
+        role: str,
+        parts: Sequence[MessagePart],
+        *,
+        opened: bool = True,
+        closed: bool = True,
+        labels: Sequence[str | None] | None = None,
+    ) -> list[Chunk]:
+        """The chunks of one message, a chunk per part: the first carries the role's opening
+        marker (unless ``opened`` is false: the message was begun by earlier chunks), the last its
+        closing one (unless ``closed`` is false: the query will close it).
+
+        Raises:
+            InputError: an unknown role, or a message with no parts.
+        """
+        if role not in ROLES:
+            raise InputError(
+                f"role {role!r} cannot be a chunk; use one of {', '.join(ROLES)} (the system prompt is "
+                "the window's anchor)"
+            )
+        if not parts:
+            raise InputError(f"a {role} message needs at least one part (text or an image)")
+        t = self.template
+        chunks = []
+        for i, part in enumerate(parts):
+            before = (t.opens[role] if opened else "") if i == 0 else t.part_separator
+            after = t.closes[role] if closed and i == len(parts) - 1 else ""
+            label = labels[i] if labels is not None else None
+            chunks.append(self._part(part, before, after, label))
+        return chunks
+
+    def query_ids(self, text: str, *, opened: bool = True) -> torch.Tensor:
+        """The query as the last user message: its text (after the role's opening marker unless
+        chunks already began the message), the closing marker, then the assistant's opening."""
+        t = self.template
+        before = t.opens["user"] if opened else t.part_separator
+        return self.encoder.tokens(before + text + t.closes["user"] + t.generation)
+
+    def _part(self, part: MessagePart, before: str, after: str, label: str | None) -> Chunk:
+        if isinstance(part, Chunk):
+            raise InputError("a message part is text or an image; a prepared Chunk has its framing already")
+        if isinstance(part, str):
+            return self.encoder.text(before + part + after, label=label)
+        if isinstance(part, VideoFrame):
+            return self.encoder.image(part.image, kind="frame", caption=before, trailer=after, label=label)
+        return self.encoder.image(part, kind="image", caption=before, trailer=after, label=label)

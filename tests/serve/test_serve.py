@@ -1,0 +1,266 @@
+"""``kamera serve`` over HTTP with the official ``openai`` client: reuse, fidelity, errors, load.
+
+Every figure a test asserts comes from the server's own usage and op reports; fidelity is
+checked against a fresh server given the same messages (which prefills everything).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from kamera_agent.config import WindowConfig
+from tests.serve.conftest import MODEL, LiveServer, shot
+
+SYSTEM = {"role": "system", "content": "Answer briefly."}
+Serve = Callable[..., LiveServer]
+
+
+def _ask(
+    live: LiveServer, messages: list[dict[str, Any]], session_id: str | None = None, **extra: Any
+) -> Any:
+    """One greedy request; ``session_id`` rides in the body, as the client's ``extra_body``."""
+    if session_id is not None:
+        extra["extra_body"] = {**extra.get("extra_body", {}), "session_id": session_id}
+    return live.client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **extra)  # type: ignore[arg-type]
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return str(response.read().decode())
+
+
+def _ops(response: Any) -> list[dict[str, Any]]:
+    return list(response.model_extra["kamera"]["ops"])
+
+
+def _prefilled(response: Any) -> int:
+    usage = response.usage
+    return int(usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens)
+
+
+def _run(
+    live: LiveServer, count: int, keep: int = 2, stream: bool = False
+) -> list[tuple[Any, list[dict[str, Any]]]]:
+    """The sliding conversation; returns each turn's response and the messages it sent."""
+    history: list[dict[str, Any]] = []
+    out = []
+    for i in range(count):
+        messages = [SYSTEM, *history, shot(i, "What now?")]
+        response = _streamed(live, messages) if stream else _ask(live, messages)
+        out.append((response, messages))
+        history += [shot(i, "What now?"), {"role": "assistant", "content": _text(response) or "."}]
+        if len(history) > 2 * keep:
+            del history[:2]
+    return out
+
+
+def _text(response: Any) -> str:
+    return response.choices[0].message.content if hasattr(response, "choices") else response["text"]
+
+
+def _streamed(live: LiveServer, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    events = _ask(live, messages, stream=True, stream_options={"include_usage": True})
+    text, usage = "", None
+    for event in events:
+        if event.choices:
+            text += event.choices[0].delta.content or ""
+        if event.usage is not None:
+            usage = event.usage
+    return {"text": text, "usage": usage}
+
+
+def test_a_sliding_screenshot_conversation_reuses_what_it_sent_before(serve: Serve) -> None:
+    live = serve()
+    turns = _run(live, 6)
+    for turn, (response, messages) in enumerate(turns):
+        cold = serve()  # a new server: its store is empty, everything is prefilled
+        fresh = _ask(cold, messages)
+        cold.stop()
+        if turn == 0:
+            continue
+        usage = response.usage
+        assert usage.prompt_tokens_details.cached_tokens > 0, turn
+        assert usage.prompt_tokens == fresh.usage.prompt_tokens
+        assert _prefilled(response) < _prefilled(fresh), (turn, _prefilled(response), _prefilled(fresh))
+    ops = {op["op"] for response, _ in turns[3:] for op in _ops(response)}
+    assert "evict" in ops  # the dropped exchange left the window
+
+    streamed = _run(serve(), 6, stream=True)
+    for (plain, _), (flowing, _) in zip(turns, streamed, strict=True):
+        assert _text(flowing) == _text(plain)
+        assert flowing["usage"].prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_exact_settings_answer_every_turn_as_a_fresh_server_does(serve: Serve) -> None:
+    live = serve(config=WindowConfig.exact())
+    for turn, (response, messages) in enumerate(_run(live, 6)):
+        fresh = serve(config=WindowConfig.exact())
+        cold = _ask(fresh, messages)
+        fresh.stop()
+        assert _text(response) == _text(cold), turn
+        assert cold.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_a_resent_screenshot_is_recalled_without_a_vision_forward(serve: Serve) -> None:
+    live = serve()
+    base = [SYSTEM, shot(0, "first"), {"role": "assistant", "content": "ok"}]
+    _ask(live, [*base, shot(1, "second?")])
+    _ask(
+        live, [SYSTEM, shot(1, "second?"), {"role": "assistant", "content": "ok"}, shot(2, "third?")]
+    )  # 0 dropped
+    again = _ask(live, [*base, shot(1, "second?"), {"role": "assistant", "content": "ok"}, shot(3, "and?")])
+    ops = _ops(again)
+    assert "recall" in [op["op"] for op in ops]
+    recalled = [op for op in ops if op["op"] == "recall"]
+    assert sum(op["vision_encodes"] for op in recalled) == 0
+    assert sum(op["vision_encodes"] for op in ops) == 1  # only the new screenshot 3
+
+
+def test_reordering_two_screenshots_runs_no_canonical_prefill(serve: Serve) -> None:
+    """Both move after the task's text: each is re-conditioned (a forward), none re-encoded.
+    (A screenshot moved to the very front would need its canonical: nothing precedes it.)"""
+    live = serve()
+    task = {"role": "user", "content": "Compare the two screenshots."}
+    a, b = shot(0, "left"), shot(1, "right")
+    reply = {"role": "assistant", "content": "ok"}
+    _ask(live, [SYSTEM, task, reply, a, reply, b, reply, shot(2, "which?")])
+    swapped = _ask(live, [SYSTEM, task, reply, b, reply, a, reply, shot(2, "which?")])
+    ops = _ops(swapped)
+    assert [op["op"] for op in ops] == ["reorder", "ask"]
+    assert sum(op["canonicals_formed"] for op in ops) == 0
+    assert sum(op["vision_encodes"] for op in ops) == 0
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(serve: Serve) -> None:
+    live = serve()
+    good = [SYSTEM, shot(0, "What now?")]
+    broken = {
+        "role": "user",
+        "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}],
+    }
+    audio = {
+        "role": "user",
+        "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}],
+    }
+    remote = {
+        "role": "user",
+        "content": [{"type": "image_url", "image_url": {"url": "https://127.0.0.1:9/x.png"}}],
+    }
+    long_text = {"role": "user", "content": "lorem ipsum " * 4000}
+    cases: list[tuple[dict[str, Any], type[Exception], str]] = [
+        ({"messages": [SYSTEM, broken]}, openai.BadRequestError, "base64"),
+        ({"messages": [SYSTEM, audio]}, openai.BadRequestError, "input_audio"),
+        ({"messages": [SYSTEM, remote]}, openai.BadRequestError, "fetching image URLs is off"),
+        ({"messages": [SYSTEM, long_text]}, openai.BadRequestError, "the model has 4096"),
+        ({"messages": good, "model": "gpt-9"}, openai.NotFoundError, "not served here"),
+        ({"messages": [{"role": "assistant", "content": "hi"}]}, openai.BadRequestError, "last message"),
+        ({"messages": good, "n": 2}, openai.BadRequestError, "n > 1"),
+    ]
+    for request, error, words in cases:
+        arguments = {"model": MODEL, "temperature": 0, **request}
+        with pytest.raises(error, match=re.escape(words)):
+            live.client.chat.completions.create(**arguments)  # type: ignore[call-overload]
+        assert _text(_ask(live, good)) is not None  # the next good request succeeds
+    with pytest.raises(openai.BadRequestError, match="base64"):  # refused before streaming starts
+        for _ in _ask(live, [SYSTEM, broken], stream=True):
+            pass
+    body = _get(live.url + "/metrics")
+    assert 'kamera_requests_total{status="400"} 7' in body and 'kamera_requests_total{status="404"} 1' in body
+
+
+def test_concurrent_clients_all_succeed_and_metrics_add_up(serve: Serve) -> None:
+    live = serve()
+
+    def client(k: int) -> list[Any]:
+        history: list[dict[str, Any]] = [SYSTEM]
+        responses = []
+        for i in range(20):
+            messages = [*history, shot(100 * k + i, f"client {k} step {i}?")]
+            response = _ask(live, messages, session_id=f"client-{k}", max_tokens=2)
+            responses.append(response)
+            history = [SYSTEM, *messages[-1:], {"role": "assistant", "content": _text(response) or "."}]
+        return responses
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = [r for rs in pool.map(client, range(4)) for r in rs]
+    assert len(results) == 80
+    body = _get(live.url + "/metrics")
+
+    def metric(name: str) -> float:
+        match = re.search(rf"^kamera_{name} (\S+)$", body, re.M)
+        assert match, name
+        return float(match.group(1))
+
+    assert metric("prompt_tokens_total") == sum(r.usage.prompt_tokens for r in results)
+    assert metric("cached_tokens_total") == sum(r.usage.prompt_tokens_details.cached_tokens for r in results)
+    assert metric("completion_tokens_total") == sum(r.usage.completion_tokens for r in results)
+    assert metric("sessions") == 4 and 'kamera_requests_total{status="200"} 80' in body
+    ops = [op for r in results for op in _ops(r)]
+    assert metric("forwards_total") == sum(op["forwards"] for op in ops)
+    assert metric("tokens_prefilled_total") == sum(op["tokens_prefilled"] for op in ops)
+
+
+def test_models_health_and_per_request_settings(serve: Serve) -> None:
+    live = serve()
+    assert [m.id for m in live.client.models.list()] == [MODEL]
+    assert '"status":"ok"' in _get(live.url + "/health")
+    exact = _ask(live, [SYSTEM, shot(0, "What now?")], extra_body={"kamera": {"preset": "exact"}})
+    plain = _ask(live, [SYSTEM, shot(0, "What now?")])
+    assert exact.model_extra["kamera"]["session_id"] != plain.model_extra["kamera"]["session_id"]
+    with pytest.raises(openai.BadRequestError, match="shared store"):
+        _ask(live, [SYSTEM, shot(0, "x")], extra_body={"kamera": {"store_url": "redis://x"}})
+    with pytest.raises(openai.BadRequestError, match="rank"):
+        _ask(live, [SYSTEM, shot(0, "x")], extra_body={"kamera": {"rank": -3}})
+
+
+def test_the_serve_command_starts_a_server(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = tmp_path / "window.json"
+    config.write_text('{"rank": "full"}')
+    env = {**os.environ, "KAMERA_NUM_THREADS": "1"}
+    log = (tmp_path / "serve.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kamera_agent", "serve", "--port", str(port), "--config", str(config)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                _get(f"http://127.0.0.1:{port}/health")
+                break
+            except OSError:
+                started = process.poll() is None and time.monotonic() < deadline
+                assert started, (tmp_path / "serve.log").read_text()
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        response = client.chat.completions.create(
+            model=MODEL,
+            messages=[SYSTEM, shot(0, "What now?")],
+            temperature=0,
+            max_tokens=2,  # type: ignore[list-item]
+        )
+        assert response.usage is not None and response.usage.prompt_tokens > 0
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=20)
+        log.close()
