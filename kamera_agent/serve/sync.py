@@ -23,6 +23,7 @@ from difflib import SequenceMatcher
 from typing import Any
 
 from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.errors import KameraError
 from kamera_agent.results import OpCost
 from kamera_agent.serve.turns import Turn
 from kamera_agent.window import KameraWindow
@@ -107,9 +108,10 @@ def sync_window(window: KameraWindow, turns: list[Turn]) -> SyncReport:
     evicted: dict[str, deque[ChunkRef]] = defaultdict(deque)
     for ref in [*window.evicted, *(r for r in current if r not in staying)]:
         evicted[window.chunk(ref).key].append(ref)
+    candidates: dict[int, ChunkRef] = {}
     for index, (kind, chunk) in enumerate(plan):
         if kind == "new" and evicted[chunk.key]:
-            plan[index] = ("recall", evicted[chunk.key].pop())  # the most recent copy
+            candidates[index] = evicted[chunk.key].pop()  # the most recent copy
 
     gone = [ref for ref in current if ref not in staying]
     if gone:
@@ -117,6 +119,9 @@ def sync_window(window: KameraWindow, turns: list[Turn]) -> SyncReport:
     survivors = [ref for kind, ref in plan if kind == "keep"]
     if survivors != window.refs:
         _run(report, window, "reorder", survivors, lambda: window.reorder(survivors))
+    for index, ref in candidates.items():
+        if index < last_kept or _recall_is_cheaper(window, ref, plan[index][1]):
+            plan[index] = ("recall", ref)
 
     final: list[ChunkRef] = []  # the refs in the order the request wants them
     placed = 0  # refs of ``final`` at their place: the window's first ``placed``
@@ -139,6 +144,20 @@ def sync_window(window: KameraWindow, turns: list[Turn]) -> SyncReport:
         window.chunk(ref).num_tokens for ref in window.refs
     )
     return report
+
+
+def _recall_is_cheaper(window: KameraWindow, ref: ChunkRef, chunk: Chunk) -> bool:
+    """Whether recalling ``ref`` at the end prefills fewer tokens than admitting its content anew.
+
+    A recall at the end is free when nothing before it absorbed it; when survivors did (they
+    keep what they took from an evicted chunk), the window must re-form them, since a chunk's
+    KV cannot encode one to its right: then a new copy, in the tail's one forward, is cheaper.
+    """
+    try:
+        planned = window.plan("recall", ref, at=len(window.refs))
+    except KameraError:
+        return False
+    return planned.tokens_prefilled <= chunk.num_tokens
 
 
 def _run(report: SyncReport, window: KameraWindow, op: str, refs: list[ChunkRef], do: Any) -> None:

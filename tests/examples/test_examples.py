@@ -117,3 +117,17 @@ def test_document_agent_reorders_best_first_and_evicts_only_disposable_pages(
     if threshold == 1e9:
         assert run.evicted == ["Filling", "Boiling", "Kettle manual"]
     assert set(run.answers) == {document.COARSE, document.FINE}
+
+
+def test_openai_agent_is_served_from_reuse(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The official client against a live ``kamera serve`` (started by the example): from the
+    second step on part of every prompt is cached, and once the oldest exchange is dropped the
+    request evicts it and prefills only the new message and the question."""
+    agent = load_example("openai_agent", monkeypatch)
+    usages = agent.main(["--steps", "5"])
+    cached = [u.prompt_tokens_details.cached_tokens for u in usages]
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:])
+    out = capsys.readouterr().out
+    assert "step 4:" in out and "evict(0)" in out.split("step 4:")[1]

@@ -1,0 +1,154 @@
+"""Conversation windows: messages framed by the model's own chat template, answers exact.
+
+A conversation's token sequence must be the template's own rendering of the same messages, and
+under the exact settings every answer must equal the model's own forward over that sequence,
+after pushes, replies remembered, open messages, and moves of whole messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kamera_agent.backends.decoding import _Stream
+from kamera_agent.chunks.chat import ChatTemplate
+from kamera_agent.config import WindowConfig
+from kamera_agent.errors import DuplicateChunkError, InputError, SettingsError, UnsupportedModelError
+from kamera_agent.window import KameraWindow
+from tests.backends.test_transformers_backend import images
+from tests.window.backends import backend_named
+
+EXACT = 1e-4
+
+
+def _window(**kwargs: Any) -> KameraWindow:
+    backend = backend_named("qwen2_vl")
+    return KameraWindow(backend, config=WindowConfig.exact(evicted_pixels="keep"), **kwargs)  # type: ignore[arg-type]
+
+
+def _sequence_text(window: KameraWindow, query: str | None = None, in_message: bool = False) -> str:
+    ids = [window.backend.encoder.anchor().input_ids, *(window.chunk(r).input_ids for r in window.refs)]
+    if query is not None:
+        ids.append(window.query_ids(query, in_message=in_message))
+    text: str = window.backend.encoder.tokenizer.decode(torch.cat(ids))
+    while "<|image_pad|><|image_pad|>" in text:  # the template renders one placeholder per image
+        text = text.replace("<|image_pad|><|image_pad|>", "<|image_pad|>")
+    return text
+
+
+def _agrees(window: KameraWindow, query: str, in_message: bool = False) -> None:
+    chunks = [window.chunk(ref) for ref in window.refs]
+    truth = window.backend.reference_prefill(chunks, window.query_ids(query, in_message=in_message)).logits
+    got = window.ask(query, max_new_tokens=1, in_message=in_message).first_logits
+    assert float((got - truth).abs().max()) < EXACT
+
+
+def test_a_conversation_is_the_templates_own_rendering() -> None:
+    window = _window(system_prompt="Be terse.")
+    pics = images(2, seed=3)
+    window.push_message("user", [pics[0], "what is this?"])
+    window.push_message("assistant", "a square")
+    window.push_message("user", [pics[1]], closed=False)
+    tokenizer = window.backend.encoder.tokenizer
+    messages = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"}]},
+        {"role": "assistant", "content": "a square"},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and this?"}]},
+    ]
+    want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert _sequence_text(window, "and this?", in_message=True) == want
+    _agrees(window, "and this?", in_message=True)
+
+
+def test_default_system_prompt_and_remembered_turns_answer_like_the_model() -> None:
+    window = _window(conversation=True)
+    assert window.backend.encoder.anchor().input_ids.numel() > 0
+    pics = images(3, seed=4)
+    window.push_message("user", [pics[0], "first"])
+    _agrees(window, "what changed?")
+    answer = window.ask("what changed?", max_new_tokens=3, remember=True)
+    assert len(window.refs) == 4  # the question and the answer joined the conversation
+    assert window.backend.encoder.tokenizer.decode(window.chunk(window.refs[-1]).input_ids).startswith(
+        "<|im_start|>assistant\n" + answer.text
+    )
+    window.push_message("user", [pics[1], "second"])
+    _agrees(window, "and now?")
+
+
+def test_moving_and_dropping_whole_messages_stays_exact() -> None:
+    window = _window(system_prompt="Be terse.")
+    pics = images(3, seed=5)
+    first = window.push_message("user", [pics[0], "one"])
+    second = window.push_message("user", [pics[1], "two"])
+    third = window.push_message("user", [pics[2], "three"])
+    window.reorder([*third, *first, *second])
+    _agrees(window, "which came first?")
+    window.evict(*first)
+    assert len(window.refs) == 4
+    _agrees(window, "which is left?")
+    window.recall(first[1], at=2)
+    window.recall(first[0], at=2)
+    _agrees(window, "and now?")
+
+
+def test_streamed_text_is_the_answer() -> None:
+    window = _window(conversation=True)
+    window.push_message("user", "hello there")
+    pieces: list[str] = []
+    answer = window.ask("say something", max_new_tokens=6, on_text=pieces.append)
+    assert "".join(pieces) == answer.text
+
+
+def test_a_streamed_stop_string_is_never_sent() -> None:
+    sent: list[str] = []
+    stream = _Stream(sent.append, ["STOP"])
+    for text in ["he", "hel", "hello S", "hello ST", "hello STx"]:
+        stream.saw(text)
+    assert "".join(sent) == "hello STx"
+    sent.clear()
+    stream = _Stream(sent.append, ["STOP"])
+    for text in ["ab", "ab ST", "ab STO"]:
+        stream.saw(text)
+    stream.done("ab ")  # the decode loop cut the stop string off
+    assert "".join(sent) == "ab "
+
+
+def test_conversation_errors_say_what_to_do() -> None:
+    plain = KameraWindow(backend_named("qwen2_vl"))  # type: ignore[arg-type]
+    with pytest.raises(SettingsError, match="conversation=True"):
+        plain.push_message("user", "hi")
+    with pytest.raises(SettingsError, match="conversation=True"):
+        plain.ask("hi", remember=True)
+    window = _window(conversation=True)
+    with pytest.raises(InputError, match="system prompt"):
+        window.push_message("system", "be nice")
+    with pytest.raises(InputError, match="at least one part"):
+        window.push_message("user", [])
+    refs = window.push_message("user", ["a", "b"])
+    with pytest.raises(DuplicateChunkError):
+        window.evict(refs[0], refs[0])
+    assert window.refs == refs  # refused: nothing changed
+
+
+def test_a_template_whose_markers_depend_on_neighbours_is_refused() -> None:
+    backend = backend_named("qwen2_vl")
+
+    class Glued:
+        """Joins consecutive messages with a marker that names both roles."""
+
+        chat_template = "glued"
+
+        def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+            out, previous = "", "start"
+            for message in messages:
+                content = message["content"]
+                text = content if isinstance(content, str) else "".join(p["text"] for p in content)
+                out += f"<{previous}>{message['role']}:{text}"
+                previous = message["role"]
+            return out + ("<gen>" if kwargs.get("add_generation_prompt") else "")
+
+    with pytest.raises(UnsupportedModelError, match=r"neighbouring messages|unlike"):
+        ChatTemplate.from_tokenizer(Glued(), backend.encoder.prompt)
