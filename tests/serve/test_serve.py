@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -264,3 +265,45 @@ def test_the_serve_command_starts_a_server(tmp_path: Path) -> None:
         process.send_signal(signal.SIGINT)
         process.wait(timeout=20)
         log.close()
+
+
+def test_image_urls_are_fetched_only_when_enabled_and_within_limits(serve: Serve) -> None:
+    """A loopback HTTP server holds a screenshot; fetching is a flag, with a size limit."""
+    import base64
+    import http.server
+
+    from kamera_agent.serve import ImageFetching
+    from tests.serve.conftest import frame_url
+
+    png = base64.b64decode(frame_url(7).split(",", 1)[1])
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(png)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    host = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=host.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{host.server_address[1]}/shot.png"
+    message = {
+        "role": "user",
+        "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}],
+    }
+    try:
+        fetching = serve(fetching=ImageFetching(enabled=True, timeout=5, max_bytes=1 << 20))
+        fetched = _ask(fetching, [SYSTEM, message])
+        inline = _ask(fetching, [SYSTEM, shot(7, "?")])  # the same pixels as a data: URL: the same chunk
+        assert fetched.usage.prompt_tokens == inline.usage.prompt_tokens
+        assert sum(op["vision_encodes"] for op in _ops(inline)) == 0
+        tiny = serve(fetching=ImageFetching(enabled=True, timeout=5, max_bytes=100))
+        with pytest.raises(openai.BadRequestError, match="larger than 100 bytes"):
+            _ask(tiny, [SYSTEM, message])
+    finally:
+        host.shutdown()
+        host.server_close()
