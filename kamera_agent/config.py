@@ -51,6 +51,9 @@ class WindowConfig(BaseModel):
             environment variable, else a store of this process alone.
         max_evicted: most evicted chunks a window keeps recallable (the oldest evicted are
             forgotten first, counted in ``stats``); ``None``: unbounded.
+        max_image_pixels: images larger than this (width × height) are refused before decoding.
+        large_chunk_tokens: pushing a chunk longer than this warns (`LargeChunkWarning`);
+            ``None``: never. A chunk the model's context cannot hold is always refused.
         evicted_pixels: ``"drop"`` releases an evicted image's pixels once its vision output or
             canonical is stored (they are most of its memory); ``"keep"`` holds them, so its
             re-prefill inputs (``as_model_inputs``) can always be rebuilt.
@@ -79,6 +82,8 @@ class WindowConfig(BaseModel):
     store_url: str | None = None
     max_evicted: int | None = Field(default=1024, ge=0)
     evicted_pixels: Literal["drop", "keep"] = "drop"
+    max_image_pixels: int = Field(default=50_000_000, ge=1)
+    large_chunk_tokens: int | None = Field(default=8192, ge=1)
 
     @field_validator("rank")
     @classmethod

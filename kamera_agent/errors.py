@@ -7,6 +7,7 @@ failed call never corrupts a window or a store.
     ├── UnsupportedModelError        model family we have no rotary spec / KV layout for
     ├── CapabilityError              an operation this backend does not offer
     ├── SettingsError                a setting that cannot apply where it was given
+    ├── CheckpointError              a model path that is not a local checkpoint kamera can load
     ├── RelocationError              the rotary scheme cannot be relocated exactly
     │   └── LengthDependentRopeError dynamic NTK, longrope: frequencies change with length
     ├── PositionShapeError           positions of the wrong shape / length for the keys
@@ -28,6 +29,8 @@ failed call never corrupts a window or a store.
         ├── UnreadableInputError        a missing or unreadable file, stream or object
         ├── EmptyVideoError             a video with no frames
         └── ProcessorRejectedError      an image the model's processor refuses
+
+Warnings (not errors: the call goes on): ``KameraWarning`` ⟵ ``LargeChunkWarning``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ __all__ = [
     "AmbiguousChannelOrderError",
     "CapabilityError",
     "CapacityError",
+    "CheckpointError",
     "ChunkInWindowError",
     "ChunkLostError",
     "ContextOverflowError",
@@ -45,6 +49,8 @@ __all__ = [
     "ForeignPatchError",
     "InputError",
     "KameraError",
+    "KameraWarning",
+    "LargeChunkWarning",
     "LayoutMismatchError",
     "LengthDependentRopeError",
     "PositionShapeError",
@@ -75,6 +81,18 @@ class CapabilityError(KameraError):
 
 class SettingsError(KameraError, ValueError):
     """A setting that cannot apply where it was given; the message says where to set it."""
+
+
+class CheckpointError(KameraError, ValueError):
+    """A model path that is not a local checkpoint kamera can load (no such folder, no config)."""
+
+
+class KameraWarning(UserWarning):
+    """Something worth knowing that does not stop the call."""
+
+
+class LargeChunkWarning(KameraWarning):
+    """A chunk over ``WindowConfig.large_chunk_tokens``: slow to prefill, large to keep."""
 
 
 class RelocationError(KameraError):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kamera_agent.backends.transformers import TransformersBackend
-from kamera_agent.errors import UnsupportedModelError
+from kamera_agent.errors import CheckpointError, SettingsError, UnsupportedModelError
 
 __all__ = ["load_backend", "load_model", "load_processing"]
 
@@ -52,12 +52,54 @@ def load_backend(
     return TransformersBackend(model, processor, tokenizer=tokenizer, image_processor=image_processor)
 
 
+def check_device(device: str | torch.device | None) -> None:
+    """Refuse a device this torch cannot use, with the reason (torch asserts instead).
+
+    Raises:
+        SettingsError: an unknown device name, or CUDA/MPS that this torch build or machine lacks.
+    """
+    if device is None:
+        return
+    try:
+        where = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise SettingsError(
+            f"device={device!r} is not a torch device ({exc}); use 'cpu', 'cuda' or 'cuda:N'"
+        ) from exc
+    if where.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else "CUDA, but no GPU is visible"
+            raise SettingsError(
+                f"device={device!r}: this torch ({torch.__version__}) is {build}; use device='cpu'"
+            )
+        if where.index is not None and where.index >= torch.cuda.device_count():
+            raise SettingsError(
+                f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+            )
+    elif where.type == "mps" and not torch.backends.mps.is_available():
+        raise SettingsError(f"device={device!r}: MPS is not available here; use device='cpu'")
+
+
 def load_model(
     path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None
 ) -> Any:
-    """``from_pretrained`` a causal LM or an image-text-to-text model from a local directory."""
+    """``from_pretrained`` a causal LM or an image-text-to-text model from a local directory.
+
+    Raises:
+        CheckpointError: no such directory, or one without a model config (machines here never
+            download: a hub id is not a checkpoint).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"no checkpoint folder at {folder}; pass a local directory holding config.json and the weights "
+            "(kamera never downloads models), or a loaded model"
+        )
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder} holds no config.json: it is not a Hugging Face checkpoint folder")
+    check_device(device)
     config = AutoConfig.from_pretrained(path)
     auto = (
         AutoModelForImageTextToText

@@ -19,6 +19,7 @@ inferred from side effects. Checks against the engine's own full forward are a c
 from __future__ import annotations
 
 import copy
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -29,7 +30,7 @@ import torch
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.chunks.prompt import PromptFormat
-from kamera_agent.errors import CapabilityError
+from kamera_agent.errors import CapabilityError, SettingsError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.results import Answer
 
@@ -135,6 +136,22 @@ class DecodeConfig:
     stop: tuple[str, ...] = ()
     return_logits: bool = False
     on_text: Callable[[str], None] | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse what ``generate`` refuses (a setting that would decode nonsense or nothing)."""
+        problems = []
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            problems.append(f"temperature must be finite and >= 0 (0: greedy), got {self.temperature!r}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            problems.append(f"top_k must be an int >= 0 (0: all), got {self.top_k!r}")
+        if any(not isinstance(stop, str) or not stop for stop in self.stop):
+            problems.append("stop strings must be non-empty strings")
+        if problems:
+            raise SettingsError("; ".join(problems))
 
 
 class Backend(ABC):

@@ -19,8 +19,8 @@ from PIL import Image
 from kamera_agent.chunks.chunk import Chunk, ChunkKind, content_key
 from kamera_agent.chunks.positions import PositionScheme
 from kamera_agent.chunks.prompt import PromptFormat
-from kamera_agent.chunks.sources import ChannelOrder, ImageLike, to_rgb_image
-from kamera_agent.errors import ProcessorRejectedError, UnsupportedModelError
+from kamera_agent.chunks.sources import MAX_IMAGE_PIXELS, ChannelOrder, ImageLike, to_rgb_image
+from kamera_agent.errors import InputError, ProcessorRejectedError, UnsupportedModelError
 
 __all__ = ["ChunkEncoder"]
 
@@ -62,7 +62,19 @@ class ChunkEncoder:
         self.origin = content_key("origin", model_fingerprint, self.settings)
 
     def tokens(self, text: str) -> torch.Tensor:
-        """Token ids ``[n]`` of ``text`` without added special tokens."""
+        """Token ids ``[n]`` of ``text`` without added special tokens.
+
+        Raises:
+            InputError: text that is not valid Unicode (a lone surrogate) or not a string.
+        """
+        if not isinstance(text, str):
+            raise InputError(f"text must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InputError(
+                f"the text is not valid Unicode ({exc.reason} at {exc.start}); clean it first"
+            ) from exc
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return torch.tensor(ids, dtype=torch.long)
 
@@ -88,6 +100,7 @@ class ChunkEncoder:
         label: str | None = None,
         meta: dict[str, str] | None = None,
         trailer: str = "",
+        max_pixels: int = MAX_IMAGE_PIXELS,
     ) -> Chunk:
         """An image (frame, screenshot, page) framed as the chat template frames images.
 
@@ -97,6 +110,7 @@ class ChunkEncoder:
             caption: text placed before the image, e.g. a frame's timestamp (or a message's
                 opening role marker).
             trailer: text placed after it (a message's closing marker).
+            max_pixels: larger images are refused before decoding (`to_rgb_image`).
             channel_order: ``"rgb"`` or ``"bgr"`` for arrays (never guessed).
             label: the caller's name for it.
             meta: source details kept on the chunk.
@@ -106,13 +120,13 @@ class ChunkEncoder:
             ProcessorRejectedError: the image processor refused the image.
         """
         if kind not in _IMAGE_KINDS:
-            raise ValueError(f"kind must be one of {_IMAGE_KINDS} for images, got {kind!r}")
+            raise InputError(f"kind must be one of {_IMAGE_KINDS} for images, got {kind!r}")
         if self.image_processor is None or self.prompt.image_token is None:
             raise UnsupportedModelError(
                 "this model has no image processor or image placeholder token; pass image_processor= "
                 "(and a vision-language model) to admit images"
             )
-        image = to_rgb_image(item, channel_order)
+        image = to_rgb_image(item, channel_order, max_pixels)
         pixel_values, grid = self._preprocess(image)
         n_image = self._image_tokens(grid)
         before = self.tokens((caption or "") + self.prompt.image_open)
@@ -141,7 +155,8 @@ class ChunkEncoder:
     def _text_chunk(self, text: str, kind: ChunkKind, label: str | None) -> Chunk:
         input_ids = self.tokens(text)
         if input_ids.numel() == 0:
-            raise ValueError(f"the {kind} text tokenizes to no tokens; pass non-empty text")
+            what = "text" if kind == "text" else f"{kind} text"
+            raise InputError(f"the {what} tokenizes to no tokens; pass non-empty text")
         mm_types = torch.zeros_like(input_ids)
         relative, advance = self.positions.relative(input_ids, mm_types, None)
         key = content_key("chunk", self.model_fingerprint, self.settings, input_ids)

@@ -17,24 +17,46 @@ from PIL import Image, ImageSequence, UnidentifiedImageError
 
 from kamera_agent.errors import AmbiguousChannelOrderError, EmptyVideoError, UnreadableInputError
 
-__all__ = ["ChannelOrder", "VideoFrame", "document_pages", "read_video", "to_rgb_image"]
+__all__ = ["MAX_IMAGE_PIXELS", "ChannelOrder", "VideoFrame", "document_pages", "read_video", "to_rgb_image"]
 
 ChannelOrder = Literal["rgb", "bgr"]
 ImageLike = Image.Image | np.ndarray | str | Path
 
 
-def to_rgb_image(item: ImageLike, channel_order: ChannelOrder | None = None) -> Image.Image:
-    """An RGB PIL image from a PIL image, an ``[H, W, 3]`` uint8 array or an image file path.
+MAX_IMAGE_PIXELS = 50_000_000
+"""Images larger than this (width × height) are refused before they are decoded: a small file
+can claim a huge size (a decompression bomb), and a real one this large is never what an agent
+means to send (resize it). `WindowConfig.max_image_pixels` sets it per window."""
+_CHANNEL_ORDERS = ("rgb", "bgr")
+
+
+def to_rgb_image(
+    item: ImageLike, channel_order: ChannelOrder | None = None, max_pixels: int = MAX_IMAGE_PIXELS
+) -> Image.Image:
+    """An RGB PIL image, read as the models' own processors read images.
+
+    - PIL images and files: any mode; transparency (RGBA, LA, palette with alpha) is composited
+      on white, as transformers' ``convert_to_rgb`` does, rather than dropped.
+    - Arrays ``[H, W]``, ``[H, W, 3]`` or ``[H, W, 4]`` with ``channel_order``: ``uint8`` as is;
+      ``uint16`` scaled from 0..65535; other integers must lie in 0..255; floats in 0..1 (scaled)
+      or 0..255; a 4th channel is alpha (composited on white).
 
     Raises:
-        AmbiguousChannelOrderError: a 3-channel array given without ``channel_order``.
-        UnreadableInputError: a path that does not exist or is not an image.
+        AmbiguousChannelOrderError: a 3- or 4-channel array given without ``channel_order``.
+        UnreadableInputError: a path that does not exist or is not an image; an empty image; one
+            over ``max_pixels``; an array of a non-image dtype (bool, complex, object, text),
+            with NaN or infinity, or with values outside its dtype's image range; an unknown
+            ``channel_order``.
     """
+    if channel_order is not None and channel_order not in _CHANNEL_ORDERS:
+        raise UnreadableInputError(f"channel_order must be 'rgb' or 'bgr', got {channel_order!r}")
     if isinstance(item, Image.Image):
-        return item.convert("RGB") if item.mode != "RGB" else item
+        _check_size(item.size, max_pixels)
+        return _to_rgb(item)
     if isinstance(item, str | Path):
-        return _open_image(Path(item))
+        return _open_image(Path(item), max_pixels)
     if isinstance(item, np.ndarray):
+        _check_size((item.shape[1] if item.ndim > 1 else 0, item.shape[0]), max_pixels)
         return _array_to_image(item, channel_order)
     raise UnreadableInputError(
         f"cannot read an image from {type(item).__name__}; pass a PIL image, an [H, W, 3] uint8 array "
@@ -42,13 +64,40 @@ def to_rgb_image(item: ImageLike, channel_order: ChannelOrder | None = None) -> 
     )
 
 
-def _open_image(path: Path) -> Image.Image:
+def _check_size(size: tuple[int, int], max_pixels: int) -> None:
+    width, height = size
+    if width <= 0 or height <= 0:
+        raise UnreadableInputError(f"the image is {width}x{height}: it has no pixels")
+    if width * height > max_pixels:
+        raise UnreadableInputError(
+            f"the image is {width}x{height} ({width * height:,} pixels), over the limit of {max_pixels:,}; "
+            "resize it first, or raise WindowConfig.max_image_pixels if it is meant to be this large"
+        )
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode == "RGB":
+        return image
+    has_alpha = image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info)
+    if not has_alpha:
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")
+
+
+def _open_image(path: Path, max_pixels: int) -> Image.Image:
     if not path.is_file():
         raise UnreadableInputError(f"no image file at {path}; check the path")
     try:
-        with Image.open(path) as image:
-            rgb: Image.Image = image.convert("RGB")
-            return rgb
+        with Image.open(path) as image:  # reads the header only: the size is checked before decoding
+            _check_size(image.size, max_pixels)
+            return _to_rgb(image)
+    except Image.DecompressionBombError as exc:  # PIL's own, far larger, limit
+        raise UnreadableInputError(
+            f"{path} claims more pixels than any image should ({exc}): it is over the limit of "
+            f"{max_pixels:,}; resize it first"
+        ) from exc
     except (UnidentifiedImageError, OSError) as exc:
         raise UnreadableInputError(
             f"{path} is not a readable image ({exc}); convert it to PNG or JPEG"
@@ -65,14 +114,41 @@ def _array_to_image(array: np.ndarray, channel_order: ChannelOrder | None) -> Im
             f"an array of shape {array.shape} could be RGB or BGR (OpenCV's order) and kamera-agent never "
             "guesses; pass channel_order='rgb' or channel_order='bgr'"
         )
-    if array.dtype != np.uint8:
-        if np.issubdtype(array.dtype, np.floating) and array.size and float(np.nanmax(array)) <= 1.0:
-            array = array * 255.0
-        array = np.clip(array, 0, 255).astype(np.uint8)
-    rgb = array[:, :, :3]
+    pixels = _as_uint8(array)
+    rgb = pixels[:, :, :3]
     if channel_order == "bgr":
         rgb = rgb[:, :, ::-1]
-    return Image.fromarray(np.ascontiguousarray(rgb), mode="RGB")
+    image = Image.fromarray(np.ascontiguousarray(rgb), mode="RGB")
+    if pixels.shape[2] == 4:
+        image = _to_rgb(Image.merge("RGBA", (*image.split(), Image.fromarray(pixels[:, :, 3], mode="L"))))
+    return image
+
+
+def _as_uint8(array: np.ndarray) -> np.ndarray:
+    """8-bit pixels from an array of an image dtype, or `UnreadableInputError`."""
+    kind = array.dtype.kind
+    if array.dtype == np.uint8:
+        return array
+    if kind not in "uif":
+        raise UnreadableInputError(
+            f"an array of dtype {array.dtype} is not an image; pass uint8 (0..255), uint16 (0..65535) "
+            "or floats (0..1 or 0..255)"
+        )
+    if kind == "f" and not np.isfinite(array).all():
+        raise UnreadableInputError("the image array holds NaN or infinity; clean it first")
+    if array.dtype == np.uint16:
+        scaled: np.ndarray = (array.astype(np.float32) / 257.0).round().astype(np.uint8)
+        return scaled
+    low, high = float(array.min()), float(array.max())
+    if kind == "f" and low >= 0.0 and high <= 1.0:
+        unit: np.ndarray = (array.astype(np.float32) * 255.0).round().astype(np.uint8)
+        return unit
+    if low < 0 or high > 255:
+        raise UnreadableInputError(
+            f"image array values lie in {low:g}..{high:g}, outside 0..255 (floats: 0..1 or 0..255); "
+            "scale them first"
+        )
+    return array.round().astype(np.uint8) if kind == "f" else array.astype(np.uint8)
 
 
 @dataclass(frozen=True)
@@ -106,9 +182,9 @@ def read_video(
     import cv2
 
     if stride is not None and fps is not None:
-        raise ValueError("pass stride or fps, not both")
-    if (stride is not None and stride < 1) or (fps is not None and fps <= 0):
-        raise ValueError("stride must be >= 1 and fps > 0")
+        raise UnreadableInputError("pass stride or fps, not both")
+    if (stride is not None and stride < 1) or (fps is not None and not fps > 0):
+        raise UnreadableInputError(f"stride must be >= 1 and fps > 0; got stride={stride}, fps={fps}")
     is_stream = isinstance(source, int) or str(source).startswith(("rtsp:", "http:", "https:"))
     if not is_stream and not Path(str(source)).exists():
         raise UnreadableInputError(f"no video at {source}; check the path")

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from kamera_agent.chunks.chat import ROLES, ChatTemplate
-from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.chunks.chunk import Chunk, ChunkKind
 from kamera_agent.chunks.encoder import ChunkEncoder
-from kamera_agent.chunks.sources import VideoFrame
+from kamera_agent.chunks.sources import MAX_IMAGE_PIXELS, VideoFrame
 from kamera_agent.errors import InputError
 
 __all__ = ["Conversation", "MessagePart"]
@@ -34,9 +34,12 @@ class Conversation:
         encoder: the window's encoder (its anchor holds the system prompt).
     """
 
-    def __init__(self, template: ChatTemplate, encoder: ChunkEncoder) -> None:
+    def __init__(
+        self, template: ChatTemplate, encoder: ChunkEncoder, max_pixels: int = MAX_IMAGE_PIXELS
+    ) -> None:
         self.template = template
         self.encoder = encoder
+        self.max_pixels = max_pixels
 
     def message(
         self,
@@ -82,6 +85,8 @@ class Conversation:
             raise InputError("a message part is text or an image; a prepared Chunk has its framing already")
         if isinstance(part, str):
             return self.encoder.text(before + part + after, label=label)
-        if isinstance(part, VideoFrame):
-            return self.encoder.image(part.image, kind="frame", caption=before, trailer=after, label=label)
-        return self.encoder.image(part, kind="image", caption=before, trailer=after, label=label)
+        kind: ChunkKind = "frame" if isinstance(part, VideoFrame) else "image"
+        image = part.image if isinstance(part, VideoFrame) else part
+        return self.encoder.image(
+            image, kind=kind, caption=before, trailer=after, label=label, max_pixels=self.max_pixels
+        )

@@ -19,9 +19,9 @@ from PIL import Image
 from kamera_agent.backends.base import Backend
 from kamera_agent.chunks.chunk import Chunk, ChunkKind
 from kamera_agent.chunks.encoder import ChunkEncoder
-from kamera_agent.chunks.sources import ChannelOrder, VideoFrame
+from kamera_agent.chunks.sources import MAX_IMAGE_PIXELS, ChannelOrder, VideoFrame
 from kamera_agent.config import WindowConfig
-from kamera_agent.errors import SettingsError, UnreadableInputError
+from kamera_agent.errors import InputError, SettingsError, UnreadableInputError
 from kamera_agent.store import ChunkStore
 
 __all__ = ["Item", "chunk_of", "resolve_backend", "resolve_store"]
@@ -43,10 +43,13 @@ def resolve_backend(
     """The backend for ``model`` (a `Backend`, a loaded transformers model or a checkpoint path).
 
     Raises:
-        SettingsError: ``device``/``dtype`` set for a `Backend` that runs elsewhere.
+        SettingsError: ``device``/``dtype`` set for a `Backend` that runs elsewhere, or a device
+            this torch cannot use.
+        CheckpointError: a path that is not a local checkpoint folder.
     """
-    from kamera_agent.loading import load_backend
+    from kamera_agent.loading import check_device, load_backend
 
+    check_device(config.device)
     dtype = getattr(torch, config.dtype) if config.dtype is not None else None
     if isinstance(model, Backend):
         _check_placement(model, config, dtype)
@@ -99,23 +102,47 @@ def chunk_of(
     caption: str | None = None,
     channel_order: ChannelOrder | None = None,
     label: str | None = None,
+    max_pixels: int = MAX_IMAGE_PIXELS,
 ) -> Chunk:
-    """The model-ready chunk for a pushed item."""
+    """The model-ready chunk for a pushed item.
+
+    Raises:
+        InputError: a kind that does not fit the item (or is no kind at all), or content that
+            cannot become a chunk (see `ChunkEncoder` and `to_rgb_image`).
+    """
+    if kind is not None and kind not in _KINDS:
+        raise InputError(f"kind={kind!r} is not a chunk kind; use one of {', '.join(_KINDS)}")
     if isinstance(item, Chunk):
         return item
     if isinstance(item, str):
+        if kind not in (None, "text"):
+            raise InputError(f"text is pushed with kind='text' (or none), not {kind!r}")
+        if caption is not None:
+            raise InputError("a caption frames an image; for text, put it in the text")
         return encoder.text(item, label=label)
+    if kind == "text":
+        raise InputError(f"kind='text' is for text; this is a {type(item).__name__}")
     if isinstance(item, VideoFrame):
         meta = {"frame": str(item.index), "seconds": f"{item.seconds:.3f}"}
-        return encoder.image(item.image, kind=kind or "frame", caption=caption, label=label, meta=meta)
+        return encoder.image(
+            item.image, kind=kind or "frame", caption=caption, label=label, meta=meta, max_pixels=max_pixels
+        )
     if isinstance(item, Image.Image | np.ndarray | Path):
         return encoder.image(
-            item, kind=kind or "image", caption=caption, channel_order=channel_order, label=label
+            item,
+            kind=kind or "image",
+            caption=caption,
+            channel_order=channel_order,
+            label=label,
+            max_pixels=max_pixels,
         )
     raise UnreadableInputError(
         f"cannot push a {type(item).__name__}; push a PIL image, an array (with channel_order), "
         "a Path to an image, a VideoFrame, text (str) or a Chunk"
     )
+
+
+_KINDS = ("image", "frame", "screenshot", "page", "text")
 
 
 def _check_placement(backend: Backend, config: WindowConfig, dtype: torch.dtype | None) -> None:

@@ -15,6 +15,7 @@ and the store. Every operation's cost lands in ``window.stats``.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -33,7 +34,9 @@ from kamera_agent.core.kv_core import KVCore, Txn
 from kamera_agent.core.staging import StagedStore, StoreView
 from kamera_agent.errors import (
     ChunkInWindowError,
+    ContextOverflowError,
     DuplicateChunkError,
+    LargeChunkWarning,
     SettingsError,
     UnknownChunkError,
     WindowError,
@@ -103,7 +106,7 @@ class KameraWindow:
                 self.backend.encoder.tokenizer, self.backend.encoder.prompt
             )
             self.backend = self.backend.with_prompt(template.prompt_format(system_prompt))
-            self.conversation = Conversation(template, self.backend.encoder)
+            self.conversation = Conversation(template, self.backend.encoder, self.config.max_image_pixels)
         self._core = KVCore(self.backend, resolve_store(self.backend, self.config, store))
         self._state = WindowState()
 
@@ -173,7 +176,7 @@ class KameraWindow:
 
         Mutates: the window (admits one chunk, may evict), the store (canonical, patch).
         """
-        chunk = chunk_of(self._core.backend.encoder, item, kind, caption, channel_order, label)
+        chunk = self._chunk(item, kind, caption, channel_order, label)
         plan, _ = self._transact("push", lambda planner: planner.push(self._state, chunk, label))
         return plan.admitted[0]
 
@@ -220,7 +223,7 @@ class KameraWindow:
         Mutates: the window (admits the chunks, evicts ``ref``, may evict more), the store.
         """
         self._in_window(ref)
-        chunk = chunk_of(self._core.backend.encoder, item, kind, caption, channel_order, label)
+        chunk = self._chunk(item, kind, caption, channel_order, label)
         extra = self._labelled_chunks(append, append_labels) if append else []
         plan, _ = self._transact(
             "replace", lambda planner: planner.replace(self._state, ref, chunk, label, extra)
@@ -323,7 +326,7 @@ class KameraWindow:
                 "or a system_prompt"
             )
         config = DecodeConfig(
-            max_new_tokens or self.config.max_new_tokens,
+            self.config.max_new_tokens if max_new_tokens is None else max_new_tokens,
             temperature,
             top_k,
             top_p,
@@ -375,6 +378,7 @@ class KameraWindow:
             )
         parts = [content] if isinstance(content, str) else list(content)
         chunks = self.conversation.message(role, parts, opened=opened, closed=closed, labels=labels)
+        chunks = [self._check_size(chunk) for chunk in chunks]
         labelled = [(chunk, chunk.label) for chunk in chunks]
         plan, _ = self._transact("extend", lambda planner: planner.extend(self._state, labelled))
         return list(plan.admitted)
@@ -426,7 +430,7 @@ class KameraWindow:
         """
         builders: dict[str, Callable[..., WindowPlan]] = {
             "push": lambda item, label=None, **kw: planner.push(
-                self._state, chunk_of(self._core.backend.encoder, item, label=label, **kw), label
+                self._state, self._chunk(item, label=label, **kw), label
             ),
             "extend": lambda items, labels=None: planner.extend(
                 self._state, self._labelled_chunks(items, labels)
@@ -434,7 +438,7 @@ class KameraWindow:
             "replace": lambda ref, item, label=None, append=(), append_labels=None, **kw: planner.replace(
                 self._state,
                 self._in_window(ref),
-                chunk_of(self._core.backend.encoder, item, label=label, **kw),
+                self._chunk(item, label=label, **kw),
                 label,
                 self._labelled_chunks(append, append_labels) if append else [],
             ),
@@ -474,8 +478,48 @@ class KameraWindow:
         names = list(labels) if labels is not None else [None] * len(items)
         if len(names) != len(items):
             raise WindowError(f"got {len(items)} items but {len(names)} labels; give one label per item")
-        encoder = self._core.backend.encoder
-        return [(chunk_of(encoder, item, label=name), name) for item, name in zip(items, names, strict=True)]
+        return [(self._chunk(item, label=name), name) for item, name in zip(items, names, strict=True)]
+
+    def _chunk(
+        self,
+        item: Item,
+        kind: ChunkKind | None = None,
+        caption: str | None = None,
+        channel_order: ChannelOrder | None = None,
+        label: str | None = None,
+    ) -> Chunk:
+        """The item as a chunk this window can hold (`chunk_of`, then `_check_size`)."""
+        chunk = chunk_of(
+            self._core.backend.encoder,
+            item,
+            kind,
+            caption,
+            channel_order,
+            label,
+            self.config.max_image_pixels,
+        )
+        return self._check_size(chunk)
+
+    def _check_size(self, chunk: Chunk) -> Chunk:
+        """Refuse a chunk the model's context cannot hold at all (every later ask would fail, and
+        its prefill alone could exhaust memory); warn above ``config.large_chunk_tokens``."""
+        limit = self._core.backend.context_limit
+        needed = self._core.anchor.advance + chunk.advance + 1
+        if limit is not None and needed > limit:
+            raise ContextOverflowError(
+                f"a chunk of {chunk.num_tokens} tokens ({chunk.advance} positions) cannot fit the model's "
+                f"context of {limit} with the anchor ({self._core.anchor.advance}) and one query token; "
+                "split or shorten it"
+            )
+        large = self.config.large_chunk_tokens
+        if large is not None and chunk.num_tokens > large:
+            warnings.warn(
+                f"a chunk of {chunk.num_tokens} tokens (over large_chunk_tokens={large}): its prefill is "
+                "slow and its KV large; split it, or raise WindowConfig.large_chunk_tokens",
+                LargeChunkWarning,
+                stacklevel=4,
+            )
+        return chunk
 
     def _transact(self, op: str, build: Callable[[Planner], WindowPlan]) -> tuple[WindowPlan, OpCost]:
         """Plan and execute ``op`` as one transaction over window and store; record its cost."""
