@@ -17,6 +17,7 @@ failed call never corrupts a window or a store.
     ├── StoreBudgetError             a store budget too small for one entry, or not a budget
     ├── StoreKeyError                an entry without the content key it must be stored under
     ├── StoreURLError                a store_url kamera cannot connect by (scheme, host, option)
+    ├── StoreDirectoryError          a disk_dir kamera cannot use (not a directory, no access, in use)
     ├── WindowError                  a window op that cannot be done as asked
     │   ├── UnknownChunkError        a ref this window does not know
     │   ├── DuplicateChunkError      a ref named twice in a reorder
@@ -58,6 +59,7 @@ __all__ = [
     "RelocationError",
     "SettingsError",
     "StoreBudgetError",
+    "StoreDirectoryError",
     "StoreKeyError",
     "StoreURLError",
     "UnknownChunkError",
@@ -125,6 +127,11 @@ class StoreBudgetError(KameraError, ValueError):
 
 class StoreKeyError(KameraError, ValueError):
     """An entry lacks the content key the store files it under (empty chunk key, reserved name)."""
+
+
+class StoreDirectoryError(KameraError, OSError):
+    """A disk tier directory kamera cannot use: not a directory, not writable, or held by
+    another process (one process writes a ``disk_dir`` at a time)."""
 
 
 class StoreURLError(KameraError, ValueError):

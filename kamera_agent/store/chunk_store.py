@@ -25,9 +25,12 @@ under it (simple, and correct: no entry is ever half-moved between tiers).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -39,7 +42,15 @@ from kamera_agent.errors import ForeignChunkError, StoreBudgetError, StoreKeyErr
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.operator.patch import Patch
 from kamera_agent.store.budget import EvictionPolicy, check_budget, check_fits, resolve_policy
-from kamera_agent.store.codec import CorruptEntry, StoredValue, decode, encode, entry_nbytes, fingerprint_of
+from kamera_agent.store.codec import (
+    CorruptEntry,
+    StoredValue,
+    content_digest,
+    decode,
+    encode,
+    entry_nbytes,
+    fingerprint_of,
+)
 from kamera_agent.store.codec import stamp as stamp_fingerprint
 from kamera_agent.store.disk import DiskTier
 from kamera_agent.store.keys import EntryKey
@@ -48,6 +59,13 @@ from kamera_agent.store.remote import RemoteAddress, RemoteTier, parse_store_url
 from kamera_agent.store.stats import EventLog, StoreEvent, StoreStats
 
 __all__ = ["ChunkStore"]
+
+
+def _flush_at_exit(store: weakref.ReferenceType[ChunkStore]) -> None:
+    alive = store()
+    if alive is not None:
+        with contextlib.suppress(Exception):  # exit must not fail over a cache
+            alive.flush()
 
 
 class ChunkStore:
@@ -116,6 +134,8 @@ class ChunkStore:
             self._disk = DiskTier(
                 Path(disk_dir), disk_budget, resolve_policy(disk_policy), self._log, in_memory
             )
+        if self._disk is not None:  # durable without an explicit flush: written at exit too
+            atexit.register(_flush_at_exit, weakref.ref(self))
         self._remote: RemoteTier | None = None
         if remote is not None:
             address = parse_store_url(remote) if isinstance(remote, str) else remote
@@ -292,13 +312,13 @@ class ChunkStore:
     def flush(self) -> int:
         """Write every memory entry that has no file yet to disk; returns how many were written.
 
-        Spills happen on eviction anyway; call this before a process exits so that a new
-        process reopening ``disk_dir`` finds the entries still in memory too.
+        Spills happen on eviction anyway, and `close` and interpreter exit flush too, so a new
+        process reopening ``disk_dir`` finds the entries that were still in memory.
         """
         if self._remote is not None:
             self._remote.flush()
         with self._lock:
-            if self._disk is None:
+            if self._disk is None or self._disk.closed:
                 return 0
             written = 0
             for key, resident in self._memory.residents():  # oldest first: the newest files last
@@ -309,13 +329,15 @@ class ChunkStore:
             return written
 
     def close(self) -> None:
-        """Save the disk index (advisory: a reopen rescans the directory in any case) and finish
-        the shared tier's queued writes."""
+        """Write every memory entry to the disk tier, release its directory (another process may
+        open it now) and finish the shared tier's queued writes. Idempotent; a store still open
+        at interpreter exit is flushed then (`with` or ``close`` makes it deterministic)."""
         if self._remote is not None:
             self._remote.close()
-        with self._lock:
-            if self._disk is not None:
-                self._disk.save_index()
+        if self._disk is not None:
+            self.flush()
+            with self._lock:
+                self._disk.close()
 
     def __enter__(self) -> ChunkStore:
         return self
@@ -341,8 +363,10 @@ class ChunkStore:
         check_fits(str(key), nbytes, budgets)
         with self._lock:
             self._log.count("puts")
-            if self._disk is not None:
-                self._disk.remove(key)  # a stale file must never be served after a re-put
+            if self._disk is not None and key in self._disk:
+                # the same entry again keeps its durable file; other bytes under the key make the
+                # file stale, and a stale file must never be served
+                self._disk.keep_if_same(key, content_digest(key, value, self._fingerprint))
             self._memory.add(key, value, nbytes)
             self._evict(keep=key)
         if self._remote is not None:
@@ -429,8 +453,10 @@ class ChunkStore:
             self._log.record(self._spill(victim, resident.value, resident.nbytes))
 
     def _spill(self, key: EntryKey, value: StoredValue, nbytes: int) -> StoreEvent:
-        if self._disk is None:
-            return StoreEvent("drop", key, nbytes, True, "no disk tier")
+        if self._disk is None or self._disk.closed:
+            return StoreEvent(
+                "drop", key, nbytes, True, "no disk tier" if self._disk is None else "store closed"
+            )
         if key in self._disk:
             self._disk.touch(key)
             return StoreEvent("spill", key, nbytes, False, "already on disk")

@@ -14,6 +14,7 @@ the safetensors metadata, so a directory can be re-indexed from its files alone.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -30,6 +31,7 @@ from kamera_agent.store.keys import EntryKey, EntryKind
 __all__ = [
     "CorruptEntry",
     "StoredValue",
+    "content_digest",
     "decode",
     "encode",
     "entry_nbytes",
@@ -168,6 +170,20 @@ def encode(key: EntryKey, value: StoredValue, fingerprint: str) -> bytes:
         "model_fingerprint": fingerprint,
     }
     return save(_for_disk(codec.tensors(value)), metadata=meta)
+
+
+def content_digest(key: EntryKey, value: StoredValue, fingerprint: str) -> str:
+    """A digest of what the entry holds (address, metadata, every tensor's dtype, shape and
+    bytes), the same for equal entries: safetensors' own bytes are not (its header's order is
+    not fixed), so two encodings of one entry must be compared by this."""
+    codec = _CODECS[key.kind]
+    digest = hashlib.sha256(
+        json.dumps([key.kind, key.key, key.variant, fingerprint, codec.meta(value)], sort_keys=True).encode()
+    )
+    for name, tensor in sorted(_for_disk(codec.tensors(value)).items()):
+        digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
 
 
 def decode(blob: bytes) -> tuple[EntryKey, StoredValue, str]:

@@ -17,12 +17,14 @@ reported, never served.
 without reading headers. It is advisory: written atomically but not fsynced, and reconciled
 with a directory scan on open (files it misses are re-indexed from their headers, entries
 whose file is gone are forgotten, a missing or unreadable index is rebuilt). One process
-writes a directory at a time.
+writes a directory at a time, enforced by an exclusive lock on ``.kamera.lock`` (a second
+process gets `StoreDirectoryError`; processes share entries through ``store_url`` instead).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import itertools
 import json
@@ -30,12 +32,21 @@ import logging
 import os
 import re
 import tempfile
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kamera_agent.errors import StoreDirectoryError
 from kamera_agent.store.budget import EvictionPolicy, pick_victim
-from kamera_agent.store.codec import CorruptEntry, header_length, header_of, read_address
+from kamera_agent.store.codec import (
+    CorruptEntry,
+    content_digest,
+    decode,
+    header_length,
+    header_of,
+    read_address,
+)
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.stats import EventLog, StoreEvent
 
@@ -43,6 +54,7 @@ __all__ = ["DiskTier"]
 
 _LOG = logging.getLogger(__name__)
 _INDEX = "index.json"
+_LOCK = ".kamera.lock"
 _INDEX_FORMAT = "kamera-store-index/1"
 _NAME = re.compile(r"^(canonical|full|vision|patch)-([0-9a-f]{32})\.([0-9a-f]{64})\.safetensors$")
 _TEMP_PREFIX = ".kamera-"
@@ -94,8 +106,31 @@ class DiskTier:
         self._files: dict[EntryKey, _File] = {}
         self._bytes = 0
         self._clock = itertools.count()
-        directory.mkdir(parents=True, exist_ok=True)
-        self._open()
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = _lock(directory)
+            self._release = weakref.finalize(self, os.close, self._lock_fd)
+            self._open()
+        except StoreDirectoryError:
+            raise
+        except OSError as exc:
+            if hasattr(self, "_release"):
+                self._release()
+            raise StoreDirectoryError(
+                f"disk_dir {directory} cannot be used: {exc.strerror or exc}; pass a directory this "
+                "process can create, read and write"
+            ) from exc
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` released the directory (nothing is written to it any more)."""
+        return not self._release.alive
+
+    def close(self) -> None:
+        """Save the index and let another process open the directory (idempotent)."""
+        if self._release.alive:
+            self.save_index()
+            self._release()
 
     @property
     def nbytes(self) -> int:
@@ -165,6 +200,19 @@ class DiskTier:
         _LOG.warning("store: dropped corrupt file %s for %s: %s", record.name, key, detail)
         self._log.record(StoreEvent("corrupt", key, record.nbytes, not self._in_memory(key), detail))
         self.save_index()
+
+    def keep_if_same(self, key: EntryKey, digest: str) -> None:
+        """Keep ``key``'s file when it holds the entry whose `content_digest` is ``digest`` (a
+        re-put of the same entry), else delete it (it is stale)."""
+        if key not in self._files:
+            return
+        blob = self.read(key)  # verified; a damaged file is dropped and reported by the read
+        try:
+            address, value, fingerprint = decode(blob) if blob is not None else (None, None, "")
+        except CorruptEntry:
+            address = None
+        if address != key or content_digest(key, value, fingerprint) != digest:  # type: ignore[arg-type]
+            self.remove(key)
 
     def remove(self, key: EntryKey) -> None:
         """Delete the file of ``key`` if any (a re-put made it stale: not a loss, no event)."""
@@ -245,6 +293,26 @@ class DiskTier:
             self._log.record(StoreEvent("corrupt", unknown, size, True, detail))
             return None
         return _File(key, path.name, 0, fingerprint, 0, 0)
+
+
+def _lock(directory: Path) -> int:
+    """An exclusive lock on ``directory``'s lock file, held while the tier is open: two
+    processes writing one directory would each evict by a budget that counts only its own
+    files, and delete each other's writes in flight."""
+    fd = os.open(directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise StoreDirectoryError(
+            f"disk_dir {directory} is in use by {holder}: one process writes a disk_dir at a time. Give "
+            "each process its own disk_dir, or share entries between processes with store_url "
+            "(a Valkey/Redis server)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"process {os.getpid()}".encode())
+    return fd
 
 
 def _read_index(path: Path) -> dict[str, _File]:

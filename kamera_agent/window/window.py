@@ -110,6 +110,18 @@ class KameraWindow:
         self._core = KVCore(self.backend, resolve_store(self.backend, self.config, store))
         self._state = WindowState()
 
+    def close(self) -> None:
+        """Close the window's store (`ChunkStore.close`: its memory entries written to its disk
+        tier, the directory released, shared writes finished). Closing a store passed in with
+        ``store=`` is its owner's call: this closes it too."""
+        self._core.store.close()
+
+    def __enter__(self) -> KameraWindow:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # -- reading the window ----------------------------------------------------------------
     @property
     def store(self) -> ChunkStore:

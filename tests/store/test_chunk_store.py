@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import os
 import random
 import subprocess
 import sys
@@ -18,7 +19,13 @@ from typing import Any, Literal
 import pytest
 import torch
 
-from kamera_agent.errors import ForeignChunkError, ForeignPatchError, StoreBudgetError, StoreKeyError
+from kamera_agent.errors import (
+    ForeignChunkError,
+    ForeignPatchError,
+    StoreBudgetError,
+    StoreDirectoryError,
+    StoreKeyError,
+)
 from kamera_agent.operator import ChunkKV, Patch
 from kamera_agent.store import EVICTION_POLICIES, ChunkStore, EntryKey
 
@@ -310,7 +317,7 @@ def test_entries_round_trip_through_disk_exactly(tmp_path: Path, dtype: torch.dt
     store.put_canonical(kv)
     store.put_patch(patch)
     store.put_vision("chunk", vision)
-    store.flush()
+    store.close()  # writes what memory holds, releases the directory
     reopened = ChunkStore(fingerprint=FP, memory_budget=4_000, disk_dir=tmp_path, disk_budget=100_000)
     assert_same(reopened.get_canonical("chunk"), kv)  # type: ignore[arg-type]
     assert_same(reopened.get_patch("chunk", ""), patch)  # type: ignore[arg-type]
@@ -405,7 +412,7 @@ def test_foreign_fingerprint_is_refused_on_put_and_on_load(tmp_path: Path) -> No
     stored = store.get_canonical("k")
     assert stored is not None and stored.model_fingerprint == FP
     store.put_vision("v", make_vision(2))
-    store.flush()
+    store.close()  # one process-open store per directory: the other model's store opens it next
     other = ChunkStore(fingerprint=OTHER_FP, memory_budget=10_000, disk_dir=tmp_path, disk_budget=100_000)
     with pytest.raises(ForeignChunkError, match=f"made by model {FP[:16]}"):
         other.get_vision("v")
@@ -473,3 +480,81 @@ def test_concurrent_puts_and_gets_keep_the_invariants(tmp_path: Path) -> None:
             assert any(event.key == key and event.lost for event in store.events())
         else:
             assert_same(got, content[key])
+
+
+# --- durability and one writer per directory ------------------------------------------------
+
+_WRITER = """
+import sys
+import torch
+from kamera_agent.operator.layout import ChunkKV
+from kamera_agent.store import ChunkStore
+store = ChunkStore(fingerprint=sys.argv[2], memory_budget=1 << 20, disk_dir=sys.argv[1], disk_budget=1 << 20)
+store.put_canonical(ChunkKV(torch.ones(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), None, "durable", sys.argv[2]))
+if sys.argv[3] == "hold":
+    print("holding", flush=True)
+    sys.stdin.readline()
+"""  # no flush, no close: the entry lives only in memory until the interpreter exits
+
+
+def test_a_store_written_without_flush_is_found_by_the_next_process(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _WRITER, str(tmp_path), FP, "exit"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    with ChunkStore(fingerprint=FP, memory_budget=1 << 20, disk_dir=tmp_path, disk_budget=1 << 20) as store:
+        found = store.get_canonical("durable")
+        assert found is not None and float(found.keys.sum()) == 24.0
+
+
+def test_a_second_process_on_one_directory_is_refused_with_the_fix(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(tmp_path), FP, "hold"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        with pytest.raises(StoreDirectoryError, match=rf"in use by process {holder.pid}.*store_url"):
+            ChunkStore(fingerprint=FP, memory_budget=1 << 20, disk_dir=tmp_path, disk_budget=1 << 20)
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.write("\n")
+        holder.stdin.close()
+        holder.wait(timeout=30)
+        holder.stdout.close()  # type: ignore[union-attr]
+    with ChunkStore(fingerprint=FP, memory_budget=1 << 20, disk_dir=tmp_path, disk_budget=1 << 20) as store:
+        assert store.get_canonical("durable") is not None  # released at its exit, flushed too
+
+
+def test_a_directory_that_cannot_be_used_is_a_store_error(tmp_path: Path) -> None:
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("x")
+    with pytest.raises(StoreDirectoryError, match="not-a-dir"):
+        ChunkStore(fingerprint=FP, memory_budget=1_000, disk_dir=a_file, disk_budget=1_000)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores permissions: nothing to test here
+            return
+        with pytest.raises(StoreDirectoryError, match="locked"):
+            ChunkStore(fingerprint=FP, memory_budget=1_000, disk_dir=locked, disk_budget=1_000)
+    finally:
+        locked.chmod(0o700)
+
+
+def test_putting_the_same_entry_again_keeps_its_durable_file(tmp_path: Path) -> None:
+    with ChunkStore(fingerprint=FP, memory_budget=10_000, disk_dir=tmp_path, disk_budget=100_000) as store:
+        kv = make_kv("k", 4)
+        store.put_canonical(kv)
+        store.flush()
+        before = sorted(p.name for p in tmp_path.glob("canonical-*"))
+        store.put_canonical(make_kv("k", 4))  # the same tensors
+        assert sorted(p.name for p in tmp_path.glob("canonical-*")) == before
+        store.put_canonical(make_kv("k", 4, seed=99))  # other bytes under the key: the file is stale
+        assert not list(tmp_path.glob("canonical-*"))
