@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 
 from kamera_agent.bench.runner import add_bench_parser, run_bench_command
 from kamera_agent.serve.command import add_serve_parser
@@ -29,19 +32,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument(
         "--model", default=None, help="a kamera-tiny-vl checkpoint directory (default: shipped)"
     )
-    demo.add_argument("--seed", type=int, default=8)
+    demo.add_argument("--seed", type=int, default=8, help="which held-out demo items the episode uses")
     demo.add_argument(
         "--operator", action="store_true", help="show the bare operator on a random Qwen2 instead"
     )
     check = commands.add_parser("check", help="exactness checks on a local checkpoint, with a verdict table")
     check.add_argument("model", help="a local checkpoint directory (model + tokenizer + image processor)")
-    check.add_argument("--device", default=None)
+    check.add_argument(
+        "--device", default=None, help="where to run the checks (default: where the model loads)"
+    )
+    check.add_argument("--debug", action="store_true", help="show the traceback when the model is refused")
     add_bench_parser(commands)
     add_store_parser(commands)
     add_serve_parser(commands)
+    for sub in commands.choices.values():  # `kamera bench --threads 1` works as `kamera --threads 1 bench`
+        sub.add_argument(
+            "--threads", type=int, default=argparse.SUPPRESS, help="torch threads (as before the command)"
+        )
     args = parser.parse_args(argv)
     configure_threads(args.threads)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", "160")))
     if args.command == "bench":
         return run_bench_command(args, console)
     if args.command == "store":
@@ -71,8 +81,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_demo_episode(console, args.model, seed=args.seed)
         return 0
     from kamera_agent.check import run_check
+    from kamera_agent.errors import KameraError
 
-    return 0 if run_check(args.model, console, device=args.device).passed else 1
+    try:
+        return 0 if run_check(args.model, console, device=args.device).passed else 1
+    except KameraError as exc:
+        if args.debug:
+            raise
+        console.print(f"[red]kamera check: refused — {escape(str(exc))}[/red] (--debug shows the traceback)")
+        return 2
 
 
 if __name__ == "__main__":

@@ -98,6 +98,15 @@ class WindowStats:
     by_op: dict[str, OpCost] = field(default_factory=dict)
     ops: dict[str, int] = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        ops = ", ".join(f"{op}×{n}" for op, n in self.ops.items()) or "none"
+        t = self.total
+        return (
+            f"WindowStats(ops: {ops}; total: {t.forwards} forwards, {t.tokens_prefilled:,} tokens "
+            f"prefilled, {t.tokens_reused:,} reused, {t.vision_encodes} vision encodes, {t.seconds:.3f} s; "
+            f"last: {self.last})"
+        )
+
 
 @dataclass(frozen=True)
 class Edit:

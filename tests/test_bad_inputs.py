@@ -204,3 +204,29 @@ def test_a_large_chunk_warns_and_is_admitted() -> None:
     with pytest.warns(LargeChunkWarning, match="large_chunk_tokens=8"):
         window.push("a sentence that is certainly longer than eight tokens in any tokenizer")
     assert len(window.refs) == 1
+
+
+def test_window_chunk_and_stats_print_readably() -> None:
+    window = KameraWindow(_demo())
+    ref = window.push(Image.new("RGB", (56, 56)), label="frame 0")
+    window.push("a note", label="note")
+    assert repr(window.chunk(ref)).startswith("Chunk(image 'frame 0', ") and "tensor" not in repr(
+        window.chunk(ref)
+    )
+    text = repr(window)
+    assert (
+        text.startswith("KameraWindow(window: 2 chunks [frame 0, note], 0 evicted")
+        and "object at" not in text
+    )
+    assert "push×2" in repr(window.stats) and "tokens prefilled" in repr(window.stats)
+
+
+def test_the_cli_takes_threads_after_the_command_and_names_a_refused_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kamera_agent.cli import main
+
+    assert main(["store", "stats", "--threads", "1", "--url", "http://nowhere"]) == 2  # parsed, then refused
+    assert main(["check", str(tmp_path / "missing")]) == 2
+    out = capsys.readouterr().out
+    assert "refused" in out and "no checkpoint folder" in out and "Traceback" not in out

@@ -50,7 +50,12 @@ class BenchOutcome:
 def add_bench_parser(commands: Any) -> None:
     """Register ``bench`` on the ``kamera`` command's subparsers."""
     bench = commands.add_parser("bench", help="fidelity, cost, window and agent benchmarks, with a report")
-    bench.add_argument("--suite", choices=["fidelity", "cost", "window", "agents", "all"], default="all")
+    bench.add_argument(
+        "--suite",
+        choices=["fidelity", "cost", "window", "agents", "all"],
+        default="all",
+        help="which suite to run (default: all)",
+    )
     bench.add_argument("--model", default=None, help="a kamera-tiny-vl checkpoint (default: shipped)")
     bench.add_argument("--out", default="bench-results", help="output directory (default: bench-results)")
     bench.add_argument("--quick", action="store_true", help="small sizes: a smoke run of about a minute")

@@ -68,6 +68,11 @@ class Chunk:
     meta: dict[str, str] = field(default_factory=dict)
     origin: str = ""
 
+    def __repr__(self) -> str:
+        name = f" {self.label!r}" if self.label else ""
+        pixels = "" if not self.has_vision else (", pixels" if self.has_pixels else ", pixels released")
+        return f"Chunk({self.kind}{name}, {self.num_tokens} tokens{pixels}, key {self.key[:12]}…)"
+
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])

@@ -17,13 +17,13 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument(
         "model", nargs="?", default=None, help="a local checkpoint (default: the shipped demo model)"
     )
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--config", default=None, help='a WindowConfig as a JSON file (e.g. {"rank": "full"})')
     serve.add_argument(
         "--model-name", default=None, help="the id clients send as model (default: the folder name)"
     )
-    serve.add_argument("--max-sessions", type=int, default=16)
+    serve.add_argument("--max-sessions", type=int, default=16, help="live conversation windows at most")
     serve.add_argument(
         "--idle-timeout", type=float, default=1800.0, help="seconds before an idle session is dropped"
     )

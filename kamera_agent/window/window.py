@@ -116,6 +116,17 @@ class KameraWindow:
         ``store=`` is its owner's call: this closes it too."""
         self._core.store.close()
 
+    def __repr__(self) -> str:
+        names = [ref.label or str(ref) for ref in self._state.order]
+        shown = ", ".join(names[:6]) + (f", … ({len(names) - 6} more)" if len(names) > 6 else "")
+        kind = "conversation" if self.conversation is not None else "window"
+        total = self.stats.total
+        return (
+            f"KameraWindow({kind}: {len(names)} chunks [{shown}], {len(self.evicted)} evicted, "
+            f"{self._end()} positions; rank={self.config.rank}; so far {total.forwards} forwards, "
+            f"{total.tokens_prefilled:,} tokens prefilled, {total.tokens_reused:,} reused)"
+        )
+
     def __enter__(self) -> KameraWindow:
         return self
 

@@ -25,7 +25,9 @@ _VARIABLE = "KAMERA_STORE_URL"
 
 def add_store_parser(commands: Any) -> None:
     store = commands.add_parser("store", help="a shared Valkey/Redis store: what it holds, or empty it")
-    store.add_argument("action", choices=("stats", "clear"))
+    store.add_argument(
+        "action", choices=("stats", "clear"), help="stats: count kamera's entries; clear: delete them"
+    )
     store.add_argument("--url", default=None, help=f"the store's URL (default: ${_VARIABLE})")
     store.add_argument("--model", default=None, help="only this model fingerprint's entries")
     store.add_argument("--yes", action="store_true", help="clear without asking")
