@@ -4,8 +4,11 @@ Frames are read with OpenCV (`kamera_agent.chunks.read_video`); without ``--vide
 writes its own clip of the demo task's glyph frames. Each frame is pushed into a window of
 ``capacity_chunks=k`` (the oldest slides out; survivors only rotate) and a question is asked at
 every step. When a question refers back to a frame that has slid out ("frame #2"), that frame
-is recalled from the store: no vision encode, no re-prefill. The table shows what every op cost
-against re-prefilling the window.
+is recalled from the store: no vision encode and no re-prefill of the window (the recall row's
+forward re-forms the frames after it whose KV had absorbed it before it slid out). The table
+shows what every op cost against re-prefilling the window; each answer is printed beside the
+model's own re-prefill's first token, so a wrong answer of the tiny demo model is not mistaken
+for kamera's.
 
     python examples/video_agent.py                          # demo model, its own 8-frame clip
     python examples/video_agent.py --video clip.mp4 --model path/to/Qwen2.5-VL-3B-Instruct
@@ -61,7 +64,10 @@ def main(argv: list[str] | None = None) -> VideoRun:
     parser.add_argument("--capacity", type=int, default=4, help="frames the window keeps (default: 4)")
     parser.add_argument("--back", type=int, default=2, help="the frame a later question refers to")
     args = parser.parse_args(argv)
-    config = WindowConfig(capacity_chunks=args.capacity, max_new_tokens=args.max_new_tokens)
+    # evicted frames keep their pixels so that the model's own re-prefill can check every answer
+    config = WindowConfig(
+        capacity_chunks=args.capacity, max_new_tokens=args.max_new_tokens, evicted_pixels="keep"
+    )
     window = open_window(args, config)
     log, answers, recalls, glyphs, truth = CostLog(), [], {}, [], []
     frames: dict[int, ChunkRef] = {}
@@ -82,7 +88,11 @@ def main(argv: list[str] | None = None) -> VideoRun:
                 window.recall(ref)
                 log.record(n, "recall", ref.label, window)
             answers.append((query, window.ask(query).text))
-            truth.append(f" (the clip shows {glyphs[k - 1]!r})" if glyphs else "")
+            chunks = [window.chunk(r) for r in window.refs]
+            reference = window.backend.reference_prefill(chunks, window.query_ids(query))
+            first = window.backend.encoder.tokenizer.decode([int(reference.logits.argmax())])
+            shows = f"; the clip shows {glyphs[k - 1]!r}" if glyphs else ""
+            truth.append(f" (re-prefill's first token: {first!r}{shows})")
             log.record(n, "ask", f"about {ref.label}", window, query)
     log.print(f"video agent: window of {args.capacity} frames")
     for label, plan in recalls.items():

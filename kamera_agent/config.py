@@ -127,6 +127,14 @@ class WindowConfig(BaseModel):
         return 0 if self.patch_mode == "none" else self.rank
 
     @classmethod
+    def defaults(cls, **overrides: Any) -> WindowConfig:
+        """The default trade, by name (``WindowConfig()`` is the same): rank-32 patches formed at
+        admission, survivors keep what they absorbed, recalls use their original context,
+        cascades, orbit patches for reorders within an antecedent set. Fewer forwards than
+        `exact`; answers measured, not guaranteed, equal to a re-prefill."""
+        return cls(**overrides)
+
+    @classmethod
     def exact(cls, **overrides: Any) -> WindowConfig:
         """Settings under which every op answers like a re-prefill of the window: full-rank
         patches, survivors re-patched without what left, recalls patched on their new left,

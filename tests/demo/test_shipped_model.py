@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from kamera_agent.backends import TransformersBackend
-from kamera_agent.demo.episode import run_demo_episode
+from kamera_agent.demo.episode import punchline, run_demo_episode
 from kamera_agent.demo.evaluate import evaluate
 from kamera_agent.demo.model import DEMO_MODEL_DIR, load_demo_model
 from kamera_agent.demo.task import make_items
@@ -67,6 +67,26 @@ def test_demo_episode_answers_right_where_blind_reuse_does_not() -> None:
     blind = "majority (blind reuse)"
     assert not result.answers[blind].startswith(result.expected[blind]), result.answers
     ops = [step.op for step in result.steps]
-    assert ops.count("push legend") == 2 and ops.count("push page") == 2 and "recall #1" in ops
+    assert sum(op.startswith("push legend") for op in ops) == 2 and "recall #1" in ops and "slide" in ops
+    assert sum(op.startswith("push page") for op in ops) == 2
     recall = next(step for step in result.steps if step.op == "recall #1")
-    assert recall.cost.tokens_reused > 0 and recall.cost.tokens_prefilled < recall.prefix_cache_tokens
+    assert recall.cost.tokens_reused > 0 and recall.tokens < recall.prefix_cache_tokens
+    assert all(result.agrees.values()) and result.tokens < result.prefix_cache_tokens
+
+
+def test_the_demo_fits_80_columns_and_its_totals_add_up() -> None:
+    screen = io.StringIO()
+    result = run_demo_episode(Console(file=screen, width=80))
+    lines = screen.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    total_row = next(line for line in lines if line.startswith("│total"))
+    cells = [cell.strip() for cell in total_row.strip("│").split("│")]
+    assert int(cells[2]) == sum(step.tokens for step in result.steps) == result.tokens
+    assert (
+        int(cells[4]) == sum(step.prefix_cache_tokens for step in result.steps) == result.prefix_cache_tokens
+    )
+    for step in result.steps:  # one row a step, no wrapping
+        assert sum(line.startswith(f"│{step.op} ") for line in lines) >= 1
+    text = " ".join(lines)
+    assert punchline(result).split(" (")[0] in text
+    assert f"kamera prefilled {result.tokens} prompt tokens where a prefix cache prefilled" in text
