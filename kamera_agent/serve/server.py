@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -212,13 +212,5 @@ class KameraServer:
 
 
 def _cost(cost: OpCost) -> dict[str, Any]:
-    return {
-        "forwards": cost.forwards,
-        "tokens_prefilled": cost.tokens_prefilled,
-        "tokens_reused": cost.tokens_reused,
-        "vision_encodes": cost.vision_encodes,
-        "canonicals_formed": cost.canonicals_formed,
-        "patches_formed": cost.patches_formed,
-        "patches_applied": cost.patches_applied,
-        "seconds": round(cost.seconds, 6),
-    }
+    """Every `OpCost` field, seconds rounded to the microsecond."""
+    return {**asdict(cost), "seconds": round(cost.seconds, 6)}
