@@ -76,3 +76,14 @@ def test_remote_store_benchmark_fetches_what_it_stored(tmp_path: Path) -> None:
     assert report["prefill_ms"] > 0 and report["fetch_ms"] > 0
     # a warm-up and 5 timed fetches, every one from the server (nothing is kept in memory)
     assert report["remote_hits"] == 6 and report["remote_misses"] == 0
+
+
+def test_gpu_check_script_runs_every_check_at_toy_size(tmp_path: Path) -> None:
+    """The prepared GPU script (issues 12 and 14) stays runnable where no GPU is lent."""
+    out = tmp_path / "gpu.json"
+    run_benchmark("gpu_check", ["--quick", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert set(report["video"]) == {"kamera", "kamera-exact", "prefix"}
+    assert report["ttft"]["rows"] and all(row["floor_ms"] > 0 for row in report["ttft"]["rows"])
+    turns = report["serve"]["turns"]
+    assert len(turns) == 6 and all(t["prompt_tokens_details"]["cached_tokens"] > 0 for t in turns[1:])

@@ -41,6 +41,7 @@ __all__ = [
     "make_progress",
     "median_seconds",
     "show_and_save",
+    "wall",
 ]
 
 SuiteName = Literal["fidelity", "cost", "window", "agents"]
@@ -99,6 +100,14 @@ class BenchOptions(BaseModel):
             "cost_model": self.seed + 2,
             "agents": self.seed + 3,
         }
+
+
+def wall() -> float:
+    """``time.perf_counter()`` after the GPU finished its queued work (CUDA runs asynchronously:
+    without this a timed op would end when its kernels were queued, not when they ran)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def median_seconds(fn: Callable[[], T], repeats: int, *, warmup: bool = True) -> tuple[float, T]:

@@ -18,7 +18,6 @@ The suites check it against the model's own re-prefill (``baseline_logit_error``
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from kamera_agent.backends.transformers import TransformersBackend
+from kamera_agent.bench.common import wall
 from kamera_agent.chunks.chunk import Chunk
 
 __all__ = ["Answered", "PrefixCache", "Sync"]
@@ -86,7 +86,7 @@ class PrefixCache:
 
         Mutates: the cache, `keys` and the vision cache.
         """
-        began, runs = time.perf_counter(), self.vision_runs
+        began, runs = wall(), self.vision_runs
         sequence = [self.backend.anchor, *chunks]
         same = 0
         while same < min(len(self.keys), len(sequence)) and self.keys[same] == sequence[same].key:
@@ -97,17 +97,17 @@ class PrefixCache:
         tokens = self._prefill(sequence[same:], start) if same < len(sequence) else 0
         self.keys = [chunk.key for chunk in sequence]
         self.end = sum(chunk.advance for chunk in sequence)
-        seconds = time.perf_counter() - began
+        seconds = wall() - began
         return Sync(tokens, seconds, kept, int(tokens > 0), self.vision_runs - runs)
 
     def ask(self, query_ids: torch.Tensor) -> Answered:
         """The query placed after the cached sequence: one forward, its next-token logits (the
         query's KV is appended; the next `sync` crops it off)."""
-        began = time.perf_counter()
+        began = wall()
         positions = self.backend.positions.text(self.end, int(query_ids.shape[0]))
         logits = self._forward(query_ids, torch.zeros_like(query_ids), positions, None)
         self.keys.append("query")
-        return Answered(logits, int(query_ids.shape[0]), time.perf_counter() - began)
+        return Answered(logits, int(query_ids.shape[0]), wall() - began)
 
     def first_logits(self, query_ids: torch.Tensor) -> torch.Tensor:
         """Next-token logits of ``query_ids`` placed after the cached sequence (appends to the cache)."""

@@ -13,7 +13,6 @@ each of its ops. Its question is tokenized inside its clock, as ``KameraWindow.a
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ import torch
 
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.agents.script import Evict, Extend, Op, Push, Reorder, Replace, Step
+from kamera_agent.bench.common import wall
 from kamera_agent.bench.prefix_cache import PrefixCache
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
@@ -97,17 +97,17 @@ class KameraSide:
         """Run the step's ops, then its question, each timed on its own; costs from the window."""
         spent, logits = [], None
         for op in step.ops:
-            began = time.perf_counter()
+            began = wall()
             self._apply(op)
-            seconds, cost = time.perf_counter() - began, self.window.stats.last
+            seconds, cost = wall() - began, self.window.stats.last
             name = type(op).__name__.lower()
             spent.append(
                 OpSpent(name, seconds * 1e3, cost.tokens_prefilled, cost.forwards, cost.vision_encodes)
             )
         if step.ask is not None:
-            began = time.perf_counter()
+            began = wall()
             answer = self.window.ask(step.ask, max_new_tokens=1)
-            seconds, cost = time.perf_counter() - began, self.window.stats.last
+            seconds, cost = wall() - began, self.window.stats.last
             spent.append(
                 OpSpent("ask", seconds * 1e3, cost.tokens_prefilled, cost.forwards, cost.vision_encodes)
             )
@@ -156,9 +156,9 @@ class PrefixSide:
         spent = [OpSpent("sync", synced.seconds * 1e3, synced.tokens, synced.forwards, synced.vision_runs)]
         logits = None
         if step.ask is not None:
-            began = time.perf_counter()
+            began = wall()
             answered = self.cache.ask(self.cache.backend.encoder.query_ids(step.ask))
-            seconds = time.perf_counter() - began
+            seconds = wall() - began
             spent.append(OpSpent("ask", seconds * 1e3, answered.tokens, answered.forwards))
             logits = answered.logits
         return Outcome(tuple(spent), logits)

@@ -19,7 +19,6 @@ default settings. Each op is repeated and its median kept: an op and its inverse
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -30,6 +29,7 @@ from rich.progress import Progress
 
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.agents.contents import RandomContents
+from kamera_agent.bench.common import wall
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
 from kamera_agent.window import KameraWindow
@@ -120,9 +120,9 @@ def run_ttft(backend: TransformersBackend, shape: TTFTShape, seed: int, progress
     samples: dict[str, _Samples] = {}
 
     def timed(name: str, op: Callable[[], object]) -> None:
-        began = time.perf_counter()
+        began = wall()
         op()
-        op_ms = (time.perf_counter() - began) * 1e3
+        op_ms = (wall() - began) * 1e3
         ttft = _ttft(window)
         placed = window.stats.last.tokens_placed
         floor = min(_floor(window, backend) for _ in range(2))  # the floor's own noise, taken out
@@ -170,9 +170,9 @@ def _stream(window: KameraWindow, page: Chunk) -> None:
 
 
 def _ttft(window: KameraWindow) -> float:
-    began = time.perf_counter()
+    began = wall()
     window.ask(QUESTION, max_new_tokens=1)
-    return (time.perf_counter() - began) * 1e3
+    return (wall() - began) * 1e3
 
 
 def _floor(window: KameraWindow, backend: TransformersBackend) -> float:
@@ -181,10 +181,10 @@ def _floor(window: KameraWindow, backend: TransformersBackend) -> float:
     query_ids = backend.encoder.query_ids(QUESTION)
     end = backend.anchor.advance + sum(window.chunk(ref).advance for ref in window.refs)
     positions = backend.positions.text(end, int(query_ids.shape[0]))
-    began = time.perf_counter()
+    began = wall()
     with torch.no_grad():
         backend.forward_tokens(query_ids, positions, cache)
-    return (time.perf_counter() - began) * 1e3
+    return (wall() - began) * 1e3
 
 
 def _tokens(window: KameraWindow) -> int:
