@@ -102,7 +102,7 @@ class KameraServer:
     def __init__(self, backend: Backend, settings: ServeSettings) -> None:
         self.backend, self.settings = backend, settings
         self.store: ChunkStore = resolve_store(backend, settings.config, None)
-        self.images = ImageReader(settings.fetching)
+        self.images = ImageReader(settings.fetching, max_pixels=settings.config.max_image_pixels)
         self.sessions = SessionPool(self._window, settings.max_sessions, settings.idle_seconds)
         self.metrics = Metrics(self._gauges)
         self._lock = threading.Lock()

@@ -15,6 +15,7 @@ import base64
 import binascii
 import hashlib
 import io
+import threading
 import urllib.request
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from urllib.parse import unquote, urlparse
 
 from PIL import Image, UnidentifiedImageError
 
+from kamera_agent.chunks.sources import MAX_IMAGE_PIXELS
 from kamera_agent.serve.protocol import RequestError
 
 __all__ = ["ImageFetching", "ImageReader", "Turn", "read_turns"]
@@ -52,28 +54,40 @@ class ImageReader:
     """Reads image parts, keeping the last decoded images by content (a conversation re-sends
     the same base64 every turn; decoding it again would be wasted)."""
 
-    def __init__(self, fetching: ImageFetching, cache_size: int = 256) -> None:
+    def __init__(
+        self, fetching: ImageFetching, cache_size: int = 256, max_pixels: int = MAX_IMAGE_PIXELS
+    ) -> None:
         self.fetching = fetching
+        self.max_pixels = max_pixels
         self._cache: OrderedDict[str, Image.Image] = OrderedDict()
         self._cache_size = cache_size
+        self._lock = threading.Lock()  # requests are read concurrently, outside the model lock
 
     def read(self, url: str, where: str) -> tuple[Image.Image, str]:
         """``(image, sha256 of its bytes)``; `RequestError` (400) for anything unreadable."""
         data = self._bytes(url, where)
         digest = hashlib.sha256(data).hexdigest()
-        cached = self._cache.get(digest)
-        if cached is not None:
-            self._cache.move_to_end(digest)
-            return cached, digest
+        with self._lock:
+            cached = self._cache.get(digest)
+            if cached is not None:
+                self._cache.move_to_end(digest)
+                return cached, digest
         try:
             opened = Image.open(io.BytesIO(data))
+            width, height = opened.size  # from the header: checked before the pixels are decoded
+            if width * height > self.max_pixels or width <= 0 or height <= 0:
+                raise RequestError(
+                    400,
+                    f"{where}: a {width}x{height} image is outside 1..{self.max_pixels:,} pixels; resize it",
+                )
             opened.load()
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
             raise RequestError(400, f"{where}: the image does not decode ({exc})", param="messages") from exc
         image = opened.convert("RGB")
-        self._cache[digest] = image
-        while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[digest] = image
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
         return image, digest
 
     def _bytes(self, url: str, where: str) -> bytes:

@@ -6,7 +6,9 @@ checked against a fresh server given the same messages (which prefills everythin
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
+import io
 import os
 import re
 import signal
@@ -21,6 +23,7 @@ from typing import Any
 
 import openai
 import pytest
+from PIL import Image
 
 from kamera_agent.config import WindowConfig
 from tests.serve.conftest import MODEL, LiveServer, shot
@@ -161,11 +164,23 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(serve: Serve) -> None
         "content": [{"type": "image_url", "image_url": {"url": "https://127.0.0.1:9/x.png"}}],
     }
     long_text = {"role": "user", "content": "lorem ipsum " * 4000}
+    buffer = io.BytesIO()
+    Image.new("RGB", (9000, 9000)).save(buffer, format="PNG")  # 81 Mpixel, over the 50 Mpixel limit
+    huge = {
+        "role": "user",
+        "content": [
+            {
+                "type": "image_url",
+                "image_url": {"url": "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()},
+            }
+        ],
+    }
     cases: list[tuple[dict[str, Any], type[Exception], str]] = [
         ({"messages": [SYSTEM, broken]}, openai.BadRequestError, "base64"),
         ({"messages": [SYSTEM, audio]}, openai.BadRequestError, "input_audio"),
         ({"messages": [SYSTEM, remote]}, openai.BadRequestError, "fetching image URLs is off"),
         ({"messages": [SYSTEM, long_text]}, openai.BadRequestError, "the model has 4096"),
+        ({"messages": [SYSTEM, huge]}, openai.BadRequestError, "resize it"),
         ({"messages": good, "model": "gpt-9"}, openai.NotFoundError, "not served here"),
         ({"messages": [{"role": "assistant", "content": "hi"}]}, openai.BadRequestError, "last message"),
         ({"messages": good, "n": 2}, openai.BadRequestError, "n > 1"),
@@ -179,7 +194,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(serve: Serve) -> None
         for _ in _ask(live, [SYSTEM, broken], stream=True):
             pass
     body = _get(live.url + "/metrics")
-    assert 'kamera_requests_total{status="400"} 7' in body and 'kamera_requests_total{status="404"} 1' in body
+    assert 'kamera_requests_total{status="400"} 8' in body and 'kamera_requests_total{status="404"} 1' in body
 
 
 def test_concurrent_clients_all_succeed_and_metrics_add_up(serve: Serve) -> None:
@@ -269,7 +284,6 @@ def test_the_serve_command_starts_a_server(tmp_path: Path) -> None:
 
 def test_image_urls_are_fetched_only_when_enabled_and_within_limits(serve: Serve) -> None:
     """A loopback HTTP server holds a screenshot; fetching is a flag, with a size limit."""
-    import base64
     import http.server
 
     from kamera_agent.serve import ImageFetching
