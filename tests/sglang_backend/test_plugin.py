@@ -1,0 +1,113 @@
+"""kamera's radix-cache backend against SGLang 0.5.23's real classes (run in .venv-sglang).
+
+No mock of SGLang: its entry-point loader, its registry and ``create_tree_cache`` behind a real
+``ServerArgs`` published for a scheduler process, its pools and allocator on CPU, and its own
+pad-value scheme for images.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+
+from kamera_agent.backends.sglang import Segment, segment_key
+from kamera_agent.backends.sglang.plugin import BACKEND_NAME, CONFIG_VARIABLE, register, settings
+from kamera_agent.backends.sglang.radix import KameraRadixCache
+from kamera_agent.backends.sglang.segments import MM_PAD_SHIFT_VALUE
+from kamera_agent.demo.model import DEMO_MODEL_DIR
+
+LAYERS, HEADS, HEAD_DIM, SIZE = 4, 2, 32, 512
+
+
+def _params(page_size: int = 1):  # type: ignore[no-untyped-def]
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    requests = ReqToTokenPool(size=8, max_context_len=1024, device="cpu", enable_memory_saver=False)
+    kv = MHATokenToKVPool(
+        SIZE, page_size, torch.float32, HEADS, HEAD_DIM, LAYERS, "cpu", False, enable_alt_stream=False
+    )
+    allocator = TokenToKVPoolAllocator(SIZE, torch.float32, "cpu", kv, need_sort=False)
+    return CacheInitParams(
+        disable=False, req_to_token_pool=requests, token_to_kv_pool_allocator=allocator, page_size=page_size
+    )
+
+
+def test_the_entry_point_registers_the_backend() -> None:
+    from sglang.srt.mem_cache.registry import registered_radix_cache_backends
+    from sglang.srt.plugins import load_plugins
+
+    (point,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == BACKEND_NAME]
+    assert point.value == "kamera_agent.backends.sglang.plugin:register"
+    load_plugins()  # SGLang's own loader, as every scheduler process runs it
+    assert BACKEND_NAME in registered_radix_cache_backends()
+    register()  # idempotent: a second load changes nothing
+    assert registered_radix_cache_backends().count(BACKEND_NAME) == 1
+
+
+def test_the_flag_routes_create_tree_cache_to_kamera(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import ServerArgs
+
+    register()
+    monkeypatch.setenv(CONFIG_VARIABLE, '{"rank": 16}')
+    server_args = ServerArgs(model_path=str(DEMO_MODEL_DIR), device="cpu", radix_cache_backend=BACKEND_NAME)
+    publish(server_args, role="scheduler")
+    context = TreeCacheBuildContext(
+        server_args=server_args,
+        params=_params(),
+        is_hybrid_swa=False,
+        is_hybrid_ssm=False,
+        enable_hierarchical_cache=False,
+        disable_radix_cache=False,
+        tp_worker=None,
+        model_config=None,
+        tp_size=1,
+        tp_rank=0,
+        tp_group=None,
+    )
+    cache = create_tree_cache(context)
+    assert isinstance(cache, KameraRadixCache) and cache.config.rank == 16
+
+
+def test_settings_default_to_the_exact_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CONFIG_VARIABLE, raising=False)
+    assert settings() == settings().exact()
+
+
+def test_images_are_found_in_a_key_by_sglangs_own_pad_values() -> None:
+    from sglang.srt.managers import schedule_batch
+
+    assert schedule_batch.MM_PAD_SHIFT_VALUE == MM_PAD_SHIFT_VALUE
+    first = schedule_batch._compute_pad_values(b"\x01" * 32)
+    second = schedule_batch._compute_pad_values(b"\x02" * 32)
+    text = [11, 12, 13]
+    image_a = [first[i % len(first)] for i in range(6)]
+    image_b = [second[i % len(second)] for i in range(9)]
+    key = [*text, *image_a, 14, 15, *image_b, 16]
+    segments = segment_key(key)
+    assert [s.kind for s in segments] == ["text", "image", "text", "image", "text"]
+    assert segments[1] == Segment("image", 3, 9, tuple(first))
+    assert segments[3].pads == tuple(second) and len(segments[3]) == 9
+    assert sum(len(s) for s in segments) == len(key)
+    moved = [*image_b, 14, *text, *image_a]  # the same images elsewhere: the same identities
+    assert {s.pads for s in segment_key(moved) if s.kind == "image"} == {tuple(first), tuple(second)}
+
+
+def test_match_prefix_on_real_pools_changes_nothing_when_called_twice() -> None:
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    cache = KameraRadixCache(_params())
+    allocator = cache.token_to_kv_pool_allocator
+    slots = allocator.alloc(6)
+    cache.insert(InsertParams(key=RadixKey([1, 2, 3, 4, 5, 6]), value=slots))
+    free = allocator.available_size()
+    first = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 9])))
+    second = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 9])))
+    assert first.device_prefix_len == second.device_prefix_len == 4
+    assert allocator.available_size() == free and cache.total_size() == 6
