@@ -9,6 +9,10 @@ next-token KL to the model's own re-prefill beside wall time and tokens.
 
     python benchmarks/agent_settings.py --agent document --set cascade=keep
     python benchmarks/agent_settings.py --agent web --set survivors=removal
+    python benchmarks/agent_settings.py --agent document --set cascade=keep --model demo --seeds 10
+
+``--model demo`` runs the script on the shipped demo model instead, once per seed (its items),
+every answer checked against the model's own re-prefill: top-1 agreement and mean KL per side.
 """
 
 from __future__ import annotations
@@ -41,9 +45,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--quick", action="store_true", help="toy shape and counts (a smoke run)")
+    parser.add_argument("--model", choices=["realistic", "demo"], default="realistic")
+    parser.add_argument("--seeds", type=int, default=1, help="demo model: item seeds to run")
     args = parser.parse_args(argv)
     configure_threads(args.threads)
     overrides = dict(item.split("=", 1) for item in args.set)
+    if args.model == "demo":
+        return _on_demo(args, overrides)
     shape = QUICK_SHAPE if args.quick else QWEN2_1_5B_SLICE
     backend = realistic_backend(shape, args.seed)
     warm(backend)
@@ -77,6 +85,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{record.ratio('tokens', side):.2f}×",
             "–" if kl is None else f"{kl:.1e}",
         )
+    return show_and_save(table, report, args.json)
+
+
+def _on_demo(args: argparse.Namespace, overrides: dict[str, str]) -> dict[str, Any]:
+    """The agent on the demo model, once per seed: answers against the model's own re-prefill."""
+    from kamera_agent.backends.transformers import TransformersBackend
+    from kamera_agent.bench.agents.contents import DemoContents
+    from kamera_agent.demo.model import load_demo_model
+
+    model, tokenizer, image_processor = load_demo_model()
+    backend = TransformersBackend(model, tokenizer=tokenizer, image_processor=image_processor)
+    warm(backend)
+    sides = ("kamera", "variant")
+    totals = {side: {"agree": 0, "asks": 0, "kl": 0.0, "tokens": 0.0} for side in sides}
+    counts = AgentCounts.quick() if args.quick else AgentCounts()
+    with Progress() as progress:
+        for seed in range(args.seed, args.seed + args.seeds):
+            script = AGENTS[args.agent](DemoContents(backend.encoder, seed), counts)
+            record = AgentRun.of(script, "demo", sides)
+            base = {"capacity_chunks": script.capacity, "max_new_tokens": 1}
+            configs = {"kamera": WindowConfig(**base), "variant": WindowConfig(**base, **overrides)}
+            run_agent(script, backend, record, progress, reference="re-prefill", configs=configs)
+            for side in sides:
+                totals[side]["agree"] += sum(ask.top1[side] for ask in record.asks)
+                totals[side]["asks"] += len(record.asks)
+                totals[side]["kl"] += sum(ask.kl[side] for ask in record.asks)
+                totals[side]["tokens"] += record.total(side, "tokens")
+    table = Table(title=f"{args.agent} · demo model, {args.seeds} seeds · variant {overrides}")
+    for column in ("side", "top-1 vs re-prefill", "mean KL", "tokens"):
+        table.add_column(column, justify="right")
+    report: dict[str, Any] = {"agent": args.agent, "variant": overrides, "model": "demo", "sides": {}}
+    for side in sides:
+        t = totals[side]
+        share, kl = t["agree"] / max(1, t["asks"]), t["kl"] / max(1, t["asks"])
+        report["sides"][side] = {"top1": share, "mean_kl": kl, "asks": t["asks"], "tokens": t["tokens"]}
+        table.add_row(side, f"{t['agree']}/{t['asks']} = {share:.1%}", f"{kl:.2e}", f"{t['tokens']:.0f}")
     return show_and_save(table, report, args.json)
 
 

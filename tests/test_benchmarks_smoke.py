@@ -87,3 +87,13 @@ def test_gpu_check_script_runs_every_check_at_toy_size(tmp_path: Path) -> None:
     assert report["ttft"]["rows"] and all(row["floor_ms"] > 0 for row in report["ttft"]["rows"])
     turns = report["serve"]["turns"]
     assert len(turns) == 6 and all(t["prompt_tokens_details"]["cached_tokens"] > 0 for t in turns[1:])
+
+
+def test_agent_settings_runs_on_the_demo_model_against_its_re_prefill(tmp_path: Path) -> None:
+    out = tmp_path / "demo.json"
+    args = ["--quick", "--agent", "document", "--set", "cascade=keep", "--model", "demo", "--json", str(out)]
+    run_benchmark("agent_settings", args)
+    sides = json.loads(out.read_text())["sides"]
+    assert set(sides) == {"kamera", "variant"} and all(
+        0 <= s["top1"] <= 1 and s["asks"] > 0 for s in sides.values()
+    )
