@@ -23,7 +23,7 @@ from difflib import SequenceMatcher
 from typing import Any
 
 from kamera_agent.chunks.chunk import Chunk
-from kamera_agent.errors import KameraError
+from kamera_agent.errors import ChunkLostError, KameraError
 from kamera_agent.results import OpCost
 from kamera_agent.serve.turns import Turn
 from kamera_agent.window import KameraWindow
@@ -92,9 +92,10 @@ def sync_window(window: KameraWindow, turns: list[Turn]) -> SyncReport:
         for k in range(block.size):
             kept[block.b + k] = current[block.a + k]
     last_kept = max(kept, default=-1)
+    in_place = set(kept.values())
     spare: dict[str, deque[ChunkRef]] = defaultdict(deque)
     for ref, key in zip(current, keys, strict=True):
-        if ref not in kept.values():
+        if ref not in in_place:
             spare[key].append(ref)
     plan: list[tuple[str, Any]] = []  # ("keep", ref) | ("recall", ref) | ("new", chunk)
     for index, chunk in enumerate(desired):
@@ -130,7 +131,11 @@ def sync_window(window: KameraWindow, turns: list[Turn]) -> SyncReport:
             final.append(item)
             placed += 1
         elif kind == "recall":
-            _run(report, window, "recall", [item], lambda r=item, at=placed: window.recall(r, at=at))
+            try:
+                _run(report, window, "recall", [item], lambda r=item, at=placed: window.recall(r, at=at))
+            except ChunkLostError:  # its pixels and stored KV are gone: admit the content anew
+                final += _run_extend(report, window, [desired[index]])
+                continue
             final.append(item)
             placed += 1
         elif all(k == "new" for k, _ in plan[index:]) and placed == len(window.refs):
