@@ -62,6 +62,8 @@ def create_app(server: KameraServer) -> FastAPI:
                 done = await run_in_threadpool(server.complete, request)
             except RequestError as exc:
                 return _refused(server, exc)
+            except Exception as exc:  # a bug: an OpenAI-style 500 for this request, the server goes on
+                return _refused(server, RequestError(500, f"internal error: {type(exc).__name__}: {exc}"))
             server.metrics.request(200)
             return JSONResponse(_completion(done))
         return await _streamed(server, request)
