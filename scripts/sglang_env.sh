@@ -30,7 +30,7 @@ pip_install "torch==2.13.0"
 pip_install --no-deps "sglang==0.5.23"
 pip_install "transformers==5.19.*" orjson psutil pybase64 requests pillow starlette msgspec pyzmq \
   aiohttp dill triton ipython "apache-tvm-ffi==0.1.11" sentencepiece compressed-tensors gguf openai \
-  partial-json-parser
+  partial-json-parser einops
 # kamera-agent itself (its runtime dependencies, not the dev tools) and the test runner
 pip_install pydantic networkx rich safetensors opencv-python-headless pytest
 pip_install --no-deps -e .
