@@ -17,7 +17,7 @@ import torch
 from kamera_agent.backends.base import DecodeConfig, Decoded, Spent
 from kamera_agent.results import Answer
 
-__all__ = ["Forward", "decode_loop", "pick_token"]
+__all__ = ["Forward", "decode_loop", "decoded_tokens", "pick_token"]
 
 Forward = Callable[[torch.Tensor, torch.Tensor, Any], tuple[Any, torch.Tensor]]
 """``(ids [n], positions [n] | [3, n], cache) -> (cache, logits [vocab] of the last token)``."""
@@ -65,7 +65,6 @@ def decode_loop(
         cache, logits = forward(torch.tensor([token], dtype=torch.long), text_positions(position, 1), cache)
         position += 1
     stream.done(text)
-    decode_steps = max(0, len(tokens) - 1) if finish != "eos" else len(tokens)
     answer = Answer(
         text=text,
         tokens=tokens,
@@ -73,10 +72,18 @@ def decode_loop(
         logits=torch.stack(steps) if steps else None,
         finish_reason=finish,
     )
+    decode_steps = decoded_tokens(answer)
     spent = Spent(
         forwards=1 + decode_steps, tokens_prefilled=n_query + decode_steps, decode_steps=decode_steps
     )
     return Decoded(answer, spent)
+
+
+def decoded_tokens(answer: Answer) -> int:
+    """Answer tokens the loop fed back through the model: all but the last one, which ended the
+    answer, unless an EOS (never kept in ``tokens``) did. A prompt's own prefill is an answer's
+    ``tokens_prefilled`` less these."""
+    return len(answer.tokens) if answer.finish_reason == "eos" else max(0, len(answer.tokens) - 1)
 
 
 class _Stream:

@@ -29,13 +29,14 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kamera_agent.backends.decoding import decoded_tokens
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.prefix_cache import PrefixCache
 from kamera_agent.config import WindowConfig
 from kamera_agent.demo.evaluate import evaluate
 from kamera_agent.demo.model import load_demo_model
 from kamera_agent.demo.task import QUESTIONS, QuestionKind, make_item, make_items, render_legend, render_page
-from kamera_agent.results import Answer, OpCost
+from kamera_agent.results import OpCost
 from kamera_agent.window import ChunkRef, KameraWindow
 
 __all__ = ["DemoStep", "EpisodeResult", "run_demo_episode"]
@@ -144,7 +145,7 @@ def run_demo_episode(
         asked = prefix.ask(window.query_ids(question))
         result.answers[name], result.expected[name] = answer.text.strip(), expected
         result.agrees[name] = bool(answer.tokens) and int(asked.logits.argmax()) == answer.tokens[0]
-        prompt = answer.cost.tokens_prefilled - _decoded(answer) if answer.cost else 0
+        prompt = answer.cost.tokens_prefilled - decoded_tokens(answer) if answer.cost else 0
         result.steps.append(
             DemoStep(
                 "ask",
@@ -191,7 +192,9 @@ def run_demo_episode(
     without = [window.chunk(ref) for ref in window.refs if ref != holder]
     synced = prefix.sync(without)
     asked = prefix.ask(window.query_ids(item.question))
-    probe_tokens = probe.cost.tokens_prefilled - _decoded(probe.with_chunk) - _decoded(probe.without_chunk)
+    probe_tokens = (
+        probe.cost.tokens_prefilled - decoded_tokens(probe.with_chunk) - decoded_tokens(probe.without_chunk)
+    )
     result.steps.append(
         DemoStep(
             "probe_without",
@@ -211,11 +214,6 @@ def run_demo_episode(
     result.held_out = _held_out(window, seed, HELD_OUT_ITEMS, console)
     _print(console, result)
     return result
-
-
-def _decoded(answer: Answer) -> int:
-    """Answer tokens the decode loop prefilled (all but the last, which ended it, unless EOS did)."""
-    return len(answer.tokens) if answer.finish_reason == "eos" else max(0, len(answer.tokens) - 1)
 
 
 HELD_OUT_ITEMS = 24

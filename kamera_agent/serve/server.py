@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kamera_agent.backends.base import Backend
+from kamera_agent.backends.decoding import decoded_tokens
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import ContextOverflowError, KameraError
 from kamera_agent.results import Answer, OpCost
@@ -148,8 +149,7 @@ class KameraServer:
         query_tokens = int(window.query_ids(report.query, in_message=report.in_message).shape[0])
         prompt = report.prompt_tokens + query_tokens
         ask = answer.cost or OpCost()
-        decode_steps = max(0, len(answer.tokens) - 1) if answer.finish_reason != "eos" else len(answer.tokens)
-        prefilled = report.cost.tokens_prefilled + ask.tokens_prefilled - decode_steps
+        prefilled = report.cost.tokens_prefilled + ask.tokens_prefilled - decoded_tokens(answer)
         cached = max(0, prompt - prefilled)
         ops = [(op, cost) for op, _, cost in report.ops] + [("ask", ask)]
         self.metrics.served(prompt, cached, len(answer.tokens), ops)

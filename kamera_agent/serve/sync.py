@@ -50,10 +50,7 @@ class SyncReport:
 
     @property
     def cost(self) -> OpCost:
-        total = OpCost()
-        for _, _, cost in self.ops:
-            total = total + cost
-        return total
+        return sum((cost for _, _, cost in self.ops), OpCost())
 
 
 def desired_chunks(window: KameraWindow, turns: list[Turn]) -> tuple[list[Chunk], str, bool]:

@@ -16,6 +16,7 @@ from kamera_agent.backends.sglang import Segment, segment_key
 from kamera_agent.backends.sglang.plugin import BACKEND_NAME, CONFIG_VARIABLE, register, settings
 from kamera_agent.backends.sglang.radix import KameraRadixCache
 from kamera_agent.backends.sglang.segments import MM_PAD_SHIFT_VALUE
+from kamera_agent.config import WindowConfig
 from kamera_agent.demo.model import DEMO_MODEL_DIR
 
 LAYERS, HEADS, HEAD_DIM, SIZE = 4, 2, 32, 512
@@ -76,7 +77,7 @@ def test_the_flag_routes_create_tree_cache_to_kamera(monkeypatch: pytest.MonkeyP
 
 def test_settings_default_to_the_exact_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(CONFIG_VARIABLE, raising=False)
-    assert settings() == settings().exact()
+    assert settings() == WindowConfig.exact()
 
 
 def test_images_are_found_in_a_key_by_sglangs_own_pad_values() -> None:

@@ -60,7 +60,6 @@ class Connection:
         self._pause = backoff
         self._retry_at = 0.0
         self.down = False
-        self.failures = 0
         self.outages = 0
 
     def call(self, work: Callable[[Any], T]) -> T:
@@ -116,7 +115,6 @@ class Connection:
 
     def _failed(self, exc: BaseException) -> None:
         with self._lock:
-            self.failures += 1
             was_down, self.down = self.down, True
             self._retry_at = time.monotonic() + self._pause
             self._pause = min(self._max_backoff, self._pause * 2)

@@ -61,7 +61,7 @@ class RemoteTier:
         self._writer = threading.Thread(target=self._write_loop, name="kamera-store-writer", daemon=True)
         self._writer.start()
         atexit.register(self._finish_at_exit)  # a process that never closes its store still shares
-        self.reachable = self._probe()
+        self._probe()  # says so at once (one warning) when the server is not there
 
     # -- reads -----------------------------------------------------------------------------------
     def get(self, key: EntryKey) -> bytes | None:
@@ -195,12 +195,9 @@ class RemoteTier:
         if address != key:
             raise CorruptEntry(f"holds {address}, not {key}")
 
-    def _probe(self) -> bool:
-        try:
+    def _probe(self) -> None:
+        with contextlib.suppress(RemoteUnavailable):
             self._connection.call(lambda client: client.ping())
-        except RemoteUnavailable:
-            return False
-        return True
 
     def _known_absent(self, name: str) -> bool:
         with self._lock:
