@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["model_fingerprint"]
+__all__ = ["checkpoint_fingerprint", "model_fingerprint"]
 
 _SAMPLES_PER_TENSOR = 64
+_SAMPLE_BYTES = 1 << 20
 
 
 def model_fingerprint(model: Any) -> str:
@@ -36,4 +39,27 @@ def model_fingerprint(model: Any) -> str:
             step = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
             sample = flat[::step][:_SAMPLES_PER_TENSOR].to("cpu", torch.float64)
             digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def checkpoint_fingerprint(path: str | os.PathLike[str], dtype: str = "") -> str:
+    """A hex digest identifying a checkpoint directory without loading it, for engines that hold
+    the weights themselves (SGLang, vLLM): its config and, per weights file, name, size and a
+    sample of its bytes (the first and last MiB: headers name every tensor, data ends differ
+    when any tensor was retrained); ``dtype`` is the one the engine serves it in."""
+    root = Path(path)
+    digest = hashlib.sha256(f"checkpoint\x1f{dtype}".encode())
+    config = root / "config.json"
+    if config.is_file():
+        as_dict = json.loads(config.read_text())
+        as_dict.pop("_name_or_path", None)
+        as_dict.pop("transformers_version", None)
+        digest.update(json.dumps(as_dict, sort_keys=True).encode())
+    for weights in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")):
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with weights.open("rb") as handle:
+            digest.update(handle.read(_SAMPLE_BYTES))
+            handle.seek(max(0, size - _SAMPLE_BYTES))
+            digest.update(handle.read(_SAMPLE_BYTES))
     return digest.hexdigest()

@@ -24,7 +24,7 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.errors import InputError, SettingsError, UnreadableInputError
 from kamera_agent.store import ChunkStore
 
-__all__ = ["Item", "chunk_of", "resolve_backend", "resolve_store"]
+__all__ = ["Item", "chunk_of", "resolve_backend", "resolve_store", "store_of_settings"]
 
 Item = Chunk | str | Image.Image | np.ndarray | Path | VideoFrame
 
@@ -78,13 +78,7 @@ def resolve_store(backend: Backend, config: WindowConfig, store: ChunkStore | No
         StoreURLError: a store URL kamera cannot use.
     """
     if store is None:
-        return ChunkStore(
-            fingerprint=backend.fingerprint,
-            memory_budget=config.memory_budget,
-            disk_dir=config.disk_dir,
-            disk_budget=config.disk_budget,
-            remote=config.store_url or os.environ.get(STORE_URL_VARIABLE) or None,
-        )
+        return store_of_settings(backend.fingerprint, config)
     given = sorted(name for name in _STORE_FIELDS if name in config.model_fields_set)
     if given:
         raise SettingsError(
@@ -93,6 +87,18 @@ def resolve_store(backend: Backend, config: WindowConfig, store: ChunkStore | No
             "no store"
         )
     return store
+
+
+def store_of_settings(fingerprint: str, config: WindowConfig) -> ChunkStore:
+    """The store ``config`` describes for a model: memory, the disk tier, and the shared tier from
+    ``config.store_url``, else from ``KAMERA_STORE_URL``."""
+    return ChunkStore(
+        fingerprint=fingerprint,
+        memory_budget=config.memory_budget,
+        disk_dir=config.disk_dir,
+        disk_budget=config.disk_budget,
+        remote=config.store_url or os.environ.get(STORE_URL_VARIABLE) or None,
+    )
 
 
 def chunk_of(

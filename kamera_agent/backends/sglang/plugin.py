@@ -4,7 +4,10 @@ SGLang loads general plugins in every scheduler process (``sglang.srt.plugins.lo
 and calls each entry point; ``register`` adds kamera's factory to SGLang's radix-cache registry,
 so ``--radix-cache-backend kamera`` selects it. Settings come from ``KAMERA_SGLANG_CONFIG``
 (a `WindowConfig` as JSON; default: the exact settings, so nothing approximate is served unless
-asked for).
+asked for). The factory builds what the cache needs from the server's own description of the
+model: the KV layout from its config (no weights loaded), the store from the settings (memory,
+``disk_dir``, ``store_url`` or ``KAMERA_STORE_URL``) under the checkpoint's fingerprint, and the
+chunking rules from its config and tokenizer.
 """
 
 from __future__ import annotations
@@ -37,5 +40,32 @@ def settings() -> WindowConfig:
 
 def _factory(ctx: Any) -> Any:
     from kamera_agent.backends.sglang.radix import KameraRadixCache
+    from kamera_agent.backends.sglang.segments import ChunkRules
+    from kamera_agent.backends.transformers.reading import kv_layout_of_config
+    from kamera_agent.fingerprint import checkpoint_fingerprint
+    from kamera_agent.window.setup import store_of_settings
 
-    return KameraRadixCache(ctx.params, settings())
+    config = settings()
+    server = ctx.server_args
+    hf_config = ctx.model_config.hf_config if ctx.model_config is not None else _hf_config(server.model_path)
+    tokenizer = _tokenizer(server.tokenizer_path or server.model_path)
+    fingerprint = checkpoint_fingerprint(server.model_path, str(server.dtype))
+    return KameraRadixCache(
+        ctx.params,
+        config,
+        store=store_of_settings(fingerprint, config),
+        layout=kv_layout_of_config(hf_config),
+        rules=ChunkRules.for_model(hf_config, tokenizer),
+    )
+
+
+def _hf_config(path: str) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def _tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

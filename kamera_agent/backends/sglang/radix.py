@@ -1,31 +1,199 @@
-"""`KameraRadixCache`: the radix cache SGLang builds for ``--radix-cache-backend kamera``.
+"""`KameraRadixCache`: SGLang's radix cache, extended past its prefix by relocated chunk KV.
 
-Stage reached: SGLang's own ``RadixCache`` (exact prefix reuse, its eviction and its locking),
-under kamera's name and settings, so the server runs with the flag and the routing is tested
-against SGLang's real registry. Extending a match past the radix prefix (``host_hit_length``
-over chunks whose stored KV fits their antecedent states) and writing relocated + patched KV in
-``init_load_back`` are the next stage (issue 13); nothing here pretends to do them.
+SGLang's contract for a cache with a second tier is two-phase: ``match_prefix`` reports, after
+the device prefix, ``host_hit_length`` tokens that can be loaded (called again and again for a
+waiting request, so it must change nothing), ``PrefillAdder`` budgets them, and
+``init_load_back`` allocates slots and fills them, all or nothing, returning the new match
+node. Here the second tier is kamera's store: the request is cut into chunks (`request_chunks`),
+each chunk's state is chained over the chunks before it (`PrefixSynthesis`), and the longest run
+whose states the store holds is loaded: each chunk's position-free KV rotated to SGLang's
+positions for this request (1-D, or the request's precomputed M-RoPE positions) and written into
+new slots, which then join the tree under the request's tokens, so SGLang owns, locks and evicts
+them like any prefix. ``checkpoint`` (SGLang publishing a prefill) captures the chunks' KV first.
+
+With no store (``KAMERA_STORE_URL`` / ``WindowConfig.store_url`` unset and no layout) it is
+SGLang's own radix cache.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any
 
-from sglang.srt.mem_cache.radix_cache import RadixCache
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
+from kamera_agent.backends.sglang.pool import read_chunk, write_chunk
+from kamera_agent.backends.sglang.segments import ChunkRules, request_chunks
 from kamera_agent.config import WindowConfig
+from kamera_agent.core.synthesis import Plan, PrefixSynthesis, RequestChunk, policy_of
+from kamera_agent.operator.layout import ChunkKV, KVLayout
+from kamera_agent.store import ChunkStore
 
-__all__ = ["KameraRadixCache"]
+__all__ = ["KameraRadixCache", "SynthesisStats"]
+
+
+@dataclass
+class SynthesisStats:
+    """What the cache served and captured since it was built (``/metrics`` material).
+
+    Attributes:
+        matches: match_prefix calls that found tokens to load.
+        loads: init_load_back calls that wrote KV.
+        tokens_loaded: tokens written from the store.
+        chunks_loaded: chunk runs written.
+        declined: loads given up (an entry gone, no slots): the tokens were computed.
+        chunks_captured: chunk states stored from prefills.
+    """
+
+    matches: int = 0
+    loads: int = 0
+    tokens_loaded: int = 0
+    chunks_loaded: int = 0
+    declined: int = 0
+    chunks_captured: int = 0
 
 
 class KameraRadixCache(RadixCache):  # type: ignore[misc]
-    """SGLang's radix cache, built by kamera's factory with the settings it will serve under.
+    """SGLang's radix cache whose match extends over chunks kamera's store can serve.
 
     Args:
         params: SGLang's ``CacheInitParams`` (pools, allocator, page size).
-        config: which approximations the plugin may serve (`WindowConfig` fields).
+        config: which approximations may be served (`policy_of`: exact unless survivors keep).
+        store: the chunk store (shared by every worker that names one URL); ``None``: SGLang's
+            own radix reuse only.
+        layout: the model's KV layout (where the rope band sits, its frequencies).
+        rules: how requests are cut into chunks (`ChunkRules.for_model`).
     """
 
-    def __init__(self, params: Any, config: WindowConfig | None = None) -> None:
+    def __init__(
+        self,
+        params: Any,
+        config: WindowConfig | None = None,
+        *,
+        store: ChunkStore | None = None,
+        layout: KVLayout | None = None,
+        rules: ChunkRules | None = None,
+    ) -> None:
         super().__init__(params)
         self.config = config or WindowConfig.exact()
+        self.layout, self.rules = layout, rules or ChunkRules()
+        self.synthesis = (
+            PrefixSynthesis(store, policy_of(self.config))
+            if store is not None and layout is not None and not self.is_eagle
+            else None
+        )
+        self.stats = SynthesisStats()
+
+    @property
+    def kv_pool(self) -> Any:
+        return self.token_to_kv_pool_allocator.get_kvcache()
+
+    # -- SGLang's two phases ----------------------------------------------------------------
+    def match_prefix(self, params: MatchPrefixParams) -> Any:
+        result = super().match_prefix(params)
+        if self.synthesis is None or self.disable:
+            return result
+        plan = self._plan(params.key, params.req, result.device_prefix_len)
+        if plan.tokens == 0:
+            return result
+        self.stats.matches += 1
+        return result._replace(host_hit_length=plan.tokens)
+
+    def init_load_back(self, params: Any) -> tuple[int, Any]:
+        """Write the planned chunks into new slots and add them to the tree: all or nothing."""
+        req, node = params.req, params.best_match_node
+        if self.synthesis is None or req is None or params.host_hit_length <= 0:
+            return 0, node
+        key = _request_key(req)
+        device = self.path_device_indices(node)[: req.prefix_len].to(torch.int64)
+        plan = self._plan(key, req, len(device))
+        kvs = self.synthesis.load(plan) if plan.tokens == params.host_hit_length else None
+        slots = None if kvs is None else self._alloc(plan.tokens)
+        if kvs is None or slots is None:
+            self.stats.declined += 1
+            return 0, node
+        self._write(req, plan, kvs, slots)
+        full = RadixKey(key.token_ids[: plan.end], req.extra_key, cache_salt=req.cache_salt)
+        value = torch.cat([device, slots])
+        done = self.insert(InsertParams(key=full, value=value, priority=req.priority or 0))
+        if done.prefix_len > plan.device_len:  # the tree grew meanwhile: those slots are duplicates
+            self.token_to_kv_pool_allocator.free(slots[: done.prefix_len - plan.device_len])
+        match = super().match_prefix(MatchPrefixParams(key=full))
+        assert match.device_prefix_len == plan.end, (match.device_prefix_len, plan.end)
+        self.synthesis.loaded(_namespace(key), self._chunks(key, req), plan)
+        self.stats.loads += 1
+        self.stats.tokens_loaded += plan.tokens
+        self.stats.chunks_loaded += len(plan.served)
+        return plan.tokens, match.last_device_node
+
+    def checkpoint(self, req: Any, *, up_to: int) -> None:
+        """Capture the chunks' KV from the request's slots, then publish them as SGLang does."""
+        if self.synthesis is not None and not self.disable:
+            self._capture(req, up_to)
+        super().checkpoint(req, up_to=up_to)
+
+    # -- kamera's side ----------------------------------------------------------------------
+    def _plan(self, key: Any, req: Any | None, device_len: int) -> Plan:
+        assert self.synthesis is not None
+        chunks = self._chunks(key, req)
+        return self.synthesis.plan(_namespace(key), chunks, device_len, len(key), self.page_size)
+
+    def _chunks(self, key: Any, req: Any | None) -> list[RequestChunk]:
+        tokens = list(req.origin_input_ids) if req is not None else list(key.raw_token_ids())
+        return request_chunks(tokens, self.rules, _namespace(key))
+
+    def _alloc(self, tokens: int) -> torch.Tensor | None:
+        allocator = self.token_to_kv_pool_allocator
+        if allocator.available_size() < tokens:
+            self.evict(EvictParams(num_tokens=tokens - allocator.available_size()))
+        slots = allocator.alloc(tokens)
+        return None if slots is None else slots.to(torch.int64)
+
+    def _write(self, req: Any, plan: Plan, kvs: list[ChunkKV], slots: torch.Tensor) -> None:
+        assert self.layout is not None
+        for item, kv in zip(plan.served, kvs, strict=True):
+            start = max(item.chunk.start, plan.device_len)
+            end = min(item.chunk.end, plan.end)
+            a, b = start - item.chunk.start, end - item.chunk.start
+            part = replace(kv, keys=kv.keys[:, :, a:b], values=kv.values[:, :, a:b])
+            where = slots[start - plan.device_len : end - plan.device_len]
+            write_chunk(self.kv_pool, part, self.layout, self._positions(req, start, end), where)
+
+    def _capture(self, req: Any, up_to: int) -> None:
+        assert self.synthesis is not None and self.layout is not None
+        key = _request_key(req)
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        layout, pool = self.layout, self.kv_pool
+
+        def read(chunk: RequestChunk) -> ChunkKV:
+            slots = row[chunk.start : chunk.end]
+            return read_chunk(pool, layout, slots, self._positions(req, chunk.start, chunk.end), chunk.key)
+
+        upto = min(up_to, len(req.origin_input_ids))
+        self.stats.chunks_captured += self.synthesis.capture(
+            _namespace(key), self._chunks(key, req), upto, read
+        )
+
+    def _positions(self, req: Any, start: int, end: int) -> torch.Tensor:
+        """SGLang's positions for ``tokens[start:end]`` of the request: its precomputed M-RoPE
+        rows where it has them, else ``start..end`` (on every row for an M-RoPE model)."""
+        assert self.layout is not None
+        mm = getattr(req, "multimodal_inputs", None)
+        mrope = None if mm is None else getattr(mm, "mrope_positions", None)
+        if mrope is not None:
+            return torch.as_tensor(mrope)[:, start:end].to("cpu", torch.long)
+        flat = torch.arange(start, end, dtype=torch.long)
+        return flat.expand(3, -1).clone() if self.layout.rope.axes is not None else flat
+
+
+def _request_key(req: Any) -> Any:
+    from array import array
+
+    return RadixKey(array("q", req.origin_input_ids), req.extra_key, cache_salt=req.cache_salt)
+
+
+def _namespace(key: Any) -> str:
+    """One tenant's chunks: SGLang's ``extra_key`` and ``cache_salt`` namespace its tree too."""
+    return f"{key.extra_key or ''}|{key.cache_salt or ''}"

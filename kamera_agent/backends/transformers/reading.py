@@ -18,7 +18,7 @@ from kamera_agent.errors import LayoutMismatchError, LengthDependentRopeError, U
 from kamera_agent.operator.layout import ChunkKV, KVLayout, check_layout, check_positions
 from kamera_agent.operator.rope import RotarySpec
 
-__all__ = ["kv_layout", "read_chunk", "rotary_spec"]
+__all__ = ["kv_layout", "kv_layout_of_config", "read_chunk", "rotary_spec"]
 
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
 
@@ -88,6 +88,19 @@ def kv_layout(model: Any) -> KVLayout:
     )
 
 
+def kv_layout_of_config(config: Any) -> KVLayout:
+    """The KV layout of the model ``config`` describes, without its weights: the model is built
+    on the meta device and only its rotary module is rebuilt on the CPU (its frequencies are
+    computed from the config). For engines that hold the weights themselves (SGLang, vLLM)."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModel.from_config(config)
+    name, module = _language_rotary_named(model)
+    model.set_submodule(name, type(module)(config=module.config))
+    return kv_layout(model)
+
+
 def read_chunk(
     cache: Any,
     layout: KVLayout,
@@ -117,6 +130,11 @@ def read_chunk(
 
 def _language_rotary_module(model: Any) -> torch.nn.Module:
     """The rotary module of the language model (never the vision tower's)."""
+    return _language_rotary_named(model)[1]
+
+
+def _language_rotary_named(model: Any) -> tuple[str, torch.nn.Module]:
+    """The language model's rotary module and its name in ``model``."""
     candidates = [
         (name, module)
         for name, module in model.named_modules()
@@ -129,8 +147,8 @@ def _language_rotary_module(model: Any) -> torch.nn.Module:
         )
     # The shallowest one is the language model's shared rotary embedding.
     candidates.sort(key=lambda item: item[0].count("."))
-    module: torch.nn.Module = candidates[0][1]
-    return module
+    name, module = candidates[0]
+    return name, module
 
 
 def _mrope_axes(

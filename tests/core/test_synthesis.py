@@ -1,0 +1,183 @@
+"""A synthesized prefix against the model's own forward: what is served, in which state, and its KV.
+
+The "engine" here is the transformers model itself: a request is its anchor and chunks prefilled
+in order; capture reads each chunk's KV from that forward; a load's KV, placed at the request's
+positions, must equal the model's own KV of the state it was served in at those positions (a
+forward of that state's chunks shifted by the move: attention sees relative positions only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.config import WindowConfig
+from kamera_agent.core.synthesis import PrefixSynthesis, RequestChunk, chunk_key, policy_of
+from kamera_agent.operator.layout import ChunkKV, at_positions, to_position_free
+from kamera_agent.store import ChunkStore
+from tests.backends.test_transformers_backend import text_backend
+
+EXACT = 2e-5
+NS = "tenant-a|"
+
+
+def _backend():  # type: ignore[no-untyped-def]
+    return text_backend("qwen2", layers=4)
+
+
+def _texts(*words: str) -> list[Chunk]:
+    encoder = _backend().encoder
+    return [encoder.text(f"the {w} was seen near the window at noon") for w in words]
+
+
+def _long(word: str) -> Chunk:
+    return _backend().encoder.text(f"a much longer note: the {word} wandered in, ate, slept and left again")
+
+
+def _request(chunks: Sequence[Chunk], namespace: str = NS) -> list[RequestChunk]:
+    """The anchor and ``chunks`` as one request's chunks (content keys from their tokens)."""
+    out, start = [], 0
+    for chunk in [_backend().anchor, *chunks]:
+        tokens = chunk.input_ids.tolist()
+        out.append(RequestChunk(start, start + len(tokens), chunk_key(namespace, "text", tokens)))
+        start += len(tokens)
+    return out
+
+
+def _forward(chunks: Sequence[Chunk], shift: int = 0) -> list[ChunkKV]:
+    """The model's own KV of anchor + chunks, every position moved by ``shift``; anchor first."""
+    backend = _backend()
+    anchor = backend.anchor
+    first = backend.prefill([anchor], [], shift).kv[0]
+    return [first, *backend.prefill_sequence(chunks, shift=shift)]
+
+
+def _capture(synthesis: PrefixSynthesis, chunks: Sequence[Chunk], namespace: str = NS) -> int:
+    """A prefill of anchor + chunks, captured from the model's own KV."""
+    request, kvs = _request(chunks, namespace), _forward(chunks)
+    by_start = {c.start: kv for c, kv in zip(request, kvs, strict=True)}
+    layout = _backend().layout
+    return synthesis.capture(
+        namespace, request, request[-1].end, lambda c: to_position_free(by_start[c.start], layout)
+    )
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _store() -> ChunkStore:
+    return ChunkStore(fingerprint=_backend().fingerprint, memory_budget=1 << 28)
+
+
+def test_exact_serves_what_a_re_prefill_computes_and_nothing_else() -> None:
+    s, a, b, c, d = _texts("cat", "dog", "owl", "fox", "elk")
+    synthesis = PrefixSynthesis(_store(), policy_of(WindowConfig.exact()))
+    assert synthesis.policy == "exact"
+    assert _capture(synthesis, [s, a, b, c]) == 5  # anchor canonical + four conditioned states
+    assert _capture(synthesis, [s, a, b, c]) == 0  # captured once
+
+    request = _request([s, a, b, c, d])
+    plan = synthesis.plan(NS, request, 0, request[-1].end)
+    assert [item.chunk for item in plan.served] == request[:5] and plan.end == request[4].end
+    kvs = synthesis.load(plan)
+    assert kvs is not None
+    truth = _forward([s, a, b, c, d])
+    layout = _backend().layout
+    for kv, want in zip(kvs, truth, strict=False):
+        assert want.positions is not None
+        placed = at_positions(kv, layout, want.positions)
+        assert _rel(placed.keys, want.keys) < EXACT and _rel(placed.values, want.values) < EXACT
+
+    moved = _request([a, s, b])  # a new order: only what a re-prefill computes may be served
+    plan = synthesis.plan(NS, moved, 0, moved[-1].end)
+    assert [item.chunk for item in plan.served] == moved[:1]  # the anchor alone (canonical)
+
+
+def test_keep_serves_a_moved_chunk_in_the_state_it_was_captured_in() -> None:
+    s, a, b, c, d = _texts("cat", "dog", "owl", "fox", "elk")
+    x, y = _long("yak"), _long("emu")
+    synthesis = PrefixSynthesis(_store(), policy_of(WindowConfig()))
+    assert synthesis.policy == "keep"
+    _capture(synthesis, [s, a, b, c])
+    slid = _request([x, y, b, c, d])  # a and s left, b and c moved right
+    anchor_len = slid[0].end
+    plan = synthesis.plan(NS, slid, anchor_len, slid[-1].end)  # the engine holds the anchor
+    # x and y were never captured: nothing after them can be served (the chain needs them)
+    assert plan.tokens == 0
+    _capture(synthesis, [x, y])
+    plan = synthesis.plan(NS, slid, anchor_len, slid[-1].end)
+    assert [item.chunk for item in plan.served] == slid[1:5]
+    assert [item.computed for item in plan.served] == [True, True, False, False]
+    kvs = synthesis.load(plan)
+    assert kvs is not None
+    layout = _backend().layout
+    # b and c hold what they absorbed behind s and a: the model's own KV of that forward, moved
+    old = _request([s, a, b, c])
+    for kv, served, origin in zip(kvs[2:], plan.served[2:], old[3:], strict=True):
+        shift = served.chunk.start - origin.start
+        assert shift > 0
+        truth = _forward([s, a, b, c], shift=shift)[old.index(origin)]
+        assert truth.positions is not None and truth.positions[0] == served.chunk.start
+        placed = at_positions(kv, layout, truth.positions)
+        assert _rel(placed.keys, truth.keys) < EXACT and _rel(placed.values, truth.values) < EXACT
+
+    exact = PrefixSynthesis(synthesis.store, "exact")  # the same store under the exact policy
+    assert [item.chunk for item in exact.plan(NS, slid, anchor_len, slid[-1].end).served] == slid[1:3]
+
+
+def test_a_load_is_remembered_so_later_chunks_chain_the_kept_states() -> None:
+    s, a, b, x, d = _texts("cat", "dog", "owl", "yak", "elk")
+    synthesis = PrefixSynthesis(_store(), "keep")
+    _capture(synthesis, [s, a, b])
+    _capture(synthesis, [x])
+    slid = _request([x, b, d])
+    plan = synthesis.plan(NS, slid, 0, slid[-1].end)
+    assert [item.chunk for item in plan.served] == slid[:3] and not plan.served[2].computed
+    synthesis.loaded(NS, slid, plan)
+    # d is computed over the kept b; its capture files it under that chain, so a request that
+    # finds x, b, d in the engine's own cache is served d's stored state, not a re-prefill's
+    request = _request([x, b, d, a])
+    captured = synthesis.capture(NS, slid, slid[-1].end, lambda c: _fake_kv(len(c)))
+    assert captured == 1  # d alone: the rest was loaded from the store
+    plan = synthesis.plan(NS, request, slid[-1].end, request[-1].end)
+    assert [item.chunk for item in plan.served] == request[4:]  # a, in the state it was captured in
+    assert not plan.served[0].computed
+    exact = PrefixSynthesis(synthesis.store, "exact")
+    assert exact.plan(NS, request, slid[-1].end, request[-1].end).served == ()
+
+
+def test_namespaces_never_share_kv() -> None:
+    s, a = _texts("cat", "dog")
+    synthesis = PrefixSynthesis(_store(), "keep")
+    _capture(synthesis, [s, a])
+    other = _request([s, a], namespace="tenant-b|")
+    assert synthesis.plan("tenant-b|", other, 0, other[-1].end).served == ()
+
+
+def test_plans_are_page_aligned_and_a_load_with_an_entry_gone_is_declined() -> None:
+    s, a, b = _texts("cat", "dog", "owl")
+    synthesis = PrefixSynthesis(_store(), "exact")
+    _capture(synthesis, [s, a, b])
+    request = _request([s, a, b])
+    page = 4
+    device = request[1].start + 5 - (request[1].start + 5) % page  # the engine's hit ends inside a chunk
+    plan = synthesis.plan(NS, request, device, request[-1].end - 1, page_size=page)
+    assert plan.end % page == 0 and plan.device_len == device and plan.tokens > 0
+    assert plan.end <= request[-1].end - 1 < plan.end + page
+    first = plan.served[0]
+    assert first.chunk.start < device and first.skip == device - first.chunk.start
+    assert synthesis.plan(NS, request, device, request[-1].end - 1, page_size=page) == plan  # no side effects
+    loaded = synthesis.load(plan)
+    assert loaded is not None and [kv.num_tokens for kv in loaded] == [len(i.chunk) for i in plan.served]
+    partial = PrefixSynthesis(_store(), "exact")  # a store that lost the last chunk's entry
+    _capture(partial, [s, a])
+    assert partial.load(plan) is None
+
+
+def _fake_kv(n: int) -> ChunkKV:
+    layout = _backend().layout
+    (h, dk), (hv, dv) = layout.keys_shape, layout.values_shape
+    return ChunkKV(torch.randn(layout.num_layers, h, n, dk), torch.randn(layout.num_layers, hv, n, dv))
