@@ -89,6 +89,12 @@ def test_gpu_check_script_runs_every_check_at_toy_size(tmp_path: Path) -> None:
     assert len(turns) == 6 and all(t["prompt_tokens_details"]["cached_tokens"] > 0 for t in turns[1:])
 
 
+def test_the_sglang_gpu_check_prepares_its_servers_and_requests() -> None:
+    """The prepared SGLang GPU script (issue 13) builds its launches and its conversation here;
+    the servers themselves need a GPU with SGLang."""
+    run_benchmark("sglang_gpu_check", ["--dry-run", "--turns", "3"])
+
+
 def test_agent_settings_runs_on_the_demo_model_against_its_re_prefill(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
     args = ["--quick", "--agent", "document", "--set", "cascade=keep", "--model", "demo", "--json", str(out)]

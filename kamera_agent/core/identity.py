@@ -13,6 +13,8 @@ antecedents in order, folded one at a time into a `Context`:
     canonical(B)  = H("canonical", key(B), root)              KV(B | ∅): exact wherever B is first
     patched(B|c)  = H("patched", key(B), rank, c)             canonical + rank-m patch of B over c
     orbit(B)      = H("orbit", key(B), rank, set, members...) mean over orderings of one set
+    spliced(B)    = H("spliced", head, tail, cut)             B's first cut tokens in one state,
+                                                              the rest in another (engines only)
 
 A state's digest determines its KV (up to relocation, which is exact): states that differ in
 anything their KV depends on (an approximate antecedent, a rank, an orbit's members) differ, so
@@ -29,7 +31,7 @@ from typing import Literal
 
 __all__ = ["ChunkState", "Context", "StateKind", "StateRank", "effective_rank", "orbit_key"]
 
-StateKind = Literal["canonical", "patched", "orbit"]
+StateKind = Literal["canonical", "patched", "orbit", "spliced"]
 StateRank = int | Literal["full"]
 
 
@@ -123,7 +125,8 @@ class ChunkState:
         digest: the chained digest (see the module docstring).
         chunk_key: the chunk's content key.
         kind: ``"canonical"`` (no antecedent), ``"patched"`` (canonical + a patch formed over
-            ``context``) or ``"orbit"`` (canonical + the mean patch of ``members``).
+            ``context``), ``"orbit"`` (canonical + the mean patch of ``members``) or
+            ``"spliced"`` (two states' KV, cut at a token: engines' synthesized prefixes).
         rank: the patch rank (``"full"``: lossless); 0 for a canonical.
         context: the antecedents it was conditioned on (the root for canonicals and orbits).
         members: an orbit's member states (digests), in the order they were merged.
@@ -180,6 +183,15 @@ class ChunkState:
         (``keyset``: the fingerprint of the antecedent set it averages over)."""
         digest = _hash("orbit", chunk_key, str(rank), root.digest, address, *members)
         return cls(digest, chunk_key, "orbit", rank, root, tuple(members), address, keyset)
+
+    @classmethod
+    def spliced(cls, head: ChunkState, tail: ChunkState, cut: int) -> ChunkState:
+        """A chunk whose first ``cut`` tokens hold ``head``'s KV and the rest ``tail``'s: what an
+        engine holds when its own prefix hit ends inside a chunk served in another state, or a
+        load ends inside one whose remainder a forward computes. Never exact; conditioned on
+        ``head``'s context (where the chunk sits)."""
+        digest = _hash("spliced", head.digest, tail.digest, str(cut))
+        return cls(digest, head.chunk_key, "spliced", tail.rank, head.context)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ChunkState) and other.digest == self.digest

@@ -70,17 +70,24 @@ class Served:
     """One chunk the store serves: the state it is served in and where that state's KV is.
 
     Attributes:
+        state: what the chunk holds once loaded (a kept state finishing a chunk the engine's hit
+            began in another state is a spliced one).
+        entry: the stored KV written.
         skip: leading tokens of the chunk the engine already holds (its prefix hit ends inside
             the chunk); the load writes the rest.
-        computed: the state is the one a forward over the states before it computes (a load
-            of part of the chunk then agrees with a computed remainder).
+        computed_state: the state a forward over the states before it would give the chunk.
     """
 
     chunk: RequestChunk
     state: ChunkState
     entry: EntryKey
     skip: int = 0
-    computed: bool = True
+    computed_state: ChunkState | None = None
+
+    @property
+    def computed(self) -> bool:
+        """Served as a forward would compute it (so a computed remainder agrees with the load)."""
+        return self.computed_state is None or self.state.digest == self.computed_state.digest
 
 
 @dataclass(frozen=True)
@@ -104,17 +111,14 @@ class Plan:
         return self.end - self.device_len
 
 
-_UNKNOWN = "unknown"
-
-
 @dataclass
 class PrefixSynthesis:
     """Chunk states of requests over one store, and the KV that serves them.
 
-    One instance per engine process: it remembers which kept states it loaded into the
-    engine's cache (a later request finding them in the engine's own prefix must chain them,
-    not the states a re-prefill would compute) and, under ``"keep"``, the last state each chunk
-    was captured in.
+    One instance per engine process: it remembers the states it loaded into the engine's cache
+    where they differ from what a forward computes (a later request finding them in the engine's
+    own prefix must chain those, not a re-prefill's) and, under ``"keep"``, the last state each
+    chunk was captured in.
 
     Args:
         store: where position-free chunk KV is kept (shared by every process that names it).
@@ -124,8 +128,7 @@ class PrefixSynthesis:
     store: ChunkStore
     policy: ServePolicy = "exact"
     _latest: dict[str, Served] = field(default_factory=dict, repr=False)
-    _loaded: dict[str, str] = field(default_factory=dict, repr=False)
-    _known: dict[str, ChunkState] = field(default_factory=dict, repr=False)
+    _loaded: dict[str, ChunkState] = field(default_factory=dict, repr=False)
 
     # -- planning ---------------------------------------------------------------------------
     def plan(
@@ -141,8 +144,6 @@ class PrefixSynthesis:
             prefix = _hash(prefix, chunk.key)
             computed = ChunkState.patched(chunk.key, "full", context)
             held = self._held(prefix, computed) if chunk.start < device_len else computed
-            if held is None:
-                break  # the engine holds KV whose state has no name: nothing after it can be chained
             if chunk.end <= device_len:
                 context = context.extend(held)
                 continue
@@ -174,11 +175,10 @@ class PrefixSynthesis:
 
     def loaded(self, namespace: str, chunks: Sequence[RequestChunk], plan: Plan) -> None:
         """Record what a load put into the engine's cache, so later requests that find these
-        tokens in the engine's own prefix know the states they hold (a kept state is not the
-        one a re-prefill computes). A chunk cut by the load's end and finished by a forward
-        holds a mix no state names, unless its state is the computed one."""
+        tokens in the engine's own prefix chain the states they really hold: a kept state, or
+        a splice (a chunk the load's end cuts, finished by a forward over a kept head)."""
         if self.policy == "exact":
-            return  # every state served is the one a re-prefill computes: nothing to remember
+            return  # every state served is the one a forward computes: nothing to remember
         served = {item.chunk.start: item for item in plan.served}
         prefix = _prefix_root(namespace)
         for chunk in chunks:
@@ -186,10 +186,12 @@ class PrefixSynthesis:
                 break
             prefix = _hash(prefix, chunk.key)
             item = served.get(chunk.start)
-            if item is not None:
-                whole = chunk.end <= plan.end or item.computed
-                self._loaded[prefix] = item.state.digest if whole else _UNKNOWN
-                self._known[item.state.digest] = item.state
+            if item is None or item.computed:
+                continue
+            state = item.state
+            if chunk.end > plan.end and item.computed_state is not None:
+                state = ChunkState.spliced(item.state, item.computed_state, plan.end - chunk.start)
+            self._loaded[prefix] = state
 
     # -- capture ----------------------------------------------------------------------------
     def capture(
@@ -200,8 +202,8 @@ class PrefixSynthesis:
         read: Callable[[RequestChunk], ChunkKV],
     ) -> int:
         """Store the position-free KV of every chunk within ``tokens[:upto]`` (what the engine
-        holds after a prefill) whose state is named and not stored yet; ``read`` gives a chunk's
-        KV from the engine's cache, position-free. Returns how many entries were stored."""
+        holds after a prefill) under the state it holds, unless stored already; ``read`` gives
+        a chunk's KV from the engine's cache, position-free. Returns how many entries were stored."""
         stored = 0
         context, prefix = _root(namespace), _prefix_root(namespace)
         for chunk in chunks:
@@ -209,8 +211,6 @@ class PrefixSynthesis:
                 break
             prefix = _hash(prefix, chunk.key)
             state = self._held(prefix, ChunkState.patched(chunk.key, "full", context))
-            if state is None:
-                break
             context = context.extend(state)
             entry = _entry(chunk, state)
             if self.policy == "keep":
@@ -226,25 +226,25 @@ class PrefixSynthesis:
         return stored
 
     # -- states -----------------------------------------------------------------------------
-    def _held(self, prefix: str, computed: ChunkState) -> ChunkState | None:
-        """The state of a chunk the engine holds: the one it was loaded in, else ``computed``;
-        ``None`` for a load that left no nameable state."""
-        loaded = self._loaded.get(prefix) if self._loaded else None
-        if loaded is None:
-            return computed
-        return None if loaded == _UNKNOWN else self._known.get(loaded)
+    def _held(self, prefix: str, computed: ChunkState) -> ChunkState:
+        """The state of a chunk the engine holds: the one a load left there, else ``computed``."""
+        return self._loaded.get(prefix, computed) if self._loaded else computed
 
     def _servable(
         self, namespace: str, chunk: RequestChunk, held: ChunkState, computed: ChunkState, device_len: int
     ) -> Served | None:
+        """The chunk served from the store: in the state the engine's part of it holds (or, past
+        the engine's hit, a forward would compute), else under ``"keep"`` in its last captured
+        state (spliced behind the engine's part of the chunk, if any)."""
         skip = max(0, device_len - chunk.start)
         entry = _entry(chunk, held)
         if self.store.contains(entry):
-            return Served(chunk, held, entry, skip, held.digest == computed.digest)
-        if self.policy == "keep" and skip == 0:  # a kept state never finishes a chunk begun in another
+            return Served(chunk, held, entry, skip, computed)
+        if self.policy == "keep":
             kept = self._latest.get(_latest_key(namespace, chunk))
             if kept is not None and self.store.contains(kept.entry):
-                return Served(chunk, kept.state, kept.entry, 0, kept.state.digest == computed.digest)
+                state = kept.state if skip == 0 else ChunkState.spliced(held, kept.state, skip)
+                return Served(chunk, state, kept.entry, skip, computed)
         return None
 
 

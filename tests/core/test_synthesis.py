@@ -181,3 +181,22 @@ def _fake_kv(n: int) -> ChunkKV:
     layout = _backend().layout
     (h, dk), (hv, dv) = layout.keys_shape, layout.values_shape
     return ChunkKV(torch.randn(layout.num_layers, h, n, dk), torch.randn(layout.num_layers, hv, n, dv))
+
+
+def test_a_kept_state_finishing_a_chunk_the_engine_began_is_a_named_splice() -> None:
+    s, a, b, x = _texts("cat", "dog", "owl", "yak")
+    synthesis = PrefixSynthesis(_store(), "keep")
+    _capture(synthesis, [s, a])
+    _capture(synthesis, [x])
+    request = _request([x, a, b])
+    head = request[2].start + 3  # the engine's own hit ends 3 tokens into a (a shared header)
+    plan = synthesis.plan(NS, request, head, request[-1].end)
+    (served,) = plan.served  # a, its tail from its kept state; b was never captured
+    assert served.skip == 3 and served.state.kind == "spliced" and not served.state.exact
+    assert plan.end == request[2].end
+    synthesis.loaded(NS, request, plan)
+    # b computed after the splice is captured under a chain that names the splice, and found again
+    assert synthesis.capture(NS, request, request[-1].end, lambda c: _fake_kv(len(c))) == 2  # a, b
+    again = synthesis.plan(NS, request, request[2].end, request[-1].end)
+    assert [item.chunk for item in again.served] == request[3:] and again.served[0].computed
+    assert PrefixSynthesis(synthesis.store, "exact").plan(NS, request, head, request[-1].end).served == ()

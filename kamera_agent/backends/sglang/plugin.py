@@ -50,13 +50,32 @@ def _factory(ctx: Any) -> Any:
     hf_config = ctx.model_config.hf_config if ctx.model_config is not None else _hf_config(server.model_path)
     tokenizer = _tokenizer(server.tokenizer_path or server.model_path)
     fingerprint = checkpoint_fingerprint(server.model_path, str(server.dtype))
+    layout = kv_layout_of_config(hf_config)
     return KameraRadixCache(
         ctx.params,
         config,
         store=store_of_settings(fingerprint, config),
-        layout=kv_layout_of_config(hf_config),
+        layout=layout,
         rules=ChunkRules.for_model(hf_config, tokenizer),
+        pool_pairing=pool_pairing(ctx.tp_worker, hf_config, layout),
     )
+
+
+def pool_pairing(tp_worker: Any, hf_config: Any, layout: Any) -> Any:
+    """How SGLang's rotary pairs the model's rope band: read off the loaded model's rotary module
+    where the worker is at hand, else from the config the way SGLang's DeepSeek code decides it
+    (``is_neox_style = not rope_interleave``); ``None`` (as the layout pairs it) otherwise."""
+    from kamera_agent.backends.sglang.pool import rotary_pairing
+
+    model = getattr(getattr(tp_worker, "model_runner", None), "model", None)
+    if model is not None:
+        for module in model.modules():
+            if hasattr(module, "is_neox_style") and hasattr(module, "rotary_dim"):
+                return rotary_pairing(module)
+    if layout.kind == "mla":
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        return "half" if not getattr(text, "rope_interleave", True) else "interleaved"
+    return None
 
 
 def _hf_config(path: str) -> Any:

@@ -29,6 +29,7 @@ from kamera_agent.backends.sglang.segments import ChunkRules, request_chunks
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.synthesis import Plan, PrefixSynthesis, RequestChunk, policy_of
 from kamera_agent.operator.layout import ChunkKV, KVLayout
+from kamera_agent.operator.rope import Pairing
 from kamera_agent.store import ChunkStore
 
 __all__ = ["KameraRadixCache", "SynthesisStats"]
@@ -65,6 +66,8 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
             own radix reuse only.
         layout: the model's KV layout (where the rope band sits, its frequencies).
         rules: how requests are cut into chunks (`ChunkRules.for_model`).
+        pool_pairing: how SGLang's rotary pairs the rope band (`rotary_pairing`); ``None``: as
+            the layout does.
     """
 
     def __init__(
@@ -75,10 +78,11 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         store: ChunkStore | None = None,
         layout: KVLayout | None = None,
         rules: ChunkRules | None = None,
+        pool_pairing: Pairing | None = None,
     ) -> None:
         super().__init__(params)
         self.config = config or WindowConfig.exact()
-        self.layout, self.rules = layout, rules or ChunkRules()
+        self.layout, self.rules, self.pool_pairing = layout, rules or ChunkRules(), pool_pairing
         self.synthesis = (
             PrefixSynthesis(store, policy_of(self.config))
             if store is not None and layout is not None and not self.is_eagle
@@ -159,7 +163,8 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
             a, b = start - item.chunk.start, end - item.chunk.start
             part = replace(kv, keys=kv.keys[:, :, a:b], values=kv.values[:, :, a:b])
             where = slots[start - plan.device_len : end - plan.device_len]
-            write_chunk(self.kv_pool, part, self.layout, self._positions(req, start, end), where)
+            positions = self._positions(req, start, end)
+            write_chunk(self.kv_pool, part, self.layout, positions, where, pool_pairing=self.pool_pairing)
 
     def _capture(self, req: Any, up_to: int) -> None:
         assert self.synthesis is not None and self.layout is not None
@@ -169,7 +174,8 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
 
         def read(chunk: RequestChunk) -> ChunkKV:
             slots = row[chunk.start : chunk.end]
-            return read_chunk(pool, layout, slots, self._positions(req, chunk.start, chunk.end), chunk.key)
+            positions = self._positions(req, chunk.start, chunk.end)
+            return read_chunk(pool, layout, slots, positions, chunk.key, pool_pairing=self.pool_pairing)
 
         upto = min(up_to, len(req.origin_input_ids))
         self.stats.chunks_captured += self.synthesis.capture(
