@@ -73,6 +73,14 @@ def test_the_flag_routes_create_tree_cache_to_kamera(monkeypatch: pytest.MonkeyP
     )
     cache = create_tree_cache(context)
     assert isinstance(cache, KameraRadixCache) and cache.config.rank == 16
+    # built from the server's own description of the model: no weights loaded
+    from transformers import AutoConfig
+
+    demo = AutoConfig.from_pretrained(DEMO_MODEL_DIR).get_text_config()
+    assert cache.synthesis is not None and cache.synthesis.policy == "keep"  # survivors keep by default
+    assert cache.layout is not None and cache.layout.num_layers == demo.num_hidden_layers
+    assert cache.layout.rope.axes is not None  # Qwen2-VL: M-RoPE
+    assert cache.rules.image_open is not None and cache.rules.message_start is not None
 
 
 def test_settings_default_to_the_exact_ones(monkeypatch: pytest.MonkeyPatch) -> None:

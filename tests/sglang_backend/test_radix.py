@@ -262,6 +262,31 @@ def test_a_moved_chunk_is_served_from_its_capture_at_its_new_positions(family: s
     harness.check()
 
 
+def test_a_tenant_is_never_served_another_tenants_chunks() -> None:
+    backend = _backend("qwen2")
+    harness, model = _setup(backend, 1, WindowConfig.exact())
+    cache = harness.tree_cache
+    chunks = [_text(backend, "the private notes of tenant a"), _text(backend, "more of them")]
+    prompt = _prompt(backend, [*chunks, _text(backend, "q")])
+    first = model.request(harness, prompt, "a1")
+    first.extra_key = "tenant-a"
+    harness.admit([first])
+    harness.prefill()
+    harness.evict_all()
+    other = model.request(harness, prompt, "b1")
+    other.extra_key = "tenant-b"
+    again = model.request(harness, prompt, "a2")
+    again.extra_key = "tenant-a"
+    assert harness.admit([other]) == [other] and other.prefix_len == 0 and cache.stats.loads == 0
+    harness.prefill()
+    assert harness.admit([again]) == [again]
+    assert again.prefix_len > 0, (again.prefix_len, cache.stats)
+    assert cache.stats.loads == 1
+    harness.drain()
+    harness.evict_all()
+    harness.check()
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_200_random_requests_leak_no_slot_and_matching_changes_nothing(page_size: int) -> None:
     backend = _backend("qwen2")

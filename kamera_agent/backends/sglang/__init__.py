@@ -1,15 +1,16 @@
-"""SGLang: kamera as a radix-cache backend (``--radix-cache-backend kamera``), issue 13.
+"""SGLang: kamera as a radix-cache backend (``--radix-cache-backend kamera``).
 
-Stage reached: the plugin registers through SGLang's ``sglang.srt.plugins`` entry point and
-``create_tree_cache`` routes the flag to `KameraRadixCache`, which serves SGLang's own exact
-radix reuse; `segment_key` cuts a request's key into image runs (SGLang's content-derived pad
-values) and text runs; `write_chunk` / `read_chunk` move a chunk's KV into and out of SGLang's
-MHA pool at a request's positions. Extending ``match_prefix`` past the radix prefix and calling
-``write_chunk`` from ``init_load_back`` are not built yet (docs/sglang.md: what is verified).
+The plugin registers through SGLang's ``sglang.srt.plugins`` entry point; `KameraRadixCache`
+keeps SGLang's own radix reuse and extends a match over chunks kamera's store can serve
+(`kamera_agent.core.synthesis`): ``match_prefix`` reports them, ``init_load_back`` writes their
+relocated KV into SGLang's MHA/GQA or MLA pool (`write_chunk`) and adds the slots to the tree,
+``checkpoint`` captures prefilled chunks (`read_chunk`). `request_chunks` cuts a request's key
+into image chunks (SGLang's content-derived pad values, framed) and text chunks (one a message).
+docs/sglang.md says what is verified and what is not.
 
-Importing this package needs SGLang (the ``sglang`` extra); the rest of kamera never does.
+Importing this package's modules other than `segments` needs SGLang (the ``sglang`` extra).
 """
 
-from kamera_agent.backends.sglang.segments import Segment, segment_key
+from kamera_agent.backends.sglang.segments import ChunkRules, Segment, request_chunks, segment_key
 
-__all__ = ["Segment", "segment_key"]
+__all__ = ["ChunkRules", "Segment", "request_chunks", "segment_key"]

@@ -112,7 +112,7 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
             return 0, node
         key = _request_key(req)
         device = self.path_device_indices(node)[: req.prefix_len].to(torch.int64)
-        plan = self._plan(key, req, len(device))
+        plan = self._plan(key, req, len(device), limit=len(device) + params.host_hit_length)
         kvs = self.synthesis.load(plan) if plan.tokens == params.host_hit_length else None
         slots = None if kvs is None else self._alloc(plan.tokens)
         if kvs is None or slots is None:
@@ -139,10 +139,13 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         super().checkpoint(req, up_to=up_to)
 
     # -- kamera's side ----------------------------------------------------------------------
-    def _plan(self, key: Any, req: Any | None, device_len: int) -> Plan:
+    def _plan(self, key: Any, req: Any | None, device_len: int, limit: int | None = None) -> Plan:
+        """What the store can serve after ``device_len`` within ``limit`` tokens (the match's key
+        length: SGLang never matches a prompt's last token)."""
         assert self.synthesis is not None
         chunks = self._chunks(key, req)
-        return self.synthesis.plan(_namespace(key), chunks, device_len, len(key), self.page_size)
+        end = len(key) if limit is None else limit
+        return self.synthesis.plan(_namespace(key), chunks, device_len, end, self.page_size)
 
     def _chunks(self, key: Any, req: Any | None) -> list[RequestChunk]:
         tokens = list(req.origin_input_ids) if req is not None else list(key.raw_token_ids())
