@@ -1,0 +1,86 @@
+"""A request's tokens cut into chunks as a window cuts what it is given: engine-neutral.
+
+A window's image chunk is the image framed as the chat template frames it (vision start,
+placeholders, vision end) and each conversation message is a chunk of its own. In a request an
+engine has, that is: each image's placeholder span (the engine says where: SGLang by its
+content-derived pad values, vLLM by its ``mm_features``) with the framing token on each side,
+and text cut before each message's opening marker. A chunk's key is its tokens (an image's: its
+content identity) in the request's namespace, so the same image or message has the same key
+wherever it sits, and another tenant's never does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kamera_agent.core.synthesis import RequestChunk, chunk_key
+
+__all__ = ["ChunkRules", "ImageSpan", "request_chunks"]
+
+
+@dataclass(frozen=True)
+class ChunkRules:
+    """How a request's tokens are cut into chunks.
+
+    Attributes:
+        image_open / image_close: the tokens framing an image's placeholders (Qwen-VL:
+            ``<|vision_start|>`` / ``<|vision_end|>``); ``None``: the span alone.
+        message_start: the token opening each message (``<|im_start|>``); ``None``: text runs
+            are not cut.
+    """
+
+    image_open: int | None = None
+    image_close: int | None = None
+    message_start: int | None = None
+
+    @classmethod
+    def for_model(cls, config: Any, tokenizer: Any | None = None) -> ChunkRules:
+        """The rules of a model: framing tokens from its config (``vision_start_token_id``,
+        ``vision_end_token_id``), the message marker from its tokenizer (``<|im_start|>``)."""
+        start = None
+        if tokenizer is not None:
+            token = tokenizer.convert_tokens_to_ids("<|im_start|>")
+            known = isinstance(token, int) and token != getattr(tokenizer, "unk_token_id", None)
+            start = token if known else None
+        return cls(
+            image_open=getattr(config, "vision_start_token_id", None),
+            image_close=getattr(config, "vision_end_token_id", None),
+            message_start=start,
+        )
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """``tokens[start:end]`` hold one image's placeholders; ``identity`` names its content."""
+
+    start: int
+    end: int
+    identity: str
+
+
+def request_chunks(
+    tokens: Sequence[int], images: Sequence[ImageSpan], rules: ChunkRules, namespace: str = ""
+) -> list[RequestChunk]:
+    """A request's chunks, left to right, covering ``tokens`` exactly, keyed by content."""
+    bounds: list[tuple[int, int, str]] = []
+    cursor = 0
+    for image in sorted(images, key=lambda span: span.start):
+        start, end = image.start, image.end
+        if rules.image_open is not None and start > cursor and tokens[start - 1] == rules.image_open:
+            start -= 1
+        if rules.image_close is not None and end < len(tokens) and tokens[end] == rules.image_close:
+            end += 1
+        bounds += _text(tokens, cursor, start, rules)
+        bounds.append((start, end, f"image:{image.identity}"))
+        cursor = end
+    bounds += _text(tokens, cursor, len(tokens), rules)
+    return [RequestChunk(a, b, chunk_key(namespace, kind, tokens[a:b])) for a, b, kind in bounds]
+
+
+def _text(tokens: Sequence[int], start: int, end: int, rules: ChunkRules) -> list[tuple[int, int, str]]:
+    cuts = [start]
+    if rules.message_start is not None:
+        cuts += [i for i in range(start + 1, end) if tokens[i] == rules.message_start]
+    return [(a, b, "text") for a, b in zip(cuts, [*cuts[1:], end], strict=True) if a < b]
