@@ -28,3 +28,6 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q -e ".[dev]"
   echo "$want" > "$stamp"
 fi
+
+# vLLM's CPU build for the connector's tests (its own environment; idempotent, ~1.5 min new).
+bash scripts/vllm_env.sh

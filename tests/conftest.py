@@ -20,6 +20,9 @@ configure_threads(1)
 # SGLang's own classes live in .venv-sglang (scripts/sglang_env.sh): its tests are collected
 # there, and run from this environment by tests/test_sglang_backend.py.
 collect_ignore = [] if importlib.util.find_spec("sglang") else ["sglang_backend"]
+# vLLM's CPU build lives in .venv-vllm (scripts/vllm_env.sh), run by tests/test_vllm_connector.py.
+if not importlib.util.find_spec("vllm"):
+    collect_ignore.append("vllm_connector")
 
 
 @pytest.fixture(autouse=True)

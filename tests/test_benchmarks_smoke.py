@@ -95,6 +95,11 @@ def test_the_sglang_gpu_check_prepares_its_servers_and_requests() -> None:
     run_benchmark("sglang_gpu_check", ["--dry-run", "--turns", "3"])
 
 
+def test_the_vllm_gpu_check_prepares_its_conversation() -> None:
+    """The prepared vLLM GPU script (issue 18) builds its requests here; it runs where a GPU is."""
+    run_benchmark("vllm_gpu_check", ["--dry-run", "--turns", "3"])
+
+
 def test_agent_settings_runs_on_the_demo_model_against_its_re_prefill(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
     args = ["--quick", "--agent", "document", "--set", "cascade=keep", "--model", "demo", "--json", str(out)]

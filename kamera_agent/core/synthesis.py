@@ -194,17 +194,13 @@ class PrefixSynthesis:
             self._loaded[prefix] = state
 
     # -- capture ----------------------------------------------------------------------------
-    def capture(
-        self,
-        namespace: str,
-        chunks: Sequence[RequestChunk],
-        upto: int,
-        read: Callable[[RequestChunk], ChunkKV],
-    ) -> int:
-        """Store the position-free KV of every chunk within ``tokens[:upto]`` (what the engine
-        holds after a prefill) under the state it holds, unless stored already; ``read`` gives
-        a chunk's KV from the engine's cache, position-free. Returns how many entries were stored."""
-        stored = 0
+    def captures(
+        self, namespace: str, chunks: Sequence[RequestChunk], upto: int
+    ) -> list[tuple[RequestChunk, ChunkState, EntryKey]]:
+        """Every chunk within ``tokens[:upto]`` (what the engine holds after a prefill) with the
+        state it holds and the entry its KV belongs in, where the store does not hold it yet.
+        Under ``"keep"`` this also makes each chunk's state its latest."""
+        out: list[tuple[RequestChunk, ChunkState, EntryKey]] = []
         context, prefix = _root(namespace), _prefix_root(namespace)
         for chunk in chunks:
             if chunk.end > upto:
@@ -215,15 +211,27 @@ class PrefixSynthesis:
             entry = _entry(chunk, state)
             if self.policy == "keep":
                 self._latest[_latest_key(namespace, chunk)] = Served(chunk, state, entry)
-            if self.store.contains(entry):
-                continue
+            if not self.store.contains(entry):
+                out.append((chunk, state, entry))
+        return out
+
+    def capture(
+        self,
+        namespace: str,
+        chunks: Sequence[RequestChunk],
+        upto: int,
+        read: Callable[[RequestChunk], ChunkKV],
+    ) -> int:
+        """Store what `captures` names; ``read`` gives a chunk's KV from the engine's cache,
+        position-free. Returns how many entries were stored."""
+        found = self.captures(namespace, chunks, upto)
+        for chunk, _, entry in found:
             kv = replace(read(chunk), chunk_key=chunk.key)
             if entry.kind == "canonical":
                 self.store.put_canonical(kv)
             else:
-                self.store.put_full(kv, state.digest)
-            stored += 1
-        return stored
+                self.store.put_full(kv, entry.variant)
+        return len(found)
 
     # -- states -----------------------------------------------------------------------------
     def _held(self, prefix: str, computed: ChunkState) -> ChunkState:

@@ -1,0 +1,319 @@
+"""`KameraConnector`: a vLLM ``KVConnectorBase_V1`` that loads relocated chunk KV past vLLM's prefix hit.
+
+vLLM's connector contract is prefix-shaped: the scheduler side says how many tokens after
+vLLM's own cached prefix it can load (``get_num_new_matched_tokens``), vLLM allocates blocks for
+them (``update_state_after_alloc``), and the worker side fills them before the forward
+(``start_load_kv``); after each forward the worker may read what was computed (``wait_for_save``).
+Here the loadable tokens are the longest run of the request's chunks (messages, images by
+``mm_features``) whose states kamera's store holds (`kamera_agent.core.synthesis`, the same
+planning SGLang's plugin uses), each written rotated to its positions in this request; and every
+prompt chunk a forward computes is captured into the store under the state it has.
+
+Settings (``kv_connector_extra_config``): ``{"config": {WindowConfig fields}}`` (default: the
+exact settings). Exact serves only what a re-prefill computes; ``survivors="keep"`` also serves
+moved chunks in the state they were captured in. Loaded blocks enter vLLM's prefix cache as if
+computed: pass a ``cache_salt`` per tenant (it namespaces kamera's chunks too), and under
+approximate settings keep approximate requests salted apart from exact ones.
+
+The scheduler and the worker must see one store: in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+they share it; across processes give the settings a ``store_url`` (docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kamera_agent.backends.vllm.blocks import read_tokens, write_tokens
+from kamera_agent.config import WindowConfig
+from kamera_agent.core.chunking import ChunkRules, ImageSpan, request_chunks
+from kamera_agent.core.synthesis import Plan, PrefixSynthesis, RequestChunk, policy_of
+from kamera_agent.operator.layout import ChunkKV, KVLayout, at_positions, to_position_free
+from kamera_agent.store import ChunkStore, EntryKey
+
+__all__ = ["ConnectorStats", "KameraConnector", "KameraMetadata", "settings_json"]
+
+
+@dataclass(frozen=True)
+class Load:
+    """One piece of a chunk to write: ``kv[a:b]`` of ``entry`` at request tokens ``start..``."""
+
+    req_id: str
+    entry: EntryKey
+    a: int
+    b: int
+    start: int
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Save:
+    """One chunk to capture after the forward: request tokens ``start..end`` into ``entry``."""
+
+    req_id: str
+    entry: EntryKey
+    start: int
+    end: int
+    slots: tuple[int, ...]
+
+
+@dataclass
+class KameraMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """What the scheduler side asks the worker side to do in one step."""
+
+    loads: list[Load] = field(default_factory=list)
+    saves: list[Save] = field(default_factory=list)
+
+
+@dataclass
+class ConnectorStats:
+    """What the connector did since it was built (both roles count their own part).
+
+    Attributes:
+        matched: scheduler: requests for which tokens were offered.
+        tokens_offered: scheduler: tokens offered to vLLM (and allocated by it).
+        tokens_loaded: worker: tokens written into vLLM's blocks.
+        load_errors: worker: pieces whose entry was gone or damaged (their blocks recomputed).
+        chunks_captured: worker: chunk states stored.
+    """
+
+    matched: int = 0
+    tokens_offered: int = 0
+    tokens_loaded: int = 0
+    load_errors: int = 0
+    chunks_captured: int = 0
+
+
+@dataclass
+class _Track:
+    """The scheduler side's view of one request."""
+
+    namespace: str
+    chunks: list[RequestChunk]
+    prompt_len: int
+    servable: bool
+    plan: Plan | None = None
+    block_ids: list[int] = field(default_factory=list)
+    saved: set[int] = field(default_factory=set)
+
+
+_STORES: dict[str, ChunkStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def _shared_store(fingerprint: str, config: WindowConfig) -> ChunkStore:
+    """One store per model and settings in this process: the scheduler and the worker side of
+    an in-process engine are two connector instances over the same store."""
+    from kamera_agent.window.setup import store_of_settings
+
+    key = f"{fingerprint}|{config.model_dump_json()}"
+    with _STORES_LOCK:
+        if key not in _STORES:
+            _STORES[key] = store_of_settings(fingerprint, config)
+        return _STORES[key]
+
+
+class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """kamera's chunk store as vLLM's external KV source (both connector roles)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        from transformers import AutoTokenizer
+
+        from kamera_agent.backends.transformers.reading import kv_layout_of_config
+        from kamera_agent.fingerprint import checkpoint_fingerprint
+
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.config = WindowConfig(**extra.get("config", {})) if "config" in extra else WindowConfig.exact()
+        model = vllm_config.model_config
+        self.layout: KVLayout = kv_layout_of_config(model.hf_config)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        fingerprint = checkpoint_fingerprint(model.model, str(model.dtype))
+        self.store = _shared_store(fingerprint, self.config)
+        self.stats = ConnectorStats()
+        self.synthesis = PrefixSynthesis(self.store, policy_of(self.config))
+        tokenizer = AutoTokenizer.from_pretrained(model.tokenizer) if model.tokenizer else None
+        self.rules = ChunkRules.for_model(model.hf_config, tokenizer)
+        self._requests: dict[str, _Track] = {}
+        self._loads: list[Load] = []
+        self._caches: list[torch.Tensor] = []
+        self._load_errors: set[int] = set()
+        self.recent_loads: deque[Load] = deque(maxlen=256)
+        """The worker side's latest loads (for checks of what it wrote)."""
+
+    # -- scheduler side ---------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        track = self._track(request)
+        if not track.servable:
+            return 0, False
+        limit = track.prompt_len - 1  # the last prompt token is always computed (its logits)
+        track.plan = self.synthesis.plan(
+            track.namespace, track.chunks, num_computed_tokens, limit, self.block_size
+        )
+        return track.plan.tokens, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        track = self._requests.get(request.request_id)
+        if track is None or num_external_tokens <= 0 or track.plan is None:
+            return
+        plan = track.plan
+        if plan.tokens != num_external_tokens:  # vLLM allocated less: plan to exactly that
+            end = plan.device_len + num_external_tokens
+            plan = self.synthesis.plan(track.namespace, track.chunks, plan.device_len, end, self.block_size)
+        track.block_ids = list(blocks.get_block_ids()[0])
+        for item in plan.served:
+            start = max(item.chunk.start, plan.device_len)
+            end = min(item.chunk.end, plan.end)
+            slots = self._slots(track, start, end)
+            a, b = start - item.chunk.start, end - item.chunk.start
+            self._loads.append(Load(request.request_id, item.entry, a, b, start, slots))
+        self.synthesis.loaded(track.namespace, track.chunks, plan)
+        self.stats.matched += 1
+        self.stats.tokens_offered += plan.tokens
+
+    def build_connector_meta(self, scheduler_output: Any) -> KameraMetadata:
+        meta = KameraMetadata(loads=self._loads)
+        self._loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            track = self._requests.get(new.req_id)
+            if track is not None:
+                track.block_ids = list(new.block_ids[0])
+                meta.saves += self._saves(new.req_id, track, new.num_computed_tokens + scheduled[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            track = self._requests.get(req_id)
+            if track is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                track.block_ids, track.saved = [], set()
+            if new_ids is not None:
+                track.block_ids += list(new_ids[0])
+            meta.saves += self._saves(req_id, track, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        return False, None
+
+    def _track(self, request: Any) -> _Track:
+        track = self._requests.get(request.request_id)
+        if track is None:
+            tokens = list(request.prompt_token_ids or [])
+            features = list(getattr(request, "mm_features", None) or [])
+            images = [
+                ImageSpan(
+                    f.mm_position.offset, f.mm_position.offset + f.mm_position.length, str(f.identifier)
+                )
+                for f in features
+            ]
+            lora = getattr(getattr(request, "lora_request", None), "lora_name", "") or ""
+            namespace = f"{lora}|{getattr(request, 'cache_salt', None) or ''}"
+            # M-RoPE positions of a request with images are the engine's to compute: not served
+            servable = not (images and self.layout.rope.axes is not None)
+            chunks = request_chunks(tokens, images, self.rules, namespace)
+            track = _Track(namespace, chunks, len(tokens), servable)
+            self._requests[request.request_id] = track
+        return track
+
+    def _saves(self, req_id: str, track: _Track, upto: int) -> list[Save]:
+        if not track.servable:
+            return []
+        out = []
+        found = self.synthesis.captures(track.namespace, track.chunks, min(upto, track.prompt_len))
+        for chunk, _, entry in found:
+            if chunk.start not in track.saved:  # a chunk is captured once per request
+                track.saved.add(chunk.start)
+                slots = self._slots(track, chunk.start, chunk.end)
+                out.append(Save(req_id, entry, chunk.start, chunk.end, slots))
+        return out
+
+    def _slots(self, track: _Track, start: int, end: int) -> tuple[int, ...]:
+        bs = self.block_size
+        return tuple(track.block_ids[t // bs] * bs + t % bs for t in range(start, end))
+
+    # -- worker side ------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._caches = [kv_caches[name] for name in sorted(kv_caches, key=_layer_index)]
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KameraMetadata)
+        for load in meta.loads:
+            kv = self._entry(load.entry)
+            if kv is None or kv.num_tokens < load.b:
+                self.stats.load_errors += 1
+                self._load_errors |= {slot // self.block_size for slot in load.slots}
+                continue
+            part = ChunkKV(
+                kv.keys[:, :, load.a : load.b], kv.values[:, :, load.a : load.b], None, kv.chunk_key
+            )
+            placed = at_positions(
+                part, self.layout, self._positions(load.start, load.start + load.b - load.a)
+            )
+            slots = torch.tensor(load.slots, dtype=torch.long)
+            for layer, cache in enumerate(self._caches):
+                write_tokens(
+                    cache, placed.keys[layer].transpose(0, 1), placed.values[layer].transpose(0, 1), slots
+                )
+            self.stats.tokens_loaded += load.b - load.a
+            self.recent_loads.append(load)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are synchronous: ``start_load_kv`` wrote every layer before the forward."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Captures read every layer at once after the forward (``wait_for_save``)."""
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KameraMetadata)
+        for save in meta.saves:
+            slots = torch.tensor(save.slots, dtype=torch.long)
+            pairs = [read_tokens(cache, slots) for cache in self._caches]
+            keys = torch.stack([k.transpose(0, 1) for k, _ in pairs]).float().cpu()
+            values = torch.stack([v.transpose(0, 1) for _, v in pairs]).float().cpu()
+            placed = ChunkKV(keys, values, self._positions(save.start, save.end), save.entry.key)
+            kv = to_position_free(placed, self.layout)
+            if save.entry.kind == "canonical":
+                self.store.put_canonical(kv)
+            else:
+                self.store.put_full(kv, save.entry.variant)
+            self.stats.chunks_captured += 1
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _entry(self, entry: EntryKey) -> ChunkKV | None:
+        if entry.kind == "canonical":
+            return self.store.get_canonical(entry.key)
+        return self.store.get_full(entry.key, entry.variant)
+
+    def _positions(self, start: int, end: int) -> torch.Tensor:
+        flat = torch.arange(start, end, dtype=torch.long)
+        return flat.expand(3, -1).clone() if self.layout.rope.axes is not None else flat
+
+
+def _layer_index(name: str) -> int:
+    found = re.findall(r"\.(\d+)\.", f".{name}.")
+    return int(found[0]) if found else 0
+
+
+def settings_json(config: WindowConfig) -> dict[str, Any]:
+    """``kv_connector_extra_config`` for ``config`` (what differs from the defaults)."""
+    return {"config": json.loads(config.model_dump_json(exclude_defaults=True))}

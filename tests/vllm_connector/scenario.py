@@ -1,0 +1,239 @@
+"""One vLLM engine (the CPU build, in this process) running kamera's connector over conversations.
+
+Run by tests/vllm_connector/test_connector.py in a fresh interpreter per setting (vLLM keeps
+process-wide state), in .venv-vllm:
+
+    python -m tests.vllm_connector.scenario --model DIR --settings exact|defaults|none --out F.json
+
+Two conversations, greedy, the full next-token distribution of each answer's first token kept:
+
+- **sliding**: 9 requests, each the system prompt, the last 4 notes and a question; every
+  request drops the oldest note and adds one (chunks evicted at the front and moved);
+- **growing**: 5 requests appending a note each, vLLM's own prefix cache reset before every
+  request (as if evicted, or served by another worker): what is past the system prompt must
+  come from the store. After each request the KV the connector wrote into vLLM's blocks is read
+  back and compared with the transformers model's own KV for those tokens at those positions.
+
+``--corrupt`` keeps the store on disk (memory holds one entry) and damages every file before the
+growing conversation's requests: nothing damaged may be loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SYSTEM = "You read field notes and answer in a word."
+NOTES = [
+    f"note {i}: the {animal} crossed the {place} at {hour} o'clock and {act}."
+    for i, (animal, place, hour, act) in enumerate(
+        [
+            ("fox", "river", 5, "hid"),
+            ("owl", "barn", 9, "slept"),
+            ("elk", "ridge", 6, "ate"),
+            ("yak", "pass", 4, "rested"),
+            ("emu", "field", 2, "ran"),
+            ("cat", "roof", 8, "watched"),
+            ("dog", "yard", 7, "barked"),
+            ("bat", "cave", 1, "flew"),
+            ("hen", "coop", 3, "nested"),
+            ("ram", "hill", 10, "climbed"),
+            ("ant", "log", 11, "dug"),
+            ("bee", "hive", 12, "buzzed"),
+        ]
+    )
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--settings", choices=["none", "exact", "defaults"], required=True)
+    parser.add_argument("--corrupt", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    llm = _llm(args.model, args.settings, args.corrupt)
+    report: dict[str, Any] = {"settings": args.settings}
+    report["sliding"] = [
+        _ask(llm, _prompt(tokenizer, NOTES[i : i + 4], f"what did the {i}th do?")) for i in range(9)
+    ]
+    growing = []
+    for i in range(1, 6):
+        llm.reset_prefix_cache()
+        if args.corrupt:
+            _damage_store()
+        prompt = _prompt(tokenizer, NOTES[6 : 6 + i], "which came last?")
+        growing.append(_ask(llm, prompt) | {"kv_check": _kv_check(llm, args.model, prompt)})
+    report["growing"] = growing
+    report["connector"] = _connector_stats(llm)
+    Path(args.out).write_text(json.dumps(report))
+
+
+def _llm(model: str, settings: str, corrupt: bool) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    transfer = None
+    if settings != "none":
+        config: dict[str, Any] = {} if settings == "defaults" else {"survivors": "removal", "orbit": False}
+        if settings == "exact":
+            config |= {"rank": "full", "recall_context": "current"}
+        if corrupt:
+            config |= {"memory_budget": 200_000, "disk_dir": _STORE_DIR, "disk_budget": 1 << 30}
+        transfer = KVTransferConfig(
+            kv_connector="KameraConnector",
+            kv_connector_module_path="kamera_agent.backends.vllm.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",  # an entry gone or damaged: vLLM computes its blocks
+            kv_connector_extra_config={"config": config},
+        )
+    return LLM(
+        model=model,
+        dtype="float32",
+        enable_prefix_caching=True,
+        max_model_len=2048,
+        block_size=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=2048,
+        enforce_eager=True,
+        kv_transfer_config=transfer,
+        seed=0,
+        max_logprobs=600,
+        disable_log_stats=False,
+    )
+
+
+_STORE_DIR = tempfile.mkdtemp(prefix="kamera-vllm-store-")
+
+
+def _damage_store() -> None:
+    for path in Path(_STORE_DIR).rglob("*"):
+        if path.is_file() and path.suffix != ".lock" and path.stat().st_size > 64:
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+
+
+def _prompt(tokenizer: Any, notes: list[str], question: str) -> list[int]:
+    messages = [{"role": "system", "content": SYSTEM}]
+    messages += [{"role": "user", "content": note} for note in notes]
+    messages.append({"role": "user", "content": question})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _ask(llm: Any, prompt: list[int]) -> dict[str, Any]:
+    from vllm import SamplingParams, TokensPrompt
+
+    before = _sources(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=512)
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    after = _sources(llm)
+    first = out.outputs[0].logprobs[0]
+    return {
+        "prompt_tokens": len(prompt),
+        "tokens": list(out.outputs[0].token_ids),
+        "first_logprobs": {str(k): v.logprob for k, v in first.items()},
+        "computed": after["local_compute"] - before["local_compute"],
+        "external": after["external_kv_transfer"] - before["external_kv_transfer"],
+        "local_hit": after["local_cache_hit"] - before["local_cache_hit"],
+    }
+
+
+def _sources(llm: Any) -> dict[str, float]:
+    """vLLM's own counters of where each prompt token came from (cumulative)."""
+    out = {"local_compute": 0.0, "external_kv_transfer": 0.0, "local_cache_hit": 0.0}
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:prompt_tokens_by_source":
+            source = metric.labels.get("source", "")
+            if source in out:
+                out[source] += float(metric.value)
+    return out
+
+
+def _connectors(llm: Any) -> tuple[Any, Any]:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    return scheduler, get_kv_transfer_group()
+
+
+def _connector_stats(llm: Any) -> dict[str, Any]:
+    try:
+        scheduler, worker = _connectors(llm)
+    except (AttributeError, AssertionError):
+        return {}
+    return {"scheduler": vars(scheduler.stats), "worker": vars(worker.stats)}
+
+
+def _kv_check(llm: Any, model_dir: str, prompt: list[int]) -> dict[str, Any]:
+    """The blocks the connector wrote for the last request against the model's own KV there."""
+    try:
+        _, worker = _connectors(llm)
+    except (AttributeError, AssertionError):
+        return {}
+    import torch
+
+    from kamera_agent.backends.vllm.blocks import read_tokens
+
+    loads = (
+        [load for load in worker.recent_loads if load.req_id == worker.recent_loads[-1].req_id]
+        if (worker.recent_loads)
+        else []
+    )
+    if not loads:
+        return {"tokens": 0}
+    truth = _hf_kv(model_dir, prompt)
+    worst = 0.0
+    tokens = 0
+    for load in loads:
+        rows = list(range(load.start, load.start + load.b - load.a))
+        slots = torch.tensor(load.slots, dtype=torch.long)
+        for layer, cache in enumerate(worker._caches):
+            keys, values = read_tokens(cache, slots)
+            want_k, want_v = truth[layer][0][rows], truth[layer][1][rows]
+            for got, want in ((keys, want_k), (values, want_v)):
+                worst = max(worst, float((got.float() - want).norm() / want.norm().clamp_min(1e-12)))
+        tokens += len(rows)
+    worker.recent_loads.clear()
+    return {"tokens": tokens, "worst_relative_error": worst}
+
+
+_HF: dict[str, Any] = {}
+
+
+def _hf_kv(model_dir: str, prompt: list[int]) -> list[tuple[Any, Any]]:
+    """The transformers model's own cache for ``prompt``: per layer ``[tokens, kv_heads, head]``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if model_dir not in _HF:
+        _HF[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = _HF[model_dir]
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+    return [
+        (layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1))
+        for layer in out.past_key_values.layers
+    ]
+
+
+def kl(p: dict[str, float], q: dict[str, float]) -> float:
+    """KL(p || q) over the tokens both distributions list (the full vocabulary here)."""
+    shared = p.keys() & q.keys()
+    return sum(math.exp(p[t]) * (p[t] - q[t]) for t in shared)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""kamera's vLLM connector end to end on vLLM's real engine (its CPU build, run in .venv-vllm).
+
+Each setting runs in a fresh interpreter (`scenario.py`): vLLM's scheduler, block allocator,
+prefix cache and CPU attention kernel, a tiny Qwen2 checkpoint saved here, greedy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm_connector.scenario import kl
+
+ROOT = Path(__file__).resolve().parents[2]
+EXACT = 2e-5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2 (4 layers, head 32: vLLM's CPU attention needs it) whose chunks
+    condition measurably (weights at std 0.08), with the byte-level tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from kamera_agent.models.tiny_tokenizer import build_byte_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    tokenizer = build_byte_tokenizer(model_max_length=4096)
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 2:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@cache
+def _run(model: str, settings: str, corrupt: bool = False) -> dict[str, Any]:
+    out = Path(model) / f"report-{settings}-{corrupt}.json"
+    command = [
+        sys.executable,
+        "-m",
+        "tests.vllm_connector.scenario",
+        "--model",
+        model,
+        "--settings",
+        settings,
+    ]
+    command += ["--out", str(out)] + (["--corrupt"] if corrupt else [])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def test_exact_settings_answer_like_vllm_alone_and_load_the_models_own_kv(model_dir: Path) -> None:
+    alone, exact = _run(str(model_dir), "none"), _run(str(model_dir), "exact")
+    for conversation in ("sliding", "growing"):
+        assert [r["tokens"] for r in exact[conversation]] == [r["tokens"] for r in alone[conversation]]
+    growing = exact["growing"]
+    # vLLM's prefix cache was reset before each request: the store served what came before
+    assert all(r["external"] > 0 for r in growing[1:]), growing
+    assert all(r["computed"] < a["computed"] for r, a in zip(growing[1:], alone["growing"][1:], strict=True))
+    checks = [r["kv_check"] for r in growing[1:]]
+    assert all(c["tokens"] > 0 and c["worst_relative_error"] < EXACT for c in checks), checks
+
+
+def test_defaults_load_moved_chunks_of_a_sliding_conversation(model_dir: Path) -> None:
+    alone, defaults = _run(str(model_dir), "none"), _run(str(model_dir), "defaults")
+    sliding, baseline = defaults["sliding"], alone["sliding"]
+    assert sliding[0]["external"] == 0  # nothing known yet: vLLM's own path
+    assert all(r["external"] > 0 for r in sliding[1:]), [r["external"] for r in sliding]
+    computed, computed_alone = sum(r["computed"] for r in sliding), sum(r["computed"] for r in baseline)
+    assert computed < computed_alone
+    pairs = list(zip(baseline, sliding, strict=True))
+    divergence = [kl(a["first_logprobs"], r["first_logprobs"]) for a, r in pairs]
+    agree = sum(a["tokens"] == r["tokens"] for a, r in pairs)
+    print(
+        f"defaults, sliding conversation: computed {computed} vs {computed_alone} prompt tokens; "
+        f"first-token KL mean {sum(divergence) / len(divergence):.3g}, max {max(divergence):.3g}; "
+        f"answers equal {agree}/{len(sliding)}",
+        file=sys.stderr,
+    )
+    assert divergence[0] < 1e-6  # the first request is vLLM's own computation
+
+
+def test_a_damaged_entry_is_never_loaded(model_dir: Path) -> None:
+    alone, damaged = _run(str(model_dir), "none"), _run(str(model_dir), "exact", corrupt=True)
+    assert [r["tokens"] for r in damaged["growing"]] == [r["tokens"] for r in alone["growing"]]
+    worker = damaged["connector"]["worker"]
+    assert worker["load_errors"] > 0 or worker["tokens_loaded"] == 0, worker
