@@ -21,7 +21,14 @@ from rich.progress import Progress
 
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.common import finite
-from kamera_agent.demo.evaluate import ArmResult, Evaluation, canonical_core, evaluate
+from kamera_agent.demo.evaluate import (
+    RECOMPUTE_ARMS,
+    ArmResult,
+    Evaluation,
+    Recompute,
+    canonical_core,
+    evaluate,
+)
 from kamera_agent.demo.sequences import FrameCache, item_sequence
 from kamera_agent.demo.task import DemoItem
 
@@ -49,7 +56,6 @@ _PATCHES: Mapping[str, tuple[int | None, float]] = MappingProxyType(
         "orbit-16": (16, 1.0),
     }
 )
-_RECOMPUTED: Mapping[str, float] = MappingProxyType({"cacheblend": 0.15, "epic": 0.15, "reprefill": 1.0})
 _TALLIES = ("items", "correct", "kl_sum", "agree", "flips", "flips_recovered")
 
 
@@ -161,7 +167,7 @@ def arm_budgets(
 ) -> dict[str, Budget]:
     """Each arm's spend over chunks of ``chunk_tokens`` tokens with ``features`` (heads·dim of the
     key and the value slot): a rank-m patch keeps ``min(m, n, F)·(n + F)`` numbers per layer and
-    slot against the chunk's ``n·F``; a recompute arm recomputes ``round(share·n)`` tokens (>= 1)."""
+    slot against the chunk's ``n·F``; a recompute arm recomputes the tokens its `Recompute` counts."""
     kv = sum(chunk_tokens) * sum(features)
     budgets = {}
     for arm in ("reprefill", *arms):
@@ -169,13 +175,19 @@ def arm_budgets(
             rank, layers = _PATCHES[arm]
             stored = sum(min(rank or n, n, f) * (n + f) for n in chunk_tokens for f in features)
             budgets[arm] = Budget(stored=layers * stored / kv)
-        elif arm in _RECOMPUTED:
-            share = _RECOMPUTED[arm]
-            recomputed = sum(max(1, round(share * n)) for n in chunk_tokens)
-            budgets[arm] = Budget(recomputed=recomputed / sum(chunk_tokens))
+        elif arm == "reprefill" or arm in RECOMPUTE_ARMS:
+            spec = RECOMPUTE_ARMS.get(arm, Recompute("first", share=1.0))
+            budgets[arm] = Budget(recomputed=_recomputed_share(spec, chunk_tokens, max(features)))
         else:
             budgets[arm] = Budget()
     return budgets
+
+
+def _recomputed_share(spec: Recompute, chunk_tokens: Sequence[int], features: int) -> float:
+    total = sum(chunk_tokens)
+    if spec.scope == "global":
+        return round(spec.share * total) / total
+    return sum(spec.count(n, features) for n in chunk_tokens) / total
 
 
 def _features(backend: TransformersBackend) -> tuple[int, int]:

@@ -11,6 +11,9 @@ the window still answer like a full re-prefill? Arms are strategies registered b
   recomputed in context (their true conditioned KV: the strongest form of selective recompute);
 - ``epic``: blind, with each chunk's first tokens recomputed in context, at the same token
   budget (15 %) as ``cacheblend``;
+- the sweeps (`RECOMPUTE_ARMS`): ``cacheblend-chunk-P`` / ``cacheblend-global-P`` (P % of each
+  chunk's, or of the window's, tokens; P in `BUDGETS`), ``epic-K`` (each chunk's first K
+  tokens) and ``cacheblend-bytes-16`` (as many tokens as a rank-16 patch's bytes);
 - ``rank-16-deep``: a rank-16 patch on the deepest half of the layers only (where the deficit
   lives), half the bytes of ``rank-16``;
 - ``orbit-16`` (`ORBIT_ARMS`): every chunk served with a rank-16 patch of its *mean* deficit
@@ -28,7 +31,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -42,7 +45,17 @@ from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.operator.patch import LayerChoice, apply_patch, form_orbit_patch, form_patch
 from kamera_agent.store import ChunkStore
 
-__all__ = ["ARMS", "ORBIT_ARMS", "ArmResult", "Evaluation", "arm_names", "canonical_core", "evaluate"]
+__all__ = [
+    "ARMS",
+    "ORBIT_ARMS",
+    "RECOMPUTE_ARMS",
+    "ArmResult",
+    "Evaluation",
+    "Recompute",
+    "arm_names",
+    "canonical_core",
+    "evaluate",
+]
 
 Arm = Callable[[ChunkKV, ChunkKV, KVLayout, torch.Tensor], ChunkKV]
 """(canonical, conditioned, layout, positions) → the chunk's KV as the arm serves it."""
@@ -74,40 +87,98 @@ def _orbit(rank: int) -> OrbitArm:
     return arm
 
 
-def _recompute(select: Callable[[ChunkKV, ChunkKV], torch.Tensor]) -> Arm:
-    """Blind KV with the selected token rows replaced by their conditioned (in-context) KV."""
+@dataclass(frozen=True)
+class Recompute:
+    """A token-recompute baseline: which of a chunk's tokens get their in-context KV.
 
-    def arm(canonical: ChunkKV, conditioned: ChunkKV, layout: KVLayout, positions: torch.Tensor) -> ChunkKV:
-        blind = apply_patch(canonical, None, layout, positions)
-        rows = select(blind, conditioned)  # [n] bool
+    Both baselines are run at their best: a selected token gets its *true* conditioned KV (what
+    a full re-prefill gives it), not KV recomputed over its blind neighbours as CacheBlend and
+    EPIC compute it, so each figure is an upper bound of what the method can reach.
+
+    Attributes:
+        select: ``"deviation"`` (CacheBlend: the tokens whose layer-1 KV deviates most from
+            blind) or ``"first"`` (EPIC: each chunk's first tokens).
+        scope: ``"chunk"`` picks within each chunk, ``"global"`` across the window's chunks.
+        share: the share of tokens recomputed (of each chunk, or of the window's).
+        tokens: a token count per chunk instead of a share (EPIC's absolute k).
+        rank: instead of a share, as many tokens per chunk as a rank-``rank`` patch of the
+            chunk stores numbers (``rank·(n + F)`` against ``F`` per token): matched bytes.
+    """
+
+    select: Literal["deviation", "first"]
+    scope: Literal["chunk", "global"] = "chunk"
+    share: float = 0.15
+    tokens: int | None = None
+    rank: int | None = None
+
+    def count(self, n: int, features: int) -> int:
+        """Tokens recomputed in a chunk of ``n`` tokens (``features``: the widest slot's heads·dim)."""
+        if self.rank is not None:
+            rank = min(self.rank, n, features)
+            return min(n, -(-rank * (n + features) // features))
+        if self.tokens is not None:
+            return min(n, self.tokens)
+        return min(n, round(self.share * n))
+
+
+def _deviation(blind: ChunkKV, conditioned: ChunkKV) -> torch.Tensor:
+    """Per token: how far its layer-1 KV is from blind (CacheBlend's selection signal)."""
+    layer = min(1, blind.keys.shape[0] - 1)
+    keys = (conditioned.keys[layer] - blind.keys[layer]).float().norm(dim=(0, 2))
+    values = (conditioned.values[layer] - blind.values[layer]).float().norm(dim=(0, 2))
+    deviation: torch.Tensor = keys + values
+    return deviation
+
+
+def _recomputed(spec: Recompute, pieces: Sequence[Piece], layout: KVLayout) -> list[ChunkKV]:
+    """Every chunk blind, with the tokens ``spec`` selects given their conditioned KV."""
+    blinds = [apply_patch(c, None, layout, p) for c, _, p in pieces]
+    features = layout.features
+    if spec.scope == "global":
+        scores = torch.cat([_deviation(b, k) for b, (_, k, _) in zip(blinds, pieces, strict=True)])
+        chosen = torch.zeros_like(scores, dtype=torch.bool)
+        count = min(scores.numel(), round(spec.share * scores.numel()))
+        chosen[scores.topk(count).indices] = True
+        rows = list(chosen.split([b.num_tokens for b in blinds]))
+    else:
+        rows = []
+        for blind, (_, conditioned, _) in zip(blinds, pieces, strict=True):
+            chosen = torch.zeros(blind.num_tokens, dtype=torch.bool)
+            count = spec.count(blind.num_tokens, features)
+            if spec.select == "first":
+                chosen[:count] = True
+            else:
+                chosen[_deviation(blind, conditioned).topk(count).indices] = True
+            rows.append(chosen)
+    out = []
+    for blind, (_, conditioned, _), chosen in zip(blinds, pieces, rows, strict=True):
         keys, values = blind.keys.clone(), blind.values.clone()
-        keys[:, :, rows] = conditioned.keys[:, :, rows]
-        values[:, :, rows] = conditioned.values[:, :, rows]
-        return ChunkKV(keys, values, blind.positions, blind.chunk_key, blind.model_fingerprint)
-
-    return arm
-
-
-def _largest_layer1_deviation(share: float) -> Callable[[ChunkKV, ChunkKV], torch.Tensor]:
-    def select(blind: ChunkKV, conditioned: ChunkKV) -> torch.Tensor:
-        layer = min(1, blind.keys.shape[0] - 1)
-        deviation = (conditioned.keys[layer] - blind.keys[layer]).float().norm(dim=(0, 2))
-        deviation += (conditioned.values[layer] - blind.values[layer]).float().norm(dim=(0, 2))
-        count = max(1, round(share * blind.num_tokens))
-        rows = torch.zeros(blind.num_tokens, dtype=torch.bool)
-        rows[deviation.topk(count).indices] = True
-        return rows
-
-    return select
+        keys[:, :, chosen] = conditioned.keys[:, :, chosen]
+        values[:, :, chosen] = conditioned.values[:, :, chosen]
+        out.append(ChunkKV(keys, values, blind.positions, blind.chunk_key, blind.model_fingerprint))
+    return out
 
 
-def _first_tokens(share: float) -> Callable[[ChunkKV, ChunkKV], torch.Tensor]:
-    def select(blind: ChunkKV, conditioned: ChunkKV) -> torch.Tensor:
-        rows = torch.zeros(blind.num_tokens, dtype=torch.bool)
-        rows[: max(1, round(share * blind.num_tokens))] = True
-        return rows
+BUDGETS = (0, 5, 15, 30, 50, 100)
+"""The token-recompute sweep's budgets, in percent (0: blind reuse; 100: a re-prefill)."""
 
-    return select
+RECOMPUTE_ARMS: Mapping[str, Recompute] = MappingProxyType(
+    {
+        "cacheblend": Recompute("deviation", share=0.15),
+        "epic": Recompute("first", share=0.15),
+        **{
+            f"cacheblend-chunk-{p}": Recompute("deviation", "chunk", p / 100) for p in (0, 5, 15, 30, 50, 100)
+        },
+        **{
+            f"cacheblend-global-{p}": Recompute("deviation", "global", p / 100)
+            for p in (0, 5, 15, 30, 50, 100)
+        },
+        **{f"epic-{k}": Recompute("first", tokens=k) for k in (0, 4, 8, 16, 32)},
+        "cacheblend-bytes-16": Recompute("deviation", rank=16),
+    }
+)
+"""Token-recompute baselines (`Recompute`): CacheBlend-style per chunk and global at budgets
+0–100 %, EPIC-style at absolute k, and CacheBlend at the bytes of a rank-16 patch."""
 
 
 ARMS: Mapping[str, Arm] = MappingProxyType(
@@ -115,8 +186,6 @@ ARMS: Mapping[str, Arm] = MappingProxyType(
         "blind": _blind,
         **{f"rank-{m}": _patched(m) for m in (1, 2, 4, 8, 16, 32, 64)},
         "full": _patched("full"),
-        "cacheblend": _recompute(_largest_layer1_deviation(0.15)),
-        "epic": _recompute(_first_tokens(0.15)),
         "rank-16-deep": _patched(16, layers="deep_half"),
     }
 )
@@ -126,7 +195,7 @@ ORBIT_ARMS: Mapping[str, OrbitArm] = MappingProxyType({"orbit-16": _orbit(16)})
 
 
 def arm_names() -> list[str]:
-    return ["reprefill", *ARMS, *ORBIT_ARMS]
+    return ["reprefill", *ARMS, *RECOMPUTE_ARMS, *ORBIT_ARMS]
 
 
 @dataclass
@@ -192,7 +261,7 @@ def evaluate(
     caller that evaluates item by item, to keep finished items when interrupted, would
     otherwise rebuild them every call).
     """
-    unknown = [arm for arm in arms if arm not in ARMS and arm not in ORBIT_ARMS]
+    unknown = [arm for arm in arms if arm not in arm_names()]
     if unknown:
         raise ValueError(f"unknown arms {unknown}; known: {', '.join(arm_names())}")
     frames, result = cache or FrameCache(backend.encoder), Evaluation()
@@ -240,6 +309,8 @@ def _serve(
     if name in ORBIT_ARMS:
         arm = ORBIT_ARMS[name]
         return [arm(c, members, layout, p) for (c, _, p), members in zip(pieces, orbit, strict=True)]
+    if name in RECOMPUTE_ARMS:
+        return _recomputed(RECOMPUTE_ARMS[name], pieces, layout)
     return [ARMS[name](c, k, layout, p) for c, k, p in pieces]
 
 

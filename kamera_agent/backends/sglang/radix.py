@@ -11,8 +11,8 @@ positions for this request (1-D, or the request's precomputed M-RoPE positions) 
 new slots, which then join the tree under the request's tokens, so SGLang owns, locks and evicts
 them like any prefix. ``checkpoint`` (SGLang publishing a prefill) captures the chunks' KV first.
 
-With no store (``KAMERA_STORE_URL`` / ``WindowConfig.store_url`` unset and no layout) it is
-SGLang's own radix cache.
+The plugin's factory always gives it a store (memory, plus disk or a shared Valkey/Redis tier
+where the settings name one); built without a store or layout it is SGLang's own radix cache.
 """
 
 from __future__ import annotations

@@ -1,0 +1,55 @@
+"""The token-recompute baselines run at their best and bracket what they can reach.
+
+Each sweep arm at a 100 % budget must answer as re-prefill does (every token gets its in-context
+KV) and at 0 % exactly as blind reuse does: a baseline that cannot reach either end is rigged.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kamera_agent.backends import TransformersBackend
+from kamera_agent.bench.fidelity import arm_budgets
+from kamera_agent.demo.evaluate import BUDGETS, RECOMPUTE_ARMS, Recompute, evaluate
+from kamera_agent.demo.model import load_demo_model
+from kamera_agent.demo.task import make_items
+
+FULL = ("cacheblend-chunk-100", "cacheblend-global-100", "epic-32")
+NONE = ("cacheblend-chunk-0", "cacheblend-global-0", "epic-0")
+
+
+@pytest.fixture(scope="module")
+def backend() -> TransformersBackend:
+    model, tokenizer, image_processor = load_demo_model()
+    return TransformersBackend(model, tokenizer=tokenizer, image_processor=image_processor)
+
+
+def test_every_sweep_reaches_re_prefill_at_full_budget_and_blind_reuse_at_none(
+    backend: TransformersBackend,
+) -> None:
+    items = make_items(6, 424_242, kind="majority")
+    result = evaluate(backend, items, arms=("blind", *FULL, *NONE, "cacheblend-global-30"))
+    blind = result.result("blind")
+    assert blind.mean_kl > 1.0  # the demo task's binding deficit: blind reuse is far off
+    for arm in FULL:  # epic-32 covers every chunk of the demo (pages 20 tokens, frames 6)
+        assert result.result(arm).mean_kl < 1e-4, arm
+        assert result.result(arm).top1_agreement == 1.0, arm
+    for arm in NONE:
+        assert result.result(arm).kl_sum == pytest.approx(blind.kl_sum, rel=1e-6), arm
+    middle = result.result("cacheblend-global-30").mean_kl  # in between, strictly
+    assert 1e-4 < middle < blind.mean_kl
+
+
+def test_budgets_count_what_each_arm_recomputes() -> None:
+    tokens, features = [6, 6, 20, 20], (64, 64)
+    arms = [f"cacheblend-chunk-{p}" for p in BUDGETS] + ["epic-4", "epic-32", "cacheblend-bytes-16"]
+    budgets = arm_budgets(arms, tokens, features)
+    assert budgets["cacheblend-chunk-0"].recomputed == 0.0
+    assert budgets["cacheblend-chunk-100"].recomputed == 1.0 == budgets["epic-32"].recomputed
+    assert budgets["epic-4"].recomputed == (4 + 4 + 4 + 4) / 52
+    # rank 16 stores 16·(n + F) numbers where a token's KV is F: ceil(16·(n + 64) / 64) tokens
+    assert (
+        Recompute("deviation", rank=16).count(20, 64) == 20
+        and Recompute("deviation", rank=2).count(20, 64) == 3
+    )
+    assert RECOMPUTE_ARMS["cacheblend-global-15"].scope == "global"
