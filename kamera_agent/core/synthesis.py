@@ -132,10 +132,19 @@ class PrefixSynthesis:
 
     # -- planning ---------------------------------------------------------------------------
     def plan(
-        self, namespace: str, chunks: Sequence[RequestChunk], device_len: int, limit: int, page_size: int = 1
+        self,
+        namespace: str,
+        chunks: Sequence[RequestChunk],
+        device_len: int,
+        limit: int,
+        page_size: int = 1,
+        *,
+        approximate: bool = True,
     ) -> Plan:
         """The longest run of chunks after ``device_len`` the store can serve, cut at ``limit``
-        tokens and aligned down to ``page_size``. Reads presence only: no side effects."""
+        tokens and aligned down to ``page_size``; ``approximate=False`` serves only what a
+        re-prefill computes whatever the policy (an engine's unsalted requests, whose cached
+        blocks every other request may reuse). Reads presence only: no side effects."""
         served: list[Served] = []
         context, prefix = _root(namespace), _prefix_root(namespace)
         for chunk in chunks:
@@ -147,7 +156,7 @@ class PrefixSynthesis:
             if chunk.end <= device_len:
                 context = context.extend(held)
                 continue
-            hit = self._servable(namespace, chunk, held, computed, device_len)
+            hit = self._servable(namespace, chunk, held, computed, device_len, approximate)
             if hit is None:
                 break
             served.append(hit)
@@ -239,7 +248,13 @@ class PrefixSynthesis:
         return self._loaded.get(prefix, computed) if self._loaded else computed
 
     def _servable(
-        self, namespace: str, chunk: RequestChunk, held: ChunkState, computed: ChunkState, device_len: int
+        self,
+        namespace: str,
+        chunk: RequestChunk,
+        held: ChunkState,
+        computed: ChunkState,
+        device_len: int,
+        approximate: bool,
     ) -> Served | None:
         """The chunk served from the store: in the state the engine's part of it holds (or, past
         the engine's hit, a forward would compute), else under ``"keep"`` in its last captured
@@ -248,7 +263,7 @@ class PrefixSynthesis:
         entry = _entry(chunk, held)
         if self.store.contains(entry):
             return Served(chunk, held, entry, skip, computed)
-        if self.policy == "keep":
+        if self.policy == "keep" and approximate:
             kept = self._latest.get(_latest_key(namespace, chunk))
             if kept is not None and self.store.contains(kept.entry):
                 state = kept.state if skip == 0 else ChunkState.spliced(held, kept.state, skip)

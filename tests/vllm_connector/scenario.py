@@ -65,9 +65,12 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     llm = _llm(args.model, args.settings, args.corrupt)
     report: dict[str, Any] = {"settings": args.settings}
-    report["sliding"] = [
-        _ask(llm, _prompt(tokenizer, NOTES[i : i + 4], f"what did the {i}th do?")) for i in range(9)
-    ]
+    # an agent's sliding conversation under its own salt (approximations are served only so)
+    salt = "agent-1" if args.settings == "defaults" else None
+    sliding = [_prompt(tokenizer, NOTES[i : i + 4], f"what did the {i}th do?") for i in range(9)]
+    report["sliding"] = [_ask(llm, prompt, salt) for prompt in sliding]
+    if args.settings == "defaults":  # the same conversation unsalted: served exactly, as vLLM alone
+        report["unsalted"] = [_ask(llm, prompt) for prompt in sliding]
     growing = []
     for i in range(1, 6):
         llm.reset_prefix_cache()
@@ -133,12 +136,13 @@ def _prompt(tokenizer: Any, notes: list[str], question: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _ask(llm: Any, prompt: list[int]) -> dict[str, Any]:
+def _ask(llm: Any, prompt: list[int], salt: str | None = None) -> dict[str, Any]:
     from vllm import SamplingParams, TokensPrompt
 
     before = _sources(llm)
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=512)
-    (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    request = TokensPrompt(prompt_token_ids=prompt, **({"cache_salt": salt} if salt else {}))
+    (out,) = llm.generate([request], params, use_tqdm=False)
     after = _sources(llm)
     first = out.outputs[0].logprobs[0]
     return {

@@ -106,6 +106,8 @@ def test_defaults_load_moved_chunks_of_a_sliding_conversation(model_dir: Path) -
         file=sys.stderr,
     )
     assert divergence[0] < 1e-6  # the first request is vLLM's own computation
+    # unsalted, the same conversation is served exactly: vLLM's own answers
+    assert [r["tokens"] for r in defaults["unsalted"]] == [r["tokens"] for r in baseline]
 
 
 def test_a_damaged_entry_is_never_loaded(model_dir: Path) -> None:

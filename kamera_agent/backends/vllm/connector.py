@@ -11,9 +11,9 @@ prompt chunk a forward computes is captured into the store under the state it ha
 
 Settings (``kv_connector_extra_config``): ``{"config": {WindowConfig fields}}`` (default: the
 exact settings). Exact serves only what a re-prefill computes; ``survivors="keep"`` also serves
-moved chunks in the state they were captured in. Loaded blocks enter vLLM's prefix cache as if
-computed: pass a ``cache_salt`` per tenant (it namespaces kamera's chunks too), and under
-approximate settings keep approximate requests salted apart from exact ones.
+moved chunks in the state they were captured in, to requests that carry a ``cache_salt``: loaded
+blocks enter vLLM's prefix cache as if computed, so an approximation must stay under a salt its
+clients chose (it namespaces kamera's chunks too); unsalted requests are served exactly.
 
 The scheduler and the worker must see one store: in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 they share it; across processes give the settings a ``store_url`` (docs/vllm.md).
@@ -103,6 +103,7 @@ class _Track:
     chunks: list[RequestChunk]
     prompt_len: int
     servable: bool
+    salted: bool
     plan: Plan | None = None
     block_ids: list[int] = field(default_factory=list)
     saved: set[int] = field(default_factory=set)
@@ -158,10 +159,13 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not track.servable:
             return 0, False
         limit = track.prompt_len - 1  # the last prompt token is always computed (its logits)
-        track.plan = self.synthesis.plan(
-            track.namespace, track.chunks, num_computed_tokens, limit, self.block_size
+        # vLLM's prefix cache hashes loaded blocks as computed ones: approximations only under a salt
+        chunks, salted = track.chunks, track.salted
+        plan = self.synthesis.plan(
+            track.namespace, chunks, num_computed_tokens, limit, self.block_size, approximate=salted
         )
-        return track.plan.tokens, False
+        track.plan = plan
+        return plan.tokens, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         track = self._requests.get(request.request_id)
@@ -170,7 +174,9 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         plan = track.plan
         if plan.tokens != num_external_tokens:  # vLLM allocated less: plan to exactly that
             end = plan.device_len + num_external_tokens
-            plan = self.synthesis.plan(track.namespace, track.chunks, plan.device_len, end, self.block_size)
+            plan = self.synthesis.plan(
+                track.namespace, track.chunks, plan.device_len, end, self.block_size, approximate=track.salted
+            )
         track.block_ids = list(blocks.get_block_ids()[0])
         for item in plan.served:
             start = max(item.chunk.start, plan.device_len)
@@ -220,11 +226,12 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 for f in features
             ]
             lora = getattr(getattr(request, "lora_request", None), "lora_name", "") or ""
-            namespace = f"{lora}|{getattr(request, 'cache_salt', None) or ''}"
+            salt = getattr(request, "cache_salt", None) or ""
+            namespace = f"{lora}|{salt}"
             # M-RoPE positions of a request with images are the engine's to compute: not served
             servable = not (images and self.layout.rope.axes is not None)
             chunks = request_chunks(tokens, images, self.rules, namespace)
-            track = _Track(namespace, chunks, len(tokens), servable)
+            track = _Track(namespace, chunks, len(tokens), servable, bool(salt))
             self._requests[request.request_id] = track
         return track
 
