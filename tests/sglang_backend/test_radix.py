@@ -337,3 +337,21 @@ def test_200_random_requests_leak_no_slot_and_matching_changes_nothing(page_size
     assert harness.free_slots() == harness.capacity and cache.total_size() == 0
     harness.check()
     assert sent == 200 and cache.stats.loads > 10 and cache.stats.chunks_captured > 10
+
+
+def test_a_load_that_cannot_be_written_is_declined_and_leaks_nothing() -> None:
+    backend = _backend("qwen2")
+    harness, model = _setup(backend, 1, WindowConfig.exact())
+    cache = harness.tree_cache
+    chunks = [_text(backend, "a note the store keeps"), _text(backend, "and another one")]
+    _run(harness, model, _prompt(backend, [*chunks, _text(backend, "q")]), "first")
+    harness.prefill()
+    harness.evict_all()
+    other = text_backend("deepseek_v2", layers=4).layout  # an MLA layout: this MHA pool refuses it
+    cache.layout = replace(cache.layout, kind=other.kind, keys_shape=other.keys_shape)
+    req = _run(harness, model, _prompt(backend, [*chunks, _text(backend, "q2")]), "second")
+    assert req.prefix_len == 0 and cache.stats.declined == 1 and cache.stats.loads == 0
+    harness.drain()
+    harness.evict_all()
+    assert harness.free_slots() == harness.capacity
+    harness.check()

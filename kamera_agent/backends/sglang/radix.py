@@ -17,6 +17,7 @@ where the settings name one); built without a store or layout it is SGLang's own
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,11 +29,14 @@ from kamera_agent.backends.sglang.pool import read_chunk, write_chunk
 from kamera_agent.backends.sglang.segments import ChunkRules, request_chunks
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.synthesis import Plan, PrefixSynthesis, RequestChunk, policy_of
+from kamera_agent.errors import KameraError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.operator.rope import Pairing
 from kamera_agent.store import ChunkStore
 
 __all__ = ["KameraRadixCache", "SynthesisStats"]
+
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass
@@ -118,7 +122,13 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         if kvs is None or slots is None:
             self.stats.declined += 1
             return 0, node
-        self._write(req, plan, kvs, slots)
+        try:
+            self._write(req, plan, kvs, slots)
+        except (KameraError, RuntimeError) as exc:  # never fail SGLang's admission over a cache
+            _LOG.warning("kamera: load of %d tokens declined: %s", plan.tokens, exc)
+            self.token_to_kv_pool_allocator.free(slots)
+            self.stats.declined += 1
+            return 0, node
         full = RadixKey(key.token_ids[: plan.end], req.extra_key, cache_salt=req.cache_salt)
         value = torch.cat([device, slots])
         done = self.insert(InsertParams(key=full, value=value, priority=req.priority or 0))
@@ -135,7 +145,10 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
     def checkpoint(self, req: Any, *, up_to: int) -> None:
         """Capture the chunks' KV from the request's slots, then publish them as SGLang does."""
         if self.synthesis is not None and not self.disable:
-            self._capture(req, up_to)
+            try:
+                self._capture(req, up_to)
+            except (KameraError, RuntimeError) as exc:  # a capture missed costs a later forward, no more
+                _LOG.warning("kamera: capture of request %s skipped: %s", getattr(req, "rid", "?"), exc)
         super().checkpoint(req, up_to=up_to)
 
     # -- kamera's side ----------------------------------------------------------------------

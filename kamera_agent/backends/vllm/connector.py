@@ -22,6 +22,7 @@ they share it; across processes give the settings a ``store_url`` (docs/vllm.md)
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections import deque
@@ -39,10 +40,13 @@ from kamera_agent.backends.vllm.blocks import read_tokens, write_tokens
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.chunking import ChunkRules, ImageSpan, request_chunks
 from kamera_agent.core.synthesis import Plan, PrefixSynthesis, RequestChunk, policy_of
+from kamera_agent.errors import KameraError
 from kamera_agent.operator.layout import ChunkKV, KVLayout, at_positions, to_position_free
 from kamera_agent.store import ChunkStore, EntryKey
 
 __all__ = ["ConnectorStats", "KameraConnector", "KameraMetadata", "settings_json"]
+
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -259,24 +263,29 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         assert isinstance(meta, KameraMetadata)
         for load in meta.loads:
-            kv = self._entry(load.entry)
-            if kv is None or kv.num_tokens < load.b:
+            try:
+                written = self._load(load)
+            except (KameraError, RuntimeError) as exc:
+                _LOG.warning("kamera: load for request %s failed: %s", load.req_id, exc)
+                written = False
+            if not written:  # an entry gone, damaged or unwritable: vLLM recomputes these blocks
                 self.stats.load_errors += 1
                 self._load_errors |= {slot // self.block_size for slot in load.slots}
-                continue
-            part = ChunkKV(
-                kv.keys[:, :, load.a : load.b], kv.values[:, :, load.a : load.b], None, kv.chunk_key
-            )
-            placed = at_positions(
-                part, self.layout, self._positions(load.start, load.start + load.b - load.a)
-            )
-            slots = torch.tensor(load.slots, dtype=torch.long)
-            for layer, cache in enumerate(self._caches):
-                write_tokens(
-                    cache, placed.keys[layer].transpose(0, 1), placed.values[layer].transpose(0, 1), slots
-                )
-            self.stats.tokens_loaded += load.b - load.a
-            self.recent_loads.append(load)
+
+    def _load(self, load: Load) -> bool:
+        kv = self._entry(load.entry)
+        if kv is None or kv.num_tokens < load.b:
+            return False
+        a, b = load.a, load.b
+        part = ChunkKV(kv.keys[:, :, a:b], kv.values[:, :, a:b], None, kv.chunk_key)
+        placed = at_positions(part, self.layout, self._positions(load.start, load.start + b - a))
+        slots = torch.tensor(load.slots, dtype=torch.long)
+        for layer, cache in enumerate(self._caches):
+            keys, values = placed.keys[layer].transpose(0, 1), placed.values[layer].transpose(0, 1)
+            write_tokens(cache, keys, values, slots)
+        self.stats.tokens_loaded += b - a
+        self.recent_loads.append(load)
+        return True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are synchronous: ``start_load_kv`` wrote every layer before the forward."""
@@ -290,17 +299,23 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         assert isinstance(meta, KameraMetadata)
         for save in meta.saves:
-            slots = torch.tensor(save.slots, dtype=torch.long)
-            pairs = [read_tokens(cache, slots) for cache in self._caches]
-            keys = torch.stack([k.transpose(0, 1) for k, _ in pairs]).float().cpu()
-            values = torch.stack([v.transpose(0, 1) for _, v in pairs]).float().cpu()
-            placed = ChunkKV(keys, values, self._positions(save.start, save.end), save.entry.key)
-            kv = to_position_free(placed, self.layout)
-            if save.entry.kind == "canonical":
-                self.store.put_canonical(kv)
-            else:
-                self.store.put_full(kv, save.entry.variant)
-            self.stats.chunks_captured += 1
+            try:
+                self._capture(save)
+            except (KameraError, RuntimeError) as exc:  # a capture missed costs a later forward, no more
+                _LOG.warning("kamera: capture for request %s skipped: %s", save.req_id, exc)
+
+    def _capture(self, save: Save) -> None:
+        slots = torch.tensor(save.slots, dtype=torch.long)
+        pairs = [read_tokens(cache, slots) for cache in self._caches]
+        keys = torch.stack([k.transpose(0, 1) for k, _ in pairs]).float().cpu()
+        values = torch.stack([v.transpose(0, 1) for _, v in pairs]).float().cpu()
+        placed = ChunkKV(keys, values, self._positions(save.start, save.end), save.entry.key)
+        kv = to_position_free(placed, self.layout)
+        if save.entry.kind == "canonical":
+            self.store.put_canonical(kv)
+        else:
+            self.store.put_full(kv, save.entry.variant)
+        self.stats.chunks_captured += 1
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
