@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import torch
 from rich.progress import Progress
 
 from kamera_agent.backends.transformers import TransformersBackend
@@ -32,14 +33,32 @@ from kamera_agent.demo.evaluate import (
 from kamera_agent.demo.sequences import FrameCache, item_sequence
 from kamera_agent.demo.task import DemoItem
 
-__all__ = ["FIDELITY_ARMS", "RANKS", "RANK_ARMS", "ArmFigures", "Budget", "FidelityRun", "run_fidelity"]
+__all__ = [
+    "FIDELITY_ARMS",
+    "RANKS",
+    "RANK_ARMS",
+    "SWEEP_ARMS",
+    "ArmFigures",
+    "Budget",
+    "FidelityRun",
+    "run_fidelity",
+]
 
 RANKS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 RANK_ARMS: tuple[str, ...] = tuple(f"rank-{m}" for m in RANKS)
+SWEEP_ARMS: tuple[str, ...] = (
+    *(f"cacheblend-chunk-{p}" for p in (5, 30, 50)),
+    *(f"cacheblend-global-{p}" for p in (5, 15, 30, 50)),
+    *(f"epic-{k}" for k in (4, 8, 16, 32)),
+    "cacheblend-bytes-16",
+)
+"""Token-recompute baselines across budgets (``cacheblend`` is ``cacheblend-chunk-15``)."""
+
 FIDELITY_ARMS: tuple[str, ...] = (
     "blind",
     "cacheblend",
     "epic",
+    *SWEEP_ARMS,
     *RANK_ARMS,
     "full",
     "rank-16-deep",
@@ -86,6 +105,9 @@ class ArmFigures:
     top1_agreement: float
     flip_recovery: float
     budget: Budget
+    binding_ci: tuple[float, float] = (float("nan"), float("nan"))
+    kl_ci: tuple[float, float] = (float("nan"), float("nan"))
+    eta_ci: tuple[float, float] = (float("nan"), float("nan"))
 
 
 @dataclass
@@ -103,8 +125,10 @@ class FidelityRun:
     budgets: dict[str, Budget] = field(default_factory=dict)
 
     def figures(self) -> list[ArmFigures]:
-        """Per arm (re-prefill first), the figures over the items finished so far."""
+        """Per arm (re-prefill first), the figures over the items finished so far, with 95 %
+        bootstrap intervals (items resampled, the same draws for every arm)."""
         ev = self.evaluation
+        intervals = _intervals(ev, ("reprefill", *self.arms))
         return [
             ArmFigures(
                 arm=arm,
@@ -117,6 +141,7 @@ class FidelityRun:
                 top1_agreement=ev.result(arm).top1_agreement,
                 flip_recovery=ev.result(arm).flip_recovery,
                 budget=self.budgets.get(arm, Budget()),
+                **intervals.get(arm, {}),
             )
             for arm in ("reprefill", *self.arms)
         ]
@@ -128,8 +153,10 @@ class FidelityRun:
         arms = []
         for fig in self.figures():
             row: dict[str, Any] = {k: v for k, v in vars(fig).items() if k != "budget"}
-            row = {k: finite(v) if isinstance(v, float) else v for k, v in row.items()}
+            row = {k: _jsonable(v) for k, v in row.items()}
             arms.append({**row, "stored_share": fig.budget.stored, "recomputed_share": fig.budget.recomputed})
+        deficit = self.evaluation.deficit
+        pages = max(deficit.chunks, 1)
         return {
             "model": self.model,
             "seed": self.seed,
@@ -138,6 +165,14 @@ class FidelityRun:
             "seconds": self.seconds,
             "chunk_tokens": self.chunk_tokens,
             "arms": arms,
+            "deficit": {
+                "pages": deficit.chunks,
+                "energy_by_layer": [e / pages for e in deficit.energy],
+                "relative_by_layer": [r / pages for r in deficit.relative],
+                "deep_over_shallow_energy": finite(deficit.deep_over_shallow),
+                "rank90_median": _median(deficit.rank90),
+                "rank90_range": [min(deficit.rank90, default=0), max(deficit.rank90, default=0)],
+            },
         }
 
 
@@ -202,6 +237,61 @@ def _merge(total: Evaluation, part: Evaluation) -> None:
             into = total.result(arm, kind)
             for name in _TALLIES:
                 setattr(into, name, getattr(into, name) + getattr(tally, name))
+            into.outcomes += tally.outcomes
+    total.deficit.add(part.deficit)
+
+
+BOOTSTRAP_DRAWS = 1000
+
+
+def _intervals(ev: Evaluation, arms: Sequence[str]) -> dict[str, dict[str, tuple[float, float]]]:
+    """95 % bootstrap intervals of binding accuracy, KL and η per arm: items resampled with
+    replacement, the same draws for every arm (η's blind KL from the same draw)."""
+    blind = ev.result("blind").outcomes
+    n = len(blind)
+    if n < 2:
+        return {}
+    draws = torch.randint(n, (BOOTSTRAP_DRAWS, n), generator=torch.Generator().manual_seed(0))
+    blind_kl = torch.tensor([kl for _, kl in blind], dtype=torch.float64)[draws].mean(1)
+    binding = ev.multi_hop("blind").outcomes
+    m = len(binding)
+    seeded = torch.Generator().manual_seed(1)
+    binding_draws = torch.randint(m, (BOOTSTRAP_DRAWS, m), generator=seeded) if m else None
+    out = {}
+    for arm in arms:
+        outcomes = ev.result(arm).outcomes
+        if len(outcomes) != n:
+            continue
+        kl = torch.tensor([k for _, k in outcomes], dtype=torch.float64)[draws].mean(1)
+        eta = 1.0 - kl / blind_kl.clamp_min(1e-30)
+        row = {"kl_ci": _quantiles(kl), "eta_ci": _quantiles(eta)}
+        hop = ev.multi_hop(arm).outcomes
+        if binding_draws is not None and len(hop) == m:
+            right = torch.tensor([float(c) for c, _ in hop], dtype=torch.float64)[binding_draws].mean(1)
+            row["binding_ci"] = _quantiles(right)
+        out[arm] = row
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float):
+        return finite(value)
+    if isinstance(value, tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def _quantiles(values: torch.Tensor) -> tuple[float, float]:
+    low, high = torch.quantile(values, torch.tensor([0.025, 0.975], dtype=values.dtype)).tolist()
+    return float(low), float(high)
+
+
+def _median(values: Sequence[int]) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    mid = len(ordered) // 2
+    return float(ordered[mid]) if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _gap_closed(arm: ArmResult, blind: ArmResult) -> float:

@@ -37,6 +37,7 @@ _FIDELITY: tuple[Column, ...] = (
     ("arm", lambda f: f.arm),
     ("acc", lambda f: _pct(f.accuracy)),
     ("multi-hop", lambda f: _pct(f.multi_hop_accuracy)),
+    ("95 % interval", lambda f: f"{_pct(f.binding_ci[0])}–{_pct(f.binding_ci[1])}"),
     ("glyph", lambda f: _pct(f.glyph_accuracy)),
     ("KL", lambda f: _sci(f.kl)),
     ("η", lambda f: f"{f.eta:.4f}"),
@@ -72,9 +73,22 @@ def fidelity_grid(run: FidelityRun) -> Grid:
         "readout. KL: next-token KL to re-prefill; η: share of the blind→re-prefill KL gap closed; "
         "top-1: agreement with re-prefill; flips: items where blind reuse changes the top token that "
         "the arm answers as re-prefill; stored: patch bytes / chunk KV bytes; recomp.: tokens "
-        f"recomputed in context. Chunks of {tokens} tokens: rank >= {max(tokens, default=0)} is full rank."
+        f"recomputed in context. Chunks of {tokens} tokens: rank >= {max(tokens, default=0)} is full rank. "
+        "Intervals: 95 % bootstrap over items. Token-recompute arms get their selected tokens' true "
+        "in-context KV (an upper bound of the method). " + _deficit_note(run)
     )
     return _grid("Fidelity: every arm on the same items", _FIDELITY, run.figures(), note)
+
+
+def _deficit_note(run: FidelityRun) -> str:
+    deficit = run.to_json()["deficit"]
+    relative = ", ".join(f"{r:.2f}" for r in deficit["relative_by_layer"])
+    return (
+        f"Pages' deficit Δ = KV(page|legend) − KV(page|∅): relative size by layer {relative}; energy "
+        f"deeper half / shallower half {deficit['deep_over_shallow_energy'] or float('nan'):.2f}; "
+        "90 %-energy rank median "
+        f"{deficit['rank90_median']} (range {deficit['rank90_range'][0]}–{deficit['rank90_range'][1]})."
+    )
 
 
 def cost_grids(run: CostRun) -> list[Grid]:

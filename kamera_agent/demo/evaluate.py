@@ -17,16 +17,18 @@ the window still answer like a full re-prefill? Arms are strategies registered b
 - ``rank-16-deep``: a rank-16 patch on the deepest half of the layers only (where the deficit
   lives), half the bytes of ``rank-16``;
 - ``orbit-16`` (`ORBIT_ARMS`): every chunk served with a rank-16 patch of its *mean* deficit
-  over the item's ordering and one shuffled ordering of the legend frames, wherever its
-  antecedent set is the same in both (the pages): what a window serves after a reorder.
+  over other orderings of the legend frames (never the item's own: the arm is scored on an
+  ordering held out), wherever its antecedent set is the same there (the pages): what a window
+  serves after a reorder to an ordering it had not seen.
 
 One re-prefill forward per item gives the reference answer and every chunk's conditioned KV,
 from which patches and the token baselines are built; each arm then costs one query decode.
-Orbit arms add one forward per item (the shuffled ordering).
+Orbit arms add one forward per other ordering and item (`HELD_OUT_ORDERS` at most).
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +43,7 @@ from kamera_agent.core import CostMeter, KVCore
 from kamera_agent.demo.sequences import FrameCache, ItemSequence, item_sequence
 from kamera_agent.demo.task import DemoItem
 from kamera_agent.metrics import next_token_kl
-from kamera_agent.operator.layout import ChunkKV, KVLayout
+from kamera_agent.operator.layout import ChunkKV, KVLayout, to_position_free
 from kamera_agent.operator.patch import LayerChoice, apply_patch, form_orbit_patch, form_patch
 from kamera_agent.store import ChunkStore
 
@@ -50,6 +52,7 @@ __all__ = [
     "ORBIT_ARMS",
     "RECOMPUTE_ARMS",
     "ArmResult",
+    "Deficit",
     "Evaluation",
     "Recompute",
     "arm_names",
@@ -208,6 +211,8 @@ class ArmResult:
     agree: int = 0
     flips: int = 0
     flips_recovered: int = 0
+    outcomes: list[tuple[bool, float]] = field(default_factory=list)
+    """Per item, in evaluation order: (answered right, KL to re-prefill), for intervals."""
 
     @property
     def accuracy(self) -> float:
@@ -228,10 +233,48 @@ class ArmResult:
 
 
 @dataclass
+class Deficit:
+    """Where the pages' conditioning deficit lives: ``Δ = KV(page | legend) − KV(page | ∅)``,
+    position-free, per layer and slot as an ``[tokens, heads·dim]`` matrix.
+
+    Attributes:
+        chunks: pages measured.
+        energy: per layer, the summed ``‖Δ‖²`` (both slots).
+        relative: per layer, the summed ``‖Δ‖ / ‖KV(page | legend)‖`` (divide by ``chunks``).
+        rank90: per page, layer and slot, how many singular directions hold 90 % of ``‖Δ‖²``.
+    """
+
+    chunks: int = 0
+    energy: list[float] = field(default_factory=list)
+    relative: list[float] = field(default_factory=list)
+    rank90: list[int] = field(default_factory=list)
+
+    def add(self, other: Deficit) -> None:
+        """Sum ``other`` into this tally."""
+        self.chunks += other.chunks
+        self.energy = _sums(self.energy, other.energy)
+        self.relative = _sums(self.relative, other.relative)
+        self.rank90 += other.rank90
+
+    @property
+    def deep_over_shallow(self) -> float:
+        """Energy in the deeper half of the layers over the shallower half."""
+        half = len(self.energy) // 2
+        shallow = sum(self.energy[:half])
+        return sum(self.energy[half:]) / shallow if shallow > 0 else float("nan")
+
+
+def _sums(a: list[float], b: list[float]) -> list[float]:
+    return [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0.0)]
+
+
+@dataclass
 class Evaluation:
-    """Results by arm and by question kind (``"all"``, ``"majority"``, ``"glyph"``)."""
+    """Results by arm and by question kind (``"all"``, ``"majority"``, ``"glyph"``), and where
+    the pages' deficit lives."""
 
     by_kind: dict[str, dict[str, ArmResult]] = field(default_factory=dict)
+    deficit: Deficit = field(default_factory=Deficit)
 
     def result(self, arm: str, kind: str = "all") -> ArmResult:
         return self.by_kind.setdefault(kind, {}).setdefault(arm, ArmResult())
@@ -290,6 +333,7 @@ def _evaluate_item(
         forward = backend.model(**inputs, use_cache=True)
     reference = forward.logits[0, -1].float().cpu()
     pieces, start = _pieces(core, backend, seq, output_cache(forward))
+    out.deficit.add(_deficit(pieces[len(seq.item.legend) :], backend.layout))
     orbit = _orbit_members(backend, seq, pieces) if any(a in ORBIT_ARMS for a in arms) else []
     served = {"reprefill": reference}
     for name in arms:
@@ -332,30 +376,59 @@ def _pieces(
 def _orbit_members(
     backend: TransformersBackend, seq: ItemSequence, pieces: Sequence[Piece]
 ) -> list[list[ChunkKV]]:
-    """Per chunk: its conditioned KV in the item's ordering, plus in one shuffled ordering of the
-    legend frames wherever its antecedent set is the same there (the pages)."""
-    order = _shuffled_legend(seq)
-    inputs = backend.reference_inputs([seq.chunks[i] for i in order])
-    with torch.no_grad():
-        truth = output_cache(backend.model(**inputs, use_cache=True))
-    members = [[conditioned] for _, conditioned, _ in pieces]
-    slot, start = backend.anchor.num_tokens, backend.anchor.advance
-    for j, i in enumerate(order):
-        chunk = seq.chunks[i]
-        if set(order[:j]) == set(range(i)):
-            positions = chunk.positions_at(start)
-            members[i].append(read_chunk(truth, backend.layout, slot, slot + chunk.num_tokens, positions))
-        slot, start = slot + chunk.num_tokens, start + chunk.advance
-    return members
+    """Per chunk: its conditioned KV under other orderings of the legend frames (up to
+    `HELD_OUT_ORDERS`, never the item's own) wherever its antecedent set is the same there (the
+    pages), so the orbit arm is scored on an ordering it did not average over; a chunk no other
+    ordering gives the same antecedent set keeps its own conditioned KV (a window forms that
+    patch at admission)."""
+    members: list[list[ChunkKV]] = [[] for _ in pieces]
+    for order in _other_legend_orders(seq):
+        inputs = backend.reference_inputs([seq.chunks[i] for i in order])
+        with torch.no_grad():
+            truth = output_cache(backend.model(**inputs, use_cache=True))
+        slot, start = backend.anchor.num_tokens, backend.anchor.advance
+        for j, i in enumerate(order):
+            chunk = seq.chunks[i]
+            if set(order[:j]) == set(range(i)):
+                positions = chunk.positions_at(start)
+                members[i].append(read_chunk(truth, backend.layout, slot, slot + chunk.num_tokens, positions))
+            slot, start = slot + chunk.num_tokens, start + chunk.advance
+    return [found or [conditioned] for found, (_, conditioned, _) in zip(members, pieces, strict=True)]
 
 
-def _shuffled_legend(seq: ItemSequence) -> list[int]:
-    """Chunk indices with the legend frames in another order, drawn from the item itself."""
+HELD_OUT_ORDERS = 2
+"""Orderings of the legend an orbit patch averages over (the item's own is never one of them)."""
+
+
+def _other_legend_orders(seq: ItemSequence) -> list[list[int]]:
+    """Chunk indices with the legend frames in other orders than the item's, drawn from the item."""
     legend = list(range(len(seq.item.legend)))
-    order, rng = list(legend), random.Random(repr(seq.item))
-    while order == legend and len(legend) > 1:
-        rng.shuffle(order)
-    return order + list(range(len(legend), len(seq.chunks)))
+    others = [list(p) for p in itertools.permutations(legend) if list(p) != legend]
+    random.Random(repr(seq.item)).shuffle(others)
+    rest = list(range(len(legend), len(seq.chunks)))
+    return [order + rest for order in others[:HELD_OUT_ORDERS]]
+
+
+def _deficit(pages: Sequence[Piece], layout: KVLayout) -> Deficit:
+    """The pages' deficit against their canonicals, per layer (see `Deficit`)."""
+    out = Deficit(chunks=len(pages))
+    for canonical, conditioned, _ in pages:
+        free = to_position_free(conditioned, layout)
+        layers = canonical.keys.shape[0]
+        if not out.energy:
+            out.energy, out.relative = [0.0] * layers, [0.0] * layers
+        for layer in range(layers):
+            delta_norm2, truth_norm2 = 0.0, 0.0
+            for ours, truth in ((canonical.keys, free.keys), (canonical.values, free.values)):
+                delta = (truth[layer] - ours[layer]).float().transpose(0, 1).reshape(truth.shape[2], -1)
+                delta_norm2 += float(delta.pow(2).sum())
+                truth_norm2 += float(truth[layer].float().pow(2).sum())
+                singular = torch.linalg.svdvals(delta).pow(2)
+                share = singular.cumsum(0) / singular.sum().clamp_min(1e-30)
+                out.rank90.append(int((share < 0.9).sum()) + 1)
+            out.energy[layer] += delta_norm2
+            out.relative[layer] += (delta_norm2 / max(truth_norm2, 1e-30)) ** 0.5
+    return out
 
 
 def _tally(
@@ -373,3 +446,4 @@ def _tally(
             tally.agree += top == truth_top
             tally.flips += flipped
             tally.flips_recovered += flipped and top == truth_top
+            tally.outcomes.append((top == answer_token, next_token_kl(reference, logits)))
