@@ -258,10 +258,12 @@ class Deficit:
 
     @property
     def deep_over_shallow(self) -> float:
-        """Energy in the deeper half of the layers over the shallower half."""
-        half = len(self.energy) // 2
-        shallow = sum(self.energy[:half])
-        return sum(self.energy[half:]) / shallow if shallow > 0 else float("nan")
+        """Energy in the deeper half of the layers over the shallower half, counting from layer 1
+        (layer 0's KV is its tokens' embeddings projected: no context can change it)."""
+        seeing = self.energy[1:]
+        half = len(seeing) // 2
+        shallow = sum(seeing[:half])
+        return sum(seeing[half:]) / shallow if shallow > 0 else float("nan")
 
 
 def _sums(a: list[float], b: list[float]) -> list[float]:

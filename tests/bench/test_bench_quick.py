@@ -54,7 +54,9 @@ def test_quick_run_writes_every_output(quick_run: tuple[int, Path]) -> None:
         "machine"
     ].keys()
     assert set(results["suites"]) == {"fidelity", "cost", "window", "window_exact", "agents"}
-    assert len(results["targets"]) == 10  # fidelity 2, cost 2, agents 5, time to first token 1
+    assert (
+        len(results["targets"]) == 16
+    )  # fidelity 2, the demo model 6, cost 2, agents 5, time to first token 1
     report = (out / "report.md").read_text()
     for title in ("Fidelity", "Cost", "Window", "Agent stream", "Targets"):
         assert f"## {title}" in report
