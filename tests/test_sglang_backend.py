@@ -8,14 +8,12 @@ README's test command runs it (never skips it), and ``-m sglang`` selects it alo
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.side_envs import ROOT, run_tests
 
 
 @pytest.mark.sglang
@@ -28,31 +26,12 @@ def test_the_sglang_backend_passes_against_sglangs_own_classes() -> None:
         timeout=1800,
     )
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(KAMERA_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    ran = subprocess.run(
-        [
-            str(ROOT / ".venv-sglang" / "bin" / "python"),
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            # SGLang warns at import about kernels a CPU lacks (AWQ, GGUF): not ours to fix
-            "-W",
-            "ignore::UserWarning",
-            "-W",
-            "ignore::DeprecationWarning",
-            "-W",
-            "ignore::FutureWarning",
-            "tests/sglang_backend",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+    # SGLang warns at import about kernels a CPU lacks (AWQ, GGUF): not ours to fix
+    output = run_tests(
+        ROOT / ".venv-sglang" / "bin" / "python",
+        "tests/sglang_backend",
+        ("UserWarning", "DeprecationWarning", "FutureWarning"),
         timeout=900,
+        KAMERA_NUM_THREADS="1",
     )
-    assert ran.returncode == 0, ran.stdout[-6000:] + ran.stderr[-3000:]
-    assert " passed" in ran.stdout and "failed" not in ran.stdout, ran.stdout[-2000:]
-    print(ran.stdout.strip().splitlines()[-1], file=sys.stderr)
+    print(next(line for line in reversed(output.splitlines()) if " passed" in line), file=sys.stderr)
