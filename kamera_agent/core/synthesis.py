@@ -26,9 +26,10 @@ Every state and chunk key is scoped by the request's namespace (SGLang's ``extra
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, TypeVar
 
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.identity import ChunkState, Context
@@ -120,6 +121,10 @@ class PrefixSynthesis:
     own prefix must chain those, not a re-prefill's) and, under ``"keep"``, the last state each
     chunk was captured in.
 
+    Both memories are bounded (`MEMORY`, least recently used forgotten first): a server runs
+    for weeks. A forgotten load makes a later request take that chunk's state for a computed one,
+    which only ``"keep"`` ever stores (an approximation filed under a slightly wrong name).
+
     Args:
         store: where position-free chunk KV is kept (shared by every process that names it).
         policy: ``"exact"`` or ``"keep"`` (`policy_of`).
@@ -127,8 +132,8 @@ class PrefixSynthesis:
 
     store: ChunkStore
     policy: ServePolicy = "exact"
-    _latest: dict[str, Served] = field(default_factory=dict, repr=False)
-    _loaded: dict[str, ChunkState] = field(default_factory=dict, repr=False)
+    _latest: OrderedDict[str, Served] = field(default_factory=OrderedDict, repr=False)
+    _loaded: OrderedDict[str, ChunkState] = field(default_factory=OrderedDict, repr=False)
 
     # -- planning ---------------------------------------------------------------------------
     def plan(
@@ -200,7 +205,7 @@ class PrefixSynthesis:
             state = item.state
             if chunk.end > plan.end and item.computed_state is not None:
                 state = ChunkState.spliced(item.state, item.computed_state, plan.end - chunk.start)
-            self._loaded[prefix] = state
+            _remember(self._loaded, prefix, state)
 
     # -- capture ----------------------------------------------------------------------------
     def captures(
@@ -219,7 +224,7 @@ class PrefixSynthesis:
             context = context.extend(state)
             entry = _entry(chunk, state)
             if self.policy == "keep":
-                self._latest[_latest_key(namespace, chunk)] = Served(chunk, state, entry)
+                _remember(self._latest, _latest_key(namespace, chunk), Served(chunk, state, entry))
             if not self.store.contains(entry):
                 out.append((chunk, state, entry))
         return out
@@ -269,6 +274,19 @@ class PrefixSynthesis:
                 state = kept.state if skip == 0 else ChunkState.spliced(held, kept.state, skip)
                 return Served(chunk, state, kept.entry, skip, computed)
         return None
+
+
+MEMORY = 1 << 16
+"""Most loads and latest states a `PrefixSynthesis` remembers (each a few hundred bytes)."""
+
+_V = TypeVar("_V")
+
+
+def _remember(memory: OrderedDict[str, _V], key: str, value: _V) -> None:
+    memory[key] = value
+    memory.move_to_end(key)
+    while len(memory) > MEMORY:
+        memory.popitem(last=False)
 
 
 def _root(namespace: str) -> Context:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 import torch
 
 from kamera_agent.chunks.chunk import Chunk
@@ -200,3 +201,12 @@ def test_a_kept_state_finishing_a_chunk_the_engine_began_is_a_named_splice() -> 
     again = synthesis.plan(NS, request, request[2].end, request[-1].end)
     assert [item.chunk for item in again.served] == request[3:] and again.served[0].computed
     assert PrefixSynthesis(synthesis.store, "exact").plan(NS, request, head, request[-1].end).served == ()
+
+
+def test_what_a_synthesis_remembers_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kamera_agent.core.synthesis as synthesis_module
+
+    monkeypatch.setattr(synthesis_module, "MEMORY", 3)
+    synthesis = PrefixSynthesis(_store(), "keep")
+    _capture(synthesis, _texts("cat", "dog", "owl", "yak", "emu"))
+    assert len(synthesis._latest) == 3  # the five chunks and the anchor seen, the last three kept
