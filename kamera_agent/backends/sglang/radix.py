@@ -44,7 +44,6 @@ class SynthesisStats:
     """What the cache served and captured since it was built (``/metrics`` material).
 
     Attributes:
-        matches: match_prefix calls that found tokens to load.
         loads: init_load_back calls that wrote KV.
         tokens_loaded: tokens written from the store.
         chunks_loaded: chunk runs written.
@@ -52,7 +51,6 @@ class SynthesisStats:
         chunks_captured: chunk states stored from prefills.
     """
 
-    matches: int = 0
     loads: int = 0
     tokens_loaded: int = 0
     chunks_loaded: int = 0
@@ -101,13 +99,10 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
     # -- SGLang's two phases ----------------------------------------------------------------
     def match_prefix(self, params: MatchPrefixParams) -> Any:
         result = super().match_prefix(params)
-        if self.synthesis is None or self.disable:
-            return result
+        if self.synthesis is None or self.disable or params.req is None:
+            return result  # SGLang's own matches (a checkpoint re-finding its node) need no plan
         plan = self._plan(params.key, params.req, result.device_prefix_len)
-        if plan.tokens == 0:
-            return result
-        self.stats.matches += 1
-        return result._replace(host_hit_length=plan.tokens)
+        return result if plan.tokens == 0 else result._replace(host_hit_length=plan.tokens)
 
     def init_load_back(self, params: Any) -> tuple[int, Any]:
         """Write the planned chunks into new slots and add them to the tree: all or nothing."""
