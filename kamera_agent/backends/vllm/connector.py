@@ -111,6 +111,8 @@ class _Track:
     plan: Plan | None = None
     block_ids: list[int] = field(default_factory=list)
     saved: set[int] = field(default_factory=set)
+    walked: int = 0
+    """Prompt tokens already walked for captures (decode steps then cost nothing)."""
 
 
 _STORES: dict[str, ChunkStore] = {}
@@ -207,8 +209,8 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if track is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                track.block_ids, track.saved = [], set()
+            if req_id in cached.resumed_req_ids:  # preempted: its blocks were freed, its KV is recomputed
+                track.block_ids, track.saved, track.walked = [], set(), 0
             if new_ids is not None:
                 track.block_ids += list(new_ids[0])
             meta.saves += self._saves(req_id, track, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
@@ -242,8 +244,12 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _saves(self, req_id: str, track: _Track, upto: int) -> list[Save]:
         if not track.servable:
             return []
+        upto = min(upto, track.prompt_len)
+        if upto <= track.walked:
+            return []
+        track.walked = upto
         out = []
-        found = self.synthesis.captures(track.namespace, track.chunks, min(upto, track.prompt_len))
+        found = self.synthesis.captures(track.namespace, track.chunks, upto)
         for chunk, _, entry in found:
             if chunk.start not in track.saved:  # a chunk is captured once per request
                 track.saved.add(chunk.start)
