@@ -120,3 +120,20 @@ def test_match_prefix_on_real_pools_changes_nothing_when_called_twice() -> None:
     second = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 9])))
     assert first.device_prefix_len == second.device_prefix_len == 4
     assert allocator.available_size() == free and cache.total_size() == 6
+
+
+def test_the_pool_pairing_follows_sglangs_rule_for_deepseek_without_a_worker() -> None:
+    from kamera_agent.backends.sglang.plugin import pool_pairing
+    from tests.backends.test_transformers_backend import text_backend
+
+    v3 = text_backend("deepseek_v3", layers=4)
+    config = v3.model.config
+    assert getattr(config, "rope_interleave", True)  # the released checkpoints' setting
+    assert pool_pairing(None, config, v3.layout) == "interleaved"  # SGLang: is_neox_style = not interleave
+    config.rope_interleave = False
+    try:
+        assert pool_pairing(None, config, v3.layout) == "half"
+    finally:
+        config.rope_interleave = True
+    qwen = text_backend("qwen2", layers=4)
+    assert pool_pairing(None, qwen.model.config, qwen.layout) is None  # MHA: as the layout pairs it

@@ -69,8 +69,9 @@ def pool_pairing(tp_worker: Any, hf_config: Any, layout: Any) -> Any:
 
     model = getattr(getattr(tp_worker, "model_runner", None), "model", None)
     if model is not None:
-        for module in model.modules():
-            if hasattr(module, "is_neox_style") and hasattr(module, "rotary_dim"):
+        for name, module in model.named_modules():
+            language = "visual" not in name and "vision" not in name  # a vision tower's rotary is not it
+            if language and hasattr(module, "is_neox_style") and hasattr(module, "rotary_dim"):
                 return rotary_pairing(module)
     if layout.kind == "mla":
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
