@@ -11,6 +11,7 @@ absorbed, shifted by the move: attention sees relative positions only).
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,7 +27,7 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.operator.layout import ChunkKV, to_position_free
 from kamera_agent.store import ChunkStore
 from tests.backends.test_transformers_backend import images, text_backend, vl_backend
-from tests.sglang_backend.harness import Admission
+from tests.sglang_backend.harness import Admission, stamp_kv
 
 EXACT = 2e-5
 
@@ -291,7 +292,7 @@ def test_a_tenant_is_never_served_another_tenants_chunks() -> None:
 def test_200_random_requests_leak_no_slot_and_matching_changes_nothing(page_size: int) -> None:
     backend = _backend("qwen2")
     harness, _ = _setup(backend, page_size, WindowConfig(), size=768)
-    harness.on_extend = harness._stamp  # values do not matter here: slots do
+    harness.on_extend = functools.partial(stamp_kv, harness.kv_pool)  # values do not matter here: slots do
     cache = harness.tree_cache
     rng = random.Random(13)
     pieces = [
