@@ -210,8 +210,10 @@ def arm_budgets(
             rank, layers = _PATCHES[arm]
             stored = sum(min(rank or n, n, f) * (n + f) for n in chunk_tokens for f in features)
             budgets[arm] = Budget(stored=layers * stored / kv)
-        elif arm == "reprefill" or arm in RECOMPUTE_ARMS:
-            spec = RECOMPUTE_ARMS.get(arm, Recompute("first", share=1.0))
+        elif arm == "reprefill":
+            budgets[arm] = Budget(recomputed=1.0)
+        elif arm in RECOMPUTE_ARMS:
+            spec = RECOMPUTE_ARMS[arm]
             budgets[arm] = Budget(recomputed=_recomputed_share(spec, chunk_tokens, max(features)))
         else:
             budgets[arm] = Budget()

@@ -32,7 +32,7 @@ def test_every_sweep_reaches_re_prefill_at_full_budget_and_blind_reuse_at_none(
     blind = result.result("blind")
     assert blind.mean_kl > 1.0  # the demo task's binding deficit: blind reuse is far off
     for arm in FULL:  # epic-32 covers every chunk of the demo (pages 20 tokens, frames 6)
-        assert result.result(arm).mean_kl < 1e-4, arm
+        assert result.result(arm).mean_kl < 1e-9, arm  # the re-prefill's own KV: float rounding only
         assert result.result(arm).top1_agreement == 1.0, arm
     for arm in NONE:
         assert result.result(arm).kl_sum == pytest.approx(blind.kl_sum, rel=1e-6), arm

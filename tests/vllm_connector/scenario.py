@@ -25,6 +25,7 @@ import json
 import math
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -142,11 +143,14 @@ def _ask(llm: Any, prompt: list[int], salt: str | None = None) -> dict[str, Any]
     before = _sources(llm)
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=512)
     request = TokensPrompt(prompt_token_ids=prompt, **({"cache_salt": salt} if salt else {}))
+    began = time.perf_counter()
     (out,) = llm.generate([request], params, use_tqdm=False)
+    seconds = time.perf_counter() - began
     after = _sources(llm)
     first = out.outputs[0].logprobs[0]
     return {
         "prompt_tokens": len(prompt),
+        "seconds": seconds,  # the request's wall time: prefill and 6 greedy tokens
         "tokens": list(out.outputs[0].token_ids),
         "first_logprobs": {str(k): v.logprob for k, v in first.items()},
         "computed": after["local_compute"] - before["local_compute"],
@@ -191,13 +195,10 @@ def _kv_check(llm: Any, model_dir: str, prompt: list[int]) -> dict[str, Any]:
 
     from kamera_agent.backends.vllm.blocks import read_tokens
 
-    loads = (
-        [load for load in worker.recent_loads if load.req_id == worker.recent_loads[-1].req_id]
-        if (worker.recent_loads)
-        else []
-    )
-    if not loads:
+    if not worker.recent_loads:
         return {"tokens": 0}
+    last = worker.recent_loads[-1].req_id
+    loads = [load for load in worker.recent_loads if load.req_id == last]
     truth = _hf_kv(model_dir, prompt)
     worst = 0.0
     tokens = 0

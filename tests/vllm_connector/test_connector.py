@@ -97,10 +97,12 @@ def test_defaults_load_moved_chunks_of_a_sliding_conversation(model_dir: Path) -
     computed, computed_alone = sum(r["computed"] for r in sliding), sum(r["computed"] for r in baseline)
     assert computed < computed_alone
     pairs = list(zip(baseline, sliding, strict=True))
+    wall, wall_alone = sum(r["seconds"] for r in sliding[1:]), sum(r["seconds"] for r in baseline[1:])
     divergence = [kl(a["first_logprobs"], r["first_logprobs"]) for a, r in pairs]
     agree = sum(a["tokens"] == r["tokens"] for a, r in pairs)
     print(
         f"defaults, sliding conversation: computed {computed} vs {computed_alone} prompt tokens; "
+        f"wall time of requests 2-9 {1000 * wall:.0f} vs {1000 * wall_alone:.0f} ms; "
         f"first-token KL mean {sum(divergence) / len(divergence):.3g}, max {max(divergence):.3g}; "
         f"answers equal {agree}/{len(sliding)}",
         file=sys.stderr,
@@ -114,4 +116,4 @@ def test_a_damaged_entry_is_never_loaded(model_dir: Path) -> None:
     alone, damaged = _run(str(model_dir), "none"), _run(str(model_dir), "exact", corrupt=True)
     assert [r["tokens"] for r in damaged["growing"]] == [r["tokens"] for r in alone["growing"]]
     worker = damaged["connector"]["worker"]
-    assert worker["load_errors"] > 0 or worker["tokens_loaded"] == 0, worker
+    assert worker["load_errors"] > 0, worker  # damaged entries were offered, refused when read

@@ -18,6 +18,8 @@ where the settings name one); built without a store or layout it is SGLang's own
 from __future__ import annotations
 
 import logging
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,6 +39,7 @@ from kamera_agent.store import ChunkStore
 __all__ = ["KameraRadixCache", "SynthesisStats"]
 
 _LOG = logging.getLogger(__name__)
+_CUT_REQUESTS = 4096  # requests whose chunks are kept (released ones are dropped at once)
 
 
 @dataclass
@@ -91,6 +94,7 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
             else None
         )
         self.stats = SynthesisStats()
+        self._cut: OrderedDict[str, tuple[int, list[RequestChunk]]] = OrderedDict()
 
     @property
     def kv_pool(self) -> Any:
@@ -156,8 +160,25 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         return self.synthesis.plan(_namespace(key), chunks, device_len, end, self.page_size)
 
     def _chunks(self, key: Any, req: Any | None) -> list[RequestChunk]:
-        tokens = list(req.origin_input_ids) if req is not None else list(key.raw_token_ids())
-        return request_chunks(tokens, self.rules, _namespace(key))
+        """The request's chunks, cut once per request: SGLang matches a waiting request on every
+        scheduling pass, and cutting hashes every prompt token."""
+        if req is None:
+            return request_chunks(list(key.raw_token_ids()), self.rules, _namespace(key))
+        known = self._cut.get(req.rid)
+        if known is None or known[0] != len(req.origin_input_ids):
+            known = (
+                len(req.origin_input_ids),
+                request_chunks(list(req.origin_input_ids), self.rules, _namespace(key)),
+            )
+            self._cut[req.rid] = known
+            while len(self._cut) > _CUT_REQUESTS:
+                self._cut.popitem(last=False)
+        return known[1]
+
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        """SGLang released the request: its chunks need not be kept."""
+        super().on_release(req, checkpointed=checkpointed)
+        self._cut.pop(req.rid, None)
 
     def _alloc(self, tokens: int) -> torch.Tensor | None:
         allocator = self.token_to_kv_pool_allocator
@@ -206,8 +227,6 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
 
 
 def _request_key(req: Any) -> Any:
-    from array import array
-
     return RadixKey(array("q", req.origin_input_ids), req.extra_key, cache_salt=req.cache_salt)
 
 

@@ -21,9 +21,7 @@ they share it; across processes give the settings a ``store_url`` (docs/vllm.md)
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -44,7 +42,7 @@ from kamera_agent.errors import KameraError
 from kamera_agent.operator.layout import ChunkKV, KVLayout, at_positions, to_position_free
 from kamera_agent.store import ChunkStore, EntryKey
 
-__all__ = ["ConnectorStats", "KameraConnector", "KameraMetadata", "settings_json"]
+__all__ = ["ConnectorStats", "KameraConnector", "KameraMetadata"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -263,7 +261,9 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     # -- worker side ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._caches = [kv_caches[name] for name in sorted(kv_caches, key=_layer_index)]
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        self._caches = [kv_caches[name] for name in sorted(kv_caches, key=extract_layer_index)]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -335,13 +335,3 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _positions(self, start: int, end: int) -> torch.Tensor:
         flat = torch.arange(start, end, dtype=torch.long)
         return flat.expand(3, -1).clone() if self.layout.rope.axes is not None else flat
-
-
-def _layer_index(name: str) -> int:
-    found = re.findall(r"\.(\d+)\.", f".{name}.")
-    return int(found[0]) if found else 0
-
-
-def settings_json(config: WindowConfig) -> dict[str, Any]:
-    """``kv_connector_extra_config`` for ``config`` (what differs from the defaults)."""
-    return {"config": json.loads(config.model_dump_json(exclude_defaults=True))}
