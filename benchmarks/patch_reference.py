@@ -41,8 +41,8 @@ def measure(items: int, ranks: list[int], seed: int) -> dict[str, Any]:
     model, tokenizer, image_processor = load_demo_model()
     backend = TransformersBackend(model, tokenizer=tokenizer, image_processor=image_processor)
     encoder, layout = backend.encoder, backend.layout
-    query = encoder.query_ids(QUESTIONS["majority"])
-    pool = make_items(2 * items, seed=seed, kind="majority")
+    query = encoder.query_ids(QUESTIONS["colour"])
+    pool = make_items(2 * items, seed=seed, kind="colour")
     errors: dict[tuple[str, int], list[float]] = {(ref, r): [] for ref in REFERENCES for r in ranks}
     kls: dict[tuple[str, int], list[float]] = {(ref, r): [] for ref in REFERENCES for r in ranks}
     for first, second in zip(pool[::2], pool[1::2], strict=True):

@@ -27,7 +27,7 @@ from _shared import CostLog, example_parser, open_window
 
 from kamera_agent import ChunkRef, Plan, WindowConfig
 from kamera_agent.chunks import read_video
-from kamera_agent.demo.task import GLYPHS, GLYPHS_PER_PAGE, render_page
+from kamera_agent.demo.task import GLYPHS, PAGE_CELLS, render_page
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,12 @@ class VideoRun:
 
 
 def write_clip(path: Path, frames: int, fps: float = 2.0) -> list[str]:
-    """Write ``frames`` frames (112 x 112 demo pages filled with one glyph, MJPG) to ``path``;
-    returns the glyph of each."""
+    """Write ``frames`` frames (demo pages filled with one glyph, MJPG) to ``path``; returns the
+    glyph of each."""
     glyphs = [list(GLYPHS)[(3 * i) % len(GLYPHS)] for i in range(frames)]
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter.fourcc(*"MJPG"), fps, (112, 112))
-    for glyph in glyphs:
-        page = render_page([glyph] * GLYPHS_PER_PAGE)
+    pages = [render_page([glyph] * PAGE_CELLS) for glyph in glyphs]
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter.fourcc(*"MJPG"), fps, pages[0].size)
+    for page in pages:
         writer.write(cv2.cvtColor(np.asarray(page), cv2.COLOR_RGB2BGR))
     writer.release()
     return glyphs

@@ -32,7 +32,7 @@ from kamera_agent.bench.prefix_cache import PrefixCache
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.config import WindowConfig
-from kamera_agent.demo.task import QUESTIONS, make_items, render_legend, render_page
+from kamera_agent.demo.task import QUESTIONS, Page, make_items, render_legend, render_page
 from kamera_agent.window import KameraWindow
 
 __all__ = ["POLICIES", "OpRecord", "WindowRun", "run_window"]
@@ -49,7 +49,7 @@ POLICIES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
 """Window settings the episode runs under: the defaults (survivors keep what they absorbed from
 evicted chunks, recalls use their original context, orbit patches across reorders) trade
 exactness for forwards; ``exact`` re-patches whatever a re-prefill would compute differently."""
-_QUERY = QUESTIONS["majority"]
+_QUERY = QUESTIONS["colour"]
 
 
 @dataclass(frozen=True)
@@ -192,16 +192,16 @@ class _Episode:
         for n, item in enumerate(make_items(40, seed=rng.randrange(1 << 30))):
             for i, entries in enumerate(item.legend, start=1):
                 frames.append((f"legend {n}.{i}", partial(self._legend, entries)))
-            for k, glyphs in enumerate(item.pages, start=1):
-                frames.append((f"page {n}.{k}", partial(self._page, glyphs, k)))
+            for k, cells in enumerate(item.pages, start=1):
+                frames.append((f"page {n}.{k}", partial(self._page, cells, k)))
         rng.shuffle(frames)
         self.frames, self.next_frame = frames, 0
 
     def _legend(self, entries: tuple[tuple[str, str], ...]) -> Chunk:
         return self.encoder.image(render_legend(entries))
 
-    def _page(self, glyphs: tuple[str, ...], k: int) -> Chunk:
-        return self.encoder.image(render_page(glyphs), kind="frame", caption=f"#{k}")
+    def _page(self, cells: Page, k: int) -> Chunk:
+        return self.encoder.image(render_page(cells), kind="frame", caption=f"#{k}")
 
     def next(self) -> _Move:
         ops, weights = zip(*_WEIGHTS.items(), strict=True)

@@ -15,7 +15,7 @@ import torch
 
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
-from kamera_agent.demo.task import DemoItem, render_legend, render_page
+from kamera_agent.demo.task import DemoItem, Page, render_legend, render_page
 
 __all__ = ["FrameCache", "ItemSequence", "item_sequence"]
 
@@ -34,11 +34,11 @@ class FrameCache:
         key = ("legend", " ".join(f"{glyph}={colour}" for glyph, colour in entries), str(index))
         return self._get(key, lambda: self.encoder.image(render_legend(entries), label=f"legend {index}"))
 
-    def page(self, glyphs: tuple[str, ...], k: int) -> Chunk:
-        """Page ``#k`` showing ``glyphs``."""
-        key = ("page", "".join(glyphs), str(k))
+    def page(self, cells: Page, k: int) -> Chunk:
+        """Page ``#k`` showing ``cells``."""
+        key = ("page", "".join(cells), str(k))
         return self._get(
-            key, lambda: self.encoder.image(render_page(glyphs), kind="frame", caption=f"#{k}", label=f"#{k}")
+            key, lambda: self.encoder.image(render_page(cells), kind="frame", caption=f"#{k}", label=f"#{k}")
         )
 
     def _get(self, key: tuple[str, ...], make: Callable[[], Chunk]) -> Chunk:
@@ -65,7 +65,7 @@ class ItemSequence:
 def item_sequence(cache: FrameCache, item: DemoItem) -> ItemSequence:
     """The legend frames, then the pages ``#1``, ``#2``, then the question."""
     chunks = [cache.legend(entries, i) for i, entries in enumerate(item.legend, start=1)]
-    chunks += [cache.page(glyphs, k) for k, glyphs in enumerate(item.pages, start=1)]
+    chunks += [cache.page(cells, k) for k, cells in enumerate(item.pages, start=1)]
     encoder = cache.encoder
     answer = encoder.tokens(item.answer + "<|im_end|>")
     return ItemSequence(item, chunks, encoder.query_ids(item.question), answer)

@@ -19,7 +19,17 @@ from PIL import Image
 
 from kamera_agent.chunks.chunk import Chunk, ChunkKind, content_key
 from kamera_agent.chunks.encoder import ChunkEncoder
-from kamera_agent.demo.task import QUESTIONS, DemoItem, make_items, render_legend, render_page
+from kamera_agent.demo.task import (
+    BLANK,
+    LEGEND_FRAMES,
+    PAGES_PER_ITEM,
+    QUESTIONS,
+    DemoItem,
+    Page,
+    make_items,
+    render_legend,
+    render_page,
+)
 
 __all__ = ["KINDS", "Contents", "DemoContents", "RandomContents"]
 
@@ -81,10 +91,10 @@ class RandomContents:
 class DemoContents:
     """The demo task's content: legend frames and pages, low-detail page views, text lines.
 
-    Video and stream frames cycle through items (two legend frames, then two pages); screenshots
-    and document pages are pages (112 x 112: 16 image tokens); a low-detail view is the page
-    scaled to 56 x 56 (4 image tokens); lines and captions are short text. Questions alternate
-    between the model's two ("Majority colour?", "Majority glyph?").
+    Video and stream frames cycle through items (four legend frames, then two pages);
+    screenshots and document pages are pages (224 x 336: 96 image tokens); a low-detail view is
+    the page scaled to 56 x 56 (4 image tokens); lines and captions are short text. Questions
+    alternate between the model's two ("Absent colour?", "Absent glyph?").
     """
 
     encoder: ChunkEncoder
@@ -96,18 +106,19 @@ class DemoContents:
             self._items += make_items(8, self.seed + len(self._items))
         return self._items[index]
 
-    def _page_glyphs(self, index: int) -> tuple[str, ...]:
-        return self._item(index // 2).pages[index % 2]
+    def _page_glyphs(self, index: int) -> Page:
+        return self._item(index // PAGES_PER_ITEM).pages[index % PAGES_PER_ITEM]
 
     def make(self, kind: str, index: int) -> Chunk:
         enc, label = self.encoder, f"{kind} {index}"
         if kind in ("item", "frame"):
-            item, part = self._item(index // 4), index % 4
-            if part < 2:
+            frames = LEGEND_FRAMES + PAGES_PER_ITEM
+            item, part = self._item(index // frames), index % frames
+            if part < LEGEND_FRAMES:
                 return enc.image(render_legend(item.legend[part]), kind="frame", label=label)
-            return enc.image(
-                render_page(item.pages[part - 2]), kind="frame", caption=f"#{part - 1}", label=label
-            )
+            number = part - LEGEND_FRAMES
+            image = render_page(item.pages[number])
+            return enc.image(image, kind="frame", caption=f"#{number + 1}", label=label)
         if kind == "screenshot":
             shot = render_page(self._page_glyphs(index))
             return enc.image(shot, kind="screenshot", caption=f"#{index % 9 + 1}", label=label)
@@ -119,8 +130,9 @@ class DemoContents:
         if kind == "line":
             return enc.text(f"{_ACTIONS[index % len(_ACTIONS)]} #{index % 9 + 1}", label=label)
         if kind == "caption":
-            return enc.text(f"#{index % 9 + 1}: {''.join(self._page_glyphs(index)[:4])}", label=label)
+            glyphs = "".join(cell for cell in self._page_glyphs(index) if cell != BLANK)
+            return enc.text(f"#{index % 9 + 1}: {glyphs[:4]}", label=label)
         raise ValueError(f"unknown content kind {kind!r}; known: {', '.join(KINDS)}")
 
     def question(self, index: int) -> str:
-        return QUESTIONS["majority"] if index % 2 == 0 else QUESTIONS["glyph"]
+        return QUESTIONS["colour"] if index % 2 == 0 else QUESTIONS["glyph"]
