@@ -1,28 +1,35 @@
 """Train kamera-tiny-vl, the shipped demo model, on the synthetic visual binding task.
 
-    python training/train_demo_model.py                    # 3000 steps: ~15 min on 2 idle cores
+    python training/train_demo_model.py                    # 2200 steps: ~40 min on 2 idle cores
     python training/train_demo_model.py --resume           # continue from the last checkpoint
 
 Plain PyTorch on CPU. Each step trains on a batch of items laid out exactly as a KameraWindow
-lays them out (anchor, one chunk per frame, the question), with losses over the full vocabulary:
+lays them out (anchor, one chunk per frame, the question), a quarter of them sparse-binding
+control items (`kamera_agent.demo.task`), with losses over the full vocabulary:
 
 - the answer tokens;
-- a dense auxiliary loss: every glyph token of a page predicts the colour its glyph *means*.
-  The page shows the glyph in white, so the colour must come from the legend frame that shows
-  the same glyph in colour: the binding happens on the pages' own tokens (cross-chunk
-  conditioning) rather than only on the query side. Without it a briefly trained tiny model
-  answers from the query alone and blind reuse would not hurt it. The model card says so.
+- an auxiliary loss, **annealed to zero** (`--anneal-from` .. `--anneal-to` of the steps; the
+  last stretch of training is the answer loss alone): every glyph token of a page predicts the
+  colour its glyph *means*. The page shows the glyph in white, so the colour must come from the
+  legend frame that shows the same glyph in colour: the binding is first taught on the pages'
+  own tokens (cross-chunk conditioning) rather than only on the query side. Without it a briefly
+  trained tiny model answers from the query alone and blind reuse would not hurt it; once the
+  model answers through the pages, the answer loss alone keeps it so, and what the fidelity
+  suite then measures (the deficit's rank, depth, spread over tokens) is the model's own.
+  Legend tokens, under the same weight, predict their own colour (plain readout): it teaches
+  the colour readout directly, so the page tokens' lookup has a gradient as soon as it attends
+  to the right entry at all (without it, dense pages sat at chance for 500 steps).
 
 **Scaffold curriculum.** Trained end to end from scratch, this tiny model learns to read the
 glyphs within a few hundred steps but did not learn the cross-frame lookup (four runs of up to
-3,750 steps on an earlier layout of the task, eight of 200-1,400 steps on this one, with glyph
-probes, vision learning rates and auxiliary targets varied), while the same decoder learns it
-in ~400 steps when a frame token is a learned embedding. So training starts with the decoder
-reading such embeddings (a `Scaffold`, training-only: one vector per legend entry and one per
-page glyph) in place of the vision tower's output, while the vision tower is distilled to
-produce them. Once the lookup has formed (`Handover`), the decoder's input moves linearly from
-the scaffold to the vision tower, and the rest of training is the plain model, end to end. The
-scaffold is discarded: the shipped model is an ordinary Qwen2-VL that reads pixels.
+3,750 steps on an earlier layout of the task, eight of 200-1,400 steps on another), while the
+same decoder learns it in a few hundred steps when a frame token is a learned embedding. So
+training starts with the decoder reading such embeddings (a `Scaffold`, training-only: one
+vector per legend entry, page glyph and filler cell) in place of the vision tower's output,
+while the vision tower is distilled to produce them. Once the lookup has formed (`Handover`),
+the decoder's input moves linearly from the scaffold to the vision tower, and the rest of
+training is the plain model, end to end. The scaffold is discarded: the shipped model is an
+ordinary Qwen2-VL that reads pixels.
 """
 
 from __future__ import annotations
@@ -41,25 +48,33 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kamera_agent.backends import TransformersBackend
 from kamera_agent.demo.model import DEMO_MODEL_DIR, demo_config, demo_image_processor, demo_tokenizer
 from kamera_agent.demo.sequences import FrameCache, ItemSequence, item_sequence
-from kamera_agent.demo.task import COLOURS, GLYPHS, make_items
+from kamera_agent.demo.task import BLANK, COLOURS, GLYPHS, DemoItem, QuestionKind, make_item, make_items
 from kamera_agent.settings import configure_threads
 
 PAD = 256
 MODEL_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw")
-WHITE_INK = len(COLOURS)  # the scaffold's ink index for a page's white glyphs
+WHITE_INK = len(COLOURS)  # the scaffold's ink index for a page's white glyphs (and filler)
+BLANK_GLYPH = len(GLYPHS)  # the scaffold's glyph index for a filler cell
+INKS = WHITE_INK + 1
+SPARSE_SHARE = 0.25
+"""Share of training items that are sparse-binding control items."""
 
 
 class Scaffold(torch.nn.Module):
-    """Training-only frame-token embeddings at text-embedding scale: one vector per legend entry
-    (glyph, colour) and one per page glyph, as free as the decoder's own token embeddings."""
+    """Training-only frame-token embeddings at text-embedding scale: a glyph's vector (or the
+    filler's) plus an ink's (a colour, or white), as free as the decoder's own token
+    embeddings. Factorised, so a page glyph and its legend entry share the glyph's vector from
+    the first step: the decoder only has to learn to match it."""
 
     def __init__(self, hidden: int) -> None:
         super().__init__()
-        self.table = torch.nn.Embedding(len(GLYPHS) * (len(COLOURS) + 1), hidden)
-        torch.nn.init.normal_(self.table.weight, std=0.02)
+        self.glyphs = torch.nn.Embedding(len(GLYPHS) + 1, hidden)
+        self.inks = torch.nn.Embedding(INKS, hidden)
+        for table in (self.glyphs, self.inks):
+            torch.nn.init.normal_(table.weight, std=0.02)
 
     def forward(self, glyphs: torch.Tensor, inks: torch.Tensor) -> torch.Tensor:
-        return self.table(glyphs * (len(COLOURS) + 1) + inks)  # type: ignore[no-any-return]
+        return self.glyphs(glyphs) + self.inks(inks)  # type: ignore[no-any-return]
 
 
 class ScaffoldedVision:
@@ -97,6 +112,7 @@ def build(seed: int) -> tuple[Any, TransformersBackend]:
     config = demo_config()
     config._attn_implementation = "eager"
     model = Qwen2VLForConditionalGeneration(config)
+    seed_lookup(model)
     tokenizer = demo_tokenizer()
     model.generation_config.eos_token_id = [258, 256]
     model.generation_config.pad_token_id = PAD
@@ -104,11 +120,39 @@ def build(seed: int) -> tuple[Any, TransformersBackend]:
     return model, backend
 
 
+def seed_lookup(model: Any, query_key: float = 1.0, output: float = 0.02, copy: float = 0.3) -> None:
+    """Training-only initialisation that makes the lookup and the query's readout first-order.
+
+    From random weights each is a second-order problem: an attention must find the right tokens
+    and its values must carry what those tokens hold, each useless without the other. On 96-token
+    pages with 16 meanings the pages' lookup sat at chance for 500 steps (three runs). So:
+
+    - the first decoder layer's attention starts as an identity path (queries and keys the
+      normalised inputs, values passed through, written back at embedding scale): a page token
+      attends to tokens like it (the same glyph) and carries what it found (the lookup then
+      formed in ~100 steps);
+    - the second-to-last layer's values and outputs start as an identity (``copy``): what a
+      query token attends to (the pages' meanings) is copied into its residual from the start.
+
+    Every weight then trains freely.
+    """
+    layers = model.model.language_model.layers
+    with torch.no_grad():
+        first, late = layers[0].self_attn, layers[len(layers) - 2].self_attn
+        eye = torch.eye(first.q_proj.weight.shape[1])
+        for projection in (first.q_proj, first.k_proj):
+            projection.weight.copy_(query_key * eye[: projection.weight.shape[0]])
+        for attention, scale in ((first, output), (late, copy)):
+            attention.v_proj.weight.copy_(eye[: attention.v_proj.weight.shape[0]])
+            attention.o_proj.weight.copy_(scale * eye[:, : attention.o_proj.weight.shape[1]])
+
+
 def collate(backend: TransformersBackend, batch: list[ItemSequence]) -> dict[str, torch.Tensor]:
-    """Right-padded model inputs; answer and page-binding targets (-100 where nothing is asked);
-    every frame token's glyph and ink (for the scaffold), in the order the model consumes them."""
+    """Right-padded model inputs; answer, page-binding and legend-colour targets (-100 where
+    nothing is asked); every frame token's glyph and ink (for the scaffold), in the order the
+    model consumes them."""
     anchor = backend.anchor
-    rows, answers, aux, types, pixels, grids = [], [], [], [], [], []
+    rows, answers, aux, own, types, pixels, grids = [], [], [], [], [], [], []
     glyphs: list[int] = []
     inks: list[int] = []
     for seq in batch:
@@ -119,7 +163,7 @@ def collate(backend: TransformersBackend, batch: list[ItemSequence]) -> dict[str
         answer = torch.full_like(row, -100)
         start = row.numel() - seq.answer_ids.numel()
         answer[start - 1 : row.numel() - 1] = seq.answer_ids  # logits at i predict token i + 1
-        target = torch.full_like(row, -100)
+        target, colour = torch.full_like(row, -100), torch.full_like(row, -100)
         offset = anchor.num_tokens
         legend_frames = len(seq.item.legend)
         for index, chunk in enumerate(seq.chunks):
@@ -128,13 +172,18 @@ def collate(backend: TransformersBackend, batch: list[ItemSequence]) -> dict[str
                 entries = seq.item.legend[index]
                 glyphs += [GLYPHS[g] for g, _ in entries]
                 inks += [list(COLOURS).index(c) for _, c in entries]
+                colour[image] = torch.tensor([_first_token(backend, c) for _, c in entries])
             else:
                 page = seq.item.pages[index - legend_frames]
-                target[image] = torch.tensor([_first_token(backend, seq.item.meaning[g]) for g in page])
-                glyphs += [GLYPHS[g] for g in page]
+                meaning = seq.item.meaning
+                target[image] = torch.tensor(
+                    [-100 if g == BLANK else _first_token(backend, meaning[g]) for g in page]
+                )
+                glyphs += [BLANK_GLYPH if g == BLANK else GLYPHS[g] for g in page]
                 inks += [WHITE_INK] * len(page)
             offset += chunk.num_tokens
-        rows.append(row), answers.append(answer), aux.append(target), types.append(torch.cat(mm))
+        rows.append(row), answers.append(answer), aux.append(target), own.append(colour)
+        types.append(torch.cat(mm))
         pixels += [c.pixel_values for c in seq.chunks]
         grids += [c.image_grid_thw for c in seq.chunks]
     width = max(r.numel() for r in rows)
@@ -150,6 +199,7 @@ def collate(backend: TransformersBackend, batch: list[ItemSequence]) -> dict[str
         "image_grid_thw": torch.cat(grids),  # type: ignore[arg-type]
         "answer_targets": pad(answers, -100),
         "binding_targets": pad(aux, -100),
+        "legend_targets": pad(own, -100),
         "frame_glyphs": torch.tensor(glyphs),
         "frame_inks": torch.tensor(inks),
     }
@@ -170,6 +220,8 @@ def losses(
     answer = torch.nn.functional.cross_entropy(flat, batch["answer_targets"].reshape(-1), ignore_index=-100)
     binding = batch["binding_targets"]
     aux = torch.nn.functional.cross_entropy(flat, binding.reshape(-1), ignore_index=-100)
+    legend = batch["legend_targets"].reshape(-1)
+    aux = aux + torch.nn.functional.cross_entropy(flat, legend, ignore_index=-100)
     assert vision.vision is not None and vision.target is not None
     target = vision.target.detach()
     distill = (vision.vision - target).pow(2).mean() / target.pow(2).mean().clamp_min(1e-12)
@@ -190,8 +242,8 @@ def held_out_accuracy(
     count: int,
     seed: int,
 ) -> float:
-    """Re-prefill accuracy (first answer token) of the plain model (no scaffold) on held-out items."""
-    items = [item_sequence(cache, item) for item in make_items(count, seed)]
+    """Re-prefill binding accuracy (first answer token) of the plain model (no scaffold) on held-out items."""
+    items = [item_sequence(cache, item) for item in make_items(count, seed, kind="colour")]
     correct, share = 0, vision.share
     vision.share = 0.0
     with torch.no_grad():
@@ -201,6 +253,35 @@ def held_out_accuracy(
             correct += round(metrics["accuracy"] * len(items[start : start + 50]))
     vision.share = share
     return correct / count
+
+
+def training_items(
+    rng: random.Random, count: int, warming: bool = False, colour_share: float = 0.5
+) -> list[DemoItem]:
+    """A batch of fresh items, ``colour_share`` of them binding questions and `SPARSE_SHARE`
+    sparse-binding control items; while the lookup forms (``warming``), pages of
+    `WARMING_GLYPHS` glyphs instead."""
+
+    def kind() -> QuestionKind:
+        return "colour" if rng.random() < colour_share else "glyph"
+
+    if warming:
+        return [make_item(rng, kind(), glyphs_shown=rng.choice(WARMING_GLYPHS)) for _ in range(count)]
+    return [make_item(rng, kind(), sparse=rng.random() < SPARSE_SHARE) for _ in range(count)]
+
+
+WARMING_GLYPHS = (15, 30, 60, 128)
+"""Glyphs over the pages before the hand-over: on dense pages a glyph's legend entry competes
+with eight white copies of the same glyph for its attention; sparser pages let the lookup form
+first, on entries it can tell apart."""
+
+
+def anneal(step: int, steps: int, start: float, end: float) -> float:
+    """The auxiliary loss's weight factor: 1 until ``start·steps``, linearly to 0 at ``end·steps``."""
+    at = step / max(1, steps)
+    if at <= start:
+        return 1.0
+    return max(0.0, 1.0 - (at - start) / max(1e-9, end - start))
 
 
 class Handover:
@@ -227,20 +308,23 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=2200)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--aux-weight", type=float, default=2.0)
-    parser.add_argument("--handover-steps", type=int, default=600)
+    parser.add_argument("--anneal-from", type=float, default=0.6, help="share of steps: aux starts fading")
+    parser.add_argument("--anneal-to", type=float, default=0.85, help="share of steps: aux is zero from here")
+    parser.add_argument("--handover-steps", type=int, default=400)
     parser.add_argument(
-        "--handover-after", type=int, default=2000, help="start the hand-over by this step even if unbound"
+        "--handover-after", type=int, default=900, help="start the hand-over by this step even if unbound"
     )
+    parser.add_argument("--colour-share", type=float, default=0.5, help="share of binding questions")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=DEMO_MODEL_DIR)
     parser.add_argument("--checkpoint", type=Path, default=Path("training/checkpoint.pt"))
     parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--eval-every", type=int, default=200)
+    parser.add_argument("--eval-every", type=int, default=100)
     args = parser.parse_args(argv)
     configure_threads(args.threads)
     model, backend = build(args.seed)
@@ -273,21 +357,24 @@ def main(argv: list[str] | None = None) -> None:
     with Progress(*columns, TextColumn("{task.fields[status]}")) as progress:
         task = progress.add_task("training kamera-tiny-vl", total=args.steps, completed=step, status="")
         while step < args.steps:
-            seed = rng.randrange(1 << 30)
-            batch = collate(backend, [item_sequence(cache, item) for item in make_items(args.batch, seed)])
+            items = training_items(rng, args.batch, handover.began is None, args.colour_share)
+            batch = collate(backend, [item_sequence(cache, item) for item in items])
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step)
             vision.share = handover.share(step, log)
-            loss, metrics = losses(model, batch, args.aux_weight, vision)
+            aux = args.aux_weight * anneal(step, args.steps, args.anneal_from, args.anneal_to)
+            loss, metrics = losses(model, batch, aux, vision)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(parameters, 1.0)
             optimizer.step()
             step += 1
-            log.append({"step": step, "loss": float(loss.detach()), "scaffold": vision.share, **metrics})
+            log.append(
+                {"step": step, "loss": float(loss.detach()), "scaffold": vision.share, "aux": aux, **metrics}
+            )
             status = (
                 f"loss {log[-1]['loss']:.3f} acc {metrics['accuracy']:.2f} binding {metrics['binding']:.2f} "
-                f"scaffold {vision.share:.2f}"
+                f"scaffold {vision.share:.2f} aux {aux:.2f}"
             )
             progress.update(task, advance=1, status=status)
             if step % args.eval_every == 0 or step == args.steps:
@@ -333,6 +420,10 @@ def main(argv: list[str] | None = None) -> None:
         "lr": args.lr,
         "handover_began": handover.began,
         "handover_steps": args.handover_steps,
+        "aux_weight": args.aux_weight,
+        "anneal": [args.anneal_from, args.anneal_to],
+        "sparse_share": SPARSE_SHARE,
+        "colour_share": args.colour_share,
         "final": log[-1],
         "seed": args.seed,
     }

@@ -1,14 +1,15 @@
 """The retraining command in the model card still runs: a few steps through the whole recipe.
 
-Scaffold, hand-over, plain model, checkpoint and resume, and a saved folder that loads offline
-as an ordinary Qwen2-VL (no scaffold weights in it). Training to the card's figures takes
-~15 minutes and is not run here.
+Scaffold, hand-over, the auxiliary loss's fade, plain model, checkpoint and resume, and a saved
+folder that loads offline as an ordinary Qwen2-VL (no scaffold weights in it). Training to the
+card's figures takes about an hour and is not run here.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import random
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -53,5 +54,29 @@ def test_a_short_run_saves_a_plain_model_and_resumes(script: ModuleType, tmp_pat
     model, tokenizer, image_processor = load_demo_model(out)
     fresh = script.build(0)[0]
     assert set(model.state_dict()) == set(fresh.state_dict())  # the scaffold is not saved
-    assert tokenizer.decode(tokenizer("Majority colour?")["input_ids"]) == "Majority colour?"
-    assert image_processor.size["longest_edge"] == 112 * 112
+    assert tokenizer.decode(tokenizer("Absent colour?")["input_ids"]) == "Absent colour?"
+    assert image_processor.size["longest_edge"] == 224 * 336
+
+
+def test_the_auxiliary_loss_fades_to_zero_before_training_ends(script: ModuleType) -> None:
+    weights = [script.anneal(step, 100, 0.6, 0.8) for step in (0, 60, 70, 80, 90, 100)]
+    assert weights == [1.0, 1.0, pytest.approx(0.5), 0.0, 0.0, 0.0]
+
+
+def test_a_quarter_of_training_items_are_sparse_controls(script: ModuleType) -> None:
+    items = script.training_items(random.Random(0), 400)
+    assert 0.18 < sum(item.sparse for item in items) / 400 < 0.32
+    assert {item.kind for item in items} == {"colour", "glyph"}
+    warming = script.training_items(random.Random(0), 100, warming=True)
+    assert {sum(item.glyph_counts.values()) for item in warming} == set(script.WARMING_GLYPHS)
+
+
+def test_the_first_layers_start_as_an_identity_lookup(script: ModuleType) -> None:
+    model = script.build(0)[0]
+    layers = model.model.language_model.layers
+    eye = torch.eye(layers[0].self_attn.q_proj.weight.shape[1])
+    first = layers[0].self_attn
+    assert torch.equal(first.q_proj.weight, eye) and torch.equal(first.k_proj.weight, eye)
+    assert torch.equal(layers[-2].self_attn.v_proj.weight, eye)
+    assert torch.equal(layers[-2].self_attn.o_proj.weight, 0.3 * eye)
+    assert not torch.equal(layers[1].self_attn.q_proj.weight, eye)  # the rest is the default init
