@@ -5,6 +5,10 @@ relocation, CacheBlend- and EPIC-style selective recompute, kamera patches of ra
 full rank, deep-half and orbit patches) serves the same items in one process, one re-prefill
 forward per item giving the reference; the figures are `kamera_agent.demo.evaluate`'s.
 
+The **sparse-binding control** runs the token-recompute arms on items whose pages hold only a
+few glyphs (`kamera_agent.demo.task`): there the few tokens that bind are the few that deviate,
+so selective recompute should repair the page. It shows the baselines are not rigged.
+
 Items are evaluated one at a time and merged into the running tally, so an interrupted run
 keeps every item it finished.
 """
@@ -34,6 +38,7 @@ from kamera_agent.demo.sequences import FrameCache, item_sequence
 from kamera_agent.demo.task import DemoItem
 
 __all__ = [
+    "CONTROL_ARMS",
     "FIDELITY_ARMS",
     "RANKS",
     "RANK_ARMS",
@@ -65,6 +70,9 @@ FIDELITY_ARMS: tuple[str, ...] = (
     "orbit-16",
 )
 """The arms of the suite; ``reprefill`` (the reference) is always reported too."""
+
+CONTROL_ARMS: tuple[str, ...] = ("blind", "cacheblend", "cacheblend-global-15", "epic", "rank-16")
+"""The arms of the sparse-binding control: the token-recompute arms at 15 % beside kamera."""
 
 # What each arm spends besides the canonical: patch factors (rank, layer share) or recomputed tokens.
 _PATCHES: Mapping[str, tuple[int | None, float]] = MappingProxyType(
@@ -122,7 +130,12 @@ class FidelityRun:
     items_done: int = 0
     seconds: float = 0.0
     chunk_tokens: list[int] = field(default_factory=list)
+    features: tuple[int, int] = (0, 0)
+    """Numbers per token in the key and the value slot (heads·dim)."""
     budgets: dict[str, Budget] = field(default_factory=dict)
+    control: Evaluation = field(default_factory=Evaluation)
+    """The sparse-binding control's tallies (`CONTROL_ARMS`)."""
+    control_items_done: int = 0
 
     def figures(self) -> list[ArmFigures]:
         """Per arm (re-prefill first), the figures over the items finished so far, with 95 %
@@ -149,6 +162,21 @@ class FidelityRun:
     def figure(self, arm: str) -> ArmFigures:
         return next(f for f in self.figures() if f.arm == arm)
 
+    def page_share(self, arm: str) -> float:
+        """What ``arm`` stores for the largest chunk (a page), as a share of that chunk's KV."""
+        page = max(self.chunk_tokens, default=0)
+        return arm_budgets((arm,), [page], self.features)[arm].stored if page else float("nan")
+
+    def control_figures(self) -> list[tuple[str, float, float]]:
+        """Per control arm (re-prefill first): binding accuracy and η on the sparse control."""
+        ev = self.control
+        if not self.control_items_done:
+            return []
+        return [
+            (arm, ev.multi_hop(arm).accuracy, _gap_closed(ev.multi_hop(arm), ev.multi_hop("blind")))
+            for arm in ("reprefill", *CONTROL_ARMS)
+        ]
+
     def to_json(self) -> dict[str, Any]:
         arms = []
         for fig in self.figures():
@@ -172,14 +200,27 @@ class FidelityRun:
                 "deep_over_shallow_energy": finite(deficit.deep_over_shallow),
                 "rank90_median": _median(deficit.rank90),
                 "rank90_range": [min(deficit.rank90, default=0), max(deficit.rank90, default=0)],
+                "order_change_median": _median(deficit.order_change),
+            },
+            "control": {
+                "items_done": self.control_items_done,
+                "arms": [
+                    {"arm": arm, "binding_accuracy": acc, "eta_binding": finite(eta)}
+                    for arm, acc, eta in self.control_figures()
+                ],
             },
         }
 
 
 def run_fidelity(
-    backend: TransformersBackend, items: Sequence[DemoItem], run: FidelityRun, progress: Progress
+    backend: TransformersBackend,
+    items: Sequence[DemoItem],
+    run: FidelityRun,
+    progress: Progress,
+    control: Sequence[DemoItem] = (),
 ) -> None:
-    """Evaluate every arm on ``items``, one item at a time.
+    """Evaluate every arm on ``items``, then `CONTROL_ARMS` on the sparse ``control`` items, one
+    item at a time.
 
     Mutates: ``run`` (tallies, items done, budgets, seconds) after every finished item.
     """
@@ -187,12 +228,21 @@ def run_fidelity(
     if items:
         chunks = item_sequence(frames, items[0]).chunks
         run.chunk_tokens = [chunk.num_tokens for chunk in chunks]
-        run.budgets = arm_budgets(run.arms, run.chunk_tokens, _features(backend))
+        run.features = _features(backend)
+        run.budgets = arm_budgets(run.arms, run.chunk_tokens, run.features)
     task = progress.add_task(f"fidelity · {len(run.arms)} arms", total=len(items))
     began = time.perf_counter()
     for item in items:
         _merge(run.evaluation, evaluate(backend, [item], run.arms, cache=frames, core=core))
         run.items_done += 1
+        run.seconds = time.perf_counter() - began
+        progress.advance(task)
+    if not control:
+        return
+    task = progress.add_task(f"sparse-binding control · {len(CONTROL_ARMS)} arms", total=len(control))
+    for item in control:
+        _merge(run.control, evaluate(backend, [item], CONTROL_ARMS, cache=frames, core=core))
+        run.control_items_done += 1
         run.seconds = time.perf_counter() - began
         progress.advance(task)
 
@@ -288,7 +338,7 @@ def _quantiles(values: torch.Tensor) -> tuple[float, float]:
     return float(low), float(high)
 
 
-def _median(values: Sequence[int]) -> float:
+def _median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     if not ordered:
         return float("nan")

@@ -166,7 +166,13 @@ def _fidelity(context: _Context, progress: Progress) -> None:
     run = FidelityRun(model=context.model_name, seed=options.seed, items_requested=options.item_count)
     context.results.fidelity = run
     backend = TransformersBackend(model, tokenizer=tokenizer, image_processor=image_processor)
-    run_fidelity(backend, make_items(options.item_count, options.seed), run, progress)
+    items = make_items(options.item_count, options.seed)
+    control = make_items(max(1, options.item_count // CONTROL_SHARE), options.seed + 1, "colour", sparse=True)
+    run_fidelity(backend, items, run, progress, control)
+
+
+CONTROL_SHARE = 4
+"""The sparse-binding control runs on one item for every ``CONTROL_SHARE`` main items."""
 
 
 def _cost(context: _Context, progress: Progress) -> None:

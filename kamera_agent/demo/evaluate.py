@@ -242,12 +242,15 @@ class Deficit:
         energy: per layer, the summed ``‖Δ‖²`` (both slots).
         relative: per layer, the summed ``‖Δ‖ / ‖KV(page | legend)‖`` (divide by ``chunks``).
         rank90: per page, layer and slot, how many singular directions hold 90 % of ``‖Δ‖²``.
+        order_change: per page and other ordering of the legend, ``‖Δπ − Δ‖ / ‖Δ‖`` over all
+            layers: how much the deficit depends on the antecedents' order (the paper: 0.43–0.53).
     """
 
     chunks: int = 0
     energy: list[float] = field(default_factory=list)
     relative: list[float] = field(default_factory=list)
     rank90: list[int] = field(default_factory=list)
+    order_change: list[float] = field(default_factory=list)
 
     def add(self, other: Deficit) -> None:
         """Sum ``other`` into this tally."""
@@ -255,6 +258,7 @@ class Deficit:
         self.energy = _sums(self.energy, other.energy)
         self.relative = _sums(self.relative, other.relative)
         self.rank90 += other.rank90
+        self.order_change += other.order_change
 
     @property
     def deep_over_shallow(self) -> float:
@@ -272,7 +276,7 @@ def _sums(a: list[float], b: list[float]) -> list[float]:
 
 @dataclass
 class Evaluation:
-    """Results by arm and by question kind (``"all"``, ``"majority"``, ``"glyph"``), and where
+    """Results by arm and by question kind (``"all"``, ``"colour"``, ``"glyph"``), and where
     the pages' deficit lives."""
 
     by_kind: dict[str, dict[str, ArmResult]] = field(default_factory=dict)
@@ -282,8 +286,8 @@ class Evaluation:
         return self.by_kind.setdefault(kind, {}).setdefault(arm, ArmResult())
 
     def multi_hop(self, arm: str) -> ArmResult:
-        """The questions that need binding (majority colour)."""
-        return self.result(arm, "majority")
+        """The questions that need binding (the colour no page shows)."""
+        return self.result(arm, "colour")
 
     def gap_closed(self, arm: str, kind: str = "all") -> float:
         """η: the share of the blind→re-prefill KL gap the arm closes."""
@@ -335,8 +339,11 @@ def _evaluate_item(
         forward = backend.model(**inputs, use_cache=True)
     reference = forward.logits[0, -1].float().cpu()
     pieces, start = _pieces(core, backend, seq, output_cache(forward))
-    out.deficit.add(_deficit(pieces[len(seq.item.legend) :], backend.layout))
+    first_page = len(seq.item.legend)
+    out.deficit.add(_deficit(pieces[first_page:], backend.layout))
     orbit = _orbit_members(backend, seq, pieces) if any(a in ORBIT_ARMS for a in arms) else []
+    for (canonical, own, _), members in zip(pieces[first_page:], orbit[first_page:], strict=False):
+        out.deficit.order_change += _order_change(canonical, own, members, backend.layout)
     served = {"reprefill": reference}
     for name in arms:
         chunks = _serve(name, pieces, orbit, backend.layout)
@@ -409,6 +416,24 @@ def _other_legend_orders(seq: ItemSequence) -> list[list[int]]:
     random.Random(repr(seq.item)).shuffle(others)
     rest = list(range(len(legend), len(seq.chunks)))
     return [order + rest for order in others[:HELD_OUT_ORDERS]]
+
+
+def _order_change(
+    canonical: ChunkKV, own: ChunkKV, others: Sequence[ChunkKV], layout: KVLayout
+) -> list[float]:
+    """Per other ordering: ``‖Δπ − Δ‖ / ‖Δ‖``, position-free, keys and values of every layer."""
+    free = to_position_free(own, layout)
+    size = sum(float((t - c).float().pow(2).sum()) for t, c in _slots(free, canonical)) ** 0.5
+    changes = []
+    for other in others:
+        moved = to_position_free(other, layout)
+        change = sum(float((m - t).float().pow(2).sum()) for m, t in _slots(moved, free)) ** 0.5
+        changes.append(change / max(size, 1e-30))
+    return changes
+
+
+def _slots(a: ChunkKV, b: ChunkKV) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    return ((a.keys, b.keys), (a.values, b.values))
 
 
 def _deficit(pages: Sequence[Piece], layout: KVLayout) -> Deficit:

@@ -27,7 +27,7 @@ def backend() -> TransformersBackend:
 def test_every_sweep_reaches_re_prefill_at_full_budget_and_blind_reuse_at_none(
     backend: TransformersBackend,
 ) -> None:
-    items = make_items(6, 424_242, kind="majority")
+    items = make_items(6, 424_242, kind="colour")
     result = evaluate(backend, items, arms=("blind", *FULL, *NONE, "cacheblend-global-30"))
     blind = result.result("blind")
     assert blind.mean_kl > 1.0  # the demo task's binding deficit: blind reuse is far off

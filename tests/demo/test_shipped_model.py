@@ -36,15 +36,15 @@ def test_weights_are_small_enough_to_ship() -> None:
 
 
 def test_blind_reuse_breaks_binding_and_the_patch_repairs_it(backend: TransformersBackend) -> None:
-    items = make_items(12, ITEMS_SEED, kind="majority")
+    items = make_items(12, ITEMS_SEED, kind="colour")
     result = evaluate(backend, items, arms=("blind", "rank-16", "full"))
-    right = {arm: result.result(arm, "majority").correct for arm in ("reprefill", "blind", "rank-16", "full")}
+    right = {arm: result.result(arm, "colour").correct for arm in ("reprefill", "blind", "rank-16", "full")}
     assert right["reprefill"] >= 11, right
-    assert right["blind"] <= 5, right  # chance is 1/8: blind reuse gets most of them wrong
+    assert right["blind"] <= 3, right  # chance is 1/16: blind reuse gets most of them wrong
     assert right["full"] == right["reprefill"], right
     assert right["rank-16"] >= right["reprefill"] - 1, right
-    assert result.result("full", "majority").mean_kl < 1e-6
-    assert result.result("blind", "majority").mean_kl > 100 * result.result("rank-16", "majority").mean_kl
+    assert result.result("full", "colour").mean_kl < 1e-6
+    assert result.result("blind", "colour").mean_kl > 10 * result.result("rank-16", "colour").mean_kl
 
 
 def test_blind_reuse_keeps_plain_readout(backend: TransformersBackend) -> None:
@@ -57,17 +57,17 @@ def test_blind_reuse_keeps_plain_readout(backend: TransformersBackend) -> None:
 def test_demo_episode_answers_right_where_blind_reuse_does_not() -> None:
     result = run_demo_episode(Console(file=io.StringIO(), width=160))
     for name in (
-        "majority",
+        "colour",
         "glyph",
-        "majority after reorder",
-        "majority after recall",
+        "colour after reorder",
+        "colour after recall",
         "glyph (blind reuse)",
     ):
         assert result.answers[name].startswith(result.expected[name]), (name, result.answers)
-    blind = "majority (blind reuse)"
+    blind = "colour (blind reuse)"
     assert not result.answers[blind].startswith(result.expected[blind]), result.answers
     ops = [step.op for step in result.steps]
-    assert sum(op.startswith("push legend") for op in ops) == 2 and "recall #1" in ops and "slide" in ops
+    assert sum(op.startswith("push legend") for op in ops) == 4 and "recall #1" in ops and "slide" in ops
     assert sum(op.startswith("push page") for op in ops) == 2
     recall = next(step for step in result.steps if step.op == "recall #1")
     assert recall.cost.tokens_reused > 0 and recall.tokens < recall.prefix_cache_tokens
