@@ -309,6 +309,9 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=2200)
+    parser.add_argument(
+        "--until", type=int, default=None, help="stop after this step (checkpointed; --resume continues)"
+    )
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--aux-weight", type=float, default=2.0)
@@ -356,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
     with Progress(*columns, TextColumn("{task.fields[status]}")) as progress:
         task = progress.add_task("training kamera-tiny-vl", total=args.steps, completed=step, status="")
-        while step < args.steps:
+        while step < min(args.steps, args.until or args.steps):
             items = training_items(rng, args.batch, handover.began is None, args.colour_share)
             batch = collate(backend, [item_sequence(cache, item) for item in items])
             for group in optimizer.param_groups:
@@ -377,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"scaffold {vision.share:.2f} aux {aux:.2f}"
             )
             progress.update(task, advance=1, status=status)
-            if step % args.eval_every == 0 or step == args.steps:
+            if step % args.eval_every == 0 or step in (args.steps, args.until):
                 model.eval()
                 held = held_out_accuracy(model, backend, cache, vision, 100, seed=10_000)
                 model.train()
@@ -406,6 +409,9 @@ def main(argv: list[str] | None = None) -> None:
                     },
                     args.checkpoint,
                 )
+    if step < args.steps:
+        print(f"stopped at step {step} of {args.steps}; --resume continues")
+        return
     vision.detach()
     model.eval()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,9 @@ patched window answers it right.
 Steps: push four legend frames (glyphs drawn in the colours they mean) and two pages of white
 glyphs; ask which colour no glyph on the pages means (binding) and which glyph is absent
 (readout); reverse the legend frames (reorder); check that the question leans on the legend
-frame that defines the absent glyph (probe_without); evict page #1, recall it; slide the oldest
-legend frame out; ask after each. The closing table measures the arms on more
+frame that defines the absent glyph (probe_without); evict page #1, recall it; slide the window
+so that an earlier page pushed first leaves (the survivors keep their KV, relocated); ask after
+each. The closing table measures the arms on more
 items: blind reuse and 15 % token recompute lose the binding, a rank-2 patch repairs part of it,
 rank 16 all of it; on the sparse-binding control token recompute works too.
 Every row counts prompt tokens prefilled on both sides (answer tokens are decoded alike and not
@@ -167,6 +168,9 @@ def run_demo_episode(
     def admit(into: list[ChunkRef], image: Image.Image, label: str, **kind: str) -> None:
         into.append(window.push(image, label=label, **kind))  # type: ignore[arg-type]
 
+    earlier: list[ChunkRef] = []
+    old = make_item(random.Random(seed + 1_000)).pages[0]
+    step("push earlier page", partial(admit, earlier, render_page(old), "#0", kind="frame", caption="#0"))
     for i, entries in enumerate(item.legend, start=1):
         step(f"push legend {i}", partial(admit, legend, render_legend(entries), f"legend {i}"))
     for k, cells in enumerate(item.pages, start=1):
@@ -184,7 +188,7 @@ def run_demo_episode(
 
     step(
         "reorder legend",
-        lambda: window.reorder([*reversed(legend), *pages]),
+        lambda: window.reorder([*earlier, *reversed(legend), *pages]),
         "antecedent set unchanged",
     )
     ask("colour after reorder", item.question, item.answer)
@@ -211,10 +215,10 @@ def run_demo_episode(
         )
     )
     step("evict #1", lambda: window.evict(pages[0]), "stays recallable")
-    step("recall #1", lambda: window.recall(pages[0], at=len(legend)), "its stored KV, no vision")
+    step("recall #1", lambda: window.recall(pages[0], at=1 + len(legend)), "its stored KV, no vision")
     ask("colour after recall", item.question, item.answer)
-    step("slide", lambda: window.slide(), "oldest legend out")
-    ask("glyph after slide", readout, absent)
+    step("slide", lambda: window.slide(), "the earlier page out")
+    ask("colour after slide", item.question, item.answer)
     result.held_out = _held_out(window, seed, HELD_OUT_ITEMS, console)
     _print(console, result)
     return result
@@ -291,8 +295,8 @@ def _print(console: Console, result: EpisodeResult) -> None:
         console.print(held)
         console.print(
             "[dim]binding: the colour no page shows (every page token read against the legend); "
-            "readout: the glyph no page shows; sparse control: binding on pages showing 15 glyphs in all, where "
-            "recomputing the few tokens that deviate most (CacheBlend-style) suffices.[/dim]"
+            "readout: the glyph no page shows; sparse control: binding on pages showing 15 glyphs in "
+            "all, where recomputing the few tokens that deviate most (CacheBlend-style) suffices.[/dim]"
         )
     console.print(punchline(result))
     console.print(

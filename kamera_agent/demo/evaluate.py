@@ -176,12 +176,13 @@ RECOMPUTE_ARMS: Mapping[str, Recompute] = MappingProxyType(
             f"cacheblend-global-{p}": Recompute("deviation", "global", p / 100)
             for p in (0, 5, 15, 30, 50, 100)
         },
-        **{f"epic-{k}": Recompute("first", tokens=k) for k in (0, 4, 8, 16, 32)},
+        **{f"epic-{k}": Recompute("first", tokens=k) for k in (0, 4, 8, 16, 32, 128)},
         "cacheblend-bytes-16": Recompute("deviation", rank=16),
     }
 )
 """Token-recompute baselines (`Recompute`): CacheBlend-style per chunk and global at budgets
-0–100 %, EPIC-style at absolute k, and CacheBlend at the bytes of a rank-16 patch."""
+0–100 %, EPIC-style at absolute k (128: every token of the demo's chunks), and CacheBlend at the
+bytes of a rank-16 patch."""
 
 
 ARMS: Mapping[str, Arm] = MappingProxyType(
@@ -262,12 +263,14 @@ class Deficit:
 
     @property
     def deep_over_shallow(self) -> float:
-        """Energy in the deeper half of the layers over the shallower half, counting from layer 1
-        (layer 0's KV is its tokens' embeddings projected: no context can change it)."""
-        seeing = self.energy[1:]
-        half = len(seeing) // 2
-        shallow = sum(seeing[:half])
-        return sum(seeing[half:]) / shallow if shallow > 0 else float("nan")
+        """Mean energy per layer in the deeper half of the layers over the shallower half's, the
+        shallower half's mean taken over the layers that see context (layer 0's KV is its
+        tokens' embeddings projected: no context can change it, so counting it would flatter)."""
+        half = len(self.energy) // 2
+        shallow, deep = self.energy[1:half], self.energy[half:]
+        if not shallow or sum(shallow) <= 0:
+            return float("nan")
+        return (sum(deep) / len(deep)) / (sum(shallow) / len(shallow))
 
 
 def _sums(a: list[float], b: list[float]) -> list[float]:

@@ -14,7 +14,7 @@ from kamera_agent.demo.evaluate import BUDGETS, RECOMPUTE_ARMS, Recompute, evalu
 from kamera_agent.demo.model import load_demo_model
 from kamera_agent.demo.task import make_items
 
-FULL = ("cacheblend-chunk-100", "cacheblend-global-100", "epic-32")
+FULL = ("cacheblend-chunk-100", "cacheblend-global-100", "epic-128")
 NONE = ("cacheblend-chunk-0", "cacheblend-global-0", "epic-0")
 
 
@@ -31,7 +31,7 @@ def test_every_sweep_reaches_re_prefill_at_full_budget_and_blind_reuse_at_none(
     result = evaluate(backend, items, arms=("blind", *FULL, *NONE, "cacheblend-global-30"))
     blind = result.result("blind")
     assert blind.mean_kl > 1.0  # the demo task's binding deficit: blind reuse is far off
-    for arm in FULL:  # epic-32 covers every chunk of the demo (pages 20 tokens, frames 6)
+    for arm in FULL:  # epic-128 covers every chunk of the demo (pages 100 tokens, frames 6)
         assert result.result(arm).mean_kl < 1e-9, arm  # the re-prefill's own KV: float rounding only
         assert result.result(arm).top1_agreement == 1.0, arm
     for arm in NONE:
