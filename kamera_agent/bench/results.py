@@ -112,7 +112,7 @@ def measurement_targets(run: FidelityRun | None) -> list[Target]:
         "re-prefill >= 95 % on binding",
         "blind reuse within 10 points of chance on binding, within 2 of re-prefill on readout",
         "graded knee: rank 16 within 1 point of re-prefill, rank 2 >= 10 below it, rank 16 <= 30 % of the KV",
-        "the deficit grows with depth: deeper-half energy >= 2x the shallower half's",
+        "the deficit grows with depth: deeper-half energy per layer >= 2x the shallower half's",
         "orbit-16 on held-out orderings: η >= 0.9",
         "sparse-binding control: the best token-recompute arm at 15 % reaches η >= 0.8, "
         "while on the main task token recompute at a rank-16 patch's bytes stays below rank 16",
