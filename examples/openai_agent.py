@@ -51,7 +51,7 @@ def run(client: OpenAI, steps: int, keep: int = 3, model: str = MODEL) -> list[A
             "role": "user",
             "content": [
                 {"type": "image_url", "image_url": {"url": screenshot_url(step)}},
-                {"type": "text", "text": "Majority glyph?"},
+                {"type": "text", "text": "Absent glyph?"},
             ],
         }
         messages = [{"role": "system", "content": SYSTEM}, *history, screen]

@@ -1,7 +1,10 @@
 """Train kamera-tiny-vl, the shipped demo model, on the synthetic visual binding task.
 
-    python training/train_demo_model.py                    # 2200 steps: ~40 min on 2 idle cores
-    python training/train_demo_model.py --resume           # continue from the last checkpoint
+    python training/train_demo_model.py --until 1000                  # steps 1-1,000
+    python training/train_demo_model.py --resume --colour-share 0.3   # to 2,200: ~50 min in all, 2 cores
+
+(the shipped model's recipe: after step 1,000 binding was solved and readout was not, so the
+second half trains mostly readout); ``--resume`` continues from the last checkpoint.
 
 Plain PyTorch on CPU. Each step trains on a batch of items laid out exactly as a KameraWindow
 lays them out (anchor, one chunk per frame, the question), a quarter of them sparse-binding
