@@ -20,8 +20,9 @@ control items (`kamera_agent.demo.task`), with losses over the full vocabulary:
   model answers through the pages, the answer loss alone keeps it so, and what the fidelity
   suite then measures (the deficit's rank, depth, spread over tokens) is the model's own.
   Legend tokens, under the same weight, predict their own colour (plain readout): it teaches
-  the colour readout directly, so the page tokens' lookup has a gradient as soon as it attends
-  to the right entry at all (without it, dense pages sat at chance for 500 steps).
+  the colour readout directly, so with `seed_lookup`'s identity path a page token's lookup pays
+  off as soon as it attends to the right entry at all (neither alone formed the lookup in 400
+  steps).
 
 **Scaffold curriculum.** Trained end to end from scratch, this tiny model learns to read the
 glyphs within a few hundred steps but did not learn the cross-frame lookup (four runs of up to
