@@ -12,9 +12,9 @@ glyphs; ask which colour no glyph on the pages means (binding) and which glyph i
 (readout); reverse the legend frames (reorder); check that the question leans on the legend
 frame that defines the absent glyph (probe_without); evict page #1, recall it; slide the window
 so that an earlier page pushed first leaves (the survivors keep their KV, relocated); ask after
-each. The closing table measures the arms on more
-items: blind reuse and 15 % token recompute lose the binding, a rank-2 patch repairs part of it,
-rank 16 all of it; on the sparse-binding control token recompute works too.
+each. The closing table measures the arms on more items: blind reuse and 15 % token recompute
+lose the binding, a rank-2 patch barely repairs it, rank 16 fully; on the sparse-binding
+control token recompute works too.
 Every row counts prompt tokens prefilled on both sides (answer tokens are decoded alike and not
 counted); the model's one-time anchor forward is its own row.
 """
@@ -235,10 +235,11 @@ HELD_OUT_ROWS = ("binding", "readout", "sparse control")
 def _held_out(window: KameraWindow, seed: int, count: int, console: Console) -> dict[str, dict[str, float]]:
     backend = window.backend
     assert isinstance(backend, TransformersBackend)  # the demo model runs on transformers
+    binding, readout, control = HELD_OUT_ROWS
     questions = {
-        "binding": make_items(count, seed + 1, kind="colour"),
-        "readout": make_items(count, seed + 1, kind="glyph"),
-        "sparse control": make_items(count, seed + 1, kind="colour", sparse=True),
+        binding: make_items(count, seed + 1, kind="colour"),
+        readout: make_items(count, seed + 1, kind="glyph"),
+        control: make_items(count, seed + 1, kind="colour", sparse=True),
     }
     accuracy: dict[str, dict[str, float]] = {}
     with Progress(console=console, transient=True) as progress:
