@@ -7,6 +7,7 @@ supports it (or not), computed from the same objects that results.json is writte
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,7 @@ from kamera_agent.bench.agents.records import AgentsRun
 from kamera_agent.bench.agents.report import agent_targets
 from kamera_agent.bench.common import BenchOptions, finite, machine_info
 from kamera_agent.bench.cost import CostRun
-from kamera_agent.bench.fidelity import RANK_ARMS, Budget, FidelityRun
+from kamera_agent.bench.fidelity import RANK_ARMS, ArmFigures, Budget, FidelityRun
 from kamera_agent.bench.tables import Target
 from kamera_agent.bench.window_suite import WindowRun
 from kamera_agent.demo.evaluate import RECOMPUTE_ARMS
@@ -151,22 +152,22 @@ def measurement_targets(run: FidelityRun | None) -> list[Target]:
     out.append(Target(names[3], measured, None if math.isnan(depth) else depth >= 2.0))
     orbit = fig.get("orbit-16")
     if orbit is not None:
-        moved = run.to_json()["deficit"]["order_change_median"]
+        moved = statistics.median(deficit.order_change) if deficit.order_change else math.nan
         measured = f"η={orbit.eta:.4f} (Δ under another legend order differs by {moved:.2f} of its size)"
         out.append(Target(names[4], measured, None if math.isnan(orbit.eta) else orbit.eta >= 0.9))
-    out.append(_control_target(names[5], run))
+    out.append(_control_target(names[5], run, fig))
     return out
 
 
-def _control_target(name: str, run: FidelityRun) -> Target:
+def _control_target(name: str, run: FidelityRun, fig: dict[str, ArmFigures]) -> Target:
     control = {arm: eta for arm, _, eta in run.control_figures()}
     recompute = {arm: eta for arm, eta in control.items() if arm in RECOMPUTE_ARMS}
     if not recompute:
         return Target(name, "not run (no control items)", None)
     best = max(recompute, key=lambda arm: recompute[arm])
-    if not {"cacheblend-bytes-16", "rank-16"} <= set(run.arms):
+    if not {"cacheblend-bytes-16", "rank-16"} <= set(fig):
         return Target(name, f"control: {best} η={recompute[best]:.3f}; main-task arms not run", None)
-    matched, kamera = run.figure("cacheblend-bytes-16"), run.figure("rank-16")
+    matched, kamera = fig["cacheblend-bytes-16"], fig["rank-16"]
     measured = (
         f"control: {best} η={recompute[best]:.3f} (rank-16 η={control.get('rank-16', float('nan')):.3f}); "
         f"main: cacheblend-bytes-16 binding {matched.multi_hop_accuracy:.1%} η={matched.eta:.3f} vs rank-16 "
