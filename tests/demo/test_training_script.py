@@ -16,6 +16,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from transformers import Qwen2VLForConditionalGeneration
 
 from kamera_agent.demo import load_demo_model
 
@@ -71,12 +72,24 @@ def test_a_quarter_of_training_items_are_sparse_controls(script: ModuleType) -> 
     assert {sum(item.glyph_counts.values()) for item in warming} == set(script.WARMING_GLYPHS)
 
 
-def test_the_first_layers_start_as_an_identity_lookup(script: ModuleType) -> None:
-    model = script.build(0)[0]
+@pytest.mark.parametrize("lookup", [0, 3])  # the shipped recipe, and a deeper lookup
+def test_the_lookup_layer_starts_as_an_identity_and_the_layers_below_quiet(
+    script: ModuleType, lookup: int
+) -> None:
+    model = script.build(0, lookup)[0]
+    torch.manual_seed(0)
+    plain = Qwen2VLForConditionalGeneration(script.demo_config()).model.language_model.layers  # no seeding
     layers = model.model.language_model.layers
     eye = torch.eye(layers[0].self_attn.q_proj.weight.shape[1])
-    first = layers[0].self_attn
-    assert torch.equal(first.q_proj.weight, eye) and torch.equal(first.k_proj.weight, eye)
+    seeded = layers[lookup].self_attn
+    assert torch.equal(seeded.q_proj.weight, eye) and torch.equal(seeded.k_proj.weight, eye)
+    assert torch.equal(seeded.o_proj.weight, 0.02 * eye)
     assert torch.equal(layers[-2].self_attn.v_proj.weight, eye)
     assert torch.equal(layers[-2].self_attn.o_proj.weight, 0.3 * eye)
-    assert not torch.equal(layers[1].self_attn.q_proj.weight, eye)  # the rest is the default init
+    for index in range(lookup):
+        below, default = layers[index], plain[index]
+        assert torch.allclose(below.self_attn.o_proj.weight, 0.1 * default.self_attn.o_proj.weight)
+        assert torch.allclose(below.mlp.down_proj.weight, 0.1 * default.mlp.down_proj.weight)
+        assert torch.equal(below.self_attn.q_proj.weight, default.self_attn.q_proj.weight)
+    above = layers[lookup + 1].self_attn
+    assert not torch.equal(above.q_proj.weight, eye)  # the rest is the default init
