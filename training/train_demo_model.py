@@ -5,7 +5,8 @@
 
 (the shipped model's recipe: after step 1,000 binding was solved and readout was not, so the
 second half trains mostly readout); ``--resume`` continues from the last checkpoint.
-``--lookup-layer`` moves the seeded lookup up the stack (`seed_lookup`).
+``--lookup-layer`` moves the seeded lookup up the stack (`seed_lookup`); ``--export`` writes a
+checkpoint's plain model, to measure a run mid-way.
 
 Plain PyTorch on CPU. Each step trains on a batch of items laid out exactly as a KameraWindow
 lays them out (anchor, one chunk per frame, the question), a quarter of them sparse-binding
@@ -332,6 +333,16 @@ class Handover:
         return max(0.0, 1.0 - (step - self.began) / max(1, self.steps))
 
 
+def save_plain(model: Any, backend: TransformersBackend, vision: ScaffoldedVision, out: Path) -> None:
+    """Save the model as an ordinary Qwen2-VL folder: its own image features, no scaffold."""
+    vision.detach()
+    model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    backend.tokenizer.save_pretrained(out)
+    backend.encoder.image_processor.save_pretrained(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -358,6 +369,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=DEMO_MODEL_DIR)
     parser.add_argument("--checkpoint", type=Path, default=Path("training/checkpoint.pt"))
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument(
+        "--export",
+        action="store_true",
+        help="write the checkpoint's plain model to --out and stop (to measure a run mid-way)",
+    )
     parser.add_argument("--eval-every", type=int, default=100)
     args = parser.parse_args(argv)
     configure_threads(args.threads)
@@ -369,7 +385,9 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     step, rng_state, log, spent = 0, None, [], 0.0
     handover = Handover(args.handover_steps, patience=args.handover_after)
-    if args.resume and args.checkpoint.is_file():
+    if args.export and not args.checkpoint.is_file():
+        raise SystemExit(f"--export: no checkpoint at {args.checkpoint}")
+    if (args.resume or args.export) and args.checkpoint.is_file():
         saved = torch.load(args.checkpoint, weights_only=False)
         model.load_state_dict(saved["model"])
         scaffold.load_state_dict(saved["scaffold"])
@@ -377,6 +395,10 @@ def main(argv: list[str] | None = None) -> None:
         step, rng_state, log = saved["step"], saved["rng"], saved["log"]
         spent = saved.get("seconds", 0.0)
         handover.began = saved.get("handover_began")
+    if args.export:
+        save_plain(model, backend, vision, args.out)
+        print(f"wrote the plain model of step {step} to {args.out}")
+        return
     rng = random.Random(args.seed)
     if rng_state is not None:
         rng.setstate(rng_state)
@@ -444,12 +466,7 @@ def main(argv: list[str] | None = None) -> None:
     if step < args.steps:
         print(f"stopped at step {step} of {args.steps}; --resume continues")
         return
-    vision.detach()
-    model.eval()
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out)
-    backend.tokenizer.save_pretrained(args.out)
-    backend.encoder.image_processor.save_pretrained(args.out)
+    save_plain(model, backend, vision, args.out)
     summary = {
         "steps": step,
         "seconds": spent + time.time() - began,

@@ -52,6 +52,10 @@ def test_a_short_run_saves_a_plain_model_and_resumes(script: ModuleType, tmp_pat
     script.main([*common, "--steps", "4", "--resume"])
     summary = json.loads((out / "training_log.json").read_text())["summary"]
     assert summary["steps"] == 4 and summary["handover_began"] == 1
+    exported = tmp_path / "step-4"
+    script.main(["--threads", "1", "--checkpoint", str(checkpoint), "--out", str(exported), "--export"])
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "preprocessor_config.json"):
+        assert (exported / name).read_bytes() == (out / name).read_bytes(), name  # the same plain model
     model, tokenizer, image_processor = load_demo_model(out)
     fresh = script.build(0)[0]
     assert set(model.state_dict()) == set(fresh.state_dict())  # the scaffold is not saved
