@@ -7,8 +7,8 @@ the window still answer like a full re-prefill? Arms are strategies registered b
 - ``reprefill``: the model's own forward over the whole window (the reference);
 - ``blind``: canonicals relocated, no conditioning (what position-independent caching gives);
 - ``rank-m`` / ``full``: canonical + a rank-m (or exact) patch, relocated (kamera);
-- ``cacheblend``: blind, with the 15 % of each chunk's tokens whose layer-1 KV deviates most
-  recomputed in context (their true conditioned KV: the strongest form of selective recompute);
+- ``cacheblend``: blind, with the 15 % of each chunk's tokens whose KV deviates most (over every
+  layer) recomputed in context (their true conditioned KV: the strongest form of selective recompute);
 - ``epic``: blind, with each chunk's first tokens recomputed in context, at the same token
   budget (15 %) as ``cacheblend``;
 - the sweeps (`RECOMPUTE_ARMS`): ``cacheblend-chunk-P`` / ``cacheblend-global-P`` (P % of each
@@ -99,8 +99,8 @@ class Recompute:
     EPIC compute it, so each figure is an upper bound of what the method can reach.
 
     Attributes:
-        select: ``"deviation"`` (CacheBlend: the tokens whose layer-1 KV deviates most from
-            blind) or ``"first"`` (EPIC: each chunk's first tokens).
+        select: ``"deviation"`` (CacheBlend: the tokens whose KV deviates most from blind,
+            over every layer) or ``"first"`` (EPIC: each chunk's first tokens).
         scope: ``"chunk"`` picks within each chunk, ``"global"`` across the window's chunks.
         share: the share of tokens recomputed (of each chunk, or of the window's).
         tokens: a token count per chunk instead of a share (EPIC's absolute k).
@@ -125,10 +125,11 @@ class Recompute:
 
 
 def _deviation(blind: ChunkKV, conditioned: ChunkKV) -> torch.Tensor:
-    """Per token: how far its layer-1 KV is from blind (CacheBlend's selection signal)."""
-    layer = min(1, blind.keys.shape[0] - 1)
-    keys = (conditioned.keys[layer] - blind.keys[layer]).float().norm(dim=(0, 2))
-    values = (conditioned.values[layer] - blind.values[layer]).float().norm(dim=(0, 2))
+    """Per token: how far its KV is from blind over every layer (CacheBlend's selection signal at
+    its best: CacheBlend scores layer 1 and narrows the choice layer by layer; where a model binds
+    above its first layers, layer 1 barely deviates and would choose almost at random)."""
+    keys = (conditioned.keys - blind.keys).float().pow(2).sum(dim=(0, 1, 3)).sqrt()
+    values = (conditioned.values - blind.values).float().pow(2).sum(dim=(0, 1, 3)).sqrt()
     deviation: torch.Tensor = keys + values
     return deviation
 

@@ -7,12 +7,14 @@ KV) and at 0 % exactly as blind reuse does: a baseline that cannot reach either 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kamera_agent.backends import TransformersBackend
 from kamera_agent.bench.fidelity import arm_budgets
-from kamera_agent.demo.evaluate import BUDGETS, RECOMPUTE_ARMS, Recompute, evaluate
+from kamera_agent.demo.evaluate import BUDGETS, RECOMPUTE_ARMS, Recompute, _deviation, evaluate
 from kamera_agent.demo.model import load_demo_model
 from kamera_agent.demo.task import make_items
+from kamera_agent.operator.layout import ChunkKV
 
 FULL = ("cacheblend-chunk-100", "cacheblend-global-100", "epic-128")
 NONE = ("cacheblend-chunk-0", "cacheblend-global-0", "epic-0")
@@ -53,3 +55,16 @@ def test_budgets_count_what_each_arm_recomputes() -> None:
         and Recompute("deviation", rank=2).count(20, 64) == 3
     )
     assert RECOMPUTE_ARMS["cacheblend-global-15"].scope == "global"
+
+
+def test_cacheblend_selects_the_tokens_whose_kv_deviates_in_any_layer() -> None:
+    # a model that binds above its first layers: the deviating tokens differ only in layer 4 of 6,
+    # where a layer-1 score (CacheBlend's first filter) would see nothing and choose at random
+    blind = ChunkKV(torch.randn(6, 2, 10, 8), torch.randn(6, 2, 10, 8))
+    keys, values = blind.keys.clone(), blind.values.clone()
+    keys[4, :, [2, 7]] += 1.0
+    values[4, :, [2, 7]] -= 1.0
+    keys[1] += 1e-3 * torch.randn_like(keys[1])  # layer-1 noise that must not decide
+    conditioned = ChunkKV(keys, values)
+    scores = _deviation(blind, conditioned)
+    assert set(scores.topk(2).indices.tolist()) == {2, 7}
