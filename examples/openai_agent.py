@@ -27,7 +27,7 @@ from typing import Any
 from openai import OpenAI
 from PIL import Image
 
-from kamera_agent.demo.task import make_items, render_page
+from kamera_agent.demo.task import QUESTIONS, make_items, render_page
 
 MODEL = "kamera-tiny-vl"
 SYSTEM = "Answer briefly."
@@ -51,7 +51,7 @@ def run(client: OpenAI, steps: int, keep: int = 3, model: str = MODEL) -> list[A
             "role": "user",
             "content": [
                 {"type": "image_url", "image_url": {"url": screenshot_url(step)}},
-                {"type": "text", "text": "Absent glyph?"},
+                {"type": "text", "text": QUESTIONS["glyph"]},
             ],
         }
         messages = [{"role": "system", "content": SYSTEM}, *history, screen]

@@ -71,8 +71,8 @@ def fidelity_grid(run: FidelityRun) -> Grid:
     note = (
         f"{run.items_done}/{run.items_requested} held-out items (seed {run.seed}), model {run.model}, "
         f"{run.seconds:.0f} s. acc: all items; multi-hop: the colour no page shows (binding); glyph: "
-        "the glyph no page shows (single-hop readout). KL: next-token KL to re-prefill; η: share of the "
-        "blind→re-prefill KL gap closed; "
+        "the glyph the legend draws in red (one-token readout). KL: next-token KL to re-prefill; "
+        "η: share of the blind→re-prefill KL gap closed; "
         "top-1: agreement with re-prefill; flips: items where blind reuse changes the top token that "
         "the arm answers as re-prefill; stored: patch bytes / chunk KV bytes; recomp.: tokens "
         f"recomputed in context. Chunks of {tokens} tokens: rank >= {max(tokens, default=0)} is full rank. "

@@ -22,7 +22,11 @@ Questions:
   meaning the pages show, not on the most common one, so a patch must repair every meaning's
   direction of the pages' deficit: low ranks fail, and the rank curve has a knee; recomputing a
   share of the tokens leaves most meanings unrepaired.
-- ``glyph`` (readout, the negative control): which glyph is absent from the pages?
+- ``glyph`` (readout, the negative control): which glyph does the legend draw in red? The answer
+  is one legend token's own content: no binding, no aggregation over the pages. (The previous
+  readout, which glyph is absent, is the binding question's intermediate: a model that learned it
+  well also learned to answer the binding question from it and the legend at the question,
+  without the pages' binding, and blind reuse then answered binding far above chance.)
 
 **Sparse-binding control** (`make_item(..., sparse=True)`): the same question on pages that show
 each of the 15 glyphs once (8 on one page, 7 on the other), the rest filler. Only those few tokens
@@ -52,6 +56,7 @@ __all__ = [
     "PAGE_COLS",
     "PAGE_ROWS",
     "QUESTIONS",
+    "READOUT_COLOUR",
     "SPARSE_GLYPHS",
     "DemoItem",
     "Page",
@@ -64,7 +69,7 @@ __all__ = [
 
 QuestionKind = Literal["colour", "glyph"]
 # Short questions: the demo model is small and every token is trained on.
-QUESTIONS: dict[QuestionKind, str] = {"colour": "Absent colour?", "glyph": "Absent glyph?"}
+QUESTIONS: dict[QuestionKind, str] = {"colour": "Absent colour?", "glyph": "Red glyph?"}
 
 # 16 meanings: colour names with distinct first letters, so the first answer token decides.
 COLOURS: dict[str, tuple[int, int, int]] = {
@@ -86,10 +91,12 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "ash": (120, 120, 120),
 }
 WHITE = (255, 255, 255)
+READOUT_COLOUR = "red"
+"""The colour whose glyph the readout question asks for."""
 
 # 16 glyphs: every 4-bit code over a glyph's 2 x 2 cells (filled or hollow square), named by
-# letters so a readout answer is one token.
-GLYPHS: dict[str, int] = dict(zip("abcdefghijklmnop", range(16), strict=True))
+# capital letters so a readout answer is one token that no colour name starts with.
+GLYPHS: dict[str, int] = dict(zip("ABCDEFGHIJKLMNOP", range(16), strict=True))
 BLANK = "."
 """A page cell with no glyph (filler)."""
 
@@ -179,7 +186,7 @@ def make_item(
     legend = tuple(
         tuple(entries[f * ENTRIES_PER_LEGEND : (f + 1) * ENTRIES_PER_LEGEND]) for f in range(LEGEND_FRAMES)
     )
-    answer = colours[0] if chosen == "colour" else glyphs[0]
+    answer = colours[0] if chosen == "colour" else glyphs[colours.index(READOUT_COLOUR)]
     return DemoItem(legend, tuple(pages), glyphs[0], chosen, QUESTIONS[chosen], answer, sparse)
 
 

@@ -80,7 +80,7 @@ def test_demo_episode_answers_right_where_blind_reuse_does_not() -> None:
     assert not result.answers[blind].startswith(result.expected[blind]), result.answers
     ops = [step.op for step in result.steps]
     assert sum(op.startswith("push legend") for op in ops) == 4 and "recall #1" in ops and "slide" in ops
-    assert sum(op.startswith("push page") for op in ops) == 2 and "push earlier page" in ops
+    assert sum(op.startswith("push page") for op in ops) == 2 and "push earlier note" in ops
     recall = next(step for step in result.steps if step.op == "recall #1")
     assert recall.cost.tokens_reused > 0 and recall.tokens < recall.prefix_cache_tokens
     assert all(result.agrees.values()) and result.tokens < result.prefix_cache_tokens

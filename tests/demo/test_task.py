@@ -16,6 +16,7 @@ from kamera_agent.demo.task import (
     LEGEND_FRAMES,
     PAGE_CELLS,
     PAGES_PER_ITEM,
+    READOUT_COLOUR,
     SPARSE_GLYPHS,
     make_item,
     make_items,
@@ -48,7 +49,8 @@ def test_every_item_is_well_posed(sparse: bool) -> None:
             assert set(shown.values()) <= {8, 9}
             assert all(sum(c != BLANK for c in p) == DENSE_GLYPHS for p in item.pages)
         assert item.sparse == sparse
-        assert item.answer == (meaning[item.absent] if item.kind == "colour" else item.absent)
+        readout = next(glyph for glyph, colour in meaning.items() if colour == READOUT_COLOUR)
+        assert item.answer == (meaning[item.absent] if item.kind == "colour" else readout)
         assert item.multi_hop == (item.kind == "colour")
         answers[item.answer] += item.kind == "colour"
     assert kinds == {"colour", "glyph"}
@@ -58,13 +60,14 @@ def test_every_item_is_well_posed(sparse: bool) -> None:
 def test_answers_differ_in_their_first_token() -> None:
     assert len({name[0] for name in COLOURS}) == len(COLOURS)
     assert len(set(GLYPHS.values())) == len(GLYPHS) == 16
+    assert set(GLYPHS).isdisjoint(name[0] for name in COLOURS)  # a readout answer is no colour's start
 
 
 def test_frames_put_one_glyph_in_each_merged_token() -> None:
-    entries = (("f", "red"), ("a", "blue"), ("p", "green"), ("g", "cyan"))
+    entries = (("F", "red"), ("A", "blue"), ("P", "green"), ("G", "cyan"))
     legend = np.asarray(render_legend(entries))
     assert legend.shape == (56, 56, 3)
-    cells = ["f", "a", "p", "g", BLANK, BLANK] * (PAGE_CELLS // 6)
+    cells = ["F", "A", "P", "G", BLANK, BLANK] * (PAGE_CELLS // 6)
     page = np.asarray(render_page(cells))
     assert page.shape == (224, 336, 3)  # 8 x 12 merged tokens
     # the same glyph in the same 28-pixel token: the legend's in its colour, the page's in white
@@ -77,15 +80,15 @@ def test_frames_put_one_glyph_in_each_merged_token() -> None:
     # every glyph is a different pattern, and every glyph shows ink in each of its four cells
     patterns = {np.asarray(render_page([g] * PAGE_CELLS))[:28, :28].tobytes() for g in GLYPHS}
     assert len(patterns) == 16
-    one = np.asarray(render_page(["a"] * PAGE_CELLS))[:28, :28].max(axis=-1)
+    one = np.asarray(render_page(["A"] * PAGE_CELLS))[:28, :28].max(axis=-1)
     assert all(one[r : r + 14, c : c + 14].any() for r in (0, 14) for c in (0, 14))
 
 
 def test_frames_refuse_the_wrong_number_of_glyphs() -> None:
     with pytest.raises(ValueError, match="holds 4 entries"):
-        render_legend((("a", "red"),))
+        render_legend((("A", "red"),))
     with pytest.raises(ValueError, match="holds 96 cells"):
-        render_page(["a"] * 15)
+        render_page(["A"] * 15)
 
 
 def test_the_training_curriculum_can_show_fewer_glyphs_and_refuses_impossible_pages() -> None:

@@ -76,7 +76,7 @@ def test_a_quarter_of_training_items_are_sparse_controls(script: ModuleType) -> 
     assert {sum(item.glyph_counts.values()) for item in warming} == set(script.WARMING_GLYPHS)
 
 
-@pytest.mark.parametrize("lookup", [0, 3])  # the shipped recipe, and a deeper lookup
+@pytest.mark.parametrize("lookup", [0, 2, 3])  # the first layer, the shipped recipe's, above it
 def test_the_lookup_layer_starts_as_an_identity_and_the_layers_below_quiet(
     script: ModuleType, lookup: int
 ) -> None:
@@ -97,3 +97,16 @@ def test_the_lookup_layer_starts_as_an_identity_and_the_layers_below_quiet(
         assert torch.equal(below.self_attn.q_proj.weight, default.self_attn.q_proj.weight)
     above = layers[lookup + 1].self_attn
     assert not torch.equal(above.q_proj.weight, eye)  # the rest is the default init
+
+
+def test_frame_tokens_name_their_glyph_for_the_auxiliary_loss(script: ModuleType) -> None:
+    _, backend = script.build(0)
+    cache = script.FrameCache(backend.encoder)
+    item = script.make_item(random.Random(3), "glyph")
+    batch = script.collate(backend, [script.item_sequence(cache, item)])
+    names = batch["glyph_targets"][0]
+    named = names[names != -100].tolist()
+    shown = [g for page in item.pages for g in page if g != script.BLANK]
+    legend = [g for frame in item.legend for g, _ in frame]
+    assert named == [script._first_token(backend, g) for g in [*legend, *shown]]  # filler is not named
+    assert set(named).isdisjoint(script._first_token(backend, c) for c in script.COLOURS)

@@ -94,7 +94,7 @@ class DemoContents:
     Video and stream frames cycle through items (four legend frames, then two pages);
     screenshots and document pages are pages (224 x 336: 96 image tokens); a low-detail view is
     the page scaled to 56 x 56 (4 image tokens); lines and captions are short text. Questions
-    alternate between the model's two ("Absent colour?", "Absent glyph?").
+    alternate between the model's two ("Absent colour?", "Red glyph?").
     """
 
     encoder: ChunkEncoder
