@@ -13,10 +13,10 @@ in red (readout); reverse the legend frames (reorder); check that the question l
 frame that defines the absent glyph (probe_without); evict page #1, recall it; slide the window
 so that an earlier note pushed first leaves (the survivors keep their KV, relocated); ask after
 each. The earlier chunk is a text line: a page ahead of the legend lies outside the task, and
-the pages' lookup then also matches its glyphs (re-prefill itself answered wrong after the
-reorder for most seeds). The closing table measures the arms on more items: blind reuse and
-15 % token recompute lose the binding, a rank-2 patch barely repairs it, rank 16 fully; on the
-sparse-binding control token recompute works too.
+the pages' lookup then also matches its glyphs (with a page there, the window's answer after the
+reorder differed from the prefix cache's in 12 of 20 seeds). The closing table measures the
+arms on more items: blind reuse and 15 % token recompute lose the binding, a rank-2 patch barely
+repairs it, rank 16 fully; on the sparse-binding control token recompute works too.
 Every row counts prompt tokens prefilled on both sides (answer tokens are decoded alike and not
 counted); the model's one-time anchor forward is its own row.
 """
