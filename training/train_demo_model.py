@@ -2,7 +2,7 @@
 
     python training/train_demo_model.py --threads 1    # the shipped model's recipe: 2,200 steps
 
-(~80 min on one core; ``--until N`` stops at step N and ``--resume`` continues from the last
+(70 min on one core; ``--until N`` stops at step N and ``--resume`` continues from the last
 checkpoint; ``--export`` writes a checkpoint's plain model, to measure a run mid-way).
 
 Plain PyTorch on CPU. Each step trains on a batch of items laid out exactly as a KameraWindow
