@@ -64,6 +64,9 @@ BLANK_GLYPH = len(GLYPHS)  # the scaffold's glyph index for a filler cell
 INKS = WHITE_INK + 1
 SPARSE_SHARE = 0.25
 """Share of training items that are sparse-binding control items."""
+COLOUR_SHARE = 0.4
+"""Share of training items (sparse controls included) that ask the binding question; the rest ask
+the readout."""
 
 
 class Scaffold(torch.nn.Module):
@@ -294,7 +297,7 @@ def held_out_accuracy(
 
 
 def training_items(
-    rng: random.Random, count: int, warming: bool = False, colour_share: float = 0.4
+    rng: random.Random, count: int, warming: bool = False, colour_share: float = COLOUR_SHARE
 ) -> list[DemoItem]:
     """A batch of fresh items, ``colour_share`` of them binding questions and `SPARSE_SHARE`
     sparse-binding control items; while the lookup forms (``warming``), pages of
@@ -369,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--handover-after", type=int, default=900, help="start the hand-over by this step even if unbound"
     )
-    parser.add_argument("--colour-share", type=float, default=0.4, help="share of binding questions")
+    parser.add_argument("--colour-share", type=float, default=COLOUR_SHARE, help="share of binding questions")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--no-glyph-names", action="store_true", help="drop the aux loss on frame tokens' glyph names"

@@ -65,8 +65,8 @@ def test_blind_reuse_keeps_plain_readout(backend: TransformersBackend) -> None:
     items = make_items(12, ITEMS_SEED, kind="glyph")
     result = evaluate(backend, items, arms=("blind",))
     blind = result.result("blind", "glyph")
-    # blind reuse leaves the readout's answer distribution as re-prefill's (the model learned this
-    # question only in part, so near-ties flip now and then: the model card has its accuracy)
+    # blind reuse leaves the readout's answer distribution as re-prefill's; the slack of two items
+    # leaves room for near ties (the shipped model answers it 100 % in every arm: the model card)
     assert blind.mean_kl < 0.05, blind  # binding's blind KL is 100x that (the first test)
     assert blind.correct >= result.result("reprefill", "glyph").correct - 2
 
