@@ -12,6 +12,7 @@ See shared/DESIGN.md and docs/ for the picture.
 """
 
 from kamera_agent.backends import Answer, Backend, DecodeConfig, TransformersBackend
+from kamera_agent.chunks.sources import Text
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import (
     AmbiguousChannelOrderError,
@@ -28,6 +29,7 @@ from kamera_agent.errors import (
     KameraError,
     LayoutMismatchError,
     LengthDependentRopeError,
+    MediaPathAsTextError,
     PositionShapeError,
     ProcessorRejectedError,
     RelocationError,
@@ -70,6 +72,7 @@ __all__ = [
     "KameraWindow",
     "LayoutMismatchError",
     "LengthDependentRopeError",
+    "MediaPathAsTextError",
     "OpCost",
     "Plan",
     "PositionShapeError",
@@ -79,6 +82,7 @@ __all__ = [
     "SettingsError",
     "StoreBudgetError",
     "StoreKeyError",
+    "Text",
     "TransformersBackend",
     "UnknownChunkError",
     "UnreadableInputError",

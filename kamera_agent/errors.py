@@ -28,6 +28,7 @@ failed call never corrupts a window or a store.
     └── InputError                   content that cannot become a chunk
         ├── AmbiguousChannelOrderError  an array that could be RGB or BGR
         ├── UnreadableInputError        a missing or unreadable file, stream or object
+        ├── MediaPathAsTextError        a str that names an image or video file, pushed as text
         ├── EmptyVideoError             a video with no frames
         └── ProcessorRejectedError      an image the model's processor refuses
 
@@ -54,6 +55,7 @@ __all__ = [
     "LargeChunkWarning",
     "LayoutMismatchError",
     "LengthDependentRopeError",
+    "MediaPathAsTextError",
     "PositionShapeError",
     "ProcessorRejectedError",
     "RelocationError",
@@ -148,6 +150,11 @@ class AmbiguousChannelOrderError(InputError):
 
 class UnreadableInputError(InputError):
     """A file, stream or object that cannot be read as an image, video or document."""
+
+
+class MediaPathAsTextError(InputError):
+    """A ``str`` that reads as an image or video file name was pushed: pass a ``Path`` for the file,
+    or wrap the characters in ``Text(...)`` to push them as text."""
 
 
 class EmptyVideoError(InputError):

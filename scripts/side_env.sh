@@ -1,11 +1,25 @@
-# Sourced by the side environments' scripts (sglang_env.sh, vllm_env.sh): one virtual environment
-# under a stamp, with the CPU torch 2.13.0 held fixed by a pip constraint on every install.
+# Sourced by the environments' scripts (bootstrap.sh, sglang_env.sh, vllm_env.sh).
 #
+#   quiet_pip PYTHON ARGS...                   pip install -q, its expected noise filtered (below)
 #   side_env_begin VENV NAME MESSAGE FILE...   exit 0 (up to date) when VENV's stamp matches FILE...
 #                                              and this file; else print MESSAGE, make VENV, install
 #                                              pip and the CPU torch
-#   pip_install ARGS...                        pip install into VENV under the torch constraint
+#   pip_install ARGS...                        quiet_pip into VENV under the torch constraint
 #   side_env_done                              record the stamp (call last)
+#
+# The noise: where pip's configuration names a local index folder that lacks a package (as on
+# these machines), pip warns "Location '...' is ignored" once per package and goes on to the
+# next index; nothing is wrong, so those lines are dropped. Everything else pip says is kept.
+
+quiet_pip() {
+  local python="$1"
+  shift
+  set +e
+  PYTHONWARNINGS="ignore::UserWarning" "$python" -m pip install -q "$@" 2>&1 | grep -vE "^WARNING: Location '[^']*' is ignored"
+  local status="${PIPESTATUS[0]}"
+  set -e
+  return "$status"
+}
 
 side_env_begin() {
   SIDE_VENV="$1"
@@ -25,6 +39,6 @@ side_env_begin() {
   pip_install "torch==2.13.0"
 }
 
-pip_install() { "$SIDE_VENV/bin/python" -m pip install -q -c "$SIDE_CONSTRAINTS" "$@"; }
+pip_install() { quiet_pip "$SIDE_VENV/bin/python" -c "$SIDE_CONSTRAINTS" "$@"; }
 
 side_env_done() { echo "$SIDE_WANT" > "$SIDE_STAMP"; }

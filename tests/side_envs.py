@@ -14,6 +14,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def build_env(script: str, timeout: float = 1800) -> None:
+    """Build (or find up to date) a side environment with ``scripts/<script>``: on first use, so the
+    README's first command (the demo) never waits for an engine it does not use."""
+    built = subprocess.run(
+        ["bash", str(ROOT / "scripts" / script)], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+
+
 def run_tests(python: Path, folder: str, ignore: Sequence[str], timeout: float, **env: str) -> str:
     """``pytest folder`` under ``python`` (warnings of ``ignore`` categories, which the engines'
     own imports raise, not failures); its output, after asserting that it passed."""

@@ -8,24 +8,16 @@ README's test command runs it (never skips it), and ``-m sglang`` selects it alo
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
-from tests.side_envs import ROOT, run_tests
+from tests.side_envs import ROOT, build_env, run_tests
 
 
 @pytest.mark.sglang
 def test_the_sglang_backend_passes_against_sglangs_own_classes() -> None:
-    built = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "sglang_env.sh")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    build_env("sglang_env.sh")
     # SGLang warns at import about kernels a CPU lacks (AWQ, GGUF): not ours to fix
     output = run_tests(
         ROOT / ".venv-sglang" / "bin" / "python",

@@ -17,7 +17,18 @@ from PIL import Image, ImageSequence, UnidentifiedImageError
 
 from kamera_agent.errors import AmbiguousChannelOrderError, EmptyVideoError, UnreadableInputError
 
-__all__ = ["MAX_IMAGE_PIXELS", "ChannelOrder", "VideoFrame", "document_pages", "read_video", "to_rgb_image"]
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "MAX_IMAGE_PIXELS",
+    "VIDEO_SUFFIXES",
+    "ChannelOrder",
+    "Text",
+    "VideoFrame",
+    "document_pages",
+    "looks_like_media_path",
+    "read_video",
+    "to_rgb_image",
+]
 
 ChannelOrder = Literal["rgb", "bgr"]
 ImageLike = Image.Image | np.ndarray | str | Path
@@ -28,6 +39,32 @@ MAX_IMAGE_PIXELS = 50_000_000
 can claim a huge size (a decompression bomb), and a real one this large is never what an agent
 means to send (resize it). `WindowConfig.max_image_pixels` sets it per window."""
 _CHANNEL_ORDERS = ("rgb", "bgr")
+
+IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+"""File suffixes read as images (a GIF gives its first frame; a TIFF its first page here, every
+page through `document_pages`)."""
+VIDEO_SUFFIXES = frozenset({".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg", ".wmv", ".flv"})
+"""File suffixes of videos: they are sampled into frames by `read_video`, never read as one image."""
+
+
+@dataclass(frozen=True)
+class Text:
+    """Text to push as text even where it looks like a file path (``Text("diagram.png")``).
+
+    Why a wrapper: a bare ``str`` such as ``"screenshot.png"`` is far more often a path the caller
+    meant as an image than a sentence, so it is refused (see `looks_like_media_path`); wrapping it
+    says which was meant.
+    """
+
+    text: str
+
+
+def looks_like_media_path(text: str) -> bool:
+    """Whether a ``str`` reads as an image or video file name: no whitespace, a media suffix."""
+    if not text or any(char.isspace() for char in text):
+        return False
+    suffix = Path(text).suffix.lower()
+    return suffix in IMAGE_SUFFIXES or suffix in VIDEO_SUFFIXES
 
 
 def to_rgb_image(
@@ -87,21 +124,35 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 
 def _open_image(path: Path, max_pixels: int) -> Image.Image:
+    if path.suffix.lower() in VIDEO_SUFFIXES:
+        raise UnreadableInputError(
+            f"{path} is a video: sample its frames with "
+            f"kamera_agent.chunks.read_video({str(path)!r}, fps=...) and push each VideoFrame"
+        )
     if not path.is_file():
         raise UnreadableInputError(f"no image file at {path}; check the path")
     try:
         with Image.open(path) as image:  # reads the header only: the size is checked before decoding
             _check_size(image.size, max_pixels)
-            return _to_rgb(image)
+            return _in_memory(_to_rgb(image), image)
     except Image.DecompressionBombError as exc:  # PIL's own, far larger, limit
         raise UnreadableInputError(
             f"{path} claims more pixels than any image should ({exc}): it is over the limit of "
             f"{max_pixels:,}; resize it first"
         ) from exc
-    except (UnidentifiedImageError, OSError) as exc:
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         raise UnreadableInputError(
             f"{path} is not a readable image ({exc}); convert it to PNG or JPEG"
         ) from exc
+
+
+def _in_memory(image: Image.Image, opened: Image.Image) -> Image.Image:
+    """``image`` decoded into memory, so it outlives the file ``opened`` was read from.
+
+    Why: PIL decodes lazily and closing the file invalidates an image still backed by it; an
+    RGB file converts to itself, so it must be copied (a converted one is already a new image).
+    """
+    return image.copy() if image is opened else image
 
 
 def _array_to_image(array: np.ndarray, channel_order: ChannelOrder | None) -> Image.Image:
@@ -228,8 +279,11 @@ def document_pages(
             raise UnreadableInputError(f"no document at {path}; check the path")
         try:
             with Image.open(path) as image:
-                pages = [frame.convert("RGB") for frame in ImageSequence.Iterator(image)]
-        except (UnidentifiedImageError, OSError) as exc:
+                _check_size(image.size, MAX_IMAGE_PIXELS)
+                pages = [_in_memory(_to_rgb(frame), frame) for frame in ImageSequence.Iterator(image)]
+        except Image.DecompressionBombError as exc:
+            raise UnreadableInputError(f"{path} claims more pixels than any page should ({exc})") from exc
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
             raise UnreadableInputError(
                 f"{path} is not a readable multi-page image ({exc}); render PDF pages to images first"
             ) from exc

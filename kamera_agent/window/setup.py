@@ -19,14 +19,20 @@ from PIL import Image
 from kamera_agent.backends.base import Backend
 from kamera_agent.chunks.chunk import Chunk, ChunkKind
 from kamera_agent.chunks.encoder import ChunkEncoder
-from kamera_agent.chunks.sources import MAX_IMAGE_PIXELS, ChannelOrder, VideoFrame
+from kamera_agent.chunks.sources import (
+    MAX_IMAGE_PIXELS,
+    ChannelOrder,
+    Text,
+    VideoFrame,
+    looks_like_media_path,
+)
 from kamera_agent.config import WindowConfig
-from kamera_agent.errors import InputError, SettingsError, UnreadableInputError
+from kamera_agent.errors import InputError, MediaPathAsTextError, SettingsError, UnreadableInputError
 from kamera_agent.store import ChunkStore
 
 __all__ = ["Item", "chunk_of", "resolve_backend", "resolve_store", "store_of_settings"]
 
-Item = Chunk | str | Image.Image | np.ndarray | Path | VideoFrame
+Item = Chunk | str | Text | Image.Image | np.ndarray | Path | VideoFrame
 
 _STORE_FIELDS = ("memory_budget", "disk_dir", "disk_budget", "store_url")
 STORE_URL_VARIABLE = "KAMERA_STORE_URL"
@@ -120,6 +126,15 @@ def chunk_of(
         raise InputError(f"kind={kind!r} is not a chunk kind; use one of {', '.join(_KINDS)}")
     if isinstance(item, Chunk):
         return item
+    if isinstance(item, str) and looks_like_media_path(item):
+        raise MediaPathAsTextError(
+            f"{item!r} looks like a file path, not text: pass Path({item!r}) to push the file "
+            f"(a video: kamera_agent.chunks.read_video), or Text({item!r}) to push these characters as text"
+        )
+    if isinstance(item, Text):
+        item = item.text
+        if not isinstance(item, str):
+            raise InputError(f"Text wraps a str, got {type(item).__name__}")
     if isinstance(item, str):
         if kind not in (None, "text"):
             raise InputError(f"text is pushed with kind='text' (or none), not {kind!r}")
@@ -144,7 +159,7 @@ def chunk_of(
         )
     raise UnreadableInputError(
         f"cannot push a {type(item).__name__}; push a PIL image, an array (with channel_order), "
-        "a Path to an image, a VideoFrame, text (str) or a Chunk"
+        "a Path to an image, a VideoFrame, text (str or Text) or a Chunk"
     )
 
 
