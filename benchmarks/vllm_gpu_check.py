@@ -76,7 +76,7 @@ def _run(model: str, config: dict[str, Any] | None, conversation: list[Any]) -> 
     if config is not None:
         transfer = KVTransferConfig(
             kv_connector="KameraConnector",
-            kv_connector_module_path="kamera_agent.backends.vllm.connector",
+            kv_connector_module_path="kamera_agent.engines.vllm.connector",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"config": config},

@@ -11,6 +11,7 @@ chunks before it. ``KameraWindow`` is the face of it:
 See shared/DESIGN.md and docs/ for the picture.
 """
 
+from kamera_agent import moved
 from kamera_agent.backends import Answer, Backend, DecodeConfig, TransformersBackend
 from kamera_agent.chunks.sources import Text
 from kamera_agent.config import WindowConfig
@@ -49,6 +50,8 @@ from kamera_agent.store import ChunkStore
 from kamera_agent.window import ChunkRef, KameraWindow
 
 __version__ = "0.1.0"
+
+moved.install()
 
 __all__ = [
     "AmbiguousChannelOrderError",

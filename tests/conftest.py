@@ -18,11 +18,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 configure_threads(1)
 
 # SGLang's own classes live in .venv-sglang (scripts/sglang_env.sh): its tests are collected
-# there, and run from this environment by tests/test_sglang_backend.py.
-collect_ignore = [] if importlib.util.find_spec("sglang") else ["sglang_backend"]
-# vLLM's CPU build lives in .venv-vllm (scripts/vllm_env.sh), run by tests/test_vllm_connector.py.
+# there, and run from this environment by tests/engines/test_sglang_env.py.
+collect_ignore = [] if importlib.util.find_spec("sglang") else ["engines/sglang"]
+# vLLM's CPU build lives in .venv-vllm (scripts/vllm_env.sh), run by tests/engines/test_vllm_env.py.
 if not importlib.util.find_spec("vllm"):
-    collect_ignore.append("vllm_connector")
+    collect_ignore.append("engines/vllm")
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,6 @@
-"""Engines kamera-agent drives, behind one seam (`Backend`): transformers (reference, CPU/GPU)
-and a plain-torch model that proves the seam; SGLang follows."""
+"""`Backend` engines a window runs on, behind one seam: transformers (reference, CPU/GPU) and a
+plain-torch model that proves the seam. kamera inside a serving engine (SGLang, vLLM) is
+`kamera_agent.engines`."""
 
 from kamera_agent.backends.base import (
     Answer,

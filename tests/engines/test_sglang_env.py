@@ -2,7 +2,7 @@
 
 SGLang 0.5.23 pins a transformers older than this project's and a CUDA torch, so its classes
 live in .venv-sglang, which scripts/sglang_env.sh builds (idempotently) from PyPI with the CPU
-torch held fixed. This test builds it when needed and runs tests/sglang_backend there: the
+torch held fixed. This test builds it when needed and runs tests/engines/sglang there: the
 README's test command runs it (never skips it), and ``-m sglang`` selects it alone.
 """
 
@@ -21,7 +21,7 @@ def test_the_sglang_backend_passes_against_sglangs_own_classes() -> None:
     # SGLang warns at import about kernels a CPU lacks (AWQ, GGUF): not ours to fix
     output = run_tests(
         ROOT / ".venv-sglang" / "bin" / "python",
-        "tests/sglang_backend",
+        "tests/engines/sglang",
         ("UserWarning", "DeprecationWarning", "FutureWarning"),
         timeout=900,
         KAMERA_NUM_THREADS="1",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from kamera_agent.backends.sglang.segments import ChunkRules, request_chunks
 from kamera_agent.demo.model import DEMO_MODEL_DIR
+from kamera_agent.engines.sglang.segments import ChunkRules, request_chunks
 
 OPEN, CLOSE, MSG = 7, 8, 5
 

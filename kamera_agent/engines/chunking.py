@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kamera_agent.core.synthesis import RequestChunk, chunk_key
+from kamera_agent.engines.synthesis import RequestChunk, chunk_key
 
 __all__ = ["ChunkRules", "ImageSpan", "request_chunks"]
 

@@ -19,15 +19,15 @@ from typing import Any
 import pytest
 import torch
 
-from kamera_agent.backends.sglang.pool import write_chunk
-from kamera_agent.backends.sglang.radix import KameraRadixCache
-from kamera_agent.backends.sglang.segments import ChunkRules
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
+from kamera_agent.engines.sglang.pool import write_chunk
+from kamera_agent.engines.sglang.radix import KameraRadixCache
+from kamera_agent.engines.sglang.segments import ChunkRules
 from kamera_agent.operator.layout import ChunkKV, to_position_free
 from kamera_agent.store import ChunkStore
 from tests.backends.test_transformers_backend import images, text_backend, vl_backend
-from tests.sglang_backend.harness import Admission, stamp_kv
+from tests.engines.sglang.harness import Admission, stamp_kv
 
 EXACT = 2e-5
 
@@ -152,7 +152,7 @@ def _mla_pool(layout: Any) -> Any:
 
 
 def _pool_kv(harness: Admission, backend: Any, slots: torch.Tensor, positions: torch.Tensor) -> ChunkKV:
-    from kamera_agent.backends.sglang.pool import read_chunk
+    from kamera_agent.engines.sglang.pool import read_chunk
 
     return read_chunk(harness.kv_pool, backend.layout, slots, positions)
 

@@ -5,7 +5,7 @@ vLLM's own cached prefix it can load (``get_num_new_matched_tokens``), vLLM allo
 them (``update_state_after_alloc``), and the worker side fills them before the forward
 (``start_load_kv``); after each forward the worker may read what was computed (``wait_for_save``).
 Here the loadable tokens are the longest run of the request's chunks (messages, images by
-``mm_features``) whose states kamera's store holds (`kamera_agent.core.synthesis`, the same
+``mm_features``) whose states kamera's store holds (`kamera_agent.engines.synthesis`, the same
 planning SGLang's plugin uses), each written rotated to its positions in this request; and every
 prompt chunk a forward computes is captured into the store under the state it has.
 
@@ -34,10 +34,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kamera_agent.backends.vllm.blocks import read_tokens, write_tokens
 from kamera_agent.config import WindowConfig
-from kamera_agent.core.chunking import ChunkRules, ImageSpan, request_chunks
-from kamera_agent.core.synthesis import Plan, PrefixSynthesis, RequestChunk, policy_of
+from kamera_agent.engines.chunking import ChunkRules, ImageSpan, request_chunks
+from kamera_agent.engines.synthesis import Plan, PrefixSynthesis, RequestChunk, policy_of
+from kamera_agent.engines.vllm.blocks import read_tokens, write_tokens
 from kamera_agent.errors import KameraError
 from kamera_agent.operator.layout import ChunkKV, KVLayout, at_positions, to_position_free
 from kamera_agent.store import ChunkStore, EntryKey

@@ -39,9 +39,9 @@ def settings() -> WindowConfig:
 
 
 def _factory(ctx: Any) -> Any:
-    from kamera_agent.backends.sglang.radix import KameraRadixCache
-    from kamera_agent.backends.sglang.segments import ChunkRules
     from kamera_agent.backends.transformers.reading import kv_layout_of_config
+    from kamera_agent.engines.sglang.radix import KameraRadixCache
+    from kamera_agent.engines.sglang.segments import ChunkRules
     from kamera_agent.fingerprint import checkpoint_fingerprint
     from kamera_agent.window.setup import store_of_settings
 
@@ -65,7 +65,7 @@ def pool_pairing(tp_worker: Any, hf_config: Any, layout: Any) -> Any:
     """How SGLang's rotary pairs the model's rope band: read off the loaded model's rotary module
     where the worker is at hand, else from the config the way SGLang's DeepSeek code decides it
     (``is_neox_style = not rope_interleave``); ``None`` (as the layout pairs it) otherwise."""
-    from kamera_agent.backends.sglang.pool import rotary_pairing
+    from kamera_agent.engines.sglang.pool import rotary_pairing
 
     model = getattr(getattr(tp_worker, "model_runner", None), "model", None)
     if model is not None:

@@ -15,7 +15,7 @@ import torch
 
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
-from kamera_agent.core.synthesis import PrefixSynthesis, RequestChunk, chunk_key, policy_of
+from kamera_agent.engines.synthesis import PrefixSynthesis, RequestChunk, chunk_key, policy_of
 from kamera_agent.operator.layout import ChunkKV, at_positions, to_position_free
 from kamera_agent.store import ChunkStore
 from tests.backends.test_transformers_backend import text_backend
@@ -204,7 +204,7 @@ def test_a_kept_state_finishing_a_chunk_the_engine_began_is_a_named_splice() -> 
 
 
 def test_what_a_synthesis_remembers_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kamera_agent.core.synthesis as synthesis_module
+    import kamera_agent.engines.synthesis as synthesis_module
 
     monkeypatch.setattr(synthesis_module, "MEMORY", 3)
     synthesis = PrefixSynthesis(_store(), "keep")

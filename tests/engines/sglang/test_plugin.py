@@ -12,12 +12,12 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from kamera_agent.backends.sglang import Segment, segment_key
-from kamera_agent.backends.sglang.plugin import BACKEND_NAME, CONFIG_VARIABLE, register, settings
-from kamera_agent.backends.sglang.radix import KameraRadixCache
-from kamera_agent.backends.sglang.segments import MM_PAD_SHIFT_VALUE
 from kamera_agent.config import WindowConfig
 from kamera_agent.demo.model import DEMO_MODEL_DIR
+from kamera_agent.engines.sglang import Segment, segment_key
+from kamera_agent.engines.sglang.plugin import BACKEND_NAME, CONFIG_VARIABLE, register, settings
+from kamera_agent.engines.sglang.radix import KameraRadixCache
+from kamera_agent.engines.sglang.segments import MM_PAD_SHIFT_VALUE
 
 LAYERS, HEADS, HEAD_DIM, SIZE = 4, 2, 32, 512
 
@@ -42,7 +42,7 @@ def test_the_entry_point_registers_the_backend() -> None:
     from sglang.srt.plugins import load_plugins
 
     (point,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == BACKEND_NAME]
-    assert point.value == "kamera_agent.backends.sglang.plugin:register"
+    assert point.value == "kamera_agent.engines.sglang.plugin:register"
     load_plugins()  # SGLang's own loader, as every scheduler process runs it
     assert BACKEND_NAME in registered_radix_cache_backends()
     register()  # idempotent: a second load changes nothing
@@ -123,7 +123,7 @@ def test_match_prefix_on_real_pools_changes_nothing_when_called_twice() -> None:
 
 
 def test_the_pool_pairing_follows_sglangs_rule_for_deepseek_without_a_worker() -> None:
-    from kamera_agent.backends.sglang.plugin import pool_pairing
+    from kamera_agent.engines.sglang.plugin import pool_pairing
     from tests.backends.test_transformers_backend import text_backend
 
     v3 = text_backend("deepseek_v3", layers=4)

@@ -27,10 +27,10 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-from kamera_agent.backends.sglang.pool import read_chunk, write_chunk
-from kamera_agent.backends.sglang.segments import ChunkRules, request_chunks
 from kamera_agent.config import WindowConfig
-from kamera_agent.core.synthesis import Plan, PrefixSynthesis, RequestChunk, policy_of
+from kamera_agent.engines.sglang.pool import read_chunk, write_chunk
+from kamera_agent.engines.sglang.segments import ChunkRules, request_chunks
+from kamera_agent.engines.synthesis import Plan, PrefixSynthesis, RequestChunk, policy_of
 from kamera_agent.errors import KameraError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.operator.rope import Pairing

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.vllm_connector.scenario import kl
+from tests.engines.vllm.scenario import kl
 
 ROOT = Path(__file__).resolve().parents[2]
 EXACT = 2e-5
@@ -63,7 +63,7 @@ def _run(model: str, settings: str, corrupt: bool = False) -> dict[str, Any]:
     command = [
         sys.executable,
         "-m",
-        "tests.vllm_connector.scenario",
+        "tests.engines.vllm.scenario",
         "--model",
         model,
         "--settings",

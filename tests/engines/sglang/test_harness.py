@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from tests.sglang_backend.harness import Admission, HarnessError
+from tests.engines.sglang.harness import Admission, HarnessError
 
 
 def _radix_cache(params):  # type: ignore[no-untyped-def]

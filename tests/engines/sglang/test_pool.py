@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from kamera_agent.backends import TransformersBackend
-from kamera_agent.backends.sglang.pool import read_chunk, write_chunk
+from kamera_agent.engines.sglang.pool import read_chunk, write_chunk
 from kamera_agent.operator.layout import to_position_free
 from kamera_agent.operator.rope import Pairing
 from tests.backends.test_transformers_backend import images, sharpen, text_backend, vl_backend
@@ -192,7 +192,7 @@ def test_a_chunk_is_written_exactly_into_sglangs_mla_pool(family: str, page_size
 _SGLANG_ROTARY = """
 import sys, torch
 from sglang.srt.layers.rotary_embedding import get_rope
-from kamera_agent.backends.sglang.pool import rotary_pairing
+from kamera_agent.engines.sglang.pool import rotary_pairing
 out = {}
 for name, job in torch.load(sys.argv[1]).items():
     dim = job["dim"]  # as DeepseekV2AttentionMLA builds it, default rope (rope_scaling None)

@@ -1,9 +1,9 @@
 """One vLLM engine (the CPU build, in this process) running kamera's connector over conversations.
 
-Run by tests/vllm_connector/test_connector.py in a fresh interpreter per setting (vLLM keeps
+Run by tests/engines/vllm/test_connector.py in a fresh interpreter per setting (vLLM keeps
 process-wide state), in .venv-vllm:
 
-    python -m tests.vllm_connector.scenario --model DIR --settings exact|defaults|none --out F.json
+    python -m tests.engines.vllm.scenario --model DIR --settings exact|defaults|none --out F.json
 
 Two conversations, greedy, the full next-token distribution of each answer's first token kept:
 
@@ -97,7 +97,7 @@ def _llm(model: str, settings: str, corrupt: bool) -> Any:
             config |= {"memory_budget": 200_000, "disk_dir": _STORE_DIR, "disk_budget": 1 << 30}
         transfer = KVTransferConfig(
             kv_connector="KameraConnector",
-            kv_connector_module_path="kamera_agent.backends.vllm.connector",
+            kv_connector_module_path="kamera_agent.engines.vllm.connector",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",  # an entry gone or damaged: vLLM computes its blocks
             kv_connector_extra_config={"config": config},
@@ -193,7 +193,7 @@ def _kv_check(llm: Any, model_dir: str, prompt: list[int]) -> dict[str, Any]:
         return {}
     import torch
 
-    from kamera_agent.backends.vllm.blocks import read_tokens
+    from kamera_agent.engines.vllm.blocks import read_tokens
 
     if not worker.recent_loads:
         return {"tokens": 0}

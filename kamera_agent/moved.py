@@ -1,0 +1,62 @@
+"""Module paths that moved, still importable: each old path is the new module, with a warning.
+
+Why: other programs' settings name kamera's modules and outlive an upgrade of kamera: vLLM's
+``kv_connector_module_path``, the SGLang plugin entry point recorded in an installed package's
+metadata, a user's own imports. Importing an old path gives the very module at the new path (no
+second copy whose state would diverge) and a `DeprecationWarning` that names the new one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import warnings
+from collections.abc import Sequence
+from types import ModuleType
+
+__all__ = ["MOVED", "install"]
+
+MOVED = {
+    "kamera_agent.backends.sglang": "kamera_agent.engines.sglang",
+    "kamera_agent.backends.sglang.plugin": "kamera_agent.engines.sglang.plugin",
+    "kamera_agent.backends.sglang.pool": "kamera_agent.engines.sglang.pool",
+    "kamera_agent.backends.sglang.radix": "kamera_agent.engines.sglang.radix",
+    "kamera_agent.backends.sglang.segments": "kamera_agent.engines.sglang.segments",
+    "kamera_agent.backends.vllm": "kamera_agent.engines.vllm",
+    "kamera_agent.backends.vllm.blocks": "kamera_agent.engines.vllm.blocks",
+    "kamera_agent.backends.vllm.connector": "kamera_agent.engines.vllm.connector",
+    "kamera_agent.core.synthesis": "kamera_agent.engines.synthesis",
+    "kamera_agent.core.chunking": "kamera_agent.engines.chunking",
+}
+"""Old module path → where the module lives now (moved in 0.2: engine adapters left `backends`)."""
+
+
+class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds the old paths of `MOVED` before the file system would (it has no files there)."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        new = MOVED[spec.name]
+        where = " (and name it so in vLLM's kv_connector_module_path)" if ".vllm" in new else ""
+        warnings.warn(
+            f"{spec.name} moved to {new}; import it from there{where}", DeprecationWarning, stacklevel=2
+        )
+        return importlib.import_module(new)
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing to run: the module at the new path is already imported."""
+
+
+def install() -> None:
+    """Put the finder first on ``sys.meta_path`` (idempotent)."""
+    if not any(isinstance(finder, _MovedFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _MovedFinder())
