@@ -155,6 +155,12 @@ class ChunkState:
         self.keyset = context.keyset if keyset is None else keyset
         self.exact = kind == "canonical" or (kind == "patched" and rank == "full" and context.exact)
 
+    @property
+    def is_full(self) -> bool:
+        """A full-rank patched or orbit state: its KV is stored as is (a full KV, filed under this
+        digest), not as a patch on the chunk's canonical."""
+        return self.rank == "full" and self.kind in ("patched", "orbit")
+
     @classmethod
     def canonical(cls, chunk_key: str, root: Context) -> ChunkState:
         """``KV(B | ∅)``: the chunk prefilled behind the anchor alone."""

@@ -6,6 +6,9 @@ Why one place: what is not engine-specific must not be written again per engine.
   operation's `StagedStore`, so a failed op stores nothing;
 - origin checks: a chunk prepared for another model or processing setting is refused;
 - the position-free form: a prefilled canonical is un-rotated before it is stored;
+- every KV formation: what a conditioned forward computed becomes a state's stored KV (a
+  full-rank state keeps the KV itself, a rank-m one a patch against the canonical), folded into
+  its orbit where orbits are kept;
 - device moves: entries read back from a disk tier live on the CPU until used here;
 - costs: each primitive's `Spent` lands in the operation's `CostMeter`;
 - the context limit, checked before a decode.
@@ -25,15 +28,21 @@ import torch
 from kamera_agent.backends.base import Backend, DecodeConfig, Prefilled, VisionFeatures
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.core.costs import CostMeter
-from kamera_agent.core.identity import Context
+from kamera_agent.core.identity import ChunkState, Context
+from kamera_agent.core.orbits import fold_full_orbit, fold_orbit
 from kamera_agent.core.staging import Committed, StagedStore
 from kamera_agent.errors import ChunkLostError, ContextOverflowError, ForeignChunkError
 from kamera_agent.operator.layout import ChunkKV, to_position_free
-from kamera_agent.operator.patch import Patch, apply_patch, place_many
+from kamera_agent.operator.patch import Patch, apply_patch, form_patch, place_many
 from kamera_agent.results import Answer
 from kamera_agent.store import ChunkStore
 
-__all__ = ["KVCore", "Txn"]
+__all__ = ["KVCore", "StaleLookup", "Txn"]
+
+
+class StaleLookup(Exception):
+    """A store entry an operation planned on changed while it ran (an orbit another window merged
+    into, a mean KV that left the store): internal, the window plans the operation again."""
 
 
 @dataclass
@@ -166,6 +175,50 @@ class KVCore:
         done = self.backend.prefill(chunks, context, start, vision, onto, starts=starts, sees=sees)
         txn.meter.spend(done.spent)
         return done
+
+    # -- forming a state's KV -------------------------------------------------------------------
+    def keep_full(self, state: ChunkState, conditioned: ChunkKV, txn: Txn, *, orbit: bool = False) -> ChunkKV:
+        """A full-rank state's KV from the forward that computed it: position-free, stored under
+        the state (no canonical needed: smaller than full-rank factors), folded into its orbit."""
+        kv = replace(to_position_free(conditioned, self.backend.layout), chunk_key=state.chunk_key)
+        txn.store.put_full(kv, state.digest)
+        if orbit:
+            fold_full_orbit(txn.store, self.root, state, kv)
+        return kv
+
+    def keep_patch(
+        self, canonical: ChunkKV, state: ChunkState, conditioned: ChunkKV, txn: Txn, *, orbit: bool = False
+    ) -> Patch:
+        """A rank-m state's patch: the deficit of the forward's KV against the canonical, truncated
+        to the state's rank, stored under the state and folded into its orbit."""
+        patch = form_patch(canonical, conditioned, self.backend.layout, state.rank, state=state.digest)
+        txn.store.put_patch(patch)
+        if orbit:
+            fold_orbit(txn.store, self.root, state, patch)
+        return patch
+
+    def stored_patch(self, state: ChunkState, variant: str, txn: Txn) -> Patch | None:
+        """The stored patch that gives ``state`` (filed under ``variant``), or ``None``: form it.
+
+        An orbit is filed by its set, so what is filed there can change: only the planned one is
+        served (this op may have merged a member into it since planning; the committed one is
+        older); anything else raises `StaleLookup`.
+        """
+        if state.kind != "orbit":
+            return txn.store.get_patch(state.chunk_key, variant)
+        for source in (txn.store, txn.store.store):
+            patch = source.get_patch(state.chunk_key, variant)
+            if patch is not None and patch.state == state.digest:
+                return patch
+        raise StaleLookup(f"the orbit patch {state.digest[:8]} of {state.chunk_key[:12]}… changed")
+
+    def stored_full(self, state: ChunkState, txn: Txn) -> ChunkKV | None:
+        """The stored KV of full-rank ``state`` on the engine's device, or ``None``: form it (a mean
+        KV of an orbit cannot be formed again from one ordering: `StaleLookup`)."""
+        kv = txn.store.get_full(state.chunk_key, state.digest)
+        if kv is None and state.kind == "orbit":
+            raise StaleLookup(f"the mean KV of orbit {state.digest[:8]} left the store")
+        return None if kv is None else self.on_device(kv)
 
     def place(self, canonical: ChunkKV, patch: Patch | None, positions: torch.Tensor) -> ChunkKV:
         """The chunk at ``positions`` with its conditioning restored: rotate(canonical + patch)."""

@@ -11,9 +11,7 @@ KV encodes, not where it came from); an orbit patch that changed under the op ra
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,10 +19,10 @@ import torch
 from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
-from kamera_agent.core.identity import ChunkState, Context, effective_rank, orbit_key
-from kamera_agent.core.kv_core import KVCore, Txn
-from kamera_agent.operator.layout import ChunkKV, to_position_free
-from kamera_agent.operator.patch import Patch, form_patch, merge_patches
+from kamera_agent.core import Patch
+from kamera_agent.core.identity import ChunkState, Context, effective_rank
+from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
+from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer
 from kamera_agent.window.plan import Step, WindowPlan
 from kamera_agent.window.state import Assembled, ChunkRef, Entry, Home, WindowState
@@ -34,10 +32,6 @@ __all__ = ["Executor", "StaleLookup"]
 Piece = tuple[tuple[object, ...], int]
 """What one stretch of an assembled cache holds (the anchor, or a chunk at its start in its
 state) and how many cache slots it takes."""
-
-
-class StaleLookup(Exception):
-    """A store entry the plan relied on changed while the op ran (internal: the op is re-planned)."""
 
 
 class Executor:
@@ -113,37 +107,34 @@ class Executor:
                 self._reused(step.ref)
             self._settle(step.ref, entry.state, entry.patch, step.antecedents)
         elif step.kind == "apply_patch":
-            patch = self._stored_patch(step)
-            if patch is None:  # left the store since planning: form it (the same state)
-                self._form_over(step.ref, step.state, step.antecedents or ())
-                return
-            held = self._full_kv(step.state, entry.chunk) if patch is _FULL else None
-            kept = None if patch is _FULL else patch
-            self._settle(step.ref, step.state, kept, step.antecedents, full=held)
-            self.txn.meter.patches_applied += 1
-            self._reused(step.ref)
+            self._apply_stored(step, entry.chunk)
         elif step.kind == "form_patch":  # off-window: a recall's original context
             self._form_over(step.ref, step.state, step.antecedents or ())
         else:  # revert, defer: the canonical alone
             self._settle(step.ref, step.state, None, (), pending=step.kind == "defer")
             self._reused(step.ref)
 
-    def _stored_patch(self, step: Step) -> Patch | None:
-        if _is_full(step.state):  # a full KV, not a patch: served by placement from the store
-            if self.txn.store.has_full(step.ref.key, step.state.digest):
-                return _FULL
-            if step.state.kind == "orbit":  # a mean KV cannot be formed again from one ordering
-                raise StaleLookup(f"the mean KV of {step.ref}'s orbit left the store while the op ran")
-            return None
-        if step.state.kind != "orbit":
-            return self.txn.store.get_patch(step.ref.key, step.variant)
-        # An orbit is filed by its set, so its content can change: serve only the planned one
-        # (this op may have merged a member into it since planning; the committed one is older).
-        for source in (self.txn.store, self.txn.store.store):
-            patch = source.get_patch(step.ref.key, step.variant)
-            if patch is not None and patch.state == step.state.digest:
-                return patch
-        raise StaleLookup(f"the orbit patch of {step.ref} changed while the op ran")
+    def _apply_stored(self, step: Step, chunk: Chunk) -> None:
+        """Serve the step's state from the store: its full KV or its patch. One that has left the
+        store since planning is formed instead (the same state: a state names what the KV
+        encodes, not where it came from)."""
+        if step.state.is_full:
+            held = self._full.get(step.state.digest)
+            if held is None:
+                held = self.core.stored_full(step.state, self.txn)
+            if held is None:
+                self._form_over(step.ref, step.state, step.antecedents or ())
+                return
+            self._full[step.state.digest] = held
+            self._settle(step.ref, step.state, None, step.antecedents, full=held)
+        else:
+            patch = self.core.stored_patch(step.state, step.variant, self.txn)
+            if patch is None:
+                self._form_over(step.ref, step.state, step.antecedents or ())
+                return
+            self._settle(step.ref, step.state, patch, step.antecedents)
+        self.txn.meter.patches_applied += 1
+        self._reused(step.ref)
 
     # -- forming patches --------------------------------------------------------------------------
     def _form_in_window(self, run: Sequence[Step]) -> None:
@@ -187,7 +178,7 @@ class Executor:
         if not keeps or done.cache is None:
             return
         for step, chunk in zip(run, chunks, strict=True):
-            if between or not _is_full(step.state):  # out of window order / canonical + patch
+            if between or not step.state.is_full:  # out of window order / canonical + patch
                 break
             pieces.append(((step.ref, self._starts[step.ref], step.state.digest), chunk.num_tokens))
         self.state.assembled = Assembled(done.cache, tuple(pieces))
@@ -210,76 +201,17 @@ class Executor:
     def _adopt(
         self, ref: ChunkRef, target: ChunkState, conditioned: ChunkKV, antecedents: Sequence[ChunkRef]
     ) -> None:
-        """Give ``ref`` what ``conditioned`` says: a full-rank state keeps the KV itself (stored as
-        is: no canonical needed, smaller than full-rank factors); a rank-m one a patch against its
-        canonical. Either way the patch this ordering gives is folded into the orbit."""
+        """Give ``ref`` what ``conditioned`` says (`KVCore.keep_full` / `keep_patch`: the state's
+        stored KV, folded into its orbit where orbits are kept)."""
         self.txn.meter.patches_formed += 1
-        if _is_full(target):
-            kv = replace(to_position_free(conditioned, self.layout), chunk_key=ref.key)
-            self.txn.store.put_full(kv, target.digest)
+        orbit = self.config.orbit
+        if target.is_full:
+            kv = self.core.keep_full(target, conditioned, self.txn, orbit=orbit)
             self._full[target.digest] = kv
-            if self.config.orbit:
-                self._update_full_orbit(ref.key, target, kv)
             self._settle(ref, target, None, antecedents, full=kv)
             return
-        canonical = self.canonical(ref)
-        patch = form_patch(canonical, conditioned, self.layout, target.rank, state=target.digest)
-        self.txn.store.put_patch(patch)
-        if self.config.orbit:
-            self._update_orbit(ref.key, target, patch)
+        patch = self.core.keep_patch(self.canonical(ref), target, conditioned, self.txn, orbit=orbit)
         self._settle(ref, target, patch, antecedents)
-
-    def _update_orbit(self, chunk_key: str, member: ChunkState, patch: Patch) -> None:
-        """Fold this ordering's patch into the mean over its antecedent set's orderings."""
-        address = orbit_key(chunk_key, member.rank, self.core.root, member.context)
-        orbit = self.txn.store.get_patch(chunk_key, address)
-        members = json.loads(orbit.meta.get("members", "[]")) if orbit is not None else []
-        if member.digest in members:
-            return
-        if orbit is None:
-            merged = merge_patches([patch], member.rank)
-        else:
-            merged = merge_patches([orbit, patch], member.rank, weights=[len(members), 1])
-        members.append(member.digest)
-        state = ChunkState.orbit(chunk_key, member.rank, self.core.root, address, members)
-        meta = {"members": json.dumps(members)}
-        orbit_patch = Patch(
-            merged.factors,
-            merged.num_tokens,
-            chunk_key,
-            state.digest,
-            merged.model_fingerprint,
-            "orbit",
-            meta,
-        )
-        self.txn.store.put_patch(orbit_patch, address)
-
-    def _update_full_orbit(self, chunk_key: str, member: ChunkState, kv: ChunkKV) -> None:
-        """Fold this ordering's full KV into the mean KV over its antecedent set's orderings.
-
-        At full rank an orbit patch is the mean deficit, so canonical + orbit is the mean of the
-        members' KVs: it is kept as that KV (no canonical needed), with its membership in a
-        factor-free orbit entry at the set's address (what planning peeks at)."""
-        address = orbit_key(chunk_key, member.rank, self.core.root, member.context)
-        info = self.txn.store.patch_info(chunk_key, address)
-        members: list[str] = json.loads(info[1].get("members", "[]")) if info is not None else []
-        if member.digest in members:
-            return
-        previous = self.txn.store.get_full(chunk_key, info[0]) if info is not None else None
-        if previous is None:  # a first member (or the old mean left the store): start again
-            members, mean = [], kv
-        else:
-            count = len(members)
-            keys = (previous.keys.float() * count + kv.keys.float()) / (count + 1)
-            values = (previous.values.float() * count + kv.values.float()) / (count + 1)
-            mean = replace(kv, keys=keys.to(kv.keys.dtype), values=values.to(kv.values.dtype))
-        members.append(member.digest)
-        state = ChunkState.orbit(chunk_key, member.rank, self.core.root, address, members)
-        self.txn.store.put_full(mean, state.digest)
-        record = Patch(
-            {}, kv.num_tokens, chunk_key, state.digest, "", "orbit", {"members": json.dumps(members)}
-        )
-        self.txn.store.put_patch(record, address)
 
     def _settle(
         self,
@@ -323,18 +255,14 @@ class Executor:
             return self._free[state.digest]
         chunk = self._chunk_for(state.chunk_key)
         patch: Patch | None = None
-        full = _is_full(state)
-        reference = self._full_kv(state, chunk) if full else self.core.canonical(chunk, self.txn)
-        if state.kind == "orbit" and not full:
-            patch = self.txn.store.get_patch(state.chunk_key, state.address)
-            if patch is None or patch.state != state.digest:
-                raise StaleLookup(f"the orbit patch {state.digest[:8]} an original context needs is gone")
-        elif state.kind == "patched" and not full:
-            patch = self.txn.store.get_patch(state.chunk_key, state.digest)
+        reference = self._full_kv(state, chunk) if state.is_full else self.core.canonical(chunk, self.txn)
+        if state.kind == "orbit" and not state.is_full:
+            patch = self.core.stored_patch(state, state.address, self.txn)
+        elif state.kind == "patched" and not state.is_full:
+            patch = self.core.stored_patch(state, state.digest, self.txn)
             if patch is None:
-                kv = self._conditioned_over(chunk, state.context)
-                patch = form_patch(reference, kv, self.layout, state.rank, state=state.digest)
-                self.txn.store.put_patch(patch)
+                conditioned = self._conditioned_over(chunk, state.context)
+                patch = self.core.keep_patch(reference, state, conditioned, self.txn)
                 self.txn.meter.patches_formed += 1
         self._free[state.digest] = (reference, patch)
         return reference, patch
@@ -346,16 +274,10 @@ class Executor:
         now means a budget dropped it (a re-encode)."""
         if state.digest in self._full:
             return self._full[state.digest]
-        kv = self.txn.store.get_full(state.chunk_key, state.digest)
-        if kv is None and state.kind == "orbit":
-            raise StaleLookup(f"the mean KV of orbit {state.digest[:8]} left the store")
+        kv = self.core.stored_full(state, self.txn)
         if kv is None:
-            conditioned = self._conditioned_over(chunk, state.context)
-            kv = replace(to_position_free(conditioned, self.layout), chunk_key=state.chunk_key)
-            self.txn.store.put_full(kv, state.digest)
+            kv = self.core.keep_full(state, self._conditioned_over(chunk, state.context), self.txn)
             self.txn.meter.reencodes += int(held)
-        else:
-            kv = self.core.on_device(kv)
         self._full[state.digest] = kv
         return kv
 
@@ -452,7 +374,7 @@ class Executor:
             return full
         n = self.state.entries[ref].chunk.num_tokens
         target = ChunkState.patched(ref.key, effective_rank(rank, n, self.layout.features), ctx)
-        if not _is_full(target) and self.txn.store.has_patch(ref.key, target.digest):
+        if not target.is_full and self.txn.store.has_patch(ref.key, target.digest):
             return target
         return canonical
 
@@ -461,7 +383,7 @@ class Executor:
         entry = self.state.entries[ref]
         if entry.full is not None:
             return entry.full, None
-        if _is_full(entry.state):
+        if entry.state.is_full:
             return self._full_kv(entry.state, entry.chunk, held=True), None
         return self.canonical(ref), entry.patch
 
@@ -505,15 +427,6 @@ class _Influence:
         if state.digest not in self._memo:
             self._memo[state.digest] = any(s.digest == self.digest or self(s) for s in state.context.states())
         return self._memo[state.digest]
-
-
-_FULL = Patch({}, 0)
-"""Stands for "the store holds this full KV" in `_stored_patch` (a full state carries no patch)."""
-
-
-def _is_full(state: ChunkState) -> bool:
-    """A full-rank patched or orbit state: its KV is stored as is, not as a patch on its canonical."""
-    return state.rank == "full" and state.kind in ("patched", "orbit")
 
 
 def _changes(state: WindowState, plan: WindowPlan) -> bool:

@@ -266,14 +266,12 @@ class Rules:
 
     def with_canonical(self, step: Step) -> Step:
         """Mark a step whose KV is built on the canonical when the store does not hold it."""
-        full = step.state.rank == "full" and step.state.kind in ("patched", "orbit")
-        built_on_canonical = not full
-        step.needs_canonical = built_on_canonical and not self.view.has_canonical(step.ref.key)
+        step.needs_canonical = not step.state.is_full and not self.view.has_canonical(step.ref.key)
         return step
 
     def has(self, ref: ChunkRef, target: ChunkState) -> bool:
         """Whether the store holds what ``target`` is made of (a full KV, or a patch)."""
-        if target.rank == "full" and target.kind in ("patched", "orbit"):
+        if target.is_full:
             return self.view.has_full(ref.key, target.digest)
         return self.view.has_patch(ref.key, target.digest)
 

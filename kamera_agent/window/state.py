@@ -19,9 +19,9 @@ from typing import Any
 import networkx as nx
 
 from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.core import Patch
 from kamera_agent.core.identity import ChunkState
 from kamera_agent.operator.layout import ChunkKV
-from kamera_agent.operator.patch import Patch
 from kamera_agent.results import Answer
 from kamera_agent.window.costs import StatsBook
 

@@ -28,6 +28,7 @@ from kamera_agent.chunks.chat import ChatTemplate
 from kamera_agent.chunks.chunk import Chunk, ChunkKind
 from kamera_agent.chunks.sources import ChannelOrder
 from kamera_agent.config import WindowConfig
+from kamera_agent.core import Patch
 from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.identity import ChunkState
 from kamera_agent.core.kv_core import KVCore, Txn
@@ -43,7 +44,6 @@ from kamera_agent.errors import (
 )
 from kamera_agent.metrics import next_token_kl
 from kamera_agent.operator.layout import ChunkKV
-from kamera_agent.operator.patch import Patch
 from kamera_agent.results import Answer, OpCost, Plan, Probe, WindowStats
 from kamera_agent.settings import THREADS_ENV, configure_threads
 from kamera_agent.store import ChunkStore

@@ -1,0 +1,71 @@
+"""Orbit folding: one ordering's formed KV merged into the mean over its antecedent set's orderings.
+
+Why: an orbit patch serves every ordering of the same antecedent set (a reorder that keeps a
+chunk's left-hand set), so each formation also folds what it computed into that mean. Filed by
+the set's address (`orbit_key`), its state names the members in the order they were merged, so
+an orbit that changed under an operation is never mistaken for the one planned.
+
+Rank-m orbits are a merged patch on the canonical; a full-rank orbit is the mean deficit, so
+canonical + orbit is the mean of the members' KVs: it is kept as that KV (no canonical needed),
+with its membership in a factor-free entry at the set's address (what planning peeks at).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from kamera_agent.core.identity import ChunkState, Context, orbit_key
+from kamera_agent.core.staging import StagedStore
+from kamera_agent.operator.layout import ChunkKV
+from kamera_agent.operator.patch import Patch, merge_patches
+
+__all__ = ["fold_full_orbit", "fold_orbit"]
+
+
+def fold_orbit(store: StagedStore, root: Context, member: ChunkState, patch: Patch) -> None:
+    """Fold this ordering's rank-m ``patch`` into the orbit of ``member``'s antecedent set."""
+    chunk_key = member.chunk_key
+    address = orbit_key(chunk_key, member.rank, root, member.context)
+    orbit = store.get_patch(chunk_key, address)
+    members = _members(orbit.meta if orbit is not None else None)
+    if member.digest in members:
+        return
+    if orbit is None:
+        merged = merge_patches([patch], member.rank)
+    else:
+        merged = merge_patches([orbit, patch], member.rank, weights=[len(members), 1])
+    members.append(member.digest)
+    state = ChunkState.orbit(chunk_key, member.rank, root, address, members)
+    meta = {"members": json.dumps(members)}
+    fingerprint = merged.model_fingerprint
+    store.put_patch(
+        Patch(merged.factors, merged.num_tokens, chunk_key, state.digest, fingerprint, "orbit", meta), address
+    )
+
+
+def fold_full_orbit(store: StagedStore, root: Context, member: ChunkState, kv: ChunkKV) -> None:
+    """Fold this ordering's full KV into the mean KV over ``member``'s antecedent set's orderings."""
+    chunk_key = member.chunk_key
+    address = orbit_key(chunk_key, member.rank, root, member.context)
+    info = store.patch_info(chunk_key, address)
+    members = _members(info[1] if info is not None else None)
+    if member.digest in members:
+        return
+    previous = store.get_full(chunk_key, info[0]) if info is not None else None
+    if previous is None:  # a first member (or the old mean left the store): start again
+        members, mean = [], kv
+    else:
+        count = len(members)
+        keys = (previous.keys.float() * count + kv.keys.float()) / (count + 1)
+        values = (previous.values.float() * count + kv.values.float()) / (count + 1)
+        mean = replace(kv, keys=keys.to(kv.keys.dtype), values=values.to(kv.values.dtype))
+    members.append(member.digest)
+    state = ChunkState.orbit(chunk_key, member.rank, root, address, members)
+    store.put_full(mean, state.digest)
+    record = Patch({}, kv.num_tokens, chunk_key, state.digest, "", "orbit", {"members": json.dumps(members)})
+    store.put_patch(record, address)
+
+
+def _members(meta: dict[str, str] | None) -> list[str]:
+    return list(json.loads(meta.get("members", "[]"))) if meta is not None else []
