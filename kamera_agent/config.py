@@ -7,12 +7,19 @@ policy name fails at construction with the list of known names, not deep inside 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["WindowConfig"]
+if TYPE_CHECKING:
+    from kamera_agent.store import ChunkStore
+
+__all__ = ["STORE_URL_VARIABLE", "WindowConfig"]
+
+STORE_URL_VARIABLE = "KAMERA_STORE_URL"
+"""The environment variable a store's shared tier URL is read from when the settings name none."""
 
 PatchMode = Literal["eager", "lazy", "none"]
 
@@ -125,6 +132,25 @@ class WindowConfig(BaseModel):
     def effective_rank(self) -> int | Literal["full"]:
         """The rank patches are formed at: 0 whenever patching is off."""
         return 0 if self.patch_mode == "none" else self.rank
+
+    def open_store(self, fingerprint: str) -> ChunkStore:
+        """The store these settings describe for a model: memory, the disk tier, and the shared
+        tier from ``store_url``, else from ``KAMERA_STORE_URL`` (windows and engine adapters
+        alike build their stores here).
+
+        Raises:
+            StoreURLError: a store URL kamera cannot use.
+            StoreDirectoryError: a disk directory kamera cannot use.
+        """
+        from kamera_agent.store import ChunkStore
+
+        return ChunkStore(
+            fingerprint=fingerprint,
+            memory_budget=self.memory_budget,
+            disk_dir=self.disk_dir,
+            disk_budget=self.disk_budget,
+            remote=self.store_url or os.environ.get(STORE_URL_VARIABLE) or None,
+        )
 
     @classmethod
     def defaults(cls, **overrides: Any) -> WindowConfig:

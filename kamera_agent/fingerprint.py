@@ -42,13 +42,14 @@ def model_fingerprint(model: Any) -> str:
     return digest.hexdigest()
 
 
-def checkpoint_fingerprint(path: str | os.PathLike[str], dtype: str = "") -> str:
+def checkpoint_fingerprint(path: str | os.PathLike[str], dtype: torch.dtype | str = "") -> str:
     """A hex digest identifying a checkpoint directory without loading it, for engines that hold
-    the weights themselves (SGLang, vLLM): its config and, per weights file, name, size and a
-    sample of its bytes (the first and last MiB: headers name every tensor, data ends differ
-    when any tensor was retrained); ``dtype`` is the one the engine serves it in."""
+    the weights themselves (SGLang, vLLM) and windows that load it: its config and, per weights
+    file, name, size and a sample of its bytes (the first and last MiB: headers name every
+    tensor, data ends differ when any tensor was retrained); ``dtype`` is the one the model is
+    served in (a ``torch.dtype`` or its name: ``"float32"`` and ``torch.float32`` are one)."""
     root = Path(path)
-    digest = hashlib.sha256(f"checkpoint\x1f{dtype}".encode())
+    digest = hashlib.sha256(f"checkpoint\x1f{_dtype_name(dtype)}".encode())
     config = root / "config.json"
     if config.is_file():
         as_dict = json.loads(config.read_text())
@@ -63,3 +64,11 @@ def checkpoint_fingerprint(path: str | os.PathLike[str], dtype: str = "") -> str
             handle.seek(max(0, size - _SAMPLE_BYTES))
             digest.update(handle.read(_SAMPLE_BYTES))
     return digest.hexdigest()
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    """``"torch.float32"`` for ``torch.float32``, ``"float32"`` and ``"torch.float32"``."""
+    if isinstance(dtype, torch.dtype):
+        return str(dtype)
+    named = getattr(torch, dtype.removeprefix("torch."), None) if dtype else None
+    return str(named) if isinstance(named, torch.dtype) else dtype

@@ -15,6 +15,7 @@ import torch
 
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.errors import CheckpointError, SettingsError, UnsupportedModelError
+from kamera_agent.fingerprint import checkpoint_fingerprint
 
 __all__ = ["load_backend", "load_model", "load_processing"]
 
@@ -31,15 +32,20 @@ def load_backend(
     """A `TransformersBackend` for a loaded model or a local checkpoint directory.
 
     Missing processing pieces are loaded from the checkpoint directory (or, for a loaded model,
-    from its ``name_or_path`` when that is a local directory).
+    from its ``name_or_path`` when that is a local directory). A model loaded here from a folder
+    is fingerprinted by that folder and dtype (`checkpoint_fingerprint`), as the SGLang and vLLM
+    adapters fingerprint what they serve, so windows and engines on one store share entries; a
+    model passed loaded is fingerprinted by its weights (it may have changed since loading).
 
     Raises:
         UnsupportedModelError: the tokenizer cannot be found; the message says what to pass.
     """
     source: str | None
+    fingerprint: str | None = None
     if isinstance(model, str | Path):
         source = str(model)
         model = load_model(source, dtype=dtype, device=device)
+        fingerprint = checkpoint_fingerprint(source, model.dtype)  # as the engines' adapters name it
     else:
         source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
     if processor is None and tokenizer is None:
@@ -49,7 +55,9 @@ def load_backend(
                 "image_processor=, or load the model from a local checkpoint directory that holds them"
             )
         processor, tokenizer, image_processor = load_processing(source, needs_images=_is_vlm(model))
-    return TransformersBackend(model, processor, tokenizer=tokenizer, image_processor=image_processor)
+    return TransformersBackend(
+        model, processor, tokenizer=tokenizer, image_processor=image_processor, fingerprint=fingerprint
+    )
 
 
 def check_device(device: str | torch.device | None) -> None:

@@ -39,6 +39,9 @@ side_env_begin() {
   pip_install "torch==2.13.0"
 }
 
-pip_install() { quiet_pip "$SIDE_VENV/bin/python" -c "$SIDE_CONSTRAINTS" "$@"; }
+# --no-warn-conflicts: a side environment installs its engine without the dependencies it never
+# uses on CPU (CUDA kernels, torch add-ons), so pip's "requires X, which is not installed" list is
+# the plan, not a fault; the scripts import what they need at the end instead.
+pip_install() { quiet_pip "$SIDE_VENV/bin/python" --no-warn-conflicts -c "$SIDE_CONSTRAINTS" "$@"; }
 
 side_env_done() { echo "$SIDE_WANT" > "$SIDE_STAMP"; }

@@ -24,12 +24,13 @@ slot        token            t               h                 w
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
 
-__all__ = ["Chunk", "ChunkKind", "content_key"]
+__all__ = ["Chunk", "ChunkKind", "content_key", "token_key"]
 
 ChunkKind = Literal["image", "frame", "screenshot", "page", "text", "anchor"]
 
@@ -112,4 +113,25 @@ def content_key(*parts: bytes | str | torch.Tensor | None) -> str:
         else:
             digest.update(part)
         digest.update(b"\x1f")
+    return digest.hexdigest()
+
+
+def token_key(scope: str, kind: str, tokens: Sequence[int] | torch.Tensor) -> str:
+    """The content key of a span of tokens, the same for a window and an engine adapter.
+
+    Why one function: a window's text chunk and an engine request's chunk of the same tokens
+    must find the same store entries (a conversation a window held is then served to an engine,
+    and the reverse). Only tokens and scope enter: the model is the store's (every entry carries
+    its fingerprint), and a chunk's canonical depends on what it is computed behind, so the
+    scope is the anchor's key for every chunk after it, and ``""`` or a tenant's namespace for
+    the anchor itself (see `kamera_agent.engines.chunking`).
+
+    Args:
+        scope: the anchor's key (or, for an anchor, the namespace).
+        kind: ``"text"``, or an engine's ``"image:<identity>"`` for an image span.
+        tokens: the span's token ids.
+    """
+    ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+    digest = hashlib.sha256(f"tokens\x1f{scope}\x1f{kind}\x1f".encode())
+    digest.update(",".join(map(str, ids)).encode())
     return digest.hexdigest()

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from kamera_agent.chunks.chunk import Chunk, ChunkKind, content_key
+from kamera_agent.chunks.chunk import Chunk, ChunkKind, content_key, token_key
 from kamera_agent.chunks.positions import PositionScheme
 from kamera_agent.chunks.prompt import PromptFormat
 from kamera_agent.chunks.sources import MAX_IMAGE_PIXELS, ChannelOrder, ImageLike, to_rgb_image
@@ -60,6 +60,9 @@ class ChunkEncoder:
         self.tokens_per_image = tokens_per_image
         self.settings = _processing_signature(tokenizer, image_processor, prompt)
         self.origin = content_key("origin", model_fingerprint, self.settings)
+        self.anchor_key = token_key("", "text", self.tokens(prompt.anchor))
+        """The anchor's key: every text chunk's key is scoped by it (`token_key`), as its canonical
+        is computed behind the anchor."""
 
     def tokens(self, text: str) -> torch.Tensor:
         """Token ids ``[n]`` of ``text`` without added special tokens.
@@ -80,7 +83,7 @@ class ChunkEncoder:
 
     def anchor(self) -> Chunk:
         """The shared prefix every window starts with (system prompt, user-turn start)."""
-        return self._text_chunk(self.prompt.anchor, kind="anchor", label="anchor")
+        return self._text_chunk(self.prompt.anchor, kind="anchor", label="anchor", scope="")
 
     def text(self, text: str, *, label: str | None = None) -> Chunk:
         """A span of text as a chunk."""
@@ -152,14 +155,14 @@ class ChunkEncoder:
             self.origin,
         )
 
-    def _text_chunk(self, text: str, kind: ChunkKind, label: str | None) -> Chunk:
+    def _text_chunk(self, text: str, kind: ChunkKind, label: str | None, scope: str | None = None) -> Chunk:
         input_ids = self.tokens(text)
         if input_ids.numel() == 0:
             what = "text" if kind == "text" else f"{kind} text"
             raise InputError(f"the {what} tokenizes to no tokens; pass non-empty text")
         mm_types = torch.zeros_like(input_ids)
         relative, advance = self.positions.relative(input_ids, mm_types, None)
-        key = content_key("chunk", self.model_fingerprint, self.settings, input_ids)
+        key = token_key(self.anchor_key if scope is None else scope, "text", input_ids)
         return Chunk(kind, key, input_ids, relative, advance, mm_types, label=label, origin=self.origin)
 
     def _preprocess(self, image: Image.Image) -> tuple[torch.Tensor, torch.Tensor | None]:

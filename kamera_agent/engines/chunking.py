@@ -5,8 +5,10 @@ placeholders, vision end) and each conversation message is a chunk of its own. I
 engine has, that is: each image's placeholder span (the engine says where: SGLang by its
 content-derived pad values, vLLM by its ``mm_features``) with the framing token on each side,
 and text cut before each message's opening marker. A chunk's key is its tokens (an image's: its
-content identity) in the request's namespace, so the same image or message has the same key
-wherever it sits, and another tenant's never does.
+content identity) scoped by the request's anchor (its first chunk, keyed in the request's
+namespace: `keyed`), so the same image or message behind the same system prompt has the same
+key wherever it sits, the key a conversation window gives the same message, and another
+tenant's never does.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kamera_agent.engines.synthesis import RequestChunk, chunk_key
+from kamera_agent.chunks.chunk import token_key
+from kamera_agent.engines.synthesis import RequestChunk
 
-__all__ = ["ChunkRules", "ImageSpan", "request_chunks"]
+__all__ = ["ChunkRules", "ImageSpan", "keyed", "request_chunks"]
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,19 @@ def request_chunks(
         bounds.append((start, end, f"image:{image.identity}"))
         cursor = end
     bounds += _text(tokens, cursor, len(tokens), rules)
-    return [RequestChunk(a, b, chunk_key(namespace, kind, tokens[a:b])) for a, b, kind in bounds]
+    return keyed(tokens, bounds, namespace)
+
+
+def keyed(
+    tokens: Sequence[int], bounds: Sequence[tuple[int, int, str]], namespace: str = ""
+) -> list[RequestChunk]:
+    """Chunks ``tokens[a:b]`` of the given kinds with their content keys (`token_key`): the first
+    (the request's anchor) keyed in ``namespace``, every later one scoped by the anchor's key."""
+    out: list[RequestChunk] = []
+    for a, b, kind in bounds:
+        scope = out[0].key if out else namespace
+        out.append(RequestChunk(a, b, token_key(scope, kind, tokens[a:b])))
+    return out
 
 
 def _text(tokens: Sequence[int], start: int, end: int, rules: ChunkRules) -> list[tuple[int, int, str]]:

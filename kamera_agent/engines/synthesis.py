@@ -19,8 +19,10 @@ absorbed": a slide or reorder is then served without recompute, approximately. P
 below full need a chunk's canonical, one forward an engine's cache hook cannot run, so only
 full-rank states are served here.
 
-Every state and chunk key is scoped by the request's namespace (SGLang's ``extra_key``, vLLM's
-``cache_salt``): one tenant is never served another's KV, approximate or not.
+Every chunk key is scoped by the request's anchor, itself keyed in the request's namespace
+(SGLang's ``extra_key``, vLLM's ``cache_salt``; ``""`` for neither), so every state is too: one
+tenant is never served another's KV, approximate or not. A request's first chunk is its anchor
+(`_Chain`), as a window's system block is, so an engine and a conversation window share entries.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.store import ChunkStore, EntryKey
 
-__all__ = ["Plan", "PrefixSynthesis", "RequestChunk", "ServePolicy", "Served", "chunk_key", "policy_of"]
+__all__ = ["Plan", "PrefixSynthesis", "RequestChunk", "ServePolicy", "Served", "policy_of"]
 
 ServePolicy = Literal["exact", "keep"]
 
@@ -44,14 +46,6 @@ ServePolicy = Literal["exact", "keep"]
 def policy_of(config: WindowConfig) -> ServePolicy:
     """What an engine may serve under ``config``: kept states only where survivors keep them."""
     return "keep" if config.survivors == "keep" else "exact"
-
-
-def chunk_key(namespace: str, kind: str, tokens: Sequence[int]) -> str:
-    """A request chunk's content key: its token ids (an image's are its content-derived pad
-    values) in its namespace."""
-    digest = hashlib.sha256(f"engine-chunk\x1f{namespace}\x1f{kind}\x1f".encode())
-    digest.update(",".join(map(str, tokens)).encode())
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -151,21 +145,21 @@ class PrefixSynthesis:
         re-prefill computes whatever the policy (an engine's unsalted requests, whose cached
         blocks every other request may reuse). Reads presence only: no side effects."""
         served: list[Served] = []
-        context, prefix = _root(namespace), _prefix_root(namespace)
+        chain, prefix = _Chain(), _prefix_root(namespace)
         for chunk in chunks:
             if chunk.start >= limit:
                 break
             prefix = _hash(prefix, chunk.key)
-            computed = ChunkState.patched(chunk.key, "full", context)
+            computed = chain.computed(chunk)
             held = self._held(prefix, computed) if chunk.start < device_len else computed
             if chunk.end <= device_len:
-                context = context.extend(held)
+                chain.extend(chunk, held)
                 continue
             hit = self._servable(namespace, chunk, held, computed, device_len, approximate)
             if hit is None:
                 break
             served.append(hit)
-            context = context.extend(hit.state)
+            chain.extend(chunk, hit.state)
         end = min(served[-1].chunk.end if served else device_len, limit)
         end = max(device_len, end - end % page_size)
         while served and served[-1].chunk.start + served[-1].skip >= end:
@@ -177,11 +171,7 @@ class PrefixSynthesis:
         is all or nothing: the engine then computes the tokens)."""
         out: list[ChunkKV] = []
         for item in plan.served:
-            kv = (
-                self.store.get_canonical(item.entry.key)
-                if item.entry.kind == "canonical"
-                else self.store.get_full(item.entry.key, item.entry.variant)
-            )
+            kv = self.read(item.entry)
             if kv is None or kv.num_tokens != len(item.chunk):
                 return None
             out.append(kv)
@@ -215,13 +205,13 @@ class PrefixSynthesis:
         state it holds and the entry its KV belongs in, where the store does not hold it yet.
         Under ``"keep"`` this also makes each chunk's state its latest."""
         out: list[tuple[RequestChunk, ChunkState, EntryKey]] = []
-        context, prefix = _root(namespace), _prefix_root(namespace)
+        chain, prefix = _Chain(), _prefix_root(namespace)
         for chunk in chunks:
             if chunk.end > upto:
                 break
             prefix = _hash(prefix, chunk.key)
-            state = self._held(prefix, ChunkState.patched(chunk.key, "full", context))
-            context = context.extend(state)
+            state = self._held(prefix, chain.computed(chunk))
+            chain.extend(chunk, state)
             entry = _entry(chunk, state)
             if self.policy == "keep":
                 _remember(self._latest, _latest_key(namespace, chunk), Served(chunk, state, entry))
@@ -240,12 +230,23 @@ class PrefixSynthesis:
         position-free. Returns how many entries were stored."""
         found = self.captures(namespace, chunks, upto)
         for chunk, _, entry in found:
-            kv = replace(read(chunk), chunk_key=chunk.key)
-            if entry.kind == "canonical":
-                self.store.put_canonical(kv)
-            else:
-                self.store.put_full(kv, entry.variant)
+            self.write(entry, read(chunk))
         return len(found)
+
+    # -- the store's side ------------------------------------------------------------------
+    def read(self, entry: EntryKey) -> ChunkKV | None:
+        """The position-free KV filed at ``entry`` (a canonical, or a full state's KV), or ``None``."""
+        if entry.kind == "canonical":
+            return self.store.get_canonical(entry.key)
+        return self.store.get_full(entry.key, entry.variant)
+
+    def write(self, entry: EntryKey, kv: ChunkKV) -> None:
+        """File position-free ``kv`` (read from the engine's cache) at ``entry``."""
+        kv = replace(kv, chunk_key=entry.key)
+        if entry.kind == "canonical":
+            self.store.put_canonical(kv)
+        else:
+            self.store.put_full(kv, entry.variant)
 
     # -- states -----------------------------------------------------------------------------
     def _held(self, prefix: str, computed: ChunkState) -> ChunkState:
@@ -289,8 +290,30 @@ def _remember(memory: OrderedDict[str, _V], key: str, value: _V) -> None:
         memory.popitem(last=False)
 
 
-def _root(namespace: str) -> Context:
-    return Context.root(f"engine|{namespace}")
+class _Chain:
+    """The states a forward gives a request's chunks, left to right, as a window's are chained.
+
+    The first chunk is the anchor: its KV is computed behind nothing and every later chunk's
+    behind it (`Context.root` of its key, which `token_key` also scopes the later chunks' keys
+    by), so the chunk right after it is in its canonical state, as a window's first chunk is,
+    and the rest are conditioned on the states before them. A window and an engine holding the
+    same conversation then name the same states and find each other's entries.
+    """
+
+    _NOTHING = Context.root("")
+
+    def __init__(self) -> None:
+        self.context: Context | None = None
+
+    def computed(self, chunk: RequestChunk) -> ChunkState:
+        """The state a forward over the chunks before it (in their held states) gives ``chunk``."""
+        if self.context is None:
+            return ChunkState.canonical(chunk.key, self._NOTHING)
+        return ChunkState.patched(chunk.key, "full", self.context)
+
+    def extend(self, chunk: RequestChunk, state: ChunkState) -> None:
+        """``chunk`` is held in ``state``: the chunks after it are conditioned on that."""
+        self.context = Context.root(chunk.key) if self.context is None else self.context.extend(state)
 
 
 def _entry(chunk: RequestChunk, state: ChunkState) -> EntryKey:

@@ -8,7 +8,6 @@ loaded model and are checked, never silently ignored, against a `Backend` built 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +29,11 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.errors import InputError, MediaPathAsTextError, SettingsError, UnreadableInputError
 from kamera_agent.store import ChunkStore
 
-__all__ = ["Item", "chunk_of", "resolve_backend", "resolve_store", "store_of_settings"]
+__all__ = ["Item", "chunk_of", "resolve_backend", "resolve_store"]
 
 Item = Chunk | str | Text | Image.Image | np.ndarray | Path | VideoFrame
 
 _STORE_FIELDS = ("memory_budget", "disk_dir", "disk_budget", "store_url")
-STORE_URL_VARIABLE = "KAMERA_STORE_URL"
-"""The environment variable a window reads the shared store's URL from when its config sets none."""
 
 
 def resolve_backend(
@@ -84,7 +81,7 @@ def resolve_store(backend: Backend, config: WindowConfig, store: ChunkStore | No
         StoreURLError: a store URL kamera cannot use.
     """
     if store is None:
-        return store_of_settings(backend.fingerprint, config)
+        return config.open_store(backend.fingerprint)
     given = sorted(name for name in _STORE_FIELDS if name in config.model_fields_set)
     if given:
         raise SettingsError(
@@ -93,18 +90,6 @@ def resolve_store(backend: Backend, config: WindowConfig, store: ChunkStore | No
             "no store"
         )
     return store
-
-
-def store_of_settings(fingerprint: str, config: WindowConfig) -> ChunkStore:
-    """The store ``config`` describes for a model: memory, the disk tier, and the shared tier from
-    ``config.store_url``, else from ``KAMERA_STORE_URL``."""
-    return ChunkStore(
-        fingerprint=fingerprint,
-        memory_budget=config.memory_budget,
-        disk_dir=config.disk_dir,
-        disk_budget=config.disk_budget,
-        remote=config.store_url or os.environ.get(STORE_URL_VARIABLE) or None,
-    )
 
 
 def chunk_of(

@@ -15,7 +15,8 @@ import torch
 
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
-from kamera_agent.engines.synthesis import PrefixSynthesis, RequestChunk, chunk_key, policy_of
+from kamera_agent.engines.chunking import keyed
+from kamera_agent.engines.synthesis import PrefixSynthesis, RequestChunk, policy_of
 from kamera_agent.operator.layout import ChunkKV, at_positions, to_position_free
 from kamera_agent.store import ChunkStore
 from tests.backends.test_transformers_backend import text_backend
@@ -39,12 +40,13 @@ def _long(word: str) -> Chunk:
 
 def _request(chunks: Sequence[Chunk], namespace: str = NS) -> list[RequestChunk]:
     """The anchor and ``chunks`` as one request's chunks (content keys from their tokens)."""
-    out, start = [], 0
+    tokens: list[int] = []
+    bounds: list[tuple[int, int, str]] = []
     for chunk in [_backend().anchor, *chunks]:
-        tokens = chunk.input_ids.tolist()
-        out.append(RequestChunk(start, start + len(tokens), chunk_key(namespace, "text", tokens)))
-        start += len(tokens)
-    return out
+        ids = chunk.input_ids.tolist()
+        bounds.append((len(tokens), len(tokens) + len(ids), "text"))
+        tokens += ids
+    return keyed(tokens, bounds, namespace)
 
 
 def _forward(chunks: Sequence[Chunk], shift: int = 0) -> list[ChunkKV]:
@@ -210,3 +212,39 @@ def test_what_a_synthesis_remembers_is_bounded(monkeypatch: pytest.MonkeyPatch) 
     synthesis = PrefixSynthesis(_store(), "keep")
     _capture(synthesis, _texts("cat", "dog", "owl", "yak", "emu"))
     assert len(synthesis._latest) == 3  # the five chunks and the anchor seen, the last three kept
+
+
+def test_an_engine_serves_what_a_window_stored_and_a_window_what_an_engine_captured() -> None:
+    """One key and state scheme: the same text behind the same anchor is the same chunk and state
+    for a window and an engine adapter (namespace ``""``: no tenant), so each serves the other's KV."""
+    from kamera_agent import KameraWindow
+
+    s, a, b = _texts("cat", "dog", "owl")
+    store = _store()
+    window = KameraWindow(_backend(), config=WindowConfig.exact(), store=store)
+    for chunk in (s, a, b):
+        window.push(chunk)
+    request = _request([s, a, b], namespace="")
+    assert [c.key for c in request] == [_backend().anchor.key, s.key, a.key, b.key]
+    synthesis = PrefixSynthesis(store, "exact")
+    anchor_len = request[0].end  # the engine holds the anchor (its own prefix cache)
+    plan = synthesis.plan("", request, anchor_len, request[-1].end)
+    assert [item.chunk for item in plan.served] == request[1:]
+    kvs = synthesis.load(plan)
+    assert kvs is not None
+    layout, truth = _backend().layout, _forward([s, a, b])
+    for kv, want in zip(kvs, truth[1:], strict=True):
+        assert want.positions is not None
+        placed = at_positions(kv, layout, want.positions)
+        assert _rel(placed.keys, want.keys) < EXACT and _rel(placed.values, want.values) < EXACT
+
+    captured = _store()  # the reverse: an engine's prefill captured, then a window over that store
+    assert _capture(PrefixSynthesis(captured, "exact"), [s, a, b], namespace="") == 4
+    reader = KameraWindow(_backend(), config=WindowConfig.exact(), store=captured)
+    for chunk in (s, a, b):
+        reader.push(chunk)
+    pushed = reader.stats.total  # every chunk served from what the engine captured: no forward
+    assert pushed.forwards == 0 and pushed.tokens_reused == sum(c.num_tokens for c in (s, a, b))
+    for ref, want in zip(reader.refs, truth[1:], strict=True):
+        got = reader.chunk_kv(ref)
+        assert _rel(got.keys, want.keys) < EXACT and _rel(got.values, want.values) < EXACT

@@ -53,6 +53,9 @@ class TransformersBackend(Backend):
         tokenizer: the tokenizer, when no processor is given.
         image_processor: the image processor, when no processor is given (VLMs).
         prompt: where chunks sit in the chat template (default: read from the tokenizer's template).
+        fingerprint: the model's identity in stores (default: `model_fingerprint` of its weights;
+            `load_backend` gives a model it loads from a checkpoint folder that folder's
+            `checkpoint_fingerprint`, the one SGLang's and vLLM's adapters use, so they share a store).
     """
 
     supports_mla = True
@@ -68,6 +71,7 @@ class TransformersBackend(Backend):
         tokenizer: Any | None = None,
         image_processor: Any | None = None,
         prompt: PromptFormat | None = None,
+        fingerprint: str | None = None,
     ) -> None:
         tokenizer = tokenizer or getattr(processor, "tokenizer", None)
         image_processor = image_processor or getattr(processor, "image_processor", None)
@@ -76,7 +80,7 @@ class TransformersBackend(Backend):
         self.model = model.eval()
         self.parts: ModelParts = model_parts(model)
         self.layout = kv_layout(model)
-        self.fingerprint = model_fingerprint(model)
+        self.fingerprint = fingerprint or model_fingerprint(model)
         self.tokenizer = tokenizer
         image_token = _image_token(model, tokenizer) if self.parts.has_vision else None
         self.prompt = prompt or PromptFormat.from_tokenizer(tokenizer, image_token)

@@ -42,19 +42,20 @@ def _factory(ctx: Any) -> Any:
     from kamera_agent.backends.transformers.reading import kv_layout_of_config
     from kamera_agent.engines.sglang.radix import KameraRadixCache
     from kamera_agent.engines.sglang.segments import ChunkRules
+    from kamera_agent.engines.stores import STORES
     from kamera_agent.fingerprint import checkpoint_fingerprint
-    from kamera_agent.window.setup import store_of_settings
 
     config = settings()
     server = ctx.server_args
     hf_config = ctx.model_config.hf_config if ctx.model_config is not None else _hf_config(server.model_path)
     tokenizer = _tokenizer(server.tokenizer_path or server.model_path)
-    fingerprint = checkpoint_fingerprint(server.model_path, str(server.dtype))
+    dtype = getattr(ctx.model_config, "dtype", None) or server.dtype  # the served dtype, not "auto"
+    fingerprint = checkpoint_fingerprint(server.model_path, dtype)
     layout = kv_layout_of_config(hf_config)
     return KameraRadixCache(
         ctx.params,
         config,
-        store=store_of_settings(fingerprint, config),
+        store=STORES.open(fingerprint, config),
         layout=layout,
         rules=ChunkRules.for_model(hf_config, tokenizer),
         pool_pairing=pool_pairing(ctx.tp_worker, hf_config, layout),

@@ -1,4 +1,4 @@
-"""Chunk KV in and out of SGLang's token pools (MHA/GQA and MLA): the write ``init_load_back`` will do.
+"""Chunk KV in and out of SGLang's token pools (MHA/GQA and MLA): `SGLangSlots`, the `KVSlots` of SGLang.
 
 Why here: SGLang keeps a layer's KV per slot, kamera keeps a chunk position-free as
 ``[layers, heads, tokens, dim]``. Placing a stored chunk into a request is relocation (kamera's
@@ -18,7 +18,7 @@ place (``is_neox_style = not config.rope_interleave``, default ``True``: pairs `
 whereas transformers' DeepSeek-V3 with ``rope_interleave`` (its released checkpoints)
 de-interleaves the band while rotating and caches it half-split. ``pool_pairing`` (`rotary_pairing`
 of the SGLang model's rotary module) says how the pool pairs the band; the band is permuted into
-that order on the way in and back on the way out.
+that order on the way in and back on the way out (after relocation, which `KVSlots` does).
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ from typing import Any
 
 import torch
 
+from kamera_agent.engines.slots import KVSlots
 from kamera_agent.errors import LayoutMismatchError
-from kamera_agent.operator.layout import ChunkKV, KVLayout, at_positions, to_position_free
+from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.operator.rope import Pairing
 
-__all__ = ["read_chunk", "rotary_pairing", "write_chunk"]
+__all__ = ["SGLangSlots", "rotary_pairing"]
 
 
 def rotary_pairing(rotary_emb: Any) -> Pairing:
@@ -41,50 +42,40 @@ def rotary_pairing(rotary_emb: Any) -> Pairing:
     return "half" if rotary_emb.is_neox_style else "interleaved"
 
 
-def write_chunk(
-    pool: Any,
-    kv: ChunkKV,
-    layout: KVLayout,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    *,
-    pool_pairing: Pairing | None = None,
-) -> None:
-    """Write position-free ``kv`` into ``pool`` at ``slots``, its rope band rotated to ``positions``
-    (``[n]``, or ``[3, n]`` for M-RoPE: the positions SGLang computed for the request).
+class SGLangSlots(KVSlots):
+    """SGLang's MHA/GQA or MLA token pool as `KVSlots`.
 
-    ``pool_pairing``: how SGLang's rotary pairs the band (`rotary_pairing`); ``None`` means as
-    ``layout`` does. Needed for DeepSeek-V3 with ``rope_interleave`` (its released checkpoints):
-    ``"interleaved"`` there, while the transformers layout is ``"half"``.
+    Args:
+        pool: SGLang's ``MHATokenToKVPool`` or ``MLATokenToKVPool`` (every layer, every KV head).
+        layout: the model's KV layout.
+        pool_pairing: how SGLang's rotary pairs the rope band (`rotary_pairing`); ``None`` means
+            as ``layout`` does. Needed for DeepSeek-V3 with ``rope_interleave`` (its released
+            checkpoints): ``"interleaved"`` there, while the transformers layout is ``"half"``.
+
+    Raises:
+        LayoutMismatchError: a pool that does not hold every layer and head of ``layout``.
     """
-    _check_pool(pool, layout)
-    placed = _reorder_band(at_positions(kv, layout, positions), layout, _band_order(layout, pool_pairing))
-    loc = slots.to(device=pool.device, dtype=torch.int64)
-    write = pool.set_mla_kv_buffer if layout.kind == "mla" else pool.set_kv_buffer
-    for layer in range(layout.num_layers):
-        keys, values = (_tokens_first(slot[layer], pool) for slot in (placed.keys, placed.values))
-        write(None, loc, keys, values, layer_id_override=layer)  # MLA: (latent, k_pe)
 
+    def __init__(self, pool: Any, layout: KVLayout, *, pool_pairing: Pairing | None = None) -> None:
+        _check_pool(pool, layout)
+        self.pool, self.layout = pool, layout
+        self._order = _band_order(layout, pool_pairing)
+        self._inverse = None if self._order is None else torch.argsort(self._order)
 
-def read_chunk(
-    pool: Any,
-    layout: KVLayout,
-    slots: torch.Tensor,
-    positions: torch.Tensor,
-    chunk_key: str = "",
-    *,
-    pool_pairing: Pairing | None = None,
-) -> ChunkKV:
-    """The KV in ``pool`` at ``slots`` (written at ``positions``), position-free, in float32;
-    ``pool_pairing`` as for `write_chunk`."""
-    _check_pool(pool, layout)
-    loc = slots.to(device=pool.device, dtype=torch.int64)
-    layers = [_read_layer(pool, layout, layer, loc) for layer in range(layout.num_layers)]
-    keys, values = (torch.stack([layer[i] for layer in layers]).float().cpu() for i in (0, 1))
-    placed = ChunkKV(keys, values, positions.cpu(), chunk_key)
-    order = _band_order(layout, pool_pairing)
-    inverse = None if order is None else torch.argsort(order)
-    return to_position_free(_reorder_band(placed, layout, inverse), layout)
+    def write_placed(self, kv: ChunkKV, slots: torch.Tensor) -> None:
+        placed = _reorder_band(kv, self.layout, self._order)
+        loc = slots.to(device=self.pool.device, dtype=torch.int64)
+        write = self.pool.set_mla_kv_buffer if self.layout.kind == "mla" else self.pool.set_kv_buffer
+        for layer in range(self.layout.num_layers):
+            keys, values = (_tokens_first(slot[layer], self.pool) for slot in (placed.keys, placed.values))
+            write(None, loc, keys, values, layer_id_override=layer)  # MLA: (latent, k_pe)
+
+    def read_placed(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loc = slots.to(device=self.pool.device, dtype=torch.int64)
+        layers = [_read_layer(self.pool, self.layout, layer, loc) for layer in range(self.layout.num_layers)]
+        keys, values = (torch.stack([layer[i] for layer in layers]).float().cpu() for i in (0, 1))
+        placed = _reorder_band(ChunkKV(keys, values), self.layout, self._inverse)
+        return placed.keys, placed.values
 
 
 def _read_layer(

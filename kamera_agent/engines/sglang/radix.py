@@ -28,8 +28,9 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from kamera_agent.config import WindowConfig
-from kamera_agent.engines.sglang.pool import read_chunk, write_chunk
+from kamera_agent.engines.sglang.pool import SGLangSlots
 from kamera_agent.engines.sglang.segments import ChunkRules, request_chunks
+from kamera_agent.engines.slots import request_positions
 from kamera_agent.engines.synthesis import Plan, PrefixSynthesis, RequestChunk, policy_of
 from kamera_agent.errors import KameraError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
@@ -187,27 +188,29 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         slots = allocator.alloc(tokens)
         return None if slots is None else slots.to(torch.int64)
 
-    def _write(self, req: Any, plan: Plan, kvs: list[ChunkKV], slots: torch.Tensor) -> None:
+    def _slots(self) -> SGLangSlots:
         assert self.layout is not None
+        return SGLangSlots(self.kv_pool, self.layout, pool_pairing=self.pool_pairing)
+
+    def _write(self, req: Any, plan: Plan, kvs: list[ChunkKV], slots: torch.Tensor) -> None:
+        pool = self._slots()
         for item, kv in zip(plan.served, kvs, strict=True):
             start = max(item.chunk.start, plan.device_len)
             end = min(item.chunk.end, plan.end)
             a, b = start - item.chunk.start, end - item.chunk.start
             part = replace(kv, keys=kv.keys[:, :, a:b], values=kv.values[:, :, a:b])
             where = slots[start - plan.device_len : end - plan.device_len]
-            positions = self._positions(req, start, end)
-            write_chunk(self.kv_pool, part, self.layout, positions, where, pool_pairing=self.pool_pairing)
+            pool.write(part, self._positions(req, start, end), where)
 
     def _capture(self, req: Any, up_to: int) -> None:
-        assert self.synthesis is not None and self.layout is not None
+        assert self.synthesis is not None
         key = _request_key(req)
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        layout, pool = self.layout, self.kv_pool
+        pool = self._slots()
 
         def read(chunk: RequestChunk) -> ChunkKV:
             slots = row[chunk.start : chunk.end]
-            positions = self._positions(req, chunk.start, chunk.end)
-            return read_chunk(pool, layout, slots, positions, chunk.key, pool_pairing=self.pool_pairing)
+            return pool.read(slots, self._positions(req, chunk.start, chunk.end), chunk.key)
 
         upto = min(up_to, len(req.origin_input_ids))
         self.stats.chunks_captured += self.synthesis.capture(
@@ -216,14 +219,13 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
 
     def _positions(self, req: Any, start: int, end: int) -> torch.Tensor:
         """SGLang's positions for ``tokens[start:end]`` of the request: its precomputed M-RoPE
-        rows where it has them, else ``start..end`` (on every row for an M-RoPE model)."""
+        rows where it has them, else ``start..end`` (`request_positions`)."""
         assert self.layout is not None
         mm = getattr(req, "multimodal_inputs", None)
         mrope = None if mm is None else getattr(mm, "mrope_positions", None)
         if mrope is not None:
             return torch.as_tensor(mrope)[:, start:end].to("cpu", torch.long)
-        flat = torch.arange(start, end, dtype=torch.long)
-        return flat.expand(3, -1).clone() if self.layout.rope.axes is not None else flat
+        return request_positions(self.layout, start, end)
 
 
 def _request_key(req: Any) -> Any:
@@ -232,4 +234,5 @@ def _request_key(req: Any) -> Any:
 
 def _namespace(key: Any) -> str:
     """One tenant's chunks: SGLang's ``extra_key`` and ``cache_salt`` namespace its tree too."""
-    return f"{key.extra_key or ''}|{key.cache_salt or ''}"
+    extra, salt = key.extra_key or "", key.cache_salt or ""
+    return f"{extra}|{salt}" if extra or salt else ""  # "": the namespace a window's chunks are in

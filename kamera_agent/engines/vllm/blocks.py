@@ -18,15 +18,36 @@ Slots are vLLM's: ``block_id * block_size + offset``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from kamera_agent.engines.slots import KVSlots
 from kamera_agent.errors import KameraError
+from kamera_agent.operator.layout import ChunkKV, KVLayout
 
-__all__ = ["BlockLayoutError", "read_tokens", "write_tokens"]
+__all__ = ["BlockLayoutError", "VLLMSlots", "read_tokens", "write_tokens"]
 
 
 class BlockLayoutError(KameraError):
     """vLLM's KV cache is laid out in a way this connector cannot read or write."""
+
+
+class VLLMSlots(KVSlots):
+    """vLLM's per-layer paged caches (ordered by layer index) as `KVSlots`."""
+
+    def __init__(self, caches: Sequence[torch.Tensor], layout: KVLayout) -> None:
+        self.caches, self.layout = list(caches), layout
+
+    def write_placed(self, kv: ChunkKV, slots: torch.Tensor) -> None:
+        for layer, cache in enumerate(self.caches):
+            write_tokens(cache, kv.keys[layer].transpose(0, 1), kv.values[layer].transpose(0, 1), slots)
+
+    def read_placed(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [read_tokens(cache, slots) for cache in self.caches]
+        keys = torch.stack([k.transpose(0, 1) for k, _ in pairs]).float().cpu()
+        values = torch.stack([v.transpose(0, 1) for _, v in pairs]).float().cpu()
+        return keys, values
 
 
 def write_tokens(cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:

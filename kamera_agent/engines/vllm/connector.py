@@ -22,7 +22,6 @@ they share it; across processes give the settings a ``store_url`` (docs/vllm.md)
 from __future__ import annotations
 
 import logging
-import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,11 +35,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kamera_agent.config import WindowConfig
 from kamera_agent.engines.chunking import ChunkRules, ImageSpan, request_chunks
+from kamera_agent.engines.slots import request_positions
+from kamera_agent.engines.stores import STORES
 from kamera_agent.engines.synthesis import Plan, PrefixSynthesis, RequestChunk, policy_of
-from kamera_agent.engines.vllm.blocks import read_tokens, write_tokens
+from kamera_agent.engines.vllm.blocks import VLLMSlots
 from kamera_agent.errors import KameraError
-from kamera_agent.operator.layout import ChunkKV, KVLayout, at_positions, to_position_free
-from kamera_agent.store import ChunkStore, EntryKey
+from kamera_agent.operator.layout import ChunkKV, KVLayout
+from kamera_agent.store import EntryKey
 
 __all__ = ["ConnectorStats", "KameraConnector", "KameraMetadata"]
 
@@ -113,22 +114,6 @@ class _Track:
     """Prompt tokens already walked for captures (decode steps then cost nothing)."""
 
 
-_STORES: dict[str, ChunkStore] = {}
-_STORES_LOCK = threading.Lock()
-
-
-def _shared_store(fingerprint: str, config: WindowConfig) -> ChunkStore:
-    """One store per model and settings in this process: the scheduler and the worker side of
-    an in-process engine are two connector instances over the same store."""
-    from kamera_agent.window.setup import store_of_settings
-
-    key = f"{fingerprint}|{config.model_dump_json()}"
-    with _STORES_LOCK:
-        if key not in _STORES:
-            _STORES[key] = store_of_settings(fingerprint, config)
-        return _STORES[key]
-
-
 class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """kamera's chunk store as vLLM's external KV source (both connector roles)."""
 
@@ -144,15 +129,15 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         model = vllm_config.model_config
         self.layout: KVLayout = kv_layout_of_config(model.hf_config)
         self.block_size = int(vllm_config.cache_config.block_size)
-        fingerprint = checkpoint_fingerprint(model.model, str(model.dtype))
-        self.store = _shared_store(fingerprint, self.config)
+        fingerprint = checkpoint_fingerprint(model.model, model.dtype)
+        self.store = STORES.open(fingerprint, self.config)
         self.stats = ConnectorStats()
         self.synthesis = PrefixSynthesis(self.store, policy_of(self.config))
         tokenizer = AutoTokenizer.from_pretrained(model.tokenizer) if model.tokenizer else None
         self.rules = ChunkRules.for_model(model.hf_config, tokenizer)
         self._requests: dict[str, _Track] = {}
         self._loads: list[Load] = []
-        self._caches: list[torch.Tensor] = []
+        self._pool = VLLMSlots([], self.layout)
         self._load_errors: set[int] = set()
         self.recent_loads: deque[Load] = deque(maxlen=256)
         """The worker side's latest loads (for checks of what it wrote)."""
@@ -231,7 +216,7 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
             ]
             lora = getattr(getattr(request, "lora_request", None), "lora_name", "") or ""
             salt = getattr(request, "cache_salt", None) or ""
-            namespace = f"{lora}|{salt}"
+            namespace = f"{lora}|{salt}" if lora or salt else ""  # "": a window's chunks' namespace
             # M-RoPE positions of a request with images are the engine's to compute: not served
             servable = not (images and self.layout.rope.axes is not None)
             chunks = request_chunks(tokens, images, self.rules, namespace)
@@ -263,7 +248,9 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
-        self._caches = [kv_caches[name] for name in sorted(kv_caches, key=extract_layer_index)]
+        self._pool = VLLMSlots(
+            [kv_caches[name] for name in sorted(kv_caches, key=extract_layer_index)], self.layout
+        )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -279,16 +266,13 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._load_errors |= {slot // self.block_size for slot in load.slots}
 
     def _load(self, load: Load) -> bool:
-        kv = self._entry(load.entry)
+        kv = self.synthesis.read(load.entry)
         if kv is None or kv.num_tokens < load.b:
             return False
         a, b = load.a, load.b
         part = ChunkKV(kv.keys[:, :, a:b], kv.values[:, :, a:b], None, kv.chunk_key)
-        placed = at_positions(part, self.layout, self._positions(load.start, load.start + b - a))
-        slots = torch.tensor(load.slots, dtype=torch.long)
-        for layer, cache in enumerate(self._caches):
-            keys, values = placed.keys[layer].transpose(0, 1), placed.values[layer].transpose(0, 1)
-            write_tokens(cache, keys, values, slots)
+        positions = request_positions(self.layout, load.start, load.start + b - a)
+        self._pool.write(part, positions, torch.tensor(load.slots, dtype=torch.long))
         self.stats.tokens_loaded += b - a
         self.recent_loads.append(load)
         return True
@@ -312,26 +296,10 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _capture(self, save: Save) -> None:
         slots = torch.tensor(save.slots, dtype=torch.long)
-        pairs = [read_tokens(cache, slots) for cache in self._caches]
-        keys = torch.stack([k.transpose(0, 1) for k, _ in pairs]).float().cpu()
-        values = torch.stack([v.transpose(0, 1) for _, v in pairs]).float().cpu()
-        placed = ChunkKV(keys, values, self._positions(save.start, save.end), save.entry.key)
-        kv = to_position_free(placed, self.layout)
-        if save.entry.kind == "canonical":
-            self.store.put_canonical(kv)
-        else:
-            self.store.put_full(kv, save.entry.variant)
+        positions = request_positions(self.layout, save.start, save.end)
+        self.synthesis.write(save.entry, self._pool.read(slots, positions, save.entry.key))
         self.stats.chunks_captured += 1
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
-
-    def _entry(self, entry: EntryKey) -> ChunkKV | None:
-        if entry.kind == "canonical":
-            return self.store.get_canonical(entry.key)
-        return self.store.get_full(entry.key, entry.variant)
-
-    def _positions(self, start: int, end: int) -> torch.Tensor:
-        flat = torch.arange(start, end, dtype=torch.long)
-        return flat.expand(3, -1).clone() if self.layout.rope.axes is not None else flat

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from kamera_agent.backends import TransformersBackend
-from kamera_agent.engines.sglang.pool import read_chunk, write_chunk
+from kamera_agent.engines.sglang.pool import SGLangSlots
 from kamera_agent.operator.layout import to_position_free
 from kamera_agent.operator.rope import Pairing
 from tests.backends.test_transformers_backend import images, sharpen, text_backend, vl_backend
@@ -30,7 +30,7 @@ from tests.tiny_models import tiny_deepseek_v3
 from tests.tiny_processors import tiny_tokenizer
 
 EXACT = 2e-5
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MLA_FAMILIES = ["deepseek_v2", "deepseek_v3", "deepseek_v3_nointerleave"]
 
 
@@ -85,12 +85,12 @@ def test_a_chunk_stored_at_one_place_is_written_exactly_at_another(family: str, 
     pages = allocator.alloc(-(-chunk.num_tokens // page_size) * page_size)  # whole pages
     slots = pages[: chunk.num_tokens]
     assert truth.positions is not None
-    write_chunk(pool, position_free, backend.layout, truth.positions, slots)
+    SGLangSlots(pool, backend.layout).write(position_free, truth.positions, slots)
     for layer in range(backend.layout.num_layers):
         got_k = pool.get_key_buffer(layer)[slots].transpose(0, 1)
         got_v = pool.get_value_buffer(layer)[slots].transpose(0, 1)
         assert _rel(got_k, truth.keys[layer]) < EXACT and _rel(got_v, truth.values[layer]) < EXACT
-    back = read_chunk(pool, backend.layout, slots, truth.positions, chunk.key)  # capture: the way back
+    back = SGLangSlots(pool, backend.layout).read(slots, truth.positions, chunk.key)  # capture: the way back
     assert _rel(back.keys, position_free.keys) < EXACT and _rel(back.values, position_free.values) < EXACT
     allocator.free(pages)
     assert allocator.available_size() == free  # every slot back
@@ -170,7 +170,7 @@ def test_a_chunk_is_written_exactly_into_sglangs_mla_pool(family: str, page_size
     free = allocator.available_size()
     pages = allocator.alloc(-(-chunk.num_tokens // page_size) * page_size)
     slots = pages[: chunk.num_tokens]
-    write_chunk(pool, position_free, layout, truth.positions, slots, pool_pairing=pairing)
+    SGLangSlots(pool, layout, pool_pairing=pairing).write(position_free, truth.positions, slots)
     for layer in range(layout.num_layers):
         row = pool.get_key_buffer(layer)[slots].transpose(0, 1)  # [1, n, kv_lora_rank + rope]
         latent, band = row[..., :rank], row[..., rank:]
@@ -179,7 +179,7 @@ def test_a_chunk_is_written_exactly_into_sglangs_mla_pool(family: str, page_size
         assert _rel(_as_transformers_caches(band, pairing, layout.rope.pairing), truth.values[layer]) < EXACT
         if pairing != layout.rope.pairing:  # the permutation is not a no-op here
             assert _rel(band, truth.values[layer]) > 0.1
-    back = read_chunk(pool, layout, slots, truth.positions, chunk.key, pool_pairing=pairing)
+    back = SGLangSlots(pool, layout, pool_pairing=pairing).read(slots, truth.positions, chunk.key)
     assert _rel(back.keys, position_free.keys) < EXACT and _rel(back.values, position_free.values) < EXACT
     assert back.positions is None and back.chunk_key == chunk.key
     allocator.free(pages)
@@ -204,7 +204,7 @@ torch.save(out, sys.argv[2])
 """
 
 
-def test_sglangs_own_rotary_puts_the_band_where_write_chunk_does(tmp_path: Path, dcp_off: None) -> None:
+def test_sglangs_own_rotary_puts_the_band_where_kamera_writes_it(tmp_path: Path, dcp_off: None) -> None:
     jobs, truths = {}, {}
     for family in MLA_FAMILIES:
         backend = _mla_backend(family)
@@ -247,8 +247,8 @@ def test_sglangs_own_rotary_puts_the_band_where_write_chunk_does(tmp_path: Path,
         assert pairing == _sglang_pairing(backend.model.config)
         pool, allocator = _pool(backend, 1)
         slots = allocator.alloc(chunk.num_tokens)
-        write_chunk(
-            pool, to_position_free(truth, layout), layout, truth.positions, slots, pool_pairing=pairing
+        SGLangSlots(pool, layout, pool_pairing=pairing).write(
+            to_position_free(truth, layout), truth.positions, slots
         )
         rank = layout.keys_shape[1]
         for layer in range(layout.num_layers):
@@ -262,15 +262,6 @@ def test_a_pool_of_the_other_kind_is_refused_before_anything_is_written() -> Non
 
     mla, mha = _mla_backend("deepseek_v2"), text_backend("qwen2", layers=4)
     for backend, other in ((mla, mha), (mha, mla)):
-        pool, allocator = _pool(other, 1)
-        chunk = backend.encoder.text("the red ball")
-        (truth,) = backend.prefill_sequence([chunk])
-        assert truth.positions is not None
+        pool, _ = _pool(other, 1)
         with pytest.raises(LayoutMismatchError, match="needs SGLang's"):
-            write_chunk(
-                pool,
-                to_position_free(truth, backend.layout),
-                backend.layout,
-                truth.positions,
-                allocator.alloc(chunk.num_tokens),
-            )
+            SGLangSlots(pool, backend.layout)  # at construction: before any load or capture

@@ -21,7 +21,7 @@ import torch
 
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
-from kamera_agent.engines.sglang.pool import write_chunk
+from kamera_agent.engines.sglang.pool import SGLangSlots
 from kamera_agent.engines.sglang.radix import KameraRadixCache
 from kamera_agent.engines.sglang.segments import ChunkRules
 from kamera_agent.operator.layout import ChunkKV, to_position_free
@@ -91,8 +91,8 @@ class Model:
         if end <= start:
             return
         part = _part(prompt.kv, start, end)
-        write_chunk(self.harness.kv_pool, to_position_free(part, self.backend.layout), self.backend.layout,
-                    part.positions, slots[: end - start])  # fmt: skip
+        pool = SGLangSlots(self.harness.kv_pool, self.backend.layout)
+        pool.write(to_position_free(part, self.backend.layout), part.positions, slots[: end - start])
 
     harness: Admission
 
@@ -152,9 +152,7 @@ def _mla_pool(layout: Any) -> Any:
 
 
 def _pool_kv(harness: Admission, backend: Any, slots: torch.Tensor, positions: torch.Tensor) -> ChunkKV:
-    from kamera_agent.engines.sglang.pool import read_chunk
-
-    return read_chunk(harness.kv_pool, backend.layout, slots, positions)
+    return SGLangSlots(harness.kv_pool, backend.layout).read(slots, positions)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

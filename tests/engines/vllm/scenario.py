@@ -9,6 +9,10 @@ Two conversations, greedy, the full next-token distribution of each answer's fir
 
 - **sliding**: 9 requests, each the system prompt, the last 4 notes and a question; every
   request drops the oldest note and adds one (chunks evicted at the front and moved);
+- **shared** (exact settings): a kamera window and the connector on one store. A conversation a
+  window held is loaded by vLLM (its notes' KV made by the window), and one vLLM computed is
+  pushed into a window without a forward (its notes' KV captured from vLLM's blocks), each
+  compared with the transformers model's own KV;
 - **growing**: 5 requests appending a note each, vLLM's own prefix cache reset before every
   request (as if evicted, or served by another worker): what is past the system prompt must
   come from the store. After each request the KV the connector wrote into vLLM's blocks is read
@@ -80,6 +84,8 @@ def main() -> None:
         prompt = _prompt(tokenizer, NOTES[6 : 6 + i], "which came last?")
         growing.append(_ask(llm, prompt) | {"kv_check": _kv_check(llm, args.model, prompt)})
     report["growing"] = growing
+    if args.settings == "exact":
+        report["shared"] = _shared(llm, args.model, tokenizer)
     report["connector"] = _connector_stats(llm)
     Path(args.out).write_text(json.dumps(report))
 
@@ -205,7 +211,7 @@ def _kv_check(llm: Any, model_dir: str, prompt: list[int]) -> dict[str, Any]:
     for load in loads:
         rows = list(range(load.start, load.start + load.b - load.a))
         slots = torch.tensor(load.slots, dtype=torch.long)
-        for layer, cache in enumerate(worker._caches):
+        for layer, cache in enumerate(worker._pool.caches):
             keys, values = read_tokens(cache, slots)
             want_k, want_v = truth[layer][0][rows], truth[layer][1][rows]
             for got, want in ((keys, want_k), (values, want_v)):
@@ -232,6 +238,74 @@ def _hf_kv(model_dir: str, prompt: list[int]) -> list[tuple[Any, Any]]:
         (layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1))
         for layer in out.past_key_values.layers
     ]
+
+
+MEMOS = [
+    f"memo {i}: the {thing} was moved to shelf {i + 3} before the {day} count."
+    for i, (thing, day) in enumerate(
+        [
+            ("lamp", "monday"),
+            ("rope", "tuesday"),
+            ("kettle", "friday"),
+            ("ladder", "sunday"),
+            ("drum", "june"),
+            ("sail", "may"),
+        ]
+    )
+]
+"""Text no other conversation here holds: what the shared-store checks push is new to the store."""
+
+
+def _shared(llm: Any, model_dir: str, tokenizer: Any) -> dict[str, Any]:
+    """Window → vLLM, then vLLM → window, through the connector's own store."""
+    from kamera_agent import KameraWindow, WindowConfig
+
+    scheduler, _ = _connectors(llm)
+    store, config = scheduler.store, WindowConfig.exact()
+    # vLLM first sees the system prompt alone (its capture files the anchor, as a server's would)
+    _ask(llm, _prompt(tokenizer, [], "ready?"))
+    window = KameraWindow(model_dir, config=config, store=store, system_prompt=SYSTEM)
+    for note in MEMOS[:3]:
+        window.push_message("user", note)
+    llm.reset_prefix_cache()  # nothing of the conversation in vLLM's own cache: it must load
+    prompt = _prompt(tokenizer, MEMOS[:3], "which came last?")
+    to_vllm = _ask(llm, prompt) | {"kv_check": _kv_check(llm, model_dir, prompt)}
+
+    llm.reset_prefix_cache()  # the reverse: vLLM computes (and captures) another conversation
+    notes = MEMOS[3:]
+    prompt = _prompt(tokenizer, notes, "which came last?")
+    from_vllm = _ask(llm, prompt)
+    reader = KameraWindow(model_dir, config=config, store=store, system_prompt=SYSTEM)
+    refs = [ref for note in notes for ref in reader.push_message("user", note)]
+    pushed = reader.stats.total
+    truth, worst = _hf_kv(model_dir, prompt), 0.0
+    for ref, (a, b) in zip(refs, _note_rows(tokenizer, notes), strict=True):
+        kv = reader.chunk_kv(ref)  # the note's KV at its place in the window: [layers, heads, n, dim]
+        for layer, (want_k, want_v) in enumerate(truth):
+            for got, want in ((kv.keys[layer], want_k[a:b]), (kv.values[layer], want_v[a:b])):
+                got = got.transpose(0, 1).float()
+                worst = max(worst, float((got - want).norm() / want.norm().clamp_min(1e-12)))
+    return {
+        "window_forwards": window.stats.total.forwards,
+        "to_vllm": to_vllm,
+        "from_vllm": from_vllm,
+        "reader_forwards": pushed.forwards,
+        "reader_tokens_reused": pushed.tokens_reused,
+        "reader_worst_relative_error": worst,
+    }
+
+
+def _note_rows(tokenizer: Any, notes: list[str]) -> list[tuple[int, int]]:
+    """Where each note's message sits in a prompt of the system prompt and ``notes``."""
+    return [
+        (len(_chat(tokenizer, notes[:i])), len(_chat(tokenizer, notes[: i + 1]))) for i in range(len(notes))
+    ]
+
+
+def _chat(tokenizer: Any, notes: list[str]) -> list[int]:
+    messages = [{"role": "system", "content": SYSTEM}] + [{"role": "user", "content": n} for n in notes]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def kl(p: dict[str, float], q: dict[str, float]) -> float:

@@ -18,7 +18,7 @@ import pytest
 
 from tests.engines.vllm.scenario import kl
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXACT = 2e-5
 
 
@@ -117,3 +117,22 @@ def test_a_damaged_entry_is_never_loaded(model_dir: Path) -> None:
     assert [r["tokens"] for r in damaged["growing"]] == [r["tokens"] for r in alone["growing"]]
     worker = damaged["connector"]["worker"]
     assert worker["load_errors"] > 0, worker  # damaged entries were offered, refused when read
+
+
+def test_a_window_and_the_connector_serve_each_other_from_one_store(model_dir: Path) -> None:
+    """One key and state scheme: a conversation a window held is loaded by vLLM, and one vLLM
+    computed is pushed into a window without a forward, each within rounding of the model's KV."""
+    shared = _run(str(model_dir), "exact")["shared"]
+    to_vllm = shared["to_vllm"]
+    assert shared["window_forwards"] > 0  # the window made the notes' KV itself
+    assert to_vllm["external"] > 0 and to_vllm["kv_check"]["tokens"] > 0, to_vllm
+    assert to_vllm["kv_check"]["worst_relative_error"] < EXACT, to_vllm["kv_check"]
+    assert shared["reader_forwards"] == 0 and shared["reader_tokens_reused"] > 0, shared
+    assert shared["reader_worst_relative_error"] < EXACT, shared
+    print(
+        f"shared store: vLLM loaded {to_vllm['external']:.0f} window-made tokens "
+        f"(worst relative error {to_vllm['kv_check']['worst_relative_error']:.2g}); a window pushed "
+        f"{shared['reader_tokens_reused']} vLLM-captured tokens with no forward "
+        f"(worst {shared['reader_worst_relative_error']:.2g})",
+        file=sys.stderr,
+    )
