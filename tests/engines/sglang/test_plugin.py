@@ -137,3 +137,12 @@ def test_the_pool_pairing_follows_sglangs_rule_for_deepseek_without_a_worker() -
         config.rope_interleave = True
     qwen = text_backend("qwen2", layers=4)
     assert pool_pairing(None, qwen.model.config, qwen.layout) is None  # MHA: as the layout pairs it
+
+
+def test_the_old_plugin_entry_point_still_registers_with_a_warning() -> None:
+    """An install made before the move records ``kamera_agent.backends.sglang.plugin:register``."""
+    from tests.test_moved import import_in_fresh_interpreter
+
+    done = import_in_fresh_interpreter("kamera_agent.backends.sglang.plugin")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "moved to kamera_agent.engines.sglang.plugin" in done.stdout

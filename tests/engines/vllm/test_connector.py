@@ -136,3 +136,12 @@ def test_a_window_and_the_connector_serve_each_other_from_one_store(model_dir: P
         f"(worst {shared['reader_worst_relative_error']:.2g})",
         file=sys.stderr,
     )
+
+
+def test_the_old_connector_path_still_loads_with_a_warning() -> None:
+    """``kv_connector_module_path="kamera_agent.backends.vllm.connector"`` in a user's settings."""
+    from tests.test_moved import import_in_fresh_interpreter
+
+    done = import_in_fresh_interpreter("kamera_agent.backends.vllm.connector")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "moved to kamera_agent.engines.vllm.connector" in done.stdout
