@@ -38,7 +38,7 @@ from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.store import ChunkStore, EntryKey
 
-__all__ = ["Plan", "PrefixSynthesis", "RequestChunk", "ServePolicy", "Served", "policy_of"]
+__all__ = ["EngineStats", "Plan", "PrefixSynthesis", "RequestChunk", "ServePolicy", "Served", "policy_of"]
 
 ServePolicy = Literal["exact", "keep"]
 
@@ -46,6 +46,31 @@ ServePolicy = Literal["exact", "keep"]
 def policy_of(config: WindowConfig) -> ServePolicy:
     """What an engine may serve under ``config``: kept states only where survivors keep them."""
     return "keep" if config.survivors == "keep" else "exact"
+
+
+@dataclass
+class EngineStats:
+    """What an engine adapter did since it was built (``/metrics`` material; an engine that splits
+    the work over a scheduler and a worker counts each part where it happens).
+
+    Attributes:
+        offered: requests whose tokens the store offered (the engine allocated slots for them).
+        tokens_offered: tokens offered.
+        loads: loads written into the engine's cache.
+        tokens_loaded: tokens written from the store.
+        chunks_loaded: chunk pieces written.
+        failed: loads or pieces given up (an entry gone or damaged, no free slots, a layout the
+            adapter cannot write): the engine computed those tokens itself.
+        chunks_captured: chunk states stored from the engine's prefills.
+    """
+
+    offered: int = 0
+    tokens_offered: int = 0
+    loads: int = 0
+    tokens_loaded: int = 0
+    chunks_loaded: int = 0
+    failed: int = 0
+    chunks_captured: int = 0
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,35 +31,16 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.engines.sglang.pool import SGLangSlots
 from kamera_agent.engines.sglang.segments import ChunkRules, request_chunks
 from kamera_agent.engines.slots import request_positions
-from kamera_agent.engines.synthesis import Plan, PrefixSynthesis, RequestChunk, policy_of
+from kamera_agent.engines.synthesis import EngineStats, Plan, PrefixSynthesis, RequestChunk, policy_of
 from kamera_agent.errors import KameraError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.operator.rope import Pairing
 from kamera_agent.store import ChunkStore
 
-__all__ = ["KameraRadixCache", "SynthesisStats"]
+__all__ = ["KameraRadixCache"]
 
 _LOG = logging.getLogger(__name__)
 _CUT_REQUESTS = 4096  # requests whose chunks are kept (released ones are dropped at once)
-
-
-@dataclass
-class SynthesisStats:
-    """What the cache served and captured since it was built (``/metrics`` material).
-
-    Attributes:
-        loads: init_load_back calls that wrote KV.
-        tokens_loaded: tokens written from the store.
-        chunks_loaded: chunk runs written.
-        declined: loads given up (an entry gone, no slots): the tokens were computed.
-        chunks_captured: chunk states stored from prefills.
-    """
-
-    loads: int = 0
-    tokens_loaded: int = 0
-    chunks_loaded: int = 0
-    declined: int = 0
-    chunks_captured: int = 0
 
 
 class KameraRadixCache(RadixCache):  # type: ignore[misc]
@@ -94,7 +75,7 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
             if store is not None and layout is not None and not self.is_eagle
             else None
         )
-        self.stats = SynthesisStats()
+        self.stats = EngineStats()
         self._cut: OrderedDict[str, tuple[int, list[RequestChunk]]] = OrderedDict()
 
     @property
@@ -120,14 +101,14 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         kvs = self.synthesis.load(plan) if plan.tokens == params.host_hit_length else None
         slots = None if kvs is None else self._alloc(plan.tokens)
         if kvs is None or slots is None:
-            self.stats.declined += 1
+            self.stats.failed += 1
             return 0, node
         try:
             self._write(req, plan, kvs, slots)
         except (KameraError, RuntimeError) as exc:  # never fail SGLang's admission over a cache
             _LOG.warning("kamera: load of %d tokens declined: %s", plan.tokens, exc)
             self.token_to_kv_pool_allocator.free(slots)
-            self.stats.declined += 1
+            self.stats.failed += 1
             return 0, node
         full = RadixKey(key.token_ids[: plan.end], req.extra_key, cache_salt=req.cache_salt)
         value = torch.cat([device, slots])
@@ -137,6 +118,8 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         match = super().match_prefix(MatchPrefixParams(key=full))
         assert match.device_prefix_len == plan.end, (match.device_prefix_len, plan.end)
         self.synthesis.loaded(_namespace(key), self._chunks(key, req), plan)
+        self.stats.offered += 1
+        self.stats.tokens_offered += plan.tokens
         self.stats.loads += 1
         self.stats.tokens_loaded += plan.tokens
         self.stats.chunks_loaded += len(plan.served)

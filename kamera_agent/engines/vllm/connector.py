@@ -37,13 +37,13 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.engines.chunking import ChunkRules, ImageSpan, request_chunks
 from kamera_agent.engines.slots import request_positions
 from kamera_agent.engines.stores import STORES
-from kamera_agent.engines.synthesis import Plan, PrefixSynthesis, RequestChunk, policy_of
+from kamera_agent.engines.synthesis import EngineStats, Plan, PrefixSynthesis, RequestChunk, policy_of
 from kamera_agent.engines.vllm.blocks import VLLMSlots
 from kamera_agent.errors import KameraError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.store import EntryKey
 
-__all__ = ["ConnectorStats", "KameraConnector", "KameraMetadata"]
+__all__ = ["KameraConnector", "KameraMetadata"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -80,25 +80,6 @@ class KameraMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 
 @dataclass
-class ConnectorStats:
-    """What the connector did since it was built (both roles count their own part).
-
-    Attributes:
-        matched: scheduler: requests for which tokens were offered.
-        tokens_offered: scheduler: tokens offered to vLLM (and allocated by it).
-        tokens_loaded: worker: tokens written into vLLM's blocks.
-        load_errors: worker: pieces whose entry was gone or damaged (their blocks recomputed).
-        chunks_captured: worker: chunk states stored.
-    """
-
-    matched: int = 0
-    tokens_offered: int = 0
-    tokens_loaded: int = 0
-    load_errors: int = 0
-    chunks_captured: int = 0
-
-
-@dataclass
 class _Track:
     """The scheduler side's view of one request."""
 
@@ -131,7 +112,7 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.block_size = int(vllm_config.cache_config.block_size)
         fingerprint = checkpoint_fingerprint(model.model, model.dtype)
         self.store = STORES.open(fingerprint, self.config)
-        self.stats = ConnectorStats()
+        self.stats = EngineStats()
         self.synthesis = PrefixSynthesis(self.store, policy_of(self.config))
         tokenizer = AutoTokenizer.from_pretrained(model.tokenizer) if model.tokenizer else None
         self.rules = ChunkRules.for_model(model.hf_config, tokenizer)
@@ -174,7 +155,7 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
             a, b = start - item.chunk.start, end - item.chunk.start
             self._loads.append(Load(request.request_id, item.entry, a, b, start, slots))
         self.synthesis.loaded(track.namespace, track.chunks, plan)
-        self.stats.matched += 1
+        self.stats.offered += 1
         self.stats.tokens_offered += plan.tokens
 
     def build_connector_meta(self, scheduler_output: Any) -> KameraMetadata:
@@ -262,7 +243,7 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 _LOG.warning("kamera: load for request %s failed: %s", load.req_id, exc)
                 written = False
             if not written:  # an entry gone, damaged or unwritable: vLLM recomputes these blocks
-                self.stats.load_errors += 1
+                self.stats.failed += 1
                 self._load_errors |= {slot // self.block_size for slot in load.slots}
 
     def _load(self, load: Load) -> bool:
@@ -273,6 +254,8 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         part = ChunkKV(kv.keys[:, :, a:b], kv.values[:, :, a:b], None, kv.chunk_key)
         positions = request_positions(self.layout, load.start, load.start + b - a)
         self._pool.write(part, positions, torch.tensor(load.slots, dtype=torch.long))
+        self.stats.loads += 1
+        self.stats.chunks_loaded += 1
         self.stats.tokens_loaded += b - a
         self.recent_loads.append(load)
         return True

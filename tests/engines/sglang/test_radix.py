@@ -349,7 +349,7 @@ def test_a_load_that_cannot_be_written_is_declined_and_leaks_nothing() -> None:
     other = text_backend("deepseek_v2", layers=4).layout  # an MLA layout: this MHA pool refuses it
     cache.layout = replace(cache.layout, kind=other.kind, keys_shape=other.keys_shape)
     req = _run(harness, model, _prompt(backend, [*chunks, _text(backend, "q2")]), "second")
-    assert req.prefix_len == 0 and cache.stats.declined == 1 and cache.stats.loads == 0
+    assert req.prefix_len == 0 and cache.stats.failed == 1 and cache.stats.loads == 0
     harness.drain()
     harness.evict_all()
     assert harness.free_slots() == harness.capacity

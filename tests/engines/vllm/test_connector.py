@@ -116,7 +116,7 @@ def test_a_damaged_entry_is_never_loaded(model_dir: Path) -> None:
     alone, damaged = _run(str(model_dir), "none"), _run(str(model_dir), "exact", corrupt=True)
     assert [r["tokens"] for r in damaged["growing"]] == [r["tokens"] for r in alone["growing"]]
     worker = damaged["connector"]["worker"]
-    assert worker["load_errors"] > 0, worker  # damaged entries were offered, refused when read
+    assert worker["failed"] > 0, worker  # damaged entries were offered, refused when read
 
 
 def test_a_window_and_the_connector_serve_each_other_from_one_store(model_dir: Path) -> None:
