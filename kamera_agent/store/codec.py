@@ -50,8 +50,9 @@ __all__ = [
 StoredValue = ChunkKV | Patch | dict[str, torch.Tensor]
 Tensors = dict[str, torch.Tensor]
 Meta = dict[str, str]
-FORMAT = "kamera-store/2"
+FORMAT = "kamera-store/3"
 """The entry format this version writes and reads; an entry of any other is never decoded.
+3: text chunk keys and state roots made anew (every earlier key means something else now);
 2: patches filed by the state they give (chained identity)."""
 _MAX_HEADER = 64 << 20  # a header larger than this is damage, not metadata
 
@@ -70,8 +71,8 @@ def outdated(found: str) -> OutdatedEntry:
     version = found.rsplit("/", 1)[-1]
     age = "a newer" if version.isdigit() and int(version) > int(FORMAT.rsplit("/", 1)[-1]) else "an older"
     return OutdatedEntry(
-        f"written by {age} kamera-agent entry format ({found}); this version reads {FORMAT}, "
-        "so it is dropped and will be recomputed"
+        f"written by {age} kamera-agent entry format ({found}); this version reads {FORMAT} "
+        "and recomputes the entry"
     )
 
 

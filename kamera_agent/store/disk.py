@@ -204,7 +204,8 @@ class DiskTier(Tier):
 
     def peek(self, key: EntryKey) -> Lookup[Meta]:
         """The file's header metadata, read without counting a hit (planning peeks at it);
-        unavailable when it cannot be read (a later `get` verifies and reports the file)."""
+        unavailable when it cannot be read (a later `get` verifies and reports the file), and
+        dropped (``outdated``) when it is of another entry format."""
         if key not in self._files:
             return Lookup.miss()
         try:
@@ -213,6 +214,9 @@ class DiskTier(Tier):
                 prefix += handle.read(header_length(prefix) - len(prefix))
             read_address(prefix)  # refuses another entry format by name
             return Lookup.hit(header_of(prefix))
+        except OutdatedEntry as exc:
+            self.reject(key, exc)
+            return Lookup.rejected(str(exc))
         except (OSError, CorruptEntry) as exc:
             return Lookup.unavailable(f"header unreadable: {exc}")
 

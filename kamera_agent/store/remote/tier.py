@@ -27,7 +27,7 @@ from collections import Counter, deque
 from typing import Any
 
 from kamera_agent.store import codec
-from kamera_agent.store.codec import CorruptEntry, outdated
+from kamera_agent.store.codec import CorruptEntry, OutdatedEntry, outdated
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.remote.address import RemoteAddress
 from kamera_agent.store.remote.connection import Connection, RemoteUnavailable
@@ -113,7 +113,7 @@ class RemoteTier(Tier):
                 self._remember_absent(name)
                 return Lookup.miss()
             head, _ = read_head(prefix)
-            self._check(head, key)
+            self._check(head, key, peek=True)
         except RemoteUnavailable as exc:
             return Lookup.unavailable(str(exc))
         except CorruptEntry as exc:
@@ -143,7 +143,8 @@ class RemoteTier(Tier):
 
     def reject(self, key: EntryKey, why: CorruptEntry) -> None:
         """Delete an entry that failed a check, so nobody is served it (the store counts it)."""
-        _LOG.warning("shared store: dropped %s (%s); it will be computed again", key, why)
+        tail = "" if isinstance(why, OutdatedEntry) else "; it will be computed again"  # it says so
+        _LOG.warning("shared store: dropped %s (%s)%s", key, why, tail)
         self.drop(key)
 
     # -- writes ----------------------------------------------------------------------------------
@@ -201,10 +202,14 @@ class RemoteTier(Tier):
     def _name(self, key: EntryKey) -> str:
         return entry_name(self.address.prefix, self._fingerprint, key)
 
-    def _check(self, head: Head, key: EntryKey) -> None:
-        """Refuse a head of another entry format, model or address before reading any part."""
-        written = head.info.get("format", f"one before {codec.FORMAT}")  # older heads name none
-        if written != codec.FORMAT:
+    def _check(self, head: Head, key: EntryKey, *, peek: bool = False) -> None:
+        """Refuse a head of another entry format, model or address before reading any part. A
+        head an older kamera-agent wrote names no format: a get reads on (the payload names its
+        format when it is decoded), a peek, which reads no payload, refuses it here."""
+        written = head.info.get("format")
+        if written is None and peek:
+            written = f"one before {codec.FORMAT}: its head names none"
+        if written is not None and written != codec.FORMAT:
             raise outdated(written)
         if head.fingerprint != self._fingerprint:
             raise CorruptEntry(
