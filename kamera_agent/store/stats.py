@@ -48,7 +48,8 @@ class StoreStats:
 
     Attributes:
         puts: entries stored by the caller.
-        hits: gets served (``memory_hits + disk_hits + remote_hits``).
+        hits: gets served by any tier (``memory_hits + disk_hits + remote_hits``, plus those of
+            tiers passed as ``ChunkStore(tiers=...)``).
         memory_hits: gets served from memory.
         disk_hits: gets served from a verified disk file (and promoted when it fits).
         misses: gets that found nothing servable.
