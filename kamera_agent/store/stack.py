@@ -115,10 +115,10 @@ class TierStack:
         """The header metadata of the first tier holding ``key``, or ``None``."""
         for tier in self.tiers:
             with self._guard(tier):
-                found = tier.peek(key)
-            self._tally(tier, found.status)
-            if found.found is not None:
-                return found.found
+                answer = tier.peek(key)
+            self._tally(tier, answer.status)
+            if answer.found is not None:
+                return answer.found
         return None
 
     def budgets(self) -> dict[str, int]:
@@ -138,9 +138,9 @@ class TierStack:
             return written
 
     def _read(self, tier: Tier, key: EntryKey) -> StoredValue | None:
-        found = tier.get(key)
-        self._tally(tier, found.status, get=True)
-        return None if found.found is None else self._admit(tier, key, found.found)
+        answer = tier.get(key)
+        self._tally(tier, answer.status, get=True)
+        return None if answer.found is None else self._admit(tier, key, answer.found)
 
     def _admit(self, tier: Tier, key: EntryKey, payload: Payload) -> StoredValue | None:
         """The one decode/verify path of every tier's entries: a live value (memory) was checked
