@@ -1,13 +1,16 @@
-"""The content-addressed store: canonicals, vision embeddings and patches, memory then disk.
+"""The content-addressed store: canonicals, vision embeddings and patches, in ordered tiers.
 
-`ChunkStore` is the facade; `EntryKey` addresses an entry; eviction policies are scoring
-functions in `EVICTION_POLICIES`; `StoreStats` and `StoreEvent` say what the store did.
+`ChunkStore` is the facade; `EntryKey` addresses an entry; each tier (memory, disk, a shared
+Valkey/Redis server, or one of your own) is a `Tier` answering with a `Lookup` and a `Status`;
+eviction policies are scoring functions in `EVICTION_POLICIES`; `StoreStats` and `StoreEvent`
+say what the store did.
 """
 
 from kamera_agent.store.budget import EVICTION_POLICIES, EntryInfo, EvictionPolicy
 from kamera_agent.store.chunk_store import ChunkStore
 from kamera_agent.store.keys import EntryKey, EntryKind
 from kamera_agent.store.stats import EventKind, StoreEvent, StoreStats
+from kamera_agent.store.tier import Lookup, Status, Tier
 
 __all__ = [
     "EVICTION_POLICIES",
@@ -17,6 +20,9 @@ __all__ = [
     "EntryKind",
     "EventKind",
     "EvictionPolicy",
+    "Lookup",
+    "Status",
     "StoreEvent",
     "StoreStats",
+    "Tier",
 ]

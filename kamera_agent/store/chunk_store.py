@@ -1,26 +1,30 @@
-"""The content-addressed `ChunkStore`: canonicals, vision embeddings and patches, in up to three tiers.
+"""The content-addressed `ChunkStore`: canonicals, vision embeddings and patches, over ordered tiers.
 
 Why: every reuse in kamera-agent starts with a lookup by content key. A hit skips the vision
 encode and the canonical prefill (or, for a patch, the conditioned forward), so the store is
-what makes eviction reversible (DESIGN invariant 4). Entries live in memory within a byte
-budget; victims of the eviction policy spill to an optional disk tier with its own budget, and
-a get that misses memory reads the file back, verifies it, and promotes it. Nothing leaves
-silently: every spill, drop, disk eviction and corrupt file is a `StoreEvent` and a counter.
+what makes eviction reversible (DESIGN invariant 4). It composes an ordered list of tiers, each
+behind the one `Tier` protocol (`kamera_agent.store.tier`): memory within a byte budget, an
+optional disk tier with its own budget, an optional shared Valkey/Redis tier (``remote=``),
+then any ``tiers=`` given. Nothing leaves silently: every spill, drop, disk eviction, corrupt
+or outdated file is a `StoreEvent` and a counter.
 
     put ──► memory (budget, policy) ──evict──► disk (budget, LRU files) ──evict──► gone (counted)
-    get ◄── memory hit │ miss ──► disk: sha256 ok? ──► decode ──► promote ──► hit
-                                        └ no: delete, corrupt_dropped += 1, miss (re-encode)
+     └────► every tier written on put (remote: queued, written behind)
+    get ──► memory ─miss─► disk ─miss─► remote ─miss─► … ──► None: the caller computes it
+              │hit           │hit         │hit (each: HIT, MISS, UNAVAILABLE or REJECTED)
+              └──────────────┴────────────┴──► one path: decode ─► address ─► model ─► stamp
+                                                     └ refused: the tier deletes it, counted, miss
+                                               ──► promote into memory (within its budget) ──► hit
 
-A third, shared tier (``remote=``, a Valkey/Redis URL: `kamera_agent.store.remote`) sits under
-both: every put is also written there in the background, and a get that misses memory and disk
-asks it, outside the lock (a slow network never blocks the other threads' local hits); what
-it returns is verified and promoted like a disk read. It only ever costs misses: a server that
-is down, slow, or holds a damaged or foreign value makes the caller compute the entry.
+A tier that does not answer (`Status.UNAVAILABLE`: a server down or timing out) is counted as
+``unavailable`` (and ``remote_errors``), never taken as the entry's absence; it only costs the
+caller the entry. Tiers marked ``locked`` (memory, disk) are called under one `threading.RLock`
+(simple, and correct: no entry is ever half-moved between them); the others (remote) are
+called outside it, so a slow network never blocks other threads' local hits.
 
 Tiers are inclusive: a promoted entry keeps its file, so evicting it again costs no write.
 Entries carry the store's model fingerprint; an entry of another model is refused on put and
-on load with `ForeignChunkError`. One `threading.RLock` guards both tiers; disk I/O happens
-under it (simple, and correct: no entry is ever half-moved between tiers).
+on load with `ForeignChunkError` (a tier whose keys name the model rejects it instead).
 """
 
 from __future__ import annotations
@@ -29,34 +33,26 @@ import atexit
 import contextlib
 import json
 import os
-import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, cast
 
 import torch
 
-from kamera_agent.errors import ForeignChunkError, StoreBudgetError, StoreKeyError
+from kamera_agent.errors import StoreBudgetError, StoreKeyError
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.operator.patch import Patch
 from kamera_agent.store.budget import EvictionPolicy, check_budget, check_fits, resolve_policy
-from kamera_agent.store.codec import (
-    CorruptEntry,
-    StoredValue,
-    content_digest,
-    decode,
-    encode,
-    entry_nbytes,
-    fingerprint_of,
-)
-from kamera_agent.store.codec import stamp as stamp_fingerprint
+from kamera_agent.store.codec import StoredValue, entry_nbytes, fingerprint_of
 from kamera_agent.store.disk import DiskTier
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.memory import MemoryTier
 from kamera_agent.store.remote import RemoteAddress, RemoteTier, parse_store_url
+from kamera_agent.store.stack import TierStack, own
 from kamera_agent.store.stats import EventLog, StoreEvent, StoreStats
+from kamera_agent.store.tier import Entry, Tier
 
 __all__ = ["ChunkStore"]
 
@@ -92,6 +88,8 @@ class ChunkStore:
         remote: a shared Valkey/Redis tier: its URL (``redis://host:6379/0``, ``valkey://``,
             ``redis+cluster://h1:p1,h2:p2``; options in `kamera_agent.store.remote.address`)
             or a parsed `RemoteAddress`; ``None`` for a store of this process alone.
+        tiers: further `Tier` s asked after memory, disk and remote, fastest first (e.g. a
+            cache of another kind); the store closes them with itself.
 
     Raises:
         StoreBudgetError: a budget that is not a positive byte count, or a disk directory
@@ -112,6 +110,7 @@ class ChunkStore:
         disk_policy: str | EvictionPolicy = "lru",
         event_capacity: int = 1024,
         remote: str | RemoteAddress | None = None,
+        tiers: Sequence[Tier] = (),
     ) -> None:
         if not fingerprint:
             raise StoreKeyError(
@@ -124,7 +123,6 @@ class ChunkStore:
                 "disk_budget=20 << 30 for 20 GiB), or neither for a memory-only store"
             )
         self._fingerprint = fingerprint
-        self._lock = threading.RLock()
         self._log = EventLog(event_capacity)
         self._memory = MemoryTier(memory_budget, resolve_policy(policy))
         self._disk: DiskTier | None = None
@@ -134,12 +132,14 @@ class ChunkStore:
             self._disk = DiskTier(
                 Path(disk_dir), disk_budget, resolve_policy(disk_policy), self._log, in_memory
             )
-        if self._disk is not None:  # durable without an explicit flush: written at exit too
-            atexit.register(_flush_at_exit, weakref.ref(self))
+            atexit.register(_flush_at_exit, weakref.ref(self))  # durable without an explicit flush
         self._remote: RemoteTier | None = None
         if remote is not None:
             address = parse_store_url(remote) if isinstance(remote, str) else remote
             self._remote = RemoteTier(address, fingerprint)
+        below = [tier for tier in (self._disk, self._remote) if tier is not None]
+        self._stack = TierStack(fingerprint, self._memory, self._disk, [*below, *tiers], self._log)
+        self._lock = self._stack.lock
 
     @property
     def fingerprint(self) -> str:
@@ -201,15 +201,7 @@ class ChunkStore:
     def patch_info(self, chunk_key: str, variant: str) -> tuple[str, dict[str, str]] | None:
         """``(state digest, meta)`` of the patch filed under ``variant``, read without loading its
         tensors or counting a hit (a planner's peek); ``None`` when no tier holds it."""
-        key = EntryKey.patch(chunk_key, variant)
-        with self._lock:
-            resident = self._memory.peek(key)
-            if resident is not None:
-                patch = cast(Patch, resident)
-                return patch.state, dict(patch.meta)
-            header = None if self._disk is None or key not in self._disk else self._disk.header(key)
-        if header is None and self._remote is not None:
-            header = self._remote.peek(key)
+        header = self._stack.peek(EntryKey.patch(chunk_key, variant))
         if header is None or "state" not in header:
             return None
         try:
@@ -232,16 +224,12 @@ class ChunkStore:
 
     def fits(self, nbytes: int) -> bool:
         """Whether an entry of ``nbytes`` tensor bytes can be stored at all (every budget holds it)."""
-        disk = self._disk.budget if self._disk is not None else nbytes
-        return nbytes <= self._memory.budget and nbytes <= disk
+        return all(nbytes <= budget for budget in self._stack.budgets().values())
 
     def contains(self, key: EntryKey) -> bool:
         """Whether a tier holds ``key``. A disk or remote copy is verified only when read, so a
         get can still miss (and ``corrupt_dropped`` or ``remote_rejected`` says why)."""
-        with self._lock:
-            if key in self._memory or (self._disk is not None and key in self._disk):
-                return True
-        return self._remote is not None and self._remote.contains(key)
+        return self._stack.contains(key)
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, EntryKey) and self.contains(key)
@@ -250,8 +238,7 @@ class ChunkStore:
         """Every address the local tiers hold, sorted (the shared tier is not listed: it holds
         every process's entries; ``kamera store stats`` counts them)."""
         with self._lock:
-            on_disk = set() if self._disk is None else set(self._disk.keys())
-            return sorted(on_disk | set(self._memory.keys()))
+            return sorted(set().union(*(tier.keys() for tier in self._stack.tiers if tier.locked)))
 
     # --- accounting ---------------------------------------------------------------------
 
@@ -261,7 +248,7 @@ class ChunkStore:
             c, disk = self._log.counts, self._disk
             return StoreStats(
                 puts=c["puts"],
-                hits=c["memory_hits"] + c["disk_hits"] + c["remote_hits"],
+                hits=c["hits"],
                 memory_hits=c["memory_hits"],
                 disk_hits=c["disk_hits"],
                 misses=c["misses"],
@@ -277,23 +264,20 @@ class ChunkStore:
                 disk_evictions=c["disk_evict"],
                 corrupt_dropped=c["corrupt"],
                 lost=c["lost"],
+                outdated_dropped=c["outdated"],
+                unavailable=c["unavailable"],
                 **self._remote_stats(),
             )
 
     def _remote_stats(self) -> dict[str, Any]:
         if self._remote is None:
             return {}
-        r = self._remote.snapshot()
+        r, c = self._remote.snapshot(), self._log.counts
         return {
             "remote_state": r["state"],
-            "remote_hits": self._log.counts["remote_hits"],
-            "remote_misses": r["misses"],
-            "remote_errors": r["errors"],
-            "remote_writes": r["writes"],
-            "remote_bytes_written": r["bytes_written"],
-            "remote_writes_skipped": r["writes_skipped"],
+            **{f"remote_{name}": c[f"remote_{name}"] for name in ("hits", "misses", "errors", "rejected")},
+            **{f"remote_{name}": r[name] for name in ("writes", "bytes_written", "writes_skipped")},
             "remote_writes_failed": r["writes_failed"],
-            "remote_rejected": r["rejected"],
             "remote_outages": r["outages"],
         }
 
@@ -315,29 +299,23 @@ class ChunkStore:
         Spills happen on eviction anyway, and `close` and interpreter exit flush too, so a new
         process reopening ``disk_dir`` finds the entries that were still in memory.
         """
-        if self._remote is not None:
-            self._remote.flush()
-        with self._lock:
-            if self._disk is None or self._disk.closed:
-                return 0
-            written = 0
-            for key, resident in self._memory.residents():  # oldest first: the newest files last
-                if key not in self._disk:
-                    blob = encode(key, resident.value, self._fingerprint)
-                    why_not = self._disk.write(key, blob, self._fingerprint)
-                    written += why_not == ""  # else it stays in memory only, as before the flush
-            return written
+        for tier in self._stack.tiers:
+            with self._lock if tier.locked else contextlib.nullcontext():
+                tier.flush()
+        return self._stack.write_back()
 
     def close(self) -> None:
         """Write every memory entry to the disk tier, release its directory (another process may
         open it now) and finish the shared tier's queued writes. Idempotent; a store still open
         at interpreter exit is flushed then (`with` or ``close`` makes it deterministic)."""
-        if self._remote is not None:
-            self._remote.close()
-        if self._disk is not None:
-            self.flush()
-            with self._lock:
-                self._disk.close()
+        for tier in self._stack.tiers:  # the shared ones first: their queued writes finish
+            if not tier.locked:
+                tier.close()
+        self._stack.write_back()
+        with self._lock:
+            for tier in self._stack.tiers:
+                if tier.locked:
+                    tier.close()
 
     def __enter__(self) -> ChunkStore:
         return self
@@ -347,7 +325,7 @@ class ChunkStore:
     ) -> None:
         self.close()
 
-    # --- the two generic paths ----------------------------------------------------------
+    # --- the two generic paths -----------------------------------------------------------
 
     def _put(self, key: EntryKey, value: StoredValue) -> EntryKey:
         if not key.key:
@@ -355,112 +333,11 @@ class ChunkStore:
                 f"a {key.kind} needs its chunk's content key: set chunk_key (dataclasses.replace) "
                 "before storing it"
             )
-        value = self._own(key, value, fingerprint_of(key.kind, value), "put")
-        nbytes = entry_nbytes(key.kind, value)
-        budgets = {"memory_budget": self._memory.budget}
-        if self._disk is not None:
-            budgets["disk_budget"] = self._disk.budget
-        check_fits(str(key), nbytes, budgets)
-        with self._lock:
-            self._log.count("puts")
-            if self._disk is not None and key in self._disk:
-                # the same entry again keeps its durable file; other bytes under the key make the
-                # file stale, and a stale file must never be served
-                self._disk.keep_if_same(key, content_digest(key, value, self._fingerprint))
-            self._memory.add(key, value, nbytes)
-            self._evict(keep=key)
-        if self._remote is not None:
-            stored, fingerprint = value, self._fingerprint
-            self._remote.put(key, lambda: encode(key, stored, fingerprint), nbytes)
+        value = own(key, value, fingerprint_of(key.kind, value), self._fingerprint, "put")
+        entry = Entry(key, value, entry_nbytes(key.kind, value), self._fingerprint)
+        check_fits(str(key), entry.nbytes, self._stack.budgets())
+        self._stack.put(entry)
         return key
 
     def _get(self, key: EntryKey) -> StoredValue | None:
-        with self._lock:
-            value = self._memory.get(key)
-            if value is not None:
-                self._log.count("memory_hits")
-                return value
-            value = self._from_disk(key)
-            if value is not None or self._remote is None:
-                self._log.count("misses" if value is None else "disk_hits")
-                return value
-        value = self._from_remote(key)  # outside the lock: the network must not block local hits
-        with self._lock:
-            self._log.count("misses" if value is None else "remote_hits")
-            local = self._memory.peek(key)
-            if local is not None:  # put here meanwhile: this process's own value is the newer one
-                return local
-            if value is not None:
-                nbytes = entry_nbytes(key.kind, value)
-                if nbytes <= self._memory.budget:
-                    self._memory.add(key, value, nbytes)
-                    self._evict(keep=key)
-        return value
-
-    def _from_remote(self, key: EntryKey) -> StoredValue | None:
-        """The shared tier's copy, verified (digest, address, model) and stamped, or ``None``."""
-        assert self._remote is not None
-        blob = self._remote.get(key)
-        if blob is None:
-            return None
-        try:
-            address, value, fingerprint = decode(blob)
-            if address != key:
-                raise CorruptEntry(f"holds {address}")
-            if fingerprint != self._fingerprint:
-                raise CorruptEntry(f"made by model {fingerprint[:16]}…")
-        except CorruptEntry as exc:
-            self._remote.reject(key, str(exc))
-            return None
-        return stamp_fingerprint(key.kind, value, self._fingerprint)
-
-    def _from_disk(self, key: EntryKey) -> StoredValue | None:
-        if self._disk is None or key not in self._disk:
-            return None
-        blob = self._disk.read(key)
-        if blob is None:
-            return None
-        try:
-            address, value, fingerprint = decode(blob)
-            if address != key:
-                raise CorruptEntry(f"file holds {address}, the index says {key}")
-        except CorruptEntry as exc:
-            self._disk.drop_corrupt(key, str(exc))
-            return None
-        value = self._own(key, value, fingerprint, "load")
-        nbytes = entry_nbytes(key.kind, value)
-        if nbytes <= self._memory.budget:  # else serve it from disk without promoting
-            self._memory.add(key, value, nbytes)
-            self._evict(keep=key)
-        return value
-
-    def _own(self, key: EntryKey, value: StoredValue, fingerprint: str, verb: str) -> StoredValue:
-        """The entry stamped with this store's fingerprint, or `ForeignChunkError`."""
-        if fingerprint and fingerprint != self._fingerprint:
-            where = f" in {self._disk.directory}" if verb == "load" and self._disk is not None else ""
-            raise ForeignChunkError(
-                f"cannot {verb} {key}{where}: it was made by model {fingerprint[:16]}…, this store "
-                f"serves {self._fingerprint[:16]}…. Use one store (and one disk_dir) per model "
-                "fingerprint, or re-encode the chunk with this model."
-            )
-        return stamp_fingerprint(key.kind, value, self._fingerprint)
-
-    def _evict(self, keep: EntryKey) -> None:
-        """Push victims out of memory until it fits its budget: to disk when there is one."""
-        while (victim := self._memory.victim(keep)) is not None:
-            resident = self._memory.pop(victim)
-            assert resident is not None
-            self._log.record(self._spill(victim, resident.value, resident.nbytes))
-
-    def _spill(self, key: EntryKey, value: StoredValue, nbytes: int) -> StoreEvent:
-        if self._disk is None or self._disk.closed:
-            return StoreEvent(
-                "drop", key, nbytes, True, "no disk tier" if self._disk is None else "store closed"
-            )
-        if key in self._disk:
-            self._disk.touch(key)
-            return StoreEvent("spill", key, nbytes, False, "already on disk")
-        why_not = self._disk.write(key, encode(key, value, self._fingerprint), self._fingerprint)
-        if why_not:
-            return StoreEvent("drop", key, nbytes, True, why_not)
-        return StoreEvent("spill", key, nbytes, False, "written")
+        return self._stack.get(key)

@@ -3,7 +3,9 @@
 Why: the disk tier moves opaque, checksummed byte strings; only this module knows how a
 `ChunkKV`, a vision embedding or a `Patch` becomes named tensors plus string metadata and
 back. Every file carries its own address (kind, key, variant) and the model fingerprint in
-the safetensors metadata, so a directory can be re-indexed from its files alone.
+the safetensors metadata, so a directory can be re-indexed from its files alone, and the
+entry format (`FORMAT`): an entry of another format is refused by name (`OutdatedEntry`),
+never decoded under rules it was not written by.
 
     kind        tensors                                    metadata beyond the address
     canonical   keys [L, Hk, n, Dk], values [L, Hv, n, Dv],  -
@@ -29,14 +31,18 @@ from kamera_agent.operator.patch import Patch
 from kamera_agent.store.keys import EntryKey, EntryKind
 
 __all__ = [
+    "FORMAT",
     "CorruptEntry",
+    "OutdatedEntry",
     "StoredValue",
     "content_digest",
     "decode",
     "encode",
     "entry_nbytes",
     "fingerprint_of",
+    "header_info",
     "header_length",
+    "outdated",
     "read_address",
     "stamp",
 ]
@@ -44,12 +50,30 @@ __all__ = [
 StoredValue = ChunkKV | Patch | dict[str, torch.Tensor]
 Tensors = dict[str, torch.Tensor]
 Meta = dict[str, str]
-FORMAT = "kamera-store/2"  # 2: patches filed by the state they give (chained identity)
+FORMAT = "kamera-store/3"
+"""The entry format this version writes and reads; an entry of any other is never decoded.
+3: text chunk keys and state roots made anew (every earlier key means something else now);
+2: patches filed by the state they give (chained identity)."""
 _MAX_HEADER = 64 << 20  # a header larger than this is damage, not metadata
 
 
 class CorruptEntry(Exception):
     """Bytes that do not decode to the entry they claim to be (internal: never leaves the store)."""
+
+
+class OutdatedEntry(CorruptEntry):
+    """An entry written by another kamera-agent entry format: intact, but its keys and states
+    were made by other rules, so it is dropped and recomputed, never decoded."""
+
+
+def outdated(found: str) -> OutdatedEntry:
+    """The refusal of an entry of format ``found``, naming it and the one this version reads."""
+    version = found.rsplit("/", 1)[-1]
+    age = "a newer" if version.isdigit() and int(version) > int(FORMAT.rsplit("/", 1)[-1]) else "an older"
+    return OutdatedEntry(
+        f"written by {age} kamera-agent entry format ({found}); this version reads {FORMAT} "
+        "and recomputes the entry"
+    )
 
 
 @dataclass(frozen=True)
@@ -153,6 +177,12 @@ def fingerprint_of(kind: EntryKind, value: StoredValue) -> str:
     return _CODECS[kind].fingerprint(value)
 
 
+def header_info(kind: EntryKind, value: StoredValue) -> Meta:
+    """The metadata an encoded entry's header carries beyond its address (a patch's ``state``,
+    ``meta``, ``num_tokens``, ``patch_kind``): what a planner peeks at, made from a live value."""
+    return {**_CODECS[kind].meta(value), "format": FORMAT}
+
+
 def stamp(kind: EntryKind, value: StoredValue, fingerprint: str) -> StoredValue:
     """The entry as the store keeps it: carrying ``fingerprint``, detached from caller containers."""
     return cast(StoredValue, _CODECS[kind].stamp(value, fingerprint))
@@ -190,8 +220,9 @@ def decode(blob: bytes) -> tuple[EntryKey, StoredValue, str]:
     """``(address, entry, fingerprint)`` from bytes written by `encode`.
 
     Raises:
+        OutdatedEntry: an entry of another ``kamera-store/N`` format (never decoded).
         CorruptEntry: the bytes are not a store entry (checked after the checksum, so this
-            means a foreign or older format, not bit rot).
+            means a foreign format, not bit rot).
     """
     key, meta = _address(header_of(blob))
     try:
@@ -231,9 +262,11 @@ def header_length(prefix: bytes) -> int:
 
 
 def _address(meta: Meta) -> tuple[EntryKey, Meta]:
-    kind = meta.get("kind", "")
-    if meta.get("format") != FORMAT or kind not in _CODECS or "model_fingerprint" not in meta:
-        raise CorruptEntry(f"not a {FORMAT} entry (format {meta.get('format')!r}, kind {kind!r})")
+    kind, found = meta.get("kind", ""), meta.get("format", "")
+    if found.startswith("kamera-store/") and found != FORMAT:
+        raise outdated(found)
+    if found != FORMAT or kind not in _CODECS or "model_fingerprint" not in meta:
+        raise CorruptEntry(f"not a {FORMAT} entry (format {found!r}, kind {kind!r})")
     return EntryKey(cast(EntryKind, kind), meta.get("key", ""), meta.get("variant", "")), meta
 
 

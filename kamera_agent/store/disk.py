@@ -11,10 +11,13 @@ own metadata; a sidecar would be a second file to write atomically and could dis
 its data after a crash. The name is renamed into place together with the bytes it describes,
 so the two can never disagree, and a re-index needs no hashing. The digest is verified on
 every read; a mismatch (bit rot, truncation, a foreign write) deletes the file and is
-reported, never served.
+reported, never served. A file of another entry format (`codec.FORMAT`: written by an older
+kamera-agent, whose keys and states meant something else) is dropped when the directory is
+opened, with an ``outdated`` event naming both formats, and its entry is recomputed.
 
-``index.json`` keeps each file's address and use ticks so a reopened store keeps its LRU order
-without reading headers. It is advisory: written atomically but not fsynced, and reconciled
+``index.json`` keeps each file's address, entry format and use ticks so a reopened store keeps
+its LRU order without reading headers (a record of another format is not trusted: its header is
+read again). It is advisory: written atomically but not fsynced, and reconciled
 with a directory scan on open (files it misses are re-indexed from their headers, entries
 whose file is gone are forgotten, a missing or unreadable index is rebuilt). One process
 writes a directory at a time, enforced by an exclusive lock on ``.kamera.lock`` (a second
@@ -38,9 +41,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kamera_agent.errors import StoreDirectoryError
+from kamera_agent.store import codec
 from kamera_agent.store.budget import EvictionPolicy, pick_victim
 from kamera_agent.store.codec import (
     CorruptEntry,
+    OutdatedEntry,
     content_digest,
     decode,
     header_length,
@@ -48,7 +53,8 @@ from kamera_agent.store.codec import (
     read_address,
 )
 from kamera_agent.store.keys import EntryKey
-from kamera_agent.store.stats import EventLog, StoreEvent
+from kamera_agent.store.stats import EventKind, EventLog, StoreEvent
+from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, Write
 
 __all__ = ["DiskTier"]
 
@@ -71,16 +77,18 @@ class _File:
     inserted: int
     last_used: int
     hits: int = 0
+    format: str = ""  # the entry format of the file (`codec.FORMAT` when it was written)
 
     @property
     def sha256(self) -> str:
         return self.name.split(".")[1]
 
 
-class DiskTier:
+class DiskTier(Tier):
     """Files under ``directory`` within ``budget`` bytes, evicted by ``policy``.
 
-    Not thread-safe on its own: the `ChunkStore` calls it under its lock.
+    Not thread-safe on its own (``locked``): the `ChunkStore` calls it under its lock. Its
+    files are filled by memory's spills, not by every put (``written_on_put`` is off).
 
     Args:
         directory: where the files live (created if missing).
@@ -89,6 +97,8 @@ class DiskTier:
         log: where spills, evictions and corrupt files are reported.
         in_memory: whether the memory tier still holds an entry (a file evicted then is no loss).
     """
+
+    name = "disk"
 
     def __init__(
         self,
@@ -99,7 +109,8 @@ class DiskTier:
         in_memory: Callable[[EntryKey], bool],
     ) -> None:
         self.directory = directory
-        self.budget = budget
+        self.budget: int = budget
+        self.location = str(directory)
         self._policy = policy
         self._log = log
         self._in_memory = in_memory
@@ -148,13 +159,15 @@ class DiskTier:
     def touch(self, key: EntryKey) -> None:
         self._files[key].last_used = next(self._clock)
 
-    def write(self, key: EntryKey, blob: bytes, fingerprint: str) -> str:
-        """Store ``blob`` for ``key``; returns ``""`` or why it could not be stored.
-
-        Older files are evicted first to make room; the new file is never its own victim.
-        """
+    def put(self, entry: Entry) -> Write:
+        """Write the entry's file; older files are evicted first to make room (the new file is
+        never its own victim). Not ``ok`` (and nothing written) when it cannot be stored."""
+        blob = entry.encode()
         if len(blob) > self.budget:
-            return f"its file of {len(blob)} bytes exceeds the disk budget of {self.budget} bytes"
+            return Write(
+                False, f"its file of {len(blob)} bytes exceeds the disk budget of {self.budget} bytes"
+            )
+        key = entry.key
         self.remove(key)
         while self._bytes + len(blob) > self.budget:
             self._evict_one()
@@ -162,53 +175,76 @@ class DiskTier:
         try:
             _atomic_write(self.directory, name, blob)
         except OSError as exc:
-            return f"writing {name} failed: {exc}"
+            return Write(False, f"writing {name} failed: {exc}")
         tick = next(self._clock)
-        self._add(_File(key, name, len(blob), fingerprint, tick, tick))
+        written = header_of(blob).get("format", "")
+        self._add(_File(key, name, len(blob), entry.fingerprint, tick, tick, format=written))
         self.save_index()
-        return ""
+        return Write(True)
 
-    def read(self, key: EntryKey) -> bytes | None:
-        """The file's bytes once their sha256 matches its name; ``None`` (and deleted) otherwise."""
-        record = self._files[key]
+    def get(self, key: EntryKey) -> Lookup[Payload]:
+        """The file's bytes once their sha256 matches its name; deleted (and reported) otherwise."""
+        record = self._files.get(key)
+        if record is None:
+            return Lookup.miss()
         try:
             blob = (self.directory / record.name).read_bytes()
         except OSError as exc:
-            self.drop_corrupt(key, f"unreadable: {exc}")
-            return None
+            return self._rejected(key, CorruptEntry(f"unreadable: {exc}"))
         if hashlib.sha256(blob).hexdigest() != record.sha256:
-            self.drop_corrupt(key, f"sha256 mismatch ({len(blob)} of {record.nbytes} bytes read)")
-            return None
+            return self._rejected(
+                key, CorruptEntry(f"sha256 mismatch ({len(blob)} of {record.nbytes} bytes read)")
+            )
         record.hits += 1
         self.touch(key)
-        return blob
+        return Lookup.hit(blob)
 
-    def header(self, key: EntryKey) -> dict[str, str] | None:
+    def contains(self, key: EntryKey) -> Status:
+        return Status.HIT if key in self._files else Status.MISS
+
+    def peek(self, key: EntryKey) -> Lookup[Meta]:
         """The file's header metadata, read without counting a hit (planning peeks at it);
-        ``None`` when it cannot be read (a later `read` verifies and reports the file)."""
+        unavailable when it cannot be read (a later `get` verifies and reports the file), and
+        dropped (``outdated``) when it is of another entry format."""
+        if key not in self._files:
+            return Lookup.miss()
         try:
             with (self.directory / self._files[key].name).open("rb") as handle:
                 prefix = handle.read(8)
                 prefix += handle.read(header_length(prefix) - len(prefix))
-            return header_of(prefix)
-        except (OSError, CorruptEntry):
-            return None
+            read_address(prefix)  # refuses another entry format by name
+            return Lookup.hit(header_of(prefix))
+        except OutdatedEntry as exc:
+            self.reject(key, exc)
+            return Lookup.rejected(str(exc))
+        except (OSError, CorruptEntry) as exc:
+            return Lookup.unavailable(f"header unreadable: {exc}")
 
-    def drop_corrupt(self, key: EntryKey, detail: str) -> None:
-        """Delete a file that failed verification and report it; it is never served."""
+    def drop(self, key: EntryKey) -> None:
+        """Delete the file of ``key`` if any (a re-put made it stale: not a loss, no event)."""
+        self.remove(key)
+
+    def reject(self, key: EntryKey, why: CorruptEntry) -> None:
+        """Delete a file that failed verification or is of another entry format, and report it
+        (a ``corrupt`` or ``outdated`` event); it is never served."""
         record = self._forget(key)
-        _LOG.warning("store: dropped corrupt file %s for %s: %s", record.name, key, detail)
-        self._log.record(StoreEvent("corrupt", key, record.nbytes, not self._in_memory(key), detail))
+        kind: EventKind = "outdated" if isinstance(why, OutdatedEntry) else "corrupt"
+        _LOG.warning("store: dropped %s file %s for %s: %s", kind, record.name, key, why)
+        self._log.record(StoreEvent(kind, key, record.nbytes, not self._in_memory(key), str(why)))
         self.save_index()
+
+    def _rejected(self, key: EntryKey, why: CorruptEntry) -> Lookup[Payload]:
+        self.reject(key, why)
+        return Lookup.rejected(str(why))
 
     def keep_if_same(self, key: EntryKey, digest: str) -> None:
         """Keep ``key``'s file when it holds the entry whose `content_digest` is ``digest`` (a
         re-put of the same entry), else delete it (it is stale)."""
         if key not in self._files:
             return
-        blob = self.read(key)  # verified; a damaged file is dropped and reported by the read
+        blob = self.get(key).found  # verified; a damaged file is dropped and reported by the get
         try:
-            address, value, fingerprint = decode(blob) if blob is not None else (None, None, "")
+            address, value, fingerprint = decode(blob) if isinstance(blob, bytes) else (None, None, "")
         except CorruptEntry:
             address = None
         if address != key or content_digest(key, value, fingerprint) != digest:  # type: ignore[arg-type]
@@ -275,8 +311,9 @@ class DiskTier:
         self.save_index()
 
     def _from_header(self, path: Path, match: re.Match[str]) -> _File | None:
-        """Re-index a file from its header; an unreadable one is deleted and reported under the
-        address its name gives (kind and digest: the content key itself is unreadable)."""
+        """Re-index a file from its header; an unreadable one (``corrupt``) or one of another
+        entry format (``outdated``) is deleted and reported under the address its name gives
+        (kind and digest: the content key itself is not read)."""
         try:
             with path.open("rb") as handle:
                 prefix = handle.read(8)
@@ -288,11 +325,12 @@ class DiskTier:
             size = path.stat().st_size if path.exists() else 0
             path.unlink(missing_ok=True)
             detail = f"{path.name}: {exc}"
-            _LOG.warning("store: dropped unreadable file %s", detail)
+            kind: EventKind = "outdated" if isinstance(exc, OutdatedEntry) else "corrupt"
+            _LOG.warning("store: dropped %s file %s", "unreadable" if kind == "corrupt" else kind, detail)
             unknown = EntryKey(match.group(1), match.group(2))  # type: ignore[arg-type]
-            self._log.record(StoreEvent("corrupt", unknown, size, True, detail))
+            self._log.record(StoreEvent(kind, unknown, size, True, detail))
             return None
-        return _File(key, path.name, 0, fingerprint, 0, 0)
+        return _File(key, path.name, 0, fingerprint, 0, 0, format=codec.FORMAT)
 
 
 def _lock(directory: Path) -> int:
@@ -316,7 +354,8 @@ def _lock(directory: Path) -> int:
 
 
 def _read_index(path: Path) -> dict[str, _File]:
-    """Records by file name from ``index.json``; empty when missing or unreadable (then rescan)."""
+    """Records by file name from ``index.json``; empty when missing or unreadable (then rescan).
+    Records of another entry format are left out: their files' headers are read (and refused)."""
     try:
         data = json.loads(path.read_text())
         if data.get("format") != _INDEX_FORMAT:
@@ -324,7 +363,7 @@ def _read_index(path: Path) -> dict[str, _File]:
         records = [_File(**(item | {"key": EntryKey(**item["key"])})) for item in data["files"]]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
-    return {record.name: record for record in records if _names_itself(record)}
+    return {r.name: r for r in records if _names_itself(r) and r.format == codec.FORMAT}
 
 
 def _names_itself(record: _File) -> bool:

@@ -2,7 +2,8 @@
 
 Why: the tier only keeps entries and their use ticks; what happens to a victim (spill to
 disk, or drop) is the `ChunkStore`'s decision, so this class stays a dozen lines of
-bookkeeping and the policy stays a pure score.
+bookkeeping and the policy stays a pure score. It holds live values, already verified and
+stamped, so a hit needs no decode; a `Tier` like the others for get, put, contains and peek.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import itertools
 from dataclasses import dataclass
 
 from kamera_agent.store.budget import EvictionPolicy, pick_victim
-from kamera_agent.store.codec import StoredValue
+from kamera_agent.store.codec import StoredValue, header_info
 from kamera_agent.store.keys import EntryKey
+from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, Write
 
 __all__ = ["MemoryTier", "Resident"]
 
@@ -28,11 +30,13 @@ class Resident:
     hits: int = 0
 
 
-class MemoryTier:
-    """Entries by address with their tensor bytes; not thread-safe on its own."""
+class MemoryTier(Tier):
+    """Entries by address with their tensor bytes; not thread-safe on its own (``locked``)."""
+
+    name = "memory"
 
     def __init__(self, budget: int, policy: EvictionPolicy) -> None:
-        self.budget = budget
+        self.budget: int = budget
         self._policy = policy
         self._entries: dict[EntryKey, Resident] = {}
         self._bytes = 0
@@ -51,16 +55,31 @@ class MemoryTier:
     def keys(self) -> list[EntryKey]:
         return list(self._entries)
 
-    def get(self, key: EntryKey) -> StoredValue | None:
+    def get(self, key: EntryKey) -> Lookup[Payload]:
         resident = self._entries.get(key)
         if resident is None:
-            return None
+            return Lookup.miss()
         resident.hits += 1
         resident.last_used = next(self._clock)
-        return resident.value
+        return Lookup.hit(resident.value)
 
-    def peek(self, key: EntryKey) -> StoredValue | None:
-        """The value without counting a use (a planner's look)."""
+    def put(self, entry: Entry) -> Write:
+        """Hold the entry; the caller then evicts to the budget (`victim`, `pop`)."""
+        self.add(entry.key, entry.value, entry.nbytes)
+        return Write(True)
+
+    def contains(self, key: EntryKey) -> Status:
+        return Status.HIT if key in self._entries else Status.MISS
+
+    def drop(self, key: EntryKey) -> None:
+        self.pop(key)
+
+    def peek(self, key: EntryKey) -> Lookup[Meta]:
+        resident = self._entries.get(key)
+        return Lookup.miss() if resident is None else Lookup.hit(header_info(key.kind, resident.value))
+
+    def value_of(self, key: EntryKey) -> StoredValue | None:
+        """The value without counting a use (the store checks for a put made meanwhile)."""
         resident = self._entries.get(key)
         return None if resident is None else resident.value
 

@@ -2,7 +2,7 @@
 
 Why: the window's invariant 4 ("when the budget pushes a canonical out, recall re-encodes and
 stats says so") needs every miss to be explainable. Each spill, drop, disk eviction and
-corrupt file is an event naming the entry and whether it is now *lost* (held by no tier); the
+corrupt or outdated file is an event naming the entry and whether it is now *lost* (held by no tier); the
 counters in `StoreStats` are tallies of the same events, so the two can never disagree.
 """
 
@@ -16,7 +16,7 @@ from kamera_agent.store.keys import EntryKey
 
 __all__ = ["EventKind", "EventLog", "StoreEvent", "StoreStats"]
 
-EventKind = Literal["spill", "drop", "disk_evict", "corrupt"]
+EventKind = Literal["spill", "drop", "disk_evict", "corrupt", "outdated"]
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,9 @@ class StoreEvent:
     Attributes:
         kind: ``"spill"`` (memory → disk), ``"drop"`` (left memory with nowhere to go),
             ``"disk_evict"`` (file removed for the disk budget), ``"corrupt"`` (file failed its
-            checksum or decode and was deleted; never served).
+            checksum or decode and was deleted; never served), ``"outdated"`` (file written in
+            another entry format, by an older kamera-agent: deleted, never decoded; ``detail``
+            names both formats).
         key: the entry's address.
         nbytes: the entry's tensor bytes (memory events) or its file size (disk events).
         lost: no tier holds the entry any more: the next get misses and the caller re-encodes.
@@ -46,7 +48,8 @@ class StoreStats:
 
     Attributes:
         puts: entries stored by the caller.
-        hits: gets served (``memory_hits + disk_hits + remote_hits``).
+        hits: gets served by any tier (``memory_hits + disk_hits + remote_hits``, plus those of
+            tiers passed as ``ChunkStore(tiers=...)``).
         memory_hits: gets served from memory.
         disk_hits: gets served from a verified disk file (and promoted when it fits).
         misses: gets that found nothing servable.
@@ -61,18 +64,22 @@ class StoreStats:
         dropped: memory evictions with no disk copy (no disk tier, or too large for it).
         disk_evictions: files removed for the disk budget.
         corrupt_dropped: files that failed their checksum or decode, deleted, never served.
+        outdated_dropped: files of another entry format (an older kamera-agent's), deleted
+            unread; their entries are recomputed.
         lost: entries no tier holds any more, over all the causes above.
+        unavailable: lookups (gets, ``has_*``, peeks) that a tier did not answer (a server
+            down or timing out), over every tier: never taken as the entry's absence.
         remote_state: the shared tier: ``"off"`` (none), ``"up"``, or ``"down"`` (working
             locally, retrying with backoff).
         remote_hits: gets served from the shared tier (verified, then promoted to memory).
-        remote_misses: shared-tier lookups that found nothing servable (``remote_errors`` of
-            them because the server did not answer).
-        remote_errors: shared-tier reads that failed or were skipped while it was down.
+        remote_misses: shared-tier gets that found no entry (``remote_errors`` of them because
+            the server did not answer).
+        remote_errors: shared-tier gets that failed or were skipped while it was down.
         remote_writes: entries written to the shared tier; ``remote_bytes_written`` their bytes.
         remote_writes_skipped: writes not queued (the background queue's byte bound was full).
         remote_writes_failed: queued writes the server did not take (the entry stays local).
-        remote_rejected: shared values that failed a check (digest, length, address, model):
-            deleted, never served.
+        remote_rejected: shared values that failed a check (digest, length, address, model,
+            entry format): deleted, never served.
         remote_outages: times the server went from answering to not answering.
     """
 
@@ -93,6 +100,8 @@ class StoreStats:
     disk_evictions: int
     corrupt_dropped: int
     lost: int
+    outdated_dropped: int = 0
+    unavailable: int = 0
     remote_state: str = "off"
     remote_hits: int = 0
     remote_misses: int = 0

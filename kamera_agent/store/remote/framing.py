@@ -51,7 +51,8 @@ class Head:
         sha256: the payload's digest (hex).
         nbytes: the payload's length.
         parts: how many part values hold the payload (0: it follows the header inline).
-        info: the codec metadata a planner peeks at (a patch's state and meta).
+        info: the codec metadata a planner peeks at (a patch's state and meta) and the payload's
+            entry format (absent from heads an older kamera-agent wrote).
     """
 
     address: EntryKey
@@ -152,7 +153,9 @@ def assemble(head: Head, inline: bytes, parts: list[bytes | None]) -> bytes:
 
 
 def _info(payload: bytes) -> dict[str, str]:
-    """The codec metadata worth a peek (a patch's state and meta), from the payload's header."""
+    """The codec metadata worth a peek, from the payload's header: its entry format (a reader
+    refuses another before fetching any part) and a patch's state and meta."""
     meta = header_of(payload)
     kind: EntryKind | str = meta.get("kind", "")
-    return {name: meta[name] for name in _INFO_FIELDS if kind == "patch" and name in meta}
+    info = {name: meta[name] for name in _INFO_FIELDS if kind == "patch" and name in meta}
+    return {**info, "format": meta.get("format", "")}

@@ -5,13 +5,15 @@ vision output or a patch one process computed should cost the others a fetch, no
 The tier moves encoded entries (the store's safetensors bytes) and knows nothing of tensors.
 
     put ──► queue (bounded bytes) ──writer thread──► parts, then head (SET ... EX ttl)
-    get ──► GET head ──► parts (one pipelined round trip) ──► sha256 ok? ──► payload
-                                                               └ no: DEL, rejected += 1, miss
+    get ──► GET head ──► format, model, address ok? ──► parts (one round trip) ──► sha256 ok? ──► payload
+                              └ no: DEL, rejected                                   └ no: DEL, rejected
 
-Writes are write-behind: an op never waits for the network; `flush` waits for the queue. A
-miss is remembered for a second, so a planner asking "is it there?" of many absent entries
-does not pay a round trip each. Every failure is a miss (the caller computes the entry), never
-an exception and never a wait beyond the URL's timeout (`Connection`).
+A `Tier` (``locked`` off: thread-safe, called outside the store's lock; ``written_on_put``:
+every put is queued here). Writes are write-behind: an op never waits for the network; `flush`
+waits for the queue. A miss is remembered for a second, so a planner asking "is it there?" of
+many absent entries does not pay a round trip each. A server that does not answer is
+`Status.UNAVAILABLE` (the store counts it as an error, never as the entry's absence), never an
+exception and never a wait beyond the URL's timeout (`Connection`).
 """
 
 from __future__ import annotations
@@ -22,14 +24,23 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
 from typing import Any
 
-from kamera_agent.store.codec import CorruptEntry
+from kamera_agent.store import codec
+from kamera_agent.store.codec import CorruptEntry, OutdatedEntry, outdated
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.remote.address import RemoteAddress
 from kamera_agent.store.remote.connection import Connection, RemoteUnavailable
-from kamera_agent.store.remote.framing import HEAD_PEEK, assemble, entry_name, frame, part_names, read_head
+from kamera_agent.store.remote.framing import (
+    HEAD_PEEK,
+    Head,
+    assemble,
+    entry_name,
+    frame,
+    part_names,
+    read_head,
+)
+from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, Write
 
 __all__ = ["ABSENT_FOR", "RemoteTier"]
 
@@ -38,7 +49,7 @@ ABSENT_FOR = 1.0
 """Seconds a miss is remembered: another process's write becomes visible within this time."""
 
 
-class RemoteTier:
+class RemoteTier(Tier):
     """Encoded entries of one model on a Valkey/Redis server or cluster.
 
     Thread-safe. A daemon thread writes in the background; `close` drains it.
@@ -48,12 +59,18 @@ class RemoteTier:
         fingerprint: the model fingerprint every key and payload carries.
     """
 
+    name = "remote"
+    locked = False
+    keyed_by_model = True
+    written_on_put = True
+
     def __init__(self, address: RemoteAddress, fingerprint: str) -> None:
         self.address = address
+        self.location = str(address)
         self._fingerprint = fingerprint
         self._connection = Connection(address)
         self._lock = threading.Condition()
-        self._queue: deque[tuple[EntryKey, Callable[[], bytes], int]] = deque()
+        self._queue: deque[Entry] = deque()
         self._pending = 0  # bytes queued or being written
         self._closing = False
         self._absent: dict[str, float] = {}
@@ -64,97 +81,95 @@ class RemoteTier:
         self._probe()  # says so at once (one warning) when the server is not there
 
     # -- reads -----------------------------------------------------------------------------------
-    def get(self, key: EntryKey) -> bytes | None:
-        """The entry's verified payload, or ``None`` (absent, unreachable, or rejected)."""
+    def get(self, key: EntryKey) -> Lookup[Payload]:
+        """The entry's payload once its sha256 matches its head (the store decodes it)."""
         name = self._name(key)
         if self._known_absent(name):
-            self._count_miss()
-            return None
+            return Lookup.miss("absent a moment ago")
         try:
             value = self._connection.call(lambda client: client.get(name))
             if value is None:
                 self._remember_absent(name)
-                self._count_miss()
-                return None
+                return Lookup.miss()
             head, inline = read_head(value)
-            self._check(head.address, head.fingerprint, key)
+            self._check(head, key)
             parts = part_names(name, head)
             fetched = self._connection.call(lambda client: _get_all(client, parts)) if parts else []
-            payload = assemble(head, inline, fetched)
-        except RemoteUnavailable:
-            self._count_miss(error=True)
-            return None
+            return Lookup.hit(assemble(head, inline, fetched))
+        except RemoteUnavailable as exc:
+            return Lookup.unavailable(str(exc))
         except CorruptEntry as exc:
-            self.reject(key, str(exc))
-            return None
-        self._count("hits")
-        return payload
+            self.reject(key, exc)
+            return Lookup.rejected(str(exc))
 
-    def peek(self, key: EntryKey) -> dict[str, str] | None:
+    def peek(self, key: EntryKey) -> Lookup[Meta]:
         """The codec metadata of the entry (a patch's state and meta) without its tensors."""
         name = self._name(key)
         if self._known_absent(name):
-            return None
+            return Lookup.miss("absent a moment ago")
         try:
             prefix = self._connection.call(lambda client: client.getrange(name, 0, HEAD_PEEK - 1))
             if not prefix:
                 self._remember_absent(name)
-                return None
+                return Lookup.miss()
             head, _ = read_head(prefix)
-            self._check(head.address, head.fingerprint, key)
-        except RemoteUnavailable:
-            return None
+            self._check(head, key, peek=True)
+        except RemoteUnavailable as exc:
+            return Lookup.unavailable(str(exc))
         except CorruptEntry as exc:
-            self.reject(key, str(exc))
-            return None
-        return head.info
+            self.reject(key, exc)
+            return Lookup.rejected(str(exc))
+        return Lookup.hit(head.info)
 
-    def contains(self, key: EntryKey) -> bool:
+    def contains(self, key: EntryKey) -> Status:
         """Whether the server holds the entry's head (its parts are checked only when read)."""
         name = self._name(key)
         if self._known_absent(name):
-            return False
+            return Status.MISS
         try:
             found = bool(self._connection.call(lambda client: client.exists(name)))
         except RemoteUnavailable:
-            return False
+            return Status.UNAVAILABLE
         if not found:
             self._remember_absent(name)
-        return found
+        return Status.HIT if found else Status.MISS
 
-    def reject(self, key: EntryKey, why: str) -> None:
-        """Delete an entry that failed a check (it is never served) and count it."""
-        self._count("rejected")
-        _LOG.warning("shared store: dropped %s (%s); it will be computed again", key, why)
+    def drop(self, key: EntryKey) -> None:
+        """Delete the entry's head (its parts expire with their TTL or are evicted)."""
         name = self._name(key)
         self._remember_absent(name)
         with contextlib.suppress(RemoteUnavailable):
             self._connection.call(lambda client: client.delete(name))
 
-    # -- writes ----------------------------------------------------------------------------------
-    def put(self, key: EntryKey, encode: Callable[[], bytes], nbytes: int) -> bool:
-        """Queue ``encode()`` (run on the writer thread) for ``key``; ``False`` when the queue is
-        full (the write is skipped and counted: the entry stays local)."""
-        with self._lock:
-            if self._closing or self._pending + nbytes > self.address.pending_bytes:
-                self.counts["writes_skipped"] += 1
-                return False
-            self._queue.append((key, encode, nbytes))
-            self._pending += nbytes
-            self._absent.pop(self._name(key), None)
-            self._lock.notify_all()
-        return True
+    def reject(self, key: EntryKey, why: CorruptEntry) -> None:
+        """Delete an entry that failed a check, so nobody is served it (the store counts it)."""
+        tail = "" if isinstance(why, OutdatedEntry) else "; it will be computed again"  # it says so
+        _LOG.warning("shared store: dropped %s (%s)%s", key, why, tail)
+        self.drop(key)
 
-    def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until every queued write is done (or failed); ``False`` if ``timeout`` passed first."""
+    # -- writes ----------------------------------------------------------------------------------
+    def put(self, entry: Entry) -> Write:
+        """Queue the entry (encoded on the writer thread); not ``ok`` when the queue is full (the
+        write is skipped and counted: the entry stays local)."""
+        with self._lock:
+            if self._closing or self._pending + entry.nbytes > self.address.pending_bytes:
+                self.counts["writes_skipped"] += 1
+                return Write(False, "the write queue is full" if not self._closing else "closed")
+            self._queue.append(entry)
+            self._pending += entry.nbytes
+            self._absent.pop(self._name(entry.key), None)
+            self._lock.notify_all()
+        return Write(True)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every queued write is done (or failed), at most ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         with self._lock:
             while self._pending:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return False
+                    return
                 self._lock.wait(left)
-        return True
 
     def close(self, timeout: float = 30.0) -> None:
         """Drain the queue (within ``timeout``), stop the writer, close the connection."""
@@ -168,8 +183,8 @@ class RemoteTier:
 
     # -- accounting ------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
-        """Counters and state: hits, misses, errors, writes, bytes_written, writes_skipped,
-        writes_failed, rejected, pending_bytes, state (``"up"`` or ``"down"``), outages."""
+        """Write counters and state: writes, bytes_written, writes_skipped, writes_failed,
+        pending_bytes, state (``"up"`` or ``"down"``), outages (the store counts lookups)."""
         with self._lock:
             counts = dict(self.counts)
             pending = self._pending
@@ -187,13 +202,21 @@ class RemoteTier:
     def _name(self, key: EntryKey) -> str:
         return entry_name(self.address.prefix, self._fingerprint, key)
 
-    def _check(self, address: EntryKey, fingerprint: str, key: EntryKey) -> None:
-        if fingerprint != self._fingerprint:
+    def _check(self, head: Head, key: EntryKey, *, peek: bool = False) -> None:
+        """Refuse a head of another entry format, model or address before reading any part. A
+        head an older kamera-agent wrote names no format: a get reads on (the payload names its
+        format when it is decoded), a peek, which reads no payload, refuses it here."""
+        written = head.info.get("format")
+        if written is None and peek:
+            written = f"one before {codec.FORMAT}: its head names none"
+        if written is not None and written != codec.FORMAT:
+            raise outdated(written)
+        if head.fingerprint != self._fingerprint:
             raise CorruptEntry(
-                f"written by model {fingerprint[:16]}…, this store serves {self._fingerprint[:16]}…"
+                f"written by model {head.fingerprint[:16]}…, this store serves {self._fingerprint[:16]}…"
             )
-        if address != key:
-            raise CorruptEntry(f"holds {address}, not {key}")
+        if head.address != key:
+            raise CorruptEntry(f"holds {head.address}, not {key}")
 
     def _probe(self) -> None:
         with contextlib.suppress(RemoteUnavailable):
@@ -220,11 +243,6 @@ class RemoteTier:
         with self._lock:
             self.counts[name] += n
 
-    def _count_miss(self, error: bool = False) -> None:
-        with self._lock:
-            self.counts["misses"] += 1
-            self.counts["errors"] += int(error)
-
     def _write_loop(self) -> None:
         while True:
             with self._lock:
@@ -232,9 +250,10 @@ class RemoteTier:
                     self._lock.wait()
                 if not self._queue:
                     return
-                key, encode, nbytes = self._queue.popleft()
+                entry = self._queue.popleft()
+            key, nbytes = entry.key, entry.nbytes
             try:
-                written = self._write(key, encode())
+                written = self._write(key, entry.encode())
                 self._count("writes")
                 self._count("bytes_written", written)
             except RemoteUnavailable:
@@ -266,16 +285,7 @@ class RemoteTier:
         return len(value) + sum(len(part) for part in parts)
 
 
-_COUNTERS = (
-    "hits",
-    "misses",
-    "errors",
-    "writes",
-    "bytes_written",
-    "writes_skipped",
-    "writes_failed",
-    "rejected",
-)
+_COUNTERS = ("writes", "bytes_written", "writes_skipped", "writes_failed")
 
 
 def _get_all(client: Any, names: list[str]) -> list[bytes | None]:

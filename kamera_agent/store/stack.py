@@ -1,0 +1,211 @@
+"""The `ChunkStore`'s tiers in order, with its one read path: find, decode, verify, promote.
+
+Why a module of its own: the store's facade (typed entry points, budgets, stats, persistence)
+and the walk over tiers change for different reasons. Here every tier is only a `Tier`: the
+walk asks each in order, counts its answer (a tier that did not answer is an outage, never an
+absence), and sends every payload through one path, `_admit`, where a later integrity check
+(a keyed MAC) will sit beside the address and model checks. Memory is first and holds live
+values; what it evicts spills to the disk tier when there is one.
+
+    get:  tier 1 ─miss─► tier 2 ─miss─► … ─► None
+            └hit──────────┴hit──► _admit (decode, address, model, stamp) ─► _promote (into memory)
+    put:  memory ─► evict ─► spill to disk;  every tier with ``written_on_put`` gets the entry too
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kamera_agent.errors import ForeignChunkError
+from kamera_agent.store.codec import CorruptEntry, StoredValue, content_digest, decode, entry_nbytes
+from kamera_agent.store.codec import stamp as stamp_fingerprint
+from kamera_agent.store.disk import DiskTier
+from kamera_agent.store.keys import EntryKey
+from kamera_agent.store.memory import MemoryTier
+from kamera_agent.store.stats import EventLog, StoreEvent
+from kamera_agent.store.tier import Entry, Meta, Payload, Status, Tier
+
+__all__ = ["TierStack", "own"]
+
+
+def own(
+    key: EntryKey, value: StoredValue, found: str, fingerprint: str, verb: str, where: str = ""
+) -> StoredValue:
+    """``value`` stamped with ``fingerprint``, or `ForeignChunkError` when it carries another
+    (``found``; ``""`` is unknown and accepted)."""
+    if found and found != fingerprint:
+        where = f" in {where}" if where else ""
+        raise ForeignChunkError(
+            f"cannot {verb} {key}{where}: it was made by model {found[:16]}…, this store "
+            f"serves {fingerprint[:16]}…. Use one store (and one disk_dir) per model "
+            "fingerprint, or re-encode the chunk with this model."
+        )
+    return stamp_fingerprint(key.kind, value, fingerprint)
+
+
+class TierStack:
+    """Memory, then the given tiers, slowest last; one lock for the tiers marked ``locked``.
+
+    Args:
+        fingerprint: the model every entry must carry.
+        memory: the first tier; its victims spill to ``disk``.
+        disk: the tier memory spills to, or ``None`` (victims are dropped, and counted).
+        below: every tier after memory, in the order a get asks them (``disk`` among them).
+        log: where events and counters go (guarded by `lock`).
+    """
+
+    def __init__(
+        self,
+        fingerprint: str,
+        memory: MemoryTier,
+        disk: DiskTier | None,
+        below: Sequence[Tier],
+        log: EventLog,
+    ) -> None:
+        self.lock = threading.RLock()
+        self.tiers: list[Tier] = [memory, *below]
+        self._fingerprint = fingerprint
+        self._memory, self._disk, self._log = memory, disk, log
+
+    def get(self, key: EntryKey) -> StoredValue | None:
+        """The first tier's verified copy of ``key`` (promoted into memory), or ``None``."""
+        for tier in self.tiers:
+            with self._guard(tier):  # a locked tier's read and promotion are one step
+                value = self._read(tier, key)
+                if value is not None:
+                    with self.lock:
+                        self._log.count("hits")
+                        self._log.count(f"{tier.name}_hits")
+                        return self._promote(tier, key, value)
+        with self.lock:
+            self._log.count("misses")
+        return None
+
+    def put(self, entry: Entry) -> None:
+        """Keep ``entry`` in memory (evicting to the budget), then write it to every tier that
+        takes puts (a shared tier only queues it: the caller never waits on a network)."""
+        key = entry.key
+        with self.lock:
+            self._log.count("puts")
+            if self._disk is not None and key in self._disk:
+                # the same entry again keeps its durable file; other bytes under the key make the
+                # file stale, and a stale file must never be served
+                self._disk.keep_if_same(key, content_digest(key, entry.value, self._fingerprint))
+            self._memory.put(entry)
+            self._evict(keep=key)
+        for tier in self.tiers[1:]:
+            if tier.written_on_put:
+                with self._guard(tier):
+                    tier.put(entry)
+
+    def contains(self, key: EntryKey) -> bool:
+        """Whether a tier holds ``key``; a tier that does not answer counts as unavailable."""
+        for tier in self.tiers:
+            with self._guard(tier):
+                status = tier.contains(key)
+            self._tally(tier, status)
+            if status is Status.HIT:
+                return True
+        return False
+
+    def peek(self, key: EntryKey) -> Meta | None:
+        """The header metadata of the first tier holding ``key``, or ``None``."""
+        for tier in self.tiers:
+            with self._guard(tier):
+                answer = tier.peek(key)
+            self._tally(tier, answer.status)
+            if answer.found is not None:
+                return answer.found
+        return None
+
+    def budgets(self) -> dict[str, int]:
+        """``{"memory_budget": …, "disk_budget": …}``: the tiers that bound their bytes."""
+        return {f"{tier.name}_budget": tier.budget for tier in self.tiers if tier.budget is not None}
+
+    def write_back(self) -> int:
+        """Write every memory entry without a file to disk; how many were written."""
+        with self.lock:
+            if self._disk is None or self._disk.closed:
+                return 0
+            written = 0
+            for key, resident in self._memory.residents():  # oldest first: the newest files last
+                if key not in self._disk:
+                    entry = Entry(key, resident.value, resident.nbytes, self._fingerprint)
+                    written += self._disk.put(entry).ok  # else it stays in memory only, as before
+            return written
+
+    def _read(self, tier: Tier, key: EntryKey) -> StoredValue | None:
+        answer = tier.get(key)
+        self._tally(tier, answer.status, get=True)
+        return None if answer.found is None else self._admit(tier, key, answer.found)
+
+    def _admit(self, tier: Tier, key: EntryKey, payload: Payload) -> StoredValue | None:
+        """The one decode/verify path of every tier's entries: a live value (memory) was checked
+        when it was stored; bytes are decoded, their address and model checked, the value
+        stamped. A refused entry is deleted by its tier and counted, never served."""
+        if not isinstance(payload, bytes):
+            return payload
+        try:
+            address, value, fingerprint = decode(payload)  # refuses another entry format by name
+            if address != key:
+                raise CorruptEntry(f"holds {address}, filed under {key}")
+            if tier.keyed_by_model and fingerprint != self._fingerprint:
+                raise CorruptEntry(f"made by model {fingerprint[:16]}…")
+        except CorruptEntry as exc:
+            tier.reject(key, exc)
+            self._tally(tier, Status.REJECTED)
+            return None
+        return own(key, value, fingerprint, self._fingerprint, "load", tier.location)
+
+    def _promote(self, tier: Tier, key: EntryKey, value: StoredValue) -> StoredValue:
+        """Serve ``value`` from ``tier``, kept in memory when it fits (called under the lock)."""
+        if tier is self._memory:
+            return value
+        local = self._memory.value_of(key)
+        if local is not None:  # put here meanwhile: this process's own value is the newer one
+            return local
+        nbytes = entry_nbytes(key.kind, value)
+        if nbytes <= self._memory.budget:  # else serve it without promoting
+            self._memory.put(Entry(key, value, nbytes, self._fingerprint))
+            self._evict(keep=key)
+        return value
+
+    def _tally(self, tier: Tier, status: Status, *, get: bool = False) -> None:
+        """Count one answer: ``unavailable`` (any lookup), ``<tier>_rejected``, and for a get
+        ``<tier>_misses`` (``<tier>_errors`` of them unanswered)."""
+        with self.lock:
+            if status is Status.UNAVAILABLE:
+                self._log.count("unavailable")
+            if status is Status.REJECTED:
+                self._log.count(f"{tier.name}_rejected")
+            elif get and status is not Status.HIT:
+                self._log.count(f"{tier.name}_misses")
+                if status is Status.UNAVAILABLE:
+                    self._log.count(f"{tier.name}_errors")
+
+    def _guard(self, tier: Tier) -> contextlib.AbstractContextManager[Any]:
+        """The lock for a tier that is not thread-safe; nothing for one that is (a network)."""
+        return self.lock if tier.locked else contextlib.nullcontext()
+
+    def _evict(self, keep: EntryKey) -> None:
+        """Push victims out of memory until it fits its budget: to disk when there is one."""
+        while (victim := self._memory.victim(keep)) is not None:
+            resident = self._memory.pop(victim)
+            assert resident is not None
+            self._log.record(self._spill(victim, resident.value, resident.nbytes))
+
+    def _spill(self, key: EntryKey, value: StoredValue, nbytes: int) -> StoreEvent:
+        if self._disk is None or self._disk.closed:
+            return StoreEvent(
+                "drop", key, nbytes, True, "no disk tier" if self._disk is None else "store closed"
+            )
+        if key in self._disk:
+            self._disk.touch(key)
+            return StoreEvent("spill", key, nbytes, False, "already on disk")
+        write = self._disk.put(Entry(key, value, nbytes, self._fingerprint))
+        if not write.ok:
+            return StoreEvent("drop", key, nbytes, True, write.detail)
+        return StoreEvent("spill", key, nbytes, False, "written")

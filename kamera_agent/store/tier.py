@@ -1,0 +1,185 @@
+"""The one seam between the `ChunkStore` and a place that holds entries: the `Tier` protocol.
+
+Why: memory, disk and a shared Valkey/Redis server differ in what they hold (live values or
+encoded bytes), how fast they answer and whether they can fail to answer at all, but the
+store asks each the same five things: get, put, contains, drop, and a peek at an entry's
+header. With one protocol the store composes an ordered list of tiers and keeps a single
+decode/verify/promote path, and a new tier (or a test's fake) plugs in without touching it.
+
+Every answer is typed: a `Lookup` says `Status.HIT`, `MISS` (the tier answered: it does not
+hold the entry), `UNAVAILABLE` (the tier did not answer: nothing is known about the entry, and
+the store counts an outage, not an absence) or `REJECTED` (it held bytes that failed the
+tier's own check and were deleted, never served).
+
+    Tier (ABC)          holds               called               foreign model's value
+    MemoryTier          live values         under the lock       (never holds one)
+    DiskTier            encoded files       under the lock       ForeignChunkError (a shared disk_dir)
+    RemoteTier          encoded values      outside the lock     rejected (its keys name the model)
+
+Batched methods (`get_many`, `contains_many`) default to loops over the single ones; a tier
+that can do better (one pipelined round trip) overrides them.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+from kamera_agent.store.codec import CorruptEntry, StoredValue, encode
+from kamera_agent.store.keys import EntryKey
+
+__all__ = ["Entry", "Lookup", "Meta", "Payload", "Status", "Tier", "Write"]
+
+Payload = StoredValue | bytes
+"""What a tier's get returns: a live value (memory) or the encoded bytes (disk, remote) that the
+store decodes and verifies."""
+Meta = dict[str, str]
+"""An entry's header metadata (a patch's ``state``, ``meta``, ``num_tokens``, ``patch_kind``)."""
+T = TypeVar("T")
+
+
+class Status(enum.Enum):
+    """How a tier answered one lookup."""
+
+    HIT = "hit"
+    """It holds the entry (and a get returned it)."""
+    MISS = "miss"
+    """It answered: it does not hold the entry."""
+    UNAVAILABLE = "unavailable"
+    """It did not answer (down, timing out, backing off): says nothing about the entry."""
+    REJECTED = "rejected"
+    """It held bytes that failed its own check (checksum, framing, format): deleted, not served."""
+
+
+@dataclass(frozen=True)
+class Lookup(Generic[T]):
+    """One tier's answer to a get (``T`` is `Payload`) or a peek (``T`` is `Meta`).
+
+    Attributes:
+        status: what the tier found.
+        found: the payload or header; set exactly when ``status`` is `Status.HIT`.
+        detail: why, in words, for a status other than a hit (for logs and tests).
+    """
+
+    status: Status
+    found: T | None = None
+    detail: str = ""
+
+    @classmethod
+    def hit(cls, found: T) -> Lookup[T]:
+        return cls(Status.HIT, found)
+
+    @classmethod
+    def miss(cls, detail: str = "") -> Lookup[T]:
+        return cls(Status.MISS, None, detail)
+
+    @classmethod
+    def unavailable(cls, detail: str) -> Lookup[T]:
+        return cls(Status.UNAVAILABLE, None, detail)
+
+    @classmethod
+    def rejected(cls, detail: str) -> Lookup[T]:
+        return cls(Status.REJECTED, None, detail)
+
+
+@dataclass(frozen=True)
+class Write:
+    """A tier's answer to a put: ``ok``, or ``detail`` says why the entry was not taken."""
+
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry on its way into a tier: the value as the store keeps it (stamped with the
+    model fingerprint), its tensor bytes, and its encoding, made only when a tier asks for it
+    (the remote tier asks on its writer thread, so a put never waits for the encode)."""
+
+    key: EntryKey
+    value: StoredValue = field(repr=False)
+    nbytes: int
+    fingerprint: str
+
+    def encode(self) -> bytes:
+        """The safetensors bytes of the entry (`kamera_agent.store.codec.encode`)."""
+        return encode(self.key, self.value, self.fingerprint)
+
+
+class Tier(ABC):
+    """A place that holds store entries of one model, asked by the `ChunkStore` in order.
+
+    Capability flags (class attributes) tell the store how to call a tier:
+
+    Attributes:
+        name: the tier's name in counters and messages (``"memory"``, ``"disk"``, ``"remote"``).
+        locked: ``True``: not thread-safe and fast (local), called under the store's lock;
+            ``False``: thread-safe and perhaps slow (a network), called outside it so that it
+            never blocks other threads' local hits.
+        keyed_by_model: its keys name the model fingerprint, so another model's value found
+            under one is damage (rejected, never served); otherwise such a value is a store
+            shared between models by mistake (`ForeignChunkError`, the fix in its message).
+        written_on_put: the store writes every put through to it (a shared tier); otherwise it
+            is filled by what the tiers above it evict (the disk tier takes memory's spills).
+        budget: the most bytes it keeps, or ``None`` (its server's own limit applies); an entry
+            larger than any tier's budget is refused before anything is stored.
+        location: where it is, for messages (``""`` when there is nothing to say).
+    """
+
+    name: ClassVar[str]
+    locked: ClassVar[bool] = True
+    keyed_by_model: ClassVar[bool] = False
+    written_on_put: ClassVar[bool] = False
+    budget: int | None = None
+    location: str = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not getattr(cls, "name", ""):  # counters are named after it: two tiers must not share one
+            raise TypeError(f"{cls.__name__} needs a name (a class attribute, e.g. name = 'disk')")
+
+    @abstractmethod
+    def get(self, key: EntryKey) -> Lookup[Payload]:
+        """The entry (a live value, or its bytes for the store to decode and verify), counted as a use."""
+
+    @abstractmethod
+    def put(self, entry: Entry) -> Write:
+        """Keep ``entry`` (replacing what ``entry.key`` held); a write-behind tier only queues it."""
+
+    @abstractmethod
+    def contains(self, key: EntryKey) -> Status:
+        """`Status.HIT` when the tier holds ``key`` (not verified: a get may still reject it)."""
+
+    @abstractmethod
+    def drop(self, key: EntryKey) -> None:
+        """Forget ``key`` if held (no accounting: the caller knows why)."""
+
+    @abstractmethod
+    def peek(self, key: EntryKey) -> Lookup[Meta]:
+        """The entry's header metadata without its tensors and without counting a use."""
+
+    def reject(self, key: EntryKey, why: CorruptEntry) -> None:
+        """Delete an entry the store refused after decoding it (wrong address, model, format), so
+        it is never served; tiers that report losses override this to say so."""
+        self.drop(key)
+
+    def get_many(self, keys: Sequence[EntryKey]) -> list[Lookup[Payload]]:
+        """`get` of each key, in order (override to batch round trips)."""
+        return [self.get(key) for key in keys]
+
+    def contains_many(self, keys: Sequence[EntryKey]) -> list[Status]:
+        """`contains` of each key, in order (override to batch round trips)."""
+        return [self.contains(key) for key in keys]
+
+    def keys(self) -> list[EntryKey]:
+        """The keys the tier can list cheaply; a shared tier lists none (it holds every process's)."""
+        return []
+
+    def flush(self) -> None:  # noqa: B027  (an optional hook: a no-op unless overridden)
+        """Finish queued writes (a write-behind tier); nothing to do by default."""
+
+    def close(self) -> None:  # noqa: B027  (an optional hook: a no-op unless overridden)
+        """Finish and release what the tier holds open (idempotent); nothing to do by default."""
