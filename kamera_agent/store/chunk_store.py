@@ -12,7 +12,7 @@ or outdated file is a `StoreEvent` and a counter.
      └────► every tier written on put (remote: queued, written behind)
     get ──► memory ─miss─► disk ─miss─► remote ─miss─► … ──► None: the caller computes it
               │hit           │hit         │hit (each: HIT, MISS, UNAVAILABLE or REJECTED)
-              └──────────────┴────────────┴──► one path: decode ─► address ─► model ─► stamp
+              └──────────────┴────────────┴──► one path: deserialize ─► address ─► model ─► stamp
                                                      └ refused: the tier deletes it, counted, miss
                                                ──► promote into memory (within its budget) ──► hit
 
@@ -70,7 +70,7 @@ class ChunkStore:
     Example:
         >>> store = ChunkStore(fingerprint=fp, memory_budget=2 << 30, disk_dir="cache", disk_budget=20 << 30)
         >>> store.put_canonical(kv)  # kv.chunk_key is the content key
-        >>> store.get_canonical(kv.chunk_key)  # the same tensors, or None: re-encode
+        >>> store.get_canonical(kv.chunk_key)  # the same tensors, or None: form it again
 
     Returned tensors are the stored ones (no copy): treat them as read-only, as `apply_patch`
     does. Entries read back from disk are on the CPU.
@@ -162,7 +162,7 @@ class ChunkStore:
         return self._put(EntryKey.canonical(kv.chunk_key), kv)
 
     def get_canonical(self, key: str) -> ChunkKV | None:
-        """The canonical stored under content key ``key``, or ``None``: re-encode the chunk."""
+        """The canonical stored under content key ``key``, or ``None``: form it again."""
         return cast("ChunkKV | None", self._get(EntryKey.canonical(key)))
 
     def put_full(self, kv: ChunkKV, state: str) -> EntryKey:

@@ -5,7 +5,7 @@ Why: the disk tier moves opaque, checksummed byte strings; only this module know
 back. Every file carries its own address (kind, key, variant) and the model fingerprint in
 the safetensors metadata, so a directory can be re-indexed from its files alone, and the
 entry format (`FORMAT`): an entry of another format is refused by name (`OutdatedEntry`),
-never decoded under rules it was not written by.
+never deserialized under rules it was not written by.
 
     kind        tensors                                    metadata beyond the address
     canonical   keys [L, Hk, n, Dk], values [L, Hv, n, Dv],  -
@@ -36,14 +36,14 @@ __all__ = [
     "OutdatedEntry",
     "StoredValue",
     "content_digest",
-    "decode",
-    "encode",
+    "deserialize",
     "entry_nbytes",
     "fingerprint_of",
     "header_info",
     "header_length",
     "outdated",
     "read_address",
+    "serialize",
     "stamp",
 ]
 
@@ -51,19 +51,19 @@ StoredValue = ChunkKV | Patch | dict[str, torch.Tensor]
 Tensors = dict[str, torch.Tensor]
 Meta = dict[str, str]
 FORMAT = "kamera-store/3"
-"""The entry format this version writes and reads; an entry of any other is never decoded.
+"""The entry format this version writes and reads; an entry of any other is never deserialized.
 3: text chunk keys and state roots made anew (every earlier key means something else now);
 2: patches filed by the state they give (chained identity)."""
 _MAX_HEADER = 64 << 20  # a header larger than this is damage, not metadata
 
 
 class CorruptEntry(Exception):
-    """Bytes that do not decode to the entry they claim to be (internal: never leaves the store)."""
+    """Bytes that do not deserialize to the entry they claim to be (internal: never leaves the store)."""
 
 
 class OutdatedEntry(CorruptEntry):
     """An entry written by another kamera-agent entry format: intact, but its keys and states
-    were made by other rules, so it is dropped and recomputed, never decoded."""
+    were made by other rules, so it is dropped and recomputed, never deserialized."""
 
 
 def outdated(found: str) -> OutdatedEntry:
@@ -178,7 +178,7 @@ def fingerprint_of(kind: EntryKind, value: StoredValue) -> str:
 
 
 def header_info(kind: EntryKind, value: StoredValue) -> Meta:
-    """The metadata an encoded entry's header carries beyond its address (a patch's ``state``,
+    """The metadata a serialized entry's header carries beyond its address (a patch's ``state``,
     ``meta``, ``num_tokens``, ``patch_kind``): what a planner peeks at, made from a live value."""
     return {**_CODECS[kind].meta(value), "format": FORMAT}
 
@@ -188,7 +188,7 @@ def stamp(kind: EntryKind, value: StoredValue, fingerprint: str) -> StoredValue:
     return cast(StoredValue, _CODECS[kind].stamp(value, fingerprint))
 
 
-def encode(key: EntryKey, value: StoredValue, fingerprint: str) -> bytes:
+def serialize(key: EntryKey, value: StoredValue, fingerprint: str) -> bytes:
     """Safetensors bytes of the entry, its address and fingerprint in the metadata."""
     codec = _CODECS[key.kind]
     meta = {
@@ -216,11 +216,11 @@ def content_digest(key: EntryKey, value: StoredValue, fingerprint: str) -> str:
     return digest.hexdigest()
 
 
-def decode(blob: bytes) -> tuple[EntryKey, StoredValue, str]:
-    """``(address, entry, fingerprint)`` from bytes written by `encode`.
+def deserialize(blob: bytes) -> tuple[EntryKey, StoredValue, str]:
+    """``(address, entry, fingerprint)`` from bytes written by `serialize`.
 
     Raises:
-        OutdatedEntry: an entry of another ``kamera-store/N`` format (never decoded).
+        OutdatedEntry: an entry of another ``kamera-store/N`` format (never deserialized).
         CorruptEntry: the bytes are not a store entry (checked after the checksum, so this
             means a foreign format, not bit rot).
     """
@@ -229,7 +229,7 @@ def decode(blob: bytes) -> tuple[EntryKey, StoredValue, str]:
         tensors = load(blob)
         value = _CODECS[key.kind].build(tensors, meta)
     except (KeyError, ValueError, RuntimeError, TypeError, json.JSONDecodeError) as exc:
-        raise CorruptEntry(f"{key} does not decode: {exc}") from exc
+        raise CorruptEntry(f"{key} does not deserialize: {exc}") from exc
     return key, cast(StoredValue, value), meta["model_fingerprint"]
 
 

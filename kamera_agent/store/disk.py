@@ -47,7 +47,7 @@ from kamera_agent.store.codec import (
     CorruptEntry,
     OutdatedEntry,
     content_digest,
-    decode,
+    deserialize,
     header_length,
     header_of,
     read_address,
@@ -162,7 +162,7 @@ class DiskTier(Tier):
     def put(self, entry: Entry) -> Write:
         """Write the entry's file; older files are evicted first to make room (the new file is
         never its own victim). Not ``ok`` (and nothing written) when it cannot be stored."""
-        blob = entry.encode()
+        blob = entry.serialize()
         if len(blob) > self.budget:
             return Write(
                 False, f"its file of {len(blob)} bytes exceeds the disk budget of {self.budget} bytes"
@@ -244,7 +244,7 @@ class DiskTier(Tier):
             return
         blob = self.get(key).found  # verified; a damaged file is dropped and reported by the get
         try:
-            address, value, fingerprint = decode(blob) if isinstance(blob, bytes) else (None, None, "")
+            address, value, fingerprint = deserialize(blob) if isinstance(blob, bytes) else (None, None, "")
         except CorruptEntry:
             address = None
         if address != key or content_digest(key, value, fingerprint) != digest:  # type: ignore[arg-type]
@@ -367,7 +367,7 @@ def _read_index(path: Path) -> dict[str, _File]:
 
 
 def _names_itself(record: _File) -> bool:
-    """The record's file name encodes its own address (else the index is stale or edited)."""
+    """The record's file name holds its own address (else the index is stale or edited)."""
     match = _NAME.match(record.name)
     return match is not None and (match.group(1), match.group(2)) == (record.key.kind, record.key.digest)
 

@@ -3,7 +3,7 @@
 Why: the tier only keeps entries and their use ticks; what happens to a victim (spill to
 disk, or drop) is the `ChunkStore`'s decision, so this class stays a dozen lines of
 bookkeeping and the policy stays a pure score. It holds live values, already verified and
-stamped, so a hit needs no decode; a `Tier` like the others for get, put, contains and peek.
+stamped, so a hit needs no deserializing; a `Tier` like the others for get, put, contains and peek.
 """
 
 from __future__ import annotations

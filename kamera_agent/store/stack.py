@@ -1,4 +1,4 @@
-"""The `ChunkStore`'s tiers in order, with its one read path: find, decode, verify, promote.
+"""The `ChunkStore`'s tiers in order, with its one read path: find, deserialize, verify, promote.
 
 Why a module of its own: the store's facade (typed entry points, budgets, stats, persistence)
 and the walk over tiers change for different reasons. Here every tier is only a `Tier`: the
@@ -8,7 +8,7 @@ absence), and sends every payload through one path, `_admit`, where a later inte
 values; what it evicts spills to the disk tier when there is one.
 
     get:  tier 1 ─miss─► tier 2 ─miss─► … ─► None
-            └hit──────────┴hit──► _admit (decode, address, model, stamp) ─► _promote (into memory)
+            └hit──────────┴hit──► _admit (deserialize, address, model, stamp) ─► _promote (into memory)
     put:  memory ─► evict ─► spill to disk;  every tier with ``written_on_put`` gets the entry too
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kamera_agent.errors import ForeignChunkError
-from kamera_agent.store.codec import CorruptEntry, StoredValue, content_digest, decode, entry_nbytes
+from kamera_agent.store.codec import CorruptEntry, StoredValue, content_digest, deserialize, entry_nbytes
 from kamera_agent.store.codec import stamp as stamp_fingerprint
 from kamera_agent.store.disk import DiskTier
 from kamera_agent.store.keys import EntryKey
@@ -41,7 +41,7 @@ def own(
         raise ForeignChunkError(
             f"cannot {verb} {key}{where}: it was made by model {found[:16]}…, this store "
             f"serves {fingerprint[:16]}…. Use one store (and one disk_dir) per model "
-            "fingerprint, or re-encode the chunk with this model."
+            "fingerprint, or let this model form the chunk again."
         )
     return stamp_fingerprint(key.kind, value, fingerprint)
 
@@ -143,13 +143,13 @@ class TierStack:
         return None if answer.found is None else self._admit(tier, key, answer.found)
 
     def _admit(self, tier: Tier, key: EntryKey, payload: Payload) -> StoredValue | None:
-        """The one decode/verify path of every tier's entries: a live value (memory) was checked
-        when it was stored; bytes are decoded, their address and model checked, the value
+        """The one deserialize/verify path of every tier's entries: a live value (memory) was checked
+        when it was stored; bytes are deserialized, their address and model checked, the value
         stamped. A refused entry is deleted by its tier and counted, never served."""
         if not isinstance(payload, bytes):
             return payload
         try:
-            address, value, fingerprint = decode(payload)  # refuses another entry format by name
+            address, value, fingerprint = deserialize(payload)  # refuses another entry format by name
             if address != key:
                 raise CorruptEntry(f"holds {address}, filed under {key}")
             if tier.keyed_by_model and fingerprint != self._fingerprint:

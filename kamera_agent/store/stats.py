@@ -1,6 +1,6 @@
 """What the store did: a typed stats snapshot and a bounded log of the events that cost an entry.
 
-Why: the window's invariant 4 ("when the budget pushes a canonical out, recall re-encodes and
+Why: the window's invariant 4 ("when the budget pushes a canonical out, recall re-forms and
 stats says so") needs every miss to be explainable. Each spill, drop, disk eviction and
 corrupt or outdated file is an event naming the entry and whether it is now *lost* (held by no tier); the
 counters in `StoreStats` are tallies of the same events, so the two can never disagree.
@@ -26,12 +26,12 @@ class StoreEvent:
     Attributes:
         kind: ``"spill"`` (memory → disk), ``"drop"`` (left memory with nowhere to go),
             ``"disk_evict"`` (file removed for the disk budget), ``"corrupt"`` (file failed its
-            checksum or decode and was deleted; never served), ``"outdated"`` (file written in
-            another entry format, by an older kamera-agent: deleted, never decoded; ``detail``
+            checksum or did not deserialize and was deleted; never served), ``"outdated"`` (file written in
+            another entry format, by an older kamera-agent: deleted, never deserialized; ``detail``
             names both formats).
         key: the entry's address.
         nbytes: the entry's tensor bytes (memory events) or its file size (disk events).
-        lost: no tier holds the entry any more: the next get misses and the caller re-encodes.
+        lost: no tier holds the entry any more: the next get misses and the caller forms it again.
         detail: why, in words (for logs).
     """
 
@@ -63,7 +63,7 @@ class StoreStats:
         spills: memory evictions that kept the entry on disk.
         dropped: memory evictions with no disk copy (no disk tier, or too large for it).
         disk_evictions: files removed for the disk budget.
-        corrupt_dropped: files that failed their checksum or decode, deleted, never served.
+        corrupt_dropped: files that failed their checksum or did not deserialize, deleted, never served.
         outdated_dropped: files of another entry format (an older kamera-agent's), deleted
             unread; their entries are recomputed.
         lost: entries no tier holds any more, over all the causes above.

@@ -1,10 +1,10 @@
 """The one seam between the `ChunkStore` and a place that holds entries: the `Tier` protocol.
 
 Why: memory, disk and a shared Valkey/Redis server differ in what they hold (live values or
-encoded bytes), how fast they answer and whether they can fail to answer at all, but the
+serialized bytes), how fast they answer and whether they can fail to answer at all, but the
 store asks each the same five things: get, put, contains, drop, and a peek at an entry's
 header. With one protocol the store composes an ordered list of tiers and keeps a single
-decode/verify/promote path, and a new tier (or a test's fake) plugs in without touching it.
+deserialize/verify/promote path, and a new tier (or a test's fake) plugs in without touching it.
 
 Every answer is typed: a `Lookup` says `Status.HIT`, `MISS` (the tier answered: it does not
 hold the entry), `UNAVAILABLE` (the tier did not answer: nothing is known about the entry, and
@@ -13,8 +13,8 @@ tier's own check and were deleted, never served).
 
     Tier (ABC)          holds               called               foreign model's value
     MemoryTier          live values         under the lock       (never holds one)
-    DiskTier            encoded files       under the lock       ForeignChunkError (a shared disk_dir)
-    RemoteTier          encoded values      outside the lock     rejected (its keys name the model)
+    DiskTier            serialized files       under the lock       ForeignChunkError (a shared disk_dir)
+    RemoteTier          serialized values      outside the lock     rejected (its keys name the model)
 
 Batched methods (`get_many`, `contains_many`) default to loops over the single ones; a tier
 that can do better (one pipelined round trip) overrides them.
@@ -28,14 +28,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
-from kamera_agent.store.codec import CorruptEntry, StoredValue, encode
+from kamera_agent.store.codec import CorruptEntry, StoredValue, serialize
 from kamera_agent.store.keys import EntryKey
 
 __all__ = ["Entry", "Lookup", "Meta", "Payload", "Status", "Tier", "Write"]
 
 Payload = StoredValue | bytes
-"""What a tier's get returns: a live value (memory) or the encoded bytes (disk, remote) that the
-store decodes and verifies."""
+"""What a tier's get returns: a live value (memory) or the serialized bytes (disk, remote) that the
+store deserializes and verifies."""
 Meta = dict[str, str]
 """An entry's header metadata (a patch's ``state``, ``meta``, ``num_tokens``, ``patch_kind``)."""
 T = TypeVar("T")
@@ -97,16 +97,16 @@ class Write:
 class Entry:
     """One entry on its way into a tier: the value as the store keeps it (stamped with the
     model fingerprint), its tensor bytes, and its encoding, made only when a tier asks for it
-    (the remote tier asks on its writer thread, so a put never waits for the encode)."""
+    (the remote tier asks on its writer thread, so a put never waits for serialization)."""
 
     key: EntryKey
     value: StoredValue = field(repr=False)
     nbytes: int
     fingerprint: str
 
-    def encode(self) -> bytes:
-        """The safetensors bytes of the entry (`kamera_agent.store.codec.encode`)."""
-        return encode(self.key, self.value, self.fingerprint)
+    def serialize(self) -> bytes:
+        """The safetensors bytes of the entry (`kamera_agent.store.codec.serialize`)."""
+        return serialize(self.key, self.value, self.fingerprint)
 
 
 class Tier(ABC):
@@ -143,7 +143,7 @@ class Tier(ABC):
 
     @abstractmethod
     def get(self, key: EntryKey) -> Lookup[Payload]:
-        """The entry (a live value, or its bytes for the store to decode and verify), counted as a use."""
+        """The entry (a live value, or bytes the store deserializes and verifies), counted as a use."""
 
     @abstractmethod
     def put(self, entry: Entry) -> Write:

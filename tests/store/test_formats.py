@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kamera_agent.store import ChunkStore, EntryKey, codec
-from kamera_agent.store.codec import FORMAT, OutdatedEntry, decode, encode, header_of
+from kamera_agent.store.codec import FORMAT, OutdatedEntry, deserialize, header_of, serialize
 from kamera_agent.store.remote import framing
 from tests.store.test_chunk_store import FP, make_kv, make_patch
 
@@ -30,12 +30,12 @@ def test_the_format_is_3_and_a_decode_of_another_names_both() -> None:
     for written, age in ((OLD, "an older"), ("kamera-store/9", "a newer")):
         with pytest.MonkeyPatch.context() as patched:
             patched.setattr(codec, "FORMAT", written)
-            blob = encode(key, make_kv("page", 3), FP)
+            blob = serialize(key, make_kv("page", 3), FP)
         assert header_of(blob)["format"] == written
         named = rf"{age} kamera-agent entry format \({written}\); this version reads {FORMAT}"
         with pytest.raises(OutdatedEntry, match=named):
-            decode(blob)
-    decode(encode(key, make_kv("page", 3), FP))  # this version's own bytes decode
+            deserialize(blob)
+    deserialize(serialize(key, make_kv("page", 3), FP))  # this version's own bytes decode
 
 
 # --- disk ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from kamera_agent.errors import StoreURLError
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.operator.patch import Patch
 from kamera_agent.store import ChunkStore, EntryKey
-from kamera_agent.store.codec import CorruptEntry, encode
+from kamera_agent.store.codec import CorruptEntry, serialize
 from kamera_agent.store.remote import parse_store_url
 from kamera_agent.store.remote.framing import assemble, entry_name, frame, part_names, read_head
 
@@ -95,7 +95,7 @@ def test_a_password_never_appears_in_an_error() -> None:
 
 def test_framing_round_trips_inline_and_in_parts() -> None:
     key = EntryKey.canonical("chunk")
-    payload = encode(key, _kv("chunk"), FP)
+    payload = serialize(key, _kv("chunk"), FP)
     for part_bytes in (len(payload), 1000):
         head, value, parts = frame(key, FP, payload, part_bytes)
         read, inline = read_head(value)
@@ -109,7 +109,7 @@ def test_framing_round_trips_inline_and_in_parts() -> None:
 
 def test_framing_refuses_damage() -> None:
     key = EntryKey.canonical("chunk")
-    payload = encode(key, _kv("chunk"), FP)
+    payload = serialize(key, _kv("chunk"), FP)
     head, value, parts = frame(key, FP, payload, 1000)
     flipped = bytearray(parts[1])
     flipped[10] ^= 0x01
@@ -185,7 +185,7 @@ def test_damaged_and_foreign_values_are_detected_and_never_served(store_url: str
     elif damage == "truncate":
         client.set(first_part, client.get(first_part)[:-100])  # type: ignore[attr-defined]
     elif damage == "foreign":  # another model's value, framed as it would write it, under our key
-        other = encode(EntryKey.canonical("chunk"), _kv("chunk", fingerprint=OTHER_FP), OTHER_FP)
+        other = serialize(EntryKey.canonical("chunk"), _kv("chunk", fingerprint=OTHER_FP), OTHER_FP)
         client.set(name, frame(EntryKey.canonical("chunk"), OTHER_FP, other, 1 << 20)[1])  # type: ignore[attr-defined]
     elif damage == "garbage":
         client.set(name, b"\x00" * 64)  # type: ignore[attr-defined]
@@ -204,7 +204,7 @@ def test_damaged_and_foreign_values_are_detected_and_never_served(store_url: str
 def test_a_payload_from_another_model_is_refused_even_with_a_matching_head(store_url: str) -> None:
     """The payload carries its own fingerprint: a head that lies about it does not get it served."""
     key = EntryKey.canonical("chunk")
-    other = encode(key, _kv("chunk", fingerprint=OTHER_FP), OTHER_FP)
+    other = serialize(key, _kv("chunk", fingerprint=OTHER_FP), OTHER_FP)
     client, name = _server_value(store_url, key)
     client.set(name, frame(key, FP, other, 1 << 20)[1])  # type: ignore[attr-defined]
     reader = _store(store_url)

@@ -44,7 +44,7 @@ class FakeTier(Tier):
         return Lookup.miss() if blob is None else Lookup.hit(blob)
 
     def put(self, entry: Entry) -> Write:
-        self.data[entry.key] = entry.encode()
+        self.data[entry.key] = entry.serialize()
         return Write(True)
 
     def contains(self, key: EntryKey) -> Status:
@@ -135,7 +135,7 @@ def test_one_verify_path_for_every_tier(keyed_by_model: bool) -> None:
     misfiled = make_kv("elsewhere", 2)
     fake.data[EntryKey.canonical("misfiled")] = Entry(
         EntryKey.canonical("elsewhere"), misfiled, misfiled.nbytes, FP
-    ).encode()
+    ).serialize()
     store = ChunkStore(fingerprint=FP, memory_budget=10_000, tiers=[fake])
 
     assert store.get_canonical("misfiled") is None  # holds another address: never served

@@ -1,6 +1,6 @@
 """The shared tier of the store: Valkey/Redis, under memory and disk (``store_url``).
 
-`parse_store_url` reads a URL into a `RemoteAddress`; `RemoteTier` moves encoded entries;
+`parse_store_url` reads a URL into a `RemoteAddress`; `RemoteTier` moves serialized entries;
 `framing` names keys and frames values; `connection` bounds every call.
 """
 

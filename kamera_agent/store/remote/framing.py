@@ -17,7 +17,7 @@ Why this shape:
   are named by the payload's digest, so they are immutable: a head always points at a
   complete set, or a set the server has since evicted, which the reader sees as missing.
 - **Checked on every read.** The header holds the payload's sha256 and length; a payload that
-  does not hash to it (bit flips, truncation, a part from another write) is never decoded.
+  does not hash to it (bit flips, truncation, a part from another write) is never deserialized.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def part_names(name: str, head: Head) -> list[str]:
 def frame(
     key: EntryKey, fingerprint: str, payload: bytes, part_bytes: int
 ) -> tuple[Head, bytes, list[bytes]]:
-    """``(header, head value, parts)`` for an encoded entry: the payload rides inline when it
+    """``(header, head value, parts)`` for a serialized entry: the payload rides inline when it
     fits ``part_bytes``, else it is cut into parts of at most that size."""
     digest = hashlib.sha256(payload).hexdigest()
     parts = (

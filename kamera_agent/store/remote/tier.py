@@ -2,7 +2,7 @@
 
 Why: the same frames, screenshots and pages recur across workers and nodes; a canonical, a
 vision output or a patch one process computed should cost the others a fetch, not a forward.
-The tier moves encoded entries (the store's safetensors bytes) and knows nothing of tensors.
+The tier moves serialized entries (the store's safetensors bytes) and knows nothing of tensors.
 
     put ──► queue (bounded bytes) ──writer thread──► parts, then head (SET ... EX ttl)
     get ──► GET head ──► format, model, address ok? ──► parts (one round trip) ──► sha256 ok? ──► payload
@@ -82,7 +82,7 @@ class RemoteTier(Tier):
 
     # -- reads -----------------------------------------------------------------------------------
     def get(self, key: EntryKey) -> Lookup[Payload]:
-        """The entry's payload once its sha256 matches its head (the store decodes it)."""
+        """The entry's payload once its sha256 matches its head (the store deserializes it)."""
         name = self._name(key)
         if self._known_absent(name):
             return Lookup.miss("absent a moment ago")
@@ -149,7 +149,7 @@ class RemoteTier(Tier):
 
     # -- writes ----------------------------------------------------------------------------------
     def put(self, entry: Entry) -> Write:
-        """Queue the entry (encoded on the writer thread); not ``ok`` when the queue is full (the
+        """Queue the entry (serialized on the writer thread); not ``ok`` when the queue is full (the
         write is skipped and counted: the entry stays local)."""
         with self._lock:
             if self._closing or self._pending + entry.nbytes > self.address.pending_bytes:
@@ -205,7 +205,7 @@ class RemoteTier(Tier):
     def _check(self, head: Head, key: EntryKey, *, peek: bool = False) -> None:
         """Refuse a head of another entry format, model or address before reading any part. A
         head an older kamera-agent wrote names no format: a get reads on (the payload names its
-        format when it is decoded), a peek, which reads no payload, refuses it here."""
+        format when it is deserialized), a peek, which reads no payload, refuses it here."""
         written = head.info.get("format")
         if written is None and peek:
             written = f"one before {codec.FORMAT}: its head names none"
@@ -253,7 +253,7 @@ class RemoteTier(Tier):
                 entry = self._queue.popleft()
             key, nbytes = entry.key, entry.nbytes
             try:
-                written = self._write(key, entry.encode())
+                written = self._write(key, entry.serialize())
                 self._count("writes")
                 self._count("bytes_written", written)
             except RemoteUnavailable:
