@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from kamera_agent.operator.layout import ChunkKV, KVLayout, at_positions, to_position_free
+from kamera_agent.operator.layout import ChunkKV, KVLayout, relocate, to_position_free
 
 __all__ = ["KVSlots", "request_positions"]
 
@@ -41,7 +41,7 @@ class KVSlots(ABC):
     def write(self, kv: ChunkKV, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Write position-free ``kv`` at ``slots``, its keys rotated to ``positions`` (``[n]``, or
         ``[3, n]`` for M-RoPE: the positions the engine gave these tokens)."""
-        self.write_placed(at_positions(kv, self.layout, positions), slots)
+        self.write_placed(relocate(kv, self.layout, positions), slots)
 
     def read(self, slots: torch.Tensor, positions: torch.Tensor, chunk_key: str = "") -> ChunkKV:
         """The KV at ``slots`` (written at ``positions``), position-free, float32 on the CPU."""

@@ -1,4 +1,4 @@
-"""The position-free KV operator: ``KV_at(B | A, p) = rotate(canonical(B) + patch(B | A), p)``.
+"""The position-free KV operator: ``KV_at(B | A, p) = relocate(canonical(B) + patch(B | A), p)``.
 
 ``rope`` rotates key bands, ``layout`` says where the band sits for MHA, GQA and MLA, ``patch``
 forms and applies the low-rank conditioning patches. Nothing here knows about windows, engines
@@ -11,6 +11,7 @@ from kamera_agent.operator.layout import (
     at_positions,
     check_layout,
     check_positions,
+    relocate,
     to_position_free,
 )
 from kamera_agent.operator.patch import (
@@ -26,7 +27,7 @@ from kamera_agent.operator.patch import (
     save_patch,
     select_layers,
 )
-from kamera_agent.operator.rope import RotarySpec, relocate, rotary_angles, rotate, unrotate
+from kamera_agent.operator.rope import RotarySpec, rerotate, rotary_angles, rotate, unrotate
 
 __all__ = [
     "ChunkKV",
@@ -45,6 +46,7 @@ __all__ = [
     "merge_patches",
     "place_many",
     "relocate",
+    "rerotate",
     "rotary_angles",
     "rotate",
     "save_patch",

@@ -20,6 +20,7 @@ scaling variant is right by construction): the operator knows no engine and no m
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -35,6 +36,7 @@ __all__ = [
     "at_positions",
     "check_layout",
     "check_positions",
+    "relocate",
     "to_position_free",
 ]
 
@@ -130,13 +132,25 @@ def to_position_free(kv: ChunkKV, layout: KVLayout) -> ChunkKV:
     return _with_slot(kv, layout.rope_slot, band, positions=None)
 
 
-def at_positions(kv: ChunkKV, layout: KVLayout, positions: torch.Tensor) -> ChunkKV:
-    """Place a position-free chunk at ``positions`` (rotation only; values are untouched)."""
+def relocate(kv: ChunkKV, layout: KVLayout, positions: torch.Tensor) -> ChunkKV:
+    """Place a position-free chunk at ``positions``: its keys' rope band rotated by the model's
+    own rotary for those positions (values untouched). Exact for every position-linear scheme.
+
+    Raises:
+        PositionShapeError: ``kv`` still carries positions (un-rotate it with `to_position_free`),
+            or ``positions`` do not fit its tokens.
+    """
     if kv.positions is not None:
-        raise PositionShapeError("at_positions needs position-free KV; call to_position_free first")
+        raise PositionShapeError("relocate needs position-free KV; call to_position_free first")
     check_positions(positions, kv.num_tokens)
     band = rotate(kv.slot(layout.rope_slot), layout.rope, positions)
     return _with_slot(kv, layout.rope_slot, band, positions=positions)
+
+
+def at_positions(kv: ChunkKV, layout: KVLayout, positions: torch.Tensor) -> ChunkKV:
+    """Deprecated name of `relocate` (the one word for placing a chunk's KV at positions)."""
+    warnings.warn("at_positions is now relocate(kv, layout, positions)", DeprecationWarning, stacklevel=2)
+    return relocate(kv, layout, positions)
 
 
 def _with_slot(kv: ChunkKV, slot: Slot, tensor: torch.Tensor, positions: torch.Tensor | None) -> ChunkKV:

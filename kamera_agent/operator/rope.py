@@ -28,7 +28,7 @@ from kamera_agent.errors import LayoutMismatchError, PositionShapeError
 __all__ = [
     "Pairing",
     "RotarySpec",
-    "relocate",
+    "rerotate",
     "rotary_angles",
     "rotate",
     "unrotate",
@@ -121,10 +121,11 @@ def unrotate(keys: torch.Tensor, spec: RotarySpec, positions: torch.Tensor) -> t
     return _apply_angles(keys, spec, -rotary_angles(spec, positions))
 
 
-def relocate(
+def rerotate(
     keys: torch.Tensor, spec: RotarySpec, from_positions: torch.Tensor, to_positions: torch.Tensor
 ) -> torch.Tensor:
-    """Move keys rotated at ``from_positions`` to ``to_positions`` in one rotation.
+    """Move keys rotated at ``from_positions`` to ``to_positions`` in one rotation (the key-level
+    step; a chunk's KV is moved by `kamera_agent.operator.relocate`).
 
     The angle difference is taken in float64 between the two model-rounded angles, so the
     result equals ``rotate(unrotate(keys, from), to)`` without the intermediate rounding.

@@ -28,7 +28,7 @@ from kamera_agent.backends.base import DecodeConfig, VisionFeatures
 from kamera_agent.backends.tiny_torch import TinyByteTokenizer, TinyImageProcessor, TinyTorchBackend
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.errors import CapabilityError, LayoutMismatchError
-from kamera_agent.operator.layout import ChunkKV, at_positions, to_position_free
+from kamera_agent.operator.layout import ChunkKV, relocate, to_position_free
 from kamera_agent.operator.rope import RotarySpec
 
 PACKAGE = Path(__file__).resolve().parents[2] / "kamera_agent" / "backends" / "tiny_torch"
@@ -79,7 +79,7 @@ def starts(items: list[Chunk], start: int) -> list[int]:
 
 # -- the layout describes the model's rotation ---------------------------------------------------
 def test_layout_rotation_reproduces_model_keys() -> None:
-    """`at_positions` of a layer-0 key before rotation is the key the model caches (~1e-7), and
+    """`relocate` of a layer-0 key before rotation is the key the model caches (~1e-7), and
     the other pairing is far off, so the layout's ``pairing`` and ``inv_freq`` are what matter."""
     b = backend()
     text = chunks()[0]
@@ -91,10 +91,10 @@ def test_layout_rotation_reproduces_model_keys() -> None:
     for start in (0, 4321):
         cached = b.prefill([text], [], start).kv[0].keys[:1]
         where = text.positions_at(start)
-        err = rel(at_positions(free, b.layout, where).keys, cached)
+        err = rel(relocate(free, b.layout, where).keys, cached)
         assert err < 1e-6, (start, err)
         half = replace(b.layout, rope=RotarySpec(b.layout.rope.inv_freq, "half"))
-        assert rel(at_positions(free, half, where).keys, cached) > 0.1
+        assert rel(relocate(free, half, where).keys, cached) > 0.1
 
 
 # -- (a) relocation: rotation moves a chunk exactly ---------------------------------------------
@@ -109,7 +109,7 @@ def test_relocated_kv_equals_model_prefill_there(offset: int) -> None:
     for kv, want in zip(here, there, strict=True):
         assert want.positions is not None and kv.positions is not None
         torch.testing.assert_close(want.positions, kv.positions + offset, rtol=0, atol=0)
-        moved = at_positions(to_position_free(kv, b.layout), b.layout, want.positions)
+        moved = relocate(to_position_free(kv, b.layout), b.layout, want.positions)
         assert rel(moved.keys, want.keys) <= KV_TOL
         # Values carry no phase; only attention's float32 rounding at other angles reaches them.
         assert rel(moved.values, want.values) <= KV_TOL

@@ -17,7 +17,7 @@ from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
 from kamera_agent.engines.chunking import keyed
 from kamera_agent.engines.synthesis import PrefixSynthesis, RequestChunk, policy_of
-from kamera_agent.operator.layout import ChunkKV, at_positions, to_position_free
+from kamera_agent.operator.layout import ChunkKV, relocate, to_position_free
 from kamera_agent.store import ChunkStore
 from tests.backends.test_transformers_backend import text_backend
 
@@ -91,7 +91,7 @@ def test_exact_serves_what_a_re_prefill_computes_and_nothing_else() -> None:
     layout = _backend().layout
     for kv, want in zip(kvs, truth, strict=False):
         assert want.positions is not None
-        placed = at_positions(kv, layout, want.positions)
+        placed = relocate(kv, layout, want.positions)
         assert _rel(placed.keys, want.keys) < EXACT and _rel(placed.values, want.values) < EXACT
 
     moved = _request([a, s, b])  # a new order: only what a re-prefill computes may be served
@@ -124,7 +124,7 @@ def test_keep_serves_a_moved_chunk_in_the_state_it_was_captured_in() -> None:
         assert shift > 0
         truth = _forward([s, a, b, c], shift=shift)[old.index(origin)]
         assert truth.positions is not None and truth.positions[0] == served.chunk.start
-        placed = at_positions(kv, layout, truth.positions)
+        placed = relocate(kv, layout, truth.positions)
         assert _rel(placed.keys, truth.keys) < EXACT and _rel(placed.values, truth.values) < EXACT
 
     exact = PrefixSynthesis(synthesis.store, "exact")  # the same store under the exact policy
@@ -235,7 +235,7 @@ def test_an_engine_serves_what_a_window_stored_and_a_window_what_an_engine_captu
     layout, truth = _backend().layout, _forward([s, a, b])
     for kv, want in zip(kvs, truth[1:], strict=True):
         assert want.positions is not None
-        placed = at_positions(kv, layout, want.positions)
+        placed = relocate(kv, layout, want.positions)
         assert _rel(placed.keys, want.keys) < EXACT and _rel(placed.values, want.values) < EXACT
 
     captured = _store()  # the reverse: an engine's prefill captured, then a window over that store

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kamera_agent.backends.transformers import kv_layout
-from kamera_agent.operator import KVLayout, at_positions, relocate, to_position_free
+from kamera_agent.operator import KVLayout, relocate, rerotate, to_position_free
 from kamera_agent.operator.rope import RotarySpec
 from tests.kv_helpers import chunk_kv, rel_err
 from tests.tiny_models import ALL_TEXT_FACTORIES, ALL_VL_FACTORIES, as_bf16, vl_image_inputs
@@ -46,7 +46,7 @@ def test_relocated_canonical_equals_models_kv_at_offset(name: str, offset: int) 
     model, layout = _model(name)
     canonical = to_position_free(chunk_kv(model, layout, torch.arange(N), input_ids=_ids()), layout)
     target = chunk_kv(model, layout, torch.arange(N) + offset, input_ids=_ids())
-    placed = at_positions(canonical, layout, target.positions)
+    placed = relocate(canonical, layout, target.positions)
     rope, plain = layout.rope_slot, _other(layout.rope_slot)
     assert rel_err(placed.slot(rope), target.slot(rope)) <= 2e-5
     # The position-free part (values, or MLA's latent) only differs by float32 rounding
@@ -61,7 +61,7 @@ def test_relocate_moves_keys_backwards(name: str, src: int, dst: int) -> None:
     model, layout = _model(name)
     at_src = chunk_kv(model, layout, torch.arange(N) + src, input_ids=_ids())
     at_dst = chunk_kv(model, layout, torch.arange(N) + dst, input_ids=_ids())
-    moved = relocate(at_src.slot(layout.rope_slot), layout.rope, at_src.positions, at_dst.positions)
+    moved = rerotate(at_src.slot(layout.rope_slot), layout.rope, at_src.positions, at_dst.positions)
     assert rel_err(moved, at_dst.slot(layout.rope_slot)) <= 2e-5
 
 
@@ -92,7 +92,7 @@ def test_large_offsets_are_no_worse_than_the_models_own_float32_angles(name: str
     near_zero = chunk_kv(copy.deepcopy(model).double(), layout, base, input_ids=_ids())
     truth = _exact_rotate(_exact_rotate(near_zero.slot(slot), layout.rope, -base), layout.rope, base + offset)
     theirs = chunk_kv(model, layout, base + offset, input_ids=_ids()).slot(slot)
-    ours = at_positions(canonical, layout, base + offset).slot(slot)
+    ours = relocate(canonical, layout, base + offset).slot(slot)
     model_error = rel_err(theirs, truth)
     assert model_error > 1e-6  # the float32 angle error is real at this offset
     assert rel_err(ours, truth) <= 2 * model_error
@@ -110,7 +110,7 @@ def test_bf16_relocation_stays_within_the_models_own_bf16_floor(name: str) -> No
     target = base + 4096
     theirs = chunk_kv(low, layout, target, input_ids=_ids()).slot(slot)
     exact = chunk_kv(model, layout, target, input_ids=_ids()).slot(slot)
-    ours = at_positions(canonical, layout, target).slot(slot)
+    ours = relocate(canonical, layout, target).slot(slot)
     floor = rel_err(theirs, exact)  # the model's own bf16 rounding at the target
     assert ours.dtype == torch.bfloat16
     assert rel_err(ours, exact) <= 1.5 * floor
@@ -124,7 +124,7 @@ def test_wrong_pairing_is_detected_by_the_models_own_keys() -> None:
         spec = RotarySpec(layout.rope.inv_freq, wrong)  # type: ignore[arg-type]
         at0 = chunk_kv(model, layout, torch.arange(N), input_ids=_ids())
         at9 = chunk_kv(model, layout, torch.arange(N) + 900, input_ids=_ids())
-        moved = relocate(at0.values, spec, at0.positions, at9.positions)
+        moved = rerotate(at0.values, spec, at0.positions, at9.positions)
         assert rel_err(moved, at9.values) > 0.5
 
 
@@ -151,6 +151,16 @@ def test_mrope_image_tokens_relocate_under_per_axis_shifts(name: str, shift: tup
     canonical = to_position_free(chunk_kv(model, layout, base, **inputs), layout)
     target_pos = base + torch.tensor(shift)[:, None]
     target = chunk_kv(model, layout, target_pos, **inputs)
-    placed = at_positions(canonical, layout, target_pos)
+    placed = relocate(canonical, layout, target_pos)
     assert rel_err(placed.keys, target.keys) <= 2e-5
     assert rel_err(placed.values, target.values) <= 2e-5
+
+
+def test_the_old_name_at_positions_is_relocate_with_a_warning() -> None:
+    from kamera_agent.operator import at_positions
+
+    model, layout = _model(TEXT[0])
+    kv = to_position_free(chunk_kv(model, layout, torch.arange(N), input_ids=_ids()), layout)
+    with pytest.warns(DeprecationWarning, match="relocate"):
+        old = at_positions(kv, layout, torch.arange(5, 5 + N))
+    torch.testing.assert_close(old.keys, relocate(kv, layout, torch.arange(5, 5 + N)).keys)

@@ -8,7 +8,7 @@ import torch
 from kamera_agent.backends.transformers.families import FAMILIES
 from kamera_agent.backends.transformers.reading import _mrope_axes
 from kamera_agent.errors import LayoutMismatchError, PositionShapeError
-from kamera_agent.operator.rope import RotarySpec, relocate, rotary_angles, rotate, unrotate
+from kamera_agent.operator.rope import RotarySpec, rerotate, rotary_angles, rotate, unrotate
 
 INV_FREQ = 1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))  # [8]
 SPECS = {
@@ -52,13 +52,13 @@ def test_unrotate_inverts_rotate(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", SPECS)
-def test_relocate_composes_for_arbitrary_per_token_positions(name: str) -> None:
+def test_rerotate_composes_for_arbitrary_per_token_positions(name: str) -> None:
     spec = SPECS[name]
     keys = torch.randn(2, 9, 16)
     p0 = torch.randint(0, 5000, (9,))
     p1 = torch.randint(-100, 40000, (9,))  # per token, not a uniform shift; negative deltas too
     direct = rotate(keys, spec, p1)
-    moved = relocate(rotate(keys, spec, p0), spec, p0, p1)
+    moved = rerotate(rotate(keys, spec, p0), spec, p0, p1)
     torch.testing.assert_close(moved, direct, rtol=0, atol=3e-6)
 
 

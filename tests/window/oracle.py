@@ -27,7 +27,7 @@ import torch
 from kamera_agent.backends.base import Backend
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.core.identity import ChunkState
-from kamera_agent.operator.layout import ChunkKV, at_positions, to_position_free
+from kamera_agent.operator.layout import ChunkKV, relocate, to_position_free
 from kamera_agent.window import KameraWindow
 from tests.kv_helpers import rel_err
 
@@ -63,7 +63,7 @@ class StateOracle:
     def placed(self, state: ChunkState, start: int) -> ChunkKV:
         """The state's KV with the chunk starting at ``start``."""
         chunk = self.chunks[state.chunk_key]
-        return at_positions(self.free(state), self.layout, chunk.positions_at(start))
+        return relocate(self.free(state), self.layout, chunk.positions_at(start))
 
     def free(self, state: ChunkState) -> ChunkKV:
         """The state's KV, position-free."""
