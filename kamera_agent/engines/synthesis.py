@@ -38,7 +38,7 @@ from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.store import ChunkStore, EntryKey
 
-__all__ = ["EngineStats", "Plan", "PrefixSynthesis", "RequestChunk", "ServePolicy", "Served", "policy_of"]
+__all__ = ["EngineStats", "LoadPlan", "PrefixSynthesis", "RequestChunk", "ServePolicy", "Served", "policy_of"]
 
 ServePolicy = Literal["exact", "keep"]
 
@@ -111,7 +111,7 @@ class Served:
 
 
 @dataclass(frozen=True)
-class Plan:
+class LoadPlan:
     """What a synthesis of one request loads: ``tokens[device_len:end]``, from ``served``.
 
     Attributes:
@@ -164,7 +164,7 @@ class PrefixSynthesis:
         page_size: int = 1,
         *,
         approximate: bool = True,
-    ) -> Plan:
+    ) -> LoadPlan:
         """The longest run of chunks after ``device_len`` the store can serve, cut at ``limit``
         tokens and aligned down to ``page_size``; ``approximate=False`` serves only what a
         re-prefill computes whatever the policy (an engine's unsalted requests, whose cached
@@ -189,9 +189,9 @@ class PrefixSynthesis:
         end = max(device_len, end - end % page_size)
         while served and served[-1].chunk.start + served[-1].skip >= end:
             served.pop()
-        return Plan(device_len, end if served else device_len, tuple(served))
+        return LoadPlan(device_len, end if served else device_len, tuple(served))
 
-    def load(self, plan: Plan) -> list[ChunkKV] | None:
+    def load(self, plan: LoadPlan) -> list[ChunkKV] | None:
         """The served chunks' whole position-free KV, or ``None`` when any entry is gone (a load
         is all or nothing: the engine then computes the tokens)."""
         out: list[ChunkKV] = []
@@ -202,7 +202,7 @@ class PrefixSynthesis:
             out.append(kv)
         return out
 
-    def loaded(self, namespace: str, chunks: Sequence[RequestChunk], plan: Plan) -> None:
+    def loaded(self, namespace: str, chunks: Sequence[RequestChunk], plan: LoadPlan) -> None:
         """Record what a load put into the engine's cache, so later requests that find these
         tokens in the engine's own prefix chain the states they really hold: a kept state, or
         a splice (a chunk the load's end cuts, finished by a forward over a kept head)."""

@@ -31,7 +31,7 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.engines.sglang.pool import SGLangSlots
 from kamera_agent.engines.sglang.segments import ChunkRules, request_chunks
 from kamera_agent.engines.slots import request_positions
-from kamera_agent.engines.synthesis import EngineStats, Plan, PrefixSynthesis, RequestChunk, policy_of
+from kamera_agent.engines.synthesis import EngineStats, LoadPlan, PrefixSynthesis, RequestChunk, policy_of
 from kamera_agent.errors import KameraError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.operator.rope import Pairing
@@ -135,7 +135,7 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         super().checkpoint(req, up_to=up_to)
 
     # -- kamera's side ----------------------------------------------------------------------
-    def _plan(self, key: Any, req: Any | None, device_len: int, limit: int | None = None) -> Plan:
+    def _plan(self, key: Any, req: Any | None, device_len: int, limit: int | None = None) -> LoadPlan:
         """What the store can serve after ``device_len`` within ``limit`` tokens (the match's key
         length: SGLang never matches a prompt's last token)."""
         assert self.synthesis is not None
@@ -175,7 +175,7 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         assert self.layout is not None
         return SGLangSlots(self.kv_pool, self.layout, pool_pairing=self.pool_pairing)
 
-    def _write(self, req: Any, plan: Plan, kvs: list[ChunkKV], slots: torch.Tensor) -> None:
+    def _write(self, req: Any, plan: LoadPlan, kvs: list[ChunkKV], slots: torch.Tensor) -> None:
         pool = self._slots()
         for item, kv in zip(plan.served, kvs, strict=True):
             start = max(item.chunk.start, plan.device_len)

@@ -37,7 +37,7 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.engines.chunking import ChunkRules, ImageSpan, request_chunks
 from kamera_agent.engines.slots import request_positions
 from kamera_agent.engines.stores import STORES
-from kamera_agent.engines.synthesis import EngineStats, Plan, PrefixSynthesis, RequestChunk, policy_of
+from kamera_agent.engines.synthesis import EngineStats, LoadPlan, PrefixSynthesis, RequestChunk, policy_of
 from kamera_agent.engines.vllm.blocks import VLLMSlots
 from kamera_agent.errors import KameraError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
@@ -88,7 +88,7 @@ class _Track:
     prompt_len: int
     servable: bool
     salted: bool
-    plan: Plan | None = None
+    plan: LoadPlan | None = None
     block_ids: list[int] = field(default_factory=list)
     saved: set[int] = field(default_factory=set)
     walked: int = 0
