@@ -10,7 +10,7 @@ op without being stored, and the commit reports it. The planner reads through th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from kamera_agent.backends.base import VisionFeatures
 from kamera_agent.chunks.chunk import Chunk
@@ -67,32 +67,35 @@ class StagedStore:
 
     # -- reads: staged first, then the store ------------------------------------------------
     def get_canonical(self, key: str) -> ChunkKV | None:
-        staged = self._staged.get(EntryKey.canonical(key))
-        return staged if isinstance(staged, ChunkKV) else self.store.get_canonical(key)
+        return _typed(self._get(EntryKey.canonical(key)), ChunkKV)
 
     def get_full(self, chunk_key: str, state: str) -> ChunkKV | None:
-        staged = self._staged.get(EntryKey.full(chunk_key, state))
-        return staged if isinstance(staged, ChunkKV) else self.store.get_full(chunk_key, state)
+        return _typed(self._get(EntryKey.full(chunk_key, state)), ChunkKV)
 
     def get_vision(self, key: str) -> VisionFeatures | None:
-        staged = self._staged.get(EntryKey.vision(key))
-        return staged if isinstance(staged, dict) else self.store.get_vision(key)
+        return _typed(self._get(EntryKey.vision(key)), dict)
 
     def get_patch(self, chunk_key: str, variant: str) -> Patch | None:
-        staged = self._staged.get(EntryKey.patch(chunk_key, variant))
-        return staged if isinstance(staged, Patch) else self.store.get_patch(chunk_key, variant)
+        return _typed(self._get(EntryKey.patch(chunk_key, variant)), Patch)
 
     def has_canonical(self, key: str) -> bool:
-        return EntryKey.canonical(key) in self._staged or self.store.has_canonical(key)
+        return self._has(EntryKey.canonical(key))
 
     def has_full(self, chunk_key: str, state: str) -> bool:
-        return EntryKey.full(chunk_key, state) in self._staged or self.store.has_full(chunk_key, state)
+        return self._has(EntryKey.full(chunk_key, state))
 
     def has_vision(self, key: str) -> bool:
-        return EntryKey.vision(key) in self._staged or self.store.has_vision(key)
+        return self._has(EntryKey.vision(key))
 
     def has_patch(self, chunk_key: str, variant: str) -> bool:
-        return EntryKey.patch(chunk_key, variant) in self._staged or self.store.has_patch(chunk_key, variant)
+        return self._has(EntryKey.patch(chunk_key, variant))
+
+    def _get(self, key: EntryKey) -> StoredValue | None:
+        staged = self._staged.get(key)
+        return staged if staged is not None else self.store.get(key)
+
+    def _has(self, key: EntryKey) -> bool:
+        return key in self._staged or self.store.contains(key)
 
     def patch_info(self, chunk_key: str, variant: str) -> tuple[str, dict[str, str]] | None:
         staged = self._staged.get(EntryKey.patch(chunk_key, variant))
@@ -148,3 +151,11 @@ class StagedStore:
             stored, nbytes = stored + 1, nbytes + size
         self._staged.clear()
         return Committed(stored, nbytes, uncached)
+
+
+_T = TypeVar("_T")
+
+
+def _typed(value: StoredValue | None, kind: type[_T]) -> _T | None:
+    """``value`` if it is a ``kind`` (what its address's kind stores), else ``None``."""
+    return value if isinstance(value, kind) else None

@@ -261,17 +261,12 @@ class PrefixSynthesis:
     # -- the store's side ------------------------------------------------------------------
     def read(self, entry: EntryKey) -> ChunkKV | None:
         """The position-free KV filed at ``entry`` (a canonical, or a full state's KV), or ``None``."""
-        if entry.kind == "canonical":
-            return self.store.get_canonical(entry.key)
-        return self.store.get_full(entry.key, entry.variant)
+        kv = self.store.get(entry)
+        return kv if isinstance(kv, ChunkKV) else None
 
     def write(self, entry: EntryKey, kv: ChunkKV) -> None:
         """File position-free ``kv`` (read from the engine's cache) at ``entry``."""
-        kv = replace(kv, chunk_key=entry.key)
-        if entry.kind == "canonical":
-            self.store.put_canonical(kv)
-        else:
-            self.store.put_full(kv, entry.variant)
+        self.store.put(entry, replace(kv, chunk_key=entry.key))
 
     # -- states -----------------------------------------------------------------------------
     def _held(self, prefix: str, computed: ChunkState) -> ChunkState:

@@ -226,6 +226,16 @@ class ChunkStore:
         """Whether an entry of ``nbytes`` tensor bytes can be stored at all (every budget holds it)."""
         return all(nbytes <= budget for budget in self._stack.budgets().values())
 
+    def get(self, key: EntryKey) -> StoredValue | None:
+        """The entry at ``key`` whatever its kind (the typed getters above say which type), or
+        ``None``; for callers that hold an address, as the engines' loads and a staged op do."""
+        return self._stack.get(key)
+
+    def put(self, key: EntryKey, value: StoredValue) -> EntryKey:
+        """Store ``value`` at ``key`` (of the kind ``key.kind`` names); for callers that hold an
+        address (the typed ``put_*`` make the address from the value)."""
+        return self._put(key, value)
+
     def contains(self, key: EntryKey) -> bool:
         """Whether a tier holds ``key``. A disk or remote copy is verified only when read, so a
         get can still miss (and ``corrupt_dropped`` or ``remote_rejected`` says why)."""

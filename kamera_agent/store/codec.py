@@ -133,22 +133,19 @@ def _patch_build(tensors: Tensors, meta: Meta) -> Patch:
     )
 
 
+_CHUNK_KV = _Codec(
+    tensors=_chunk_tensors,
+    meta=lambda kv: {},
+    build=_chunk_build,
+    fingerprint=lambda kv: kv.model_fingerprint,
+    stamp=lambda kv, fp: replace(kv, model_fingerprint=fp),
+)
+"""A canonical and a full state's KV are both a position-free `ChunkKV`."""
+
 _CODECS: Mapping[EntryKind, _Codec] = MappingProxyType(
     {
-        "canonical": _Codec(
-            tensors=_chunk_tensors,
-            meta=lambda kv: {},
-            build=_chunk_build,
-            fingerprint=lambda kv: kv.model_fingerprint,
-            stamp=lambda kv, fp: replace(kv, model_fingerprint=fp),
-        ),
-        "full": _Codec(
-            tensors=_chunk_tensors,
-            meta=lambda kv: {},
-            build=_chunk_build,
-            fingerprint=lambda kv: kv.model_fingerprint,
-            stamp=lambda kv, fp: replace(kv, model_fingerprint=fp),
-        ),
+        "canonical": _CHUNK_KV,
+        "full": _CHUNK_KV,
         "vision": _Codec(
             tensors=lambda outputs: dict(outputs),
             meta=lambda outputs: {},
