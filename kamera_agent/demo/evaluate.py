@@ -44,7 +44,7 @@ from kamera_agent.demo.sequences import FrameCache, ItemSequence, item_sequence
 from kamera_agent.demo.task import DemoItem
 from kamera_agent.metrics import next_token_kl
 from kamera_agent.operator.layout import ChunkKV, KVLayout, to_position_free
-from kamera_agent.operator.patch import LayerChoice, apply_patch, form_orbit_patch, form_patch
+from kamera_agent.operator.patch import LayerChoice, apply_patch, form_patch
 from kamera_agent.store import ChunkStore
 
 __all__ = [
@@ -84,7 +84,7 @@ def _orbit(rank: int) -> OrbitArm:
     def arm(
         canonical: ChunkKV, conditioned: Sequence[ChunkKV], layout: KVLayout, positions: torch.Tensor
     ) -> ChunkKV:
-        patch = form_orbit_patch(canonical, conditioned, layout, rank)
+        patch = form_patch(canonical, list(conditioned), layout, rank)
         return apply_patch(canonical, patch, layout, positions)
 
     return arm

@@ -15,10 +15,11 @@ patch uses the mean deficit over several orderings of one antecedent set and ser
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -112,7 +113,7 @@ def deficit(canonical: ChunkKV, conditioned: ChunkKV, layout: KVLayout) -> dict[
 
 def form_patch(
     canonical: ChunkKV,
-    conditioned: ChunkKV,
+    conditioned: ChunkKV | Sequence[ChunkKV],
     layout: KVLayout,
     rank: Rank,
     *,
@@ -121,11 +122,14 @@ def form_patch(
     state: str = "",
     dtype: torch.dtype | None = None,
 ) -> Patch:
-    """Top-m factors of the deficit of ``conditioned`` over the position-free ``canonical``.
+    """Top-m factors of the deficit of ``conditioned`` over the position-free ``canonical``; of
+    the mean deficit when ``conditioned`` is several KVs (orderings of one antecedent set: an
+    orbit patch, ``kind="orbit"``).
 
     Args:
         canonical: ``KV(B|∅)``, position-free (``positions is None``).
-        conditioned: ``KV(B|A)`` as the model computed it, at any positions.
+        conditioned: ``KV(B|A)`` as the model computed it, at any positions; or a sequence of
+            them, one per ordering of the same antecedents.
         layout: the model's KV layout.
         rank: directions kept per layer and slot (see `Rank`).
         layers: which layers to patch.
@@ -134,27 +138,28 @@ def form_patch(
         state: the state digest recorded on the patch.
         dtype: storage dtype of the factors (default: the canonical's).
     """
-    deltas = deficit(canonical, conditioned, layout)
-    return _factorize(deltas, canonical, layout, rank, layers, method, state, dtype, "exact")
+    kind: Literal["exact", "orbit"] = "exact"
+    if isinstance(conditioned, ChunkKV):
+        deltas = deficit(canonical, conditioned, layout)
+    else:
+        if not conditioned:
+            raise ValueError("an orbit patch needs at least one conditioned KV")
+        per_order = [deficit(canonical, kv, layout) for kv in conditioned]
+        deltas = {slot: torch.stack([d[slot] for d in per_order]).mean(0) for slot in _SLOTS}
+        kind = "orbit"
+    return _factorize(deltas, canonical, layout, rank, layers, method, state, dtype, kind)
 
 
 def form_orbit_patch(
-    canonical: ChunkKV,
-    conditioned: Sequence[ChunkKV],
-    layout: KVLayout,
-    rank: Rank,
-    *,
-    layers: LayerChoice = "all",
-    method: SvdMethod = "auto",
-    state: str = "",
-    dtype: torch.dtype | None = None,
+    canonical: ChunkKV, conditioned: Sequence[ChunkKV], layout: KVLayout, rank: Rank, **options: Any
 ) -> Patch:
-    """One patch for several orderings of the same antecedent set: factors of the mean deficit."""
-    if not conditioned:
-        raise ValueError("an orbit patch needs at least one conditioned KV")
-    per_order = [deficit(canonical, kv, layout) for kv in conditioned]
-    mean = {slot: torch.stack([d[slot] for d in per_order]).mean(0) for slot in _SLOTS}
-    return _factorize(mean, canonical, layout, rank, layers, method, state, dtype, "orbit")
+    """Deprecated: ``form_patch(canonical, [kv, ...], layout, rank)`` forms the orbit patch."""
+    warnings.warn(
+        "form_orbit_patch is now form_patch with a sequence of conditioned KVs",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return form_patch(canonical, list(conditioned), layout, rank, **options)
 
 
 def merge_patches(

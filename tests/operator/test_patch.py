@@ -177,7 +177,7 @@ def test_orbit_patch_serves_both_orderings_of_its_set() -> None:
         kv, logits = prefill(model, torch.arange(full.numel()), input_ids=full[None])
         runs.append((kv, logits[-1]))
     conditioned = [read_chunk(kv, layout, NP + 16, NP + 16 + NB, b_pos) for kv, _ in runs]
-    orbit = form_orbit_patch(canonical, conditioned, layout, "full", state="orbit-a1-a2")
+    orbit = form_patch(canonical, list(conditioned), layout, "full", state="orbit-a1-a2")
     assert orbit.kind == "orbit"
     q_pos = torch.arange(NQ) + NP + 16 + NB
     for kv, reference in runs:
@@ -276,7 +276,10 @@ def test_merged_patches_equal_the_patch_of_the_mean_deficit() -> None:
     canonical, first = runs[0]["canonical"], runs[0]["conditioned"]
     exact = [form_patch(canonical, c, layout, "full") for c in (first, second)]
     merged = merge_patches(exact, "full")
-    direct = form_orbit_patch(canonical, [first, second], layout, "full")
+    direct = form_patch(canonical, [first, second], layout, "full")
+    with pytest.warns(DeprecationWarning, match="form_patch"):
+        old = form_orbit_patch(canonical, [first, second], layout, "full")
+    assert old.kind == direct.kind == "orbit"
     pos = runs[0]["b_pos"]
     a = apply_patch(canonical, merged, layout, pos)
     d = apply_patch(canonical, direct, layout, pos)
