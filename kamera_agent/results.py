@@ -6,6 +6,7 @@ forward?), so each op returns a small frozen object rather than tuples or sentin
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -14,7 +15,7 @@ import torch
 __all__ = ["Answer", "Edit", "EditKind", "OpCost", "Plan", "Probe", "WindowStats"]
 
 EditKind = Literal[
-    "encode", "rotate", "apply_patch", "form_patch", "revert", "defer", "admit", "evict", "probe"
+    "form_canonical", "rotate", "apply_patch", "form_patch", "revert", "defer", "admit", "evict", "probe"
 ]
 
 
@@ -23,7 +24,7 @@ class OpCost:
     """What one operation spent (or, summed, a whole episode).
 
     Attributes:
-        forwards: language-model forwards run (chunk encodes, patch-forming forwards, decodes).
+        forwards: language-model forwards run (canonical prefills, patch-forming forwards, decodes).
         tokens_prefilled: tokens those forwards processed.
         tokens_reused: chunk tokens served from the store by rotation and patch, with no forward.
         tokens_placed: window tokens placed (rotated, patched) and copied into the engine cache an
@@ -31,7 +32,8 @@ class OpCost:
         vision_encodes: vision-tower runs.
         canonicals_formed: canonical prefills run (``KV(B|∅)`` behind the anchor); zero when
             the store (a shared one included) already held every canonical the op needed.
-        reencodes: canonicals rebuilt because the store's budget had dropped them.
+        reforms: KV formed again because the store's budget had dropped it (a canonical or a
+            full state's KV; ``reencodes`` is its deprecated old name).
         patches_formed: patches computed (each from one conditioned forward + an SVD).
         patches_applied: stored patches reused with no forward.
         bytes_added: bytes of new canonicals, vision outputs and patches written to the store.
@@ -47,7 +49,7 @@ class OpCost:
     tokens_placed: int = 0
     vision_encodes: int = 0
     canonicals_formed: int = 0
-    reencodes: int = 0
+    reforms: int = 0
     patches_formed: int = 0
     patches_applied: int = 0
     bytes_added: int = 0
@@ -55,6 +57,12 @@ class OpCost:
     forgotten: int = 0
     probes: int = 0
     seconds: float = 0.0
+
+    @property
+    def reencodes(self) -> int:
+        """Deprecated name of `reforms`."""
+        warnings.warn("OpCost.reencodes is now OpCost.reforms", DeprecationWarning, stacklevel=2)
+        return self.reforms
 
     def __add__(self, other: OpCost) -> OpCost:
         return OpCost(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
@@ -113,7 +121,7 @@ class Edit:
     """One cache edit a window operation implies.
 
     Attributes:
-        kind: ``encode`` (canonical prefill), ``rotate`` (relocation only), ``apply_patch`` (a stored
+        kind: ``form_canonical`` (canonical prefill), ``rotate`` (relocation only), ``apply_patch`` (a stored
             patch, no forward), ``form_patch`` (a conditioned forward + SVD), ``revert`` (back to the
             canonical), ``defer`` (patch formed before the next read), ``admit`` / ``evict``.
         label: the chunk's label (or id).

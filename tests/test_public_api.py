@@ -62,3 +62,12 @@ def test_operator_building_blocks_stay_importable() -> None:
     from kamera_agent.operator import apply_patch, form_patch, relocate
 
     assert all(callable(f) for f in (apply_patch, form_patch, kv_layout, relocate))
+
+
+def test_renamed_fields_keep_their_old_names_with_a_warning() -> None:
+    import pytest
+
+    from kamera_agent import OpCost
+
+    with pytest.warns(DeprecationWarning, match="reforms"):
+        assert OpCost(reforms=2).reencodes == 2

@@ -10,7 +10,7 @@ state carries, named here so the layers above hold patches without doing patch a
 from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.identity import ChunkState, Context, StateKind, StateRank, effective_rank, orbit_key
 from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
-from kamera_agent.core.staging import Committed, StagedStore, StoreView, can_encode
+from kamera_agent.core.staging import Committed, StagedStore, StoreView, can_form
 from kamera_agent.operator.patch import Patch
 
 __all__ = [
@@ -26,7 +26,7 @@ __all__ = [
     "StateRank",
     "StoreView",
     "Txn",
-    "can_encode",
+    "can_form",
     "effective_rank",
     "orbit_key",
 ]

@@ -26,7 +26,7 @@ class CostMeter:
     tokens_reused: int = 0
     tokens_placed: int = 0
     canonicals_formed: int = 0
-    reencodes: int = 0
+    reforms: int = 0
     patches_formed: int = 0
     patches_applied: int = 0
     bytes_added: int = 0
@@ -55,7 +55,7 @@ class CostMeter:
             tokens_placed=self.tokens_placed,
             vision_encodes=self.spent.vision_encodes,
             canonicals_formed=self.canonicals_formed,
-            reencodes=self.reencodes,
+            reforms=self.reforms,
             patches_formed=self.patches_formed,
             patches_applied=self.patches_applied,
             bytes_added=self.bytes_added,

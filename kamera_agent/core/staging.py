@@ -19,7 +19,7 @@ from kamera_agent.operator.patch import Patch
 from kamera_agent.store import ChunkStore, EntryKey
 from kamera_agent.store.codec import StoredValue, entry_nbytes
 
-__all__ = ["Committed", "StagedStore", "StoreView", "can_encode"]
+__all__ = ["Committed", "StagedStore", "StoreView", "can_form"]
 
 
 class StoreView(Protocol):
@@ -38,7 +38,7 @@ class StoreView(Protocol):
     def fits(self, nbytes: int) -> bool: ...
 
 
-def can_encode(chunk: Chunk, view: StoreView, state: str = "") -> bool:
+def can_form(chunk: Chunk, view: StoreView, state: str = "") -> bool:
     """Whether the chunk's KV can be had: its canonical or the full KV of ``state`` stored, or
     prefilled from its pixels or from a stored vision output (an evicted image keeps neither
     pixels nor KV once the store drops both)."""

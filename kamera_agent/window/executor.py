@@ -79,9 +79,10 @@ class Executor:
 
     def _collect_run(self, steps: Sequence[Step], index: int) -> tuple[list[Step], int]:
         """The in-window formation at ``index`` and the ones planned to share its forward (an
-        admitted chunk's ``encode`` in between is done first; so are the placed chunks between
+        admitted chunk's ``form_canonical`` in between is done first; so are the placed chunks between
         members, where the planner let a formation join across them: `Rules.across_gap`)."""
         run, index = [steps[index]], index + 1
+        gaps = self.core.backend.supports_gaps
         between: list[Step] = []
         resume = index
         while index < len(steps):
@@ -91,7 +92,7 @@ class Executor:
                     self._apply(placed)
                 run.append(step)
                 between, resume = [], index + 1
-            elif step.kind == "encode" or (step.kind != "form_patch" and self.core.backend.supports_gaps):
+            elif step.kind == "form_canonical" or (step.kind != "form_patch" and gaps):
                 between.append(step)
             else:
                 break
@@ -100,7 +101,7 @@ class Executor:
 
     def _apply(self, step: Step) -> None:
         entry = self.state.entries[step.ref]
-        if step.kind == "encode":
+        if step.kind == "form_canonical":
             self.canonical(step.ref)
         elif step.kind == "rotate":
             if step.ref in self._moved:
@@ -228,20 +229,20 @@ class Executor:
             entry.full = full
         entry.state, entry.patch, entry.pending = target, patch, pending
         if antecedents is not None:
-            self.state.set_encodes(ref, antecedents)
+            self.state.set_antecedents(ref, antecedents)
         if entry.home is None and not pending:
             entry.home = Home(tuple(antecedents or ()), target)
 
     # -- KV of chunks and states -------------------------------------------------------------------
     def canonical(self, ref: ChunkRef) -> ChunkKV:
-        """The chunk's canonical (a prefill when the store has none: a re-encode if it had one)."""
+        """The chunk's canonical (a prefill when the store has none: a re-form if it had one)."""
         entry = self.state.entries[ref]
         meter = self.txn.meter
         fresh = entry.chunk.key not in meter.prefilled
         canonical = self.core.canonical(entry.chunk, self.txn)
         if fresh and entry.chunk.key in meter.prefilled:
-            meter.reencodes += int(entry.encoded)
-        entry.encoded = True
+            meter.reforms += int(entry.canonical_formed)
+        entry.canonical_formed = True
         return canonical
 
     def free_kv(self, state: ChunkState) -> tuple[ChunkKV, Patch | None]:
@@ -271,13 +272,13 @@ class Executor:
         """A full-rank state's KV: from this op, the store, or one conditioned forward (stored).
 
         ``held``: a chunk in the window holds this state, so its KV was stored once and missing
-        now means a budget dropped it (a re-encode)."""
+        now means a budget dropped it (a re-form)."""
         if state.digest in self._full:
             return self._full[state.digest]
         kv = self.core.stored_full(state, self.txn)
         if kv is None:
             kv = self.core.keep_full(state, self._conditioned_over(chunk, state.context), self.txn)
-            self.txn.meter.reencodes += int(held)
+            self.txn.meter.reforms += int(held)
         self._full[state.digest] = kv
         return kv
 
@@ -433,4 +434,4 @@ def _changes(state: WindowState, plan: WindowPlan) -> bool:
     """Whether the plan changes the window's KV (an answer computed before it is then stale)."""
     if plan.evicted or plan.admitted or plan.moved or list(plan.order) != state.order:
         return True
-    return any(step.kind not in ("encode", "rotate") for step in plan.steps)
+    return any(step.kind not in ("form_canonical", "rotate") for step in plan.steps)

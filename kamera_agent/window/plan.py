@@ -24,7 +24,7 @@ class Step:
     """One executable edit for one chunk (built by the planner, read-only once in a plan).
 
     Attributes:
-        kind: the edit (``encode`` makes sure the canonical exists; the others set the chunk's KV).
+        kind: the edit (``form_canonical`` makes sure the canonical exists; the others set the chunk's KV).
         ref: the chunk.
         state: what the chunk's KV encodes after the step.
         antecedents: the refs its KV encodes after the step (the graph's in-edges); ``None``
@@ -35,7 +35,7 @@ class Step:
         in_run: for ``form_patch``: prefilled in the forward of the chunk before it (consecutive
             formations over one left context share one forward).
         needs_canonical: its KV is built on the chunk's canonical, which the store does not hold:
-            an ``encode`` runs first.
+            a ``form_canonical`` runs first.
         forwards: forwards the step runs (rebuilding an original context included).
         tokens: tokens those forwards prefill.
         detail: why, in words (shown in plans).

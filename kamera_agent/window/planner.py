@@ -22,7 +22,7 @@ from functools import partial
 
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.core.identity import Context
-from kamera_agent.core.staging import can_encode
+from kamera_agent.core.staging import can_form
 from kamera_agent.errors import (
     CapacityError,
     ChunkInWindowError,
@@ -128,7 +128,7 @@ class Planner:
         if entry.in_window:
             raise ChunkInWindowError(f"{ref} is already in the window; reorder it instead of recalling it")
         held = [entry.state.digest, *([entry.home.state.digest] if entry.home else [])]
-        if not any(can_encode(entry.chunk, self.view, digest) for digest in held):
+        if not any(can_form(entry.chunk, self.view, digest) for digest in held):
             raise ChunkLostError(
                 f"{ref} released its pixels at eviction and the store no longer holds its canonical or "
                 "vision output; push the content again (a disk tier or evicted_pixels='keep' prevents this)"
@@ -225,7 +225,7 @@ class Planner:
         keeps_order: bool = True,
         moved_one: ChunkRef | None = None,
     ) -> list[Step]:
-        """One step per chunk of ``order`` (and an ``encode`` before each admitted one).
+        """One step per chunk of ``order`` (and a ``form_canonical`` before each admitted one).
 
         ``keeps_order``: the op keeps the chunks' relative order except for ``moved_one`` (push,
         slide, evict and recall do), so a chunk can only come to encode a chunk to its right by
@@ -253,7 +253,7 @@ class Planner:
                 if step.kind == "form_patch":
                     group = [] if step.off_window else [*group, step] if step.in_run else [step]
                 if step.needs_canonical:
-                    steps.append(self.rules.encode(ref, chunks.get(ref) or state.entries[ref].chunk))
+                    steps.append(self.rules.form_canonical(ref, chunks.get(ref) or state.entries[ref].chunk))
                 if step.kind == "defer":
                     deferred.append(ref)
                 elif (

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.identity import ChunkState, Context, StateRank, effective_rank, orbit_key
-from kamera_agent.core.staging import StoreView, can_encode
+from kamera_agent.core.staging import StoreView, can_form
 from kamera_agent.policies import PATCH_TIMING, PatchAction
 from kamera_agent.results import EditKind
 from kamera_agent.window.plan import Step
@@ -313,7 +313,8 @@ class Rules:
         step.in_run, step.forwards = True, 0
         return step
 
-    def encode(self, ref: ChunkRef, chunk: Chunk) -> Step:
+    def form_canonical(self, ref: ChunkRef, chunk: Chunk) -> Step:
+        """The chunk's canonical: from the store, else one prefill behind the anchor."""
         stored = self.view.has_canonical(chunk.key)
         forwards = 0 if stored else 1 + int(not self.inputs.anchor_ready)
         if stored:
@@ -324,7 +325,7 @@ class Rules:
         else:
             detail = "prefill behind the anchor"
         return Step(
-            "encode",
+            "form_canonical",
             ref,
             self.canonical(ref),
             forwards=forwards,
@@ -362,7 +363,7 @@ class Rules:
             return (0, 0)
         if full and s.kind == "orbit":
             return None
-        if not can_encode(chunk, self.view):
+        if not can_form(chunk, self.view):
             return None
         canonical = (0, 0) if full or self.view.has_canonical(s.chunk_key) else (1, chunk.num_tokens)
         if s.kind == "canonical" or (

@@ -82,7 +82,7 @@ class Entry:
         home: its first settled state and antecedents: the fixed earlier context recall uses.
         last_used: op counter of its last push, recall or reorder.
         evicted_at: op counter of its eviction (the oldest evicted are forgotten first).
-        encoded: its canonical has been computed at least once (a later miss is a re-encode).
+        canonical_formed: its canonical has been computed at least once (a later miss is a re-form).
     """
 
     chunk: Chunk
@@ -94,7 +94,7 @@ class Entry:
     home: Home | None = None
     last_used: int = 0
     evicted_at: int = 0
-    encoded: bool = False
+    canonical_formed: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ class WindowState:
 
     @property
     def graph(self) -> nx.DiGraph:
-        """The antecedent graph: read it here, change it through `add`, `remove`, `set_encodes`."""
+        """The antecedent graph: read it here, change it through `add`, `remove`, `set_antecedents`."""
         return self._graph
 
     def _writable_graph(self) -> nx.DiGraph:
@@ -203,12 +203,12 @@ class WindowState:
         del self.entries[ref]
         self._writable_graph().remove_node(ref)
 
-    def encodes(self, ref: ChunkRef) -> tuple[ChunkRef, ...]:
+    def antecedents_of(self, ref: ChunkRef) -> tuple[ChunkRef, ...]:
         """The antecedents ``ref``'s current KV encodes (those still known), in their order."""
         edges = self.graph.in_edges(ref, data="index")
         return tuple(source for source, _, _ in sorted(edges, key=lambda edge: edge[2]))
 
-    def set_encodes(self, ref: ChunkRef, antecedents: Sequence[ChunkRef]) -> None:
+    def set_antecedents(self, ref: ChunkRef, antecedents: Sequence[ChunkRef]) -> None:
         """Make ``ref``'s in-edges exactly ``antecedents``, each carrying the state ``ref`` encodes."""
         graph = self._writable_graph()
         graph.remove_edges_from(list(graph.in_edges(ref)))

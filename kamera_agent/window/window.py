@@ -1,7 +1,7 @@
 """KameraWindow: the deque of chunks an agent's model attends to, edited without re-prefill.
 
     window = KameraWindow(model, processor)
-    frame = window.push(image)            # encode once (store hit: free), patch on its left context
+    frame = window.push(image)            # formed once (store hit: free), patched on its left context
     window.slide()                        # oldest leaves; survivors only rotate
     window.recall(frame)                  # back from the store: rotation + its stored patch
     answer = window.ask("What changed?")  # anchor + relocated, patched chunks -> decode
@@ -448,7 +448,7 @@ class KameraWindow:
         "recall") would do.
 
         Nothing runs and nothing changes: no forward, no store write, no store hit counted, no
-        stats. Predicted forwards count a chunk encode only when its canonical is not stored;
+        stats. Predicted forwards count a canonical prefill only when the canonical is not stored;
         under probe-driven eviction the plan lists the probes an overflowing push would run.
         """
         builders: dict[str, Callable[..., WindowPlan]] = {

@@ -67,7 +67,7 @@ def planner(w: KameraWindow, view: SpyView, **config: object) -> Planner:
 
 
 def step_of(plan: WindowPlan, ref: ChunkRef) -> str:
-    return next(step.kind for step in plan.steps if step.ref == ref and step.kind != "encode")
+    return next(step.kind for step in plan.steps if step.ref == ref and step.kind != "form_canonical")
 
 
 def test_a_stored_patch_is_found_only_over_the_states_it_was_formed_over() -> None:
@@ -129,14 +129,14 @@ def test_consecutive_formations_share_one_forward_and_record_what_it_computes() 
     truncated = planner(w, stored, rank=2, orbit=False).reorder(w._state, order)
     forms = [s for s in truncated.steps if s.kind == "form_patch"]
     public = truncated.public()  # the canonicals are stored: rank-2 patches against them
-    assert public.forwards == 1 and public.count("encode") == 0 and forms[0].state.rank == 2
+    assert public.forwards == 1 and public.count("form_canonical") == 0 and forms[0].state.rank == 2
     # One forward conditions each member on the previous one's exact KV, not on its rank-2 patch:
     previous = forms[1].state.context.last
     assert previous is not None and previous.rank == "full" and previous != forms[0].state
     # No canonical stored: each formation keeps the exact KV its forward gave (no second forward).
     bare = planner(w, SpyView(), rank=2, orbit=False).reorder(w._state, order)
     forms = [s for s in bare.steps if s.kind == "form_patch"]
-    assert bare.public().forwards == 1 and bare.public().count("encode") == 0
+    assert bare.public().forwards == 1 and bare.public().count("form_canonical") == 0
     assert all(step.state.rank == "full" for step in forms)
 
 

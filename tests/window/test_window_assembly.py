@@ -77,7 +77,7 @@ def test_a_chunk_whose_state_changes_in_place_is_placed_again(name: str) -> None
     formed = sum(window.chunk(r).num_tokens for r in (refs[0], refs[2]))
     canonical = window.chunk(refs[1]).num_tokens  # B's first canonical (never formed before: not a re-encode)
     last = window.stats.last
-    assert (last.tokens_prefilled, last.forwards, last.reencodes) == (formed + canonical, 2, 0)
+    assert (last.tokens_prefilled, last.forwards, last.reforms) == (formed + canonical, 2, 0)
     assert answer_error(window) < 1e-4
     assert backend.assembles[-1] == (0, True) and window.stats.last.tokens_placed == 0
 

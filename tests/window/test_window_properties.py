@@ -352,5 +352,5 @@ def test_budget_forced_re_encodes_are_reported() -> None:
     w.slide(len(refs))
     for ref in refs:
         w.recall(ref)
-    assert w.stats.total.reencodes > 0
+    assert w.stats.total.reforms > 0
     assert w.refs == refs
