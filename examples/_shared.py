@@ -46,7 +46,7 @@ def open_window(args: argparse.Namespace, config: WindowConfig) -> KameraWindow:
 
 def reprefill_tokens(window: KameraWindow, query: str | None = None) -> int:
     """Tokens a full re-prefill of the window (anchor, its chunks, the query) would prefill."""
-    encoder = window.backend.encoder
+    encoder = window.encoder
     tokens = encoder.anchor().num_tokens + sum(window.chunk(ref).num_tokens for ref in window.refs)
     return tokens + (0 if query is None else int(encoder.query_ids(query).shape[0]))
 

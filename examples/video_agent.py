@@ -84,13 +84,13 @@ def main(argv: list[str] | None = None) -> VideoRun:
             k = int(re.findall(r"#(\d+)", query)[0])
             ref = frames[k]
             if ref in window.evicted:  # slid out: bring it back from the store, no vision encode
-                recalls[ref.label] = window.plan("recall", ref)
+                recalls[ref.label] = window.plan.recall(ref)
                 window.recall(ref)
                 log.record(n, "recall", ref.label, window)
             answers.append((query, window.ask(query).text))
             chunks = [window.chunk(r) for r in window.refs]
             reference = window.backend.reference_prefill(chunks, window.query_ids(query))
-            first = window.backend.encoder.tokenizer.decode([int(reference.logits.argmax())])
+            first = window.encoder.tokenizer.decode([int(reference.logits.argmax())])
             shows = f"; the clip shows {glyphs[k - 1]!r}" if glyphs else ""
             truth.append(f" (re-prefill's first token: {first!r}{shows})")
             log.record(n, "ask", f"about {ref.label}", window, query)

@@ -12,24 +12,22 @@ position-free form, device moves, cost accounting) lives once above this seam, i
 plus its `KVLayout` (the KV layout and the rotary spec), its model fingerprint, the
 `ChunkEncoder` that prepares chunks for its model, where it runs (device, dtype) and its context
 limit. Every primitive returns what it spent (`Spent`), so costs are read from results, never
-inferred from side effects. Checks against the engine's own full forward are a capability
-(``supports_reference``), not part of the contract.
+inferred from side effects. Checks against the engine's own full forward are optional
+(`reference_prefill` raises `CapabilityError` where an engine has none), not part of the contract.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
-from kamera_agent.chunks.prompt import PromptFormat
 from kamera_agent.errors import CapabilityError, SettingsError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.results import Answer
@@ -112,9 +110,10 @@ class Reference:
     logits: torch.Tensor
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DecodeConfig:
-    """How to generate an answer.
+    """How to generate an answer (every field by keyword: eight positional values are a bug
+    waiting for one reordering).
 
     Attributes:
         max_new_tokens: tokens to generate at most.
@@ -163,14 +162,6 @@ class Backend(ABC):
         encoder: prepares chunks (tokens, pixels, positions, content keys) for this model.
     """
 
-    supports_mla: ClassVar[bool] = False
-    supports_reference: ClassVar[bool] = False
-    supports_extend: ClassVar[bool] = False
-    """`assemble` can append onto an assembled cache and `crop` can cut one back: a window then
-    reuses its assembled cache across answers for the chunks that did not move."""
-    supports_gaps: ClassVar[bool] = False
-    """`prefill` takes ``starts`` and ``sees``: formations with placed chunks between them (a
-    replacement mid-window and new chunks at the end) then share one forward."""
     layout: KVLayout
     fingerprint: str
     encoder: ChunkEncoder
@@ -180,25 +171,23 @@ class Backend(ABC):
         """Whether `encode_vision` runs a vision tower (image chunks can be admitted)."""
         return False
 
-    def with_prompt(self, prompt: PromptFormat) -> Backend:
-        """This engine preparing chunks for ``prompt`` (another anchor, e.g. a conversation's
-        system prompt): the model, its weights and its state are shared, only the encoder (and
-        so the anchor and every content key) differs."""
-        view = copy.copy(self)
-        e = self.encoder
-        view.encoder = ChunkEncoder(
-            e.tokenizer,
-            e.image_processor,
-            prompt,
-            e.positions,
-            e.model_fingerprint,
-            e.merge_size,
-            e.tokens_per_image,
-        )
-        for name, value in (("prompt", prompt), ("anchor", view.encoder.anchor())):
-            if hasattr(view, name):
-                setattr(view, name, value)
-        return view
+    @property
+    def supports_mla(self) -> bool:
+        """Whether the engine runs MLA models (a latent plus a rope band, DeepSeek-V2/V3): the
+        core refuses an MLA layout on an engine that does not (`UnsupportedModelError`)."""
+        return False
+
+    @property
+    def supports_extend(self) -> bool:
+        """`assemble` can append onto an assembled cache and `crop` can cut one back: a window
+        then reuses its assembled cache across answers for the chunks that did not move."""
+        return False
+
+    @property
+    def supports_gaps(self) -> bool:
+        """`prefill` takes ``starts`` and ``sees``: formations with placed chunks between them (a
+        replacement mid-window and new chunks at the end) then share one forward."""
+        return False
 
     @property
     @abstractmethod
@@ -261,19 +250,25 @@ class Backend(ABC):
     def decode(self, cache: Any, query_ids: torch.Tensor, start: int, config: DecodeConfig) -> Decoded:
         """Answer ``query_ids`` placed at ``start`` over ``cache`` (which it may consume)."""
 
-    def reference_prefill(self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None) -> Reference:
+    def reference_prefill(
+        self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None, *, anchor: Chunk | None = None
+    ) -> Reference:
         """The engine's own full forward over ``anchor + chunks (+ query)``, for checks.
 
         Computed the way the engine serves an ordinary request (its own positions, its own vision
-        path), independently of kamera's placement, so a match checks both.
+        path), independently of kamera's placement, so a match checks both. ``anchor``: the
+        window's (a conversation's system block); default the encoder's.
+
+        Raises:
+            CapabilityError: the engine has no full forward of its own to check against.
         """
         raise CapabilityError(
-            f"{type(self).__name__} offers no reference forward (supports_reference is False); "
-            "check against another backend"
+            f"{type(self).__name__} offers no reference forward; check against another backend"
         )
 
     def reference_inputs(
-        self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None
+        self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None, *, anchor: Chunk | None = None
     ) -> dict[str, Any]:
-        """Keyword arguments for the model's own forward over a full re-prefill (engines that have one)."""
+        """Keyword arguments for the model's own forward over a full re-prefill (engines that have
+        one); ``anchor`` as for `reference_prefill`."""
         raise CapabilityError(f"{type(self).__name__} has no model forward to build inputs for")

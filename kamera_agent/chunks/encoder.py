@@ -64,6 +64,19 @@ class ChunkEncoder:
         """The anchor's key: every text chunk's key is scoped by it (`token_key`), as its canonical
         is computed behind the anchor."""
 
+    def with_prompt(self, prompt: PromptFormat) -> ChunkEncoder:
+        """An encoder for the same model and processing with another prompt: another anchor (a
+        conversation's system prompt), so another origin and other content keys."""
+        return ChunkEncoder(
+            self.tokenizer,
+            self.image_processor,
+            prompt,
+            self.positions,
+            self.model_fingerprint,
+            self.merge_size,
+            self.tokens_per_image,
+        )
+
     def tokens(self, text: str) -> torch.Tensor:
         """Token ids ``[n]`` of ``text`` without added special tokens.
 

@@ -27,11 +27,12 @@ import torch
 
 from kamera_agent.backends.base import Backend, DecodeConfig, Prefilled, VisionFeatures
 from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.core.orbits import fold_full_orbit, fold_orbit
 from kamera_agent.core.staging import Committed, StagedStore
-from kamera_agent.errors import ChunkLostError, ContextOverflowError, ForeignChunkError
+from kamera_agent.errors import ChunkLostError, ContextOverflowError, ForeignChunkError, UnsupportedModelError
 from kamera_agent.operator.layout import ChunkKV, to_position_free
 from kamera_agent.operator.patch import Patch, apply_patch, form_patch, place_many
 from kamera_agent.results import Answer
@@ -87,19 +88,28 @@ class KVCore:
     Args:
         backend: the engine's primitives.
         store: the content-addressed store of this model (fingerprints must match).
+        encoder: what prepares this window's chunks, its anchor included (default the backend's;
+            a conversation window's has its own system prompt).
 
     Raises:
         ForeignChunkError: the store holds KV of another model.
+        UnsupportedModelError: an MLA model on an engine that does not run MLA.
     """
 
-    def __init__(self, backend: Backend, store: ChunkStore) -> None:
+    def __init__(self, backend: Backend, store: ChunkStore, encoder: ChunkEncoder | None = None) -> None:
         if store.fingerprint != backend.fingerprint:
             raise ForeignChunkError(
                 "this store holds KV of another model (fingerprints differ); open one store per model "
                 "(a separate disk_dir) or pass no store"
             )
+        if backend.layout.kind == "mla" and not backend.supports_mla:
+            raise UnsupportedModelError(
+                f"{type(backend).__name__} does not run MLA models ({backend.layout.name}); use a backend "
+                "that does (TransformersBackend runs DeepSeek-V2/V3)"
+            )
         self.backend, self.store = backend, store
-        self.anchor = backend.encoder.anchor()
+        self.encoder = encoder or backend.encoder
+        self.anchor = self.encoder.anchor()
         self.root = Context.root(self.anchor.key)
         self._anchor_kv: ChunkKV | None = None
 
@@ -253,7 +263,7 @@ class KVCore:
     def check_origin(self, chunk: Chunk) -> None:
         """Refuse a chunk prepared for another model or processing setting (a string compare:
         the chunk carries the digest its content key was made with)."""
-        if chunk.origin != self.backend.encoder.origin:
+        if chunk.origin != self.encoder.origin:
             raise ForeignChunkError(
                 f"chunk {chunk.key[:12]}… was prepared for another model or processor setting; "
                 "re-create it with this window's encoder (window.push does this for you)"

@@ -128,7 +128,7 @@ def run_demo_episode(
     absent = item.absent
     drawn_in = next(glyph for glyph, colour in item.meaning.items() if colour == READOUT_COLOUR)
     result = EpisodeResult()
-    anchor_tokens = window.backend.encoder.anchor().num_tokens
+    anchor_tokens = window.encoder.anchor().num_tokens
 
     def step(op: str, do: Callable[[], object], note: str = "") -> None:
         began = time.perf_counter()

@@ -142,7 +142,7 @@ def sync_window(window: KameraWindow, turns: list[Turn]) -> SyncReport:
             final += _run_extend(report, window, [item])
     if final != window.refs:
         _run(report, window, "reorder", final, lambda: window.reorder(final))
-    report.prompt_tokens = window.backend.encoder.anchor().num_tokens + sum(
+    report.prompt_tokens = window.encoder.anchor().num_tokens + sum(
         window.chunk(ref).num_tokens for ref in window.refs
     )
     return report

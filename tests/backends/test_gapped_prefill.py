@@ -75,4 +75,8 @@ def test_flash_style_attention_runs_no_gapped_prefill() -> None:
     model = random_qwen2(SDPA_SHAPE, seed=3, attention="sdpa")
     model.config._attn_implementation = "flash_attention_2"
     backend = TransformersBackend(model, tokenizer=build_byte_tokenizer(vocab_size=SDPA_SHAPE.vocab))
-    assert not backend.supports_gaps and TransformersBackend.supports_gaps
+    assert not backend.supports_gaps
+    model.config._attn_implementation = "eager"
+    assert TransformersBackend(
+        model, tokenizer=build_byte_tokenizer(vocab_size=SDPA_SHAPE.vocab)
+    ).supports_gaps

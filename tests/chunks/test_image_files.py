@@ -132,10 +132,10 @@ def test_a_str_that_looks_like_a_media_path_is_refused(text: str, window_backend
         window.extend(["a line", text])
     assert window.refs == [] and window.store.keys() == []
     pushed = window.push(Text(text))  # the documented way to push such characters as text
-    assert pushed.key == window.backend.encoder.text(text).key
+    assert pushed.key == window.encoder.text(text).key
 
 
 @pytest.mark.parametrize("text", ["see screenshot.png above", "version 1.2", "a.png.", "plain text"])
 def test_text_that_merely_mentions_a_file_is_text(text: str, window_backend) -> None:  # type: ignore[no-untyped-def]
     window = KameraWindow(window_backend)
-    assert window.push(text).key == window.backend.encoder.text(text).key
+    assert window.push(text).key == window.encoder.text(text).key

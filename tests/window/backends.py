@@ -42,13 +42,13 @@ class CountingBackend(Backend):
     like one over the wrapped backend, and a test can assert that a dry run called nothing.
     """
 
-    def __init__(self, inner: Backend, fail_prefill_at: int | None = None) -> None:
+    def __init__(
+        self, inner: Backend, fail_prefill_at: int | None = None, *, extend: bool | None = None
+    ) -> None:
         self.inner, self.calls = inner, {"prefill": 0, "encode_vision": 0, "assemble": 0, "decode": 0}
         self.fail_prefill_at = fail_prefill_at
         self.layout, self.fingerprint, self.encoder = inner.layout, inner.fingerprint, inner.encoder
-        self.supports_reference = inner.supports_reference  # type: ignore[misc]
-        self.supports_extend = inner.supports_extend  # type: ignore[misc]
-        self.supports_gaps = inner.supports_gaps  # type: ignore[misc]
+        self._extend = inner.supports_extend if extend is None else extend
         self.calls["crop"] = 0
         self.assembles: list[tuple[int, bool]] = []
         """Each `assemble` call: how many placed pieces, and whether it appended onto a cache."""
@@ -56,6 +56,18 @@ class CountingBackend(Backend):
     @property
     def supports_vision(self) -> bool:
         return self.inner.supports_vision
+
+    @property
+    def supports_mla(self) -> bool:
+        return self.inner.supports_mla
+
+    @property
+    def supports_extend(self) -> bool:
+        return self._extend
+
+    @property
+    def supports_gaps(self) -> bool:
+        return self.inner.supports_gaps
 
     @property
     def device(self) -> Any:
@@ -94,11 +106,11 @@ class CountingBackend(Backend):
         self.calls["decode"] += 1
         return self.inner.decode(cache, query_ids, start, config)
 
-    def reference_prefill(self, chunks: Any, query_ids: Any = None) -> Any:
-        return self.inner.reference_prefill(chunks, query_ids)
+    def reference_prefill(self, chunks: Any, query_ids: Any = None, *, anchor: Any = None) -> Any:
+        return self.inner.reference_prefill(chunks, query_ids, anchor=anchor)
 
-    def reference_inputs(self, chunks: Any, query_ids: Any = None) -> Any:
-        return self.inner.reference_inputs(chunks, query_ids)
+    def reference_inputs(self, chunks: Any, query_ids: Any = None, *, anchor: Any = None) -> Any:
+        return self.inner.reference_inputs(chunks, query_ids, anchor=anchor)
 
     def total(self) -> int:
         return sum(self.calls.values())

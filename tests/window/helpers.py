@@ -10,8 +10,8 @@ from tests.kv_helpers import next_token_kl, rel_err
 def reprefill(window: KameraWindow, query: str | None = None) -> Reference:
     """The engine's own forward over the window's full sequence (anchor, chunks, query)."""
     chunks = [window.chunk(ref) for ref in window.refs]
-    query_ids = None if query is None else window.backend.encoder.query_ids(query)
-    return window.backend.reference_prefill(chunks, query_ids)
+    query_ids = None if query is None else window.encoder.query_ids(query)
+    return window.backend.reference_prefill(chunks, query_ids, anchor=window.encoder.anchor())
 
 
 def chunk_errors(window: KameraWindow) -> dict[str, float]:

@@ -35,9 +35,9 @@ from tests.kv_helpers import rel_err
 class StateOracle:
     """The truth of every state seen, memoised by digest."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, anchor: Chunk | None = None) -> None:
         self.backend, self.layout = backend, backend.layout
-        self.anchor = backend.encoder.anchor()
+        self.anchor = anchor or backend.encoder.anchor()
         self.anchor_kv = backend.prefill([self.anchor], [], 0).kv[0]
         self.chunks: dict[str, Chunk] = {}
         self.states: dict[str, ChunkState] = {}

@@ -29,10 +29,10 @@ def _window(**kwargs: Any) -> KameraWindow:
 
 
 def _sequence_text(window: KameraWindow, query: str | None = None, in_message: bool = False) -> str:
-    ids = [window.backend.encoder.anchor().input_ids, *(window.chunk(r).input_ids for r in window.refs)]
+    ids = [window.encoder.anchor().input_ids, *(window.chunk(r).input_ids for r in window.refs)]
     if query is not None:
         ids.append(window.query_ids(query, in_message=in_message))
-    text: str = window.backend.encoder.tokenizer.decode(torch.cat(ids))
+    text: str = window.encoder.tokenizer.decode(torch.cat(ids))
     while "<|image_pad|><|image_pad|>" in text:  # the template renders one placeholder per image
         text = text.replace("<|image_pad|><|image_pad|>", "<|image_pad|>")
     return text
@@ -40,7 +40,8 @@ def _sequence_text(window: KameraWindow, query: str | None = None, in_message: b
 
 def _agrees(window: KameraWindow, query: str, in_message: bool = False) -> None:
     chunks = [window.chunk(ref) for ref in window.refs]
-    truth = window.backend.reference_prefill(chunks, window.query_ids(query, in_message=in_message)).logits
+    query_ids = window.query_ids(query, in_message=in_message)
+    truth = window.backend.reference_prefill(chunks, query_ids, anchor=window.encoder.anchor()).logits
     got = window.ask(query, max_new_tokens=1, in_message=in_message).first_logits
     assert float((got - truth).abs().max()) < EXACT
 
@@ -51,7 +52,7 @@ def test_a_conversation_is_the_templates_own_rendering() -> None:
     window.push_message("user", [pics[0], "what is this?"])
     window.push_message("assistant", "a square")
     window.push_message("user", [pics[1]], closed=False)
-    tokenizer = window.backend.encoder.tokenizer
+    tokenizer = window.encoder.tokenizer
     messages = [
         {"role": "system", "content": "Be terse."},
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"}]},
@@ -65,13 +66,13 @@ def test_a_conversation_is_the_templates_own_rendering() -> None:
 
 def test_default_system_prompt_and_remembered_turns_answer_like_the_model() -> None:
     window = _window(conversation=True)
-    assert window.backend.encoder.anchor().input_ids.numel() > 0
+    assert window.encoder.anchor().input_ids.numel() > 0
     pics = images(3, seed=4)
     window.push_message("user", [pics[0], "first"])
     _agrees(window, "what changed?")
     answer = window.ask("what changed?", max_new_tokens=3, remember=True)
     assert len(window.refs) == 4  # the question and the answer joined the conversation
-    assert window.backend.encoder.tokenizer.decode(window.chunk(window.refs[-1]).input_ids).startswith(
+    assert window.encoder.tokenizer.decode(window.chunk(window.refs[-1]).input_ids).startswith(
         "<|im_start|>assistant\n" + answer.text
     )
     window.push_message("user", [pics[1], "second"])

@@ -59,7 +59,7 @@ def planner(w: KameraWindow, view: SpyView, **config: object) -> Planner:
     inputs = PlanInputs(
         config=w.config.model_copy(update=config),
         view=view,
-        root=Context.root(backend.encoder.anchor().key),
+        root=Context.root(w.encoder.anchor().key),
         features=backend.layout.features,
         kv_bytes_per_token=backend.layout.bytes_per_token(backend.dtype),
     )
@@ -77,20 +77,20 @@ def test_a_stored_patch_is_found_only_over_the_states_it_was_formed_over() -> No
     survivor.slide()  # "a second" and "a third" survive, still encoding "a first"
     fresh = window()
     b, c = fresh.push("a second"), fresh.push("a third")  # the same content, encoding nothing else
-    d = fresh.backend.encoder.text("a fourth")
+    d = fresh.encoder.text("a fourth")
     natural = ChunkState.patched(d.key, "full", _context(fresh, [b, c]))
     view = SpyView(fulls={(d.key, natural.digest)})  # a full-rank state is stored as its KV
-    new = survivor._state.mint(d, None)
-    assert step_of(planner(survivor, view).push(survivor._state, d, None), new) == "form_patch"
-    new = fresh._state.mint(d, None)
-    assert step_of(planner(fresh, view).push(fresh._state, d, None), new) == "apply_patch"
+    new = survivor._runner.state.mint(d, None)
+    assert step_of(planner(survivor, view).push(survivor._runner.state, d, None), new) == "form_patch"
+    new = fresh._runner.state.mint(d, None)
+    assert step_of(planner(fresh, view).push(fresh._runner.state, d, None), new) == "apply_patch"
 
 
 def test_a_reorder_with_the_same_set_but_another_chain_forms_a_patch() -> None:
     w = window(orbit=False)
     a, b, c = (w.push(text) for text in ("a first", "a second", "a third"))
     natural = ChunkState.patched(c.key, "full", _context(w, [a, b]))
-    plan = planner(w, SpyView(fulls={(c.key, natural.digest)})).reorder(w._state, [b, a, c])
+    plan = planner(w, SpyView(fulls={(c.key, natural.digest)})).reorder(w._runner.state, [b, a, c])
     assert step_of(plan, c) == "form_patch"  # over (b, a|b): another chain than the stored one
 
 
@@ -98,7 +98,7 @@ def test_a_reorder_onto_the_same_states_relinks_edges_to_the_chunks_now_holding_
     w = window()
     first, second = w.push("the same text"), w.push("the same text")  # same content, two refs
     third = w.push("after them")
-    plan = planner(w, SpyView()).reorder(w._state, [second, first, third])
+    plan = planner(w, SpyView()).reorder(w._runner.state, [second, first, third])
     step = next(s for s in plan.steps if s.ref == third)
     assert step.kind == "rotate" and step.antecedents == (second, first)
 
@@ -106,13 +106,13 @@ def test_a_reorder_onto_the_same_states_relinks_edges_to_the_chunks_now_holding_
 def test_a_deferred_chunk_is_formed_first_when_a_chunk_to_its_right_is_patched_over_it() -> None:
     w = window(patch_mode="lazy")
     a, b = w.push("left chunk"), w.push("pending one")
-    assert w._state.entries[b].pending
+    assert w._runner.state.entries[b].pending
     c = w.push("right chunk")
     w.kv()  # both formed now
     w.evict(a)
     w.recall(a, at=0)  # cascade: b and c are re-patched over a, so nothing is pending
     d = w.push("pending again")
-    plan = planner(w, SpyView()).reorder(w._state, [a, b, d, c])
+    plan = planner(w, SpyView()).reorder(w._runner.state, [a, b, d, c])
     d_step = next(s for s in plan.steps if s.ref == d)
     assert d_step.kind == "form_patch" and "formed first" in d_step.detail
 
@@ -121,12 +121,12 @@ def test_consecutive_formations_share_one_forward_and_record_what_it_computes() 
     w = window()
     refs = [w.push(f"chunk number {i}") for i in range(4)]
     order = [refs[0], refs[3], refs[1], refs[2]]
-    full = planner(w, SpyView()).reorder(w._state, order)
+    full = planner(w, SpyView()).reorder(w._runner.state, order)
     forms = [s for s in full.steps if s.kind == "form_patch"]
     assert [s.in_run for s in forms] == [False, True, True] and full.public().forwards == 1
     assert forms[1].state.context.last == forms[0].state  # lossless: the run is the natural chain
     stored = SpyView(canonicals={ref.key for ref in refs})
-    truncated = planner(w, stored, rank=2, orbit=False).reorder(w._state, order)
+    truncated = planner(w, stored, rank=2, orbit=False).reorder(w._runner.state, order)
     forms = [s for s in truncated.steps if s.kind == "form_patch"]
     public = truncated.public()  # the canonicals are stored: rank-2 patches against them
     assert public.forwards == 1 and public.count("form_canonical") == 0 and forms[0].state.rank == 2
@@ -134,7 +134,7 @@ def test_consecutive_formations_share_one_forward_and_record_what_it_computes() 
     previous = forms[1].state.context.last
     assert previous is not None and previous.rank == "full" and previous != forms[0].state
     # No canonical stored: each formation keeps the exact KV its forward gave (no second forward).
-    bare = planner(w, SpyView(), rank=2, orbit=False).reorder(w._state, order)
+    bare = planner(w, SpyView(), rank=2, orbit=False).reorder(w._runner.state, order)
     forms = [s for s in bare.steps if s.kind == "form_patch"]
     assert bare.public().forwards == 1 and bare.public().count("form_canonical") == 0
     assert all(step.state.rank == "full" for step in forms)
@@ -144,13 +144,13 @@ def test_planning_asks_the_view_only_presence_questions() -> None:
     w = window(orbit=True)
     refs = [w.push(f"piece {i}") for i in range(3)]
     view = SpyView()
-    planner(w, view).reorder(w._state, list(reversed(refs)))
-    planner(w, view).push(w._state, w.backend.encoder.text("one more"), None)
+    planner(w, view).reorder(w._runner.state, list(reversed(refs)))
+    planner(w, view).push(w._runner.state, w.encoder.text("one more"), None)
     assert set(view.asked) <= {"canonical", "full", "patch", "info"} and view.asked
 
 
 def _context(w: KameraWindow, refs: list[ChunkRef]) -> Context:
-    ctx = Context.root(w.backend.encoder.anchor().key)
+    ctx = Context.root(w.encoder.anchor().key)
     for ref in refs:
         ctx = ctx.extend(w.state_of(ref))
     return ctx

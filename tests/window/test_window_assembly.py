@@ -33,7 +33,7 @@ def test_a_push_keeps_the_cache_its_forward_ran_over(name: str) -> None:
     window, backend = window_over(name)
     first = window.push(A)
     window.push(B)
-    anchor = window.backend.encoder.anchor().num_tokens
+    anchor = window.encoder.anchor().num_tokens
     assert backend.assembles[-1] == (2, False)  # B's forward: anchor and A assembled
     assert window.stats.last.tokens_placed == anchor + window.chunk(first).num_tokens
     assert answer_error(window) < 1e-4

@@ -378,8 +378,7 @@ def test_replace_with_appended_chunks_is_one_forward_that_each_chunk_checks_agai
 def test_a_gapped_forward_without_a_kept_cache_matches_reprefill() -> None:
     """An engine that runs gaps but cannot extend caches: the forward's context is assembled
     afresh (anchor, the chunks left of the first member, the chunks between members)."""
-    backend = CountingBackend(backend_named("tiny_torch"))
-    backend.supports_extend = False  # type: ignore[misc]
+    backend = CountingBackend(backend_named("tiny_torch"), extend=False)
     w = KameraWindow(backend, config=WindowConfig(rank="full"))
     b = [w.push(text) for text in ("first line here", "second line", "third line")][1]
     w.replace(b, "a caption", append=["one more line"])

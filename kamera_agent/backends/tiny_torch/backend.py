@@ -61,10 +61,6 @@ class TinyTorchBackend(Backend):
         seed: seeds the model's weights.
     """
 
-    supports_reference = True
-    supports_extend = True
-    supports_gaps = True
-
     def __init__(self, config: TinyConfig | None = None, seed: int = 0) -> None:
         c = self.config = config or TinyConfig()
         self.model = TinyRopeLM(c, seed=seed).eval()
@@ -87,9 +83,17 @@ class TinyTorchBackend(Backend):
             self.tokenizer, self.image_processor, TINY_PROMPT, self.positions, self.fingerprint, merge_size=1
         )
 
-    # -- where it runs ---------------------------------------------------------------------
+    # -- what it offers, where it runs -------------------------------------------------------
     @property
     def supports_vision(self) -> bool:
+        return True
+
+    @property
+    def supports_extend(self) -> bool:
+        return True
+
+    @property
+    def supports_gaps(self) -> bool:
         return True
 
     @property
@@ -181,10 +185,12 @@ class TinyTorchBackend(Backend):
         return decode_loop(forward, self.positions.text, detokenize, eos, cache, query_ids, start, config)
 
     # -- checks against the model's own forward ------------------------------------------------
-    def reference_prefill(self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None) -> Reference:
+    def reference_prefill(
+        self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None, *, anchor: Chunk | None = None
+    ) -> Reference:
         """The model's single forward over ``anchor + chunks (+ query)`` at positions ``0..N-1``
         from an empty cache, the vision tower run here on each image chunk's pixels."""
-        everything = [self.encoder.anchor(), *chunks]
+        everything = [anchor or self.encoder.anchor(), *chunks]
         tail = [] if query_ids is None else [query_ids.to(torch.long)]
         ids = torch.cat([c.input_ids for c in everything] + tail)
         with torch.no_grad():

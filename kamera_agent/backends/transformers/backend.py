@@ -58,11 +58,6 @@ class TransformersBackend(Backend):
             `checkpoint_fingerprint`, the one SGLang's and vLLM's adapters use, so they share a store).
     """
 
-    supports_mla = True
-    supports_reference = True
-    supports_extend = True
-    supports_gaps = True
-
     def __init__(
         self,
         model: Any,
@@ -96,16 +91,27 @@ class TransformersBackend(Backend):
             self.parts.tokens_per_image(),
         )
         self._eos = eos_token_ids(model, tokenizer)
-        if getattr(model.config, "_attn_implementation", None) not in MASKED_ATTENTION:
-            # Flash-style kernels take no custom 4-D mask: formations across gaps run apart.
-            self.supports_gaps = False  # type: ignore[misc]
+        # Flash-style kernels take no custom 4-D mask: formations across gaps run apart.
+        self._gaps = getattr(model.config, "_attn_implementation", None) in MASKED_ATTENTION
         self.anchor: Chunk = self.encoder.anchor()
         """The anchor chunk every window starts with (the one the encoder gives)."""
 
-    # -- where it runs ---------------------------------------------------------------------
+    # -- what it offers, where it runs -------------------------------------------------------
     @property
     def supports_vision(self) -> bool:
         return self.parts.has_vision
+
+    @property
+    def supports_mla(self) -> bool:
+        return True
+
+    @property
+    def supports_extend(self) -> bool:
+        return True
+
+    @property
+    def supports_gaps(self) -> bool:
+        return self._gaps
 
     @property
     def device(self) -> torch.device:
@@ -220,14 +226,16 @@ class TransformersBackend(Backend):
         )
 
     # -- checks against the model's own forward ------------------------------------------------
-    def reference_prefill(self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None) -> Reference:
+    def reference_prefill(
+        self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None, *, anchor: Chunk | None = None
+    ) -> Reference:
         """The model's own top-level forward over ``anchor + chunks (+ query)``: it computes its
         own positions (``get_rope_index`` for M-RoPE) and runs its own vision path."""
-        inputs = self.reference_inputs(chunks, query_ids)
+        inputs = self.reference_inputs(chunks, query_ids, anchor=anchor)
         with torch.no_grad():
             out = self.model(**inputs, use_cache=True)
         cache, kv, slot, start = output_cache(out), [], 0, 0
-        for chunk in [self.anchor, *chunks]:
+        for chunk in [anchor or self.anchor, *chunks]:
             where = chunk.positions_at(start)
             kv.append(
                 read_chunk(cache, self.layout, slot, slot + chunk.num_tokens, where, chunk_key=chunk.key)
@@ -236,15 +244,16 @@ class TransformersBackend(Backend):
         return Reference(tuple(kv), out.logits[0, -1].float().cpu())
 
     def reference_inputs(
-        self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None
+        self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None, *, anchor: Chunk | None = None
     ) -> dict[str, Any]:
         """Keyword arguments for the model's *own* forward over a full re-prefill of
-        ``anchor + chunks (+ query)``: the ground truth every exactness check compares against.
+        ``anchor + chunks (+ query)``: the ground truth every exactness check compares against
+        (``anchor``: a window's own, e.g. a conversation's system block; default the encoder's).
 
         The model computes its own positions from these (``get_rope_index`` for M-RoPE), so a
         match also checks that our placement of every chunk agrees with the model's.
         """
-        everything = [self.anchor, *chunks]
+        everything = [anchor or self.anchor, *chunks]
         tail = [] if query_ids is None else [query_ids]
         device = self.parts.device
         inputs: dict[str, Any] = {

@@ -1,0 +1,165 @@
+"""Running a window's operations: one transaction over its state and its store per op.
+
+Why apart from the face: every op (and every read: ask, probe, kv) is the same sequence:
+snapshot the state, plan over a staged view of the store, execute, commit, or restore and
+re-plan when another window changed an orbit under the op. `OpRunner` owns that sequence and the
+window's `WindowState` (a failed op replaces it with its snapshot); `WindowParts` is what a
+window and its forks share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from kamera_agent.backends.base import Backend, DecodeConfig
+from kamera_agent.chunks.encoder import ChunkEncoder
+from kamera_agent.config import WindowConfig
+from kamera_agent.core.costs import CostMeter
+from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
+from kamera_agent.core.staging import StagedStore, StoreView
+from kamera_agent.errors import WindowError
+from kamera_agent.metrics import next_token_kl
+from kamera_agent.results import Answer, OpCost
+from kamera_agent.window.conversation import Conversation
+from kamera_agent.window.executor import Executor
+from kamera_agent.window.memory import release_evicted
+from kamera_agent.window.plan import WindowPlan
+from kamera_agent.window.planner import PlanInputs, Planner
+from kamera_agent.window.state import Scores, WindowState
+
+__all__ = ["Build", "OpRunner", "WindowParts"]
+
+T = TypeVar("T")
+Build = Callable[[Planner], WindowPlan]
+"""One op's planner call, its arguments parsed and checked already (`OpBuilders`)."""
+_ATTEMPTS = 3  # plans re-made when another window changed an orbit patch under an op
+
+
+@dataclass(frozen=True)
+class WindowParts:
+    """What a window and its forks share: settings, the engine, the core over the store (with the
+    window's encoder and anchor), and the conversation framing, if any."""
+
+    config: WindowConfig
+    backend: Backend
+    core: KVCore
+    conversation: Conversation | None
+
+    @property
+    def encoder(self) -> ChunkEncoder:
+        """The window's own encoder (a conversation's carries its system prompt as the anchor)."""
+        return self.core.encoder
+
+    def query_ids(self, query: str, opened: bool = True) -> torch.Tensor:
+        """The token ids a query is decoded from, framed as the window frames questions."""
+        if self.conversation is not None:
+            return self.conversation.query_ids(query, opened=opened)
+        return self.encoder.query_ids(query)
+
+
+class OpRunner:
+    """Plans and executes a window's ops as transactions; owns its `WindowState`."""
+
+    def __init__(self, parts: WindowParts, state: WindowState) -> None:
+        self.parts, self.state = parts, state
+
+    def transact(self, op: str, build: Build) -> tuple[WindowPlan, OpCost]:
+        """Plan and execute ``op`` as one transaction over window and store; record its cost."""
+        plan, (_, cost) = self._run(op, build, None)
+        return plan, cost
+
+    def read(self, op: str, read: Callable[[Executor], T], materialize: bool = True) -> tuple[T, OpCost]:
+        """Read the window (ask, probe, kv) in one transaction, lazy patches formed first."""
+        idle = WindowPlan(op, tuple(self.state.order))
+        build: Build = (lambda planner: planner.materialize(self.state)) if materialize else (lambda _: idle)
+        _, (value, cost) = self._run(op, build, read)
+        assert value is not None
+        return value, cost
+
+    def dry_run(self, build: Build) -> WindowPlan:
+        """The plan ``build`` makes over the store as it is: nothing runs, nothing changes."""
+        return build(self.planner(self.parts.core.store))
+
+    def planner(self, view: StoreView) -> Planner:
+        """A planner over the window's settings and a store view."""
+        core, layout = self.parts.core, self.parts.core.backend.layout
+        inputs = PlanInputs(
+            config=self.parts.config,
+            view=view,
+            root=core.root,
+            features=layout.features,
+            kv_bytes_per_token=layout.bytes_per_token(core.backend.dtype),
+            anchor_ready=core.anchor_ready,
+            query_tokens=lambda query: int(self.parts.query_ids(query).shape[0]),
+            gaps=core.backend.supports_gaps,
+        )
+        return Planner(inputs)
+
+    def with_answer(
+        self, executor: Executor, query: str, query_ids: torch.Tensor, config: DecodeConfig
+    ) -> Answer:
+        """The last greedy answer to ``query`` when the window has not changed since, else a decode."""
+        last = self.state.last_answer
+        if last is not None and last.query == query and last.tick == self.state.tick:
+            return last.answer
+        return executor.answer(query_ids, config)
+
+    def end(self) -> int:
+        """The position after the window's last chunk (where a query starts)."""
+        entries = self.state.entries
+        return self.parts.core.anchor.advance + sum(entries[r].chunk.advance for r in self.state.order)
+
+    def _run(
+        self, op: str, build: Build, read: Callable[[Executor], T] | None
+    ) -> tuple[WindowPlan, tuple[T | None, OpCost]]:
+        core, config, meter = self.parts.core, self.parts.config, CostMeter()
+        for _ in range(_ATTEMPTS):
+            snapshot = self.state.copy()
+            txn = Txn(StagedStore(core.store), meter)
+            try:
+                plan = build(self.planner(txn.store))
+                if plan.probes:
+                    self._score(plan, txn)
+                    plan = build(self.planner(txn.store))
+                executor = Executor(self.state, core, txn, config)
+                executor.run(plan)
+                value = read(executor) if read is not None else None
+            except StaleLookup:
+                self.state = _restored(snapshot)
+                continue
+            except BaseException:
+                self.state = _restored(snapshot)
+                raise
+            txn.commit()
+            release_evicted(self.state, core.store, config, plan.evicted, meter)
+            cost = meter.finish()
+            self.state.book.record(op, cost)
+            return plan, (value, cost)
+        raise WindowError(f"{op}: the store kept changing under the operation; try it again")
+
+    def _score(self, plan: WindowPlan, txn: Txn) -> None:
+        """Run the probes a probe-driven eviction asked for; remember their KLs for the re-plan."""
+        executor = Executor(self.state, self.parts.core, txn, self.parts.config)
+        executor.run(self.planner(txn.store).materialize(self.state))
+        query, config = plan.probe_query, DecodeConfig(max_new_tokens=1)
+        query_ids = self.parts.query_ids(query)
+        with_chunk = self.with_answer(executor, query, query_ids, config)
+        kl = {
+            ref: next_token_kl(
+                with_chunk.first_logits, executor.answer_without(ref, query_ids, config).first_logits
+            )
+            for ref in plan.probes
+        }
+        txn.meter.probes += len(kl)
+        self.state.scores = Scores(query, self.state.tick, kl)
+
+
+def _restored(snapshot: WindowState) -> WindowState:
+    """The snapshot an op failed back to, without the assembled cache: the op may have cropped
+    or extended that engine cache in place, so it no longer holds what the snapshot says."""
+    snapshot.assembled = None
+    return snapshot
