@@ -12,7 +12,7 @@ See shared/DESIGN.md and docs/ for the picture.
 """
 
 from kamera_agent import moved
-from kamera_agent.backends import Answer, Backend, DecodeConfig, TransformersBackend
+from kamera_agent.backends import Backend, DecodeConfig, TransformersBackend
 from kamera_agent.chunks.sources import Text
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import (
@@ -44,7 +44,7 @@ from kamera_agent.errors import (
 )
 from kamera_agent.fingerprint import model_fingerprint
 from kamera_agent.loading import load_backend
-from kamera_agent.results import Edit, OpCost, Plan, Probe, WindowStats
+from kamera_agent.results import Answer, Edit, OpCost, Plan, Probe, WindowStats
 from kamera_agent.settings import configure_threads
 from kamera_agent.store import ChunkStore
 from kamera_agent.window import ChunkRef, KameraWindow

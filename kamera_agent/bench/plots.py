@@ -69,9 +69,7 @@ def _accuracy(figure: Any, results: BenchResults) -> None:
         )
     axes.set(xscale="log", xlabel="patch rank", ylabel="accuracy", title="Accuracy vs patch rank")
     axes.set_ylim(-0.02, 1.02)
-    axes.set_xticks(_RANKS, [str(m) for m in _RANKS])
-    axes.set_xticks([], minor=True)  # no log-axis minor labels over the rank labels
-    axes.legend(fontsize=7)
+    _rank_axis(axes)
 
 
 def _kl(figure: Any, results: BenchResults) -> None:
@@ -83,8 +81,13 @@ def _kl(figure: Any, results: BenchResults) -> None:
         axes.axhline(max(run.figure(arm).kl, floor), color=colour, linestyle=":", label=arm)
     axes.set(xscale="log", yscale="log", xlabel="patch rank", ylabel="next-token KL to re-prefill")
     axes.set_title("KL to re-prefill vs patch rank")
+    _rank_axis(axes)
+
+
+def _rank_axis(axes: Any) -> None:
+    """Ticks at the ranks measured (no log-axis minor labels over them) and a small legend."""
     axes.set_xticks(_RANKS, [str(m) for m in _RANKS])
-    axes.set_xticks([], minor=True)  # no log-axis minor labels over the rank labels
+    axes.set_xticks([], minor=True)
     axes.legend(fontsize=7)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kamera_agent.backends.base import Spent
 from kamera_agent.results import OpCost
@@ -48,19 +48,16 @@ class CostMeter:
             self.tokens_reused += tokens
 
     def finish(self) -> OpCost:
+        spent = self.spent
+        counted = {f.name: getattr(self, f.name) for f in fields(OpCost) if f.name in _COUNTED}
         return OpCost(
-            forwards=self.spent.forwards,
-            tokens_prefilled=self.spent.tokens_prefilled,
-            tokens_reused=self.tokens_reused,
-            tokens_placed=self.tokens_placed,
-            vision_encodes=self.spent.vision_encodes,
-            canonicals_formed=self.canonicals_formed,
-            reforms=self.reforms,
-            patches_formed=self.patches_formed,
-            patches_applied=self.patches_applied,
-            bytes_added=self.bytes_added,
-            uncached=self.uncached,
-            forgotten=self.forgotten,
-            probes=self.probes,
+            forwards=spent.forwards,
+            tokens_prefilled=spent.tokens_prefilled,
+            vision_encodes=spent.vision_encodes,
             seconds=time.perf_counter() - self.began,
+            **counted,
         )
+
+
+_COUNTED = frozenset(f.name for f in fields(CostMeter)) & frozenset(f.name for f in fields(OpCost))
+"""What the meter counts itself, by the `OpCost` field's name (the rest comes from `Spent`)."""

@@ -90,21 +90,17 @@ class EpisodeResult:
     held_out: dict[str, dict[str, float]] = field(default_factory=dict)
     """Accuracy by question (`HELD_OUT_ROWS`), then by arm (`HELD_OUT_ARMS`), on held-out items."""
 
+    def total(self, figure: str) -> float:
+        """A step figure summed over the episode (``tokens``, ``seconds``, ``prefix_cache_tokens``...)."""
+        return sum(float(getattr(step, figure)) for step in self.steps)
+
     @property
     def tokens(self) -> int:
-        return sum(step.tokens for step in self.steps)
+        return int(self.total("tokens"))
 
     @property
     def prefix_cache_tokens(self) -> int:
-        return sum(step.prefix_cache_tokens for step in self.steps)
-
-    @property
-    def seconds(self) -> float:
-        return sum(step.seconds for step in self.steps)
-
-    @property
-    def prefix_cache_seconds(self) -> float:
-        return sum(step.prefix_cache_seconds for step in self.steps)
+        return int(self.total("prefix_cache_tokens"))
 
 
 def run_demo_episode(
@@ -324,8 +320,8 @@ def punchline(result: EpisodeResult) -> str:
     agree = all(result.agrees.values())
     return (
         f"kamera prefilled {result.tokens} prompt tokens where a prefix cache prefilled "
-        f"{result.prefix_cache_tokens} ({ratio:.1f}x fewer), {result.seconds:.2f} s vs "
-        f"{result.prefix_cache_seconds:.2f} s; every answer's first token "
+        f"{result.prefix_cache_tokens} ({ratio:.1f}x fewer), {result.total('seconds'):.2f} s vs "
+        f"{result.total('prefix_cache_seconds'):.2f} s; every answer's first token "
         + ("equals the prefix cache's" if agree else "does NOT always equal the prefix cache's")
         + " (a re-prefill's)."
     )

@@ -29,6 +29,9 @@ import torch
 from kamera_agent.errors import LayoutMismatchError, PositionShapeError
 from kamera_agent.operator.rope import RotarySpec, rotate, unrotate
 
+Slot = Literal["keys", "values"]
+"""A KV cache slot: MHA/GQA keep keys and values there; MLA its latent (keys) and k_pe (values)."""
+
 __all__ = [
     "ChunkKV",
     "KVLayout",
@@ -39,8 +42,6 @@ __all__ = [
     "relocate",
     "to_position_free",
 ]
-
-Slot = Literal["keys", "values"]
 
 
 @dataclass(frozen=True, eq=False)

@@ -346,14 +346,7 @@ def _factorize(
         store_dtype = dtype or canonical.slot(slot).dtype
         for layer, (u, v) in zip(chosen, _low_rank(deltas[slot][chosen], rank, method), strict=True):
             factors[(layer, slot)] = (u.to(store_dtype), v.to(store_dtype))
-    return Patch(
-        factors=factors,
-        num_tokens=canonical.num_tokens,
-        chunk_key=canonical.chunk_key,
-        state=state,
-        model_fingerprint=canonical.model_fingerprint,
-        kind=kind,
-    )
+    return Patch(factors, canonical.num_tokens, canonical.chunk_key, state, canonical.model_fingerprint, kind)
 
 
 def _low_rank(
@@ -418,23 +411,13 @@ def _check_pair(canonical: ChunkKV, conditioned: ChunkKV, layout: KVLayout) -> N
         raise LayoutMismatchError("the canonical must be position-free; call to_position_free on it first")
     check_layout(canonical, layout)
     check_layout(conditioned, layout)
-    if canonical.num_tokens != conditioned.num_tokens:
-        raise ForeignPatchError(
-            f"canonical has {canonical.num_tokens} tokens, conditioned KV {conditioned.num_tokens}: "
-            "they are not the same chunk"
-        )
-    _same("chunk", canonical.chunk_key, conditioned.chunk_key)
-    _same("model", canonical.model_fingerprint, conditioned.model_fingerprint)
+    _same_chunk(canonical, conditioned, "conditioned KV is of", "they are not the same chunk")
 
 
 def _check_patch(canonical: ChunkKV, patch: Patch) -> None:
-    if patch.num_tokens != canonical.num_tokens:
-        raise ForeignPatchError(
-            f"patch was formed for a {patch.num_tokens}-token chunk, this chunk has {canonical.num_tokens}; "
-            "use the patch stored under this chunk's content key"
-        )
-    _same("chunk", canonical.chunk_key, patch.chunk_key)
-    _same("model", canonical.model_fingerprint, patch.model_fingerprint)
+    _same_chunk(
+        canonical, patch, "patch was formed for", "use the patch stored under this chunk's content key"
+    )
     for (layer, slot), (u, v) in patch.factors.items():
         tensor = canonical.slot(slot)  # type: ignore[arg-type]
         if layer >= tensor.shape[0] or v.shape[1] != tensor.shape[1] * tensor.shape[3]:
@@ -444,6 +427,16 @@ def _check_patch(canonical: ChunkKV, patch: Patch) -> None:
             )
         if u.shape[0] != canonical.num_tokens or u.shape[1] != v.shape[0]:
             raise LayoutMismatchError(f"patch factors for layer {layer} {slot} are inconsistent")
+
+
+def _same_chunk(canonical: ChunkKV, other: ChunkKV | Patch, what: str, fix: str) -> None:
+    """Refuse KV or a patch of another chunk or model than ``canonical`` (`ForeignPatchError`)."""
+    if other.num_tokens != canonical.num_tokens:
+        raise ForeignPatchError(
+            f"the {what} a {other.num_tokens}-token chunk, this chunk has {canonical.num_tokens}: {fix}"
+        )
+    _same("chunk", canonical.chunk_key, other.chunk_key)
+    _same("model", canonical.model_fingerprint, other.model_fingerprint)
 
 
 def _same(what: str, ours: str, theirs: str) -> None:

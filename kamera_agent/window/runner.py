@@ -9,7 +9,8 @@ window and its forks share.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -66,11 +67,29 @@ class OpRunner:
 
     def __init__(self, parts: WindowParts, state: WindowState) -> None:
         self.parts, self.state = parts, state
+        self.dry: list[WindowPlan] | None = None
+        """While a dry run is on (`dry_run`), the plans ops made instead of executing them."""
 
     def transact(self, op: str, build: Build) -> tuple[WindowPlan, OpCost]:
-        """Plan and execute ``op`` as one transaction over window and store; record its cost."""
+        """Plan and execute ``op`` as one transaction over window and store; record its cost.
+        During a dry run: only plan it, over the store as it is (nothing runs, nothing changes)."""
+        if self.dry is not None:
+            plan = build(self.planner(self.parts.core.store))
+            self.dry.append(plan)
+            return plan, OpCost()
         plan, (_, cost) = self._run(op, build, None)
         return plan, cost
+
+    @contextmanager
+    def dry_run(self) -> Iterator[list[WindowPlan]]:
+        """Ops called inside this block plan and do not execute; the plans are collected."""
+        if self.dry is not None:
+            raise WindowError("a dry run is already on for this window; plan one op at a time")
+        self.dry = []
+        try:
+            yield self.dry
+        finally:
+            self.dry = None
 
     def read(self, op: str, read: Callable[[Executor], T], materialize: bool = True) -> tuple[T, OpCost]:
         """Read the window (ask, probe, kv) in one transaction, lazy patches formed first."""
@@ -79,10 +98,6 @@ class OpRunner:
         _, (value, cost) = self._run(op, build, read)
         assert value is not None
         return value, cost
-
-    def dry_run(self, build: Build) -> WindowPlan:
-        """The plan ``build`` makes over the store as it is: nothing runs, nothing changes."""
-        return build(self.planner(self.parts.core.store))
 
     def planner(self, view: StoreView) -> Planner:
         """A planner over the window's settings and a store view."""

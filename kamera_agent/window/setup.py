@@ -19,7 +19,6 @@ from kamera_agent.backends.base import Backend
 from kamera_agent.chunks.chunk import Chunk, ChunkKind
 from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.chunks.sources import (
-    MAX_IMAGE_PIXELS,
     ChannelOrder,
     Text,
     VideoFrame,
@@ -95,13 +94,14 @@ def resolve_store(backend: Backend, config: WindowConfig, store: ChunkStore | No
 def chunk_of(
     encoder: ChunkEncoder,
     item: Item,
-    kind: ChunkKind | None = None,
-    caption: str | None = None,
-    channel_order: ChannelOrder | None = None,
-    label: str | None = None,
-    max_pixels: int = MAX_IMAGE_PIXELS,
+    kind: ChunkKind | None,
+    caption: str | None,
+    channel_order: ChannelOrder | None,
+    label: str | None,
+    max_pixels: int,
 ) -> Chunk:
-    """The model-ready chunk for a pushed item.
+    """The model-ready chunk for a pushed item (the op's ``kind``, ``caption``,
+    ``channel_order`` and ``label``; images over ``max_pixels`` refused before decoding).
 
     Raises:
         InputError: a kind that does not fit the item (or is no kind at all), or content that

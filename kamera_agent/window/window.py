@@ -6,11 +6,12 @@
     window.recall(frame)                  # back from the store: rotation + its stored patch
     answer = window.ask("What changed?")  # anchor + relocated, patched chunks -> decode
 
-The window is a face over four parts: `WindowParts` (settings, engine, the engine-neutral
+The window is a face over its parts: `WindowParts` (settings, engine, the engine-neutral
 `KVCore` over the store, the window's encoder), an `OpRunner` that runs each op as one
-transaction over the window's `WindowState` (a pure `Planner`, then an `Executor`), the
-`OpBuilders` that turn each op's arguments into its planner call, and the dry-run view
-``window.plan`` over the same builders. Every operation's cost lands in ``window.stats``.
+transaction over the window's `WindowState` (a pure `Planner`, then an `Executor`), `Inputs`
+that read what a user passes, and the dry-run view ``window.plan``, which runs the ops
+themselves with the runner planning instead of executing. Every operation's cost lands in
+``window.stats``.
 """
 
 from __future__ import annotations
@@ -33,16 +34,16 @@ from kamera_agent.core import Patch
 from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.identity import ChunkState
 from kamera_agent.core.kv_core import KVCore
-from kamera_agent.errors import ChunkInWindowError, SettingsError
+from kamera_agent.errors import ChunkInWindowError, DuplicateChunkError, SettingsError, WindowError
 from kamera_agent.metrics import next_token_kl
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer, Probe, WindowStats
 from kamera_agent.settings import THREADS_ENV, configure_threads
 from kamera_agent.store import ChunkStore
-from kamera_agent.window.builders import OpBuilders
 from kamera_agent.window.conversation import Conversation, MessagePart
 from kamera_agent.window.dry_run import PlanView
 from kamera_agent.window.executor import Executor
+from kamera_agent.window.inputs import Inputs
 from kamera_agent.window.runner import OpRunner, WindowParts
 from kamera_agent.window.setup import Item, resolve_backend, resolve_store
 from kamera_agent.window.state import ChunkRef, LastAnswer, WindowState
@@ -68,7 +69,8 @@ class KameraWindow:
 
     Attributes:
         plan: dry runs of every op, typed like the ops (``window.plan.reorder(refs)``), also
-            callable with the op's name (``window.plan("reorder", refs)``): `PlanView`.
+            callable with the op's name (``window.plan("reorder", refs)``): `PlanView`; each
+            runs the op itself, planning instead of executing, so it plans what the op does.
 
     Raises:
         SettingsError: a setting that cannot apply (``device``/``dtype`` for a `Backend` built
@@ -105,8 +107,8 @@ class KameraWindow:
         """Every window, new or forked, is built here from its shared parts and its own state."""
         self._parts = parts
         self._runner = OpRunner(parts, state)
-        self._builders = OpBuilders(self._runner)
-        self.plan = PlanView(self._runner, self._builders)
+        self._inputs = Inputs(self._runner)
+        self.plan = PlanView(self, self._runner)
 
     @classmethod
     def _branch(cls, parts: WindowParts, state: WindowState) -> KameraWindow:
@@ -179,15 +181,15 @@ class KameraWindow:
 
     def chunk(self, ref: ChunkRef) -> Chunk:
         """The model-ready chunk behind a ref."""
-        return self._builders.entry(ref).chunk
+        return self._inputs.entry(ref).chunk
 
     def patch_of(self, ref: ChunkRef) -> Patch | None:
         """The patch ``ref``'s KV carries now (``None``: the canonical alone)."""
-        return self._builders.entry(ref).patch
+        return self._inputs.entry(ref).patch
 
     def state_of(self, ref: ChunkRef) -> ChunkState:
         """What ``ref``'s KV encodes: its content, patch and the chained states of its antecedents."""
-        return self._builders.entry(ref).state
+        return self._inputs.entry(ref).state
 
     @property
     def graph(self) -> nx.DiGraph:
@@ -225,10 +227,10 @@ class KameraWindow:
 
         Mutates: the window (admits one chunk, may evict), the store (canonical, patch).
         """
-        build = self._builders.push(
-            item, label=label, kind=kind, caption=caption, channel_order=channel_order
+        chunk = self._inputs.item(item, kind, caption, channel_order, label)
+        plan, _ = self._runner.transact(
+            "push", lambda planner: planner.push(self._runner.state, chunk, label)
         )
-        plan, _ = self._runner.transact("push", build)
         return plan.admitted[0]
 
     def extend(self, items: Sequence[Item], *, labels: Sequence[str | None] | None = None) -> list[ChunkRef]:
@@ -241,7 +243,8 @@ class KameraWindow:
 
         Mutates: the window (admits the chunks, may evict), the store.
         """
-        plan, _ = self._runner.transact("extend", self._builders.extend(items, labels=labels))
+        chunks = self._inputs.labelled(items, labels)
+        plan, _ = self._runner.transact("extend", lambda planner: planner.extend(self._runner.state, chunks))
         return list(plan.admitted)
 
     def replace(
@@ -272,17 +275,12 @@ class KameraWindow:
 
         Mutates: the window (admits the chunks, evicts ``ref``, may evict more), the store.
         """
-        build = self._builders.replace(
-            ref,
-            item,
-            label=label,
-            kind=kind,
-            caption=caption,
-            channel_order=channel_order,
-            append=append,
-            append_labels=append_labels,
+        self._inputs.in_window(ref)
+        chunk = self._inputs.item(item, kind, caption, channel_order, label)
+        extra = self._inputs.labelled(append, append_labels) if append else []
+        plan, _ = self._runner.transact(
+            "replace", lambda planner: planner.replace(self._runner.state, ref, chunk, label, extra)
         )
-        plan, _ = self._runner.transact("replace", build)
         return plan.admitted[0]
 
     def reorder(self, refs: Sequence[ChunkRef]) -> None:
@@ -293,14 +291,19 @@ class KameraWindow:
 
         Mutates: the window's order and patches; the store (patches formed).
         """
-        self._runner.transact("reorder", self._builders.reorder(refs))
+        self._runner.transact("reorder", lambda planner: planner.reorder(self._runner.state, refs))
 
     def slide(self, n: int = 1) -> list[ChunkRef]:
         """Evict the ``n`` leftmost chunks; returns them. Survivors only rotate (by default).
 
         Mutates: the window.
         """
-        plan, _ = self._runner.transact("slide", self._builders.slide(n))
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise WindowError(f"slide needs an int n >= 0, got {n!r}")
+        runner = self._runner
+        plan, _ = runner.transact(
+            "slide", lambda planner: planner.remove(runner.state, runner.state.order[:n], "slide")
+        )
         return list(plan.evicted)
 
     def evict(self, ref: ChunkRef, *more: ChunkRef) -> None:
@@ -312,7 +315,12 @@ class KameraWindow:
 
         Mutates: the window.
         """
-        self._runner.transact("evict", self._builders.evict(ref, *more))
+        refs = [ref, *more]
+        if len(set(refs)) != len(refs):
+            raise DuplicateChunkError("evict names a chunk twice; name each chunk once")
+        for each in refs:
+            self._inputs.in_window(each)
+        self._runner.transact("evict", lambda planner: planner.remove(self._runner.state, refs, "evict"))
 
     def recall(self, ref: ChunkRef, at: int | None = None) -> ChunkRef:
         """Re-admit an evicted chunk at index ``at`` (default: the right end).
@@ -323,7 +331,7 @@ class KameraWindow:
 
         Mutates: the window, the store (patches formed).
         """
-        self._runner.transact("recall", self._builders.recall(ref, at))
+        self._runner.transact("recall", lambda planner: planner.recall(self._runner.state, ref, at))
         return ref
 
     def forget(self, ref: ChunkRef) -> None:
@@ -332,7 +340,7 @@ class KameraWindow:
 
         Mutates: the window.
         """
-        if self._builders.entry(ref).in_window:
+        if self._inputs.entry(ref).in_window:
             raise ChunkInWindowError(f"{ref} is in the window; evict it before forgetting it")
         state = self._runner.state
         state.remove(ref)
@@ -359,8 +367,12 @@ class KameraWindow:
 
         Mutates: the window (admits the chunks, may evict), the store.
         """
-        build = self._builders.message(role, content, opened=opened, closed=closed, labels=labels)
-        plan, _ = self._runner.transact("extend", build)
+        parts = [content] if isinstance(content, str) else list(content)
+        message = self._inputs.conversation().message(
+            role, parts, opened=opened, closed=closed, labels=labels
+        )
+        chunks = [(self._inputs.check_size(chunk), chunk.label) for chunk in message]
+        plan, _ = self._runner.transact("extend", lambda planner: planner.extend(self._runner.state, chunks))
         return list(plan.admitted)
 
     def ask(
@@ -432,7 +444,7 @@ class KameraWindow:
         last greedy ``ask`` of the same query when nothing changed since (then the probe is one
         decode), else it is decoded too.
         """
-        self._builders.in_window(ref)
+        self._inputs.in_window(ref)
         config = DecodeConfig(max_new_tokens=max_new_tokens)
         query_ids = self._parts.query_ids(query)
         self._parts.core.check_fits(self._runner.end(), query_ids, config)
@@ -463,7 +475,7 @@ class KameraWindow:
     def chunk_kv(self, ref: ChunkRef) -> ChunkKV:
         """``ref``'s KV at its place in the window, exactly what ``state_of(ref)`` says it encodes
         (a lazily deferred patch is not formed by this read: the chunk is then its canonical)."""
-        self._builders.in_window(ref)
+        self._inputs.in_window(ref)
         kv, _ = self._runner.read("kv", lambda executor: executor.placed_kv(ref), materialize=False)
         return kv
 

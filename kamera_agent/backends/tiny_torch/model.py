@@ -81,28 +81,31 @@ class _Attention(nn.Module):
         self.v = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
         self.o = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rotation: torch.Tensor,
-        cache: TinyKVCache,
-        layer: int,
-        hidden: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, run: _Pass, layer: int) -> torch.Tensor:
         c, n = self.c, int(x.shape[0])
-        q = _rope(self.q(x).view(n, c.heads, c.head_dim).transpose(0, 1), rotation)  # [H, n, D]
-        k = _rope(self.k(x).view(n, c.kv_heads, c.head_dim).transpose(0, 1), rotation)  # [Hk, n, D]
+        q = _rope(self.q(x).view(n, c.heads, c.head_dim).transpose(0, 1), run.rotation)  # [H, n, D]
+        k = _rope(self.k(x).view(n, c.kv_heads, c.head_dim).transpose(0, 1), run.rotation)  # [Hk, n, D]
         v = self.v(x).view(n, c.kv_heads, c.head_dim).transpose(0, 1)
-        keys, values = cache.append(layer, k, v)  # [Hk, S, D]: the cache holds keys rotated
+        keys, values = run.cache.append(layer, k, v)  # [Hk, S, D]: the cache holds keys rotated
         group = c.heads // c.kv_heads  # query head h reads kv head h // group
         keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
         scores = q @ keys.transpose(1, 2) / math.sqrt(c.head_dim)  # [H, n, S]
         visible = torch.ones(n, keys.shape[1], dtype=torch.bool).tril(keys.shape[1] - n)  # causal by slot
-        if hidden is not None:
-            visible = visible & ~hidden
+        if run.hidden is not None:
+            visible = visible & ~run.hidden
         weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out: torch.Tensor = self.o((weights @ values).transpose(0, 1).reshape(n, c.heads * c.head_dim))
         return out
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """What every layer of one forward shares: the rotation of the new tokens' positions
+    (``[n, D/2]`` complex), the cache they append to, the slots hidden from them."""
+
+    rotation: torch.Tensor
+    cache: TinyKVCache
+    hidden: torch.Tensor | None
 
 
 class _Block(nn.Module):
@@ -114,15 +117,8 @@ class _Block(nn.Module):
         self.up = nn.Linear(c.hidden, c.mlp, bias=False)
         self.down = nn.Linear(c.mlp, c.hidden, bias=False)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rotation: torch.Tensor,
-        cache: TinyKVCache,
-        layer: int,
-        hidden: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rotation, cache, layer, hidden)
+    def forward(self, x: torch.Tensor, run: _Pass, layer: int) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), run, layer)
         h = self.mlp_norm(x)
         out: torch.Tensor = x + self.down(F.silu(self.gate(h)) * self.up(h))  # SwiGLU
         return out
@@ -190,7 +186,7 @@ class TinyRopeLM(nn.Module):
         """
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [n, D/2] float32
         rotation = torch.polar(torch.ones_like(angles), angles)  # cos + i sin, in float32
-        x = embeds
+        x, run = embeds, _Pass(rotation, cache, hidden)
         for layer, block in enumerate(self.layers):
-            x = block(x, rotation, cache, layer, hidden)
+            x = block(x, run, layer)
         return self.norm(x), cache

@@ -128,9 +128,8 @@ def web(contents: Contents, counts: AgentCounts) -> Script:
             builder.extend(new)
         shots.append(shot.label)
         kind = "replace+append" if detail else "append"
-        builder.step(
-            kind, f"{line.label}, {shot.label}{detail}", next(questions) if (k + 1) % every == 0 else None
-        )
+        asked = next(questions) if (k + 1) % every == 0 else None
+        builder.step(kind, f"{line.label}, {shot.label}{detail}", asked)
     return builder.build()
 
 
