@@ -35,6 +35,7 @@ from kamera_agent.results import Answer
 __all__ = [
     "Answer",
     "Backend",
+    "Capabilities",
     "DecodeConfig",
     "Decoded",
     "Prefilled",
@@ -153,6 +154,23 @@ class DecodeConfig:
             raise SettingsError("; ".join(problems))
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine offers beyond the primitives every engine has (all off by default).
+
+    Attributes:
+        vision: a vision tower (`Backend.encode_vision`).
+        mla: MLA models (DeepSeek-V2/V3's latent plus rope band).
+        extend: `Backend.assemble` onto a kept cache and `Backend.crop`.
+        gaps: `Backend.prefill` with ``starts`` and ``sees`` (placed chunks between a run's members).
+    """
+
+    vision: bool = False
+    mla: bool = False
+    extend: bool = False
+    gaps: bool = False
+
+
 class Backend(ABC):
     """One inference engine behind a handful of primitives that report their own costs.
 
@@ -166,28 +184,32 @@ class Backend(ABC):
     fingerprint: str
     encoder: ChunkEncoder
 
+    capabilities: Capabilities = Capabilities()
+    """What the engine offers beyond the primitives (set by each engine; read through the
+    ``supports_*`` properties where each matters)."""
+
     @property
     def supports_vision(self) -> bool:
         """Whether `encode_vision` runs a vision tower (image chunks can be admitted)."""
-        return False
+        return self.capabilities.vision
 
     @property
     def supports_mla(self) -> bool:
         """Whether the engine runs MLA models (a latent plus a rope band, DeepSeek-V2/V3): the
         core refuses an MLA layout on an engine that does not (`UnsupportedModelError`)."""
-        return False
+        return self.capabilities.mla
 
     @property
     def supports_extend(self) -> bool:
         """`assemble` can append onto an assembled cache and `crop` can cut one back: a window
         then reuses its assembled cache across answers for the chunks that did not move."""
-        return False
+        return self.capabilities.extend
 
     @property
     def supports_gaps(self) -> bool:
         """`prefill` takes ``starts`` and ``sees``: formations with placed chunks between them (a
         replacement mid-window and new chunks at the end) then share one forward."""
-        return False
+        return self.capabilities.gaps
 
     @property
     @abstractmethod

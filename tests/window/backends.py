@@ -9,6 +9,7 @@ the plain-torch backend that proves the engine seam.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from functools import cache
 from typing import Any
 
@@ -48,26 +49,11 @@ class CountingBackend(Backend):
         self.inner, self.calls = inner, {"prefill": 0, "encode_vision": 0, "assemble": 0, "decode": 0}
         self.fail_prefill_at = fail_prefill_at
         self.layout, self.fingerprint, self.encoder = inner.layout, inner.fingerprint, inner.encoder
-        self._extend = inner.supports_extend if extend is None else extend
+        extended = inner.capabilities.extend if extend is None else extend
+        self.capabilities = replace(inner.capabilities, extend=extended)
         self.calls["crop"] = 0
         self.assembles: list[tuple[int, bool]] = []
         """Each `assemble` call: how many placed pieces, and whether it appended onto a cache."""
-
-    @property
-    def supports_vision(self) -> bool:
-        return self.inner.supports_vision
-
-    @property
-    def supports_mla(self) -> bool:
-        return self.inner.supports_mla
-
-    @property
-    def supports_extend(self) -> bool:
-        return self._extend
-
-    @property
-    def supports_gaps(self) -> bool:
-        return self.inner.supports_gaps
 
     @property
     def device(self) -> Any:

@@ -4,6 +4,7 @@ settings, forks built like windows, the window's own encoder, capability flags t
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -110,10 +111,7 @@ def test_an_engine_without_mla_refuses_an_mla_model_by_name() -> None:
     mla = text_backend("deepseek_v2")
     assert mla.layout.kind == "mla" and mla.supports_mla
 
-    class NoMLA(CountingBackend):
-        @property
-        def supports_mla(self) -> bool:
-            return False
-
+    no_mla = CountingBackend(mla)
+    no_mla.capabilities = replace(mla.capabilities, mla=False)
     with pytest.raises(UnsupportedModelError, match="does not run MLA"):
-        KameraWindow(NoMLA(mla))
+        KameraWindow(no_mla)

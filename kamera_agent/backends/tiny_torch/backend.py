@@ -19,6 +19,7 @@ import torch
 
 from kamera_agent.backends.base import (
     Backend,
+    Capabilities,
     DecodeConfig,
     Decoded,
     Prefilled,
@@ -82,20 +83,9 @@ class TinyTorchBackend(Backend):
         self.encoder = ChunkEncoder(
             self.tokenizer, self.image_processor, TINY_PROMPT, self.positions, self.fingerprint, merge_size=1
         )
+        self.capabilities = Capabilities(vision=True, extend=True, gaps=True)
 
-    # -- what it offers, where it runs -------------------------------------------------------
-    @property
-    def supports_vision(self) -> bool:
-        return True
-
-    @property
-    def supports_extend(self) -> bool:
-        return True
-
-    @property
-    def supports_gaps(self) -> bool:
-        return True
-
+    # -- where it runs ------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")

@@ -18,6 +18,7 @@ import torch
 
 from kamera_agent.backends.base import (
     Backend,
+    Capabilities,
     DecodeConfig,
     Decoded,
     Prefilled,
@@ -92,27 +93,12 @@ class TransformersBackend(Backend):
         )
         self._eos = eos_token_ids(model, tokenizer)
         # Flash-style kernels take no custom 4-D mask: formations across gaps run apart.
-        self._gaps = getattr(model.config, "_attn_implementation", None) in MASKED_ATTENTION
+        gaps = getattr(model.config, "_attn_implementation", None) in MASKED_ATTENTION
+        self.capabilities = Capabilities(vision=self.parts.has_vision, mla=True, extend=True, gaps=gaps)
         self.anchor: Chunk = self.encoder.anchor()
         """The anchor chunk every window starts with (the one the encoder gives)."""
 
-    # -- what it offers, where it runs -------------------------------------------------------
-    @property
-    def supports_vision(self) -> bool:
-        return self.parts.has_vision
-
-    @property
-    def supports_mla(self) -> bool:
-        return True
-
-    @property
-    def supports_extend(self) -> bool:
-        return True
-
-    @property
-    def supports_gaps(self) -> bool:
-        return self._gaps
-
+    # -- where it runs ------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
         return self.parts.device
