@@ -7,6 +7,7 @@ forward?), so each op returns a small frozen object rather than tuples or sentin
 from __future__ import annotations
 
 import warnings
+from collections.abc import Hashable
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -78,7 +79,7 @@ class Answer:
         logits: ``[steps, vocab]`` float32 logits of each generated step, if asked for.
         first_logits: ``[vocab]`` logits of the first generated token (always kept: the basis of
             fidelity checks such as KL to re-prefill).
-        finish_reason: ``"eos"``, ``"stop"`` or ``"length"``.
+        finish_reason: ``"eos"``, ``"stop"``, ``"length"`` or ``"cancelled"`` (``keep_going`` said stop).
         cost: what producing it cost, when it came from a window operation.
     """
 
@@ -128,6 +129,8 @@ class Edit:
         detail: why, in words.
         forwards: forwards this edit runs.
         tokens: tokens those forwards prefill.
+        ref: the window's `ChunkRef` of the chunk (``None`` where an edit names none, a probe's
+            eviction); not part of an edit's equality.
     """
 
     kind: EditKind
@@ -135,6 +138,7 @@ class Edit:
     detail: str = ""
     forwards: int = 0
     tokens: int = 0
+    ref: Hashable | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

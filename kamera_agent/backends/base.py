@@ -126,6 +126,8 @@ class DecodeConfig:
         return_logits: keep the logits of every generated step.
         on_text: called with each new piece of the answer's text as it is decoded; text that
             may be the start of a stop string is held back until it cannot be.
+        keep_going: asked before each generated token; ``False`` ends the answer there with
+            ``finish_reason="cancelled"`` (a server's client went away).
     """
 
     max_new_tokens: int = 32
@@ -136,6 +138,7 @@ class DecodeConfig:
     stop: tuple[str, ...] = ()
     return_logits: bool = False
     on_text: Callable[[str], None] | None = None
+    keep_going: Callable[[], bool] | None = None
 
     def __post_init__(self) -> None:
         """Refuse what ``generate`` refuses (a setting that would decode nonsense or nothing)."""

@@ -47,6 +47,9 @@ def decode_loop(
     position, finish, text = start + n_query, "length", ""
     stream = _Stream(config.on_text, config.stop)
     for _ in range(config.max_new_tokens):
+        if config.keep_going is not None and not config.keep_going():
+            finish = "cancelled"  # e.g. the client went away: no step more
+            break
         if config.return_logits:
             steps.append(logits.detach().to("cpu"))
         token = pick_token(logits, config, generator)
@@ -81,9 +84,11 @@ def decode_loop(
 
 def decoded_tokens(answer: Answer) -> int:
     """Answer tokens the loop fed back through the model: all but the last one, which ended the
-    answer, unless an EOS (never kept in ``tokens``) did. A prompt's own prefill is an answer's
-    ``tokens_prefilled`` less these."""
-    return len(answer.tokens) if answer.finish_reason == "eos" else max(0, len(answer.tokens) - 1)
+    answer, unless an EOS (never kept in ``tokens``) or a cancellation ended it. A prompt's own
+    prefill is an answer's ``tokens_prefilled`` less these."""
+    if answer.finish_reason in ("eos", "cancelled"):
+        return len(answer.tokens)
+    return max(0, len(answer.tokens) - 1)
 
 
 class _Stream:

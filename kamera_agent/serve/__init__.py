@@ -4,14 +4,17 @@
 it behind HTTP; `sync_window` is the request-to-window diff; `read_turns` reads messages.
 """
 
+from kamera_agent.serve.media import ImageFetching, MediaPolicy
 from kamera_agent.serve.server import Completion, KameraServer, ServeSettings
 from kamera_agent.serve.sync import SyncReport, sync_window
-from kamera_agent.serve.turns import ImageFetching, read_turns
+from kamera_agent.serve.turns import Limits, read_turns
 
 __all__ = [
     "Completion",
     "ImageFetching",
     "KameraServer",
+    "Limits",
+    "MediaPolicy",
     "ServeSettings",
     "SyncReport",
     "read_turns",

@@ -2,9 +2,16 @@
 
 Why FastAPI + uvicorn: the de-facto ASGI stack for OpenAI-compatible servers (vLLM's and
 SGLang's are built on it), with request parsing, streaming responses and a production server
-we do not have to write. The model runs one forward at a time, in a worker thread; a streamed
-answer is handed to the client through a queue, so a slow reader never holds the model up
-for the others: generation runs to its end whether or not the client keeps up.
+we do not have to write. What faces strangers is here:
+
+- with API keys set, every route but ``/health`` needs ``Authorization: Bearer <key>`` (401
+  otherwise), and the key names the request's tenant;
+- a body is read with a byte limit (413, never read whole) within ``read_timeout`` (408), and
+  parsed with nesting that cannot exhaust the parser (400);
+- every error is an OpenAI-style JSON body, unknown routes and unexpected faults included;
+- the model runs one forward at a time, in a worker thread; a streamed answer is handed to the
+  client through a queue, and a client that goes away (mid-stream, or while waiting for a
+  plain answer) stops its generation at the next decode step, freeing the model.
 """
 
 from __future__ import annotations
@@ -20,11 +27,66 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kamera_agent.serve.protocol import ChatRequest, RequestError, error_body
 from kamera_agent.serve.server import Completion, KameraServer
 
-__all__ = ["create_app"]
+__all__ = ["Cancellation", "create_app"]
+
+_OPEN = frozenset({"/health"})
+"""Routes that answer without a key (a load balancer's liveness probe)."""
+
+
+class Cancellation:
+    """A request's generation, stoppable when its client goes away: ``keep_going`` is asked
+    before each decode step; ``cancel`` is called when the client is seen gone."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.steps = 0
+        self.steps_at_cancel: int | None = None
+
+    def keep_going(self) -> bool:
+        if self._event.is_set():
+            return False
+        self.steps += 1
+        return True
+
+    def cancel(self) -> None:
+        if not self._event.is_set():
+            self.steps_at_cancel = self.steps
+            self._event.set()
+
+    @property
+    def after_cancel(self) -> int:
+        """Decode steps begun after the client was seen gone (0 or 1: the one in flight)."""
+        return 0 if self.steps_at_cancel is None else self.steps - self.steps_at_cancel
+
+
+class _Tenants:
+    """Names each request's tenant by its API key (``scope["state"]["tenant"]``), refusing with a
+    401 every route but the open ones when the key is not the server's (a plain ASGI middleware:
+    it wraps no response, so streaming and disconnects pass through untouched)."""
+
+    def __init__(self, app: Any, server: KameraServer) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        tenant = self.server.settings.tenant_of(header.decode("latin-1"))
+        if tenant is None and scope["path"] not in _OPEN:
+            refused = RequestError(
+                401, "a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key"
+            )
+            response = _refused(self.server, refused, headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        scope.setdefault("state", {})["tenant"] = tenant
+        await self.app(scope, receive, send)
 
 
 def create_app(server: KameraServer) -> FastAPI:
@@ -32,56 +94,108 @@ def create_app(server: KameraServer) -> FastAPI:
     app = FastAPI(title="kamera serve", version="1")
     name = server.settings.model_name
 
+    app.add_middleware(_Tenants, server=server)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(raw: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _refused(server, RequestError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def fault(raw: Request, exc: Exception) -> JSONResponse:  # a bug: JSON, and the server goes on
+        return _refused(server, RequestError(500, f"internal error ({type(exc).__name__})"))
+
     @app.get("/health")
-    def health() -> dict[str, Any]:
+    async def health() -> dict[str, Any]:
         return {"status": "ok", "model": name, "sessions": len(server.sessions)}
 
     @app.get("/v1/models")
-    def models() -> dict[str, Any]:
+    async def models() -> dict[str, Any]:
         return {
             "object": "list",
             "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kamera-agent"}],
         }
 
     @app.get("/metrics")
-    def metrics() -> PlainTextResponse:
+    async def metrics() -> PlainTextResponse:
         return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")
     async def chat(raw: Request) -> Response:
         try:
-            request = ChatRequest.model_validate(await _json(raw))
+            request = ChatRequest.model_validate(await _json(raw, server))
         except RequestError as exc:
             return _refused(server, exc)
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             return _refused(server, RequestError(400, f"{where}: {first['msg']}", param=where))
-        if not request.stream:
-            try:
-                done = await run_in_threadpool(server.complete, request)
-            except RequestError as exc:
-                return _refused(server, exc)
-            except Exception as exc:  # a bug: an OpenAI-style 500 for this request, the server goes on
-                return _refused(server, RequestError(500, f"internal error: {type(exc).__name__}: {exc}"))
-            server.metrics.request(200)
-            return JSONResponse(_completion(done))
-        return await _streamed(server, request)
+        tenant = raw.state.tenant
+        if request.stream:
+            return await _streamed(server, request, tenant)
+        return await _plain(server, raw, request, tenant)
 
     return app
 
 
-async def _json(raw: Request) -> Any:
+async def _json(raw: Request, server: KameraServer) -> Any:
+    """The body as JSON: at most ``max_request_bytes`` read, within ``read_timeout``."""
+    limit = server.settings.max_request_bytes
+    declared = raw.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(413, f"the body is over the limit of {limit} bytes", code="request_too_large")
+
+    async def read() -> bytes:
+        body = bytearray()
+        async for piece in raw.stream():
+            body += piece
+            if len(body) > limit:
+                raise RequestError(
+                    413, f"the body is over the limit of {limit} bytes", code="request_too_large"
+                )
+        return bytes(body)
+
     try:
-        return json.loads(await raw.body())
+        body = await asyncio.wait_for(read(), timeout=server.settings.read_timeout)
+    except asyncio.TimeoutError as exc:
+        raise RequestError(408, "the body did not arrive in time", code="request_timeout") from exc
+    try:
+        return json.loads(body)
+    except RecursionError as exc:
+        raise RequestError(400, "the body is nested too deeply") from exc
     except ValueError as exc:
-        raise RequestError(400, f"the body is not JSON ({exc})") from exc
+        raise RequestError(400, "the body is not JSON") from exc
 
 
-def _refused(server: KameraServer, exc: RequestError) -> JSONResponse:
+def _refused(server: KameraServer, exc: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
     server.metrics.request(exc.status)
     kind = "invalid_request_error" if exc.status < 500 else "server_error"
-    return JSONResponse(error_body(exc.message, kind, exc.param, exc.code), status_code=exc.status)
+    if exc.status == 429:
+        headers = {**(headers or {}), "Retry-After": "1"}
+    return JSONResponse(
+        error_body(exc.message, kind, exc.param, exc.code), status_code=exc.status, headers=headers
+    )
+
+
+async def _plain(server: KameraServer, raw: Request, request: ChatRequest, tenant: str) -> Response:
+    """A whole answer; a client that disconnects while it waits stops the generation."""
+    cancellation = Cancellation()
+    task = asyncio.ensure_future(
+        run_in_threadpool(server.complete, request, tenant=tenant, keep_going=cancellation.keep_going)
+    )
+    while not task.done():
+        await asyncio.wait([task], timeout=0.25)
+        if not task.done() and await raw.is_disconnected():
+            cancellation.cancel()
+    try:
+        done = task.result()
+    except RequestError as exc:
+        return _refused(server, exc)
+    except Exception as exc:  # a bug: an OpenAI-style 500 for this request, the server goes on
+        return _refused(server, RequestError(500, f"internal error ({type(exc).__name__})"))
+    if cancellation.steps_at_cancel is not None:
+        server.metrics.after_cancel(cancellation.after_cancel)
+    server.metrics.request(200)
+    return JSONResponse(_completion(done))
 
 
 def _completion(done: Completion) -> dict[str, Any]:
@@ -102,26 +216,36 @@ def _completion(done: Completion) -> dict[str, Any]:
     }
 
 
-async def _streamed(server: KameraServer, request: ChatRequest) -> Response:
+async def _streamed(server: KameraServer, request: ChatRequest, tenant: str) -> Response:
     """Runs the request in a thread, streaming its text; a request refused before its first
-    token gets a plain 4xx, as a non-streamed one would."""
+    token gets a plain 4xx, as a non-streamed one would. A client gone mid-stream stops it."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    cancellation = Cancellation()
 
     def put(kind: str, value: Any) -> None:
         loop.call_soon_threadsafe(events.put_nowait, (kind, value))
 
     def work() -> None:
         try:
-            put("done", server.complete(request, on_text=lambda text: put("text", text)))
+            done = server.complete(
+                request,
+                tenant=tenant,
+                on_text=lambda text: put("text", text),
+                keep_going=cancellation.keep_going,
+            )
+            if cancellation.steps_at_cancel is not None:
+                server.metrics.after_cancel(cancellation.after_cancel)
+            put("done", done)
         except RequestError as exc:
             put("refused", exc)
         except Exception as exc:  # reported to this client; the server keeps serving
-            put("refused", RequestError(500, f"internal error: {type(exc).__name__}: {exc}"))
+            put("refused", RequestError(500, f"internal error ({type(exc).__name__})"))
 
     threading.Thread(target=work, name="kamera-request", daemon=True).start()
     first = await events.get()
     if first[0] == "refused":
+        cancellation.cancel()
         return _refused(server, first[1])
     server.metrics.request(200)
     stamp = {
@@ -132,23 +256,31 @@ async def _streamed(server: KameraServer, request: ChatRequest) -> Response:
     usage = bool((request.stream_options or {}).get("include_usage"))
 
     async def body() -> AsyncIterator[bytes]:
-        yield _event(stamp, {"role": "assistant", "content": ""})
-        kind, value = first
-        while True:
-            if kind == "text":
-                yield _event(stamp, {"content": value})
-            elif kind == "done":
-                yield _event(stamp, {}, finish=value.finish_reason, kamera=value.kamera())
-                if usage:
-                    yield _data(
-                        {**stamp, "object": "chat.completion.chunk", "choices": [], "usage": value.usage()}
-                    )
-                break
-            else:  # refused after streaming began: say so in the stream and end it
-                yield _data(error_body(value.message, "server_error", value.param, value.code))
-                break
-            kind, value = await events.get()
-        yield b"data: [DONE]\n\n"
+        try:
+            yield _event(stamp, {"role": "assistant", "content": ""})
+            kind, value = first
+            while True:
+                if kind == "text":
+                    yield _event(stamp, {"content": value})
+                elif kind == "done":
+                    yield _event(stamp, {}, finish=value.finish_reason, kamera=value.kamera())
+                    if usage:
+                        yield _data(
+                            {
+                                **stamp,
+                                "object": "chat.completion.chunk",
+                                "choices": [],
+                                "usage": value.usage(),
+                            }
+                        )
+                    break
+                else:  # refused after streaming began: say so in the stream and end it
+                    yield _data(error_body(value.message, "server_error", value.param, value.code))
+                    break
+                kind, value = await events.get()
+            yield b"data: [DONE]\n\n"
+        finally:  # the client went away (or the stream ended): no decode step more for it
+            cancellation.cancel()
 
     return StreamingResponse(body(), media_type="text/event-stream")
 

@@ -29,7 +29,30 @@ def add_serve_parser(commands: Any) -> None:
     )
     serve.add_argument("--max-tokens", type=int, default=256, help="answer length when a request gives none")
     serve.add_argument(
-        "--fetch-images", action="store_true", help="fetch http(s) image URLs (off: data: and file:// only)"
+        "--fetch-images", action="store_true", help="fetch http(s) image URLs (off: data: URLs only)"
+    )
+    serve.add_argument(
+        "--fetch-private-images",
+        action="store_true",
+        help="with --fetch-images: also fetch from private, loopback and link-local addresses",
+    )
+    serve.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="read file:// image URLs of regular files under this folder (off: none)",
+    )
+    serve.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY)")
+    serve.add_argument(
+        "--api-keys",
+        default=None,
+        help='a JSON file of keys to tenant names ({"KEY": "tenant"}); each key a tenant',
+    )
+    serve.add_argument(
+        "--max-request-bytes", type=int, default=32 << 20, help="the largest request body read (413 past it)"
+    )
+    serve.add_argument("--max-messages", type=int, default=1024, help="messages one request may carry")
+    serve.add_argument(
+        "--max-queued", type=int, default=8, help="requests of one tenant in the server at once (429 past it)"
     )
 
 
@@ -39,6 +62,11 @@ def run_serve_command(args: argparse.Namespace, console: Console) -> int:
     from kamera_agent.serve.app import create_app
 
     server = build_server(args)
+    if server.settings.api_keys is None and args.host not in _LOOPBACK:
+        console.print(
+            f"[yellow]warning: listening on {args.host} with no API key: every client is one tenant and "
+            "can read and steer every session; pass --api-key or --api-keys[/yellow]"
+        )
     console.print(
         f"kamera serve: {server.settings.model_name} on http://{args.host}:{args.port}/v1 "
         f"(store: {server.store.remote or 'this process'})"
@@ -52,8 +80,9 @@ def build_server(args: argparse.Namespace) -> Any:
     from kamera_agent.backends.base import Backend
     from kamera_agent.backends.transformers import TransformersBackend
     from kamera_agent.config import WindowConfig
+    from kamera_agent.serve.media import ImageFetching
     from kamera_agent.serve.server import KameraServer, ServeSettings
-    from kamera_agent.serve.turns import ImageFetching
+    from kamera_agent.serve.turns import Limits
     from kamera_agent.window.setup import resolve_backend
 
     config = WindowConfig(**json.loads(Path(args.config).read_text())) if args.config else WindowConfig()
@@ -72,7 +101,28 @@ def build_server(args: argparse.Namespace) -> Any:
         config=config,
         max_sessions=args.max_sessions,
         idle_seconds=args.idle_timeout,
-        fetching=ImageFetching(enabled=args.fetch_images),
+        fetching=ImageFetching(enabled=args.fetch_images, allow_private=args.fetch_private_images),
+        local_media=Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
         max_tokens=args.max_tokens,
+        api_keys=_api_keys(args),
+        limits=Limits(max_messages=args.max_messages),
+        max_request_bytes=args.max_request_bytes,
+        max_queued=args.max_queued,
     )
     return KameraServer(backend, settings)
+
+
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def _api_keys(args: argparse.Namespace) -> dict[str, str] | None:
+    """Key → tenant from ``--api-key`` (the tenant ``"default"``) and ``--api-keys FILE``."""
+    keys: dict[str, str] = {}
+    if args.api_keys:
+        loaded = json.loads(Path(args.api_keys).read_text())
+        if not isinstance(loaded, dict) or not all(isinstance(v, str) for v in loaded.values()):
+            raise SystemExit(f'--api-keys {args.api_keys}: expected a JSON object {{"KEY": "tenant", ...}}')
+        keys.update(loaded)
+    if args.api_key:
+        keys[args.api_key] = "default"
+    return keys or None

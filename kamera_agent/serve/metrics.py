@@ -10,8 +10,10 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 from kamera_agent.results import OpCost
+from kamera_agent.serve.usage import PromptSplit
 
 __all__ = ["Metrics"]
 
@@ -25,17 +27,31 @@ class Metrics:
         self.counts: Counter[str] = Counter()
         self.ops: Counter[str] = Counter()
         self.statuses: Counter[int] = Counter()
+        self.sources: Counter[str] = Counter()
 
     def request(self, status: int) -> None:
         with self._lock:
             self.statuses[status] += 1
 
-    def served(self, prompt: int, cached: int, completion: int, ops: list[tuple[str, OpCost]]) -> None:
-        """A served request: its usage and the cost of every op it ran (the ask included)."""
+    def served(
+        self,
+        usage: dict[str, Any],
+        split: PromptSplit,
+        spent: int,
+        ops: list[tuple[str, OpCost]],
+        *,
+        cancelled: bool = False,
+    ) -> None:
+        """A served request: its usage, where its prompt came from, the forward work on its prompt
+        side (``spent``), and the cost of every op it ran (the ask included)."""
         with self._lock:
-            self.counts["prompt_tokens"] += prompt
-            self.counts["cached_tokens"] += cached
-            self.counts["completion_tokens"] += completion
+            self.counts["prompt_tokens"] += usage["prompt_tokens"]
+            self.counts["cached_tokens"] += usage["prompt_tokens_details"]["cached_tokens"]
+            self.counts["completion_tokens"] += usage["completion_tokens"]
+            self.counts["tokens_beyond_prompt"] += max(0, spent - usage["prompt_tokens"])
+            self.counts["cancelled"] += int(cancelled)
+            for source, tokens in split.as_dict().items():
+                self.sources[source] += tokens
             for op, cost in ops:
                 self.ops[op] += 1
                 self.counts["tokens_prefilled"] += cost.tokens_prefilled
@@ -43,9 +59,15 @@ class Metrics:
                 self.counts["forwards"] += cost.forwards
                 self.counts["vision_encodes"] += cost.vision_encodes
 
+    def after_cancel(self, tokens: int) -> None:
+        """Answer tokens decoded after a request's client was seen to go away."""
+        with self._lock:
+            self.counts["tokens_after_cancel"] += tokens
+
     def render(self) -> str:
         with self._lock:
             counts, ops, statuses = dict(self.counts), dict(self.ops), dict(self.statuses)
+            sources = dict(self.sources)
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
@@ -67,8 +89,18 @@ class Metrics:
             ("tokens_reused", "chunk tokens served from the store with no forward"),
             ("forwards", "language-model forwards run"),
             ("vision_encodes", "vision-tower runs"),
+            ("tokens_beyond_prompt", "prompt-side tokens forwards computed beyond the prompt (re-forming)"),
+            ("cancelled", "requests whose client went away during the answer (generation stopped)"),
+            ("tokens_after_cancel", "answer tokens decoded after a client was seen to go away"),
         ):
             metric(f"{name}_total", "counter", help_text, [("", counts.get(name, 0))])
+        metric(
+            "prompt_tokens_by_source_total",
+            "counter",
+            "prompt tokens by where they came from (as vLLM's vllm:prompt_tokens_by_source): prefix, "
+            "relocated, patched, kept (approximate), prefilled; they add up to prompt_tokens_total",
+            [(f'{{source="{k}"}}', n) for k, n in sorted(sources.items())] or [("", 0)],
+        )
         metric(
             "ops_total",
             "counter",

@@ -32,8 +32,9 @@ class ChatRequest(BaseModel):
     """``POST /v1/chat/completions``: the fields we serve (others are refused or ignored, below).
 
     kamera's own fields ride in the body (the official client's ``extra_body``): ``session_id``
-    pins a conversation to a window; ``kamera`` holds `WindowConfig` overrides for a new
-    session (``{"rank": "full"}``) or ``{"preset": "exact"}``.
+    (or OpenAI's ``prompt_cache_key``, or ``user``) pins a conversation to a window within the
+    caller's tenant; ``kamera`` holds fidelity overrides for a new session (``{"rank": "full"}``)
+    or ``{"preset": "exact"}``.
     """
 
     model_config = ConfigDict(extra="allow")
@@ -45,14 +46,20 @@ class ChatRequest(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = 1
-    user: str | None = None
-    session_id: str | None = None
+    user: str | None = Field(default=None, max_length=256)
+    session_id: str | None = Field(default=None, max_length=256)
+    prompt_cache_key: str | None = Field(default=None, max_length=256)
     kamera: dict[str, Any] | None = None
     tools: list[Any] | None = None
+
+    @property
+    def pinned(self) -> str | None:
+        """The name the client gives its conversation, if any (a session within its tenant)."""
+        return self.session_id or self.prompt_cache_key or self.user
 
     @property
     def stops(self) -> tuple[str, ...]:

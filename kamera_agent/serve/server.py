@@ -1,9 +1,11 @@
 """One model behind chat completions: requests become window edits, answers carry true usage.
 
 Why a class apart from the HTTP app: everything that decides what a request costs (which
-session, which ops, what was reused) is plain Python, testable without sockets, and runs under
-one lock because the model runs one forward at a time. The app (`kamera_agent.serve.app`) only
-moves bytes and streams.
+tenant and session, which ops, what was reused) is plain Python, testable without sockets.
+The model runs one forward at a time, so the window edit and the answer run under one lock;
+everything else a request needs (validating it, fetching and decoding its new images,
+tokenizing and hashing its new messages, checking its question fits) runs before it, outside
+the lock, and a tenant may have only so many requests waiting for it.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -22,19 +27,28 @@ from kamera_agent.backends.decoding import decoded_tokens
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import ContextOverflowError, KameraError
 from kamera_agent.results import Answer, OpCost
+from kamera_agent.serve.media import ImageFetching, MediaPolicy
+from kamera_agent.serve.messages import MessageChunks, Prepared
 from kamera_agent.serve.metrics import Metrics
 from kamera_agent.serve.protocol import ChatRequest, RequestError
 from kamera_agent.serve.sessions import SessionPool
 from kamera_agent.serve.sync import SyncReport, sync_window
-from kamera_agent.serve.turns import ImageFetching, ImageReader, read_turns
+from kamera_agent.serve.turns import ImageReader, Limits, read_turns
+from kamera_agent.serve.usage import PromptSplit
 from kamera_agent.store import ChunkStore
 from kamera_agent.window import KameraWindow
 from kamera_agent.window.setup import resolve_store
 
-__all__ = ["Completion", "KameraServer", "ServeSettings"]
+__all__ = ["DEFAULT_TENANT", "Completion", "KameraServer", "ServeSettings"]
 
-_STORE_FIELDS = {"memory_budget", "disk_dir", "disk_budget", "store_url"}
-_FIDELITY_FIELDS = {"rank", "patch_mode", "orbit", "survivors", "reorder", "recall_context", "cascade"}
+DEFAULT_TENANT = "default"
+"""The one tenant every client is when the server has no API keys."""
+FIDELITY_FIELDS = frozenset(
+    {"rank", "patch_mode", "orbit", "survivors", "reorder", "recall_context", "cascade"}
+)
+"""The `WindowConfig` fields a request may set for its own session (``kamera``): how faithful
+its window is. Anything process-wide (threads, device, dtype, store, budgets) is the server's."""
+_MAX_CONFIGS = 64
 
 
 @dataclass(frozen=True)
@@ -46,8 +60,17 @@ class ServeSettings:
         config: every session's `WindowConfig` (its store fields build the one shared store).
         max_sessions: live windows at most (least recently used dropped first).
         idle_seconds: a window unused this long is dropped.
-        fetching: whether ``http(s)`` image URLs are fetched.
+        fetching: whether and how ``http(s)`` image URLs are fetched.
+        local_media: the folder ``file://`` image URLs may name files under (``None``: no
+            ``file://`` URL is read).
         max_tokens: answer length when a request gives none.
+        api_keys: API key → tenant name; ``None``: no key is asked and every client is one tenant.
+        limits: messages and parts one request may carry.
+        max_request_bytes: the largest request body read (larger: 413, not read whole).
+        read_timeout: seconds a client has to send its whole body (slower: 408).
+        max_queued: requests of one tenant in the server at once (more: 429 with Retry-After).
+        image_cache_bytes: decoded images kept, in bytes.
+        chunk_cache_bytes: prepared messages (tokens, preprocessed pixels) kept, in bytes.
     """
 
     model_name: str
@@ -55,7 +78,22 @@ class ServeSettings:
     max_sessions: int = 16
     idle_seconds: float = 1800.0
     fetching: ImageFetching = field(default_factory=ImageFetching)
+    local_media: Path | None = None
     max_tokens: int = 256
+    api_keys: Mapping[str, str] | None = None
+    limits: Limits = field(default_factory=Limits)
+    max_request_bytes: int = 32 << 20
+    read_timeout: float = 30.0
+    max_queued: int = 8
+    image_cache_bytes: int = 64 << 20
+    chunk_cache_bytes: int = 128 << 20
+
+    def tenant_of(self, authorization: str | None) -> str | None:
+        """The tenant an ``Authorization`` header names (``None``: not a key of this server)."""
+        if self.api_keys is None:
+            return DEFAULT_TENANT
+        scheme, _, key = (authorization or "").partition(" ")
+        return self.api_keys.get(key.strip()) if scheme.lower() == "bearer" else None
 
 
 @dataclass(frozen=True)
@@ -68,8 +106,17 @@ class Completion:
     session_id: str
     answer: Answer
     report: SyncReport
-    prompt_tokens: int
-    cached_tokens: int
+    split: PromptSplit
+    tokens_prefilled: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.split.total
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens no forward of this request computed (never clamped: the split adds up)."""
+        return self.prompt_tokens - self.split.prefilled
 
     @property
     def finish_reason(self) -> str:
@@ -85,35 +132,53 @@ class Completion:
         }
 
     def kamera(self) -> dict[str, Any]:
-        """The extension object: the session, every op the request ran and what each cost."""
+        """The extension object: the session, the prompt's provenance, every op the request ran
+        and what each cost, and the forward work beyond the prompt, if any."""
         ops = [
             {"op": op, "chunks": labels, **_cost(cost)}
             for op, labels, cost in [*self.report.ops, ("ask", [], self.answer.cost or OpCost())]
         ]
         return {
             "session_id": self.session_id,
+            "prompt": self.split.as_dict(),
             "ops": ops,
-            "prefilled_prompt_tokens": self.prompt_tokens - self.cached_tokens,
+            "prefilled_prompt_tokens": self.split.prefilled,
+            "tokens_prefilled": self.tokens_prefilled,
+            "beyond_prompt": max(0, self.tokens_prefilled - self.prompt_tokens),
         }
 
 
 class KameraServer:
-    """Sessions of conversation windows over one backend and one shared store."""
+    """Sessions of conversation windows over one backend and one shared store, by tenant."""
 
     def __init__(self, backend: Backend, settings: ServeSettings) -> None:
         self.backend, self.settings = backend, settings
         self.store: ChunkStore = resolve_store(backend, settings.config, None)
-        self.images = ImageReader(settings.fetching, max_pixels=settings.config.max_image_pixels)
+        policy = MediaPolicy(settings.fetching, settings.local_media)
+        max_pixels = settings.config.max_image_pixels
+        self.images = ImageReader(policy, max_pixels=max_pixels, budget=settings.image_cache_bytes)
+        self.messages = MessageChunks(backend, self.images, settings.chunk_cache_bytes, max_pixels)
         self.sessions = SessionPool(self._window, settings.max_sessions, settings.idle_seconds)
         self.metrics = Metrics(self._gauges)
         self._lock = threading.Lock()
-        self._configs: dict[str, WindowConfig] = {}
+        self._configs: OrderedDict[str, WindowConfig] = OrderedDict()
+        self._queued: Counter[str] = Counter()
+        self._queue_lock = threading.Lock()
 
-    def complete(self, request: ChatRequest, on_text: Callable[[str], None] | None = None) -> Completion:
-        """Serve one request (streaming through ``on_text`` when given).
+    def complete(
+        self,
+        request: ChatRequest,
+        *,
+        tenant: str = DEFAULT_TENANT,
+        on_text: Callable[[str], None] | None = None,
+        keep_going: Callable[[], bool] | None = None,
+    ) -> Completion:
+        """Serve one request of ``tenant`` (streaming through ``on_text`` when given; ended
+        early when ``keep_going`` says so: the client went away).
 
         Raises:
-            RequestError: anything the request asks that cannot be served (4xx).
+            RequestError: anything the request asks that cannot be served (4xx), or 429 when the
+                tenant already has ``max_queued`` requests in the server.
         """
         request.refuse_unsupported()
         if request.model != self.settings.model_name:
@@ -123,14 +188,31 @@ class KameraServer:
                 param="model",
                 code="model_not_found",
             )
-        system, turns = read_turns(request.messages, self.images)
         settings = self._settings_key(request.kamera)
-        digests = [turn.digest for turn in turns]
+        system, turns = read_turns(request.messages, self.settings.limits)
+        prepared = self.messages.prepare(system, turns)  # images, tokens, keys: outside the lock
+        self._check_query(system, prepared)
+        with self._admitted(tenant):
+            return self._answer(
+                request, tenant, settings, system, [t.digest for t in turns], prepared, on_text, keep_going
+            )
+
+    def _answer(
+        self,
+        request: ChatRequest,
+        tenant: str,
+        settings: str,
+        system: str | None,
+        digests: list[str],
+        prepared: Prepared,
+        on_text: Callable[[str], None] | None,
+        keep_going: Callable[[], bool] | None,
+    ) -> Completion:
         with self._lock:
-            session = self.sessions.session_for(request.session_id or request.user, system, settings, digests)
+            session = self.sessions.session_for(tenant, request.pinned, system, settings, digests)
             window = session.window
             try:
-                report = sync_window(window, turns)
+                report = sync_window(window, prepared)
                 answer = window.ask(
                     report.query,
                     in_message=report.in_message,
@@ -140,51 +222,99 @@ class KameraServer:
                     seed=request.seed,
                     stop=request.stops,
                     on_text=on_text,
+                    keep_going=keep_going,
                 )
             except ContextOverflowError as exc:
                 raise RequestError(400, str(exc), param="messages", code="context_length_exceeded") from exc
             except KameraError as exc:
                 raise RequestError(400, str(exc), param="messages") from exc
             session.digests = digests
-        query_tokens = int(window.query_ids(report.query, in_message=report.in_message).shape[0])
-        prompt = report.prompt_tokens + query_tokens
+            assert report.provenance is not None
+            report.provenance.saw(window.last_plan)  # lazily deferred patches the answer formed
+            query_tokens = int(window.query_ids(report.query, in_message=report.in_message).shape[0])
+            split = report.provenance.split(window, query_tokens)
         ask = answer.cost or OpCost()
-        prefilled = report.cost.tokens_prefilled + ask.tokens_prefilled - decoded_tokens(answer)
-        cached = max(0, prompt - prefilled)
-        ops = [(op, cost) for op, _, cost in report.ops] + [("ask", ask)]
-        self.metrics.served(prompt, cached, len(answer.tokens), ops)
-        return Completion(
+        spent = report.cost.tokens_prefilled + ask.tokens_prefilled - decoded_tokens(answer)
+        done = Completion(
             f"chatcmpl-{uuid.uuid4().hex[:24]}",
             int(time.time()),
             self.settings.model_name,
             session.id,
             answer,
             report,
-            prompt,
-            cached,
+            split,
+            spent,
         )
+        ops = [(op, cost) for op, _, cost in report.ops] + [("ask", ask)]
+        self.metrics.served(done.usage(), split, spent, ops, cancelled=answer.finish_reason == "cancelled")
+        return done
+
+    def _check_query(self, system: str | None, prepared: Prepared) -> None:
+        """Refuse, before the lock, a question that alone cannot fit the model's context (its
+        tokenizing would hold the model's lock for a text no answer can follow)."""
+        limit = self.backend.context_limit
+        if limit is None:
+            return
+        conversation = self.messages.conversation(system)
+        tokens = int(conversation.query_ids(prepared.query, opened=not prepared.in_message).shape[0])
+        if tokens >= limit:
+            raise RequestError(
+                400,
+                f"the question alone is {tokens} tokens; the model has {limit}: shorten it",
+                param="messages",
+                code="context_length_exceeded",
+            )
+
+    @contextmanager
+    def _admitted(self, tenant: str) -> Iterator[None]:
+        """A place for one more request of ``tenant`` while it runs, or 429 when it has
+        ``max_queued`` already (they would only wait for the model's lock, holding threads)."""
+        with self._queue_lock:
+            if self._queued[tenant] >= self.settings.max_queued:
+                raise RequestError(
+                    429,
+                    f"{self._queued[tenant]} requests of this tenant are in the server; retry shortly",
+                    code="rate_limit_exceeded",
+                )
+            self._queued[tenant] += 1
+        try:
+            yield
+        finally:
+            with self._queue_lock:
+                self._queued[tenant] -= 1
+                if self._queued[tenant] <= 0:
+                    del self._queued[tenant]
 
     def _settings_key(self, overrides: dict[str, Any] | None) -> str:
         config = self._config_for(overrides or {})
         key = config.model_dump_json()
-        self._configs[key] = config
+        with self._queue_lock:
+            self._configs[key] = config
+            self._configs.move_to_end(key)
+            while len(self._configs) > _MAX_CONFIGS:
+                self._configs.popitem(last=False)
         return key
 
     def _config_for(self, overrides: dict[str, Any]) -> WindowConfig:
         fields = dict(overrides)
         preset = fields.pop("preset", None)
-        bad = sorted(_STORE_FIELDS & set(fields))
-        if bad:
+        refused = sorted(set(fields) - FIDELITY_FIELDS)
+        if refused:
             raise RequestError(
-                400, f"{', '.join(bad)} configure the server's shared store, not a request", param="kamera"
+                400,
+                f"kamera.{refused[0]} is not a per-request setting: a request may set "
+                f"{', '.join(sorted(FIDELITY_FIELDS))} or preset; the rest is the server's (--config)",
+                param=f"kamera.{refused[0]}",
             )
-        base = self.settings.config.model_dump(exclude=_STORE_FIELDS, exclude_unset=True)
+        base = self.settings.config.model_dump(exclude_unset=True)
         try:
             if preset == "exact":
-                kept = {k: v for k, v in base.items() if k not in _FIDELITY_FIELDS}
+                kept = {k: v for k, v in base.items() if k not in FIDELITY_FIELDS}
                 return WindowConfig.exact(**{**kept, **fields})
             if preset is not None:
-                raise RequestError(400, f"unknown preset {preset!r}; known: exact", param="kamera")
+                raise RequestError(
+                    400, f"unknown preset {str(preset)[:40]!r}; known: exact", param="kamera.preset"
+                )
             return WindowConfig(**{**base, **fields})
         except ValidationError as exc:
             raise RequestError(400, f"bad kamera settings: {exc.errors()[0]['msg']}", param="kamera") from exc
@@ -208,6 +338,8 @@ class KameraServer:
             "store_entries": float(stats.memory_entries + stats.disk_entries),
             "store_remote_up": remote,
             "store_remote_bytes_written": float(stats.remote_bytes_written),
+            "image_cache_bytes": float(self.images.nbytes),
+            "message_cache_bytes": float(self.messages.nbytes),
         }
 
 

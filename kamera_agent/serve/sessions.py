@@ -1,11 +1,17 @@
-"""Live conversation windows, one per session, bounded and matched to requests by content.
+"""Live conversation windows, one per session, bounded, kept apart by tenant and matched to
+requests by content within one.
 
 Why match by content: agent frameworks send no session id; they resend the history. The
 window that already holds most of a request's messages is the one whose edit is cheapest, so
 a request goes to the session whose last request shares the longest leading run of messages
 with it (ties and zero runs: the most messages in common), under the same system prompt and
-settings; an explicit ``session_id`` (or the ``user`` field) pins it. Windows share one store,
-so even a new session reuses every canonical, vision output and patch the others made.
+settings; an explicit name (``session_id``, ``prompt_cache_key`` or ``user``) pins it.
+
+Tenants never meet: every lookup, by content or by name, is within the request's tenant (its
+API key), so another tenant's first message or session id finds nothing of this one's, and a
+session id the server hands out is 128 random bits. Windows share one store, so a new session
+still reuses the KV of identical content (canonicals, vision outputs, patches) any window made:
+content, not state.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ class Session:
     """One conversation: its window and what its last request held."""
 
     id: str
+    tenant: str
     window: KameraWindow
     system: str | None
     settings: str
@@ -50,7 +57,7 @@ class SessionPool:
     ) -> None:
         self._make = make_window
         self.max_sessions, self.idle_seconds = max_sessions, idle_seconds
-        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self.created = 0
         self.dropped = 0
 
@@ -58,47 +65,48 @@ class SessionPool:
         return len(self._sessions)
 
     def session_for(
-        self, pinned: str | None, system: str | None, settings: str, digests: list[str]
+        self, tenant: str, pinned: str | None, system: str | None, settings: str, digests: list[str]
     ) -> Session:
-        """The session a request goes to (made if none fits)."""
+        """The session of ``tenant`` a request goes to (made if none fits)."""
         self._drop_idle()
         if pinned is not None:
-            session = self._sessions.get(pinned)
+            session = self._sessions.get((tenant, pinned))
             if session is None or session.system != system or session.settings != settings:
-                session = self._new(system, settings, pinned)
+                session = self._new(tenant, system, settings, pinned)
             return self._touch(session)
         best, score = None, (0, 0)
         wanted = set(digests)
         for session in self._sessions.values():
-            if session.pinned or session.system != system or session.settings != settings:
+            if session.tenant != tenant or session.pinned:
+                continue
+            if session.system != system or session.settings != settings:
                 continue
             lead = _common_prefix(session.digests, digests)
             found = (lead, len(wanted & set(session.digests)))
             if found > score:
                 best, score = session, found
-        return self._touch(best if best is not None else self._new(system, settings, None))
+        return self._touch(best if best is not None else self._new(tenant, system, settings, None))
 
-    def _new(self, system: str | None, settings: str, pinned: str | None) -> Session:
+    def _new(self, tenant: str, system: str | None, settings: str, pinned: str | None) -> Session:
         while len(self._sessions) >= self.max_sessions:
             self._sessions.popitem(last=False)
             self.dropped += 1
-        session_id = pinned or f"kam-{uuid.uuid4().hex[:16]}"
-        session = Session(
-            session_id, self._make(system, settings), system, settings, pinned=pinned is not None
-        )
-        self._sessions[session_id] = session
+        session_id = pinned or f"kam-{uuid.uuid4().hex}"
+        window = self._make(system, settings)
+        session = Session(session_id, tenant, window, system, settings, pinned=pinned is not None)
+        self._sessions[(tenant, session_id)] = session
         self.created += 1
         return session
 
     def _touch(self, session: Session) -> Session:
         session.last_used = time.monotonic()
-        self._sessions.move_to_end(session.id)
+        self._sessions.move_to_end((session.tenant, session.id))
         return session
 
     def _drop_idle(self) -> None:
         now = time.monotonic()
-        for session_id in [s.id for s in self._sessions.values() if now - s.last_used > self.idle_seconds]:
-            del self._sessions[session_id]
+        for key in [k for k, s in self._sessions.items() if now - s.last_used > self.idle_seconds]:
+            del self._sessions[key]
             self.dropped += 1
 
 

@@ -25,11 +25,12 @@ from typing import Any
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.errors import ChunkLostError, KameraError
 from kamera_agent.results import OpCost
-from kamera_agent.serve.turns import Turn
+from kamera_agent.serve.messages import Prepared
+from kamera_agent.serve.usage import Provenance
 from kamera_agent.window import KameraWindow
 from kamera_agent.window.state import ChunkRef
 
-__all__ = ["SyncReport", "desired_chunks", "sync_window"]
+__all__ = ["SyncReport", "sync_window"]
 
 
 @dataclass
@@ -41,42 +42,27 @@ class SyncReport:
         query: the question (the last user message's trailing text; ``""`` if it has none).
         in_message: the query ends a message whose images are chunks.
         prompt_tokens: the request's whole prompt: anchor, every chunk, the query.
+        provenance: what the window held before and which chunks the ops' forwards made.
     """
 
     ops: list[tuple[str, list[str], OpCost]] = field(default_factory=list)
     query: str = ""
     in_message: bool = False
     prompt_tokens: int = 0
+    provenance: Provenance | None = None
 
     @property
     def cost(self) -> OpCost:
         return sum((cost for _, _, cost in self.ops), OpCost())
 
 
-def desired_chunks(window: KameraWindow, turns: list[Turn]) -> tuple[list[Chunk], str, bool]:
-    """``(chunks, query, in_message)``: every message but the last as chunks, then the last user
-    message's leading parts (images) as an open message, its trailing text as the query."""
-    conversation = window.conversation
-    assert conversation is not None, "a served window holds a conversation"
-    chunks: list[Chunk] = []
-    for i, turn in enumerate(turns[:-1]):
-        labels = [f"messages[{i}].{j}" for j in range(len(turn.parts))]
-        chunks += conversation.message(turn.role, list(turn.parts), labels=labels)
-    last = list(turns[-1].parts)
-    tail: list[str] = []
-    while last and isinstance(last[-1], str):
-        tail.insert(0, last.pop())
-    query = conversation.template.part_separator.join(tail)
-    if last:
-        labels = [f"messages[{len(turns) - 1}].{j}" for j in range(len(last))]
-        chunks += conversation.message("user", last, closed=False, labels=labels)
-    return chunks, query, bool(last)
-
-
-def sync_window(window: KameraWindow, turns: list[Turn]) -> SyncReport:
-    """Edit ``window`` to hold ``turns`` (all but the question); returns what it did."""
-    desired, query, in_message = desired_chunks(window, turns)
-    report = SyncReport(query=query, in_message=in_message)
+def sync_window(window: KameraWindow, prepared: Prepared) -> SyncReport:
+    """Edit ``window`` to hold what a request prepared (every chunk but the question); returns
+    what it did."""
+    desired = list(prepared.chunks)
+    report = SyncReport(
+        query=prepared.query, in_message=prepared.in_message, provenance=Provenance.of(window)
+    )
     current = window.refs
     keys = [window.chunk(ref).key for ref in current]
     # Chunks that keep their order (the longest matching runs) stay put. A chunk the request
@@ -156,7 +142,7 @@ def _recall_is_cheaper(window: KameraWindow, ref: ChunkRef, chunk: Chunk) -> boo
     KV cannot encode one to its right: then a new copy, in the tail's one forward, is cheaper.
     """
     try:
-        planned = window.plan("recall", ref, at=len(window.refs))
+        planned = window.plan.recall(ref, at=len(window.refs))
     except KameraError:
         return False
     return planned.tokens_prefilled <= chunk.num_tokens
@@ -165,9 +151,13 @@ def _recall_is_cheaper(window: KameraWindow, ref: ChunkRef, chunk: Chunk) -> boo
 def _run(report: SyncReport, window: KameraWindow, op: str, refs: list[ChunkRef], do: Any) -> None:
     do()
     report.ops.append((op, [ref.label or str(ref) for ref in refs], window.stats.last))
+    if report.provenance is not None:
+        report.provenance.saw(window.last_plan)
 
 
 def _run_extend(report: SyncReport, window: KameraWindow, chunks: list[Chunk]) -> list[ChunkRef]:
     refs = window.extend(chunks)
     report.ops.append(("extend", [chunk.label or chunk.key[:12] for chunk in chunks], window.stats.last))
+    if report.provenance is not None:
+        report.provenance.saw(window.last_plan)
     return refs

@@ -1,77 +1,97 @@
-"""Chat messages into turns of text and images, every image read and checked at the edge.
+"""Chat messages into turns: validated and identified at the edge, nothing decoded yet.
 
-Why decode here: an image is recognised by its pixels (the chunk's content key hashes the
-preprocessed pixels), so the same screenshot re-sent as base64, as a file, or from a URL is
-the same chunk. Decoding fails here, with a 400 naming the message and part, before any
-window is touched.
-
-Images: ``data:`` URLs (base64 PNG, JPEG, WebP, GIF) and ``file://`` paths always; ``http(s)``
-only when the server was started with fetching on, with a timeout and a size limit.
+Why not decode here: a conversation re-sends its whole history every turn. A turn is
+identified by a digest of its role and parts (text, and each image URL's digest), so a message
+the server has prepared before is recognised without reading its images again
+(`kamera_agent.serve.messages`); only new messages' images are fetched and decoded, by
+`ImageReader`, under the server's `MediaPolicy`, into a byte-bounded cache.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import io
 import threading
-import urllib.request
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
 
 from PIL import Image, UnidentifiedImageError
 
 from kamera_agent.chunks.sources import MAX_IMAGE_PIXELS
+from kamera_agent.serve.media import MediaPolicy, read_url
 from kamera_agent.serve.protocol import RequestError
 
-__all__ = ["ImageFetching", "ImageReader", "Turn", "read_turns"]
+__all__ = ["ImagePart", "ImageReader", "Limits", "Turn", "read_turns"]
 
 
 @dataclass(frozen=True)
-class Turn:
-    """One message: its role and parts (``str`` text, or a decoded ``PIL.Image``), plus a digest
-    of its content for matching requests to sessions."""
+class Limits:
+    """How much one request may carry.
 
-    role: str
-    parts: tuple[Any, ...]
+    Attributes:
+        max_messages: messages in a request.
+        max_parts: parts in one message.
+    """
+
+    max_messages: int = 1024
+    max_parts: int = 64
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """An image part as sent: its URL, where it is in the request, and the URL's digest."""
+
+    url: str
+    where: str
     digest: str
 
 
 @dataclass(frozen=True)
-class ImageFetching:
-    """Whether and how ``http(s)`` image URLs are fetched (off by default)."""
+class Turn:
+    """One message: its role, its parts (``str`` text or `ImagePart`), and a digest of both."""
 
-    enabled: bool = False
-    timeout: float = 10.0
-    max_bytes: int = 20 << 20
+    role: str
+    parts: tuple[str | ImagePart, ...]
+    digest: str
 
 
 class ImageReader:
-    """Reads image parts, keeping the last decoded images by content (a conversation re-sends
-    the same base64 every turn; decoding it again would be wasted)."""
+    """Decodes image parts, keeping decoded images within a byte budget (a conversation re-sends
+    the same images; decoding each again would be wasted). Thread-safe: requests are read
+    concurrently, outside the model lock.
+
+    Args:
+        policy: where image URLs may be read from.
+        max_pixels: images larger than this are refused before their pixels are decoded.
+        budget: bytes of decoded pixels kept (least recently used dropped first).
+    """
 
     def __init__(
-        self, fetching: ImageFetching, cache_size: int = 256, max_pixels: int = MAX_IMAGE_PIXELS
+        self, policy: MediaPolicy, max_pixels: int = MAX_IMAGE_PIXELS, budget: int = 64 << 20
     ) -> None:
-        self.fetching = fetching
-        self.max_pixels = max_pixels
+        self.policy, self.max_pixels, self.budget = policy, max_pixels, budget
         self._cache: OrderedDict[str, Image.Image] = OrderedDict()
-        self._cache_size = cache_size
-        self._lock = threading.Lock()  # requests are read concurrently, outside the model lock
+        self._bytes = 0
+        self._lock = threading.Lock()
 
-    def read(self, url: str, where: str) -> tuple[Image.Image, str]:
-        """``(image, sha256 of its bytes)``; `RequestError` (400) for anything unreadable."""
-        data = self._bytes(url, where)
-        digest = hashlib.sha256(data).hexdigest()
+    @property
+    def nbytes(self) -> int:
+        """Bytes of decoded pixels held now."""
+        return self._bytes
+
+    def read(self, part: ImagePart) -> Image.Image:
+        """The part's image, RGB; `RequestError` (400) for anything unreadable or not allowed."""
         with self._lock:
-            cached = self._cache.get(digest)
+            cached = self._cache.get(part.digest)
             if cached is not None:
-                self._cache.move_to_end(digest)
-                return cached, digest
+                self._cache.move_to_end(part.digest)
+                return cached
+        image = self._decode(read_url(part.url, part.where, self.policy), part.where)
+        self._keep(part.digest, image)
+        return image
+
+    def _decode(self, data: bytes, where: str) -> Image.Image:
         try:
             opened = Image.open(io.BytesIO(data))
             width, height = opened.size  # from the header: checked before the pixels are decoded
@@ -81,72 +101,42 @@ class ImageReader:
                     f"{where}: a {width}x{height} image is outside 1..{self.max_pixels:,} pixels; resize it",
                 )
             opened.load()
+            return opened.convert("RGB")
         except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-            raise RequestError(400, f"{where}: the image does not decode ({exc})", param="messages") from exc
-        image = opened.convert("RGB")
+            raise RequestError(400, f"{where}: the image does not decode", param="messages") from exc
+
+    def _keep(self, digest: str, image: Image.Image) -> None:
+        size = image.width * image.height * 3
+        if size > self.budget:
+            return
         with self._lock:
+            if digest in self._cache:
+                return
             self._cache[digest] = image
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        return image, digest
-
-    def _bytes(self, url: str, where: str) -> bytes:
-        if url.startswith("data:"):
-            header, comma, payload = url.partition(",")
-            if not comma or ";base64" not in header:
-                raise RequestError(400, f"{where}: a data URL must be base64 (data:image/png;base64,...)")
-            try:
-                return base64.b64decode(payload, validate=True)
-            except (binascii.Error, ValueError) as exc:
-                raise RequestError(
-                    400, f"{where}: broken base64 in the data URL ({exc})", param="messages"
-                ) from exc
-        parsed = urlparse(url)
-        if parsed.scheme == "file":
-            path = Path(unquote(parsed.path))
-            try:
-                return path.read_bytes()
-            except OSError as exc:
-                raise RequestError(
-                    400, f"{where}: cannot read {path} ({exc.strerror})", param="messages"
-                ) from exc
-        if parsed.scheme in ("http", "https"):
-            if not self.fetching.enabled:
-                raise RequestError(
-                    400,
-                    f"{where}: fetching image URLs is off; send the image as a data: URL, or start the "
-                    "server with --fetch-images",
-                    param="messages",
-                )
-            return self._fetch(url, where)
-        raise RequestError(
-            400, f"{where}: image_url must be a data:, file:// or http(s) URL", param="messages"
-        )
-
-    def _fetch(self, url: str, where: str) -> bytes:
-        limit = self.fetching.max_bytes
-        try:
-            with urllib.request.urlopen(url, timeout=self.fetching.timeout) as response:
-                data: bytes = response.read(limit + 1)
-        except OSError as exc:
-            raise RequestError(400, f"{where}: fetching {url} failed ({exc})", param="messages") from exc
-        if len(data) > limit:
-            raise RequestError(400, f"{where}: the image at {url} is larger than {limit} bytes")
-        return data
+            self._bytes += size
+            while self._bytes > self.budget:
+                _, old = self._cache.popitem(last=False)
+                self._bytes -= old.width * old.height * 3
 
 
-def read_turns(messages: list[dict[str, Any]], images: ImageReader) -> tuple[str | None, list[Turn]]:
-    """``(system prompt, turns)`` from the request's messages.
+def read_turns(messages: list[dict[str, Any]], limits: Limits = Limits()) -> tuple[str | None, list[Turn]]:
+    """``(system prompt, turns)`` from the request's messages (nothing fetched or decoded).
 
     Raises:
-        RequestError: a system message after the first turn, an unknown role or part type, an
-            empty message, or an unreadable image.
+        RequestError: too many messages or parts, a system message after the first turn, an
+            unknown role or part type, or an empty message.
     """
+    if len(messages) > limits.max_messages:
+        raise RequestError(
+            400, f"{len(messages)} messages is over the limit of {limits.max_messages}", param="messages"
+        )
     system: str | None = None
     turns: list[Turn] = []
     for i, message in enumerate(messages):
-        role = message.get("role")
         where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise RequestError(400, f"{where}: a message is an object with a role", param="messages")
+        role = message.get("role")
         if role in ("system", "developer"):
             if turns:
                 raise RequestError(400, f"{where}: a system message must come before every other message")
@@ -154,10 +144,11 @@ def read_turns(messages: list[dict[str, Any]], images: ImageReader) -> tuple[str
             system = text if system is None else system + "\n" + text
             continue
         if role not in ("user", "assistant", "tool"):
-            raise RequestError(400, f"{where}: unknown role {role!r}", param="messages")
+            raise RequestError(400, f"{where}: unknown role {role!r}"[:200], param="messages")
         if message.get("tool_calls") or message.get("function_call"):
             raise RequestError(400, f"{where}: assistant tool calls are not served yet", param="messages")
-        parts, keys = _parts(message.get("content"), where, images)
+        parts = _parts(message.get("content"), where, limits)
+        keys = [part if isinstance(part, str) else f"image:{part.digest}" for part in parts]
         digest = hashlib.sha256(repr((role, keys)).encode()).hexdigest()
         turns.append(Turn(role, tuple(parts), digest))
     if not turns or turns[-1].role != "user":
@@ -175,38 +166,43 @@ def _text_only(content: Any, where: str) -> str:
     raise RequestError(400, f"{where}: a system message takes text only", param="messages")
 
 
-def _parts(content: Any, where: str, images: ImageReader) -> tuple[list[Any], list[str]]:
-    """The message's parts (text, decoded images) and what identifies each (text, image digest)."""
+def _parts(content: Any, where: str, limits: Limits) -> list[str | ImagePart]:
+    """The message's parts: text, and image parts identified by their URL's digest."""
     if isinstance(content, str):
         if not content:
             raise RequestError(400, f"{where}: empty content", param="messages")
-        return [content], [content]
+        return [content]
     if not isinstance(content, list) or not content:
         raise RequestError(
             400, f"{where}: content must be a string or a non-empty list of parts", param="messages"
         )
-    parts: list[Any] = []
-    keys: list[str] = []
+    if len(content) > limits.max_parts:
+        raise RequestError(
+            400, f"{where}: {len(content)} parts is over the limit of {limits.max_parts}", param="messages"
+        )
+    parts: list[str | ImagePart] = []
     for j, part in enumerate(content):
         here = f"{where}.content[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
-            text = str(part.get("text", ""))
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise RequestError(400, f"{here}: text must be a string", param="messages")
             if text:
                 parts.append(text)
-                keys.append(text)
         elif kind == "image_url":
             spec = part.get("image_url")
             url = spec.get("url") if isinstance(spec, dict) else spec
             if not isinstance(url, str):
                 raise RequestError(400, f"{here}: image_url needs a url", param="messages")
-            image, digest = images.read(url, here)
-            parts.append(image)
-            keys.append(f"image:{digest}")
+            parts.append(ImagePart(url, here, hashlib.sha256(url.encode()).hexdigest()))
         else:
+            shown = kind if isinstance(kind, str) else type(kind).__name__
             raise RequestError(
-                400, f"{here}: part type {kind!r} is not served (text and image_url are)", param="messages"
+                400,
+                f"{here}: part type {shown[:40]!r} is not served (text and image_url are)",
+                param="messages",
             )
     if not parts:
         raise RequestError(400, f"{where}: every part is empty", param="messages")
-    return parts, keys
+    return parts

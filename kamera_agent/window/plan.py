@@ -78,17 +78,24 @@ class WindowPlan:
         """The user-facing `Plan`: labelled edits with the forwards and tokens each will run."""
         edits = [
             Edit(
-                "probe", ref.label, f"scored against {self.probe_query!r} (one decode)", 1, self.probe_tokens
+                "probe",
+                ref.label,
+                f"scored against {self.probe_query!r} (one decode)",
+                1,
+                self.probe_tokens,
+                ref,
             )
             for ref in self.probes
         ]
         if self.probes:
             edits.append(Edit("evict", "the lowest-KL chunk", "chosen by the probes above"))
-        edits += [Edit("evict", ref.label, "leaves the window; canonical kept") for ref in self.evicted]
-        edits += [Edit("admit", ref.label, "enters the window") for ref in self.admitted]
+        edits += [
+            Edit("evict", ref.label, "leaves the window; canonical kept", ref=ref) for ref in self.evicted
+        ]
+        edits += [Edit("admit", ref.label, "enters the window", ref=ref) for ref in self.admitted]
         for step in self.steps:
             if step.kind == "rotate" and step.ref not in self.moved:
                 continue
             detail = step.detail + (" (in the forward of the chunk before it)" if step.in_run else "")
-            edits.append(Edit(step.kind, step.ref.label, detail, step.forwards, step.tokens))
+            edits.append(Edit(step.kind, step.ref.label, detail, step.forwards, step.tokens, step.ref))
         return Plan(self.op, tuple(edits))

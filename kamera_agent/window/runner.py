@@ -24,7 +24,7 @@ from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
 from kamera_agent.core.staging import StagedStore, StoreView
 from kamera_agent.errors import WindowError
 from kamera_agent.metrics import next_token_kl
-from kamera_agent.results import Answer, OpCost
+from kamera_agent.results import Answer, OpCost, Plan
 from kamera_agent.window.conversation import Conversation
 from kamera_agent.window.executor import Executor
 from kamera_agent.window.memory import release_evicted
@@ -69,6 +69,8 @@ class OpRunner:
         self.parts, self.state = parts, state
         self.dry: list[WindowPlan] | None = None
         """While a dry run is on (`dry_run`), the plans ops made instead of executing them."""
+        self.last_plan: Plan | None = None
+        """The edits the last op (or read) executed."""
 
     def transact(self, op: str, build: Build) -> tuple[WindowPlan, OpCost]:
         """Plan and execute ``op`` as one transaction over window and store; record its cost.
@@ -150,6 +152,7 @@ class OpRunner:
                 self.state = _restored(snapshot)
                 raise
             txn.commit()
+            self.last_plan = plan.public()
             release_evicted(self.state, core.store, config, plan.evicted, meter)
             cost = meter.finish()
             self.state.book.record(op, cost)

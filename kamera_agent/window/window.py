@@ -37,7 +37,7 @@ from kamera_agent.core.kv_core import KVCore
 from kamera_agent.errors import ChunkInWindowError, DuplicateChunkError, SettingsError, WindowError
 from kamera_agent.metrics import next_token_kl
 from kamera_agent.operator.layout import ChunkKV
-from kamera_agent.results import Answer, Probe, WindowStats
+from kamera_agent.results import Answer, Plan, Probe, WindowStats
 from kamera_agent.settings import THREADS_ENV, configure_threads
 from kamera_agent.store import ChunkStore
 from kamera_agent.window.conversation import Conversation, MessagePart
@@ -209,6 +209,12 @@ class KameraWindow:
     def stats(self) -> WindowStats:
         """Per-op and cumulative costs."""
         return self._runner.state.book.snapshot()
+
+    @property
+    def last_plan(self) -> Plan | None:
+        """The edits the last op (or read: lazily deferred patches formed before an answer)
+        executed, each naming its chunk's ref: what a caller accounts per chunk from."""
+        return self._runner.last_plan
 
     # -- operations -------------------------------------------------------------------------
     def push(
@@ -387,6 +393,7 @@ class KameraWindow:
         stop: Sequence[str] = (),
         return_logits: bool = False,
         on_text: Callable[[str], None] | None = None,
+        keep_going: Callable[[], bool] | None = None,
         in_message: bool = False,
         remember: bool = False,
     ) -> Answer:
@@ -395,6 +402,8 @@ class KameraWindow:
         Args:
             on_text: called with each piece of the answer's text as it is decoded (streaming;
                 text that may begin a stop string is held back until it cannot).
+            keep_going: asked before each answer token; ``False`` ends the answer there
+                (``finish_reason="cancelled"``): a server stops when its client goes away.
             in_message: conversation windows: the query ends the user message that the last
                 chunks began (`push_message(..., closed=False)`), e.g. after its images.
             remember: conversation windows: admit the question and the answer as the
@@ -417,6 +426,7 @@ class KameraWindow:
             stop=tuple(stop),
             return_logits=return_logits,
             on_text=on_text,
+            keep_going=keep_going,
         )
         query_ids = self._parts.query_ids(query, opened=not in_message)
         self._parts.core.check_fits(self._runner.end(), query_ids, config)

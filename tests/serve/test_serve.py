@@ -236,8 +236,14 @@ def test_models_health_and_per_request_settings(serve: Serve) -> None:
     exact = _ask(live, [SYSTEM, shot(0, "What now?")], extra_body={"kamera": {"preset": "exact"}})
     plain = _ask(live, [SYSTEM, shot(0, "What now?")])
     assert exact.model_extra["kamera"]["session_id"] != plain.model_extra["kamera"]["session_id"]
-    with pytest.raises(openai.BadRequestError, match="shared store"):
-        _ask(live, [SYSTEM, shot(0, "x")], extra_body={"kamera": {"store_url": "redis://x"}})
+    for field, value in (
+        ("store_url", "redis://x"),
+        ("threads", 7),
+        ("device", "cuda"),
+        ("dtype", "float16"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=f"kamera.{field} is not a per-request setting"):
+            _ask(live, [SYSTEM, shot(0, "x")], extra_body={"kamera": {field: value}})
     with pytest.raises(openai.BadRequestError, match="rank"):
         _ask(live, [SYSTEM, shot(0, "x")], extra_body={"kamera": {"rank": -3}})
 
@@ -283,7 +289,8 @@ def test_the_serve_command_starts_a_server(tmp_path: Path) -> None:
 
 
 def test_image_urls_are_fetched_only_when_enabled_and_within_limits(serve: Serve) -> None:
-    """A loopback HTTP server holds a screenshot; fetching is a flag, with a size limit."""
+    """A loopback HTTP server holds a screenshot; fetching is a flag, with a size limit (and,
+    for a private address such as loopback, a flag of its own: tests/serve/test_edge.py)."""
     import http.server
 
     from kamera_agent.serve import ImageFetching
@@ -310,12 +317,15 @@ def test_image_urls_are_fetched_only_when_enabled_and_within_limits(serve: Serve
         "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}],
     }
     try:
-        fetching = serve(fetching=ImageFetching(enabled=True, timeout=5, max_bytes=1 << 20))
+        # the loopback host stands for a trusted network: fetching from it is allowed explicitly
+        fetching = serve(
+            fetching=ImageFetching(enabled=True, timeout=5, max_bytes=1 << 20, allow_private=True)
+        )
         fetched = _ask(fetching, [SYSTEM, message])
         inline = _ask(fetching, [SYSTEM, shot(7, "?")])  # the same pixels as a data: URL: the same chunk
         assert fetched.usage.prompt_tokens == inline.usage.prompt_tokens
         assert sum(op["vision_encodes"] for op in _ops(inline)) == 0
-        tiny = serve(fetching=ImageFetching(enabled=True, timeout=5, max_bytes=100))
+        tiny = serve(fetching=ImageFetching(enabled=True, timeout=5, max_bytes=100, allow_private=True))
         with pytest.raises(openai.BadRequestError, match="larger than 100 bytes"):
             _ask(tiny, [SYSTEM, message])
     finally:
