@@ -108,3 +108,12 @@ def test_agent_settings_runs_on_the_demo_model_against_its_re_prefill(tmp_path: 
     assert set(sides) == {"kamera", "variant"} and all(
         0 <= s["top1"] <= 1 and s["asks"] > 0 for s in sides.values()
     )
+
+
+def test_serve_overhead_benchmark_reports_each_turn(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    run_benchmark(
+        "serve_overhead", ["--turns", "4", "--keep", "2", "--runs", "1", "--early", "2", "--json", str(out)]
+    )
+    report = json.loads(out.read_text())
+    assert len(report["median_ms"]) == 4 and all(ms > 0 for ms in report["median_ms"]) and report["ratio"] > 0

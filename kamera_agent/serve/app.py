@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kamera_agent.serve.protocol import ChatRequest, RequestError, error_body
 from kamera_agent.serve.server import Completion, KameraServer
@@ -158,6 +159,8 @@ async def _json(raw: Request, server: KameraServer) -> Any:
         body = await asyncio.wait_for(read(), timeout=server.settings.read_timeout)
     except asyncio.TimeoutError as exc:
         raise RequestError(408, "the body did not arrive in time", code="request_timeout") from exc
+    except ClientDisconnect as exc:  # nobody is left to answer; the status is for the metrics
+        raise RequestError(400, "the client went away while sending", code="client_disconnected") from exc
     try:
         return json.loads(body)
     except RecursionError as exc:

@@ -49,6 +49,7 @@ FIDELITY_FIELDS = frozenset(
 """The `WindowConfig` fields a request may set for its own session (``kamera``): how faithful
 its window is. Anything process-wide (threads, device, dtype, store, budgets) is the server's."""
 _MAX_CONFIGS = 64
+_STORE_FIELDS = {"memory_budget", "disk_dir", "disk_budget", "store_url"}  # the one shared store's
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,19 @@ class Completion:
         }
 
 
+@dataclass(frozen=True)
+class _Asked:
+    """A request read and prepared outside the lock: what answering it under the lock needs."""
+
+    request: ChatRequest
+    tenant: str
+    settings: str
+    system: str | None
+    digests: list[str]
+    prepared: Prepared
+    query_tokens: int
+
+
 class KameraServer:
     """Sessions of conversation windows over one backend and one shared store, by tenant."""
 
@@ -191,25 +205,20 @@ class KameraServer:
         settings = self._settings_key(request.kamera)
         system, turns = read_turns(request.messages, self.settings.limits)
         prepared = self.messages.prepare(system, turns)  # images, tokens, keys: outside the lock
-        self._check_query(system, prepared)
+        query_tokens = self._query_tokens(system, prepared)
         with self._admitted(tenant):
-            return self._answer(
-                request, tenant, settings, system, [t.digest for t in turns], prepared, on_text, keep_going
-            )
+            digests = [turn.digest for turn in turns]
+            asked = _Asked(request, tenant, settings, system, digests, prepared, query_tokens)
+            return self._answer(asked, on_text, keep_going)
 
     def _answer(
-        self,
-        request: ChatRequest,
-        tenant: str,
-        settings: str,
-        system: str | None,
-        digests: list[str],
-        prepared: Prepared,
-        on_text: Callable[[str], None] | None,
-        keep_going: Callable[[], bool] | None,
+        self, asked: _Asked, on_text: Callable[[str], None] | None, keep_going: Callable[[], bool] | None
     ) -> Completion:
+        request, prepared = asked.request, asked.prepared
         with self._lock:
-            session = self.sessions.session_for(tenant, request.pinned, system, settings, digests)
+            session = self.sessions.session_for(
+                asked.tenant, request.pinned, asked.system, asked.settings, asked.digests
+            )
             window = session.window
             try:
                 report = sync_window(window, prepared)
@@ -228,11 +237,10 @@ class KameraServer:
                 raise RequestError(400, str(exc), param="messages", code="context_length_exceeded") from exc
             except KameraError as exc:
                 raise RequestError(400, str(exc), param="messages") from exc
-            session.digests = digests
+            session.digests = asked.digests
             assert report.provenance is not None
             report.provenance.saw(window.last_plan)  # lazily deferred patches the answer formed
-            query_tokens = int(window.query_ids(report.query, in_message=report.in_message).shape[0])
-            split = report.provenance.split(window, query_tokens)
+            split = report.provenance.split(window, asked.query_tokens)
         ask = answer.cost or OpCost()
         spent = report.cost.tokens_prefilled + ask.tokens_prefilled - decoded_tokens(answer)
         done = Completion(
@@ -249,21 +257,21 @@ class KameraServer:
         self.metrics.served(done.usage(), split, spent, ops, cancelled=answer.finish_reason == "cancelled")
         return done
 
-    def _check_query(self, system: str | None, prepared: Prepared) -> None:
-        """Refuse, before the lock, a question that alone cannot fit the model's context (its
-        tokenizing would hold the model's lock for a text no answer can follow)."""
-        limit = self.backend.context_limit
-        if limit is None:
-            return
+    def _query_tokens(self, system: str | None, prepared: Prepared) -> int:
+        """The question's tokens (tokenized once, before the lock), refusing a question that alone
+        cannot fit the model's context (its tokenizing would hold the lock for a text no answer
+        can follow)."""
         conversation = self.messages.conversation(system)
         tokens = int(conversation.query_ids(prepared.query, opened=not prepared.in_message).shape[0])
-        if tokens >= limit:
+        limit = self.backend.context_limit
+        if limit is not None and tokens >= limit:
             raise RequestError(
                 400,
                 f"the question alone is {tokens} tokens; the model has {limit}: shorten it",
                 param="messages",
                 code="context_length_exceeded",
             )
+        return tokens
 
     @contextmanager
     def _admitted(self, tenant: str) -> Iterator[None]:
@@ -306,7 +314,7 @@ class KameraServer:
                 f"{', '.join(sorted(FIDELITY_FIELDS))} or preset; the rest is the server's (--config)",
                 param=f"kamera.{refused[0]}",
             )
-        base = self.settings.config.model_dump(exclude_unset=True)
+        base = self.settings.config.model_dump(exclude=_STORE_FIELDS, exclude_unset=True)
         try:
             if preset == "exact":
                 kept = {k: v for k, v in base.items() if k not in FIDELITY_FIELDS}

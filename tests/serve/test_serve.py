@@ -38,7 +38,15 @@ def _ask(
     """One greedy request; ``session_id`` rides in the body, as the client's ``extra_body``."""
     if session_id is not None:
         extra["extra_body"] = {**extra.get("extra_body", {}), "session_id": session_id}
-    return live.client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **extra)  # type: ignore[arg-type]
+    response = live.client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **extra)  # type: ignore[arg-type]
+    if not extra.get("stream"):  # every served request's prompt split adds up (tests/serve/test_edge.py)
+        split = response.model_extra["kamera"]["prompt"]
+        assert sum(split.values()) == response.usage.prompt_tokens, split
+        assert (
+            response.usage.prompt_tokens_details.cached_tokens
+            == response.usage.prompt_tokens - split["prefilled"]
+        )
+    return response
 
 
 def _get(url: str) -> str:
