@@ -59,7 +59,7 @@ class ServeSettings:
     Attributes:
         model_name: the id clients send as ``model``.
         config: every session's `WindowConfig` (its store fields build the one shared store).
-        max_sessions: live windows at most (least recently used dropped first).
+        max_sessions: live windows of one tenant at most (its least recently used dropped first).
         idle_seconds: a window unused this long is dropped.
         fetching: whether and how ``http(s)`` image URLs are fetched.
         local_media: the folder ``file://`` image URLs may name files under (``None``: no

@@ -42,8 +42,9 @@ class Session:
 
 
 class SessionPool:
-    """At most ``max_sessions`` windows (least recently used leave first), each dropped after
-    ``idle_seconds`` unused. Not thread-safe: the server calls it under its model lock.
+    """At most ``max_sessions`` windows per tenant (its least recently used leave first: a tenant
+    never evicts another's), each dropped after ``idle_seconds`` unused. Not thread-safe: the
+    server calls it under its model lock.
 
     Args:
         make_window: builds a window for ``(system prompt, settings key)``.
@@ -88,8 +89,9 @@ class SessionPool:
         return self._touch(best if best is not None else self._new(tenant, system, settings, None))
 
     def _new(self, tenant: str, system: str | None, settings: str, pinned: str | None) -> Session:
-        while len(self._sessions) >= self.max_sessions:
-            self._sessions.popitem(last=False)
+        own = [key for key in self._sessions if key[0] == tenant]  # least recently used first
+        for key in own[: max(0, len(own) - self.max_sessions + 1)]:  # a tenant evicts its own only
+            del self._sessions[key]
             self.dropped += 1
         session_id = pinned or f"kam-{uuid.uuid4().hex}"
         window = self._make(system, settings)

@@ -427,3 +427,20 @@ def test_the_key_file_names_tenants(tmp_path: Path) -> None:
     keys.write_text('["not", "a", "map"]')
     with pytest.raises(SystemExit, match="expected a JSON object"):
         _api_keys(argparse.Namespace(api_keys=str(keys), api_key=None))
+
+
+def test_a_tenant_cannot_evict_another_tenants_sessions(serve: Serve) -> None:
+    live = serve(api_keys={"key-a": "a", "key-b": "b"}, max_sessions=2)
+    a = openai.OpenAI(base_url=live.url + "/v1", api_key="key-a", max_retries=0)
+    b = openai.OpenAI(base_url=live.url + "/v1", api_key="key-b", max_retries=0)
+    held = a.chat.completions.create(model=MODEL, messages=[SYSTEM, shot(0, "mine")], max_tokens=1)
+    session = held.model_extra["kamera"]["session_id"]
+    for i in range(5):  # b churns through more sessions than it may keep
+        b.chat.completions.create(
+            model=MODEL,
+            messages=[SYSTEM, shot(10 + i, "x")],
+            max_tokens=1,
+            extra_body={"session_id": f"b{i}"},
+        )
+    assert ("a", session) in live.server.sessions._sessions
+    assert sum(key[0] == "b" for key in live.server.sessions._sessions) == 2
