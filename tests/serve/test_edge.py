@@ -444,3 +444,17 @@ def test_a_tenant_cannot_evict_another_tenants_sessions(serve: Serve) -> None:
         )
     assert ("a", session) in live.server.sessions._sessions
     assert sum(key[0] == "b" for key in live.server.sessions._sessions) == 2
+
+
+def test_a_slow_sender_is_timed_out(serve: Serve) -> None:
+    live = serve(read_timeout=1.0)
+
+    def slow() -> str:
+        sock = socket.create_connection(("127.0.0.1", live.port), timeout=30)
+        try:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+            return sock.recv(65536).decode("latin-1")  # the rest never comes
+        finally:
+            sock.close()
+
+    assert " 408 " in _while_healthy(live, slow).split("\r\n", 1)[0]
