@@ -114,14 +114,16 @@ class Planner:
             )
         action = REORDER[self.config.reorder]
         steps = self._walk(state, order, lambda i: action, {}, {}, keeps_order=False)
-        return WindowPlan("reorder", order, steps=tuple(steps), moved=self._moved(state, order, {}))
+        plan = WindowPlan("reorder", order, steps=tuple(steps), moved=self._moved(state, order, {}))
+        return self._bounded(state, plan)
 
     def remove(self, state: WindowState, refs: Sequence[ChunkRef], op: str) -> WindowPlan:
         gone = set(refs)
         order = tuple(r for r in state.order if r not in gone)
         action = SURVIVORS[self.config.survivors]
         steps = self._walk(state, order, lambda i: action, {}, {})
-        return WindowPlan(op, order, tuple(refs), steps=tuple(steps), moved=self._moved(state, order, {}))
+        plan = WindowPlan(op, order, tuple(refs), steps=tuple(steps), moved=self._moved(state, order, {}))
+        return self._bounded(state, plan)
 
     def recall(self, state: WindowState, ref: ChunkRef, at: int | None) -> WindowPlan:
         entry = _known(state, ref)
@@ -151,9 +153,8 @@ class Planner:
             return lambda i, ctx: Step("rotate", ref, state.entries[ref].state)
 
         special = {ref: step(ref) for ref in order}
-        return WindowPlan(
-            "materialize", order, steps=tuple(self._walk(state, order, _no_action, special, {}))
-        )
+        steps = self._walk(state, order, _no_action, special, {})
+        return self._bounded(state, WindowPlan("materialize", order, steps=tuple(steps)))
 
     # -- the walk -------------------------------------------------------------------------------
     def _recall(
@@ -177,7 +178,8 @@ class Planner:
         }
         steps = self._walk(state, order, action, special, {ref: entry.chunk}, moved_one=ref)
         moved = self._moved(state, order, {ref: entry.chunk})
-        return WindowPlan("recall", order, tuple(evicted), (ref,), tuple(steps), moved=moved)
+        plan = WindowPlan("recall", order, tuple(evicted), (ref,), tuple(steps), moved=moved)
+        return self._bounded(state, plan)
 
     def _admit(
         self,
@@ -209,7 +211,8 @@ class Planner:
         }
         steps = self._walk(state, order, lambda i: keep, special, chunks)
         moved = self._moved(state, order, chunks)
-        return WindowPlan(op, tuple(order), tuple(evicted), new, tuple(steps), dict(chunks), moved)
+        plan = WindowPlan(op, tuple(order), tuple(evicted), new, tuple(steps), dict(chunks), moved)
+        return self._bounded(state, plan)
 
     def _pushed(self, ref: ChunkRef, chunk: Chunk, order: Sequence[ChunkRef], i: int, ctx: Context) -> Step:
         return self.rules.pushed(ref, chunk, i, order, ctx)
@@ -268,6 +271,43 @@ class Planner:
             if not must_form - force:
                 return steps
             force |= must_form
+
+    # -- never costlier than a prefix cache ------------------------------------------------------
+    def _bounded(self, state: WindowState, plan: WindowPlan) -> WindowPlan:
+        """``plan``, or re-prefilling from the first slot it changes where that prefills fewer tokens.
+
+        Why: a prefix cache pays exactly the tokens from the first changed slot on; a plan can pay
+        more (a recall formed over its original context rebuilds that context, a reorder's
+        canonicals, a cascade of re-formed survivors). Both are counted the same way (the
+        planned steps' tokens), and the cheaper runs: the re-prefill is exact over the chunks
+        left of that slot, so it never costs fidelity either.
+        """
+        planned = sum(step.tokens for step in plan.steps)
+        if planned == 0:
+            return plan
+        changed = _first_changed(state, plan)
+        order = plan.order
+        index_of = {ref: i for i, ref in enumerate(order)}
+        steps = [step for step in plan.steps if index_of[step.ref] < changed]
+        ctx = self.root
+        for step in steps:
+            if step.kind != "form_canonical":
+                ctx = ctx.extend(step.state)
+        why = f"re-prefill from slot {changed}: fewer tokens than the plan's {planned}"
+        previous: Step | None = None
+        group: list[Step] = []
+        for i in range(changed, len(order)):
+            ref = order[i]
+            chunk = plan.chunks[ref] if ref in plan.chunks else state.entries[ref].chunk
+            step = self.rules.refilled(ref, chunk, ctx, order[:i], why)
+            step = self.rules.across_gap(self.rules.in_run(step, previous), group)
+            if step.kind == "form_patch":
+                group = [*group, step] if step.in_run else [step]
+            steps.append(step)
+            previous, ctx = step, ctx.extend(step.state)
+        if sum(step.tokens for step in steps) >= planned:
+            return plan
+        return replace(plan, steps=tuple(steps))
 
     def _left_contexts(self, state: WindowState) -> dict[ChunkRef, str]:
         """Each in-window chunk's left context before this op, as a digest (one pass)."""
@@ -377,6 +417,19 @@ def _causality(
         return moved is None or moved not in graph.pred[ref] or index_of[moved] < i
 
     return one_moved if keeps_order else any_order
+
+
+def _first_changed(state: WindowState, plan: WindowPlan) -> int:
+    """The first slot whose chunk or KV ``plan`` changes: another chunk there, a chunk moved, or
+    one whose state the plan sets anew (a pending one counts: its KV is not in the cache yet)."""
+    final = {step.ref: step for step in plan.steps if step.kind != "form_canonical"}
+    for i, ref in enumerate(plan.order):
+        if i >= len(state.order) or state.order[i] != ref or ref in plan.moved:
+            return i
+        entry, step = state.entries[ref], final.get(ref)
+        if entry.pending or step is None or step.kind != "rotate" or step.state.digest != entry.state.digest:
+            return i
+    return len(plan.order)
 
 
 def _known(state: WindowState, ref: ChunkRef) -> Entry:

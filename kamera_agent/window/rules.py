@@ -260,6 +260,14 @@ class Rules:
         step = Step("form_patch", ref, target, tuple(left), forwards=1, tokens=chunk.num_tokens, detail=why)
         return self.with_canonical(step)
 
+    def refilled(self, ref: ChunkRef, chunk: Chunk, ctx: Context, left: Sequence[ChunkRef], why: str) -> Step:
+        """The chunk as a re-prefill computes it over ``ctx``: its exact KV from the store when
+        held, else from one forward (shared with the refilled chunks before it)."""
+        full = ChunkState.patched(ref.key, "full", ctx)
+        if self.view.has_full(ref.key, full.digest):
+            return Step("apply_patch", ref, full, tuple(left), full.digest, detail=f"stored exact KV; {why}")
+        return Step("form_patch", ref, full, tuple(left), forwards=1, tokens=chunk.num_tokens, detail=why)
+
     def canonical_step(self, kind: EditKind, ref: ChunkRef, why: str) -> Step:
         """The chunk served as its canonical (prefilled behind the anchor first, if not stored)."""
         return self.with_canonical(Step(kind, ref, self.canonical(ref), (), detail=why))

@@ -8,7 +8,13 @@ model hides every bug that flows through a second layer of conditioning), on bot
 (b) under any settings, every chunk's KV is what its state says it encodes (`StateOracle`:
     the engine's own prefill behind exactly the recorded chain of antecedent states);
 (c) both hold over forks and over two windows sharing one small store (entries get dropped, so
-    recalls re-encode), where a patch formed in one window is found by the other.
+    recalls re-encode), where a patch formed in one window is found by the other;
+(d) never costlier than a prefix cache: under the exact settings every op prefills at most what
+    re-prefilling from its first changed slot does (the tokens from the first slot whose content
+    differs, counted by content key, independently of the planner); under any settings every op
+    prefills at most the whole window once, and the window's running total never exceeds the
+    prefix cache's (what an op defers, like a lazy patch or a survivor's kept conditioning,
+    is paid later, never more than once).
 
 Also: the graph is acyclic, causal and matches the window; no chunk is lost unless forgotten;
 ``plan()`` changes nothing (state, stats, store); a failing op leaves window and store as they
@@ -19,21 +25,26 @@ explore new ones.
 from __future__ import annotations
 
 import os
-from typing import Any, ClassVar
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, TypeVar
 
 import networkx as nx
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kamera_agent.backends.decoding import decoded_tokens
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import KameraError
+from kamera_agent.results import Answer
 from kamera_agent.store import ChunkStore
 from kamera_agent.window import ChunkRef, KameraWindow
 from tests.window.backends import backend_named
 from tests.window.helpers import answer_kl, chunk_errors
 from tests.window.oracle import StateOracle
 
+T = TypeVar("T")
 TEXTS = ["red", "green ball", "blue box moves", "a cat", "the dog sat", "yellow", "red"]
 EXACT_KV, APPROX_KV, EXACT_KL = 2e-5, 1e-4, 1e-9
 SMALL_STORE = 60_000  # a few chunks' canonicals and patches: entries are dropped, recalls re-encode
@@ -65,6 +76,8 @@ class WindowMachine(RuleBasedStateMachine):
     backend_name: ClassVar[str] = "qwen2"
     exact: ClassVar[bool] = False
     shared: ClassVar[bool] = False
+    roomy: ClassVar[bool] = False
+    """A store that holds a whole sequence (what the shared windows get too): nothing is dropped."""
 
     @initialize(
         choice=st.integers(0, len(ANY_SETTINGS) - 1),
@@ -75,13 +88,14 @@ class WindowMachine(RuleBasedStateMachine):
         self.config = (
             WindowConfig.exact(capacity_chunks=4) if self.exact else WindowConfig(**ANY_SETTINGS[choice])
         )
-        budget = SHARED_STORE if self.shared else SMALL_STORE
+        budget = SHARED_STORE if self.shared or self.roomy else SMALL_STORE
         self.store = ChunkStore(fingerprint=self.backend.fingerprint, memory_budget=budget)
         count = 2 if self.shared else 1
         self.windows = [
             KameraWindow(self.backend, config=self.config, store=self.store) for _ in range(count)
         ]
         self.pushed: list[set[ChunkRef]] = [set() for _ in range(count)]
+        self.costs = [_Costs() for _ in range(count)]
         self.oracle = StateOracle(self.backend)
         self.touched = 0
         self.history: list[str] = []  # every text pushed, in order, over all windows
@@ -119,61 +133,102 @@ class WindowMachine(RuleBasedStateMachine):
         if len(self.windows) < 4:
             self.windows.append(KameraWindow(self.backend, config=self.config, store=self.store))
             self.pushed.append(set())
+            self.costs.append(_Costs())
             i = len(self.windows) - 1
         else:
             i = self.pick(data)
-            self.windows[i].slide(len(self.windows[i]))
+            self._op(i, lambda w: w.slide(len(w)))
         for text in texts:
             self._push(i, text)
 
     def _push(self, i: int, text: str) -> None:
-        ref = self.windows[i].push(text, label=text)
+        ref = self._op(i, lambda w: w.push(text, label=text))
         self.oracle.know(self.windows[i].chunk(ref))
         self.pushed[i].add(ref)
         self.history.append(text)
 
+    def _op(self, i: int, do: Callable[[KameraWindow], T]) -> T:
+        """Run one window op on window ``i`` and check what it prefilled against a prefix cache."""
+        w, costs = self.windows[i], self.costs[i]
+        before = [w.chunk(ref).key for ref in w.refs]
+        ops = sum(w.stats.ops.values())
+        result = do(w)
+        if sum(w.stats.ops.values()) == ops:
+            return result  # nothing ran (an empty slide)
+        cost = w.stats.last
+        spent = cost.tokens_prefilled
+        if isinstance(result, Answer):  # the question and the answer's steps: a prefix cache pays those too
+            asked = int(w.query_ids("What is it?").shape[0]) + decoded_tokens(result)
+            costs.asked += asked
+            spent -= asked
+        after = [w.chunk(ref) for ref in w.refs]
+        same = next(
+            (k for k, (a, b) in enumerate(zip(before, after, strict=False)) if a != b.key),
+            min(len(before), len(after)),
+        )
+        prefix = sum(chunk.num_tokens for chunk in after[same:])
+        anchor = 0
+        if cost.forwards and not costs.anchored:  # a prefix cache prefills the anchor once too
+            anchor, costs.anchored = w.encoder.anchor().num_tokens, True
+        costs.prefix += prefix + anchor
+        if cost.probes:  # decodes a probe-driven eviction spends by choice: counted apart
+            costs.probed += spent
+            return result
+        if self.store.stats().lost:  # a store under budget re-forms what it dropped (`reforms`)
+            return result
+        if self.exact:
+            assert spent <= prefix + anchor, (w.stats.last, w.last_plan, before, [c.key for c in after])
+        else:
+            assert spent <= sum(chunk.num_tokens for chunk in after) + anchor, (w.stats.last, w.last_plan)
+        window_total = w.stats.total.tokens_prefilled - costs.asked - costs.probed
+        assert window_total <= costs.prefix, (window_total, costs.prefix, w.last_plan)
+        return result
+
     @rule(data=st.data())
     def reorder(self, data: st.DataObject) -> None:
-        w = self.windows[self.pick(data)]
-        if len(w) > 1:
-            w.reorder(data.draw(st.permutations(w.refs)))
+        i = self.pick(data)
+        if len(self.windows[i]) > 1:
+            order = data.draw(st.permutations(self.windows[i].refs))
+            self._op(i, lambda w: w.reorder(order))
 
     @rule(data=st.data(), text=st.sampled_from(TEXTS))
     def advance(self, data: st.DataObject, text: str) -> None:
         """A stream's step: the oldest chunk slides out, a new one comes in (its left context is
         the survivors, which by default still encode the chunk that left)."""
         i = self.pick(data)
-        self.windows[i].slide(1)
+        self._op(i, lambda w: w.slide(1))
         self._push(i, text)
 
     @rule(data=st.data(), n=st.integers(0, 2))
     def slide(self, data: st.DataObject, n: int) -> None:
-        w = self.windows[self.pick(data)]
-        before = w.refs
-        assert w.slide(n) == before[:n]
+        i = self.pick(data)
+        before = self.windows[i].refs
+        assert self._op(i, lambda w: w.slide(n)) == before[:n]
 
     @rule(data=st.data())
     def evict(self, data: st.DataObject) -> None:
-        w = self.windows[self.pick(data)]
-        if len(w):
-            w.evict(data.draw(st.sampled_from(w.refs)))
+        i = self.pick(data)
+        if len(self.windows[i]):
+            ref = data.draw(st.sampled_from(self.windows[i].refs))
+            self._op(i, lambda w: w.evict(ref))
 
     @rule(data=st.data())
     def recall(self, data: st.DataObject) -> None:
-        w = self.windows[self.pick(data)]
+        i = self.pick(data)
+        w = self.windows[i]
         if not w.evicted:
             return
         ref = data.draw(st.sampled_from(sorted(w.evicted)))
         full = w.config.capacity_chunks is not None and len(w) >= w.config.capacity_chunks
         at = data.draw(st.none() | st.integers(0, len(w) - int(full)))
-        w.recall(ref, at=at)
+        self._op(i, lambda w: w.recall(ref, at=at))
         assert ref in w.refs
 
     @rule(data=st.data())
     def ask(self, data: st.DataObject) -> None:
-        w = self.windows[self.pick(data)]
-        if len(w):
-            w.ask("What is it?", max_new_tokens=1)
+        i = self.pick(data)
+        if len(self.windows[i]):
+            self._op(i, lambda w: w.ask("What is it?", max_new_tokens=1))
 
     @rule(data=st.data())
     def forget(self, data: st.DataObject) -> None:
@@ -191,8 +246,9 @@ class WindowMachine(RuleBasedStateMachine):
         branch = self.windows[i].fork()
         self.windows.append(branch)
         self.pushed.append(set(self.pushed[i]))
+        self.costs.append(replace(self.costs[i]))
         if branch.refs:
-            branch.slide()  # the branch's edits stay in the branch
+            self._op(len(self.windows) - 1, lambda w: w.slide())  # the branch's edits stay in the branch
         assert self.windows[i].refs != branch.refs or not branch.refs
 
     @precondition(lambda self: self.shared and len(self.windows) < 4)
@@ -200,6 +256,7 @@ class WindowMachine(RuleBasedStateMachine):
     def another_window(self) -> None:
         self.windows.append(KameraWindow(self.backend, config=self.config, store=self.store))
         self.pushed.append(set())
+        self.costs.append(_Costs())
 
     # -- what must never change --------------------------------------------------------------
     @rule(data=st.data(), op=st.sampled_from(["push", "reorder", "slide", "evict", "recall"]))
@@ -271,9 +328,11 @@ class WindowMachine(RuleBasedStateMachine):
             return
         w = self.windows[self.touched]
         if w.refs:
+            spent = w.stats.total.tokens_prefilled
             errors = chunk_errors(w)
             assert max(errors.values()) <= EXACT_KV, errors
             assert answer_kl(w) < EXACT_KL
+            self.costs[self.touched].asked += w.stats.total.tokens_prefilled - spent  # this check's own reads
 
     @invariant()
     def graph_is_acyclic_causal_and_matches_the_window(self) -> None:
@@ -303,10 +362,20 @@ class WindowMachine(RuleBasedStateMachine):
         w = self.windows[0]
         for ref in sorted(w.evicted):  # every evicted chunk comes back
             try:
-                w.recall(ref)
+                self._op(0, lambda w, ref=ref: w.recall(ref))
             except KameraError as exc:  # only a released image can be lost, and it says so
                 raise AssertionError(f"{ref} could not be recalled: {exc}") from exc
             assert ref in w.refs
+
+
+@dataclass
+class _Costs:
+    """One window's running totals beside a prefix cache's over the same ops."""
+
+    prefix: int = 0
+    asked: int = 0
+    probed: int = 0
+    anchored: bool = False
 
 
 def _settings(examples: int, steps: int = 12) -> settings:
@@ -321,9 +390,11 @@ def _settings(examples: int, steps: int = 12) -> settings:
     )
 
 
-def _machine(backend: str, exact: bool, shared: bool) -> type[WindowMachine]:
-    name = f"{'Exact' if exact else 'Any'}{'Shared' if shared else ''}{backend.title().replace('_', '')}"
-    return type(name, (WindowMachine,), {"backend_name": backend, "exact": exact, "shared": shared})
+def _machine(backend: str, exact: bool, shared: bool, roomy: bool = False) -> type[WindowMachine]:
+    kind = ("Exact" if exact else "Any") + ("Shared" if shared else "") + ("Roomy" if roomy else "")
+    name = kind + backend.title().replace("_", "")
+    attributes = {"backend_name": backend, "exact": exact, "shared": shared, "roomy": roomy}
+    return type(name, (WindowMachine,), attributes)
 
 
 TestExactQwen2 = _machine("qwen2", True, False).TestCase
@@ -342,6 +413,15 @@ TestSharedTinyTorch = _machine("tiny_torch", False, True).TestCase
 TestSharedTinyTorch.settings = _settings(150)
 TestExactSharedTinyTorch = _machine("tiny_torch", True, True).TestCase
 TestExactSharedTinyTorch.settings = _settings(80)
+# (d) over 300 sequences per backend and setting, in a store that drops nothing
+TestExactRoomyQwen2 = _machine("qwen2", True, False, roomy=True).TestCase
+TestExactRoomyQwen2.settings = _settings(300)
+TestAnyRoomyQwen2 = _machine("qwen2", False, False, roomy=True).TestCase
+TestAnyRoomyQwen2.settings = _settings(300)
+TestExactRoomyTinyTorch = _machine("tiny_torch", True, False, roomy=True).TestCase
+TestExactRoomyTinyTorch.settings = _settings(300)
+TestAnyRoomyTinyTorch = _machine("tiny_torch", False, False, roomy=True).TestCase
+TestAnyRoomyTinyTorch.settings = _settings(300)
 
 
 def test_budget_forced_re_encodes_are_reported() -> None:
