@@ -16,7 +16,16 @@ import torch
 __all__ = ["Answer", "Edit", "EditKind", "OpCost", "Plan", "Probe", "WindowStats"]
 
 EditKind = Literal[
-    "form_canonical", "rotate", "apply_patch", "form_patch", "revert", "defer", "admit", "evict", "probe"
+    "form_canonical",
+    "rotate",
+    "apply_patch",
+    "form_patch",
+    "revert",
+    "defer",
+    "admit",
+    "recall",
+    "evict",
+    "probe",
 ]
 
 
@@ -124,7 +133,7 @@ class Edit:
     Attributes:
         kind: ``form_canonical`` (canonical prefill), ``rotate`` (relocation only), ``apply_patch`` (a stored
             patch, no forward), ``form_patch`` (a conditioned forward + SVD), ``revert`` (back to the
-            canonical), ``defer`` (patch formed before the next read), ``admit`` / ``evict``.
+            canonical), ``defer`` (patch formed before the next read), ``admit`` / ``recall`` / ``evict``.
         label: the chunk's label (or id).
         detail: why, in words.
         forwards: forwards this edit runs.

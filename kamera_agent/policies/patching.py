@@ -24,8 +24,9 @@ PATCH_TIMING: Mapping[str, PatchAction] = MappingProxyType(
 )
 
 # What a slide / evict does to survivors: they keep their absorbed conditioning on the chunk
-# that left (near-lossless on GQA and MLA), or re-form it without that chunk (a removal patch,
-# for models whose vision re-enters deep, such as Qwen3-VL's deepstack).
+# that left (free, and approximate: on the shipped demo model it is the largest source of drift,
+# survivors="removal" cutting the window episode's mean next-token KL by 72 %; never measured
+# near-lossless on another model), or re-form it without that chunk (a removal patch: exact).
 SURVIVORS: Mapping[str, PatchAction] = MappingProxyType({"keep": "keep", "removal": "form"})
 
 # A reordered chunk whose antecedents changed and for which no stored patch fits: form an

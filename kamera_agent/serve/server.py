@@ -26,7 +26,7 @@ from kamera_agent.backends.base import Backend
 from kamera_agent.backends.decoding import decoded_tokens
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import ContextOverflowError, KameraError
-from kamera_agent.results import Answer, OpCost
+from kamera_agent.results import Answer, OpCost, Plan
 from kamera_agent.serve.media import ImageFetching, MediaPolicy
 from kamera_agent.serve.messages import MessageChunks, Prepared
 from kamera_agent.serve.metrics import Metrics
@@ -135,9 +135,11 @@ class Completion:
     def kamera(self) -> dict[str, Any]:
         """The extension object: the session, the prompt's provenance, every op the request ran
         and what each cost, and the forward work beyond the prompt, if any."""
+        edits = [_edits(plan) for plan in self.report.plans] + [{}]
+        ran = [*self.report.ops, ("ask", [], self.answer.cost or OpCost())]
         ops = [
-            {"op": op, "chunks": labels, **_cost(cost)}
-            for op, labels, cost in [*self.report.ops, ("ask", [], self.answer.cost or OpCost())]
+            {"op": op, "chunks": labels, "edits": done, **_cost(cost)}
+            for (op, labels, cost), done in zip(ran, edits, strict=True)
         ]
         return {
             "session_id": self.session_id,
@@ -349,6 +351,11 @@ class KameraServer:
             "image_cache_bytes": float(self.images.nbytes),
             "message_cache_bytes": float(self.messages.nbytes),
         }
+
+
+def _edits(plan: Plan) -> dict[str, int]:
+    """How many edits of each kind an op's plan executed (relocations of unmoved chunks aside)."""
+    return dict(Counter(edit.kind for edit in plan.edits if edit.kind != "rotate"))
 
 
 def _cost(cost: OpCost) -> dict[str, Any]:

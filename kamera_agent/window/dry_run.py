@@ -43,7 +43,7 @@ def _dry(runner: OpRunner, op: Callable[P, object]) -> Callable[P, Plan]:
 class PlanView:
     """Dry runs of a window's ops: ``window.plan.<op>(...)``, or ``window.plan("<op>", ...)``."""
 
-    OPS = ("push", "extend", "replace", "reorder", "slide", "evict", "recall", "push_message")
+    OPS = ("push", "extend", "replace", "reorder", "slide", "evict", "recall", "arrange", "push_message")
 
     def __init__(self, window: KameraWindow, runner: OpRunner) -> None:
         self.push = _dry(runner, window.push)
@@ -53,6 +53,7 @@ class PlanView:
         self.slide = _dry(runner, window.slide)
         self.evict = _dry(runner, window.evict)
         self.recall = _dry(runner, window.recall)
+        self.arrange = _dry(runner, window.arrange)
         self.push_message = _dry(runner, window.push_message)
 
     def __call__(self, op: str, *args: Any, **kwargs: Any) -> Plan:

@@ -73,6 +73,8 @@ class WindowPlan:
     probes: tuple[ChunkRef, ...] = ()
     probe_query: str = ""
     probe_tokens: int = 0
+    recalled: tuple[ChunkRef, ...] = ()
+    """Of ``admitted``, the evicted chunks that come back (`Planner.arrange`)."""
 
     def public(self) -> Plan:
         """The user-facing `Plan`: labelled edits with the forwards and tokens each will run."""
@@ -92,7 +94,12 @@ class WindowPlan:
         edits += [
             Edit("evict", ref.label, "leaves the window; canonical kept", ref=ref) for ref in self.evicted
         ]
-        edits += [Edit("admit", ref.label, "enters the window", ref=ref) for ref in self.admitted]
+        edits += [
+            Edit("recall", ref.label, "comes back from eviction", ref=ref)
+            if ref in self.recalled
+            else Edit("admit", ref.label, "enters the window", ref=ref)
+            for ref in self.admitted
+        ]
         for step in self.steps:
             if step.kind == "rotate" and step.ref not in self.moved:
                 continue

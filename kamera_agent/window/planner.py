@@ -129,19 +129,73 @@ class Planner:
         entry = _known(state, ref)
         if entry.in_window:
             raise ChunkInWindowError(f"{ref} is already in the window; reorder it instead of recalling it")
-        held = [entry.state.digest, *([entry.home.state.digest] if entry.home else [])]
-        if not any(can_form(entry.chunk, self.view, digest) for digest in held):
-            raise ChunkLostError(
-                f"{ref} released its pixels at eviction and the store no longer holds its canonical or "
-                "vision output; push the content again (a disk tier or evicted_pixels='keep' prevents this)"
-            )
-        self._check_storable(entry.chunk)
+        self._check_recallable(entry, ref)
         evicted, probes = self._make_room(state, entry.chunk.num_tokens, keep=(ref,))
         if probes:
             placeholder, _ = self._make_room(state, entry.chunk.num_tokens, keep=(ref,), scores={})
             plan = self._recall(state, ref, at, placeholder)
             return self._with_probes(state, plan, probes)
         return self._recall(state, ref, at, evicted)
+
+    def arrange(self, state: WindowState, items: Sequence[ChunkRef | tuple[Chunk, str | None]]) -> WindowPlan:
+        """The window as ``items``, in this order, in one op: an in-window ref stays (moved where
+        it stands in ``items``), an evicted one comes back (a recall), new content is admitted,
+        and every in-window chunk ``items`` does not name leaves (an evict).
+
+        Why one op: a request that drops, moves, re-sends and adds chunks at once would otherwise
+        run an evict, a reorder, recalls and an extend, each re-settling what follows it; as one
+        op every chunk is settled once and the whole edit is bounded by one re-prefill from its
+        first changed slot.
+        """
+        order: list[ChunkRef] = []
+        chunks: dict[ChunkRef, Chunk] = {}
+        recalled: list[ChunkRef] = []
+        for item in items:
+            if isinstance(item, ChunkRef):
+                entry = _known(state, item)
+                if item in order:
+                    raise DuplicateChunkError(f"{item} appears twice in arrange; name each chunk once")
+                if not entry.in_window:
+                    self._check_recallable(entry, item)
+                    recalled.append(item)
+                order.append(item)
+            else:
+                chunk, label = item
+                ref = state.mint(chunk, label, len(chunks))
+                self._check_storable(chunk)
+                chunks[ref] = chunk
+                order.append(ref)
+        self._check_fits(state, order, chunks)
+        named = set(order)
+        evicted = tuple(ref for ref in state.order if ref not in named)
+        stayed = [ref for ref in order if ref in state.order]
+        reordered = stayed != [ref for ref in state.order if ref in named]
+        first_new = next((i for i, ref in enumerate(order) if ref in chunks or ref in recalled), len(order))
+        kept, reorder = SURVIVORS[self.config.survivors], REORDER[self.config.reorder]
+        follow: PatchAction = "form" if self.config.cascade == "cascade" else "keep"
+
+        def action(i: int) -> PatchAction:
+            return reorder if reordered else kept if i < first_new else follow
+
+        special: dict[ChunkRef, Special] = {
+            ref: partial(self._pushed, ref, chunk, tuple(order)) for ref, chunk in chunks.items()
+        }
+        for ref in recalled:
+            special[ref] = partial(self._recalled, state, ref, tuple(order))
+        steps = self._walk(state, order, action, special, chunks, keeps_order=False)
+        admitted = tuple(ref for ref in order if ref in chunks or ref in recalled)
+        moved = self._moved(state, order, chunks)
+        plan = WindowPlan(
+            "arrange",
+            tuple(order),
+            evicted,
+            admitted,
+            tuple(steps),
+            dict(chunks),
+            moved,
+            recalled=tuple(recalled),
+        )
+        return self._bounded(state, plan)
 
     def materialize(self, state: WindowState) -> WindowPlan:
         """Form every patch that lazy timing deferred, left to right, before a read."""
@@ -216,6 +270,11 @@ class Planner:
 
     def _pushed(self, ref: ChunkRef, chunk: Chunk, order: Sequence[ChunkRef], i: int, ctx: Context) -> Step:
         return self.rules.pushed(ref, chunk, i, order, ctx)
+
+    def _recalled(
+        self, state: WindowState, ref: ChunkRef, order: Sequence[ChunkRef], i: int, ctx: Context
+    ) -> Step:
+        return self.rules.recalled(state, ref, i, order, ctx)
 
     def _walk(
         self,
@@ -385,6 +444,31 @@ class Planner:
         query = state.last_answer.query
         tokens = self.inputs.query_tokens(query)
         return replace(plan, evicted=(), probes=probes, probe_query=query, probe_tokens=tokens)
+
+    def _check_recallable(self, entry: Entry, ref: ChunkRef) -> None:
+        """An evicted chunk can come back unless it lost both its pixels and its stored KV."""
+        held = [entry.state.digest, *([entry.home.state.digest] if entry.home else [])]
+        if not any(can_form(entry.chunk, self.view, digest) for digest in held):
+            raise ChunkLostError(
+                f"{ref} released its pixels at eviction and the store no longer holds its canonical or "
+                "vision output; push the content again (a disk tier or evicted_pixels='keep' prevents this)"
+            )
+        self._check_storable(entry.chunk)
+
+    def _check_fits(
+        self, state: WindowState, order: Sequence[ChunkRef], chunks: Mapping[ChunkRef, Chunk]
+    ) -> None:
+        """An arrangement the window's capacity cannot hold is refused before anything changes."""
+        cap_chunks, cap_tokens = self.config.capacity_chunks, self.config.capacity_tokens
+        tokens = sum((chunks[r] if r in chunks else state.entries[r].chunk).num_tokens for r in order)
+        if cap_chunks is not None and len(order) > cap_chunks:
+            raise CapacityError(
+                f"arrange names {len(order)} chunks; capacity_chunks is {cap_chunks}. Name fewer or raise it"
+            )
+        if cap_tokens is not None and tokens > cap_tokens:
+            raise CapacityError(
+                f"arrange names {tokens} tokens; capacity_tokens is {cap_tokens}. Name fewer or raise it"
+            )
 
     def _check_storable(self, chunk: Chunk) -> None:
         """A canonical that no budget can hold fails the op before anything changes."""

@@ -340,6 +340,37 @@ class KameraWindow:
         self._runner.transact("recall", lambda planner: planner.recall(self._runner.state, ref, at))
         return ref
 
+    def arrange(
+        self, items: Sequence[ChunkRef | Item], *, labels: Sequence[str | None] | None = None
+    ) -> list[ChunkRef]:
+        """Make the window hold exactly ``items``, in this order, as one op; returns their refs.
+
+        A ref in the window stays (moved where it stands), an evicted ref comes back (recalled),
+        anything else is new content, read as `push` reads it; in-window chunks not named are
+        evicted. Every chunk is settled once, and the op never prefills more than re-prefilling
+        from its first changed slot. ``labels``: one per item (``None`` for refs).
+
+        Raises:
+            DuplicateChunkError: a ref named twice.
+            CapacityError: more than the window's capacity.
+            ChunkLostError: an evicted ref that can no longer be recalled (push its content).
+
+        Mutates: the window, the store.
+        """
+        names = list(labels) if labels is not None else [None] * len(items)
+        if len(names) != len(items):
+            raise WindowError(f"got {len(items)} items but {len(names)} labels; give one label per item")
+        parsed: list[ChunkRef | tuple[Chunk, str | None]] = []
+        for item, name in zip(items, names, strict=True):
+            if isinstance(item, ChunkRef):
+                parsed.append(item)
+            else:
+                parsed.append((self._inputs.item(item, None, None, None, name), name))
+        plan, _ = self._runner.transact(
+            "arrange", lambda planner: planner.arrange(self._runner.state, parsed)
+        )
+        return list(plan.order)
+
     def forget(self, ref: ChunkRef) -> None:
         """Drop an evicted chunk for good: it can no longer be recalled (its store entries stay,
         shared with other windows). Chunks that still encode it keep their KV and state.

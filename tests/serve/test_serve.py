@@ -107,8 +107,8 @@ def test_a_sliding_screenshot_conversation_reuses_what_it_sent_before(serve: Ser
         assert usage.prompt_tokens_details.cached_tokens > 0, turn
         assert usage.prompt_tokens == fresh.usage.prompt_tokens
         assert _prefilled(response) < _prefilled(fresh), (turn, _prefilled(response), _prefilled(fresh))
-    ops = {op["op"] for response, _ in turns[3:] for op in _ops(response)}
-    assert "evict" in ops  # the dropped exchange left the window
+    edits = {kind for response, _ in turns[3:] for op in _ops(response) for kind in op["edits"]}
+    assert "evict" in edits  # the dropped exchange left the window
 
     streamed = _run(serve(), 6, stream=True)
     for (plain, _), (flowing, _) in zip(turns, streamed, strict=True):
@@ -135,9 +135,8 @@ def test_a_resent_screenshot_is_recalled_without_a_vision_forward(serve: Serve) 
     )  # 0 dropped
     again = _ask(live, [*base, shot(1, "second?"), {"role": "assistant", "content": "ok"}, shot(3, "and?")])
     ops = _ops(again)
-    assert "recall" in [op["op"] for op in ops]
-    recalled = [op for op in ops if op["op"] == "recall"]
-    assert sum(op["vision_encodes"] for op in recalled) == 0
+    assert [op["op"] for op in ops] == ["arrange", "ask"]
+    assert ops[0]["edits"].get("recall", 0) >= 1  # the screenshot (and its text) came back
     assert sum(op["vision_encodes"] for op in ops) == 1  # only the new screenshot 3
 
 
@@ -151,9 +150,54 @@ def test_reordering_two_screenshots_runs_no_canonical_prefill(serve: Serve) -> N
     _ask(live, [SYSTEM, task, reply, a, reply, b, reply, shot(2, "which?")])
     swapped = _ask(live, [SYSTEM, task, reply, b, reply, a, reply, shot(2, "which?")])
     ops = _ops(swapped)
-    assert [op["op"] for op in ops] == ["reorder", "ask"]
+    assert [op["op"] for op in ops] == ["arrange", "ask"]
+    assert "admit" not in ops[0]["edits"] and "recall" not in ops[0]["edits"]
     assert sum(op["canonicals_formed"] for op in ops) == 0
     assert sum(op["vision_encodes"] for op in ops) == 0
+
+
+def _trials() -> dict[str, list[list[dict[str, Any]]]]:
+    """Request sequences of one session each, where a window op could cost more than a prefix cache."""
+    reply = {"role": "assistant", "content": "ok"}
+    task = {"role": "user", "content": "Compare the two screenshots."}
+    a, b = shot(0, "left"), shot(1, "right")
+    return {
+        "re-sent screenshot": [
+            [SYSTEM, shot(0, "first"), reply, shot(1, "second?")],
+            [SYSTEM, shot(1, "second?"), reply, shot(2, "third?")],  # 0 dropped
+            [SYSTEM, shot(0, "first"), reply, shot(1, "second?"), reply, shot(3, "and?")],  # 0 again, first
+        ],
+        "two swaps": [
+            [SYSTEM, task, reply, a, reply, b, reply, shot(2, "which?")],
+            [SYSTEM, task, reply, b, reply, a, reply, shot(2, "which?")],
+            [SYSTEM, task, reply, a, reply, b, reply, shot(2, "which?")],
+        ],
+        "recall, then reorder": [
+            [SYSTEM, a, reply, b, reply, shot(2, "now?")],
+            [SYSTEM, b, reply, shot(2, "now?"), reply, shot(3, "and?")],  # a dropped
+            [SYSTEM, b, reply, a, reply, shot(2, "now?"), reply, shot(4, "again?")],  # a back, mid-history
+        ],
+    }
+
+
+@pytest.mark.parametrize("preset", ["exact", "defaults"])
+def test_no_request_prefills_more_than_a_cold_server(serve: Serve, preset: str) -> None:
+    """Per request, the window's forwards prefill at most what a fresh server prefills for the
+    same messages (its whole prompt): one arrange per request, bounded by a re-prefill from its
+    first changed slot."""
+    config = WindowConfig.exact() if preset == "exact" else WindowConfig()
+    for name, requests in _trials().items():
+        live = serve(config=config)
+        for turn, messages in enumerate(requests):
+            warm = _ask(live, messages)
+            cold_server = serve(config=config)
+            cold = _ask(cold_server, messages)
+            cold_server.stop()
+            spent, fresh = (r.model_extra["kamera"]["tokens_prefilled"] for r in (warm, cold))
+            assert fresh == cold.usage.prompt_tokens  # a cold server prefills its whole prompt
+            assert spent <= fresh, (name, turn, spent, fresh, _ops(warm))
+            if preset == "exact":
+                assert _text(warm) == _text(cold), (name, turn)
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(serve: Serve) -> None:
