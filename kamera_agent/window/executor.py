@@ -46,6 +46,7 @@ class Executor:
         self._by_key: dict[str, Chunk] | None = None
         self._moved: frozenset[ChunkRef] = frozenset()
         self._placed: dict[tuple[ChunkRef, int, str], ChunkKV] = {}
+        self._held: dict[ChunkRef, tuple[ChunkState, Patch | None, ChunkKV | None]] = {}
         self._order_changed()
 
     # -- running a plan -------------------------------------------------------------------------
@@ -54,6 +55,8 @@ class Executor:
         state = self.state
         if _changes(state, plan):
             state.tick += 1
+        sources = {step.source for step in plan.steps if step.source is not None}
+        self._held = {r: (e.state, e.patch, e.full) for r, e in state.entries.items() if r in sources}
         for ref in plan.evicted:
             entry = state.entries[ref]
             entry.in_window, entry.patch, entry.full, entry.evicted_at = False, None, None, state.tick
@@ -103,6 +106,10 @@ class Executor:
         entry = self.state.entries[step.ref]
         if step.kind == "form_canonical":
             self.canonical(step.ref)
+        elif step.kind == "rotate" and step.source is not None:  # the KV its same-content holder had
+            held, patch, full = self._held[step.source]
+            self._reused(step.ref)
+            self._settle(step.ref, held, patch, step.antecedents, full=full)
         elif step.kind == "rotate":
             if step.ref in self._moved:
                 self._reused(step.ref)

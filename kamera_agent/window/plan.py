@@ -36,6 +36,8 @@ class Step:
             formations over one left context share one forward).
         needs_canonical: its KV is built on the chunk's canonical, which the store does not hold:
             a ``form_canonical`` runs first.
+        source: for ``rotate``: the chunk of the same content that held this slot before the op,
+            whose KV this one takes (repeated content: what a prefix cache would reuse).
         forwards: forwards the step runs (rebuilding an original context included).
         tokens: tokens those forwards prefill.
         detail: why, in words (shown in plans).
@@ -49,6 +51,7 @@ class Step:
     off_window: bool = False
     in_run: bool = False
     needs_canonical: bool = False
+    source: ChunkRef | None = None
     forwards: int = 0
     tokens: int = 0
     detail: str = ""

@@ -296,6 +296,7 @@ class Planner:
         before = Once(lambda: self._left_contexts(state))
         index_of = {ref: i for i, ref in enumerate(order)}
         causal = _causality(state, index_of, keeps_order, moved_one)
+        same = _same_content(state, order)
         force: set[ChunkRef] = set()
         while True:
             steps: list[Step] = []
@@ -303,7 +304,10 @@ class Planner:
             previous: Step | None = None
             group: list[Step] = []  # the in-window formations sharing the current forward
             for i, ref in enumerate(order):
-                if ref in special:
+                taken = self._taken(state, ref, i, order, ctx, before) if i < same else None
+                if taken is not None:
+                    step = taken
+                elif ref in special:
                     step = special[ref](i, ctx)
                 elif ref in force:
                     step = self.rules.formed(
@@ -367,6 +371,29 @@ class Planner:
         if sum(step.tokens for step in steps) >= planned:
             return plan
         return replace(plan, steps=tuple(steps))
+
+    def _taken(
+        self, state: WindowState, ref: ChunkRef, i: int, order: Sequence[ChunkRef], ctx: Context, before: Once
+    ) -> Step | None:
+        """Another chunk of the same content held slot ``i`` before the op, behind the same
+        content: ``ref`` takes its KV as it was (what a prefix cache reuses), where that KV
+        still encodes only chunks to the left (none this op brings back to the right)."""
+        holder = state.order[i]
+        entry = state.entries[holder]
+        if holder == ref or entry.pending or before().get(holder) != ctx.digest:
+            return None
+        edges = sorted(state.graph.in_edges(holder, data="index"), key=lambda edge: edge[2])
+        old_index = {r: k for k, r in enumerate(state.order)}
+        antecedents = []
+        for source, _, _ in edges:
+            if source in old_index:
+                antecedents.append(order[old_index[source]])
+            elif source in order:
+                return None  # it encodes an evicted chunk this op brings back to its right
+            else:
+                antecedents.append(source)
+        detail = "same content as the chunk that held this slot: takes its KV"
+        return Step("rotate", ref, entry.state, tuple(antecedents), source=holder, detail=detail)
 
     def _left_contexts(self, state: WindowState) -> dict[ChunkRef, str]:
         """Each in-window chunk's left context before this op, as a digest (one pass)."""
@@ -508,12 +535,26 @@ def _first_changed(state: WindowState, plan: WindowPlan) -> int:
     one whose state the plan sets anew (a pending one counts: its KV is not in the cache yet)."""
     final = {step.ref: step for step in plan.steps if step.kind != "form_canonical"}
     for i, ref in enumerate(plan.order):
-        if i >= len(state.order) or state.order[i] != ref or ref in plan.moved:
+        if i >= len(state.order):
             return i
-        entry, step = state.entries[ref], final.get(ref)
-        if entry.pending or step is None or step.kind != "rotate" or step.state.digest != entry.state.digest:
+        old, step = state.order[i], final.get(ref)
+        entry = state.entries[old]
+        kept = ref == old and ref not in plan.moved
+        if step is None or step.kind != "rotate" or not (kept or step.source == old):
+            return i
+        if entry.pending or step.state.digest != entry.state.digest:
             return i
     return len(plan.order)
+
+
+def _same_content(state: WindowState, order: Sequence[ChunkRef]) -> int:
+    """How many leading slots hold the same content (chunk keys) before and after the op."""
+    same = 0
+    for old, new in zip(state.order, order, strict=False):
+        if old.key != new.key:
+            break
+        same += 1
+    return same
 
 
 def _known(state: WindowState, ref: ChunkRef) -> Entry:
