@@ -366,6 +366,8 @@ class Planner:
             step = self.rules.across_gap(self.rules.in_run(step, previous), group)
             if step.kind == "form_patch":
                 group = [*group, step] if step.in_run else [step]
+            if step.needs_canonical:
+                steps.append(self.rules.form_canonical(ref, chunk))
             steps.append(step)
             previous, ctx = step, ctx.extend(step.state)
         if sum(step.tokens for step in steps) >= planned:

@@ -262,7 +262,10 @@ class Rules:
 
     def refilled(self, ref: ChunkRef, chunk: Chunk, ctx: Context, left: Sequence[ChunkRef], why: str) -> Step:
         """The chunk as a re-prefill computes it over ``ctx``: its exact KV from the store when
-        held, else from one forward (shared with the refilled chunks before it)."""
+        held, else from one forward (shared with the refilled chunks before it); first in the
+        window, its canonical."""
+        if ctx.length == 0:
+            return self.canonical_step("revert", ref, f"{why}; first in the window: the canonical")
         full = ChunkState.patched(ref.key, "full", ctx)
         if self.view.has_full(ref.key, full.digest):
             return Step("apply_patch", ref, full, tuple(left), full.digest, detail=f"stored exact KV; {why}")

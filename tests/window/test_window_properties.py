@@ -14,7 +14,7 @@ model hides every bug that flows through a second layer of conditioning), on bot
     differs, counted by content key, independently of the planner); under any settings every op
     prefills at most the whole window once, and the window's running total never exceeds the
     prefix cache's (what an op defers, like a lazy patch or a survivor's kept conditioning,
-    is paid later, never more than once).
+    is paid later, never more than once), in small stores that drop entries too.
 
 Also: the graph is acyclic, causal and matches the window; no chunk is lost unless forgotten;
 ``plan()`` changes nothing (state, stats, store); a failing op leaves window and store as they
@@ -173,8 +173,6 @@ class WindowMachine(RuleBasedStateMachine):
         costs.prefix += prefix + anchor
         if cost.probes:  # decodes a probe-driven eviction spends by choice: counted apart
             costs.probed += spent
-            return result
-        if self.store.stats().lost:  # a store under budget re-forms what it dropped (`reforms`)
             return result
         if self.exact:
             assert spent <= prefix + anchor, (w.stats.last, w.last_plan, before, [c.key for c in after])
@@ -418,15 +416,15 @@ TestSharedTinyTorch = _machine("tiny_torch", False, True).TestCase
 TestSharedTinyTorch.settings = _settings(150)
 TestExactSharedTinyTorch = _machine("tiny_torch", True, True).TestCase
 TestExactSharedTinyTorch.settings = _settings(80)
-# (d) over 300 sequences per backend and setting, in a store that drops nothing
+# (d) also where the store drops nothing: with the ones above, 380 exact and 600 other sequences a backend
 TestExactRoomyQwen2 = _machine("qwen2", True, False, roomy=True).TestCase
-TestExactRoomyQwen2.settings = _settings(300)
+TestExactRoomyQwen2.settings = _settings(150)
 TestAnyRoomyQwen2 = _machine("qwen2", False, False, roomy=True).TestCase
-TestAnyRoomyQwen2.settings = _settings(300)
+TestAnyRoomyQwen2.settings = _settings(150)
 TestExactRoomyTinyTorch = _machine("tiny_torch", True, False, roomy=True).TestCase
-TestExactRoomyTinyTorch.settings = _settings(300)
+TestExactRoomyTinyTorch.settings = _settings(150)
 TestAnyRoomyTinyTorch = _machine("tiny_torch", False, False, roomy=True).TestCase
-TestAnyRoomyTinyTorch.settings = _settings(300)
+TestAnyRoomyTinyTorch.settings = _settings(150)
 
 
 def test_budget_forced_re_encodes_are_reported() -> None:
