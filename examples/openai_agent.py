@@ -4,7 +4,7 @@ The agent does what agent frameworks do: every step it resends the whole convers
 with a new screenshot, and keeps only the newest three screenshots (the oldest exchange is
 dropped). A prefix cache misses from the first changed byte of such a request; kamera serve
 turns the change into window edits (the dropped exchange evicted, the new screenshot one
-forward) and says so: each turn prints ``usage.prompt_tokens_details.cached_tokens`` and the
+forward, in one `arrange`) and says so: each turn prints ``usage.prompt_tokens_details.cached_tokens`` and the
 ops the server ran. The answer streams.
 
     kamera serve &                                   # the shipped demo model on 127.0.0.1:8000
