@@ -72,13 +72,19 @@ def run(client: OpenAI, steps: int, keep: int = 3, model: str = MODEL) -> list[A
                 usage = event.usage
         assert usage is not None
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-        done = ", ".join(f"{op['op']}({op['tokens_prefilled']})" for op in ops)
+        done = ", ".join(f"{op['op']}({op['tokens_prefilled']}{_edited(op)})" for op in ops)
         print(f"step {step}: {text!r:10} prompt {usage.prompt_tokens:4} cached {cached:4}  ops: {done}")
         usages.append(usage)
         history += [screen, {"role": "assistant", "content": text or "."}]
         if len(history) > 2 * keep:
             del history[:2]  # the oldest screenshot and its answer leave the conversation
     return usages
+
+
+def _edited(op: dict[str, Any]) -> str:
+    """An op's edits beyond plain relocation, e.g. ``: evict 1, push 2``."""
+    edits = op.get("edits") or {}
+    return (": " + ", ".join(f"{kind} {n}" for kind, n in sorted(edits.items()))) if edits else ""
 
 
 def main(argv: list[str] | None = None) -> list[Any]:
