@@ -8,6 +8,8 @@ position-free form, device moves, cost accounting) lives once above this seam, i
     encode_vision  a chunk's pixels -> the vision tower's outputs (VLMs)
     assemble       placed KV back to back -> the engine's own cache (or onto one, with crop)
     decode         a query over an assembled cache -> an answer
+    recompute      (optional) chosen tokens of a placed chunk, again over a context -> its new KV
+    deviation      (optional) a cheap partial forward -> how far each token's reused KV is off
 
 plus its `KVLayout` (the KV layout and the rotary spec), its model fingerprint, the
 `ChunkEncoder` that prepares chunks for its model, where it runs (device, dtype) and its context
@@ -38,6 +40,7 @@ __all__ = [
     "Capabilities",
     "DecodeConfig",
     "Decoded",
+    "Deviation",
     "Prefilled",
     "Reference",
     "Spent",
@@ -95,6 +98,23 @@ class Decoded:
     """An answer and what decoding it cost (the query's prefill included)."""
 
     answer: Answer
+    spent: Spent
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """How far a placed chunk's reused KV is from what its context gives, token by token.
+
+    Attributes:
+        scores: ``[n]`` float32, each token's relative L2 deviation at ``layer``: the norm of
+            (fresh - reused) over both cache slots (keys and values; MLA: latent and k_pe) divided
+            by the fresh rows' norm.
+        layer: the decoder layer whose KV was compared (the one the partial forward's layers feed).
+        spent: the partial forward (see `Backend.deviation`).
+    """
+
+    scores: torch.Tensor
+    layer: int
     spent: Spent
 
 
@@ -166,12 +186,14 @@ class Capabilities:
         mla: MLA models (DeepSeek-V2/V3's latent plus rope band).
         extend: `Backend.assemble` onto a kept cache and `Backend.crop`.
         gaps: `Backend.prefill` with ``starts`` and ``sees`` (placed chunks between a run's members).
+        recompute: `Backend.recompute` and `Backend.deviation` (selective token recompute).
     """
 
     vision: bool = False
     mla: bool = False
     extend: bool = False
     gaps: bool = False
+    recompute: bool = False
 
 
 class Backend(ABC):
@@ -213,6 +235,13 @@ class Backend(ABC):
         """`prefill` takes ``starts`` and ``sees``: formations with placed chunks between them (a
         replacement mid-window and new chunks at the end) then share one forward."""
         return self.capabilities.gaps
+
+    @property
+    def supports_recompute(self) -> bool:
+        """`recompute` refreshes chosen tokens of a placed chunk over its context and `deviation`
+        says which tokens need it most: cross-chunk conditioning restored without a patch and
+        without prefilling the whole chunk (CacheBlend-style)."""
+        return self.capabilities.recompute
 
     @property
     @abstractmethod
@@ -274,6 +303,71 @@ class Backend(ABC):
     @abstractmethod
     def decode(self, cache: Any, query_ids: torch.Tensor, start: int, config: DecodeConfig) -> Decoded:
         """Answer ``query_ids`` placed at ``start`` over ``cache`` (which it may consume)."""
+
+    def recompute(
+        self,
+        chunk: Chunk,
+        kv: ChunkKV,
+        indices: torch.Tensor,
+        context: Sequence[ChunkKV],
+        start: int,
+        vision: VisionFeatures | None = None,
+    ) -> Prefilled:
+        """``kv`` with the rows of the tokens at ``indices`` recomputed, at every layer, over ``context``.
+
+        One forward whose queries are only the selected tokens (at their own positions, image
+        tokens with their vision outputs). At each layer they attend to ``context``'s KV, then to
+        the chunk's KV at that layer with their own rows replaced by what this forward computes,
+        causally by slot. The other tokens keep their reused rows: what they encode is not
+        changed, only what the selected tokens encode is. Recomputing every token is exactly
+        ``prefill([chunk], context, start, vision)``.
+
+        Args:
+            chunk: the chunk ``kv`` belongs to.
+            kv: its current KV, placed at ``chunk.positions_at(start)``.
+            indices: ``[m]`` long, sorted distinct token indices within the chunk.
+            context: placed KV before the chunk, back to back (the anchor first), as `prefill`.
+            start: the chunk's first position.
+            vision: the chunk's vision outputs, when it has vision.
+
+        Returns:
+            The new KV (one entry) and its cost: one forward of ``m`` tokens (none for ``m = 0``).
+
+        Raises:
+            CapabilityError: the engine has no selective recompute (`supports_recompute`).
+        """
+        raise CapabilityError(
+            f"{type(self).__name__} cannot recompute chosen tokens; re-prefill the chunk over its context "
+            "(prefill) or use a backend with supports_recompute (TransformersBackend, TinyTorchBackend)"
+        )
+
+    def deviation(
+        self,
+        chunk: Chunk,
+        kv: ChunkKV,
+        context: Sequence[ChunkKV],
+        start: int,
+        vision: VisionFeatures | None = None,
+        layers: int = 1,
+    ) -> Deviation:
+        """How far each of the chunk's tokens' reused KV is from what ``context`` gives it.
+
+        A partial forward of all the chunk's tokens over ``context``: the first ``layers``
+        decoder layers, then the KV projection of layer ``layers``, compared with ``kv`` there.
+        Layer 0's KV is a function of the token alone (no context reaches it), so the first layer
+        that can deviate is layer 1: ``layers = 1`` is the cheapest useful probe (CacheBlend's).
+
+        Cost: one (partial) forward; ``tokens_prefilled = ceil(n * layers / num_layers)``, the
+        full-forward tokens the partial one is worth (the last layer's projection not counted).
+
+        Raises:
+            CapabilityError: the engine has no selective recompute (`supports_recompute`).
+            SettingsError: ``layers`` is not in ``[1, num_layers)``.
+        """
+        raise CapabilityError(
+            f"{type(self).__name__} cannot measure token deviation; re-prefill the chunk over its "
+            "context or use a backend with supports_recompute (TransformersBackend, TinyTorchBackend)"
+        )
 
     def reference_prefill(
         self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None, *, anchor: Chunk | None = None

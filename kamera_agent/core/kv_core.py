@@ -28,6 +28,7 @@ import torch
 from kamera_agent.backends.base import Backend, DecodeConfig, Prefilled, VisionFeatures
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
+from kamera_agent.core.blend import Blended, select_tokens, selected_count
 from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.core.orbits import fold_full_orbit, fold_orbit
@@ -185,6 +186,36 @@ class KVCore:
         done = self.backend.prefill(chunks, context, start, vision, onto, starts=starts, sees=sees)
         txn.meter.spend(done.spent)
         return done
+
+    def recompute(
+        self,
+        chunk: Chunk,
+        kv: ChunkKV,
+        context: Sequence[ChunkKV],
+        start: int,
+        fraction: float,
+        txn: Txn,
+        layers: int = 1,
+    ) -> Blended:
+        """``kv`` (the chunk placed at ``start``) with its most deviating ``fraction`` of tokens
+        recomputed over ``context``: a partial forward of every token (`Backend.deviation`, the
+        first ``layers`` layers), `select_tokens`, then one forward of those tokens
+        (`Backend.recompute`); both costs land in ``txn.meter``. A fraction that selects every
+        token skips the probe: that recompute is the chunk's exact prefill over ``context``."""
+        self.check_origin(chunk)
+        vision = self.vision(chunk, txn) if chunk.has_vision else None
+        n = chunk.num_tokens
+        scores = None
+        if selected_count(fraction, n) < n:
+            probe = self.backend.deviation(chunk, kv, context, start, vision, layers)
+            txn.meter.spend(probe.spent)
+            scores = probe.scores
+            indices = select_tokens(scores, fraction)
+        else:
+            indices = torch.arange(n)
+        done = self.backend.recompute(chunk, kv, indices, context, start, vision)
+        txn.meter.spend(done.spent)
+        return Blended(done.kv[0], indices, scores)
 
     # -- forming a state's KV -------------------------------------------------------------------
     def keep_full(self, state: ChunkState, conditioned: ChunkKV, txn: Txn, *, orbit: bool = False) -> ChunkKV:

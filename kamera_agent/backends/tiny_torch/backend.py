@@ -12,6 +12,7 @@ path with placement (``positions_at``, context caches, handed-in vision outputs)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from kamera_agent.backends.base import (
     Capabilities,
     DecodeConfig,
     Decoded,
+    Deviation,
     Prefilled,
     Reference,
     Spent,
@@ -29,8 +31,19 @@ from kamera_agent.backends.base import (
     VisionOutput,
 )
 from kamera_agent.backends.decoding import decode_loop
+from kamera_agent.backends.recompute import (
+    check_depth,
+    check_indices,
+    check_placed,
+    deviation_scores,
+    deviation_spent,
+    recompute_hidden,
+    replace_rows,
+    vision_rows,
+)
 from kamera_agent.backends.runs import hidden_slots, run_positions
 from kamera_agent.backends.tiny_torch.model import TinyConfig, TinyKVCache, TinyRopeLM
+from kamera_agent.backends.tiny_torch.recompute import Halted, HaltingCache, ScatterCache
 from kamera_agent.backends.tiny_torch.tokenizer import TinyByteTokenizer, TinyImageProcessor
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
@@ -83,7 +96,7 @@ class TinyTorchBackend(Backend):
         self.encoder = ChunkEncoder(
             self.tokenizer, self.image_processor, TINY_PROMPT, self.positions, self.fingerprint, merge_size=1
         )
-        self.capabilities = Capabilities(vision=True, extend=True, gaps=True)
+        self.capabilities = Capabilities(vision=True, extend=True, gaps=True, recompute=True)
 
     # -- where it runs ------------------------------------------------------------------------
     @property
@@ -126,6 +139,61 @@ class TinyTorchBackend(Backend):
             out.append(self._read(cache, slot, chunk.num_tokens, where, chunk.key))
             slot += chunk.num_tokens
         return Prefilled(tuple(out), Spent(forwards=1, tokens_prefilled=int(ids.shape[0])), cache)
+
+    def recompute(
+        self,
+        chunk: Chunk,
+        kv: ChunkKV,
+        indices: torch.Tensor,
+        context: Sequence[ChunkKV],
+        start: int,
+        vision: VisionFeatures | None = None,
+    ) -> Prefilled:
+        """One forward of the selected tokens over ``context`` and the chunk's placed KV, their
+        fresh rows written into their own slots as each layer computes them (`ScatterCache`)."""
+        n = chunk.num_tokens
+        indices = check_indices(indices, n)
+        check_placed(chunk, kv, start, self.layout)
+        if not indices.numel():
+            return Prefilled((kv,), Spent())
+        cache = self.assemble([*context, kv])
+        cached = cache.length - n
+        selected = vision_rows(vision, chunk.mm_token_type_ids, indices)
+        embeds = self._embeds(
+            chunk.input_ids[indices], chunk.mm_token_type_ids[indices], [selected] if selected else []
+        )
+        slots = cached + indices
+        scatter = ScatterCache(cache.keys, cache.values, slots)
+        with torch.no_grad():
+            self.model(
+                embeds, chunk.positions_at(start)[..., indices], scatter, recompute_hidden(cached, n, indices)
+            )
+        keys = torch.stack([k[:, slots] for k in scatter.keys])  # [L, H, m, D]
+        values = torch.stack([v[:, slots] for v in scatter.values])
+        spent = Spent(forwards=1, tokens_prefilled=int(indices.numel()))
+        return Prefilled((replace_rows(kv, indices, keys, values),), spent)
+
+    def deviation(
+        self,
+        chunk: Chunk,
+        kv: ChunkKV,
+        context: Sequence[ChunkKV],
+        start: int,
+        vision: VisionFeatures | None = None,
+        layers: int = 1,
+    ) -> Deviation:
+        """The chunk's tokens through the first ``layers`` blocks over ``context``; the forward
+        stops at layer ``layers``' KV (`HaltingCache`), which is compared with ``kv``'s."""
+        check_depth(layers, self.config.layers)
+        check_placed(chunk, kv, start, self.layout)
+        cache = self.assemble(context)
+        probe = HaltingCache(cache.keys, cache.values, depth=layers)
+        embeds = self._embeds(chunk.input_ids, chunk.mm_token_type_ids, [vision] if vision else [])
+        with torch.no_grad(), contextlib.suppress(Halted):  # the probe stops the forward at ``layers``
+            self.model(embeds, chunk.positions_at(start), probe)
+        assert probe.fresh is not None, "the partial forward never reached the probed layer"
+        scores = deviation_scores(*probe.fresh, kv, layers)
+        return Deviation(scores, layers, deviation_spent(chunk.num_tokens, layers, self.config.layers))
 
     def encode_vision(self, chunk: Chunk) -> VisionOutput:
         if chunk.pixel_values is None:

@@ -21,6 +21,7 @@ from kamera_agent.backends.base import (
     Capabilities,
     DecodeConfig,
     Decoded,
+    Deviation,
     Prefilled,
     Reference,
     Spent,
@@ -33,6 +34,7 @@ from kamera_agent.backends.transformers.cache import HEADROOM, BufferedLayer, bu
 from kamera_agent.backends.transformers.parts import ModelParts, model_parts
 from kamera_agent.backends.transformers.positions import position_scheme
 from kamera_agent.backends.transformers.reading import kv_layout, read_chunk
+from kamera_agent.backends.transformers.recompute import deviation, full_attention_only, recompute
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.chunks.positions import PositionScheme
@@ -94,7 +96,11 @@ class TransformersBackend(Backend):
         self._eos = eos_token_ids(model, tokenizer)
         # Flash-style kernels take no custom 4-D mask: formations across gaps run apart.
         gaps = getattr(model.config, "_attn_implementation", None) in MASKED_ATTENTION
-        self.capabilities = Capabilities(vision=self.parts.has_vision, mla=True, extend=True, gaps=gaps)
+        # Recompute masks too, and scatters into full-attention layers only (no sliding window).
+        recomputes = gaps and full_attention_only(model.config)
+        self.capabilities = Capabilities(
+            vision=self.parts.has_vision, mla=True, extend=True, gaps=gaps, recompute=recomputes
+        )
         self.anchor: Chunk = self.encoder.anchor()
         """The anchor chunk every window starts with (the one the encoder gives)."""
 
@@ -153,6 +159,30 @@ class TransformersBackend(Backend):
             out.append(kv)
             slot += chunk.num_tokens
         return Prefilled(tuple(out), Spent(forwards=1, tokens_prefilled=int(ids.shape[0])), cache)
+
+    def recompute(
+        self,
+        chunk: Chunk,
+        kv: ChunkKV,
+        indices: torch.Tensor,
+        context: Sequence[ChunkKV],
+        start: int,
+        vision: VisionFeatures | None = None,
+    ) -> Prefilled:
+        """The selected tokens' rows recomputed over ``context`` (see `recompute`)."""
+        return recompute(self, chunk, kv, indices, context, start, vision)
+
+    def deviation(
+        self,
+        chunk: Chunk,
+        kv: ChunkKV,
+        context: Sequence[ChunkKV],
+        start: int,
+        vision: VisionFeatures | None = None,
+        layers: int = 1,
+    ) -> Deviation:
+        """Each token's deviation at layer ``layers`` from a partial forward (see `deviation`)."""
+        return deviation(self, chunk, kv, context, start, vision, layers)
 
     def encode_vision(self, chunk: Chunk) -> VisionOutput:
         if not self.parts.has_vision:
