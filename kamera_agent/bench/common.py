@@ -40,6 +40,7 @@ __all__ = [
     "machine_info",
     "make_progress",
     "median_seconds",
+    "p90",
     "show_and_save",
     "wall",
 ]
@@ -63,7 +64,10 @@ class BenchOptions(BaseModel):
         out: where results.json, report.md and the plots go.
         quick: small sizes everywhere (a smoke run: about a minute on 2 CPU cores).
         items: held-out fidelity items (default 1000; quick 24).
-        ops: window-episode operations (default 240; quick 30).
+        ops: window-episode operations per frontier row (default 960: the frontier's 13 rows
+            take about 20 minutes on 2 CPU cores; quick 12).
+        rows: the window suite's frontier rows (`kamera_agent.bench.frontier.ROWS` names;
+            empty: every row).
         agents: the agents suite's agents (default: all four; quick sizes with ``quick``).
         seed: the held-out item seed; the episode and the cost model derive theirs from it.
     """
@@ -76,6 +80,7 @@ class BenchOptions(BaseModel):
     quick: bool = False
     items: int | None = Field(default=None, ge=1)
     ops: int | None = Field(default=None, ge=1)
+    rows: tuple[str, ...] = ()
     agents: tuple[AgentName, ...] = AGENT_NAMES
     seed: int = HELD_OUT_SEED
 
@@ -89,7 +94,7 @@ class BenchOptions(BaseModel):
 
     @property
     def op_count(self) -> int:
-        return self.ops or (30 if self.quick else 240)
+        return self.ops or (12 if self.quick else 960)
 
     @property
     def seeds(self) -> dict[str, int]:
@@ -150,6 +155,15 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
     }
+
+
+def p90(values: list[float]) -> float:
+    """The 90th percentile (linear interpolation between order statistics); NaN when empty."""
+    if not values:
+        return math.nan
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=10, method="inclusive")[-1]
 
 
 def finite(value: float) -> float | None:

@@ -14,8 +14,9 @@ from typing import Any
 from kamera_agent.bench.agents.plots import write_agent_plots
 from kamera_agent.bench.cost import CostRun
 from kamera_agent.bench.fidelity import RANKS, FidelityRun
+from kamera_agent.bench.frontier import FrontierRun
 from kamera_agent.bench.results import BenchResults
-from kamera_agent.bench.window_suite import WindowRun
+from kamera_agent.bench.window_suite import KAMERA, PREFIX
 
 __all__ = ["plots_available", "write_plots"]
 
@@ -42,8 +43,8 @@ def write_plots(results: BenchResults, out: Path) -> list[Path]:
         makers += [("accuracy_vs_rank.png", _accuracy), ("kl_vs_rank.png", _kl)]
     if results.cost is not None and results.cost.rows:
         makers.append(("ttft_ratio_vs_length.png", _ttft))
-    if results.window is not None and results.window.records:
-        makers.append(("episode_cumulative_cost.png", _episode))
+    if results.window is not None and any(run.records for run in results.window.runs):
+        makers += [("episode_cumulative_cost.png", _episode), ("window_frontier.png", _frontier)]
     for name, maker in makers:
         figure = plt.figure(figsize=(6.4, 4.2))
         maker(figure, results)
@@ -105,18 +106,34 @@ def _ttft(figure: Any, results: BenchResults) -> None:
 
 
 def _episode(figure: Any, results: BenchResults) -> None:
-    run: WindowRun = results.window  # type: ignore[assignment]
-    ops = range(1, len(run.records) + 1)
+    frontier: FrontierRun = results.window  # type: ignore[assignment]
+    runs = [run for run in frontier.runs if run.records]
+    shown = [run for run in runs if run.row in _EPISODE_ROWS] or runs[:1]
     tokens, seconds = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
-    kamera_runs = [r for r in (run, results.window_exact) if r is not None and r.records]
-    for each in kamera_runs:
-        steps = range(1, len(each.records) + 1)
-        tokens.plot(steps, each.cumulative("kamera_tokens"), label=f"kamera ({each.policy})")
-        seconds.plot(
-            steps, [ms / 1e3 for ms in each.cumulative("kamera_ms")], label=f"kamera ({each.policy})"
-        )
-    tokens.plot(ops, run.cumulative("baseline_tokens"), label="prefix cache")
+    for run in shown:
+        steps = range(1, len(run.records) + 1)
+        tokens.plot(steps, run.cumulative(KAMERA, "tokens"), label=f"kamera ({run.row})")
+        seconds.plot(steps, [ms / 1e3 for ms in run.cumulative(KAMERA, "ms")], label=f"kamera ({run.row})")
+    first = shown[0]
+    steps = range(1, len(first.records) + 1)
+    tokens.plot(steps, first.cumulative(PREFIX, "tokens"), "k--", label=PREFIX)
+    seconds.plot(steps, [ms / 1e3 for ms in first.cumulative(PREFIX, "ms")], "k--", label=PREFIX)
     tokens.set(xlabel="op", ylabel="cumulative tokens prefilled", title="Prefilled tokens")
-    seconds.plot(ops, [ms / 1e3 for ms in run.cumulative("baseline_ms")], label="prefix cache")
     seconds.set(xlabel="op", ylabel="cumulative seconds", title="Wall time")
     tokens.legend(fontsize=7)
+
+
+_EPISODE_ROWS = ("exact", "defaults", "blind")
+
+
+def _frontier(figure: Any, results: BenchResults) -> None:
+    """Each row's mean and p90 KL to re-prefill after every op against the tokens it prefilled."""
+    frontier: FrontierRun = results.window  # type: ignore[assignment]
+    axes = figure.add_subplot()
+    floor = 1e-12  # exact rows reach float rounding; keep them on a log axis
+    for row in frontier.figures():
+        mean, high = max(row.kl_mean, floor), max(row.kl_p90, floor)
+        axes.errorbar(row.tokens, mean, yerr=[[0], [max(high - mean, 0.0)]], fmt="o", capsize=2)
+        axes.annotate(row.row, (row.tokens, mean), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    axes.set(yscale="log", xlabel="tokens prefilled over the episode", ylabel="next-token KL to re-prefill")
+    axes.set_title("Window frontier: mean KL after every op (bar to the 90th percentile)")

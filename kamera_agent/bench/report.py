@@ -16,9 +16,10 @@ from rich.table import Table
 from kamera_agent.bench.agents.report import agent_grids
 from kamera_agent.bench.cost import CostRun
 from kamera_agent.bench.fidelity import FidelityRun
+from kamera_agent.bench.frontier import FrontierRun
 from kamera_agent.bench.results import BenchResults, targets
 from kamera_agent.bench.tables import Grid
-from kamera_agent.bench.window_suite import POLICIES, OpRecord, WindowRun
+from kamera_agent.bench.window_suite import PREFIX
 from kamera_agent.demo.task import SPARSE_GLYPHS
 
 __all__ = ["Grid", "grids", "print_report", "write_markdown"]
@@ -132,40 +133,47 @@ def cost_grids(run: CostRun) -> list[Grid]:
     ]
 
 
-def window_grid(run: WindowRun) -> Grid:
-    def total(records: Sequence[OpRecord], name: str) -> str:
-        return f"{sum(getattr(r, name) for r in records):.0f}"
+def _ratio(value: float) -> str:
+    return "–" if value != value else f"{value:.2f}×"
 
-    names = ("kamera_tokens", "baseline_tokens", "kamera_forwards", "baseline_forwards", "kamera_ms")
-    columns = (
-        "ops",
-        "count",
-        "kamera tokens",
-        "prefix tokens",
-        "kamera fwd",
-        "prefix fwd",
-        "kamera ms",
-        "prefix ms",
-        "kamera vision",
-        "prefix vision",
-    )
-    rows = []
-    for op in ("push", "slide", "reorder", "recall", None):
-        chosen = [r for r in run.records if op is None or r.op == op]
-        cells = [total(chosen, name) for name in (*names, "baseline_ms", "kamera_vision", "baseline_vision")]
-        rows.append((op or "all", str(len(chosen)), *cells))
-    settings = ", ".join(f"{k}={v}" for k, v in POLICIES[run.policy].items()) or "the defaults"
+
+_FRONTIER: tuple[Column, ...] = (
+    ("row", lambda f: f.row),
+    ("KL mean", lambda f: _sci(f.kl_mean)),
+    ("KL p90", lambda f: _sci(f.kl_p90)),
+    ("KL max", lambda f: _sci(f.kl_max)),
+    ("top-1", lambda f: _pct(f.agreement)),
+    ("tokens", lambda f: f"{f.tokens:,.0f}"),
+    ("fwd", lambda f: f"{f.forwards:,.0f}"),
+    ("wall s", lambda f: f"{f.ms / 1e3:.2f}"),
+    ("prefix s", lambda f: f"{f.prefix_ms / 1e3:.2f}"),
+    ("wall / prefix", lambda f: _ratio(f.wall_ratio)),
+    ("+ asks", lambda f: _ratio(f.wall_ratio_with_asks)),
+)
+
+
+def frontier_grid(run: FrontierRun) -> Grid:
+    """The frontier: every row's fidelity after every op beside what it spent."""
+    figures = run.figures()
+    ops = max((f.ops for f in figures[1:]), default=0)
+    settings = "; ".join(f"{f.row}: {f.changed}" for f in figures[1:])
     note = (
-        f"{len(run.records)}/{run.ops_requested} ops (seed {run.seed}), capacity {run.capacity} chunks, "
-        f"rank {run.rank}, window settings: {settings}; tokens prefilled, forwards and wall time per op "
-        "kind. Final window vs the "
-        f"model's own re-prefill: prefix cache max |Δlogit| {_sci(run.baseline_logit_error)}, kamera "
-        f"next-token KL {_sci(run.kamera_kl)}. Vision: vision-tower runs; the prefix cache keeps the "
-        "tower's outputs by content (as vLLM and SGLang do), so it re-prefills moved frames without "
-        "re-encoding them."
+        f"{len(run.runs)} runs of one {run.ops_requested}-op episode (seed {run.seed}; {ops} ops done "
+        f"per row), capacity {run.capacity} chunks, push / slide / reorder / recall over the demo "
+        f"task's legend frames and pages, {run.seconds:.0f} s. After every op, outside every clock, "
+        "each side's first answer token to one question is compared with the model's own re-prefill "
+        "of the window's sequence: KL = next-token KL(re-prefill ‖ side), mean / 90th percentile / "
+        "max over the ops; top-1 = share of ops whose first token agrees. tokens, fwd: prefilled "
+        "tokens and forwards over the episode (a lazy window's deferred patches formed right after "
+        "each op, inside its clock, and counted as the op's). wall s: the side's ops; prefix s: the "
+        "prefix cache's syncs in the same run, beside it; wall / prefix: their ratio (< 1: faster "
+        "than the prefix cache); + asks: the same with each op's question added on both sides "
+        "(kamera: placing what changed and the query's forward; the prefix cache: the query's "
+        f"forward). The {PREFIX} row pools its KL over every run (its tokens are the same in each), "
+        f"its wall from the first. Settings (what differs from WindowConfig()): {settings}."
     )
-    title = f"Window ({run.policy} settings): scripted episode, KameraWindow vs a prefix cache"
-    return Grid(title, columns, tuple(rows), note)
+    title = "Window frontier: one episode under every setting, measured after every op"
+    return _grid(title, _FRONTIER, figures, note)
 
 
 def targets_grid(results: BenchResults) -> Grid:
@@ -180,7 +188,7 @@ def grids(results: BenchResults) -> list[Grid]:
     tables = [fidelity_grid(fidelity)] if fidelity is not None else []
     tables += [control_grid(fidelity)] if fidelity is not None and fidelity.control_items_done else []
     tables += cost_grids(results.cost) if results.cost is not None else []
-    tables += [window_grid(run) for run in (results.window, results.window_exact) if run is not None]
+    tables += [frontier_grid(results.window)] if results.window is not None and results.window.runs else []
     tables += agent_grids(results.agents) if results.agents is not None else []
     return [*tables, targets_grid(results)]
 

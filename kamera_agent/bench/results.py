@@ -16,8 +16,8 @@ from kamera_agent.bench.agents.report import agent_targets
 from kamera_agent.bench.common import BenchOptions, finite, machine_info
 from kamera_agent.bench.cost import CostRun
 from kamera_agent.bench.fidelity import RANK_ARMS, ArmFigures, Budget, FidelityRun
+from kamera_agent.bench.frontier import FrontierRun
 from kamera_agent.bench.tables import Target
-from kamera_agent.bench.window_suite import WindowRun
 from kamera_agent.demo.evaluate import RECOMPUTE_ARMS
 from kamera_agent.demo.task import COLOURS
 
@@ -40,9 +40,8 @@ class BenchResults:
     options: BenchOptions
     fidelity: FidelityRun | None = None
     cost: CostRun | None = None
-    window: WindowRun | None = None
-    window_exact: WindowRun | None = None
-    """The same episode under the exact window settings (``POLICIES["exact"]``)."""
+    window: FrontierRun | None = None
+    """The window suite: the same episode under every frontier row (`kamera_agent.bench.frontier`)."""
     agents: AgentsRun | None = None
     partial: bool = False
     interrupted: str | None = None
@@ -56,7 +55,6 @@ class BenchResults:
                 ("fidelity", self.fidelity),
                 ("cost", self.cost),
                 ("window", self.window),
-                ("window_exact", self.window_exact),
                 ("agents", self.agents),
             )
             if run is not None

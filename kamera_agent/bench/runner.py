@@ -25,10 +25,11 @@ from rich.progress import Progress
 from kamera_agent.bench.common import AGENT_NAMES, HELD_OUT_SEED, BenchOptions, make_progress
 from kamera_agent.bench.cost import CostRun, CostShape, run_cost
 from kamera_agent.bench.fidelity import FidelityRun, run_fidelity
+from kamera_agent.bench.frontier import ROWS, FrontierRun
 from kamera_agent.bench.plots import plots_available, write_plots
 from kamera_agent.bench.report import grids, print_report, write_markdown
 from kamera_agent.bench.results import BenchResults
-from kamera_agent.bench.window_suite import POLICIES, WindowRun, run_window
+from kamera_agent.bench.window_suite import WindowRun, run_window
 
 __all__ = ["BenchOutcome", "add_bench_parser", "run_bench", "run_bench_command"]
 
@@ -60,7 +61,17 @@ def add_bench_parser(commands: Any) -> None:
     bench.add_argument("--out", default="bench-results", help="output directory (default: bench-results)")
     bench.add_argument("--quick", action="store_true", help="small sizes: a smoke run of about a minute")
     bench.add_argument("--items", type=_positive, default=None, help="fidelity items (default 1000)")
-    bench.add_argument("--ops", type=_positive, default=None, help="window-episode ops (default 240)")
+    bench.add_argument(
+        "--ops", type=_positive, default=None, help="window suite: episode ops per frontier row (default 960)"
+    )
+    bench.add_argument(
+        "--rows",
+        nargs="+",
+        choices=list(ROWS),
+        default=[],
+        metavar="ROW",
+        help=f"window suite: which frontier rows (default: all: {', '.join(ROWS)})",
+    )
     bench.add_argument(
         "--agents",
         nargs="+",
@@ -80,6 +91,7 @@ def run_bench_command(args: argparse.Namespace, console: Console) -> int:
         quick=args.quick,
         items=args.items,
         ops=args.ops,
+        rows=tuple(args.rows),
         agents=tuple(args.agents),
         seed=args.seed,
     )
@@ -184,15 +196,26 @@ def _cost(context: _Context, progress: Progress) -> None:
 def _window(context: _Context, progress: Progress) -> None:
     options = context.options
     model, tokenizer, image_processor = context.demo_model(progress)
-    for policy in POLICIES:
-        run = WindowRun(
-            seed=options.seeds["episode"], ops_requested=options.op_count, capacity=12, rank=16, policy=policy
-        )
-        if policy == "default":
-            context.results.window = run
-        else:
-            context.results.window_exact = run
-        run_window(model, tokenizer, image_processor, run, progress)
+    frontier = FrontierRun(seed=options.seeds["episode"], ops_requested=options.op_count)
+    if options.rows:
+        frontier.rows = tuple(name for name in ROWS if name in options.rows)
+    context.results.window = frontier
+    began = time.perf_counter()
+    try:
+        for name in frontier.rows:
+            row = ROWS[name]
+            run = WindowRun(
+                row=name,
+                seed=frontier.seed,
+                ops_requested=frontier.ops_requested,
+                capacity=frontier.capacity,
+                changed=row.changed,
+                followers=row.followers,
+            )
+            frontier.runs.append(run)
+            run_window(model, tokenizer, image_processor, run, row.config(frontier.capacity), progress)
+    finally:
+        frontier.seconds = time.perf_counter() - began
 
 
 def _agents(context: _Context, progress: Progress) -> None:

@@ -1,14 +1,26 @@
-"""Window suite: a long scripted agent episode through KameraWindow against a real prefix cache.
+"""Window suite: a long scripted agent episode through KameraWindow, measured after every op.
 
-Why an episode: what an agent pays is the sum over its window's life. The episode pushes the
-demo task's frames into a window of bounded capacity (the oldest leave when it is full), slides,
-reorders blocks of frames and recalls evicted ones, deterministically from one seed. After
-every op the prefix cache (`PrefixCache`) is brought to the same sequence, in the same
-process, and both costs are recorded: tokens prefilled, forwards and wall time, op by op.
-Frames are rendered and preprocessed before either side's clock starts.
+Why an episode: what an agent pays is the sum over its window's life, and what it reads is the
+window after each op, not only the last one. The episode pushes the demo task's frames into a
+window of bounded capacity (the oldest leave when it is full), slides, reorders blocks of frames
+and recalls evicted ones, deterministically from one seed: every setting sees the same ops.
+After every op the followers (the prefix cache, `PrefixCache`, and any other system that follows
+the window's lineup: `Follower`) are brought to the same sequence, in the same process, and each
+side's cost is recorded: tokens prefilled, forwards, vision-tower runs and wall time, op by op.
+Frames are rendered and preprocessed before any clock starts.
 
-At the end both are checked against the model's own re-prefill of the final window: the
-baseline must match it (it is exact by construction), and kamera's next-token KL is reported.
+Then, outside every clock, each side is measured against the model's own re-prefill of the
+window's current sequence plus the suite's question (``window.as_model_inputs``): the next-token
+KL of the first answer token, whether its argmax agrees, the largest logit difference. kamera
+answers with ``window.ask(query, max_new_tokens=1)``, a follower with its own forward over its
+cache. The episode is an agent that asks after every op; the question's own cost is recorded
+apart (``ask_ms``, ``ask_forwards``) and never counted as the op's.
+
+Lazy patches: a window with ``patch_mode="lazy"`` defers patches to its next read. So that the
+question never pays for them, the op's clock also covers a read that forms them
+(``window.kv()``, which also assembles the window once); what it spent is the op's. Every cost is
+the change in ``window.stats.total`` across the clock, so nothing the window does there is lost.
+
 The prefix cache keeps vision-tower outputs by content, as vLLM and SGLang do, so neither side
 re-runs the vision tower for pixels it has seen; what differs is the language model's work.
 """
@@ -17,161 +29,271 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from rich.progress import Progress
 
 from kamera_agent.backends.transformers import TransformersBackend
-from kamera_agent.bench.common import finite
-from kamera_agent.bench.prefix_cache import PrefixCache
+from kamera_agent.bench.common import finite, wall
+from kamera_agent.bench.prefix_cache import PrefixCache, Sync
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.config import WindowConfig
 from kamera_agent.demo.task import QUESTIONS, Page, make_items, render_legend, render_page
+from kamera_agent.results import OpCost
 from kamera_agent.window import KameraWindow
 
-__all__ = ["POLICIES", "OpRecord", "WindowRun", "run_window"]
+__all__ = [
+    "FOLLOWERS",
+    "KAMERA",
+    "PREFIX",
+    "QUERY",
+    "Follower",
+    "OpRecord",
+    "Spent",
+    "WindowRun",
+    "run_window",
+]
 
 _WEIGHTS = {"push": 0.35, "slide": 0.15, "reorder": 0.25, "recall": 0.25}
-POLICIES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
-    {
-        "default": MappingProxyType({}),
-        "exact": MappingProxyType(
-            {"orbit": False, "survivors": "removal", "recall_context": "current", "cascade": "cascade"}
-        ),
-    }
-)
-"""Window settings the episode runs under: the defaults (survivors keep what they absorbed from
-evicted chunks, recalls use their original context, orbit patches across reorders) trade
-exactness for forwards; ``exact`` re-patches whatever a re-prefill would compute differently."""
-_QUERY = QUESTIONS["colour"]
+QUERY = QUESTIONS["colour"]
+"""The question every side answers after every op (its first token is what is compared)."""
+KAMERA = "kamera"
+PREFIX = "prefix cache"
+
+
+class Follower(Protocol):
+    """A system that follows the window's lineup op by op (the prefix cache; any other that
+    reuses KV by its own rule). It is timed in `sync` only; `first_logits` is the measurement."""
+
+    def sync(self, chunks: Sequence[Chunk]) -> Sync:
+        """Hold ``anchor + chunks``; what that cost."""
+        ...
+
+    def first_logits(self, query_ids: torch.Tensor) -> torch.Tensor:
+        """Next-token logits of ``query_ids`` placed after what it holds (one forward)."""
+        ...
+
+
+FOLLOWERS: Mapping[str, Callable[[TransformersBackend], Follower]] = MappingProxyType({PREFIX: PrefixCache})
+"""Every follower a run can host, by name. A run's `WindowRun.followers` names those it runs;
+each becomes a row of the frontier, its wall time set against the prefix cache of the same run."""
+
+
+@dataclass(frozen=True)
+class Spent:
+    """What one side paid for one op, and how its answer compared with re-prefill after it.
+
+    Attributes:
+        tokens: tokens prefilled (kamera: the op's, and the patches a lazy window deferred,
+            formed inside its clock; a follower: its sync).
+        forwards: language-model forwards.
+        vision: vision-tower runs.
+        ms: wall milliseconds of the op (a follower: its sync).
+        ask_ms: wall milliseconds of the measurement's question (kamera: placing what changed
+            and the query's forward; a follower: the query's forward); never part of ``ms``.
+        ask_forwards: forwards the question ran (1: nothing deferred was left for it to form).
+        kl: next-token KL(re-prefill ‖ side) of the first answer token.
+        agrees: the side's first answer token (argmax) is re-prefill's.
+        logit_error: max |logit difference| to re-prefill.
+    """
+
+    tokens: int
+    forwards: int
+    vision: int
+    ms: float
+    ask_ms: float
+    ask_forwards: int
+    kl: float
+    agrees: bool
+    logit_error: float
 
 
 @dataclass(frozen=True)
 class OpRecord:
-    """One op of the episode and what each side paid for it."""
+    """One op of the episode, and each side's cost and answer after it (by side name)."""
 
     op: str
     detail: str
     chunks: int
-    kamera_tokens: int
-    kamera_forwards: int
-    kamera_ms: float
-    baseline_tokens: int
-    baseline_forwards: int
-    baseline_ms: float
-    kamera_vision: int = 0
-    baseline_vision: int = 0
+    window_tokens: int
+    sides: Mapping[str, Spent]
 
 
 @dataclass
 class WindowRun:
-    """The suite's live state: a record per finished op, then the end-of-episode checks.
+    """One run of the episode: a window under one setting and the followers beside it.
 
     Attributes:
-        baseline_logit_error: max |logit difference| between the prefix cache's next-token
-            logits and the model's own re-prefill of the final window (should be ~0).
-        kamera_kl: next-token KL of kamera's window to that re-prefill.
+        row: the frontier row the window is (``"defaults"``, ``"exact"``, ``"rank-4"`` ...).
+        config: the window's settings (`WindowConfig`, dumped).
+        changed: the settings that differ from the defaults, in words (``"rank=4"``).
+        followers: the followers run beside the window, by `FOLLOWERS` name.
+        records: one per finished op.
+        seconds: wall time of the whole run, measurements included.
     """
 
+    row: str
     seed: int
     ops_requested: int
     capacity: int
-    rank: int
-    policy: str = "default"
+    config: dict[str, Any] = field(default_factory=dict)
+    changed: str = ""
+    followers: tuple[str, ...] = (PREFIX,)
     records: list[OpRecord] = field(default_factory=list)
-    baseline_logit_error: float = float("nan")
-    kamera_kl: float = float("nan")
+    seconds: float = 0.0
 
-    def total(self, name: str) -> float:
-        return float(sum(getattr(record, name) for record in self.records))
+    @property
+    def sides(self) -> tuple[str, ...]:
+        return (KAMERA, *self.followers)
 
-    def cumulative(self, name: str) -> list[float]:
+    def total(self, side: str, name: str) -> float:
+        """A side's sum of one `Spent` field over the ops done."""
+        return float(sum(getattr(record.sides[side], name) for record in self.records))
+
+    def values(self, side: str, name: str) -> list[float]:
+        return [float(getattr(record.sides[side], name)) for record in self.records]
+
+    def cumulative(self, side: str, name: str) -> list[float]:
         running, out = 0.0, []
-        for record in self.records:
-            running += getattr(record, name)
+        for value in self.values(side, name):
+            running += value
             out.append(running)
         return out
 
     def to_json(self) -> dict[str, Any]:
-        names = ("kamera_tokens", "baseline_tokens", "kamera_ms", "baseline_ms")
-        totals = {name: self.total(name) for name in (*names, "kamera_vision", "baseline_vision")}
+        names = ("tokens", "forwards", "vision", "ms", "ask_ms")
         return {
+            "row": self.row,
             "seed": self.seed,
             "ops_requested": self.ops_requested,
             "ops_done": len(self.records),
             "capacity_chunks": self.capacity,
-            "rank": self.rank,
-            "policy": self.policy,
-            "settings": dict(POLICIES[self.policy]),
+            "config": self.config,
+            "changed": self.changed,
+            "followers": list(self.followers),
+            "seconds": self.seconds,
             "ops": {op: sum(r.op == op for r in self.records) for op in _WEIGHTS},
-            "totals": totals,
-            "baseline_logit_error": finite(self.baseline_logit_error),
-            "kamera_kl": finite(self.kamera_kl),
-            "records": [vars(record) for record in self.records],
+            "totals": {side: {name: self.total(side, name) for name in names} for side in self.sides},
+            "records": [
+                {
+                    "op": r.op,
+                    "detail": r.detail,
+                    "chunks": r.chunks,
+                    "window_tokens": r.window_tokens,
+                    "sides": {
+                        side: {
+                            **asdict(spent),
+                            "kl": finite(spent.kl),
+                            "logit_error": finite(spent.logit_error),
+                        }
+                        for side, spent in r.sides.items()
+                    },
+                }
+                for r in self.records
+            ],
         }
 
 
-def run_window(model: Any, tokenizer: Any, image_processor: Any, run: WindowRun, progress: Progress) -> None:
-    """Run the episode on a fresh window (its own store: nothing carried over from other suites).
+def run_window(
+    model: Any,
+    tokenizer: Any,
+    image_processor: Any,
+    run: WindowRun,
+    config: WindowConfig,
+    progress: Progress,
+) -> None:
+    """Run the episode on a fresh window under ``config`` (its own store: nothing carried over
+    from other runs), the followers of ``run`` beside it, measuring every side after every op.
 
-    Mutates: ``run`` (a record per op, then the final checks).
+    Mutates: ``run`` (a record per op, its config and seconds).
     """
-    config = WindowConfig(  # keep pixels: the prefix cache re-prefills recalled frames from them
-        rank=run.rank,
-        capacity_chunks=run.capacity,
-        max_new_tokens=1,
-        evicted_pixels="keep",
-        **POLICIES[run.policy],
-    )
+    began = time.perf_counter()
+    run.config = config.model_dump(mode="json")
     window = KameraWindow(model, tokenizer=tokenizer, image_processor=image_processor, config=config)
     backend = window.backend
     assert isinstance(backend, TransformersBackend)
-    baseline, episode = PrefixCache(backend), _Episode(window, backend.encoder, random.Random(run.seed))
-    task = progress.add_task(
-        f"window ({run.policy}) · {run.ops_requested} ops vs prefix cache", total=run.ops_requested
-    )
+    followers = {name: FOLLOWERS[name](backend) for name in run.followers}
+    episode = _Episode(window, backend.encoder, random.Random(run.seed), _items(run.ops_requested))
+    query_ids = window.query_ids(QUERY)
+    lazy = config.patch_mode == "lazy"
+    task = progress.add_task(f"window · {run.row} · {run.ops_requested} ops", total=run.ops_requested)
     for _ in range(run.ops_requested):
         move = episode.next()
-        began = time.perf_counter()
+        before = window.stats.total
+        started = wall()
         move.run()
-        kamera_s, cost = time.perf_counter() - began, window.stats.last
-        synced = baseline.sync([window.chunk(ref) for ref in window.refs])
+        if lazy:
+            window.kv()  # forms the patches the op deferred (see the module's docstring)
+        kamera_ms, kamera = (wall() - started) * 1e3, _spent(window.stats.total, before)
+        chunks = [window.chunk(ref) for ref in window.refs]
+        synced = {name: follower.sync(chunks) for name, follower in followers.items()}
+        reference = _reference(backend, window)
+        sides = {KAMERA: _kamera_answer(window, kamera, kamera_ms, reference)}
+        for name, follower in followers.items():
+            sides[name] = _follower_answer(follower, synced[name], query_ids, reference)
         run.records.append(
-            OpRecord(
-                move.op,
-                move.detail,
-                len(window),
-                cost.tokens_prefilled,
-                cost.forwards,
-                kamera_s * 1e3,
-                synced.tokens,
-                synced.forwards,
-                synced.seconds * 1e3,
-                cost.vision_encodes,
-                synced.vision_runs,
-            )
+            OpRecord(move.op, move.detail, len(chunks), sum(c.num_tokens for c in chunks), sides)
         )
         progress.advance(task)
-    _final_checks(window, baseline, run)
+    run.seconds = time.perf_counter() - began
 
 
-def _final_checks(window: KameraWindow, baseline: PrefixCache, run: WindowRun) -> None:
-    """Both sides' next-token logits for a question over the final window against re-prefill."""
-    backend = window.backend
-    assert isinstance(backend, TransformersBackend)
+def _spent(after: OpCost, before: OpCost) -> OpCost:
+    return OpCost(
+        forwards=after.forwards - before.forwards,
+        tokens_prefilled=after.tokens_prefilled - before.tokens_prefilled,
+        vision_encodes=after.vision_encodes - before.vision_encodes,
+    )
+
+
+def _reference(backend: TransformersBackend, window: KameraWindow) -> torch.Tensor:
+    """The model's own forward over the window's sequence and the question: its next-token logits."""
     with torch.no_grad():
-        reference = backend.model(**window.as_model_inputs(_QUERY)).logits[0, -1].float()
-    kamera = window.ask(_QUERY, max_new_tokens=1).first_logits.float()
-    ours = baseline.first_logits(backend.encoder.query_ids(_QUERY))
-    run.baseline_logit_error = float((ours - reference).abs().max())
-    p, q = torch.log_softmax(reference.double(), -1), torch.log_softmax(kamera.double(), -1)
-    run.kamera_kl = max(0.0, float((p.exp() * (p - q)).sum()))
+        logits: torch.Tensor = backend.model(**window.as_model_inputs(QUERY)).logits
+    return logits[0, -1].float().cpu()
+
+
+def _compare(reference: torch.Tensor, logits: torch.Tensor) -> tuple[float, bool, float]:
+    logits = logits.float().cpu()
+    p, q = torch.log_softmax(reference.double(), -1), torch.log_softmax(logits.double(), -1)
+    kl = max(0.0, float((p.exp() * (p - q)).sum()))
+    agrees = int(reference.argmax()) == int(logits.argmax())
+    return kl, agrees, float((logits - reference).abs().max())
+
+
+def _kamera_answer(window: KameraWindow, op: OpCost, ms: float, reference: torch.Tensor) -> Spent:
+    before = window.stats.total
+    started = wall()
+    logits = window.ask(QUERY, max_new_tokens=1).first_logits
+    ask_ms, asked = (wall() - started) * 1e3, _spent(window.stats.total, before)
+    kl, agrees, error = _compare(reference, logits)
+    return Spent(
+        op.tokens_prefilled, op.forwards, op.vision_encodes, ms, ask_ms, asked.forwards, kl, agrees, error
+    )
+
+
+def _follower_answer(
+    follower: Follower, synced: Sync, query_ids: torch.Tensor, reference: torch.Tensor
+) -> Spent:
+    started = wall()
+    logits = follower.first_logits(query_ids)
+    ask_ms = (wall() - started) * 1e3
+    kl, agrees, error = _compare(reference, logits)
+    return Spent(
+        synced.tokens, synced.forwards, synced.vision_runs, synced.seconds * 1e3, ask_ms, 1, kl, agrees, error
+    )
+
+
+def _items(ops: int) -> int:
+    """Demo items the episode draws its frames from (6 frames each): 40 up to 400 ops, then one
+    per 10 ops, so that pushes (about 45 % of the ops) keep bringing frames the window never held."""
+    return max(40, -(-ops // 10))
 
 
 @dataclass(frozen=True)
@@ -186,10 +308,10 @@ class _Move:
 class _Episode:
     """Draws the next op from the window's state (deterministic given the seed)."""
 
-    def __init__(self, window: KameraWindow, encoder: ChunkEncoder, rng: random.Random) -> None:
+    def __init__(self, window: KameraWindow, encoder: ChunkEncoder, rng: random.Random, items: int) -> None:
         self.window, self.encoder, self.rng = window, encoder, rng
         frames: list[tuple[str, Callable[[], Chunk]]] = []
-        for n, item in enumerate(make_items(40, seed=rng.randrange(1 << 30))):
+        for n, item in enumerate(make_items(items, seed=rng.randrange(1 << 30))):
             for i, entries in enumerate(item.legend, start=1):
                 frames.append((f"legend {n}.{i}", partial(self._legend, entries)))
             for k, cells in enumerate(item.pages, start=1):

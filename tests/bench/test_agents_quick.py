@@ -51,7 +51,8 @@ def test_every_agent_and_side_is_recorded(agents: dict[str, Any]) -> None:
         for record in run["records"]:
             assert set(record["sides"]) == set(record["ops"]) == SIDES
             assert all(cost["ms"] > 0 for cost in record["sides"].values())
-        assert len(run["asks"]) == run["asks_requested"] > 0
+        assert len(run["checks"]) == run["steps_requested"]  # every step checked, not only questions
+        assert sum(check["asked"] for check in run["checks"]) == run["asks_requested"] > 0
         for side in SIDES:
             assert run["sides"][side]["totals"]["tokens"] > 0
     for agent in AGENT_NAMES:
@@ -73,14 +74,17 @@ def test_prefix_cache_runs_the_vision_tower_once_per_image(agents: dict[str, Any
     assert video["sides"]["prefix"]["totals"]["tokens"] > video["sides"]["kamera"]["totals"]["tokens"]
 
 
-def test_exact_settings_answer_like_re_prefill_on_every_question(agents: dict[str, Any]) -> None:
+def test_exact_settings_answer_like_re_prefill_after_every_step(agents: dict[str, Any]) -> None:
     for run in _runs(agents):
         fidelity = run["sides"]["kamera-exact"]["fidelity"]
         assert fidelity["asks"] == run["asks_requested"]
+        assert fidelity["checks"] == run["steps_requested"]
         assert fidelity["agreement"] == 1.0, run["agent"]
         assert fidelity["kl_max"] < 1e-6 and fidelity["final_kl"] < 1e-6, run["agent"]
+        defaults, kl = run["sides"]["kamera"]["fidelity"], [c["kl"]["kamera"] for c in run["checks"]]
+        assert defaults["kl_max"] == max(kl) and min(kl) <= defaults["kl_p90"] <= max(kl)
         if run["model"] == "demo":
-            assert {ask["reference"] for ask in run["asks"]} == {"re-prefill"}
+            assert {check["reference"] for check in run["checks"]} == {"re-prefill"}
 
 
 def test_a_push_only_stream_prefills_what_a_prefix_cache_does(agents: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from kamera_agent.bench import runner
 from kamera_agent.bench.common import BenchOptions
 from kamera_agent.bench.cost import CostRun, CostShape
 from kamera_agent.bench.fidelity import FIDELITY_ARMS
+from kamera_agent.bench.frontier import ROWS
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +54,12 @@ def test_quick_run_writes_every_output(quick_run: tuple[int, Path]) -> None:
     assert {"platform", "processor", "cpu_count", "torch", "transformers", "torch_threads"} <= results[
         "machine"
     ].keys()
-    assert set(results["suites"]) == {"fidelity", "cost", "window", "window_exact", "agents"}
+    assert set(results["suites"]) == {"fidelity", "cost", "window", "agents"}
     assert (
         len(results["targets"]) == 16
     )  # fidelity 2, the demo model 6, cost 2, agents 5, time to first token 1
     report = (out / "report.md").read_text()
-    for title in ("Fidelity", "Cost", "Window", "Agent stream", "Targets"):
+    for title in ("Fidelity", "Cost", "Window frontier", "Agent stream", "Targets"):
         assert f"## {title}" in report
 
 
@@ -84,21 +85,13 @@ def test_cost_rows_are_sane(quick_run: tuple[int, Path]) -> None:
         assert 0 < row["patch_bytes"]["4"] < row["patch_bytes"]["64"]
 
 
-def test_window_episode_prefills_less_than_a_prefix_cache(quick_run: tuple[int, Path]) -> None:
+def test_window_frontier_runs_every_row_on_the_same_episode(quick_run: tuple[int, Path]) -> None:
     window = _results(quick_run[1])["suites"]["window"]
-    assert window["ops_done"] == window["ops_requested"] == 30
-    assert window["totals"]["kamera_tokens"] < window["totals"]["baseline_tokens"]
-    assert window["baseline_logit_error"] < 1e-4  # the baseline is a real, exact prefix cache
-    assert len(window["records"]) == 30
-
-
-def test_exact_window_settings_match_re_prefill(quick_run: tuple[int, Path]) -> None:
-    suites = _results(quick_run[1])["suites"]
-    exact, default = suites["window_exact"], suites["window"]
-    assert exact["policy"] == "exact" and exact["settings"]["survivors"] == "removal"
-    assert [r["op"] for r in exact["records"]] == [r["op"] for r in default["records"]]  # the same episode
-    assert exact["kamera_kl"] < 1e-6  # every chunk re-patched where re-prefill would differ
-    assert exact["totals"]["kamera_tokens"] >= default["totals"]["kamera_tokens"]  # what exactness costs
+    assert window["ops_requested"] == BenchOptions(quick=True).op_count
+    assert [run["row"] for run in window["runs"]] == list(ROWS)
+    assert [row["row"] for row in window["frontier"]] == ["prefix cache", *ROWS]
+    episodes = {tuple(r["op"] for r in run["records"]) for run in window["runs"]}
+    assert len(episodes) == 1  # every row on the same ops (the frontier's own test checks the figures)
 
 
 def test_ctrl_c_leaves_partial_results(

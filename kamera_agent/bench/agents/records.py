@@ -17,7 +17,7 @@ from kamera_agent.bench.agents.script import Script
 from kamera_agent.bench.agents.scripts import AgentCounts
 from kamera_agent.bench.agents.sides import OpSpent, SideCost
 from kamera_agent.bench.agents.ttft import TTFTRun
-from kamera_agent.bench.common import finite
+from kamera_agent.bench.common import finite, p90
 from kamera_agent.models.random_qwen2 import Qwen2Shape
 
 __all__ = ["PREFIX", "SIDES", "AgentRun", "AgentsRun", "AskRecord", "StepRecord"]
@@ -55,11 +55,12 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class AskRecord:
-    """A question's answer on each kamera side against the reference.
+    """The check after one step: each kamera side's first answer token against the reference.
 
     Attributes:
-        step: the step it ended.
-        query: the question.
+        step: the step it followed.
+        query: the question (the step's own; after a step that asks none, the last one asked,
+            or the script's first before any, answered outside every clock).
         reference: ``"re-prefill"`` (the model's own forward over the window: demo model) or
             ``"prefix"`` (the prefix cache's logits, themselves a re-prefill: the realistic shape,
             where a second full re-prefill per question would cost as much as the baseline).
@@ -75,6 +76,8 @@ class AskRecord:
     top1: Mapping[str, bool]
     kl: Mapping[str, float]
     baseline_error: float = math.nan
+    asked: bool = True
+    """The step asked this question (its answer timed); else the check's own, untimed."""
 
 
 @dataclass
@@ -82,6 +85,7 @@ class AgentRun:
     """One agent on one model: set up before its first step, filled as it runs.
 
     Attributes:
+        checks: one per step, after it: every side's first answer token against the reference.
         baseline_logit_error: at the end, max |logit difference| between the prefix cache and
             the model's own re-prefill of the final window (should be ~1e-5: it is exact).
         final_kl: side -> next-token KL of its answer over the final window to that re-prefill.
@@ -97,7 +101,7 @@ class AgentRun:
     sides: tuple[str, ...] = SIDES
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     records: list[StepRecord] = field(default_factory=list)
-    asks: list[AskRecord] = field(default_factory=list)
+    checks: list[AskRecord] = field(default_factory=list)
     baseline_logit_error: float = math.nan
     final_kl: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
@@ -114,6 +118,11 @@ class AgentRun:
             script.asks,
             sides,
         )
+
+    @property
+    def asks(self) -> list[AskRecord]:
+        """The checks of the steps that asked (the script's own questions)."""
+        return [check for check in self.checks if check.asked]
 
     @property
     def complete(self) -> bool:
@@ -146,18 +155,21 @@ class AgentRun:
         return out
 
     def agreement(self, side: str) -> float:
-        votes = [ask.top1[side] for ask in self.asks if side in ask.top1]
+        """Share of steps after which the side's first answer token is the reference's."""
+        votes = [check.top1[side] for check in self.checks if side in check.top1]
         return sum(votes) / len(votes) if votes else math.nan
 
-    def kl(self, side: str) -> tuple[float, float]:
-        """(mean, max) next-token KL to the reference over the questions asked."""
-        values = [ask.kl[side] for ask in self.asks if side in ask.kl]
-        return (statistics.fmean(values), max(values)) if values else (math.nan, math.nan)
+    def kl(self, side: str) -> tuple[float, float, float]:
+        """(mean, 90th percentile, max) next-token KL to the reference after every step."""
+        values = [check.kl[side] for check in self.checks if side in check.kl]
+        if not values:
+            return math.nan, math.nan, math.nan
+        return statistics.fmean(values), p90(values), max(values)
 
     def max_baseline_error(self) -> float:
         """The prefix cache's largest |logit difference| to the model's own forward, over every
-        check made (per question on the demo model, the final window on both)."""
-        errors = [ask.baseline_error for ask in self.asks] + [self.baseline_logit_error]
+        check made (after every step on the demo model, the final window on both)."""
+        errors = [check.baseline_error for check in self.checks] + [self.baseline_logit_error]
         finite_errors = [error for error in errors if math.isfinite(error)]
         return max(finite_errors) if finite_errors else math.nan
 
@@ -170,11 +182,13 @@ class AgentRun:
             entry: dict[str, Any] = {"settings": self.settings.get(side, {}), "totals": totals}
             if side != PREFIX:
                 entry["ratios"] = {key: finite(self.ratio(key, side)) for key in ("ms", "tokens", "forwards")}
-                mean, worst = self.kl(side)
+                mean, high, worst = self.kl(side)
                 entry["fidelity"] = {
+                    "checks": sum(side in check.top1 for check in self.checks),
                     "asks": sum(side in ask.top1 for ask in self.asks),
                     "agreement": finite(self.agreement(side)),
                     "kl_mean": finite(mean),
+                    "kl_p90": finite(high),
                     "kl_max": finite(worst),
                     "final_kl": finite(self.final_kl.get(side, math.nan)),
                 }
@@ -193,7 +207,9 @@ class AgentRun:
             "baseline_max_error": finite(self.max_baseline_error()),
             "sides": sides,
             "records": [_record_json(record) for record in self.records],
-            "asks": [{**asdict(ask), "baseline_error": finite(ask.baseline_error)} for ask in self.asks],
+            "checks": [
+                {**asdict(check), "baseline_error": finite(check.baseline_error)} for check in self.checks
+            ],
         }
 
 

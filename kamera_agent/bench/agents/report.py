@@ -34,10 +34,11 @@ def _sci(value: float) -> str:
 def _side_row(run: AgentRun, side: str) -> tuple[str, ...]:
     totals = [f"{run.total(side, name):.0f}" for name in ("ms", "tokens", "forwards", "vision")]
     if side == PREFIX:
-        return (run.model, side, *totals, "1×", "1×", "1×", "–", "–", "–")
+        return (run.model, side, *totals, "1×", "1×", "1×", "–", "–", "–", "–")
     ratios = [_times(run.ratio(name, side)) for name in ("ms", "tokens", "forwards")]
-    mean, worst = run.kl(side)
-    return (run.model, side, *totals, *ratios, _pct(run.agreement(side)), _sci(mean), _sci(worst))
+    mean, high, worst = run.kl(side)
+    kl = (_sci(mean), _sci(high), _sci(worst))
+    return (run.model, side, *totals, *ratios, _pct(run.agreement(side)), *kl)
 
 
 def agent_grid(suite: AgentsRun, agent: str) -> Grid | None:
@@ -46,7 +47,7 @@ def agent_grid(suite: AgentsRun, agent: str) -> Grid | None:
     if not runs:
         return None
     columns: tuple[str, ...] = ("model", "side", "ms", "tokens", "fwd", "vision")
-    columns += ("ms ×", "tok ×", "fwd ×", "top-1", "KL mean", "KL max")
+    columns += ("ms ×", "tok ×", "fwd ×", "top-1", "KL mean", "KL p90", "KL max")
     rows = tuple(_side_row(run, side) for run in runs for side in run.sides)
     notes = []
     for run in runs:
@@ -58,8 +59,9 @@ def agent_grid(suite: AgentsRun, agent: str) -> Grid | None:
         )
         final = ", ".join(f"{side} {_sci(kl)}" for side, kl in run.final_kl.items())
         notes.append(
-            f"{run.model}: {len(run.records)}/{run.steps_requested} steps, {len(run.asks)} questions "
-            f"(vs {reference}), tokens per chunk: {sizes}; prefix cache vs the model's own re-prefill: "
+            f"{run.model}: {len(run.records)}/{run.steps_requested} steps, {len(run.asks)} questions, "
+            f"{len(run.checks)} checks (vs {reference}), tokens per chunk: {sizes}; "
+            "prefix cache vs the model's own re-prefill: "
             f"max |Δlogit| {_sci(run.max_baseline_error())}; final-window KL: {final or '–'}; "
             f"{run.seconds:.0f} s."
         )
@@ -68,8 +70,10 @@ def agent_grid(suite: AgentsRun, agent: str) -> Grid | None:
     note = (
         f"{first.summary}; {capacity}. ms: wall milliseconds; tok: tokens prefilled; fwd: forwards; "
         "vision: vision-tower runs; × = the prefix cache's total over the side's (higher: the side "
-        "spent less). top-1: first answer token agrees with the reference; KL: next-token KL to it. "
-        "Wall time includes every question. " + " ".join(notes)
+        "spent less). Checked after every step, outside every clock: top-1 = share of steps after "
+        "which the side's first answer token agrees with the reference; KL = next-token KL to it, "
+        "mean / 90th percentile / max over the steps (a step that asks none is checked on the last "
+        "question asked). Wall time includes every question the script asks. " + " ".join(notes)
     )
     return Grid(f"Agent {agent}: kamera (defaults, exact) vs the prefix cache", columns, rows, note)
 

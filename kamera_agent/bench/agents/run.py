@@ -4,7 +4,10 @@ Why one loop for all sides: the ratios are only meaningful when both sides of a 
 the same machine state, so each step runs on the kamera window (defaults), the kamera window
 (`WindowConfig.exact`) and the prefix cache one after the other, the order rotating from step
 to step, all over one model in one process. Checks (answer agreement, KL, the baseline against
-the model's own re-prefill) run between steps, outside every clock.
+the model's own re-prefill) run after every step, outside every clock: a step that asks is
+checked on its answer; after one that asks none, each side answers the last question asked (the
+script's first before any) outside its clock, kamera from a fork of its window and the prefix
+cache cropping the question off again, so what the next step costs is what it would have been.
 """
 
 from __future__ import annotations
@@ -129,6 +132,7 @@ def run_agent(
     task = progress.add_task(
         f"agents · {script.agent} on {record.model} · {len(names)} sides", total=len(script.steps)
     )
+    last_query = next((step.ask for step in script.steps if step.ask is not None), None)
     for index, step in enumerate(script.steps):
         shift = index % len(names)
         outcomes = {
@@ -149,10 +153,13 @@ def run_agent(
                 {name: outcomes[name].ops for name in names},
             )
         )
-        if step.ask is not None:
-            checked = _check_ask(index, step.ask, chunks, backend, outcomes, reference)
+        query = step.ask or last_query
+        if query is not None:
+            logits = _answers(sides, outcomes, step, query)
+            checked = _check(index, query, chunks, backend, logits, reference, step.ask is not None)
             if checked is not None:
-                record.asks.append(checked)
+                record.checks.append(checked)
+            last_query = query
         progress.advance(task)
     _final_checks(script, backend, sides, record)
     record.seconds = time.perf_counter() - began
@@ -179,31 +186,47 @@ def _check_lineups(sides: Mapping[str, Side], step: Step) -> None:
             )
 
 
-def _check_ask(
+def _answers(
+    sides: Mapping[str, Side], outcomes: Mapping[str, Outcome], step: Step, query: str
+) -> dict[str, torch.Tensor]:
+    """Every side's first-token logits for ``query`` after the step: its timed answer where the
+    step asked, else an untimed one (`KameraSide.measure`, `PrefixSide.measure`)."""
+    out = {}
+    for name, side in sides.items():
+        answered = outcomes[name].logits if step.ask is not None else None
+        if answered is None:
+            answered = (
+                side.measure(query) if isinstance(side, KameraSide) else side.measure(query, step.lineup)
+            )
+        out[name] = answered
+    return out
+
+
+def _check(
     index: int,
     query: str,
     chunks: Sequence[Any],
     backend: TransformersBackend,
-    outcomes: Mapping[str, Outcome],
+    logits: Mapping[str, torch.Tensor],
     reference: str,
+    asked: bool,
 ) -> AskRecord | None:
-    """Each kamera side's first token and next-token KL against the reference's."""
-    prefix = outcomes.get(PREFIX)
+    """Each kamera side's first token and next-token KL against the reference's (``None``: the
+    reference is the prefix cache and it did not run)."""
+    prefix = logits.get(PREFIX)
     error = math.nan
     if reference == "re-prefill":
         truth = backend.reference_prefill(chunks, backend.encoder.query_ids(query)).logits
-        if prefix is not None and prefix.logits is not None:
-            error = float((prefix.logits - truth).abs().max())
-    elif prefix is not None and prefix.logits is not None:
-        truth = prefix.logits
+        if prefix is not None:
+            error = float((prefix - truth).abs().max())
+    elif prefix is not None:
+        truth = prefix
     else:
         return None
-    answers = {
-        name: out.logits for name, out in outcomes.items() if name != PREFIX and out.logits is not None
-    }
-    top1 = {name: int(logits.argmax()) == int(truth.argmax()) for name, logits in answers.items()}
-    kl = {name: next_token_kl(truth, logits) for name, logits in answers.items()}
-    return AskRecord(index, query, reference, top1, kl, error)
+    answers = {name: value for name, value in logits.items() if name != PREFIX}
+    top1 = {name: int(value.argmax()) == int(truth.argmax()) for name, value in answers.items()}
+    kl = {name: next_token_kl(truth, value) for name, value in answers.items()}
+    return AskRecord(index, query, reference, top1, kl, error, asked)
 
 
 def _final_checks(

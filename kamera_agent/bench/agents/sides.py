@@ -13,7 +13,7 @@ each of its ops. Its question is tokenized inside its clock, as ``KameraWindow.a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +114,11 @@ class KameraSide:
             logits = answer.first_logits
         return Outcome(tuple(spent), logits)
 
+    def measure(self, query: str) -> torch.Tensor:
+        """First-token logits of ``query`` over the window as the step left it, untimed, from a
+        fork: the window's own kept cache and costs stay as the script left them."""
+        return self.window.fork().ask(query, max_new_tokens=1).first_logits
+
     def _apply(self, op: Op) -> None:
         window = self.window
         if isinstance(op, Push):
@@ -162,3 +167,10 @@ class PrefixSide:
             spent.append(OpSpent("ask", seconds * 1e3, answered.tokens, answered.forwards))
             logits = answered.logits
         return Outcome(tuple(spent), logits)
+
+    def measure(self, query: str, lineup: Sequence[str]) -> torch.Tensor:
+        """First-token logits of ``query`` over the step's lineup, untimed; the query is cropped
+        off again, so the next step's sync starts from the lineup alone, as after a question."""
+        logits = self.cache.ask(self.cache.backend.encoder.query_ids(query)).logits
+        self.cache.sync([self.chunks[label] for label in lineup])
+        return logits
