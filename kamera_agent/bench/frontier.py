@@ -5,8 +5,10 @@ trade shows only across the episode (KL after every op: mean, p90, worst; how of
 answer token agrees with re-prefill) beside what they save (tokens, forwards, wall time). Each
 row is one run of the same episode (same seed, same ops): the prefix cache (exact by
 construction: its KL is measured too), `WindowConfig.exact()` (full rank), the defaults, blind
-reuse (rank 0) and every single-knob change of the defaults. Wall time is set against the
-prefix cache run beside each row, in the same run, op by op.
+reuse (rank 0), every single-knob change of the defaults, and token recompute (`BlendCache`:
+canonical reuse, the unchanged prefix kept, 5 to 60 % of every later chunk's tokens recomputed,
+chosen by a one-layer deviation probe). Wall time is set against the prefix cache run beside
+each row, in the same run, op by op.
 
 More rows: a window setting is one more `Row`. A system that follows the window's lineup by
 its own rule (e.g. token recompute: every chunk's canonical KV reused, the unchanged prefix
@@ -26,7 +28,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kamera_agent.bench.common import finite, p90
-from kamera_agent.bench.window_suite import KAMERA, PREFIX, WindowRun
+from kamera_agent.bench.window_suite import KAMERA, PREFIX, RECOMPUTE, WindowRun
 from kamera_agent.config import WindowConfig
 
 __all__ = ["CAPACITY", "ROWS", "FrontierRun", "Row", "RowFigures"]
@@ -71,7 +73,7 @@ def _rows(*rows: Row) -> Mapping[str, Row]:
 
 
 ROWS: Mapping[str, Row] = _rows(
-    Row("exact", exact=True),
+    Row("exact", exact=True, followers=(PREFIX, *RECOMPUTE)),
     Row("defaults"),
     Row("blind", {"rank": 0}),
     Row("rank-4", {"rank": 4}),
@@ -85,8 +87,8 @@ ROWS: Mapping[str, Row] = _rows(
     Row("reorder-revert", {"reorder": "revert"}),
     Row("lazy", {"patch_mode": "lazy"}),
 )
-"""The frontier's window rows, in the order they run: exact, the defaults, blind, then each
-single-knob change of the defaults."""
+"""The frontier's window rows, in the order they run: exact (which hosts the token-recompute
+sweep, `RECOMPUTE`), the defaults, blind, then each single-knob change of the defaults."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from kamera_agent.bench.fidelity import FidelityRun
 from kamera_agent.bench.frontier import FrontierRun
 from kamera_agent.bench.results import BenchResults, targets
 from kamera_agent.bench.tables import Grid
-from kamera_agent.bench.window_suite import PREFIX
+from kamera_agent.bench.window_suite import PREFIX, RECOMPUTE
 from kamera_agent.demo.task import SPARSE_GLYPHS
 
 __all__ = ["Grid", "grids", "print_report", "write_markdown"]
@@ -156,7 +156,15 @@ def frontier_grid(run: FrontierRun) -> Grid:
     """The frontier: every row's fidelity after every op beside what it spent."""
     figures = run.figures()
     ops = max((f.ops for f in figures[1:]), default=0)
-    settings = "; ".join(f"{f.row}: {f.changed}" for f in figures[1:])
+    settings = "; ".join(f"{f.row}: {f.changed}" for f in figures[1:] if f.row not in RECOMPUTE)
+    swept = [f for f in figures if f.row in RECOMPUTE]
+    if swept:
+        settings += (
+            f"; recompute N%: token recompute (CacheBlend-style: each content prefilled once over the "
+            f"anchor and reused at its slot, the unchanged prefix kept, N % of every later chunk's "
+            f"tokens recomputed over what precedes it, chosen by a one-layer deviation probe whose "
+            f"cost is counted), {swept[0].changed}"
+        )
     note = (
         f"{len(run.runs)} runs of one {run.ops_requested}-op episode (seed {run.seed}; {ops} ops done "
         f"per row), capacity {run.capacity} chunks, push / slide / reorder / recall over the demo "

@@ -39,6 +39,7 @@ import torch
 from rich.progress import Progress
 
 from kamera_agent.backends.transformers import TransformersBackend
+from kamera_agent.bench.blend_cache import BlendCache
 from kamera_agent.bench.common import finite, wall
 from kamera_agent.bench.prefix_cache import PrefixCache, Sync
 from kamera_agent.chunks.chunk import Chunk
@@ -53,6 +54,8 @@ __all__ = [
     "KAMERA",
     "PREFIX",
     "QUERY",
+    "RECOMPUTE",
+    "RECOMPUTE_PERCENTS",
     "Follower",
     "OpRecord",
     "Spent",
@@ -80,7 +83,20 @@ class Follower(Protocol):
         ...
 
 
-FOLLOWERS: Mapping[str, Callable[[TransformersBackend], Follower]] = MappingProxyType({PREFIX: PrefixCache})
+RECOMPUTE_PERCENTS = tuple(range(5, 65, 5))
+"""The token-recompute sweep: 5 to 60 % of every placed chunk's tokens, in 5 % steps."""
+RECOMPUTE = tuple(f"recompute {percent}%" for percent in RECOMPUTE_PERCENTS)
+"""The sweep's follower names (`BlendCache`), in order."""
+
+FOLLOWERS: Mapping[str, Callable[[TransformersBackend], Follower]] = MappingProxyType(
+    {
+        PREFIX: PrefixCache,
+        **{
+            name: partial(BlendCache, fraction=percent / 100)
+            for name, percent in zip(RECOMPUTE, RECOMPUTE_PERCENTS, strict=True)
+        },
+    }
+)
 """Every follower a run can host, by name. A run's `WindowRun.followers` names those it runs;
 each becomes a row of the frontier, its wall time set against the prefix cache of the same run."""
 

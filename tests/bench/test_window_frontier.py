@@ -19,7 +19,7 @@ from rich.console import Console
 
 from kamera_agent.bench import runner
 from kamera_agent.bench.frontier import ROWS
-from kamera_agent.bench.window_suite import KAMERA, PREFIX
+from kamera_agent.bench.window_suite import KAMERA, PREFIX, RECOMPUTE
 
 OPS = 10
 
@@ -64,11 +64,11 @@ def test_every_row_runs_the_same_episode_and_is_measured_after_every_op(frontier
     for run in runs.values():
         assert run["ops_done"] == OPS == len(run["records"])
         for record in run["records"]:
-            assert set(record["sides"]) == {KAMERA, PREFIX}
+            assert set(record["sides"]) == {KAMERA, *ROWS[run["row"]].followers}
             for spent in record["sides"].values():
                 assert spent["kl"] is not None and spent["kl"] >= 0
                 assert spent["ask_forwards"] == 1  # the question formed nothing the op deferred
-    assert list(_rows(frontier)) == [PREFIX, *ROWS]
+    assert list(_rows(frontier)) == [PREFIX, *ROWS, *RECOMPUTE]
     assert "## Window frontier" in frontier["report"]
 
 
@@ -107,3 +107,19 @@ def test_the_columns_add_up_to_the_per_op_records(frontier: dict[str, Any]) -> N
         agrees = [r["sides"][KAMERA]["agrees"] for r in records]
         assert row["agreement"] == pytest.approx(sum(agrees) / len(agrees))
         assert math.isfinite(row["wall_ratio_with_asks"])
+
+
+def test_the_recompute_sweep_runs_beside_the_exact_row_and_costs_more_as_it_recomputes_more(
+    frontier: dict[str, Any],
+) -> None:
+    """5 to 60 % in 5 % steps, each a row of its own: more recompute costs more tokens (same
+    probes, more selected rows), and every figure comes from the exact run's records."""
+    rows, exact = _rows(frontier), _runs(frontier)["exact"]
+    assert tuple(f"recompute {p}%" for p in range(5, 65, 5)) == RECOMPUTE
+    tokens = [rows[name]["tokens"] for name in RECOMPUTE]
+    assert tokens == sorted(tokens) and tokens[0] < tokens[-1]
+    for name in RECOMPUTE:
+        row, records = rows[name], exact["records"]
+        assert row["changed"] == "beside exact" and row["ops"] == OPS
+        assert row["tokens"] == sum(r["sides"][name]["tokens"] for r in records)
+        assert row["prefix_ms"] == pytest.approx(rows["exact"]["prefix_ms"])
