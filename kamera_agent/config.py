@@ -11,7 +11,17 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from kamera_agent.errors import ConfigError
 
 if TYPE_CHECKING:
     from kamera_agent.store import ChunkStore
@@ -56,6 +66,13 @@ class WindowConfig(BaseModel):
             (``redis://host:6379/0``, ``valkey://…``, ``redis+cluster://h1:p1,h2:p2``; options
             in `kamera_agent.store.remote.address`); ``None``: the ``KAMERA_STORE_URL``
             environment variable, else a store of this process alone.
+        store_secret: a secret shared by every process of one deployment: entries written to
+            disk or the shared tier are signed (a keyed MAC over address, model and payload) and
+            entries read must verify, so a writer without it cannot plant a forged entry
+            (`kamera_agent.store.signing`); ``None``: ``KAMERA_STORE_SECRET``, else unsigned
+            (write access to the store is then full trust). Never printed.
+        store_previous_secrets: secrets still accepted on read while a new ``store_secret``
+            rolls out (``()``: ``KAMERA_STORE_PREVIOUS_SECRETS``, comma-separated).
         max_evicted: most evicted chunks a window keeps recallable (the oldest evicted are
             forgotten first, counted in ``stats``); ``None``: unbounded.
         max_image_pixels: images larger than this (width × height) are refused before decoding.
@@ -67,6 +84,22 @@ class WindowConfig(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def __init__(self, /, **data: Any) -> None:
+        """Validate the settings; a refused value raises `ConfigError` (a `KameraError` and a
+        ``ValueError``) naming each field and why, not pydantic's own exception."""
+        try:
+            super().__init__(**data)
+        except ValidationError as error:
+            raise _config_error(error) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> WindowConfig:
+        """`pydantic.BaseModel.model_validate`, refusing as the constructor does (`ConfigError`)."""
+        try:
+            return super().model_validate(obj, *args, **kwargs)
+        except ValidationError as error:
+            raise _config_error(error) from None
 
     capacity_chunks: int | None = Field(default=None, ge=1)
     capacity_tokens: int | None = Field(default=None, ge=1)
@@ -87,10 +120,23 @@ class WindowConfig(BaseModel):
     disk_dir: Path | None = None
     disk_budget: int | None = Field(default=None, ge=1)
     store_url: str | None = None
+    store_secret: SecretStr | None = None
+    store_previous_secrets: tuple[SecretStr, ...] = ()
     max_evicted: int | None = Field(default=1024, ge=0)
     evicted_pixels: Literal["drop", "keep"] = "drop"
     max_image_pixels: int = Field(default=50_000_000, ge=1)
     large_chunk_tokens: int | None = Field(default=8192, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, data: Any) -> Any:
+        """``True`` is not a count, a rank or a budget (pydantic would read it as 1)."""
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                if isinstance(value, bool) and field is not None and "bool" not in str(field.annotation):
+                    raise ValueError(f"{name} is not a flag: got {value!r}")
+        return data
 
     @field_validator("rank")
     @classmethod
@@ -150,6 +196,8 @@ class WindowConfig(BaseModel):
             disk_dir=self.disk_dir,
             disk_budget=self.disk_budget,
             remote=self.store_url or os.environ.get(STORE_URL_VARIABLE) or None,
+            secret=None if self.store_secret is None else self.store_secret.get_secret_value(),
+            previous_secrets=[secret.get_secret_value() for secret in self.store_previous_secrets],
         )
 
     @classmethod
@@ -174,3 +222,12 @@ class WindowConfig(BaseModel):
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         small = int(getattr(text, "hidden_size", 4096)) <= 256
         return cls(**{"rank": "full" if small else 32, **overrides})
+
+
+def _config_error(error: ValidationError) -> ConfigError:
+    problems = [
+        f"{'.'.join(str(part) for part in problem['loc']) or 'WindowConfig'}: {problem['msg']}"
+        for problem in error.errors()
+    ]
+    details: list[dict[str, object]] = [dict(problem) for problem in error.errors()]
+    return ConfigError("invalid WindowConfig: " + "; ".join(problems), details)

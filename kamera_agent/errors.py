@@ -7,6 +7,7 @@ failed call never corrupts a window or a store.
     ├── UnsupportedModelError        model family we have no rotary spec / KV layout for
     ├── CapabilityError              an operation this backend does not offer
     ├── SettingsError                a setting that cannot apply where it was given
+    │   └── ConfigError              a WindowConfig value its validation refuses
     ├── CheckpointError              a model path that is not a local checkpoint kamera can load
     ├── RelocationError              the rotary scheme cannot be relocated exactly
     │   └── LengthDependentRopeError dynamic NTK, longrope: frequencies change with length
@@ -24,7 +25,9 @@ failed call never corrupts a window or a store.
     │   ├── ChunkInWindowError       recall of a chunk already in the window
     │   ├── CapacityError            a capacity smaller than one chunk
     │   ├── ChunkLostError           an evicted chunk whose KV, vision output and pixels are all gone
-    │   └── ContextOverflowError     window + query longer than the model's context
+    │   ├── ContextOverflowError     window + query longer than the model's context
+    │   ├── ArgumentError            an op's argument of the wrong type or out of range (a TypeError too)
+    │   └── WindowClosedError        an op on a window whose store was closed
     └── InputError                   content that cannot become a chunk
         ├── AmbiguousChannelOrderError  an array that could be RGB or BGR
         ├── UnreadableInputError        a missing or unreadable file, stream or object
@@ -39,11 +42,13 @@ from __future__ import annotations
 
 __all__ = [
     "AmbiguousChannelOrderError",
+    "ArgumentError",
     "CapabilityError",
     "CapacityError",
     "CheckpointError",
     "ChunkInWindowError",
     "ChunkLostError",
+    "ConfigError",
     "ContextOverflowError",
     "DuplicateChunkError",
     "EmptyVideoError",
@@ -67,6 +72,7 @@ __all__ = [
     "UnknownChunkError",
     "UnreadableInputError",
     "UnsupportedModelError",
+    "WindowClosedError",
     "WindowError",
 ]
 
@@ -85,6 +91,18 @@ class CapabilityError(KameraError):
 
 class SettingsError(KameraError, ValueError):
     """A setting that cannot apply where it was given; the message says where to set it."""
+
+
+class ConfigError(SettingsError):
+    """A `WindowConfig` value its validation refuses (pydantic's messages, one per problem);
+    ``errors()`` lists them as pydantic does (``loc``, ``msg``, ``type``)."""
+
+    def __init__(self, message: str, errors: list[dict[str, object]] | None = None) -> None:
+        super().__init__(message)
+        self._errors = errors or []
+
+    def errors(self) -> list[dict[str, object]]:
+        return list(self._errors)
 
 
 class CheckpointError(KameraError, ValueError):
@@ -192,3 +210,13 @@ class ChunkLostError(WindowError):
 
 class ContextOverflowError(WindowError):
     """The window plus the query (and the answer) would exceed the model's context length."""
+
+
+class ArgumentError(WindowError, TypeError):
+    """An op's argument of the wrong type or out of range (``slide(1.5)``, ``ask(None)``,
+    ``push(label=5)``); nothing was changed. Also a ``TypeError`` and a ``ValueError``."""
+
+
+class WindowClosedError(WindowError):
+    """An op or read on a window after ``close()`` (its store is closed: nothing more would be
+    written); open a new window over the store's directory or URL."""

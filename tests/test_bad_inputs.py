@@ -25,7 +25,9 @@ from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.chunks.sources import read_video, to_rgb_image
 from kamera_agent.demo.model import load_demo_model
 from kamera_agent.errors import (
+    ArgumentError,
     CheckpointError,
+    ConfigError,
     ContextOverflowError,
     InputError,
     KameraError,
@@ -68,7 +70,7 @@ CASES: dict[str, tuple[Callable[[KameraWindow, Path], Any], type[KameraError], s
     "empty text": (lambda w, d: w.push(""), InputError, "no tokens"),
     "unknown kind": (lambda w, d: w.push("x", kind="photo"), InputError, "not a chunk kind"),
     "text as an image kind": (lambda w, d: w.push("x", kind="frame"), InputError, "kind='text'"),
-    "negative slide": (lambda w, d: w.slide(-1), WindowError, "n >= 0"),
+    "negative slide": (lambda w, d: w.slide(-1), ArgumentError, "n must be in"),
     "recall outside": (
         lambda w, d: (w.evict(w.refs[0]), w.recall(w.evicted[0], at=-1)),
         WindowError,
@@ -118,8 +120,8 @@ CASES: dict[str, tuple[Callable[[KameraWindow, Path], Any], type[KameraError], s
     ),
     "unknown channel order": (
         lambda w, d: w.push(np.zeros((8, 8, 3), np.uint8), channel_order="xyz"),
-        UnreadableInputError,
-        "'rgb' or 'bgr'",
+        ArgumentError,
+        "'rgb', 'bgr'",
     ),  # type: ignore[arg-type]
     "lone surrogate": (lambda w, d: w.push("bad \ud800 text"), InputError, "not valid Unicode"),
     "huge caption": (
@@ -132,12 +134,53 @@ CASES: dict[str, tuple[Callable[[KameraWindow, Path], Any], type[KameraError], s
         ContextOverflowError,
         "cannot fit",
     ),
-    "temperature NaN": (lambda w, d: w.ask("q", temperature=float("nan")), SettingsError, "temperature"),
-    "temperature < 0": (lambda w, d: w.ask("q", temperature=-1), SettingsError, "temperature"),
-    "top_p > 1": (lambda w, d: w.ask("q", top_p=5), SettingsError, "top_p"),
-    "no answer tokens": (lambda w, d: w.ask("q", max_new_tokens=0), SettingsError, "max_new_tokens"),
-    "negative answer tokens": (lambda w, d: w.ask("q", max_new_tokens=-3), SettingsError, "max_new_tokens"),
-    "empty stop string": (lambda w, d: w.ask("q", stop=[""]), SettingsError, "stop"),
+    "temperature NaN": (lambda w, d: w.ask("q", temperature=float("nan")), ArgumentError, "temperature"),
+    "temperature < 0": (lambda w, d: w.ask("q", temperature=-1), ArgumentError, "temperature"),
+    "top_p > 1": (lambda w, d: w.ask("q", top_p=5), ArgumentError, "top_p"),
+    "no answer tokens": (lambda w, d: w.ask("q", max_new_tokens=0), ArgumentError, "max_new_tokens"),
+    "negative answer tokens": (lambda w, d: w.ask("q", max_new_tokens=-3), ArgumentError, "max_new_tokens"),
+    "empty stop string": (lambda w, d: w.ask("q", stop=[""]), ArgumentError, "stop"),
+    # the wrong-typed arguments a review sent (issue 35): each a named error, nothing changed
+    "caption not a str": (
+        lambda w, d: w.push(Image.new("RGB", (56, 56)), caption=5),
+        ArgumentError,
+        "caption",
+    ),
+    "label not a str": (lambda w, d: w.push("x", label=123), ArgumentError, "label"),
+    "reorder None": (lambda w, d: w.reorder(None), ArgumentError, "refs must be a list"),
+    "recall at a float": (lambda w, d: w.recall(w.refs[0], at=1.5), ArgumentError, "at must be an int"),
+    "recall at a str": (lambda w, d: w.recall(w.refs[0], at="0"), ArgumentError, "at must be an int"),
+    "slide a float": (lambda w, d: w.slide(1.5), ArgumentError, "int n"),
+    "slide NaN": (lambda w, d: w.slide(float("nan")), ArgumentError, "int n"),
+    "slide a str": (lambda w, d: w.slide("1"), ArgumentError, "int n"),
+    "slide past the window": (lambda w, d: w.slide(10**9), ArgumentError, r"must be in \[0, 2\]"),
+    "replace append an int": (
+        lambda w, d: w.replace(w.refs[0], "x", append=5),
+        ArgumentError,
+        "list of items",
+    ),
+    "extend a str": (lambda w, d: w.extend("abc"), ArgumentError, "push it"),
+    "labels not one per item": (lambda w, d: w.extend(["a", "b"], labels=["a"]), ArgumentError, "one label"),
+    "ask None": (lambda w, d: w.ask(None), ArgumentError, "query must be a str"),
+    "ask an int": (lambda w, d: w.ask(123), ArgumentError, "query must be a str"),
+    "ask a huge seed": (lambda w, d: w.ask("q", seed=2**70), ArgumentError, "seed"),
+    "ask stop an int": (lambda w, d: w.ask("q", stop=5), ArgumentError, "stop"),
+    "ask on_text not callable": (lambda w, d: w.ask("q", on_text="print"), ArgumentError, "on_text"),
+    "probe a None query": (lambda w, d: w.probe_without(w.refs[0], None), ArgumentError, "query"),
+    "arrange a str": (lambda w, d: w.arrange("ab"), ArgumentError, "list of items"),
+    "window of None": (lambda w, d: KameraWindow(None), ArgumentError, "needs a model"),
+    "config not a WindowConfig": (
+        lambda w, d: KameraWindow(w.backend, config={"rank": 4}),
+        ArgumentError,
+        "config",
+    ),
+    "config refused": (lambda w, d: WindowConfig(rank=-1), ConfigError, "rank"),
+    "unknown config field": (lambda w, d: WindowConfig(ranks=4), ConfigError, "ranks"),
+    "window past the context": (
+        lambda w, d: w.extend(["word " * 300, "more " * 300, "else " * 300]),
+        ContextOverflowError,
+        "would make the window",
+    ),
     "missing model folder": (
         lambda w, d: KameraWindow(str(d / "no-such-model")),
         CheckpointError,
@@ -230,3 +273,104 @@ def test_the_cli_takes_threads_after_the_command_and_names_a_refused_model(
     assert main(["check", str(tmp_path / "missing")]) == 2
     out = capsys.readouterr().out
     assert "refused" in out and "no checkpoint folder" in out and "Traceback" not in out
+
+
+# Every public op, each argument replaced by values of the wrong type or out of range.
+_BAD = (None, 1.5, float("nan"), float("inf"), 2**70, -1, "x", [], {}, object(), True)
+_OPS: dict[str, Callable[[KameraWindow, Any], Any]] = {
+    "push item": lambda w, v: w.push(v),
+    "push label": lambda w, v: w.push("y", label=v),
+    "push kind": lambda w, v: w.push("y", kind=v),
+    "push caption": lambda w, v: w.push(Image.new("RGB", (56, 56)), caption=v),
+    "push channel_order": lambda w, v: w.push(np.zeros((8, 8, 3), np.uint8), channel_order=v),
+    "extend items": lambda w, v: w.extend(v),
+    "extend labels": lambda w, v: w.extend(["y"], labels=v),
+    "replace ref": lambda w, v: w.replace(v, "y"),
+    "replace item": lambda w, v: w.replace(w.refs[0], v),
+    "replace append": lambda w, v: w.replace(w.refs[0], "y", append=v),
+    "reorder refs": lambda w, v: w.reorder(v),
+    "slide n": lambda w, v: w.slide(v),
+    "evict ref": lambda w, v: w.evict(v),
+    "recall ref": lambda w, v: w.recall(v),
+    "recall at": lambda w, v: w.recall(w.refs[0], at=v),
+    "arrange items": lambda w, v: w.arrange(v),
+    "arrange labels": lambda w, v: w.arrange(w.refs, labels=v),
+    "forget ref": lambda w, v: w.forget(v),
+    "ask query": lambda w, v: w.ask(v),
+    "ask max_new_tokens": lambda w, v: w.ask("q", max_new_tokens=v),
+    "ask temperature": lambda w, v: w.ask("q", temperature=v),
+    "ask top_k": lambda w, v: w.ask("q", top_k=v),
+    "ask top_p": lambda w, v: w.ask("q", top_p=v),
+    "ask seed": lambda w, v: w.ask("q", seed=v),
+    "ask stop": lambda w, v: w.ask("q", stop=v),
+    "ask return_logits": lambda w, v: w.ask("q", return_logits=v),
+    "ask on_text": lambda w, v: w.ask("q", on_text=v),
+    "ask keep_going": lambda w, v: w.ask("q", keep_going=v),
+    "ask in_message": lambda w, v: w.ask("q", in_message=v),
+    "ask remember": lambda w, v: w.ask("q", remember=v),
+    "probe ref": lambda w, v: w.probe_without(v, "q"),
+    "probe query": lambda w, v: w.probe_without(w.refs[0], v),
+    "probe max_new_tokens": lambda w, v: w.probe_without(w.refs[0], "q", max_new_tokens=v),
+    "chunk_kv ref": lambda w, v: w.chunk_kv(v),
+    "state_of ref": lambda w, v: w.state_of(v),
+    "query_ids query": lambda w, v: w.query_ids(v),
+    "as_model_inputs query": lambda w, v: w.as_model_inputs(v),
+    "plan op": lambda w, v: w.plan(v),
+    "config rank": lambda w, v: WindowConfig(rank=v),
+    "config capacity": lambda w, v: WindowConfig(capacity_chunks=v),
+}
+_ACCEPTED: list[tuple[str, object, str]] = [
+    # (op, value, why): documented behaviour, not bad input
+    ("ask max_new_tokens", None, "the window's max_new_tokens"),
+    ("ask seed", None, "unseeded"),
+    ("ask on_text", None, "no streaming"),
+    ("ask keep_going", None, "never cancelled"),
+    ("ask temperature", 1.5, "sampled at 1.5"),
+    ("ask top_k", 2**70, "top-k above the vocabulary keeps every token"),
+    ("ask stop", "x", "one stop string"),
+    ("ask stop", [], "no stop strings"),
+    ("ask return_logits", True, "logits returned"),
+    ("as_model_inputs query", None, "the window without a query"),
+    ("as_model_inputs query", "x", "a query"),
+    ("query_ids query", "x", "a query"),
+    ("ask query", "x", "a query"),
+    ("probe query", "x", "a query"),
+    ("push item", "x", "a text"),
+    ("push label", None, "no label"),
+    ("push label", "x", "a label"),
+    ("push kind", None, "the item's own kind"),
+    ("push caption", None, "no caption"),
+    ("push caption", "x", "a caption"),
+    ("extend items", [], "nothing to add: an op that changes nothing"),
+    ("extend labels", None, "no labels"),
+    ("replace append", [], "nothing appended"),
+    ("replace item", "x", "a text"),
+    ("recall at", None, "the end"),
+    ("arrange labels", None, "no labels"),
+    ("arrange items", [], "the window emptied: arrange holds exactly what it is given"),
+    ("ask temperature", 2**70, "any finite temperature >= 0 (a huge one samples uniformly)"),
+    ("config capacity", 2**70, "a capacity never reached"),
+    ("config rank", 2**70, "a rank at or above a chunk's full rank is full rank"),
+    ("replace append", None, "nothing appended"),
+    ("config capacity", None, "unbounded"),
+]
+
+
+def _accepted(op: str, value: object) -> bool:
+    return any(o == op and type(v) is type(value) and v == value for o, v, _ in _ACCEPTED)
+
+
+@pytest.mark.parametrize("op", sorted(_OPS))
+def test_type_fuzz_every_public_op_refuses_by_name_and_changes_nothing(op: str) -> None:
+    """Each bad value: a `KameraError` (or documented behaviour), the window and store unchanged."""
+    w = KameraWindow(_demo(), config=WindowConfig(evicted_pixels="keep"))
+    w.push("a note", label="note")
+    w.push("another note", label="other")
+    for value in _BAD:
+        refs, evicted, keys = w.refs, w.evicted, w.store.keys()
+        try:
+            _OPS[op](w, value)
+        except KameraError:
+            assert (w.refs, w.evicted, w.store.keys()) == (refs, evicted, keys), (op, value)
+            continue
+        assert _accepted(op, value), f"{op} accepted {value!r} silently"

@@ -163,18 +163,29 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         """Refuse what ``generate`` refuses (a setting that would decode nonsense or nothing)."""
         problems = []
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             problems.append(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
+        if not _is_real(self.temperature) or self.temperature < 0:
             problems.append(f"temperature must be finite and >= 0 (0: greedy), got {self.temperature!r}")
-        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+        if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             problems.append(f"top_k must be an int >= 0 (0: all), got {self.top_k!r}")
-        if any(not isinstance(stop, str) or not stop for stop in self.stop):
-            problems.append("stop strings must be non-empty strings")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 1 << 63):
+            problems.append(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+        stops = self.stop if isinstance(self.stop, tuple) else (None,)
+        if any(not isinstance(stop, str) or not stop for stop in stops):
+            problems.append("stop must be a tuple of non-empty strings")
         if problems:
             raise SettingsError("; ".join(problems))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from kamera_agent.backends.base import Backend
 from kamera_agent.backends.decoding import decoded_tokens
 from kamera_agent.config import WindowConfig
-from kamera_agent.errors import ContextOverflowError, KameraError
+from kamera_agent.errors import ConfigError, ContextOverflowError, KameraError
 from kamera_agent.results import Answer, OpCost, Plan
 from kamera_agent.serve.media import ImageFetching, MediaPolicy
 from kamera_agent.serve.messages import MessageChunks, Prepared
@@ -49,7 +49,14 @@ FIDELITY_FIELDS = frozenset(
 """The `WindowConfig` fields a request may set for its own session (``kamera``): how faithful
 its window is. Anything process-wide (threads, device, dtype, store, budgets) is the server's."""
 _MAX_CONFIGS = 64
-_STORE_FIELDS = {"memory_budget", "disk_dir", "disk_budget", "store_url"}  # the one shared store's
+_STORE_FIELDS = {
+    "memory_budget",
+    "disk_dir",
+    "disk_budget",
+    "store_url",
+    "store_secret",
+    "store_previous_secrets",
+}  # the one shared store's
 
 
 @dataclass(frozen=True)
@@ -326,7 +333,7 @@ class KameraServer:
                     400, f"unknown preset {str(preset)[:40]!r}; known: exact", param="kamera.preset"
                 )
             return WindowConfig(**{**base, **fields})
-        except ValidationError as exc:
+        except (ValidationError, ConfigError) as exc:
             raise RequestError(400, f"bad kamera settings: {exc.errors()[0]['msg']}", param="kamera") from exc
 
     def _window(self, system: str | None, settings: str) -> KameraWindow:

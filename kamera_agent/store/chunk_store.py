@@ -50,6 +50,7 @@ from kamera_agent.store.disk import DiskTier
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.memory import MemoryTier
 from kamera_agent.store.remote import RemoteAddress, RemoteTier, parse_store_url
+from kamera_agent.store.signing import Signer
 from kamera_agent.store.stack import TierStack, own
 from kamera_agent.store.stats import EventLog, StoreEvent, StoreStats
 from kamera_agent.store.tier import Entry, Tier
@@ -90,6 +91,11 @@ class ChunkStore:
             or a parsed `RemoteAddress`; ``None`` for a store of this process alone.
         tiers: further `Tier` s asked after memory, disk and remote, fastest first (e.g. a
             cache of another kind); the store closes them with itself.
+        secret: a shared secret (else ``$KAMERA_STORE_SECRET``): every entry written to disk or
+            to the shared tier is signed with it, and one read from them must verify under it
+            or a ``previous_secrets`` one (else ``$KAMERA_STORE_PREVIOUS_SECRETS``): a forged
+            entry is refused (`kamera_agent.store.signing`). Without one, anyone who can write
+            to the disk directory or the server is trusted fully.
 
     Raises:
         StoreBudgetError: a budget that is not a positive byte count, or a disk directory
@@ -111,6 +117,8 @@ class ChunkStore:
         event_capacity: int = 1024,
         remote: str | RemoteAddress | None = None,
         tiers: Sequence[Tier] = (),
+        secret: str | bytes | None = None,
+        previous_secrets: Sequence[str | bytes] = (),
     ) -> None:
         if not fingerprint:
             raise StoreKeyError(
@@ -124,6 +132,7 @@ class ChunkStore:
             )
         self._fingerprint = fingerprint
         self._log = EventLog(event_capacity)
+        self._closed = False
         self._memory = MemoryTier(memory_budget, resolve_policy(policy))
         self._disk: DiskTier | None = None
         if disk_dir is not None and disk_budget is not None:
@@ -138,7 +147,8 @@ class ChunkStore:
             address = parse_store_url(remote) if isinstance(remote, str) else remote
             self._remote = RemoteTier(address, fingerprint)
         below = [tier for tier in (self._disk, self._remote) if tier is not None]
-        self._stack = TierStack(fingerprint, self._memory, self._disk, [*below, *tiers], self._log)
+        signer = Signer.from_settings(secret, previous_secrets)
+        self._stack = TierStack(fingerprint, self._memory, self._disk, [*below, *tiers], self._log, signer)
         self._lock = self._stack.lock
 
     @property
@@ -276,6 +286,7 @@ class ChunkStore:
                 lost=c["lost"],
                 outdated_dropped=c["outdated"],
                 unavailable=c["unavailable"],
+                unsigned_refused=c["unsigned"],
                 **self._remote_stats(),
             )
 
@@ -314,10 +325,16 @@ class ChunkStore:
                 tier.flush()
         return self._stack.write_back()
 
+    @property
+    def closed(self) -> bool:
+        """`close` was called: windows over this store refuse further ops (`WindowClosedError`)."""
+        return self._closed
+
     def close(self) -> None:
         """Write every memory entry to the disk tier, release its directory (another process may
         open it now) and finish the shared tier's queued writes. Idempotent; a store still open
         at interpreter exit is flushed then (`with` or ``close`` makes it deterministic)."""
+        self._closed = True
         for tier in self._stack.tiers:  # the shared ones first: their queued writes finish
             if not tier.locked:
                 tier.close()
@@ -344,7 +361,7 @@ class ChunkStore:
                 "before storing it"
             )
         value = own(key, value, fingerprint_of(key.kind, value), self._fingerprint, "put")
-        entry = Entry(key, value, entry_nbytes(key.kind, value), self._fingerprint)
+        entry = Entry(key, value, entry_nbytes(key.kind, value), self._fingerprint, self._stack.signer)
         check_fits(str(key), entry.nbytes, self._stack.budgets())
         self._stack.put(entry)
         return key

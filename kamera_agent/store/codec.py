@@ -29,6 +29,7 @@ from safetensors.torch import load, save
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.operator.patch import Patch
 from kamera_agent.store.keys import EntryKey, EntryKind
+from kamera_agent.store.signing import MAC_FIELD, Signer
 
 __all__ = [
     "FORMAT",
@@ -185,8 +186,9 @@ def stamp(kind: EntryKind, value: StoredValue, fingerprint: str) -> StoredValue:
     return cast(StoredValue, _CODECS[kind].stamp(value, fingerprint))
 
 
-def serialize(key: EntryKey, value: StoredValue, fingerprint: str) -> bytes:
-    """Safetensors bytes of the entry, its address and fingerprint in the metadata."""
+def serialize(key: EntryKey, value: StoredValue, fingerprint: str, signer: Signer | None = None) -> bytes:
+    """Safetensors bytes of the entry, its address and fingerprint in the metadata (and, with a
+    ``signer``, the MAC of its `content_digest`: `kamera_agent.store.signing`)."""
     codec = _CODECS[key.kind]
     meta = {
         **codec.meta(value),
@@ -196,6 +198,8 @@ def serialize(key: EntryKey, value: StoredValue, fingerprint: str) -> bytes:
         "variant": key.variant,
         "model_fingerprint": fingerprint,
     }
+    if signer is not None:
+        meta[MAC_FIELD] = signer.sign(content_digest(key, value, fingerprint))
     return save(_for_disk(codec.tensors(value)), metadata=meta)
 
 

@@ -3,12 +3,12 @@
 Why a module of its own: the store's facade (typed entry points, budgets, stats, persistence)
 and the walk over tiers change for different reasons. Here every tier is only a `Tier`: the
 walk asks each in order, counts its answer (a tier that did not answer is an outage, never an
-absence), and sends every payload through one path, `_admit`, where a later integrity check
-(a keyed MAC) will sit beside the address and model checks. Memory is first and holds live
-values; what it evicts spills to the disk tier when there is one.
+absence), and sends every payload through one path, `_admit`, where the integrity check (a
+keyed MAC, when the store has a secret) sits beside the address and model checks. Memory is
+first and holds live values; what it evicts spills to the disk tier when there is one.
 
     get:  tier 1 ─miss─► tier 2 ─miss─► … ─► None
-            └hit──────────┴hit──► _admit (deserialize, address, model, stamp) ─► _promote (into memory)
+            └hit──────────┴hit──► _admit (deserialize, address, model, MAC, stamp) ─► _promote (into memory)
     put:  memory ─► evict ─► spill to disk;  every tier with ``written_on_put`` gets the entry too
 """
 
@@ -20,11 +20,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from kamera_agent.errors import ForeignChunkError
-from kamera_agent.store.codec import CorruptEntry, StoredValue, content_digest, deserialize, entry_nbytes
+from kamera_agent.store.codec import (
+    CorruptEntry,
+    StoredValue,
+    content_digest,
+    deserialize,
+    entry_nbytes,
+    header_of,
+)
 from kamera_agent.store.codec import stamp as stamp_fingerprint
 from kamera_agent.store.disk import DiskTier
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.memory import MemoryTier
+from kamera_agent.store.signing import MAC_FIELD, Signer
 from kamera_agent.store.stats import EventLog, StoreEvent
 from kamera_agent.store.tier import Entry, Meta, Payload, Status, Tier
 
@@ -55,6 +63,7 @@ class TierStack:
         disk: the tier memory spills to, or ``None`` (victims are dropped, and counted).
         below: every tier after memory, in the order a get asks them (``disk`` among them).
         log: where events and counters go (guarded by `lock`).
+        signer: with a store secret: entries written are signed, entries read must verify.
     """
 
     def __init__(
@@ -64,8 +73,10 @@ class TierStack:
         disk: DiskTier | None,
         below: Sequence[Tier],
         log: EventLog,
+        signer: Signer | None = None,
     ) -> None:
         self.lock = threading.RLock()
+        self.signer = signer
         self.tiers: list[Tier] = [memory, *below]
         self._fingerprint = fingerprint
         self._memory, self._disk, self._log = memory, disk, log
@@ -133,7 +144,7 @@ class TierStack:
             written = 0
             for key, resident in self._memory.residents():  # oldest first: the newest files last
                 if key not in self._disk:
-                    entry = Entry(key, resident.value, resident.nbytes, self._fingerprint)
+                    entry = Entry(key, resident.value, resident.nbytes, self._fingerprint, self.signer)
                     written += self._disk.put(entry).ok  # else it stays in memory only, as before
             return written
 
@@ -145,7 +156,9 @@ class TierStack:
     def _admit(self, tier: Tier, key: EntryKey, payload: Payload) -> StoredValue | None:
         """The one deserialize/verify path of every tier's entries: a live value (memory) was checked
         when it was stored; bytes are deserialized, their address and model checked, the value
-        stamped. A refused entry is deleted by its tier and counted, never served."""
+        stamped. A refused entry is deleted by its tier and counted, never served; one that is
+        unsigned or whose MAC does not verify is refused and counted but left where it is (another
+        deployment's secret may sign it; this store's next put of the key replaces it)."""
         if not isinstance(payload, bytes):
             return payload
         try:
@@ -158,7 +171,18 @@ class TierStack:
             tier.reject(key, exc)
             self._tally(tier, Status.REJECTED)
             return None
+        if self.signer is not None and not self._signed(payload, address, value, fingerprint):
+            with self.lock:
+                self._log.count("unsigned")
+            return None
         return own(key, value, fingerprint, self._fingerprint, "load", tier.location)
+
+    def _signed(self, payload: bytes, address: EntryKey, value: StoredValue, fingerprint: str) -> bool:
+        """Whether the entry carries a MAC of what it holds under the store's secret (or a
+        previous one): a re-addressed, re-fingerprinted or edited entry does not."""
+        assert self.signer is not None
+        mac = header_of(payload).get(MAC_FIELD, "")
+        return bool(mac) and self.signer.verifies(content_digest(address, value, fingerprint), mac)
 
     def _promote(self, tier: Tier, key: EntryKey, value: StoredValue) -> StoredValue:
         """Serve ``value`` from ``tier``, kept in memory when it fits (called under the lock)."""
@@ -169,7 +193,7 @@ class TierStack:
             return local
         nbytes = entry_nbytes(key.kind, value)
         if nbytes <= self._memory.budget:  # else serve it without promoting
-            self._memory.put(Entry(key, value, nbytes, self._fingerprint))
+            self._memory.put(Entry(key, value, nbytes, self._fingerprint, self.signer))
             self._evict(keep=key)
         return value
 
@@ -205,7 +229,7 @@ class TierStack:
         if key in self._disk:
             self._disk.touch(key)
             return StoreEvent("spill", key, nbytes, False, "already on disk")
-        write = self._disk.put(Entry(key, value, nbytes, self._fingerprint))
+        write = self._disk.put(Entry(key, value, nbytes, self._fingerprint, self.signer))
         if not write.ok:
             return StoreEvent("drop", key, nbytes, True, write.detail)
         return StoreEvent("spill", key, nbytes, False, "written")

@@ -81,6 +81,9 @@ class StoreStats:
         remote_rejected: shared values that failed a check (digest, length, address, model,
             entry format): deleted, never served.
         remote_outages: times the server went from answering to not answering.
+        unsigned_refused: entries a tier held that were unsigned or whose MAC did not verify
+            under the store's secret (forged, or written without it): never served, left in
+            place (another deployment's secret may sign them); 0 without a secret.
     """
 
     puts: int
@@ -112,6 +115,7 @@ class StoreStats:
     remote_writes_failed: int = 0
     remote_rejected: int = 0
     remote_outages: int = 0
+    unsigned_refused: int = 0
 
 
 class EventLog:

@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from kamera_agent.store.codec import CorruptEntry, StoredValue, serialize
 from kamera_agent.store.keys import EntryKey
+from kamera_agent.store.signing import Signer
 
 __all__ = ["Entry", "Lookup", "Meta", "Payload", "Status", "Tier", "Write"]
 
@@ -103,10 +104,12 @@ class Entry:
     value: StoredValue = field(repr=False)
     nbytes: int
     fingerprint: str
+    signer: Signer | None = field(default=None, repr=False)
 
     def serialize(self) -> bytes:
-        """The safetensors bytes of the entry (`kamera_agent.store.codec.serialize`)."""
-        return serialize(self.key, self.value, self.fingerprint)
+        """The safetensors bytes of the entry (`kamera_agent.store.codec.serialize`), signed when
+        the store has a secret."""
+        return serialize(self.key, self.value, self.fingerprint, self.signer)
 
 
 class Tier(ABC):

@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from kamera_agent.chunks.chunk import Chunk, ChunkKind
 from kamera_agent.chunks.sources import ChannelOrder
 from kamera_agent.errors import (
+    ArgumentError,
     ContextOverflowError,
     LargeChunkWarning,
     SettingsError,
     UnknownChunkError,
-    WindowError,
 )
+from kamera_agent.window.arguments import check_items, check_labels, check_text
 from kamera_agent.window.conversation import Conversation
 from kamera_agent.window.runner import OpRunner
 from kamera_agent.window.setup import Item, chunk_of
@@ -47,9 +48,8 @@ class Inputs:
     def labelled(
         self, items: Sequence[Item], labels: Sequence[str | None] | None
     ) -> list[tuple[Chunk, str | None]]:
-        names = list(labels) if labels is not None else [None] * len(items)
-        if len(names) != len(items):
-            raise WindowError(f"got {len(items)} items but {len(names)} labels; give one label per item")
+        items = check_items(items, "items")
+        names = check_labels(labels, len(items))
         return [
             (self.item(item, None, None, None, name), name) for item, name in zip(items, names, strict=True)
         ]
@@ -63,6 +63,10 @@ class Inputs:
         label: str | None,
     ) -> Chunk:
         """The item as a chunk this window can hold: `chunk_of`, then `check_size`."""
+        check_text(caption, "caption", optional=True)
+        check_text(label, "label", optional=True)
+        if order is not None and order not in ("rgb", "bgr"):
+            raise ArgumentError(f"channel_order must be 'rgb', 'bgr' or None, got {order!r}")
         parts = self.runner.parts
         max_pixels = parts.config.max_image_pixels
         return self.check_size(chunk_of(parts.encoder, item, kind, caption, order, label, max_pixels))

@@ -9,6 +9,7 @@ window and its forks share.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
 from kamera_agent.core.staging import StagedStore, StoreView
-from kamera_agent.errors import WindowError
+from kamera_agent.errors import ContextOverflowError, WindowClosedError, WindowError
 from kamera_agent.metrics import next_token_kl
 from kamera_agent.results import Answer, OpCost, Plan
 from kamera_agent.window.conversation import Conversation
@@ -67,6 +68,9 @@ class OpRunner:
 
     def __init__(self, parts: WindowParts, state: WindowState) -> None:
         self.parts, self.state = parts, state
+        self.lock = threading.RLock()
+        """Held by every op and read: a window serializes calls from several threads (each op
+        is one transaction; a fork has its own lock, sharing only the thread-safe store)."""
         self.dry: list[WindowPlan] | None = None
         """While a dry run is on (`dry_run`), the plans ops made instead of executing them."""
         self.last_plan: Plan | None = None
@@ -75,6 +79,11 @@ class OpRunner:
     def transact(self, op: str, build: Build) -> tuple[WindowPlan, OpCost]:
         """Plan and execute ``op`` as one transaction over window and store; record its cost.
         During a dry run: only plan it, over the store as it is (nothing runs, nothing changes)."""
+        with self.lock:
+            return self._transact(op, build)
+
+    def _transact(self, op: str, build: Build) -> tuple[WindowPlan, OpCost]:
+        self.check_open()
         if self.dry is not None:
             plan = build(self.planner(self.parts.core.store))
             self.dry.append(plan)
@@ -85,21 +94,50 @@ class OpRunner:
     @contextmanager
     def dry_run(self) -> Iterator[list[WindowPlan]]:
         """Ops called inside this block plan and do not execute; the plans are collected."""
-        if self.dry is not None:
-            raise WindowError("a dry run is already on for this window; plan one op at a time")
-        self.dry = []
-        try:
-            yield self.dry
-        finally:
-            self.dry = None
+        with self.lock:  # another thread's op must not run as a dry one, nor this one's for real
+            if self.dry is not None:
+                raise WindowError("a dry run is already on for this window; plan one op at a time")
+            self.dry = []
+            try:
+                yield self.dry
+            finally:
+                self.dry = None
 
     def read(self, op: str, read: Callable[[Executor], T], materialize: bool = True) -> tuple[T, OpCost]:
         """Read the window (ask, probe, kv) in one transaction, lazy patches formed first."""
-        idle = WindowPlan(op, tuple(self.state.order))
-        build: Build = (lambda planner: planner.materialize(self.state)) if materialize else (lambda _: idle)
-        _, (value, cost) = self._run(op, build, read)
+        with self.lock:
+            self.check_open()
+            idle = WindowPlan(op, tuple(self.state.order))
+            build: Build = (
+                (lambda planner: planner.materialize(self.state)) if materialize else (lambda _: idle)
+            )
+            _, (value, cost) = self._run(op, build, read)
         assert value is not None
         return value, cost
+
+    def check_open(self) -> None:
+        """Refuse any op or read once the window's store is closed (`WindowClosedError`)."""
+        if self.parts.core.store.closed:
+            raise WindowClosedError(
+                "this window was closed (its store is closed, so nothing more would be stored); "
+                "create a new window, over the same disk_dir or store_url to reuse what it stored"
+            )
+
+    def check_context(self, plan: WindowPlan) -> None:
+        """Refuse a plan whose window would not fit the model's context with one query token,
+        before any forward runs (as `ask` refuses an answer that would not fit)."""
+        limit = self.parts.core.backend.context_limit
+        if limit is None:
+            return
+        entries, anchor = self.state.entries, self.parts.core.anchor
+        chunks = [plan.chunks[ref] if ref in plan.chunks else entries[ref].chunk for ref in plan.order]
+        end = anchor.advance + sum(chunk.advance for chunk in chunks)
+        if end + 1 > limit:
+            raise ContextOverflowError(
+                f"{plan.op} would make the window {end} positions long ({len(chunks)} chunks and the "
+                f"anchor); with one query token that exceeds the model's context of {limit}. Slide or "
+                "evict chunks first, or set capacity_tokens so the window makes room itself"
+            )
 
     def planner(self, view: StoreView) -> Planner:
         """A planner over the window's settings and a store view."""
@@ -142,6 +180,7 @@ class OpRunner:
                 if plan.probes:
                     self._score(plan, txn)
                     plan = build(self.planner(txn.store))
+                self.check_context(plan)
                 executor = Executor(self.state, core, txn, config)
                 executor.run(plan)
                 value = read(executor) if read is not None else None

@@ -32,7 +32,14 @@ __all__ = ["Item", "chunk_of", "resolve_backend", "resolve_store"]
 
 Item = Chunk | str | Text | Image.Image | np.ndarray | Path | VideoFrame
 
-_STORE_FIELDS = ("memory_budget", "disk_dir", "disk_budget", "store_url")
+_STORE_FIELDS = (
+    "memory_budget",
+    "disk_dir",
+    "disk_budget",
+    "store_url",
+    "store_secret",
+    "store_previous_secrets",
+)
 
 
 def resolve_backend(
@@ -84,9 +91,9 @@ def resolve_store(backend: Backend, config: WindowConfig, store: ChunkStore | No
     given = sorted(name for name in _STORE_FIELDS if name in config.model_fields_set)
     if given:
         raise SettingsError(
-            f"{', '.join(given)} configure the store a window builds, but store= was passed too; set them "
-            "on that ChunkStore (ChunkStore(memory_budget=..., disk_dir=..., remote=...)) or pass "
-            "no store"
+            f"{', '.join(given)} configure the store a window builds, but store= was passed too; set "
+            "them on that ChunkStore (ChunkStore(memory_budget=..., disk_dir=..., remote=..., "
+            "secret=...)) or pass no store"
         )
     return store
 

@@ -34,12 +34,25 @@ from kamera_agent.core import Patch
 from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.identity import ChunkState
 from kamera_agent.core.kv_core import KVCore
-from kamera_agent.errors import ChunkInWindowError, DuplicateChunkError, SettingsError, WindowError
+from kamera_agent.errors import ArgumentError, ChunkInWindowError, DuplicateChunkError, SettingsError
 from kamera_agent.metrics import next_token_kl
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer, Plan, Probe, WindowStats
 from kamera_agent.settings import THREADS_ENV, configure_threads
 from kamera_agent.store import ChunkStore
+from kamera_agent.window.arguments import (
+    check_callable,
+    check_flag,
+    check_index,
+    check_int,
+    check_items,
+    check_labels,
+    check_real,
+    check_seed,
+    check_slide,
+    check_stop,
+    check_text,
+)
 from kamera_agent.window.conversation import Conversation, MessagePart
 from kamera_agent.window.dry_run import PlanView
 from kamera_agent.window.executor import Executor
@@ -91,6 +104,16 @@ class KameraWindow:
         conversation: bool = False,
         system_prompt: str | None = None,
     ) -> None:
+        if model is None:
+            raise ArgumentError(
+                "KameraWindow needs a model: a loaded transformers model, a checkpoint path or a Backend"
+            )
+        if config is not None and not isinstance(config, WindowConfig):
+            raise ArgumentError(f"config must be a WindowConfig, got {type(config).__name__}")
+        if store is not None and not isinstance(store, ChunkStore):
+            raise ArgumentError(f"store must be a ChunkStore, got {type(store).__name__}")
+        conversation = check_flag(conversation, "conversation")
+        system_prompt = check_text(system_prompt, "system_prompt", optional=True)
         config = config or WindowConfig()
         if config.threads is not None or THREADS_ENV in os.environ:
             configure_threads(config.threads)  # the setting, else $KAMERA_NUM_THREADS
@@ -169,12 +192,14 @@ class KameraWindow:
     @property
     def refs(self) -> list[ChunkRef]:
         """The chunks in the window, left to right."""
-        return list(self._runner.state.order)
+        with self._runner.lock:
+            return list(self._runner.state.order)
 
     @property
     def evicted(self) -> list[ChunkRef]:
         """Chunks that left the window and can be recalled."""
-        return [ref for ref, entry in self._runner.state.entries.items() if not entry.in_window]
+        with self._runner.lock:
+            return [ref for ref, entry in self._runner.state.entries.items() if not entry.in_window]
 
     def __len__(self) -> int:
         return len(self._runner.state.order)
@@ -199,16 +224,18 @@ class KameraWindow:
         `ChunkState`); each edge carries ``index`` (A's place among B's antecedents) and
         ``state`` (the digest of the state of A that B encodes).
         """
-        state = self._runner.state
-        graph = state.graph.copy()
-        for ref, entry in state.entries.items():
-            graph.nodes[ref].update(in_window=entry.in_window, label=ref.label, state=entry.state)
+        with self._runner.lock:
+            state = self._runner.state
+            graph = state.graph.copy()
+            for ref, entry in state.entries.items():
+                graph.nodes[ref].update(in_window=entry.in_window, label=ref.label, state=entry.state)
         return nx.freeze(graph)
 
     @property
     def stats(self) -> WindowStats:
         """Per-op and cumulative costs."""
-        return self._runner.state.book.snapshot()
+        with self._runner.lock:
+            return self._runner.state.book.snapshot()
 
     @property
     def last_plan(self) -> Plan | None:
@@ -283,7 +310,7 @@ class KameraWindow:
         """
         self._inputs.in_window(ref)
         chunk = self._inputs.item(item, kind, caption, channel_order, label)
-        extra = self._inputs.labelled(append, append_labels) if append else []
+        extra = [] if append is None else self._inputs.labelled(append, append_labels)
         plan, _ = self._runner.transact(
             "replace", lambda planner: planner.replace(self._runner.state, ref, chunk, label, extra)
         )
@@ -297,16 +324,16 @@ class KameraWindow:
 
         Mutates: the window's order and patches; the store (patches formed).
         """
-        self._runner.transact("reorder", lambda planner: planner.reorder(self._runner.state, refs))
+        order = check_items(refs, "refs")
+        self._runner.transact("reorder", lambda planner: planner.reorder(self._runner.state, order))
 
     def slide(self, n: int = 1) -> list[ChunkRef]:
         """Evict the ``n`` leftmost chunks; returns them. Survivors only rotate (by default).
 
         Mutates: the window.
         """
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise WindowError(f"slide needs an int n >= 0, got {n!r}")
         runner = self._runner
+        n = check_slide(n, len(runner.state.order))
         plan, _ = runner.transact(
             "slide", lambda planner: planner.remove(runner.state, runner.state.order[:n], "slide")
         )
@@ -322,6 +349,8 @@ class KameraWindow:
         Mutates: the window.
         """
         refs = [ref, *more]
+        for each in refs:
+            self._inputs.entry(each)  # a ChunkRef of this window's, before they are hashed
         if len(set(refs)) != len(refs):
             raise DuplicateChunkError("evict names a chunk twice; name each chunk once")
         for each in refs:
@@ -337,6 +366,7 @@ class KameraWindow:
 
         Mutates: the window, the store (patches formed).
         """
+        at = check_index(at, "at")
         self._runner.transact("recall", lambda planner: planner.recall(self._runner.state, ref, at))
         return ref
 
@@ -357,9 +387,8 @@ class KameraWindow:
 
         Mutates: the window, the store.
         """
-        names = list(labels) if labels is not None else [None] * len(items)
-        if len(names) != len(items):
-            raise WindowError(f"got {len(items)} items but {len(names)} labels; give one label per item")
+        items = check_items(items, "items")
+        names = check_labels(labels, len(items))
         parsed: list[ChunkRef | tuple[Chunk, str | None]] = []
         for item, name in zip(items, names, strict=True):
             if isinstance(item, ChunkRef):
@@ -377,11 +406,13 @@ class KameraWindow:
 
         Mutates: the window.
         """
-        if self._inputs.entry(ref).in_window:
-            raise ChunkInWindowError(f"{ref} is in the window; evict it before forgetting it")
-        state = self._runner.state
-        state.remove(ref)
-        state.book.record("forget", CostMeter(forgotten=1).finish())
+        with self._runner.lock:
+            self._runner.check_open()
+            if self._inputs.entry(ref).in_window:
+                raise ChunkInWindowError(f"{ref} is in the window; evict it before forgetting it")
+            state = self._runner.state
+            state.remove(ref)
+            state.book.record("forget", CostMeter(forgotten=1).finish())
 
     def push_message(
         self,
@@ -404,7 +435,10 @@ class KameraWindow:
 
         Mutates: the window (admits the chunks, may evict), the store.
         """
-        parts = [content] if isinstance(content, str) else list(content)
+        check_text(role, "role")
+        check_flag(opened, "opened")
+        check_flag(closed, "closed")
+        parts = [content] if isinstance(content, str) else check_items(content, "content")
         message = self._inputs.conversation().message(
             role, parts, opened=opened, closed=closed, labels=labels
         )
@@ -443,29 +477,34 @@ class KameraWindow:
         Raises:
             SettingsError: ``in_message`` or ``remember`` on a window that holds no conversation.
         """
-        if (in_message or remember) and self.conversation is None:
+        check_text(query, "query")
+        framed = [check_flag(in_message, "in_message"), check_flag(remember, "remember")]
+        if any(framed) and self.conversation is None:
             raise SettingsError(
                 "in_message and remember frame chat messages: create the window with conversation=True "
                 "or a system_prompt"
             )
+        max_new_tokens = check_int(max_new_tokens, "max_new_tokens", optional=True)
         config = DecodeConfig(
             max_new_tokens=self.config.max_new_tokens if max_new_tokens is None else max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            stop=tuple(stop),
-            return_logits=return_logits,
-            on_text=on_text,
-            keep_going=keep_going,
+            temperature=check_real(temperature, "temperature", 0.0),
+            top_k=check_int(top_k, "top_k", 0),
+            top_p=check_real(top_p, "top_p", 0.0, 1.0, open_low=True),
+            seed=check_seed(seed),
+            stop=check_stop(stop),
+            return_logits=check_flag(return_logits, "return_logits"),
+            on_text=check_callable(on_text, "on_text"),
+            keep_going=check_callable(keep_going, "keep_going"),
         )
         query_ids = self._parts.query_ids(query, opened=not in_message)
-        self._parts.core.check_fits(self._runner.end(), query_ids, config)
-        answer, cost = self._runner.read("ask", lambda executor: executor.answer(query_ids, config))
-        if temperature <= 0 and not in_message:
-            self._runner.state.last_answer = LastAnswer(query, self._runner.state.tick, answer)
-        if remember:
-            self._remember(query, answer, opened=not in_message)
+        with self._runner.lock:  # the answer, the remembered answer and the messages: one call
+            self._runner.check_open()
+            self._parts.core.check_fits(self._runner.end(), query_ids, config)
+            answer, cost = self._runner.read("ask", lambda executor: executor.answer(query_ids, config))
+            if temperature <= 0 and not in_message:
+                self._runner.state.last_answer = LastAnswer(query, self._runner.state.tick, answer)
+            if remember:
+                self._remember(query, answer, opened=not in_message)
         return replace(answer, cost=cost)
 
     def _remember(self, query: str, answer: Answer, opened: bool) -> None:
@@ -486,7 +525,8 @@ class KameraWindow:
         decode), else it is decoded too.
         """
         self._inputs.in_window(ref)
-        config = DecodeConfig(max_new_tokens=max_new_tokens)
+        check_text(query, "query")
+        config = DecodeConfig(max_new_tokens=check_int(max_new_tokens, "max_new_tokens"))
         query_ids = self._parts.query_ids(query)
         self._parts.core.check_fits(self._runner.end(), query_ids, config)
 
@@ -506,7 +546,9 @@ class KameraWindow:
     def fork(self) -> KameraWindow:
         """A copy-on-write branch: it shares the store (canonicals, patches), the engine and the
         encoder; edits and the refs it mints stay in their branch."""
-        return KameraWindow._branch(self._parts, self._runner.state.fork())
+        with self._runner.lock:
+            self._runner.check_open()
+            return KameraWindow._branch(self._parts, self._runner.state.fork())
 
     def kv(self) -> Any:
         """The assembled cache of the window (anchor + placed chunks), as the backend holds it."""
@@ -523,11 +565,15 @@ class KameraWindow:
     def as_model_inputs(self, query: str | None = None) -> dict[str, Any]:
         """Keyword arguments for the model's own forward over a full re-prefill of the window
         (input ids, pixel values, grids, token types): the ground truth for exactness checks."""
-        state = self._runner.state
-        chunks = [state.entries[ref].chunk for ref in state.order]
+        check_text(query, "query", optional=True)
+        with self._runner.lock:
+            state = self._runner.state
+            chunks = [state.entries[ref].chunk for ref in state.order]
         query_ids = None if query is None else self._parts.query_ids(query)
         return self.backend.reference_inputs(chunks, query_ids, anchor=self._parts.core.anchor)
 
     def query_ids(self, query: str, *, in_message: bool = False) -> torch.Tensor:
         """The token ids ``ask`` would decode ``query`` from (its framing included)."""
-        return self._parts.query_ids(query, opened=not in_message)
+        return self._parts.query_ids(
+            check_text(query, "query"), opened=not check_flag(in_message, "in_message")
+        )

@@ -337,15 +337,13 @@ def test_the_store_command_counts_and_clears_kameras_entries(
 def test_windows_take_the_url_from_their_config_or_the_environment(
     store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pydantic import ValidationError
-
     from kamera_agent.config import WindowConfig
-    from kamera_agent.errors import SettingsError
+    from kamera_agent.errors import ConfigError, SettingsError
     from kamera_agent.window import KameraWindow
     from tests.window.backends import backend_named
 
     backend = backend_named("tiny_torch")
-    with pytest.raises(ValidationError, match="scheme"):
+    with pytest.raises(ConfigError, match="scheme"):
         WindowConfig(store_url="http://cache:6379")
     window = KameraWindow(backend, config=WindowConfig(store_url=store_url))  # type: ignore[arg-type]
     assert window.store.remote is not None and window.store.remote.nodes[0][0] == "127.0.0.1"

@@ -11,7 +11,7 @@ import pytest
 
 from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.config import WindowConfig
-from kamera_agent.errors import DuplicateChunkError, UnsupportedModelError, WindowError
+from kamera_agent.errors import ArgumentError, DuplicateChunkError, UnsupportedModelError, WindowError
 from kamera_agent.results import Plan
 from kamera_agent.window import KameraWindow
 from tests.window.backends import CountingBackend, backend_named
@@ -68,7 +68,7 @@ def test_the_dry_run_view_plans_what_the_op_then_does(op: str) -> None:
 def test_op_arguments_are_checked_once_for_the_op_and_its_dry_run() -> None:
     window = _window()
     for run in (lambda: window.plan.slide(-1), lambda: window.slide(-1), lambda: window.plan("slide", -1)):
-        with pytest.raises(WindowError, match="n >= 0"):
+        with pytest.raises(ArgumentError, match=r"n must be in \[0, 3\]"):
             run()
     first = window.refs[0]
     for run in (lambda: window.plan.evict(first, first), lambda: window.evict(first, first)):
