@@ -8,8 +8,8 @@ forward, in one `arrange`) and says so: each turn prints ``usage.prompt_tokens_d
 ops the server ran. The answer streams.
 
     kamera serve &                                   # the shipped demo model on 127.0.0.1:8000
-    python examples/openai_agent.py --base-url http://127.0.0.1:8000/v1
-    python examples/openai_agent.py                  # starts a server of its own for the run
+    .venv/bin/python examples/openai_agent.py --base-url http://127.0.0.1:8000/v1
+    .venv/bin/python examples/openai_agent.py                  # starts a server of its own for the run
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import io
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
-from typing import Any
+from typing import IO, Any
 
 from openai import OpenAI
 from PIL import Image
@@ -94,34 +95,53 @@ def main(argv: list[str] | None = None) -> list[Any]:
     parser.add_argument("--base-url", help="a running kamera serve (default: start one for this run)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--model", default=MODEL, help="the served model's id")
+    parser.add_argument(
+        "--start-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for the server's start (default 300)",
+    )
     args = parser.parse_args(argv)
     if args.base_url:
         return run(OpenAI(base_url=args.base_url, api_key="unused"), args.steps, model=args.model)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "kamera_agent", "--threads", "1", "serve", "--port", str(port)]
-    )
-    try:
-        _wait_for(f"http://127.0.0.1:{port}/health", server)
-        return run(
-            OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused"), args.steps, model=args.model
+    with tempfile.TemporaryFile() as log:  # the server's output, shown if it fails to start
+        server = subprocess.Popen(
+            [sys.executable, "-m", "kamera_agent", "--threads", "1", "serve", "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
-    finally:
-        server.terminate()
-        server.wait(timeout=20)
+        try:
+            _wait_for(f"http://127.0.0.1:{port}/health", server, log, args.start_timeout)
+            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+            return run(client, args.steps, model=args.model)
+        finally:
+            server.terminate()
+            server.wait(timeout=20)
 
 
-def _wait_for(url: str, server: subprocess.Popen[bytes], seconds: float = 60.0) -> None:
-    deadline = time.monotonic() + seconds
+def _wait_for(url: str, server: subprocess.Popen[bytes], log: IO[bytes], seconds: float) -> None:
+    """Poll ``url`` while the server process lives (loading the model takes seconds to minutes on
+    a busy machine); if it exits or ``seconds`` pass, say which, with the tail of its output."""
+    began = time.monotonic()
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=1):
+            with urllib.request.urlopen(url, timeout=2):
                 return
         except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("kamera serve did not start") from None
+            code, waited = server.poll(), time.monotonic() - began
+            if code is not None or waited > seconds:
+                log.seek(0)
+                tail = log.read().decode(errors="replace").strip().splitlines()[-15:]
+                why = (
+                    f"it exited with status {code}"
+                    if code is not None
+                    else f"it did not answer {url} within {seconds:.0f} s (a busy machine: pass "
+                    "--start-timeout, or start `kamera serve` yourself and pass --base-url)"
+                )
+                raise RuntimeError("kamera serve did not start: " + why + "\n" + "\n".join(tail)) from None
             time.sleep(0.2)
 
 

@@ -10,8 +10,8 @@ shows what every op cost against re-prefilling the window; each answer is printe
 model's own re-prefill's first token, so a wrong answer of the tiny demo model is not mistaken
 for kamera's.
 
-    python examples/video_agent.py                          # demo model, its own 8-frame clip
-    python examples/video_agent.py --video clip.mp4 --model path/to/Qwen2.5-VL-3B-Instruct
+    .venv/bin/python examples/video_agent.py                          # demo model, its own 8-frame clip
+    .venv/bin/python examples/video_agent.py --video clip.mp4 --model path/to/Qwen2.5-VL-3B-Instruct
 """
 
 from __future__ import annotations

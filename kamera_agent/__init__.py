@@ -17,10 +17,12 @@ from kamera_agent.chunks.sources import Text
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import (
     AmbiguousChannelOrderError,
+    ArgumentError,
     CapabilityError,
     CapacityError,
     ChunkInWindowError,
     ChunkLostError,
+    ConfigError,
     ContextOverflowError,
     DuplicateChunkError,
     EmptyVideoError,
@@ -40,6 +42,7 @@ from kamera_agent.errors import (
     UnknownChunkError,
     UnreadableInputError,
     UnsupportedModelError,
+    WindowClosedError,
     WindowError,
 )
 from kamera_agent.fingerprint import model_fingerprint
@@ -56,6 +59,7 @@ moved.install()
 __all__ = [
     "AmbiguousChannelOrderError",
     "Answer",
+    "ArgumentError",
     "Backend",
     "CapabilityError",
     "CapacityError",
@@ -63,6 +67,7 @@ __all__ = [
     "ChunkLostError",
     "ChunkRef",
     "ChunkStore",
+    "ConfigError",
     "ContextOverflowError",
     "DecodeConfig",
     "DuplicateChunkError",
@@ -90,6 +95,7 @@ __all__ = [
     "UnknownChunkError",
     "UnreadableInputError",
     "UnsupportedModelError",
+    "WindowClosedError",
     "WindowConfig",
     "WindowError",
     "WindowStats",

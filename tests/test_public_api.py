@@ -10,6 +10,7 @@ def test_root_all_is_pinned() -> None:
         [
             "AmbiguousChannelOrderError",
             "Answer",
+            "ArgumentError",
             "Backend",
             "CapabilityError",
             "CapacityError",
@@ -17,6 +18,7 @@ def test_root_all_is_pinned() -> None:
             "ChunkLostError",
             "ChunkRef",
             "ChunkStore",
+            "ConfigError",
             "ContextOverflowError",
             "DecodeConfig",
             "DuplicateChunkError",
@@ -45,6 +47,7 @@ def test_root_all_is_pinned() -> None:
             "UnreadableInputError",
             "UnsupportedModelError",
             "WindowConfig",
+            "WindowClosedError",
             "WindowError",
             "WindowStats",
             "__version__",

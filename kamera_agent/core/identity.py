@@ -206,9 +206,10 @@ class ChunkState:
         return hash(self.digest)
 
     def __repr__(self) -> str:
-        return (
-            f"ChunkState({self.kind}, rank {self.rank}, {self.context.length} antecedents, {self.digest[:8]})"
-        )
+        # "full" where the window's rank is smaller: the chunk's deficit has no more rank than
+        # that (few tokens), so its patch is lossless (`effective_rank`)
+        rank = "rank full (lossless)" if self.rank == "full" else f"rank {self.rank}"
+        return f"ChunkState({self.kind}, {rank}, {self.context.length} antecedents, {self.digest[:8]})"
 
 
 def effective_rank(rank: StateRank, num_tokens: int, features: int) -> StateRank:

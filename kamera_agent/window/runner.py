@@ -37,7 +37,7 @@ __all__ = ["Build", "OpRunner", "WindowParts"]
 
 T = TypeVar("T")
 Build = Callable[[Planner], WindowPlan]
-"""One op's planner call, its arguments parsed and checked already (`OpBuilders`)."""
+"""One op's planner call, its arguments parsed and checked already (`Inputs`, `arguments`)."""
 _ATTEMPTS = 3  # plans re-made when another window changed an orbit patch under an op
 
 
