@@ -300,6 +300,8 @@ class ChunkStore:
             **{f"remote_{name}": r[name] for name in ("writes", "bytes_written", "writes_skipped")},
             "remote_writes_failed": r["writes_failed"],
             "remote_outages": r["outages"],
+            "remote_timeout": r["timeout"],
+            "remote_slow_calls": r["slow_calls"],
         }
 
     def events(self) -> list[StoreEvent]:

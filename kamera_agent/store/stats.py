@@ -81,6 +81,10 @@ class StoreStats:
         remote_rejected: shared values that failed a check (digest, length, address, model,
             entry format): deleted, never served.
         remote_outages: times the server went from answering to not answering.
+        remote_timeout: the shared tier's current per-call timeout, seconds (it grows while a
+            healthy server answers slowly, up to the URL's ``max_timeout``, and decays back).
+        remote_slow_calls: calls that timed out on an answering server and raised the timeout
+            instead of counting an outage.
         unsigned_refused: entries a tier held that were unsigned or whose MAC did not verify
             under the store's secret (forged, or written without it): never served, left in
             place (another deployment's secret may sign them); 0 without a secret.
@@ -115,6 +119,8 @@ class StoreStats:
     remote_writes_failed: int = 0
     remote_rejected: int = 0
     remote_outages: int = 0
+    remote_timeout: float = 0.0
+    remote_slow_calls: int = 0
     unsigned_refused: int = 0
 
 

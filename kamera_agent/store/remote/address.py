@@ -8,7 +8,8 @@ so the URL carries every remote setting; nothing else has to agree between proce
     redis+cluster://host:port[,host:port...][?...]                   a cluster: any nodes, it finds the rest
     valkey+cluster://...   rediss+cluster://...   valkeys+cluster://...
 
-Options: ``timeout`` seconds per call (0.2), ``ttl`` seconds an entry lives (604800, a week;
+Options: ``timeout`` seconds per call to start with (0.2), ``max_timeout`` the most it adapts
+to when a healthy server answers slowly (2.0), ``ttl`` seconds an entry lives (604800, a week;
 0: until the server's eviction policy takes it), ``part_bytes`` the largest value written as
 one key (4 MiB), ``pending_bytes`` the most bytes waiting to be written in the background
 (256 MiB; a write beyond it is skipped and counted), ``prefix`` of every key (``kam``).
@@ -37,7 +38,10 @@ class RemoteAddress:
         tls: connect over TLS.
         db: the database number (standalone only; a cluster has one).
         username / password: credentials, if any.
-        timeout: seconds one call may take before it counts as failed.
+        timeout: seconds one call may take before it counts as failed, to start with.
+        max_timeout: the longest the timeout grows to while the server answers, but slowly (a
+            busy machine): a call that times out then raises the timeout instead of declaring
+            the server down.
         ttl: seconds each entry lives; 0 leaves expiry to the server's maxmemory policy.
         part_bytes: values larger than this are split into parts of at most this size.
         pending_bytes: most bytes queued for background writes.
@@ -51,6 +55,7 @@ class RemoteAddress:
     username: str | None = None
     password: str | None = None
     timeout: float = 0.2
+    max_timeout: float = 2.0
     ttl: int = 7 * 24 * 3600
     part_bytes: int = 4 << 20
     pending_bytes: int = 256 << 20
@@ -135,7 +140,7 @@ def _db(path: str, url: str, cluster: bool) -> int:
     return int(path)
 
 
-_NUMBERS = {"timeout": float, "ttl": int, "part_bytes": int, "pending_bytes": int}
+_NUMBERS = {"timeout": float, "max_timeout": float, "ttl": int, "part_bytes": int, "pending_bytes": int}
 
 
 def _options(query: str, url: str) -> dict[str, float | int | str]:

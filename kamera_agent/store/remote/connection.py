@@ -2,10 +2,16 @@
 
 Why: the remote tier is an optimisation under a store that already works alone. A call that
 hangs, or an exception from a dead server reaching a window op, would make the shared store a
-liability. So every call has the URL's timeout (0.2 s by default) and no client-side retries;
-a failure opens a breaker that skips the server for a while (0.25 s, doubling to 30 s), and the
-first call after that tries again: a restarted server is picked up without anyone asking. The
-tier says so once per outage (a log warning), and once when the server is back.
+liability. So every call has a timeout and no client-side retries; a failure opens a breaker
+that skips the server for a while (0.25 s, doubling to 30 s), and the first call after that
+tries again: a restarted server is picked up without anyone asking. The tier says so once per
+outage (a log warning), and once when the server is back.
+
+The timeout adapts: it starts at the URL's ``timeout`` (0.2 s). A call that *times out* on a
+server that answered before is a slow server, not a dead one (a starved CPU, a burst of large
+values): the call fails, but instead of declaring an outage the timeout doubles, up to
+``max_timeout`` (2 s); only a timeout at that ceiling, or a refused or broken connection, opens
+the breaker. While calls answer well within it, the timeout decays back toward the URL's.
 
 Client: valkey-py (``valkey`` on PyPI), the Valkey project's own fork of redis-py: the same
 API for Valkey and Redis servers, a cluster client that routes by hash slot, and pipelines.
@@ -25,6 +31,7 @@ from kamera_agent.store.remote.address import RemoteAddress
 __all__ = ["Connection", "RemoteUnavailable"]
 
 _LOG = logging.getLogger("kamera_agent.store.remote")
+_QUICK_CALLS = 64  # calls within a quarter of the timeout before it steps back down
 T = TypeVar("T")
 
 
@@ -61,22 +68,34 @@ class Connection:
         self._retry_at = 0.0
         self.down = False
         self.outages = 0
+        self.timeout = address.timeout
+        """The current per-call timeout (adapted between the URL's ``timeout`` and ``max_timeout``)."""
+        self.slow_calls = 0
+        """Calls that timed out on an answering server and raised the timeout (no outage)."""
+        self._answered = False
+        self._quick = 0
 
     def call(self, work: Callable[[Any], T]) -> T:
         """``work(client)`` within the timeout, or `RemoteUnavailable` (at once while backing off)."""
         from valkey.exceptions import ResponseError, ValkeyError
+        from valkey.exceptions import TimeoutError as CallTimeout
 
         with self._lock:
             if self.down and time.monotonic() < self._retry_at:
                 raise RemoteUnavailable("backing off")
+        began = time.monotonic()
         try:
             result = work(self._connected())
         except ResponseError as exc:  # it answered but refused (OOM under noeviction, WRONGTYPE):
             raise RemoteUnavailable(f"refused: {exc}") from exc  # this call fails; no outage
+        except (CallTimeout, TimeoutError) as exc:
+            if not self._slower():
+                self._failed(exc)
+            raise RemoteUnavailable(f"timed out after {self.timeout:g} s: {exc}") from exc
         except (ValkeyError, OSError) as exc:
             self._failed(exc)
             raise RemoteUnavailable(str(exc)) from exc
-        self._succeeded()
+        self._succeeded(time.monotonic() - began)
         return result
 
     def close(self) -> None:
@@ -98,8 +117,8 @@ class Connection:
 
         a = self.address
         common: dict[str, Any] = {
-            "socket_timeout": a.timeout,
-            "socket_connect_timeout": a.timeout,
+            "socket_timeout": self.timeout,
+            "socket_connect_timeout": self.timeout,
             "retry": Retry(NoBackoff(), 0),
             "username": a.username,
             "password": a.password,
@@ -129,9 +148,33 @@ class Connection:
                 exc,
             )
 
-    def _succeeded(self) -> None:
+    def _slower(self) -> bool:
+        """After a timeout: raise the timeout below its ceiling (a new client takes it). ``True``
+        when the server had been answering, so this is slowness, not an outage; a server that
+        never answered, or is down, or a timeout at the ceiling, counts as an outage (and the
+        retry after the backoff already waits longer)."""
+        with self._lock:
+            ceiling = max(self.address.timeout, self.address.max_timeout)
+            if self.timeout >= ceiling:
+                return False
+            self.timeout = min(ceiling, self.timeout * 2)
+            self._quick = 0
+            self._client = None  # the next call connects with the new timeout
+            slow = self._answered and not self.down
+            self.slow_calls += int(slow)
+        _LOG.info("shared store %s answered slowly: timeout raised to %g s", self.address, self.timeout)
+        return slow
+
+    def _succeeded(self, seconds: float) -> None:
         with self._lock:
             was_down, self.down = self.down, False
             self._pause = self._backoff
+            self._answered = True
+            # well within the timeout for a while: step back toward the URL's own
+            self._quick = self._quick + 1 if seconds < self.timeout / 4 else 0
+            if self._quick >= _QUICK_CALLS and self.timeout > self.address.timeout:
+                self.timeout = max(self.address.timeout, self.timeout / 2)
+                self._quick = 0
+                self._client = None
         if was_down:
             _LOG.warning("shared store %s answers again: sharing resumed", self.address)

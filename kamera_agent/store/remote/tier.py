@@ -184,7 +184,8 @@ class RemoteTier(Tier):
     # -- accounting ------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """Write counters and state: writes, bytes_written, writes_skipped, writes_failed,
-        pending_bytes, state (``"up"`` or ``"down"``), outages (the store counts lookups)."""
+        pending_bytes, state (``"up"`` or ``"down"``), outages, the current per-call timeout and
+        the slow calls that raised it (the store counts lookups)."""
         with self._lock:
             counts = dict(self.counts)
             pending = self._pending
@@ -193,6 +194,8 @@ class RemoteTier(Tier):
             "pending_bytes": pending,
             "state": "down" if self._connection.down else "up",
             "outages": self._connection.outages,
+            "timeout": self._connection.timeout,
+            "slow_calls": self._connection.slow_calls,
         }
 
     # -- internals -------------------------------------------------------------------------------
