@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Answer", "Edit", "EditKind", "OpCost", "Plan", "Probe", "WindowStats"]
+__all__ = ["Answer", "Edit", "EditKind", "OpCost", "Plan", "Probe", "TokenLogprob", "WindowStats"]
 
 EditKind = Literal[
     "form_canonical",
@@ -79,6 +79,23 @@ class OpCost:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One answer token's log-probability and the most likely alternatives at its step.
+
+    Attributes:
+        token: the chosen token id.
+        logprob: its log-probability under the scores it was chosen from (the model's logits
+            after ``logit_bias`` and the penalties; before temperature, top-k and top-p).
+        top: ``(token id, logprob)`` of the most likely tokens at that step, most likely first
+            (as many as asked for: ``top_logprobs``).
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Answer:
     """A decoded answer.
 
@@ -90,6 +107,7 @@ class Answer:
             fidelity checks such as KL to re-prefill).
         finish_reason: ``"eos"``, ``"stop"``, ``"length"`` or ``"cancelled"`` (``keep_going`` said stop).
         cost: what producing it cost, when it came from a window operation.
+        logprobs: one `TokenLogprob` per token in ``tokens``, when asked for (``top_logprobs``).
     """
 
     text: str
@@ -98,6 +116,7 @@ class Answer:
     logits: torch.Tensor | None = None
     finish_reason: str = "length"
     cost: OpCost | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)

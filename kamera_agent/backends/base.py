@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -148,6 +149,12 @@ class DecodeConfig:
             may be the start of a stop string is held back until it cannot be.
         keep_going: asked before each generated token; ``False`` ends the answer there with
             ``finish_reason="cancelled"`` (a server's client went away).
+        logit_bias: token id -> a value added to its logit at every step (OpenAI's: -100
+            bans a token, 100 all but forces it).
+        presence_penalty: subtracted from the logit of every token already in the answer.
+        frequency_penalty: subtracted once per time a token is already in the answer.
+        top_logprobs: ``None``: no log-probabilities; ``k >= 0``: each answer token's
+            log-probability and its step's ``k`` most likely tokens (`Answer.logprobs`).
     """
 
     max_new_tokens: int = 32
@@ -159,6 +166,10 @@ class DecodeConfig:
     return_logits: bool = False
     on_text: Callable[[str], None] | None = None
     keep_going: Callable[[], bool] | None = None
+    logit_bias: Mapping[int, float] = field(default_factory=lambda: MappingProxyType({}))
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         """Refuse what ``generate`` refuses (a setting that would decode nonsense or nothing)."""
@@ -176,6 +187,19 @@ class DecodeConfig:
         stops = self.stop if isinstance(self.stop, tuple) else (None,)
         if any(not isinstance(stop, str) or not stop for stop in stops):
             problems.append("stop must be a tuple of non-empty strings")
+        if not isinstance(self.logit_bias, Mapping) or any(
+            not _is_int(token) or token < 0 or not _is_real(bias) or abs(bias) > 100
+            for token, bias in self.logit_bias.items()
+        ):
+            problems.append("logit_bias must map token ids (ints >= 0) to numbers in [-100, 100]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or abs(value) > 2:
+                problems.append(f"{name} must be a number in [-2, 2], got {value!r}")
+        if self.top_logprobs is not None and (
+            not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= 20
+        ):
+            problems.append(f"top_logprobs must be None or an int in [0, 20], got {self.top_logprobs!r}")
         if problems:
             raise SettingsError("; ".join(problems))
 

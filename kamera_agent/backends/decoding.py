@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kamera_agent.backends.base import DecodeConfig, Decoded, Spent
-from kamera_agent.results import Answer
+from kamera_agent.results import Answer, TokenLogprob
 
 __all__ = ["Forward", "decode_loop", "decoded_tokens", "pick_token"]
 
@@ -44,6 +44,8 @@ def decode_loop(
         generator.manual_seed(config.seed)
     tokens: list[int] = []
     steps: list[torch.Tensor] = []
+    logprobs: list[TokenLogprob] = []
+    scores = _Scores(config, logits)
     position, finish, text = start + n_query, "length", ""
     stream = _Stream(config.on_text, config.stop)
     for _ in range(config.max_new_tokens):
@@ -52,11 +54,14 @@ def decode_loop(
             break
         if config.return_logits:
             steps.append(logits.detach().to("cpu"))
-        token = pick_token(logits, config, generator)
+        adjusted = scores.adjust(logits, tokens)
+        token = pick_token(adjusted, config, generator)
         if token in eos:
             finish = "eos"
             break
         tokens.append(token)
+        if config.top_logprobs is not None:
+            logprobs.append(scores.logprob(adjusted, token, config.top_logprobs))
         text = detokenize(tokens)
         hit = next((s for s in config.stop if s in text), None)
         if hit is not None:
@@ -74,12 +79,49 @@ def decode_loop(
         first_logits=first_logits,
         logits=torch.stack(steps) if steps else None,
         finish_reason=finish,
+        logprobs=tuple(logprobs) if config.top_logprobs is not None else None,
     )
     decode_steps = decoded_tokens(answer)
     spent = Spent(
         forwards=1 + decode_steps, tokens_prefilled=n_query + decode_steps, decode_steps=decode_steps
     )
     return Decoded(answer, spent)
+
+
+class _Scores:
+    """The scores a token is chosen from: the model's logits plus ``logit_bias``, less the
+    presence and frequency penalties of what the answer already holds (OpenAI's definitions)."""
+
+    def __init__(self, config: DecodeConfig, logits: torch.Tensor) -> None:
+        self.config = config
+        self.bias: torch.Tensor | None = None
+        if config.logit_bias:
+            vocab = int(logits.shape[-1])
+            ids = torch.tensor([t for t in config.logit_bias if t < vocab], dtype=torch.long)
+            values = torch.tensor([config.logit_bias[int(t)] for t in ids], dtype=torch.float32)
+            self.bias = torch.zeros(vocab, dtype=torch.float32).index_put_((ids,), values).to(logits.device)
+
+    def adjust(self, logits: torch.Tensor, answer: list[int]) -> torch.Tensor:
+        config = self.config
+        if self.bias is None and not (answer and (config.presence_penalty or config.frequency_penalty)):
+            return logits
+        out = logits.float().clone()
+        if self.bias is not None:
+            out += self.bias
+        if answer and (config.presence_penalty or config.frequency_penalty):
+            ids, counts = torch.tensor(answer, dtype=torch.long).unique(return_counts=True)
+            ids, counts = ids.to(out.device), counts.to(out.device, torch.float32)
+            out[ids] -= config.presence_penalty + config.frequency_penalty * counts
+        return out
+
+    @staticmethod
+    def logprob(scores: torch.Tensor, token: int, top: int) -> TokenLogprob:
+        logp = torch.log_softmax(scores.float(), -1)
+        best = torch.topk(logp, min(top, logp.numel())) if top else None
+        alternatives = (
+            tuple((int(i), float(v)) for v, i in zip(best.values, best.indices, strict=True)) if best else ()
+        )
+        return TokenLogprob(token, float(logp[token]), alternatives)
 
 
 def decoded_tokens(answer: Answer) -> int:

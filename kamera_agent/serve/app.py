@@ -209,10 +209,14 @@ def _completion(done: Completion) -> dict[str, Any]:
         "model": done.model,
         "choices": [
             {
-                "index": 0,
-                "message": {"role": "assistant", "content": done.answer.text},
-                "finish_reason": done.finish_reason,
+                "index": index,
+                "message": {"role": "assistant", "content": answer.text},
+                "logprobs": logprobs,
+                "finish_reason": finish,
             }
+            for index, (answer, logprobs, finish) in enumerate(
+                zip(done.answers, done.logprobs, done.finish_reasons(), strict=True)
+            )
         ],
         "usage": done.usage(),
         "kamera": done.kamera(),
@@ -266,6 +270,8 @@ async def _streamed(server: KameraServer, request: ChatRequest, tenant: str) -> 
                 if kind == "text":
                     yield _event(stamp, {"content": value})
                 elif kind == "done":
+                    if value.logprobs[0] is not None:  # every token's, at the end of the text
+                        yield _event(stamp, {}, logprobs=value.logprobs[0])
                     yield _event(stamp, {}, finish=value.finish_reason, kamera=value.kamera())
                     if usage:
                         yield _data(
@@ -288,8 +294,14 @@ async def _streamed(server: KameraServer, request: ChatRequest, tenant: str) -> 
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-def _event(stamp: dict[str, Any], delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
-    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+def _event(
+    stamp: dict[str, Any],
+    delta: dict[str, Any],
+    finish: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+    **extra: Any,
+) -> bytes:
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     return _data({**stamp, "object": "chat.completion.chunk", "choices": [choice], **extra})
 
 

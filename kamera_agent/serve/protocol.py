@@ -1,8 +1,9 @@
 """The OpenAI chat-completions wire format, as much of it as ``kamera serve`` takes.
 
 Why our own models: validation happens once, at the edge, into typed objects the rest of the
-server trusts; anything a request sends that we do not serve (tool calls, audio, ``n > 1``)
-is refused by name with a 400, never silently dropped.
+server trusts; anything a request sends that we do not serve (tools, structured output, audio,
+any field we do not know) is refused by name with a 400, never silently dropped. The few fields
+accepted and not acted on are listed in `IGNORED`, each with the reason it changes nothing.
 """
 
 from __future__ import annotations
@@ -11,7 +12,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["ChatRequest", "RequestError", "error_body"]
+__all__ = ["IGNORED", "MAX_CHOICES", "ChatRequest", "RequestError", "error_body"]
+
+MAX_CHOICES = 8
+"""The most choices one request may ask for (``n``): each is a decode under the model lock."""
+
+IGNORED: dict[str, str] = {
+    "metadata": "tags for OpenAI's stored completions; nothing is stored, the answer is the same",
+    "service_tier": "one tier here; accepted when 'auto' or 'default'",
+    "parallel_tool_calls": "only meaningful with tools, which are refused",
+    "modalities": "text is the only output; accepted when ['text']",
+    "store": "completions are never stored here; accepted when false",
+}
+"""Fields accepted and not acted on, with why that changes nothing (docs/serve.md lists them)."""
 
 
 class RequestError(Exception):
@@ -49,12 +62,19 @@ class ChatRequest(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     user: str | None = Field(default=None, max_length=256)
     session_id: str | None = Field(default=None, max_length=256)
     prompt_cache_key: str | None = Field(default=None, max_length=256)
     kamera: dict[str, Any] | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    response_format: dict[str, Any] | None = None
 
     @property
     def pinned(self) -> str | None:
@@ -71,12 +91,52 @@ class ChatRequest(BaseModel):
     def answer_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def token_bias(self) -> dict[int, float]:
+        """``logit_bias`` with its keys as token ids (JSON keys are strings)."""
+        return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
+
     def refuse_unsupported(self) -> None:
-        """Raises `RequestError` for what we do not serve."""
-        if self.n != 1:
-            raise RequestError(400, "n > 1 is not served: send one request per sample", param="n")
-        if self.tools:
-            raise RequestError(400, "tool definitions are not served by kamera serve yet", param="tools")
+        """Raises `RequestError` naming the first field we do not serve."""
+        for name in sorted(self.model_extra or {}):
+            if name not in IGNORED:
+                raise RequestError(
+                    400,
+                    f"{name!r} is not a field kamera serve takes; remove it (docs/serve.md lists "
+                    "what is served)",
+                    param=name,
+                )
+        self._refuse_ignored_values()
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise RequestError(400, "tools are not served by kamera serve yet", param="tools")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise RequestError(
+                400, f"response_format {kind!r} is not served yet: only 'text'", param="response_format"
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.logit_bias is not None:
+            for token, bias in self.logit_bias.items():
+                if not token.isdigit() or not -100 <= bias <= 100:
+                    raise RequestError(
+                        400,
+                        f"logit_bias maps token ids to numbers in [-100, 100]; got {token[:20]!r}: {bias}",
+                        param="logit_bias",
+                    )
+        if self.stream and self.n > 1:
+            raise RequestError(400, "n > 1 is served without stream only", param="n")
+
+    def _refuse_ignored_values(self) -> None:
+        extra = self.model_extra or {}
+        allowed = {
+            "service_tier": (None, "auto", "default"),
+            "modalities": (None, ["text"]),
+            "store": (None, False),
+        }
+        for name, values in allowed.items():
+            if name in extra and extra[name] not in values:
+                raise RequestError(400, f"{name}={extra[name]!r} is not served: {IGNORED[name]}", param=name)
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]

@@ -116,6 +116,14 @@ class Completion:
     report: SyncReport
     split: PromptSplit
     tokens_prefilled: int
+    more: tuple[Answer, ...] = ()
+    """Choices 1.. of a request with ``n > 1`` (choice 0 is ``answer``, the one the session keeps)."""
+    logprobs: tuple[dict[str, Any] | None, ...] = ()
+    """Each choice's ``logprobs`` object in OpenAI's shape (``None``: not asked for)."""
+
+    @property
+    def answers(self) -> tuple[Answer, ...]:
+        return (self.answer, *self.more)
 
     @property
     def prompt_tokens(self) -> int:
@@ -128,10 +136,13 @@ class Completion:
 
     @property
     def finish_reason(self) -> str:
-        return "length" if self.answer.finish_reason == "length" else "stop"
+        return _finish(self.answer)
+
+    def finish_reasons(self) -> list[str]:
+        return [_finish(answer) for answer in self.answers]
 
     def usage(self) -> dict[str, Any]:
-        completion = len(self.answer.tokens)
+        completion = sum(len(answer.tokens) for answer in self.answers)
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
@@ -142,8 +153,8 @@ class Completion:
     def kamera(self) -> dict[str, Any]:
         """The extension object: the session, the prompt's provenance, every op the request ran
         and what each cost, and the forward work beyond the prompt, if any."""
-        edits = [_edits(plan) for plan in self.report.plans] + [{}]
-        ran = [*self.report.ops, ("ask", [], self.answer.cost or OpCost())]
+        edits = [_edits(plan) for plan in self.report.plans] + [{}] * len(self.answers)
+        ran = [*self.report.ops, *(("ask", [], answer.cost or OpCost()) for answer in self.answers)]
         ops = [
             {"op": op, "chunks": labels, "edits": done, **_cost(cost)}
             for (op, labels, cost), done in zip(ran, edits, strict=True)
@@ -231,17 +242,26 @@ class KameraServer:
             window = session.window
             try:
                 report = sync_window(window, prepared)
-                answer = window.ask(
-                    report.query,
-                    in_message=report.in_message,
-                    max_new_tokens=request.answer_tokens or self.settings.max_tokens,
-                    temperature=request.temperature,
-                    top_p=request.top_p,
-                    seed=request.seed,
-                    stop=request.stops,
-                    on_text=on_text,
-                    keep_going=keep_going,
-                )
+                answers = []
+                for choice in range(request.n):  # n samples over one prefill of the prompt
+                    answers.append(
+                        window.ask(
+                            report.query,
+                            in_message=report.in_message,
+                            max_new_tokens=request.answer_tokens or self.settings.max_tokens,
+                            temperature=request.temperature,
+                            top_p=request.top_p,
+                            seed=None if request.seed is None else (request.seed + choice) % (1 << 63),
+                            stop=request.stops,
+                            on_text=on_text,
+                            keep_going=keep_going,
+                            logit_bias=request.token_bias,
+                            presence_penalty=request.presence_penalty,
+                            frequency_penalty=request.frequency_penalty,
+                            top_logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+                        )
+                    )
+                answer = answers[0]
             except ContextOverflowError as exc:
                 raise RequestError(400, str(exc), param="messages", code="context_length_exceeded") from exc
             except KameraError as exc:
@@ -250,8 +270,10 @@ class KameraServer:
             assert report.provenance is not None
             report.provenance.saw(window.last_plan)  # lazily deferred patches the answer formed
             split = report.provenance.split(window, asked.query_tokens)
-        ask = answer.cost or OpCost()
-        spent = report.cost.tokens_prefilled + ask.tokens_prefilled - decoded_tokens(answer)
+        asks = [each.cost or OpCost() for each in answers]
+        spent = report.cost.tokens_prefilled + sum(
+            cost.tokens_prefilled - decoded_tokens(each) for cost, each in zip(asks, answers, strict=True)
+        )
         done = Completion(
             f"chatcmpl-{uuid.uuid4().hex[:24]}",
             int(time.time()),
@@ -261,10 +283,31 @@ class KameraServer:
             report,
             split,
             spent,
+            tuple(answers[1:]),
+            tuple(self._logprobs(each) for each in answers),
         )
-        ops = [(op, cost) for op, _, cost in report.ops] + [("ask", ask)]
+        ops = [(op, cost) for op, _, cost in report.ops] + [("ask", cost) for cost in asks]
         self.metrics.served(done.usage(), split, spent, ops, cancelled=answer.finish_reason == "cancelled")
         return done
+
+    def _logprobs(self, answer: Answer) -> dict[str, Any] | None:
+        """An answer's ``logprobs`` in OpenAI's shape (each token's text, logprob, UTF-8 bytes
+        and its step's most likely alternatives), or ``None`` when not asked for."""
+        if answer.logprobs is None:
+            return None
+        tokenizer = self.backend.encoder.tokenizer
+
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = tokenizer.decode([token])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {
+            "content": [
+                {**entry(step.token, step.logprob), "top_logprobs": [entry(t, lp) for t, lp in step.top]}
+                for step in answer.logprobs
+            ],
+            "refusal": None,
+        }
 
     def _query_tokens(self, system: str | None, prepared: Prepared) -> int:
         """The question's tokens (tokenized once, before the lock), refusing a question that alone
@@ -358,6 +401,11 @@ class KameraServer:
             "image_cache_bytes": float(self.images.nbytes),
             "message_cache_bytes": float(self.messages.nbytes),
         }
+
+
+def _finish(answer: Answer) -> str:
+    """OpenAI's finish reason: ``length`` when the answer ran out of tokens, else ``stop``."""
+    return "length" if answer.finish_reason == "length" else "stop"
 
 
 def _edits(plan: Plan) -> dict[str, int]:

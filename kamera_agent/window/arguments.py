@@ -10,7 +10,7 @@ check returns the value it accepted, normalised where there is one meaning (a ``
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from kamera_agent.errors import ArgumentError
@@ -23,6 +23,7 @@ __all__ = [
     "check_int",
     "check_items",
     "check_labels",
+    "check_logit_bias",
     "check_real",
     "check_seed",
     "check_slide",
@@ -84,12 +85,15 @@ def check_slide(value: object, size: int) -> int:
     return n
 
 
-def check_int(value: object, name: str, low: int = 1, *, optional: bool = False) -> Any:
-    """An ``int >= low`` (or ``None`` when ``optional``)."""
+def check_int(
+    value: object, name: str, low: int = 1, high: int | None = None, *, optional: bool = False
+) -> Any:
+    """An int in ``[low, high]`` (or ``None`` when ``optional``)."""
     if value is None and optional:
         return None
-    if not _is_int(value) or value < low:  # type: ignore[operator]
-        raise ArgumentError(f"{name} must be an int >= {low}, {_got(value)}")
+    if not _is_int(value) or value < low or (high is not None and value > high):  # type: ignore[operator]
+        span = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ArgumentError(f"{name} must be an int {span}, {_got(value)}")
     return value
 
 
@@ -124,6 +128,26 @@ def check_stop(value: object) -> tuple[str, ...]:
     if not isinstance(value, Sequence) or not all(isinstance(s, str) and s for s in value):
         raise ArgumentError(f"stop must be a str or a list of non-empty str, {_got(value)}")
     return tuple(value)
+
+
+def check_logit_bias(value: object) -> dict[int, float]:
+    """``None`` or a mapping of token ids (ints >= 0) to numbers in [-100, 100]."""
+    if value is None:
+        return {}
+    ok = isinstance(value, Mapping) and all(
+        _is_int(token)
+        and token >= 0
+        and isinstance(bias, int | float)
+        and not isinstance(bias, bool)
+        and math.isfinite(bias)
+        and abs(bias) <= 100
+        for token, bias in value.items()
+    )
+    if not ok:
+        raise ArgumentError(
+            f"logit_bias must map token ids (ints >= 0) to numbers in [-100, 100], {_got(value)}"
+        )
+    return {int(token): float(bias) for token, bias in value.items()}  # type: ignore[attr-defined]
 
 
 def check_callable(value: T | None, name: str) -> T | None:

@@ -17,7 +17,7 @@ themselves with the runner planning instead of executing. Every operation's cost
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -47,6 +47,7 @@ from kamera_agent.window.arguments import (
     check_int,
     check_items,
     check_labels,
+    check_logit_bias,
     check_real,
     check_seed,
     check_slide,
@@ -461,6 +462,10 @@ class KameraWindow:
         keep_going: Callable[[], bool] | None = None,
         in_message: bool = False,
         remember: bool = False,
+        logit_bias: Mapping[int, float] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        top_logprobs: int | None = None,
     ) -> Answer:
         """Answer ``query`` over the window: greedy by default, sampled with a temperature.
 
@@ -473,6 +478,10 @@ class KameraWindow:
                 chunks began (`push_message(..., closed=False)`), e.g. after its images.
             remember: conversation windows: admit the question and the answer as the
                 conversation's next messages (one forward), so the next turn's history matches.
+            logit_bias, presence_penalty, frequency_penalty: OpenAI's, on the scores each token
+                is chosen from (`DecodeConfig`).
+            top_logprobs: each answer token's log-probability and its step's ``k`` most likely
+                tokens (`Answer.logprobs`); ``None``: none.
 
         Raises:
             SettingsError: ``in_message`` or ``remember`` on a window that holds no conversation.
@@ -495,6 +504,10 @@ class KameraWindow:
             return_logits=check_flag(return_logits, "return_logits"),
             on_text=check_callable(on_text, "on_text"),
             keep_going=check_callable(keep_going, "keep_going"),
+            logit_bias=check_logit_bias(logit_bias),
+            presence_penalty=check_real(presence_penalty, "presence_penalty", -2.0, 2.0),
+            frequency_penalty=check_real(frequency_penalty, "frequency_penalty", -2.0, 2.0),
+            top_logprobs=None if top_logprobs is None else check_int(top_logprobs, "top_logprobs", 0, 20),
         )
         query_ids = self._parts.query_ids(query, opened=not in_message)
         with self._runner.lock:  # the answer, the remembered answer and the messages: one call

@@ -235,7 +235,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(serve: Serve) -> None
         ({"messages": [SYSTEM, huge]}, openai.BadRequestError, "resize it"),
         ({"messages": good, "model": "gpt-9"}, openai.NotFoundError, "not served here"),
         ({"messages": [{"role": "assistant", "content": "hi"}]}, openai.BadRequestError, "last message"),
-        ({"messages": good, "n": 2}, openai.BadRequestError, "n > 1"),
+        ({"messages": good, "n": 2, "stream": True}, openai.BadRequestError, "n > 1"),
     ]
     for request, error, words in cases:
         arguments = {"model": MODEL, "temperature": 0, **request}

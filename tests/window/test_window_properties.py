@@ -194,7 +194,8 @@ class WindowMachine(RuleBasedStateMachine):
         """A stream's step: the oldest chunk slides out, a new one comes in (its left context is
         the survivors, which by default still encode the chunk that left)."""
         i = self.pick(data)
-        self._op(i, lambda w: w.slide(1))
+        if len(self.windows[i]):
+            self._op(i, lambda w: w.slide(1))
         self._push(i, text)
 
     @rule(data=st.data(), n=st.integers(0, 2))
