@@ -117,3 +117,11 @@ def test_serve_overhead_benchmark_reports_each_turn(tmp_path: Path) -> None:
     )
     report = json.loads(out.read_text())
     assert len(report["median_ms"]) == 4 and all(ms > 0 for ms in report["median_ms"]) and report["ratio"] > 0
+
+
+def test_drift_estimator_benchmark_judges_each_estimator_on_held_out_episodes(tmp_path: Path) -> None:
+    out = tmp_path / "drift.json"
+    run_benchmark("drift_estimator", ["--ops", "12", "--fit-seeds", "1", "--seeds", "2", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert [row["estimator"] for row in report["estimators"]] == ["probe", "probe+0.5inh", "probe+1inh"]
+    assert 0 < report["probe_tokens"] < report["reprefill_tokens"]
