@@ -25,7 +25,16 @@ CONFIG_VARIABLE = "KAMERA_SGLANG_CONFIG"
 
 
 def register() -> None:
-    """Register the backend (idempotent: SGLang may load plugins more than once a process)."""
+    """Register the backend (idempotent: SGLang may load plugins more than once a process).
+
+    Raises:
+        EngineVersionError: an SGLang outside the supported range (`kamera_agent.engines.versions`).
+    """
+    import sglang
+
+    from kamera_agent.engines.versions import check_engine_version
+
+    check_engine_version("sglang", sglang.__version__)
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
 
     if BACKEND_NAME not in registered_radix_cache_backends():

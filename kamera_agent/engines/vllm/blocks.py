@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from kamera_agent.engines.slots import KVSlots
+from kamera_agent.engines.versions import SUPPORTED
 from kamera_agent.errors import KameraError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 
@@ -105,6 +106,12 @@ def _cpu_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, in
 
 
 def _cpu_isa(dtype: torch.dtype, block_size: int, head: int) -> str:
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
+    try:  # a private vLLM function: guarded, so another vLLM fails by name, not by AttributeError
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except (ImportError, AttributeError) as exc:
+        raise BlockLayoutError(
+            "this vLLM has no CPU attention ISA lookup (vllm.v1.attention.backends.cpu_attn."
+            f"_get_attn_isa: {exc}); the connector's CPU layout needs vLLM {SUPPORTED['vllm'][0]} up "
+            f"to {SUPPORTED['vllm'][1]}"
+        ) from exc
     return str(_get_attn_isa(dtype, block_size, head))

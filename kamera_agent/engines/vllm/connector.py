@@ -100,7 +100,12 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        import vllm
         from transformers import AutoTokenizer
+
+        from kamera_agent.engines.versions import check_engine_version
+
+        check_engine_version("vllm", vllm.__version__)  # outside the tested range: fail at startup
 
         from kamera_agent.backends.transformers.reading import kv_layout_of_config
         from kamera_agent.fingerprint import checkpoint_fingerprint
