@@ -18,8 +18,40 @@ __all__ = ["DEMO_MODEL_DIR", "demo_config", "demo_image_processor", "demo_tokeni
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "kamera-tiny-vl"
 """Where the trained weights, tokenizer and image processor live (inside the package)."""
 
-# The Qwen2-VL template with a shorter default system prompt: fewer anchor tokens per window.
-DEMO_CHAT_TEMPLATE = QWEN2_VL_CHAT_TEMPLATE.replace("You are a helpful assistant.", "Answer briefly.")
+_TOOLS = (  # newlines as Jinja strings: chat templates render with trim_blocks
+    "{% if tools %}{{ '\n\n# Tools\n\nYou may call one or more functions to assist with the user query."
+    "\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}{{ '\n</tools>\n\nFor each function "
+    "call, return a json object with function name and arguments within <tool_call></tool_call> XML "
+    'tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>\' }}'
+    "{% endif %}"
+)
+_CALLS = (
+    "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "{% set call = call['function'] if call['function'] is defined else call %}"
+    "{% if not loop.first or message['content'] %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": \"' }}{{ call['name'] }}{{ '\", \"arguments\": ' }}"
+    "{{ call['arguments'] | tojson }}{{ '}\n</tool_call>' }}{% endfor %}{% endif %}"
+)
+# The Qwen2-VL template with a shorter default system prompt (fewer anchor tokens per window) and
+# Qwen2.5's Hermes-style tools: the definitions in the system block, an assistant's calls as
+# <tool_call> JSON, tool results as messages of role "tool". Without tools it renders exactly
+# what the Qwen2-VL template renders.
+DEMO_CHAT_TEMPLATE = (
+    QWEN2_VL_CHAT_TEMPLATE.replace("You are a helpful assistant.", "Answer briefly." + _TOOLS)
+    .replace(
+        "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}",
+        "{% if message['content'] is string %}{{ message['content'] }}{% elif message['content'] %}",
+    )
+    .replace(
+        "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}",
+        "{% endfor %}{% endif %}{% if message['role'] == 'system' %}"
+        + _TOOLS
+        + "{% endif %}"
+        + _CALLS
+        + "<|im_end|>\n{% endfor %}",
+    )
+)
 
 
 def demo_config() -> Any:

@@ -210,7 +210,7 @@ def _completion(done: Completion) -> dict[str, Any]:
         "choices": [
             {
                 "index": index,
-                "message": {"role": "assistant", "content": answer.text},
+                "message": done.message(index),
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }
@@ -272,7 +272,12 @@ async def _streamed(server: KameraServer, request: ChatRequest, tenant: str) -> 
                 elif kind == "done":
                     if value.logprobs[0] is not None:  # every token's, at the end of the text
                         yield _event(stamp, {}, logprobs=value.logprobs[0])
-                    yield _event(stamp, {}, finish=value.finish_reason, kamera=value.kamera())
+                    calls = value.message(0).get("tool_calls")
+                    if calls:  # the calls the answer made, whole, in OpenAI's delta shape
+                        yield _event(
+                            stamp, {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+                        )
+                    yield _event(stamp, {}, finish=value.finish_reasons()[0], kamera=value.kamera())
                     if usage:
                         yield _data(
                             {

@@ -20,7 +20,6 @@ MAX_CHOICES = 8
 IGNORED: dict[str, str] = {
     "metadata": "tags for OpenAI's stored completions; nothing is stored, the answer is the same",
     "service_tier": "one tier here; accepted when 'auto' or 'default'",
-    "parallel_tool_calls": "only meaningful with tools, which are refused",
     "modalities": "text is the only output; accepted when ['text']",
     "store": "completions are never stored here; accepted when false",
 }
@@ -67,8 +66,9 @@ class ChatRequest(BaseModel):
     session_id: str | None = Field(default=None, max_length=256)
     prompt_cache_key: str | None = Field(default=None, max_length=256)
     kamera: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     logit_bias: dict[str, float] | None = None
@@ -107,8 +107,7 @@ class ChatRequest(BaseModel):
                     param=name,
                 )
         self._refuse_ignored_values()
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise RequestError(400, "tools are not served by kamera serve yet", param="tools")
+        self._check_tools()
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise RequestError(
@@ -126,6 +125,34 @@ class ChatRequest(BaseModel):
                     )
         if self.stream and self.n > 1:
             raise RequestError(400, "n > 1 is served without stream only", param="n")
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer is parsed for tool calls (tools given, ``tool_choice`` not ``none``)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def _check_tools(self) -> None:
+        for i, tool in enumerate(self.tools or []):
+            function = tool.get("function") if tool.get("type") == "function" else None
+            if (
+                not isinstance(function, dict)
+                or not isinstance(function.get("name"), str)
+                or not function["name"]
+            ):
+                raise RequestError(
+                    400,
+                    f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+                    param="tools",
+                )
+        if self.tool_choice not in (None, "auto", "none"):
+            raise RequestError(
+                400,
+                f"tool_choice {str(self.tool_choice)[:60]!r} is not served yet: 'auto' or 'none' (a named or "
+                "required call would need constrained decoding)",
+                param="tool_choice",
+            )
+        if self.tool_choice == "auto" and not self.tools:
+            raise RequestError(400, "tool_choice 'auto' needs tools", param="tool_choice")
 
     def _refuse_ignored_values(self) -> None:
         extra = self.model_extra or {}

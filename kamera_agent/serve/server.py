@@ -33,6 +33,7 @@ from kamera_agent.serve.metrics import Metrics
 from kamera_agent.serve.protocol import ChatRequest, RequestError
 from kamera_agent.serve.sessions import SessionPool
 from kamera_agent.serve.sync import SyncReport, sync_window
+from kamera_agent.serve.tools import HERMES, CallFilter, system_with_tools
 from kamera_agent.serve.turns import ImageReader, Limits, read_turns
 from kamera_agent.serve.usage import PromptSplit
 from kamera_agent.store import ChunkStore
@@ -105,6 +106,14 @@ class ServeSettings:
 
 
 @dataclass(frozen=True)
+class Called:
+    """An answer read for tool calls: the text around them, and the calls in OpenAI's shape."""
+
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
 class Completion:
     """A served request: the answer, its session, what it did and its usage."""
 
@@ -120,6 +129,16 @@ class Completion:
     """Choices 1.. of a request with ``n > 1`` (choice 0 is ``answer``, the one the session keeps)."""
     logprobs: tuple[dict[str, Any] | None, ...] = ()
     """Each choice's ``logprobs`` object in OpenAI's shape (``None``: not asked for)."""
+    calls: tuple[Called, ...] = ()
+    """Each choice's text read for tool calls (empty when the request gave no tools)."""
+
+    def message(self, index: int) -> dict[str, Any]:
+        """Choice ``index``'s assistant message: its content, and its tool calls if it made any."""
+        answer = self.answers[index]
+        if not self.calls or not self.calls[index].tool_calls:
+            return {"role": "assistant", "content": answer.text}
+        called = self.calls[index]
+        return {"role": "assistant", "content": called.content, "tool_calls": called.tool_calls}
 
     @property
     def answers(self) -> tuple[Answer, ...]:
@@ -139,7 +158,11 @@ class Completion:
         return _finish(self.answer)
 
     def finish_reasons(self) -> list[str]:
-        return [_finish(answer) for answer in self.answers]
+        called = self.calls or (None,) * len(self.answers)
+        return [
+            "tool_calls" if call is not None and call.tool_calls else _finish(answer)
+            for answer, call in zip(self.answers, called, strict=True)
+        ]
 
     def usage(self) -> dict[str, Any]:
         completion = sum(len(answer.tokens) for answer in self.answers)
@@ -223,7 +246,11 @@ class KameraServer:
                 code="model_not_found",
             )
         settings = self._settings_key(request.kamera)
-        system, turns = read_turns(request.messages, self.settings.limits)
+        system, turns = read_turns(request.messages, self.settings.limits, HERMES)
+        if request.tools:  # the definitions belong to the system block: the conversation's anchor
+            system = system_with_tools(
+                self.backend.encoder.tokenizer, self.messages.template, system, request.tools
+            )
         prepared = self.messages.prepare(system, turns)  # images, tokens, keys: outside the lock
         query_tokens = self._query_tokens(system, prepared)
         with self._admitted(tenant):
@@ -235,6 +262,9 @@ class KameraServer:
         self, asked: _Asked, on_text: Callable[[str], None] | None, keep_going: Callable[[], bool] | None
     ) -> Completion:
         request, prepared = asked.request, asked.prepared
+        calls = CallFilter(on_text, HERMES) if on_text is not None and request.calls_tools else None
+        if calls is not None:
+            on_text = calls  # a call is sent as tool_calls, never as text
         with self._lock:
             session = self.sessions.session_for(
                 asked.tenant, request.pinned, asked.system, asked.settings, asked.digests
@@ -285,7 +315,12 @@ class KameraServer:
             spent,
             tuple(answers[1:]),
             tuple(self._logprobs(each) for each in answers),
+            tuple(_called(each, request.parallel_tool_calls) for each in answers)
+            if request.calls_tools
+            else (),
         )
+        if calls is not None:
+            calls.flush(done.calls[0].content)
         ops = [(op, cost) for op, _, cost in report.ops] + [("ask", cost) for cost in asks]
         self.metrics.served(done.usage(), split, spent, ops, cancelled=answer.finish_reason == "cancelled")
         return done
@@ -401,6 +436,12 @@ class KameraServer:
             "image_cache_bytes": float(self.images.nbytes),
             "message_cache_bytes": float(self.messages.nbytes),
         }
+
+
+def _called(answer: Answer, parallel: bool) -> Called:
+    """The answer's tool calls (the first only when ``parallel`` is off) and the text around them."""
+    content, tool_calls = HERMES.parse(answer.text)
+    return Called(content, tool_calls if parallel else tool_calls[:1])
 
 
 def _finish(answer: Answer) -> str:

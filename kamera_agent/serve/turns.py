@@ -21,6 +21,7 @@ from PIL import Image, UnidentifiedImageError
 from kamera_agent.chunks.sources import MAX_IMAGE_PIXELS
 from kamera_agent.serve.media import MediaPolicy, read_url
 from kamera_agent.serve.protocol import RequestError
+from kamera_agent.serve.tools import HERMES, ToolFormat
 
 __all__ = ["ImagePart", "ImageReader", "Limits", "Turn", "read_turns"]
 
@@ -119,8 +120,12 @@ class ImageReader:
                 self._bytes -= old.width * old.height * 3
 
 
-def read_turns(messages: list[dict[str, Any]], limits: Limits = Limits()) -> tuple[str | None, list[Turn]]:
-    """``(system prompt, turns)`` from the request's messages (nothing fetched or decoded).
+def read_turns(
+    messages: list[dict[str, Any]], limits: Limits = Limits(), tool_format: ToolFormat = HERMES
+) -> tuple[str | None, list[Turn]]:
+    """``(system prompt, turns)`` from the request's messages (nothing fetched or decoded); an
+    assistant message's ``tool_calls`` become its text in ``tool_format``, a ``tool`` message is
+    a turn of role ``tool``.
 
     Raises:
         RequestError: too many messages or parts, a system message after the first turn, an
@@ -145,9 +150,25 @@ def read_turns(messages: list[dict[str, Any]], limits: Limits = Limits()) -> tup
             continue
         if role not in ("user", "assistant", "tool"):
             raise RequestError(400, f"{where}: unknown role {role!r}"[:200], param="messages")
-        if message.get("tool_calls") or message.get("function_call"):
-            raise RequestError(400, f"{where}: assistant tool calls are not served yet", param="messages")
-        parts = _parts(message.get("content"), where, limits)
+        if message.get("function_call"):
+            raise RequestError(
+                400, f"{where}: function_call is the deprecated form; send tool_calls", param="messages"
+            )
+        calls = message.get("tool_calls")
+        if calls:
+            if (
+                role != "assistant"
+                or not isinstance(calls, list)
+                or not all(isinstance(c, dict) for c in calls)
+            ):
+                raise RequestError(
+                    400, f"{where}: tool_calls is a list of calls on an assistant message", param="messages"
+                )
+            content = message.get("content")
+            said = _text_only(content, where) if content else None
+            parts: list[str | ImagePart] = [tool_format.render(said, calls)]  # as the template renders them
+        else:
+            parts = _parts(message.get("content"), where, limits)
         keys = [part if isinstance(part, str) else f"image:{part.digest}" for part in parts]
         digest = hashlib.sha256(repr((role, keys)).encode()).hexdigest()
         turns.append(Turn(role, tuple(parts), digest))
@@ -163,7 +184,7 @@ def _text_only(content: Any, where: str) -> str:
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
         return "".join(str(p.get("text", "")) for p in content)
-    raise RequestError(400, f"{where}: a system message takes text only", param="messages")
+    raise RequestError(400, f"{where}: this message takes text only", param="messages")
 
 
 def _parts(content: Any, where: str, limits: Limits) -> list[str | ImagePart]:

@@ -107,7 +107,11 @@ def test_a_logit_bias_moves_the_answer(serve: Serve) -> None:
     ("fields", "named"),
     [
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "click", "parameters": {}}}]}, "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "click"}}], "tool_choice": "required"},
+            "tool_choice",
+        ),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
         ({"extra_body": {"reasoning_effort": "high"}}, "reasoning_effort"),
         ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
         ({"extra_body": {"store": True}}, "store"),
