@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -39,6 +39,7 @@ __all__ = [
     "Answer",
     "Backend",
     "Capabilities",
+    "Constraint",
     "DecodeConfig",
     "Decoded",
     "Deviation",
@@ -155,6 +156,8 @@ class DecodeConfig:
         frequency_penalty: subtracted once per time a token is already in the answer.
         top_logprobs: ``None``: no log-probabilities; ``k >= 0``: each answer token's
             log-probability and its step's ``k`` most likely tokens (`Answer.logprobs`).
+        constraint: makes a fresh `Constraint` for each decode (structured output: only
+            tokens its grammar allows are chosen, and the answer ends when it is complete).
     """
 
     max_new_tokens: int = 32
@@ -170,6 +173,7 @@ class DecodeConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     top_logprobs: int | None = None
+    constraint: Callable[[], Constraint] | None = None
 
     def __post_init__(self) -> None:
         """Refuse what ``generate`` refuses (a setting that would decode nonsense or nothing)."""
@@ -202,6 +206,23 @@ class DecodeConfig:
             problems.append(f"top_logprobs must be None or an int in [0, 20], got {self.top_logprobs!r}")
         if problems:
             raise SettingsError("; ".join(problems))
+
+
+class Constraint(Protocol):
+    """A grammar over an answer's tokens, followed token by token (structured output)."""
+
+    def mask(self, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` ``[vocab]`` with every token the grammar does not allow next at ``-inf``."""
+        ...
+
+    def accept(self, token: int) -> None:
+        """The token chosen (one the mask allowed)."""
+        ...
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete: nothing more may follow."""
+        ...
 
 
 def _is_int(value: object) -> bool:

@@ -46,6 +46,7 @@ def decode_loop(
     steps: list[torch.Tensor] = []
     logprobs: list[TokenLogprob] = []
     scores = _Scores(config, logits)
+    guide = config.constraint() if config.constraint is not None else None
     position, finish, text = start + n_query, "length", ""
     stream = _Stream(config.on_text, config.stop)
     for _ in range(config.max_new_tokens):
@@ -55,7 +56,11 @@ def decode_loop(
         if config.return_logits:
             steps.append(logits.detach().to("cpu"))
         adjusted = scores.adjust(logits, tokens)
+        if guide is not None:
+            adjusted = guide.mask(adjusted)
         token = pick_token(adjusted, config, generator)
+        if guide is not None:
+            guide.accept(token)
         if token in eos:
             finish = "eos"
             break
@@ -68,6 +73,9 @@ def decode_loop(
             text, finish = text[: text.index(hit)], "stop"
             break
         stream.saw(text)
+        if guide is not None and guide.finished:
+            finish = "stop"  # the grammar is complete: the answer is
+            break
         if len(tokens) == config.max_new_tokens:
             break
         cache, logits = forward(torch.tensor([token], dtype=torch.long), text_positions(position, 1), cache)

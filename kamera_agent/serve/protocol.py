@@ -109,9 +109,11 @@ class ChatRequest(BaseModel):
         self._refuse_ignored_values()
         self._check_tools()
         kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
+        if kind not in ("text", "json_object", "json_schema"):
             raise RequestError(
-                400, f"response_format {kind!r} is not served yet: only 'text'", param="response_format"
+                400,
+                f"response_format {str(kind)[:40]!r} is not served: 'text', 'json_object' or 'json_schema'",
+                param="response_format",
             )
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")

@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kamera_agent.backends.base import Backend
+from kamera_agent.backends.base import Backend, Constraint
 from kamera_agent.backends.decoding import decoded_tokens
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import ConfigError, ContextOverflowError, KameraError
@@ -32,6 +32,7 @@ from kamera_agent.serve.messages import MessageChunks, Prepared
 from kamera_agent.serve.metrics import Metrics
 from kamera_agent.serve.protocol import ChatRequest, RequestError
 from kamera_agent.serve.sessions import SessionPool
+from kamera_agent.serve.structured import json_constraint
 from kamera_agent.serve.sync import SyncReport, sync_window
 from kamera_agent.serve.tools import HERMES, CallFilter, system_with_tools
 from kamera_agent.serve.turns import ImageReader, Limits, read_turns
@@ -203,6 +204,7 @@ class _Asked:
     digests: list[str]
     prepared: Prepared
     query_tokens: int
+    constraint: Callable[[], Constraint] | None = None
 
 
 class KameraServer:
@@ -221,6 +223,7 @@ class KameraServer:
         self._configs: OrderedDict[str, WindowConfig] = OrderedDict()
         self._queued: Counter[str] = Counter()
         self._queue_lock = threading.Lock()
+        self._llg_tokenizer: Any = None
 
     def complete(
         self,
@@ -251,11 +254,15 @@ class KameraServer:
             system = system_with_tools(
                 self.backend.encoder.tokenizer, self.messages.template, system, request.tools
             )
+        structured = (request.response_format or {}).get("type", "text") != "text"
+        constraint = (
+            json_constraint(self._grammar_tokenizer(), request.response_format or {}) if structured else None
+        )
         prepared = self.messages.prepare(system, turns)  # images, tokens, keys: outside the lock
         query_tokens = self._query_tokens(system, prepared)
         with self._admitted(tenant):
             digests = [turn.digest for turn in turns]
-            asked = _Asked(request, tenant, settings, system, digests, prepared, query_tokens)
+            asked = _Asked(request, tenant, settings, system, digests, prepared, query_tokens, constraint)
             return self._answer(asked, on_text, keep_going)
 
     def _answer(
@@ -289,6 +296,7 @@ class KameraServer:
                             presence_penalty=request.presence_penalty,
                             frequency_penalty=request.frequency_penalty,
                             top_logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+                            constraint=asked.constraint,
                         )
                     )
                 answer = answers[0]
@@ -324,6 +332,14 @@ class KameraServer:
         ops = [(op, cost) for op, _, cost in report.ops] + [("ask", cost) for cost in asks]
         self.metrics.served(done.usage(), split, spent, ops, cancelled=answer.finish_reason == "cancelled")
         return done
+
+    def _grammar_tokenizer(self) -> Any:
+        """The served tokenizer as llguidance reads it (built on first use: structured output)."""
+        if self._llg_tokenizer is None:
+            import llguidance.hf
+
+            self._llg_tokenizer = llguidance.hf.from_tokenizer(self.backend.encoder.tokenizer)
+        return self._llg_tokenizer
 
     def _logprobs(self, answer: Answer) -> dict[str, Any] | None:
         """An answer's ``logprobs`` in OpenAI's shape (each token's text, logprob, UTF-8 bytes

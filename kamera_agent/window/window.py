@@ -24,7 +24,7 @@ from typing import Any
 import networkx as nx
 import torch
 
-from kamera_agent.backends.base import Backend, DecodeConfig
+from kamera_agent.backends.base import Backend, Constraint, DecodeConfig
 from kamera_agent.chunks.chat import ChatTemplate
 from kamera_agent.chunks.chunk import Chunk, ChunkKind
 from kamera_agent.chunks.encoder import ChunkEncoder
@@ -466,6 +466,7 @@ class KameraWindow:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         top_logprobs: int | None = None,
+        constraint: Callable[[], Constraint] | None = None,
     ) -> Answer:
         """Answer ``query`` over the window: greedy by default, sampled with a temperature.
 
@@ -482,6 +483,8 @@ class KameraWindow:
                 is chosen from (`DecodeConfig`).
             top_logprobs: each answer token's log-probability and its step's ``k`` most likely
                 tokens (`Answer.logprobs`); ``None``: none.
+            constraint: makes a `Constraint` per answer: only tokens its grammar allows are
+                chosen, and the answer ends when it is complete (structured output).
 
         Raises:
             SettingsError: ``in_message`` or ``remember`` on a window that holds no conversation.
@@ -508,6 +511,7 @@ class KameraWindow:
             presence_penalty=check_real(presence_penalty, "presence_penalty", -2.0, 2.0),
             frequency_penalty=check_real(frequency_penalty, "frequency_penalty", -2.0, 2.0),
             top_logprobs=None if top_logprobs is None else check_int(top_logprobs, "top_logprobs", 0, 20),
+            constraint=check_callable(constraint, "constraint"),
         )
         query_ids = self._parts.query_ids(query, opened=not in_message)
         with self._runner.lock:  # the answer, the remembered answer and the messages: one call

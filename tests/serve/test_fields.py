@@ -106,7 +106,8 @@ def test_a_logit_bias_moves_the_answer(serve: Serve) -> None:
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
         (
             {"tools": [{"type": "function", "function": {"name": "click"}}], "tool_choice": "required"},
             "tool_choice",

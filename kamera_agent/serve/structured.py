@@ -1,0 +1,100 @@
+"""Structured output: ``response_format`` JSON, enforced token by token with llguidance.
+
+Why llguidance: the grammar engine vLLM and SGLang use (with xgrammar) to mask logits, as a
+3 MB wheel with no dependencies (xgrammar pulls in triton). A JSON schema (or "any JSON
+object") is compiled once per request into a grammar with **no flexible whitespace**, so even a
+small model cannot wander into an endless run of spaces: every token it may choose keeps the
+text a prefix of a valid document, and the answer ends when the document is complete. The mask
+is computed on the CPU and applied to the logits wherever they live.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kamera_agent.backends.base import Constraint
+from kamera_agent.serve.protocol import RequestError
+
+__all__ = ["JsonGrammar", "json_constraint"]
+
+
+class JsonGrammar:
+    """A compiled JSON grammar for one tokenizer; each `Constraint` it makes follows one answer."""
+
+    def __init__(self, tokenizer: Any, grammar: str) -> None:
+        import llguidance  # not llguidance.torch: it torch.compile s a kernel at import
+
+        self._llg = llguidance
+        self.tokenizer, self.grammar = tokenizer, grammar
+
+    def __call__(self) -> Constraint:
+        return _Follower(self)
+
+
+class _Follower:
+    def __init__(self, grammar: JsonGrammar) -> None:
+        self.matcher = grammar._llg.LLMatcher(grammar.tokenizer, grammar.grammar)
+        self.size = min(int(grammar.tokenizer.vocab_size), 1 << 30)
+
+    def mask(self, scores: torch.Tensor) -> torch.Tensor:
+        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
+        size = min(self.size, int(scores.shape[-1]))
+        allowed = _unpack(words, size).to(scores.device)
+        out = torch.full_like(scores, float("-inf"), dtype=torch.float32)
+        out[:size][allowed] = scores[:size][allowed].float()
+        return out
+
+    def accept(self, token: int) -> None:
+        self.matcher.consume_token(token)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.matcher.is_stopped())
+
+
+def _unpack(words: torch.Tensor, size: int) -> torch.Tensor:
+    """The allowed-token mask ``[size]`` (bool) from llguidance's packed 32-bit words."""
+    bits = torch.arange(32, dtype=torch.int32)
+    unpacked = (words.to(torch.int32).unsqueeze(-1) >> bits) & 1
+    return unpacked.flatten()[:size].bool()
+
+
+def json_constraint(tokenizer: Any, response_format: dict[str, Any]) -> Callable[[], Constraint] | None:
+    """The constraint ``response_format`` asks for (``None`` for text).
+
+    Args:
+        tokenizer: an ``llguidance.LLTokenizer`` of the served model.
+
+    Raises:
+        RequestError: a format or schema that is not served or does not compile.
+    """
+    import llguidance
+
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise RequestError(
+                400, "response_format json_schema needs json_schema.schema", param="response_format"
+            )
+    else:
+        raise RequestError(400, f"response_format {str(kind)[:40]!r} is not served", param="response_format")
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults={"whitespace_flexible": False}
+        )
+    except Exception as exc:  # the compiler's own message names what it cannot take
+        raise RequestError(400, f"response_format schema: {exc}"[:300], param="response_format") from exc
+    message = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)  # "" when it compiles
+    if message:
+        raise RequestError(400, f"response_format schema: {message}"[:300], param="response_format")
+    return JsonGrammar(tokenizer, grammar)
