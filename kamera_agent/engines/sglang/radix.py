@@ -11,6 +11,9 @@ positions for this request (1-D, or the request's precomputed M-RoPE positions) 
 new slots, which then join the tree under the request's tokens, so SGLang owns, locks and evicts
 them like any prefix. ``checkpoint`` (SGLang publishing a prefill) captures the chunks' KV first.
 
+Every hook catches kamera's faults at its boundary (`HookFaults`): a fault costs the request the
+reuse (SGLang's own match, no load, a capture skipped), never the request, a slot or the tree.
+
 The plugin's factory always gives it a store (memory, plus disk or a shared Valkey/Redis tier
 where the settings name one); built without a store or layout it is SGLang's own radix cache.
 """
@@ -28,11 +31,11 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from kamera_agent.config import WindowConfig
+from kamera_agent.engines.faults import HookFaults
 from kamera_agent.engines.sglang.pool import SGLangSlots
 from kamera_agent.engines.sglang.segments import ChunkRules, request_chunks
 from kamera_agent.engines.slots import request_positions
 from kamera_agent.engines.synthesis import EngineStats, LoadPlan, PrefixSynthesis, RequestChunk, policy_of
-from kamera_agent.errors import KameraError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.operator.rope import Pairing
 from kamera_agent.store import ChunkStore
@@ -76,6 +79,8 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
             else None
         )
         self.stats = EngineStats()
+        self.faults = HookFaults(_LOG)
+        """Runtime faults caught at this cache's hooks (``hook:ExceptionType`` -> count)."""
         self._cut: OrderedDict[str, tuple[int, list[RequestChunk]]] = OrderedDict()
 
     @property
@@ -87,7 +92,11 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         result = super().match_prefix(params)
         if self.synthesis is None or self.disable or params.req is None:
             return result  # SGLang's own matches (a checkpoint re-finding its node) need no plan
-        plan = self._plan(params.key, params.req, result.device_prefix_len)
+        try:
+            plan = self._plan(params.key, params.req, result.device_prefix_len)
+        except Exception as exc:  # SGLang's own match, as if kamera were not there
+            self.faults.caught("match_prefix", exc)
+            return result
         return result if plan.tokens == 0 else result._replace(host_hit_length=plan.tokens)
 
     def init_load_back(self, params: Any) -> tuple[int, Any]:
@@ -95,19 +104,21 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         req, node = params.req, params.best_match_node
         if self.synthesis is None or req is None or params.host_hit_length <= 0:
             return 0, node
-        key = _request_key(req)
-        device = self.path_device_indices(node)[: req.prefix_len].to(torch.int64)
-        plan = self._plan(key, req, len(device), limit=len(device) + params.host_hit_length)
-        kvs = self.synthesis.load(plan) if plan.tokens == params.host_hit_length else None
-        slots = None if kvs is None else self._alloc(plan.tokens)
-        if kvs is None or slots is None:
-            self.stats.failed += 1
-            return 0, node
+        slots = None
         try:
+            key = _request_key(req)
+            device = self.path_device_indices(node)[: req.prefix_len].to(torch.int64)
+            plan = self._plan(key, req, len(device), limit=len(device) + params.host_hit_length)
+            kvs = self.synthesis.load(plan) if plan.tokens == params.host_hit_length else None
+            slots = None if kvs is None else self._alloc(plan.tokens)
+            if kvs is None or slots is None:
+                self.stats.failed += 1
+                return 0, node
             self._write(req, plan, kvs, slots)
-        except (KameraError, RuntimeError) as exc:  # never fail SGLang's admission over a cache
-            _LOG.warning("kamera: load of %d tokens declined: %s", plan.tokens, exc)
-            self.token_to_kv_pool_allocator.free(slots)
+        except Exception as exc:  # never fail SGLang's admission over a cache: decline the load
+            self.faults.caught("init_load_back", exc)
+            if slots is not None:
+                self.token_to_kv_pool_allocator.free(slots)
             self.stats.failed += 1
             return 0, node
         full = RadixKey(key.token_ids[: plan.end], req.extra_key, cache_salt=req.cache_salt)
@@ -117,7 +128,10 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
             self.token_to_kv_pool_allocator.free(slots[: done.prefix_len - plan.device_len])
         match = super().match_prefix(MatchPrefixParams(key=full))
         assert match.device_prefix_len == plan.end, (match.device_prefix_len, plan.end)
-        self.synthesis.loaded(_namespace(key), self._chunks(key, req), plan)
+        try:  # the load is in the tree now; only kamera's own bookkeeping may fail past here
+            self.synthesis.loaded(_namespace(key), self._chunks(key, req), plan)
+        except Exception as exc:
+            self.faults.caught("init_load_back.loaded", exc)
         self.stats.offered += 1
         self.stats.tokens_offered += plan.tokens
         self.stats.loads += 1
@@ -130,8 +144,8 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         if self.synthesis is not None and not self.disable:
             try:
                 self._capture(req, up_to)
-            except (KameraError, RuntimeError) as exc:  # a capture missed costs a later forward, no more
-                _LOG.warning("kamera: capture of request %s skipped: %s", getattr(req, "rid", "?"), exc)
+            except Exception as exc:  # a capture missed costs a later forward, no more
+                self.faults.caught("checkpoint", exc)
         super().checkpoint(req, up_to=up_to)
 
     # -- kamera's side ----------------------------------------------------------------------
@@ -162,7 +176,10 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         """SGLang released the request: its chunks need not be kept."""
         super().on_release(req, checkpointed=checkpointed)
-        self._cut.pop(req.rid, None)
+        try:
+            self._cut.pop(req.rid, None)
+        except Exception as exc:
+            self.faults.caught("on_release", exc)
 
     def _alloc(self, tokens: int) -> torch.Tensor | None:
         allocator = self.token_to_kv_pool_allocator

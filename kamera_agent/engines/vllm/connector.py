@@ -15,6 +15,11 @@ moved chunks in the state they were captured in, to requests that carry a ``cach
 blocks enter vLLM's prefix cache as if computed, so an approximation must stay under a salt its
 clients chose (it namespaces kamera's chunks too); unsalted requests are served exactly.
 
+Every per-request hook catches at its boundary (`HookFaults`): a fault in kamera's code costs
+that request the reuse, never the request or the engine (the scheduler side offers nothing, or
+the blocks it offered are reported as load failures and vLLM computes them). Startup errors
+(a layout or a setting kamera cannot use) raise where vLLM builds the connector.
+
 The scheduler and the worker must see one store: in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 they share it; across processes give the settings a ``store_url`` (docs/vllm.md).
 """
@@ -35,11 +40,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kamera_agent.config import WindowConfig
 from kamera_agent.engines.chunking import ChunkRules, ImageSpan, request_chunks
+from kamera_agent.engines.faults import HookFaults
 from kamera_agent.engines.slots import request_positions
 from kamera_agent.engines.stores import STORES
 from kamera_agent.engines.synthesis import EngineStats, LoadPlan, PrefixSynthesis, RequestChunk, policy_of
 from kamera_agent.engines.vllm.blocks import VLLMSlots
-from kamera_agent.errors import KameraError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.store import EntryKey
 
@@ -53,7 +58,8 @@ class Load:
     """One piece of a chunk to write: ``kv[a:b]`` of ``entry`` at request tokens ``start..``."""
 
     req_id: str
-    entry: EntryKey
+    entry: EntryKey | None
+    """``None``: blocks offered that cannot be loaded (a fault after the offer): reported failed."""
     a: int
     b: int
     start: int
@@ -118,6 +124,8 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         fingerprint = checkpoint_fingerprint(model.model, model.dtype)
         self.store = STORES.open(fingerprint, self.config)
         self.stats = EngineStats()
+        self.faults = HookFaults(_LOG)
+        """Runtime faults caught at this side's hooks (``hook:ExceptionType`` -> count)."""
         self.synthesis = PrefixSynthesis(self.store, policy_of(self.config))
         tokenizer = AutoTokenizer.from_pretrained(model.tokenizer) if model.tokenizer else None
         self.rules = ChunkRules.for_model(model.hf_config, tokenizer)
@@ -130,6 +138,16 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     # -- scheduler side ---------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        try:
+            return self._matched(request, num_computed_tokens)
+        except Exception as exc:  # any fault: offer nothing, vLLM computes the request itself
+            self.faults.caught("get_num_new_matched_tokens", exc)
+            track = self._requests.get(request.request_id)
+            if track is not None:
+                track.plan = None
+            return 0, False
+
+    def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         track = self._track(request)
         if not track.servable:
             return 0, False
@@ -143,6 +161,20 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return plan.tokens, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        try:
+            self._allocated(request, blocks, num_external_tokens)
+        except Exception as exc:  # the offered blocks cannot be filled: report them failed
+            self.faults.caught("update_state_after_alloc", exc)
+            try:
+                start = int(request.num_computed_tokens)
+                ids = list(blocks.get_block_ids()[0])
+                bs = self.block_size
+                slots = tuple(ids[t // bs] * bs + t % bs for t in range(start, start + num_external_tokens))
+                self._loads.append(Load(request.request_id, None, 0, 0, start, slots))
+            except Exception as again:
+                self.faults.caught("update_state_after_alloc.report", again)
+
+    def _allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         track = self._requests.get(request.request_id)
         if track is None or num_external_tokens <= 0 or track.plan is None:
             return
@@ -166,6 +198,29 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: Any) -> KameraMetadata:
         meta = KameraMetadata(loads=self._loads)
         self._loads = []
+        try:
+            self._plan_saves(meta, scheduler_output)
+        except Exception as exc:  # captures skipped this step: later forwards pay, nothing else
+            self.faults.caught("build_connector_meta", exc)
+            meta.saves = []
+            self._disown(scheduler_output)
+        return meta
+
+    def _disown(self, scheduler_output: Any) -> None:
+        """After a fault mid-step, the step's requests' block lists may be stale: capturing from
+        them would store other tokens' KV under these chunks' states. Such requests are neither
+        captured nor served from here on (vLLM runs them as it would without kamera)."""
+        try:
+            req_ids = [new.req_id for new in scheduler_output.scheduled_new_reqs]
+            req_ids += list(scheduler_output.scheduled_cached_reqs.req_ids)
+        except Exception:
+            req_ids = list(self._requests)
+        for req_id in req_ids:
+            track = self._requests.get(req_id)
+            if track is not None:
+                track.servable = False
+
+    def _plan_saves(self, meta: KameraMetadata, scheduler_output: Any) -> None:
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             track = self._requests.get(new.req_id)
@@ -183,11 +238,16 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if new_ids is not None:
                 track.block_ids += list(new_ids[0])
             meta.saves += self._saves(req_id, track, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
-        return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
+        try:
+            self._forget(request.request_id)
+        except Exception as exc:
+            self.faults.caught("request_finished", exc)
         return False, None
+
+    def _forget(self, req_id: str) -> None:
+        self._requests.pop(req_id, None)
 
     def _track(self, request: Any) -> _Track:
         track = self._requests.get(request.request_id)
@@ -244,14 +304,16 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for load in meta.loads:
             try:
                 written = self._load(load)
-            except (KameraError, RuntimeError) as exc:
-                _LOG.warning("kamera: load for request %s failed: %s", load.req_id, exc)
+            except Exception as exc:  # any fault: these blocks are reported failed, vLLM computes them
+                self.faults.caught("start_load_kv", exc)
                 written = False
             if not written:  # an entry gone, damaged or unwritable: vLLM recomputes these blocks
                 self.stats.failed += 1
                 self._load_errors |= {slot // self.block_size for slot in load.slots}
 
     def _load(self, load: Load) -> bool:
+        if load.entry is None:
+            return False
         kv = self.synthesis.read(load.entry)
         if kv is None or kv.num_tokens < load.b:
             return False
@@ -279,8 +341,8 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for save in meta.saves:
             try:
                 self._capture(save)
-            except (KameraError, RuntimeError) as exc:  # a capture missed costs a later forward, no more
-                _LOG.warning("kamera: capture for request %s skipped: %s", save.req_id, exc)
+            except Exception as exc:  # a capture missed costs a later forward, no more
+                self.faults.caught("wait_for_save", exc)
 
     def _capture(self, save: Save) -> None:
         slots = torch.tensor(save.slots, dtype=torch.long)

@@ -354,3 +354,79 @@ def test_a_load_that_cannot_be_written_is_declined_and_leaks_nothing() -> None:
     harness.evict_all()
     assert harness.free_slots() == harness.capacity
     harness.check()
+
+
+FAULTS = (IndexError, AttributeError, ValueError, KeyError, TimeoutError)
+
+
+def test_faults_in_every_hook_never_fail_a_request_or_leak_a_slot() -> None:
+    """kamera's code under each hook (planning, loading, writing, capturing, releasing) raises
+    IndexError, AttributeError, ValueError, KeyError and a store timeout in turn, every other
+    call: SGLang's real admission path serves all 120 requests, every slot comes back, the tree
+    stays consistent, and each fault is counted at its hook's boundary."""
+    backend = _backend("qwen2")
+    harness, _ = _setup(backend, 1, WindowConfig(), size=768)
+    harness.on_extend = functools.partial(stamp_kv, harness.kv_pool)
+    cache = harness.tree_cache
+    assert cache.synthesis is not None
+    targets = [(cache, "_plan"), (cache.synthesis, "load"), (cache, "_write"), (cache, "_capture")]
+    targets += [(cache.synthesis, "loaded"), (cache, "_cut")]
+    for owner, name in targets[:-1]:
+        original, calls = getattr(owner, name), [0]
+
+        def faulty(*args: Any, _original: Any = original, _calls: list[int] = calls, **kwargs: Any) -> Any:
+            _calls[0] += 1
+            if _calls[0] % 2 == 1 and _calls[0] // 2 < len(FAULTS):
+                raise FAULTS[_calls[0] // 2](f"injected fault {_calls[0] // 2}")
+            return _original(*args, **kwargs)
+
+        setattr(owner, name, faulty)
+
+    class FaultyCuts(dict):  # type: ignore[type-arg]
+        pops = 0
+
+        def pop(self, *args: Any) -> Any:
+            FaultyCuts.pops += 1
+            if FaultyCuts.pops <= len(FAULTS):
+                raise FAULTS[FaultyCuts.pops - 1]("injected fault")
+            return super().pop(*args)
+
+    from collections import OrderedDict
+
+    cuts = type("Cuts", (FaultyCuts, OrderedDict), {})()
+    cache._cut = cuts
+    rng = random.Random(29)
+    pieces = [
+        _text(backend, f"note {i}: " + " ".join(rng.choice("abcdefgh") * 3 for _ in range(4)))
+        for i in range(6)
+    ]
+    anchor = backend.anchor.input_ids.tolist()
+    for step in range(120):
+        chosen = rng.sample(pieces, rng.randint(1, 4))
+        tokens = anchor + [t for piece in chosen for t in piece.input_ids.tolist()] + [rng.randint(10, 90)]
+        harness.admit([harness.request(tokens, max_new_tokens=rng.randint(1, 3))])
+        if harness.batch is not None:
+            harness.prefill()
+        harness.drain()
+        if step % 10 == 9:
+            harness.evict(rng.randint(16, 256))
+        harness.check()
+    while harness.waiting or harness.batch is not None or harness.running:
+        if harness.batch is not None:
+            harness.prefill()
+        harness.drain()
+        harness.admit()
+    harness.evict_all()
+    assert harness.free_slots() == harness.capacity and cache.total_size() == 0
+    harness.check()
+    faults = cache.faults.as_dict()
+    hooks = {key.split(":")[0] for key in faults}
+    assert {"match_prefix", "init_load_back", "checkpoint", "on_release"} <= hooks, faults
+    assert {key.split(":")[1] for key in faults} >= {
+        "IndexError",
+        "AttributeError",
+        "ValueError",
+        "KeyError",
+        "TimeoutError",
+    }
+    assert cache.stats.loads > 0  # between the faults, kamera still served

@@ -60,6 +60,9 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--settings", choices=["none", "exact", "defaults"], required=True)
     parser.add_argument("--corrupt", action="store_true")
+    parser.add_argument(
+        "--inject", default="", help="comma-separated connector hooks to raise faults of every kind in"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -70,6 +73,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     llm = _llm(args.model, args.settings, args.corrupt)
     report: dict[str, Any] = {"settings": args.settings}
+    if args.inject:
+        report["injected"] = _inject(llm, args.inject.split(","))
     # an agent's sliding conversation under its own salt (approximations are served only so)
     salt = "agent-1" if args.settings == "defaults" else None
     sliding = [_prompt(tokenizer, NOTES[i : i + 4], f"what did the {i}th do?") for i in range(9)]
@@ -87,7 +92,42 @@ def main() -> None:
     if args.settings == "exact":
         report["shared"] = _shared(llm, args.model, tokenizer)
     report["connector"] = _connector_stats(llm)
+    if args.inject:
+        scheduler, worker = _connectors(llm)
+        report["faults"] = {**scheduler.faults.as_dict(), **worker.faults.as_dict()}
     Path(args.out).write_text(json.dumps(report))
+
+
+FAULTS = (IndexError, AttributeError, ValueError, KeyError, TimeoutError)
+"""What is injected, in turn: the faults kamera's code could raise at run time (a store timeout too)."""
+
+
+def _inject(llm: Any, only: list[str]) -> list[str]:
+    """Make the body of each named connector hook (``all``: every one) raise each kind of fault
+    in turn, on every other call (the calls between pass, so the engine also sees it work)."""
+    scheduler, worker = _connectors(llm)
+    hooks = [
+        (scheduler, "_matched"),
+        (scheduler, "_allocated"),
+        (scheduler, "_plan_saves"),
+        (scheduler, "_forget"),
+        (worker, "_load"),
+        (worker, "_capture"),
+    ]
+    for side, name in hooks:
+        if "all" not in only and name not in only:
+            continue
+        original = getattr(side, name)
+        calls = [0]
+
+        def faulty(*args: Any, _original: Any = original, _calls: list[int] = calls, **kwargs: Any) -> Any:
+            _calls[0] += 1
+            if _calls[0] % 2 == 1 and _calls[0] // 2 < len(FAULTS):
+                raise FAULTS[_calls[0] // 2](f"injected fault {_calls[0] // 2}")
+            return _original(*args, **kwargs)
+
+        setattr(side, name, faulty)
+    return [name for _, name in hooks if "all" in only or name in only]
 
 
 def _llm(model: str, settings: str, corrupt: bool) -> Any:

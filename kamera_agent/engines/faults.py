@@ -1,0 +1,46 @@
+"""Faults caught at an engine hook's boundary: counted, logged once per kind, never raised.
+
+Why: kamera inside an engine is an optimisation. A fault in kamera's code at run time (a bug, a
+store that times out, an entry of an unexpected shape) must cost the engine the reuse for that
+request, never the request or the engine. Every per-request hook catches at its boundary,
+records the fault here and degrades to what the engine does without kamera ("no external
+tokens", a load failure under the engine's own policy). Configuration and layout errors are
+different: they raise at startup, where an operator sees them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+
+__all__ = ["HookFaults"]
+
+
+class HookFaults:
+    """Counts of runtime faults by ``hook:ExceptionType``; the first of each kind is logged."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.counts: Counter[str] = Counter()
+        self._logger = logger
+        self._lock = threading.Lock()
+
+    def caught(self, hook: str, exc: BaseException) -> None:
+        """Record ``exc`` raised inside ``hook`` (logged with its traceback the first time)."""
+        key = f"{hook}:{type(exc).__name__}"
+        with self._lock:
+            first = key not in self.counts
+            self.counts[key] += 1
+        if first:
+            self._logger.warning(
+                "kamera: %s failed (%s: %s); the engine goes on without kamera for it "
+                "(logged once per kind, counted in the adapter's stats)",
+                hook,
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counts)
