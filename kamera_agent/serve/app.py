@@ -20,6 +20,7 @@ import asyncio
 import json
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,6 +32,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kamera_agent.serve.protocol import ChatRequest, RequestError, error_body
+from kamera_agent.serve.responses import (
+    ResponseRequest,
+    StoredResponse,
+    to_chat,
+    to_response,
+)
 from kamera_agent.serve.server import Completion, KameraServer
 
 __all__ = ["Cancellation", "create_app"]
@@ -119,6 +126,51 @@ def create_app(server: KameraServer) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/responses")
+    async def create_response(raw: Request) -> Response:
+        try:
+            request = ResponseRequest.model_validate(await _json(raw, server))
+            request.refuse_unsupported()
+            tenant = raw.state.tenant
+            previous = (
+                server.responses.get(request.previous_response_id, tenant)
+                if request.previous_response_id
+                else None
+            )
+            chat, history = to_chat(request, previous, server.settings.limits.max_messages)
+        except RequestError as exc:
+            return _refused(server, exc)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            return _refused(server, RequestError(400, f"{where}: {first['msg']}", param=where))
+        try:
+            done = await run_in_threadpool(server.complete, chat, tenant=tenant)
+        except RequestError as exc:
+            return _refused(server, exc)
+        response_id = f"resp_{uuid.uuid4().hex}"
+        body, message = to_response(done, request, response_id)
+        if request.store:
+            stored = StoredResponse(tenant, [*history, message], body)
+            server.responses.put(response_id, stored)
+        server.metrics.request(200)
+        return JSONResponse(body)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(raw: Request, response_id: str) -> Response:
+        try:
+            return JSONResponse(server.responses.get(response_id, raw.state.tenant).body)
+        except RequestError as exc:
+            return _refused(server, exc)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(raw: Request, response_id: str) -> Response:
+        try:
+            server.responses.delete(response_id, raw.state.tenant)
+        except RequestError as exc:
+            return _refused(server, exc)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @app.post("/v1/chat/completions")
     async def chat(raw: Request) -> Response:

@@ -31,6 +31,7 @@ from kamera_agent.serve.media import ImageFetching, MediaPolicy
 from kamera_agent.serve.messages import MessageChunks, Prepared
 from kamera_agent.serve.metrics import Metrics
 from kamera_agent.serve.protocol import ChatRequest, RequestError
+from kamera_agent.serve.responses import ResponseStore
 from kamera_agent.serve.sessions import SessionPool
 from kamera_agent.serve.structured import json_constraint
 from kamera_agent.serve.sync import SyncReport, sync_window
@@ -224,6 +225,8 @@ class KameraServer:
         self._queued: Counter[str] = Counter()
         self._queue_lock = threading.Lock()
         self._llg_tokenizer: Any = None
+        self.responses = ResponseStore()
+        """Stored responses (``/v1/responses``), per tenant bounded."""
 
     def complete(
         self,

@@ -1,0 +1,100 @@
+"""The Responses API (issue 33, item 4) through the official client on a live server.
+
+A response, then follow-ups naming it with ``previous_response_id``: each follow-up is its
+conversation extended, so the window holds all but the new items; two follow-ups from one
+response both succeed and each is served from what the first conversation left cached; a
+deleted id is a 404 that says so; fields not served are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import openai
+import pytest
+
+from tests.serve.conftest import MODEL, LiveServer, frame_url
+
+Serve = Callable[..., LiveServer]
+INSTRUCTIONS = "Answer with one word."
+
+
+def _screen(i: int, text: str) -> list[dict[str, object]]:
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_image", "image_url": frame_url(i)},
+                {"type": "input_text", "text": text},
+            ],
+        }
+    ]
+
+
+def test_a_follow_up_is_served_from_the_conversation_it_extends(serve: Serve) -> None:
+    live = serve()
+    first = live.client.responses.create(
+        model=MODEL, instructions=INSTRUCTIONS, input=_screen(0, "what is shown?"), max_output_tokens=2
+    )
+    assert first.id.startswith("resp_") and first.status in ("completed", "incomplete")
+    assert first.usage is not None and first.usage.input_tokens_details.cached_tokens == 0
+    branches = []
+    for i, question in enumerate(("and now?", "what changed?")):  # two branches from one response
+        follow = live.client.responses.create(
+            model=MODEL,
+            instructions=INSTRUCTIONS,
+            previous_response_id=first.id,
+            input=_screen(10 + i, question),
+            max_output_tokens=2,
+        )
+        assert follow.usage is not None
+        assert follow.usage.input_tokens > first.usage.input_tokens
+        branches.append(follow)
+    one, two = (b.usage.input_tokens_details.cached_tokens for b in branches)  # type: ignore[union-attr]
+    # the first follow-up turns the parent's question into a message (new content) and reuses
+    # the rest; the second branch reuses all of the parent's conversation: only its items are new
+    assert 0 < one <= two and two >= first.usage.input_tokens
+    assert live.client.responses.retrieve(branches[0].id).id == branches[0].id
+
+
+def test_a_deleted_or_unknown_id_is_a_404_that_says_so(serve: Serve) -> None:
+    live = serve()
+    first = live.client.responses.create(model=MODEL, input="hello", max_output_tokens=1)
+    live.client.responses.delete(first.id)
+    for call in (
+        lambda: live.client.responses.retrieve(first.id),
+        lambda: live.client.responses.create(
+            model=MODEL, previous_response_id=first.id, input="again", max_output_tokens=1
+        ),
+        lambda: live.client.responses.create(
+            model=MODEL, previous_response_id="resp_nonexistent", input="again", max_output_tokens=1
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError, match="deleted, or expired"):
+            call()
+
+
+def test_structured_text_format_and_refusals_by_name(serve: Serve) -> None:
+    live = serve()
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "blue"]}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    }
+    reply = live.client.responses.create(
+        model=MODEL,
+        input=_screen(3, "which colour?"),  # type: ignore[arg-type]
+        text={"format": {"type": "json_schema", "name": "colour", "schema": schema, "strict": True}},
+        max_output_tokens=32,
+        temperature=0,
+    )
+    assert json.loads(reply.output_text)["colour"] in ("red", "blue")
+    for fields, named in (
+        ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
+        ({"stream": True}, "stream"),
+        ({"truncation": "sometimes"}, "truncation"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=named):
+            live.client.responses.create(model=MODEL, input="hi", max_output_tokens=1, **fields)  # type: ignore[call-overload]
