@@ -327,14 +327,7 @@ def test_200_random_requests_leak_no_slot_and_matching_changes_nothing(page_size
         if step % 10 == 9:
             harness.evict(rng.randint(16, 256))
         harness.check()
-    while harness.waiting or harness.batch is not None or harness.running:
-        if harness.batch is not None:
-            harness.prefill()
-        harness.drain()
-        harness.admit()
-    harness.evict_all()
-    assert harness.free_slots() == harness.capacity and cache.total_size() == 0
-    harness.check()
+    _finish_every_request(harness)
     assert sent == 200 and cache.stats.loads > 10 and cache.stats.chunks_captured > 10
 
 
@@ -411,14 +404,7 @@ def test_faults_in_every_hook_never_fail_a_request_or_leak_a_slot() -> None:
         if step % 10 == 9:
             harness.evict(rng.randint(16, 256))
         harness.check()
-    while harness.waiting or harness.batch is not None or harness.running:
-        if harness.batch is not None:
-            harness.prefill()
-        harness.drain()
-        harness.admit()
-    harness.evict_all()
-    assert harness.free_slots() == harness.capacity and cache.total_size() == 0
-    harness.check()
+    _finish_every_request(harness)
     faults = cache.faults.as_dict()
     hooks = {key.split(":")[0] for key in faults}
     assert {"match_prefix", "init_load_back", "checkpoint", "on_release"} <= hooks, faults
@@ -430,3 +416,16 @@ def test_faults_in_every_hook_never_fail_a_request_or_leak_a_slot() -> None:
         "TimeoutError",
     }
     assert cache.stats.loads > 0  # between the faults, kamera still served
+
+
+def _finish_every_request(harness: Admission) -> None:
+    """Run every admitted and waiting request to its end, evict the tree, and check that every
+    slot came back."""
+    while harness.waiting or harness.batch is not None or harness.running:
+        if harness.batch is not None:
+            harness.prefill()
+        harness.drain()
+        harness.admit()
+    harness.evict_all()
+    assert harness.free_slots() == harness.capacity and harness.tree_cache.total_size() == 0
+    harness.check()
