@@ -518,7 +518,8 @@ class KameraWindow:
             self._runner.check_open()
             self._parts.core.check_fits(self._runner.end(), query_ids, config)
             answer, cost = self._runner.read("ask", lambda executor: executor.answer(query_ids, config))
-            if temperature <= 0 and not in_message:
+            plain = not (config.logit_bias or config.presence_penalty or config.frequency_penalty)
+            if temperature <= 0 and not in_message and plain and config.constraint is None:
                 self._runner.state.last_answer = LastAnswer(query, self._runner.state.tick, answer)
             if remember:
                 self._remember(query, answer, opened=not in_message)
