@@ -125,3 +125,13 @@ def test_drift_estimator_benchmark_judges_each_estimator_on_held_out_episodes(tm
     report = json.loads(out.read_text())
     assert [row["estimator"] for row in report["estimators"]] == ["probe", "probe+0.5inh", "probe+1inh"]
     assert 0 < report["probe_tokens"] < report["reprefill_tokens"]
+
+
+def test_overhead_benchmark_splits_every_op_into_forward_operator_and_rest(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    run_benchmark("overhead", ["--chunks", "4", "--repeats", "1", "--json", str(out)])
+    ops = json.loads(out.read_text())["ops"]
+    assert set(ops) == {"push", "slide", "reorder", "evict", "recall", "ask"}
+    for row in ops.values():
+        assert row["total_ms"] > 0 and row["forward_ms"] >= 0 and row["operator_ms"] >= 0
+    assert ops["push"]["forward_ms"] > 0 and ops["slide"]["forward_ms"] == 0  # a slide runs no forward

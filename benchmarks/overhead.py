@@ -1,0 +1,135 @@
+"""Where an op's time goes: the model's forwards, the operator's tensor work, and the rest.
+
+Why: on a GPU a 7B-class forward of a page takes ~10-40 ms, so what a window op spends outside
+the forwards (planning, snapshots, hashing, Python loops) decides whether kamera wins on the
+clock there too; the target is <= 2 ms of that per op at 16 chunks. Measured on the shipped demo
+model at its defaults, each op kind repeated over a 16-chunk window of the demo task's frames,
+timed side by side in one run:
+
+- forward: the backend's primitives (prefill, decode, vision, assemble, crop), wall time;
+- operator: the operator's tensor work the core calls (relocation with patches, forming and
+  merging patches, un-rotation);
+- rest: everything else the op did (the target).
+
+    .venv/bin/python benchmarks/overhead.py                    # 16 chunks, 10 repeats
+    .venv/bin/python benchmarks/overhead.py --chunks 8 --repeats 3 --json overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from rich.table import Table
+
+import kamera_agent.core.kv_core as kv_core
+import kamera_agent.core.orbits as orbits
+from kamera_agent.bench.common import show_and_save
+from kamera_agent.config import WindowConfig
+from kamera_agent.demo.model import load_demo_model
+from kamera_agent.demo.task import make_items, render_legend, render_page
+from kamera_agent.settings import configure_threads
+from kamera_agent.window import KameraWindow
+
+OPS = ("push", "slide", "reorder", "evict", "recall", "ask")
+_BACKEND = ("prefill", "decode", "encode_vision", "assemble", "crop")
+_OPERATOR = [(kv_core, name) for name in ("apply_patch", "form_patch", "place_many", "to_position_free")]
+_OPERATOR.append((orbits, "merge_patches"))
+
+
+class Clock:
+    """Seconds spent inside wrapped functions, by kind, since the last `reset`."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = defaultdict(float)
+        self._depth = 0
+
+    def wrap(self, kind: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:  # nested in another timed call: counted there
+                return function(*args, **kwargs)
+            self._depth += 1
+            began = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.spent[kind] += time.perf_counter() - began
+                self._depth -= 1
+
+        return timed
+
+    def reset(self) -> None:
+        self.spent.clear()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--chunks", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    configure_threads(None)
+    model, tokenizer, image_processor = load_demo_model()
+    window = KameraWindow(model, tokenizer=tokenizer, image_processor=image_processor, config=WindowConfig())
+    clock = Clock()
+    backend = window.backend
+    for name in _BACKEND:
+        setattr(backend, name, clock.wrap("forward", getattr(backend, name)))
+    for module, name in _OPERATOR:
+        setattr(module, name, clock.wrap("operator", getattr(module, name)))
+    frames = []
+    for item in make_items(args.chunks + args.repeats + 4, seed=5):
+        frames += [window.encoder.image(render_legend(item.legend[0]))]
+        frames += [window.encoder.image(render_page(page), kind="frame") for page in item.pages]
+    rng = random.Random(0)
+    window.extend(frames[: args.chunks])
+    fresh = iter(frames[args.chunks :])
+    samples: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+
+    def measure(op: str, run: Callable[[], Any]) -> None:
+        clock.reset()
+        began = time.perf_counter()
+        run()
+        total = time.perf_counter() - began
+        forward, operator = clock.spent["forward"], clock.spent["operator"]
+        samples[op].append((total * 1e3, forward * 1e3, operator * 1e3))
+
+    for _ in range(args.repeats):
+        measure("push", lambda: window.push(next(fresh)))
+        measure("slide", lambda: window.slide(1))
+        refs = window.refs
+        i, j = rng.sample(range(len(refs)), 2)
+        refs[i], refs[j] = refs[j], refs[i]
+        measure("reorder", lambda order=refs: window.reorder(order))
+        middle = window.refs[len(window) // 2]
+        measure("evict", lambda ref=middle: window.evict(ref))
+        measure("recall", lambda ref=middle: window.recall(ref))
+        measure("ask", lambda: window.ask("Absent colour?", max_new_tokens=1))
+    rows: dict[str, dict[str, float]] = {}
+    table = Table(
+        title=f"where an op's time goes: demo model, defaults, {args.chunks} chunks, median of {args.repeats}"
+    )
+    for column in ("op", "total ms", "forward ms", "operator ms", "rest ms", "rest <= 2 ms"):
+        table.add_column(column, justify="right")
+    for op in OPS:
+        total, forward, operator = (statistics.median(s[k] for s in samples[op]) for k in range(3))
+        rest = statistics.median(s[0] - s[1] - s[2] for s in samples[op])
+        rows[op] = {"total_ms": total, "forward_ms": forward, "operator_ms": operator, "rest_ms": rest}
+        table.add_row(
+            op,
+            f"{total:.2f}",
+            f"{forward:.2f}",
+            f"{operator:.2f}",
+            f"{rest:.2f}",
+            "yes" if rest <= 2 else "no",
+        )
+    return show_and_save(table, {"chunks": args.chunks, "repeats": args.repeats, "ops": rows}, args.json)
+
+
+if __name__ == "__main__":
+    main()
