@@ -232,13 +232,20 @@ class Executor:
     ) -> None:
         """Record the chunk's new KV: state, patch, graph edges; its first settled state is its home."""
         entry = self.state.entries[ref]
-        if target != entry.state or full is not None:
+        same_state = target == entry.state
+        if not same_state or full is not None:
             entry.full = full
         entry.state, entry.patch, entry.pending = target, patch, pending
-        if antecedents is not None:
+        if antecedents is not None and not (same_state and self._same_edges(ref, antecedents)):
             self.state.set_antecedents(ref, antecedents)
         if entry.home is None and not pending:
             entry.home = Home(tuple(antecedents or ()), target)
+
+    def _same_edges(self, ref: ChunkRef, antecedents: Sequence[ChunkRef]) -> bool:
+        """The graph already records exactly these antecedents for ``ref`` (its state unchanged,
+        so each edge's state is too): rewriting its edges would change nothing."""
+        known = tuple(source for source in antecedents if source in self.state.entries)
+        return known == self.state.antecedents_of(ref)
 
     # -- KV of chunks and states -------------------------------------------------------------------
     def canonical(self, ref: ChunkRef) -> ChunkKV:
