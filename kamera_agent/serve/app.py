@@ -142,11 +142,9 @@ def create_app(server: KameraServer) -> FastAPI:
         except RequestError as exc:
             return _refused(server, exc)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            return _refused(server, RequestError(400, f"{where}: {first['msg']}", param=where))
+            return _refused(server, _invalid(exc))
         try:
-            done = await run_in_threadpool(server.complete, chat, tenant=tenant)
+            done = await _watched(server, raw, chat, tenant)
         except RequestError as exc:
             return _refused(server, exc)
         response_id = f"resp_{uuid.uuid4().hex}"
@@ -179,9 +177,7 @@ def create_app(server: KameraServer) -> FastAPI:
         except RequestError as exc:
             return _refused(server, exc)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            return _refused(server, RequestError(400, f"{where}: {first['msg']}", param=where))
+            return _refused(server, _invalid(exc))
         tenant = raw.state.tenant
         if request.stream:
             return await _streamed(server, request, tenant)
@@ -233,6 +229,21 @@ def _refused(server: KameraServer, exc: RequestError, headers: dict[str, str] | 
 
 async def _plain(server: KameraServer, raw: Request, request: ChatRequest, tenant: str) -> Response:
     """A whole answer; a client that disconnects while it waits stops the generation."""
+    try:
+        done = await _watched(server, raw, request, tenant)
+    except RequestError as exc:
+        return _refused(server, exc)
+    server.metrics.request(200)
+    return JSONResponse(_completion(done))
+
+
+async def _watched(server: KameraServer, raw: Request, request: ChatRequest, tenant: str) -> Completion:
+    """``server.complete`` in a worker thread, stopped at the next decode step if the client
+    disconnects while it waits (the model lock is not held for nobody).
+
+    Raises:
+        RequestError: the request's refusal, or a 500 for a bug (the server goes on).
+    """
     cancellation = Cancellation()
     task = asyncio.ensure_future(
         run_in_threadpool(server.complete, request, tenant=tenant, keep_going=cancellation.keep_going)
@@ -243,14 +254,20 @@ async def _plain(server: KameraServer, raw: Request, request: ChatRequest, tenan
             cancellation.cancel()
     try:
         done = task.result()
-    except RequestError as exc:
-        return _refused(server, exc)
-    except Exception as exc:  # a bug: an OpenAI-style 500 for this request, the server goes on
-        return _refused(server, RequestError(500, f"internal error ({type(exc).__name__})"))
+    except RequestError:
+        raise
+    except Exception as exc:  # a bug: an OpenAI-style 500 for this request
+        raise RequestError(500, f"internal error ({type(exc).__name__})") from exc
     if cancellation.steps_at_cancel is not None:
         server.metrics.after_cancel(cancellation.after_cancel)
-    server.metrics.request(200)
-    return JSONResponse(_completion(done))
+    return done
+
+
+def _invalid(exc: ValidationError) -> RequestError:
+    """Pydantic's first complaint as a 400 naming the field."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    return RequestError(400, f"{where}: {first['msg']}", param=where)
 
 
 def _completion(done: Completion) -> dict[str, Any]:

@@ -89,28 +89,42 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Stored responses by id, per tenant bounded by count (oldest dropped). Thread-safe."""
+    """Stored responses by id, per tenant bounded by count and by bytes (a stored conversation
+    holds its images' data URLs: a stranger's requests must not grow the server without end);
+    the oldest are dropped first, and a response larger than the byte bound is not stored.
+    Thread-safe."""
 
-    def __init__(self, per_tenant: int = 256) -> None:
-        self.per_tenant = per_tenant
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+    def __init__(self, per_tenant: int = 256, bytes_per_tenant: int = 64 << 20) -> None:
+        self.per_tenant, self.bytes_per_tenant = per_tenant, bytes_per_tenant
+        self._items: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def put(self, response_id: str, stored: StoredResponse) -> None:
+    def put(self, response_id: str, stored: StoredResponse) -> bool:
+        """Keep ``stored`` (dropping the tenant's oldest to fit); ``False`` when it alone is over
+        the byte bound and was not kept."""
+        size = len(json.dumps(stored.messages)) + len(json.dumps(stored.body))
+        if size > self.bytes_per_tenant:
+            return False
         with self._lock:
-            self._items[response_id] = stored
-            own = [rid for rid, item in self._items.items() if item.tenant == stored.tenant]
-            for rid in own[: max(0, len(own) - self.per_tenant)]:
+            self._items[response_id] = (stored, size)
+            own = [(rid, n) for rid, (item, n) in self._items.items() if item.tenant == stored.tenant]
+            total = sum(n for _, n in own)
+            for i, (rid, n) in enumerate(own[:-1]):
+                if len(own) - i <= self.per_tenant and total <= self.bytes_per_tenant:
+                    break
                 del self._items[rid]
+                total -= n
+        return True
 
     def get(self, response_id: str, tenant: str) -> StoredResponse:
         with self._lock:
-            stored = self._items.get(response_id)
+            kept = self._items.get(response_id)
+        stored = None if kept is None else kept[0]
         if stored is None or stored.tenant != tenant:
             raise RequestError(
                 404,
                 f"no stored response {response_id[:64]!r}: never stored, deleted, or expired (the oldest "
-                f"are dropped past {self.per_tenant} per key)",
+                f"are dropped past {self.per_tenant} or {self.bytes_per_tenant >> 20} MiB per key)",
                 param="previous_response_id",
                 code="response_not_found",
             )

@@ -38,7 +38,7 @@ class JsonGrammar:
 class _Follower:
     def __init__(self, grammar: JsonGrammar) -> None:
         self.matcher = grammar._llg.LLMatcher(grammar.tokenizer, grammar.grammar)
-        self.size = min(int(grammar.tokenizer.vocab_size), 1 << 30)
+        self.size = int(grammar.tokenizer.vocab_size)
 
     def mask(self, scores: torch.Tensor) -> torch.Tensor:
         words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)

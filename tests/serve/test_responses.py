@@ -14,6 +14,8 @@ from collections.abc import Callable
 import openai
 import pytest
 
+from kamera_agent.serve.protocol import RequestError
+from kamera_agent.serve.responses import ResponseStore, StoredResponse
 from tests.serve.conftest import MODEL, LiveServer, frame_url
 
 Serve = Callable[..., LiveServer]
@@ -98,3 +100,21 @@ def test_structured_text_format_and_refusals_by_name(serve: Serve) -> None:
     ):
         with pytest.raises(openai.BadRequestError, match=named):
             live.client.responses.create(model=MODEL, input="hi", max_output_tokens=1, **fields)  # type: ignore[call-overload]
+
+
+def test_stored_responses_are_bounded_per_tenant_by_count_and_bytes() -> None:
+    """A stored conversation holds its images' data URLs: strangers must not grow the store
+    without end. The oldest go first; one over the byte bound is not kept; tenants are apart."""
+    store = ResponseStore(per_tenant=10, bytes_per_tenant=10_000)
+    page = [{"role": "user", "content": "x" * 3_000}]
+    for i in range(5):
+        assert store.put(f"a{i}", StoredResponse("a", page, {}))
+    store.put("b0", StoredResponse("b", [], {}))
+    for gone in ("a0", "a1"):  # 5 of ~3 kB: only the newest 3 fit in 10 kB
+        with pytest.raises(RequestError, match="expired"):
+            store.get(gone, "a")
+    assert [store.get(f"a{i}", "a").tenant for i in (2, 3, 4)] == ["a", "a", "a"]
+    assert store.get("b0", "b").tenant == "b"
+    assert not store.put("huge", StoredResponse("a", [{"content": "y" * 20_000}], {}))
+    with pytest.raises(RequestError, match="expired"):
+        store.get("b0", "a")  # another tenant's id reads as unknown
