@@ -307,6 +307,7 @@ _OPS: dict[str, Callable[[KameraWindow, Any], Any]] = {
     "ask on_text": lambda w, v: w.ask("q", on_text=v),
     "ask keep_going": lambda w, v: w.ask("q", keep_going=v),
     "ask in_message": lambda w, v: w.ask("q", in_message=v),
+    "ask query_role": lambda w, v: w.ask("q", query_role=v),
     "ask remember": lambda w, v: w.ask("q", remember=v),
     "probe ref": lambda w, v: w.probe_without(v, "q"),
     "probe query": lambda w, v: w.probe_without(w.refs[0], v),

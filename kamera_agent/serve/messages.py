@@ -29,11 +29,13 @@ __all__ = ["MessageChunks", "Prepared"]
 @dataclass(frozen=True)
 class Prepared:
     """What a request asks of its window: the chunks it holds (every message but the question),
-    the question text, and whether the question ends a message its images opened."""
+    the question text, whether the question ends a message its images opened, and the
+    question's role (``user``, or ``tool``: an agent's turn ends in a tool's output)."""
 
     chunks: tuple[Chunk, ...]
     query: str
     in_message: bool
+    role: str = "user"
 
 
 class MessageChunks:
@@ -82,8 +84,8 @@ class MessageChunks:
         return made
 
     def prepare(self, system: str | None, turns: list[Turn]) -> Prepared:
-        """Every message but the last as chunks, then the last user message's leading parts
-        (images) as an open message, its trailing text as the question.
+        """Every message but the last as chunks, then the last (user or tool) message's leading
+        parts (images) as an open message, its trailing text as the question.
 
         Raises:
             RequestError: an image that cannot be read, or content that cannot become a chunk.
@@ -102,7 +104,7 @@ class MessageChunks:
             chunks += self._message(
                 conversation, opened, f"messages[{len(turns) - 1}]", len(last), closed=False
             )
-        return Prepared(tuple(chunks), query, bool(last))
+        return Prepared(tuple(chunks), query, bool(last), turns[-1].role)
 
     def _message(
         self, conversation: Conversation, turn: Turn, where: str, count: int, *, closed: bool

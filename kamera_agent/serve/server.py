@@ -288,6 +288,7 @@ class KameraServer:
                         window.ask(
                             report.query,
                             in_message=report.in_message,
+                            query_role=prepared.role,
                             max_new_tokens=request.answer_tokens or self.settings.max_tokens,
                             temperature=request.temperature,
                             top_p=request.top_p,
@@ -368,7 +369,11 @@ class KameraServer:
         cannot fit the model's context (its tokenizing would hold the lock for a text no answer
         can follow)."""
         conversation = self.messages.conversation(system)
-        tokens = int(conversation.query_ids(prepared.query, opened=not prepared.in_message).shape[0])
+        tokens = int(
+            conversation.query_ids(prepared.query, opened=not prepared.in_message, role=prepared.role).shape[
+                0
+            ]
+        )
         limit = self.backend.context_limit
         if limit is not None and tokens >= limit:
             raise RequestError(

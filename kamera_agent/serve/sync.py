@@ -9,7 +9,8 @@ from the first changed token; kamera maps the change onto one `KameraWindow.arra
     evicted chunks sent again      → recalled at their place, where that prefills no more than
                                      admitting the content anew
     new content                    → admitted where it stands (one forward for a new tail)
-    the last user message's text   → the query (its images: chunks of an open message)
+    the last message's text        → the query (a user's or a tool's; its images: chunks of an
+                                     open message)
 
 Chunks are matched by content key, with multiplicity (two identical messages are two chunks),
 so the same screenshot re-sent as base64 is the same chunk. One op per request: every chunk is
@@ -45,7 +46,7 @@ class SyncReport:
         ops: ``(op, labels, cost)`` in the order they ran (one ``arrange``, or none when the
             window already held the request's chunks).
         plans: each op's executed edits.
-        query: the question (the last user message's trailing text; ``""`` if it has none).
+        query: the question (the last message's trailing text; ``""`` if it has none).
         in_message: the query ends a message whose images are chunks.
         prompt_tokens: the request's whole prompt: anchor, every chunk, the query.
         provenance: what the window held before and which chunks the ops' forwards made.

@@ -125,7 +125,7 @@ def read_turns(
 ) -> tuple[str | None, list[Turn]]:
     """``(system prompt, turns)`` from the request's messages (nothing fetched or decoded); an
     assistant message's ``tool_calls`` become its text in ``tool_format``, a ``tool`` message is
-    a turn of role ``tool``.
+    a turn of role ``tool`` (the last message is the question: a user's, or a tool's output).
 
     Raises:
         RequestError: too many messages or parts, a system message after the first turn, an
@@ -172,9 +172,12 @@ def read_turns(
         keys = [part if isinstance(part, str) else f"image:{part.digest}" for part in parts]
         digest = hashlib.sha256(repr((role, keys)).encode()).hexdigest()
         turns.append(Turn(role, tuple(parts), digest))
-    if not turns or turns[-1].role != "user":
+    if not turns or turns[-1].role not in ("user", "tool"):
         raise RequestError(
-            400, "the last message must be a user message (the question to answer)", param="messages"
+            400,
+            "the last message must be a user message (the question) or a tool message (the output "
+            "the model answers)",
+            param="messages",
         )
     return system, turns
 

@@ -18,6 +18,7 @@ from kamera_agent.errors import ArgumentError
 __all__ = [
     "SEED_LIMIT",
     "check_callable",
+    "check_choice",
     "check_flag",
     "check_index",
     "check_int",
@@ -148,6 +149,13 @@ def check_logit_bias(value: object) -> dict[int, float]:
             f"logit_bias must map token ids (ints >= 0) to numbers in [-100, 100], {_got(value)}"
         )
     return {int(token): float(bias) for token, bias in value.items()}  # type: ignore[attr-defined]
+
+
+def check_choice(value: object, name: str, choices: Sequence[str]) -> str:
+    """One of ``choices`` (strings)."""
+    if not isinstance(value, str) or value not in choices:
+        raise ArgumentError(f"{name} must be one of {', '.join(map(repr, choices))}, {_got(value)}")
+    return value
 
 
 def check_callable(value: T | None, name: str) -> T | None:

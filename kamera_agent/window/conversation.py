@@ -73,12 +73,20 @@ class Conversation:
             chunks.append(self._part(part, before, after, label))
         return chunks
 
-    def query_ids(self, text: str, *, opened: bool = True) -> torch.Tensor:
-        """The query as the last user message: its text (after the role's opening marker unless
-        chunks already began the message), the closing marker, then the assistant's opening."""
+    def query_ids(self, text: str, *, opened: bool = True, role: str = "user") -> torch.Tensor:
+        """The query as the conversation's last message: its text (after the role's opening
+        marker unless chunks already began the message), the closing marker, then the
+        assistant's opening. ``role`` is ``user`` for a question, ``tool`` for an agent's turn
+        that ends in a tool's output (the model answers the output).
+
+        Raises:
+            InputError: a role that cannot end a conversation (``assistant``, or unknown).
+        """
+        if role not in ("user", "tool"):
+            raise InputError(f"a question is a user or a tool message, not {str(role)[:40]!r}")
         t = self.template
-        before = t.opens["user"] if opened else t.part_separator
-        return self.encoder.tokens(before + text + t.closes["user"] + t.generation)
+        before = t.opens[role] if opened else t.part_separator
+        return self.encoder.tokens(before + text + t.closes[role] + t.generation)
 
     def _part(self, part: MessagePart, before: str, after: str, label: str | None) -> Chunk:
         if isinstance(part, Chunk):

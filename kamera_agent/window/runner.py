@@ -56,10 +56,11 @@ class WindowParts:
         """The window's own encoder (a conversation's carries its system prompt as the anchor)."""
         return self.core.encoder
 
-    def query_ids(self, query: str, opened: bool = True) -> torch.Tensor:
-        """The token ids a query is decoded from, framed as the window frames questions."""
+    def query_ids(self, query: str, opened: bool = True, role: str = "user") -> torch.Tensor:
+        """The token ids a query is decoded from, framed as the window frames questions (as a
+        message of ``role`` in a conversation)."""
         if self.conversation is not None:
-            return self.conversation.query_ids(query, opened=opened)
+            return self.conversation.query_ids(query, opened=opened, role=role)
         return self.encoder.query_ids(query)
 
 

@@ -42,6 +42,7 @@ from kamera_agent.settings import THREADS_ENV, configure_threads
 from kamera_agent.store import ChunkStore
 from kamera_agent.window.arguments import (
     check_callable,
+    check_choice,
     check_flag,
     check_index,
     check_int,
@@ -467,6 +468,7 @@ class KameraWindow:
         frequency_penalty: float = 0.0,
         top_logprobs: int | None = None,
         constraint: Callable[[], Constraint] | None = None,
+        query_role: str = "user",
     ) -> Answer:
         """Answer ``query`` over the window: greedy by default, sampled with a temperature.
 
@@ -485,16 +487,21 @@ class KameraWindow:
                 tokens (`Answer.logprobs`); ``None``: none.
             constraint: makes a `Constraint` per answer: only tokens its grammar allows are
                 chosen, and the answer ends when it is complete (structured output).
+            query_role: conversation windows: the role of the message ``query`` is, ``"user"``
+                (a question) or ``"tool"`` (an agent's turn ending in a tool's output).
 
         Raises:
-            SettingsError: ``in_message`` or ``remember`` on a window that holds no conversation.
+            SettingsError: ``in_message``, ``remember`` or a ``query_role`` other than ``user``
+                on a window that holds no conversation.
+            ArgumentError: a ``query_role`` other than ``user`` or ``tool``.
         """
         check_text(query, "query")
+        query_role = check_choice(query_role, "query_role", ("user", "tool"))
         framed = [check_flag(in_message, "in_message"), check_flag(remember, "remember")]
-        if any(framed) and self.conversation is None:
+        if (any(framed) or query_role != "user") and self.conversation is None:
             raise SettingsError(
-                "in_message and remember frame chat messages: create the window with conversation=True "
-                "or a system_prompt"
+                "in_message, remember and query_role frame chat messages: create the window with "
+                "conversation=True or a system_prompt"
             )
         max_new_tokens = check_int(max_new_tokens, "max_new_tokens", optional=True)
         config = DecodeConfig(
@@ -513,22 +520,23 @@ class KameraWindow:
             top_logprobs=None if top_logprobs is None else check_int(top_logprobs, "top_logprobs", 0, 20),
             constraint=check_callable(constraint, "constraint"),
         )
-        query_ids = self._parts.query_ids(query, opened=not in_message)
+        query_ids = self._parts.query_ids(query, opened=not in_message, role=query_role)
         with self._runner.lock:  # the answer, the remembered answer and the messages: one call
             self._runner.check_open()
             self._parts.core.check_fits(self._runner.end(), query_ids, config)
             answer, cost = self._runner.read("ask", lambda executor: executor.answer(query_ids, config))
             plain = not (config.logit_bias or config.presence_penalty or config.frequency_penalty)
-            if temperature <= 0 and not in_message and plain and config.constraint is None:
+            asked_plainly = not in_message and query_role == "user" and config.constraint is None
+            if temperature <= 0 and plain and asked_plainly:
                 self._runner.state.last_answer = LastAnswer(query, self._runner.state.tick, answer)
             if remember:
-                self._remember(query, answer, opened=not in_message)
+                self._remember(query, answer, opened=not in_message, role=query_role)
         return replace(answer, cost=cost)
 
-    def _remember(self, query: str, answer: Answer, opened: bool) -> None:
+    def _remember(self, query: str, answer: Answer, opened: bool, role: str = "user") -> None:
         """The question and its answer admitted as the conversation's next messages (one op)."""
         assert self.conversation is not None
-        asked = self.conversation.message("user", [query], opened=opened)
+        asked = self.conversation.message(role, [query], opened=opened)
         replied = self.conversation.message("assistant", [answer.text])
         chunks = [(chunk, chunk.label) for chunk in (*asked, *replied)]
         self._runner.transact("extend", lambda planner: planner.extend(self._runner.state, chunks))
@@ -590,8 +598,10 @@ class KameraWindow:
         query_ids = None if query is None else self._parts.query_ids(query)
         return self.backend.reference_inputs(chunks, query_ids, anchor=self._parts.core.anchor)
 
-    def query_ids(self, query: str, *, in_message: bool = False) -> torch.Tensor:
+    def query_ids(self, query: str, *, in_message: bool = False, query_role: str = "user") -> torch.Tensor:
         """The token ids ``ask`` would decode ``query`` from (its framing included)."""
         return self._parts.query_ids(
-            check_text(query, "query"), opened=not check_flag(in_message, "in_message")
+            check_text(query, "query"),
+            opened=not check_flag(in_message, "in_message"),
+            role=check_choice(query_role, "query_role", ("user", "tool")),
         )

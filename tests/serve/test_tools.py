@@ -161,16 +161,41 @@ def _history(turns: int, keep_outputs: int) -> Iterator[list[dict[str, Any]]]:
                 message["content"] = "(output dropped)"
 
 
-def test_a_tool_conversation_is_framed_as_the_template_renders_it(demo_backend: TransformersBackend) -> None:
+def _agent_loop(turns: int, keep_outputs: int) -> Iterator[list[dict[str, Any]]]:
+    """An agent's requests after its task: each ends in the output of the tool the model called
+    (the model answers the output), outputs older than ``keep_outputs`` turns truncated."""
+    history: list[dict[str, Any]] = [SYSTEM, shot(0, "book a table for two")]
+    for turn in range(turns):
+        call = {
+            "id": f"call_{turn}",
+            "type": "function",
+            "function": {"name": "click", "arguments": json.dumps({"x": turn, "y": 1})},
+        }
+        history += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{turn}", "content": f"page {turn}: a form " * 8},
+        ]
+        for message in history[: -2 * keep_outputs]:
+            if message["role"] == "tool":
+                message["content"] = "(output dropped)"
+        yield [dict(message) for message in history]
+
+
+@pytest.mark.parametrize("ending", ["user", "tool"])
+def test_a_tool_conversation_is_framed_as_the_template_renders_it(
+    demo_backend: TransformersBackend, ending: str
+) -> None:
     server = KameraServer(demo_backend, ServeSettings(MODEL, WindowConfig(), max_tokens=2))
-    messages = list(_history(3, keep_outputs=1))[-1]
+    requests = _history(3, keep_outputs=1) if ending == "user" else _agent_loop(3, keep_outputs=1)
+    messages = list(requests)[-1]
+    assert messages[-1]["role"] == ending
     tokenizer = demo_backend.encoder.tokenizer
     system, turns = read_turns(messages, tool_format=HERMES)
     framed = system_with_tools(tokenizer, server.messages.template, system, TOOLS)
     prepared = server.messages.prepare(framed, turns)
     conversation = server.messages.conversation(framed)
     ids = [conversation.encoder.anchor().input_ids, *(chunk.input_ids for chunk in prepared.chunks)]
-    ids.append(conversation.query_ids(prepared.query, opened=not prepared.in_message))
+    ids.append(conversation.query_ids(prepared.query, opened=not prepared.in_message, role=prepared.role))
     ours = tokenizer.decode(torch.cat(ids))
     while "<|image_pad|><|image_pad|>" in ours:
         ours = ours.replace("<|image_pad|><|image_pad|>", "<|image_pad|>")
@@ -210,6 +235,22 @@ def test_a_tool_conversation_truncating_old_outputs_is_served_from_cache_and_exa
         assert turn == 0 or cached > 0, turn
         assert reply.choices[0].message.content == cold.choices[0].message.content, turn
         assert reply.usage.prompt_tokens == cold.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+def test_an_agent_loop_ending_in_tool_outputs_is_served_from_cache_and_exact(
+    serve: Callable[..., LiveServer],
+) -> None:
+    """Each request ends in a tool's output (no user message after it): the output is the
+    question the model answers; the truncated outputs are evicts, and answers equal a cold
+    server's under the exact preset."""
+    live, fresh = serve(config=WindowConfig.exact()), serve(config=WindowConfig.exact())
+    for turn, messages in enumerate(_agent_loop(8, keep_outputs=2)):
+        asked = {"model": MODEL, "messages": messages, "tools": TOOLS, "temperature": 0, "max_tokens": 3}
+        reply = live.client.chat.completions.create(**asked, extra_body={"session_id": "agent"})  # type: ignore[call-overload]
+        cold = fresh.client.chat.completions.create(**asked, extra_body={"session_id": f"cold-{turn}"})  # type: ignore[call-overload]
+        assert reply.choices[0].message.content == cold.choices[0].message.content, turn
+        assert reply.usage.prompt_tokens == cold.usage.prompt_tokens, turn
+        assert turn == 0 or reply.usage.prompt_tokens_details.cached_tokens > 0, turn
 
 
 def test_the_hermes_format_parses_what_it_renders_and_leaves_malformed_calls_as_text() -> None:

@@ -64,6 +64,33 @@ def test_a_conversation_is_the_templates_own_rendering() -> None:
     _agrees(window, "and this?", in_message=True)
 
 
+def test_a_turn_ending_in_a_tool_output_is_the_templates_rendering_and_answers_like_the_model() -> None:
+    window = _window(system_prompt="Use the tools.")
+    window.push_message("user", "book a table")
+    window.push_message("assistant", '<tool_call>\n{"name": "book", "arguments": {}}\n</tool_call>')
+    tokenizer = window.encoder.tokenizer
+    messages = [
+        {"role": "system", "content": "Use the tools."},
+        {"role": "user", "content": "book a table"},
+        {"role": "assistant", "content": '<tool_call>\n{"name": "book", "arguments": {}}\n</tool_call>'},
+        {"role": "tool", "content": "booked for 8pm"},
+    ]
+    want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = [window.encoder.anchor().input_ids, *(window.chunk(r).input_ids for r in window.refs)]
+    ids.append(window.query_ids("booked for 8pm", query_role="tool"))
+    assert tokenizer.decode(torch.cat(ids)) == want
+    chunks = [window.chunk(ref) for ref in window.refs]
+    query_ids = window.query_ids("booked for 8pm", query_role="tool")
+    truth = window.backend.reference_prefill(chunks, query_ids, anchor=window.encoder.anchor()).logits
+    answer = window.ask("booked for 8pm", max_new_tokens=2, query_role="tool", remember=True)
+    assert float((answer.first_logits - truth).abs().max()) < EXACT
+    before = tokenizer.apply_chat_template(messages[:3], add_generation_prompt=False, tokenize=False)
+    tool_block = want[len(before) :].removesuffix(window.conversation.template.generation)
+    assert tokenizer.decode(window.chunk(window.refs[-2]).input_ids) == tool_block  # remembered as framed
+    with pytest.raises(SettingsError, match="query_role"):
+        KameraWindow(window.backend).ask("q", query_role="tool")
+
+
 def test_default_system_prompt_and_remembered_turns_answer_like_the_model() -> None:
     window = _window(conversation=True)
     assert window.encoder.anchor().input_ids.numel() > 0
