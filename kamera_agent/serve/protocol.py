@@ -133,6 +133,17 @@ class ChatRequest(BaseModel):
         """Whether the answer is parsed for tool calls (tools given, ``tool_choice`` not ``none``)."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    @property
+    def forced_tools(self) -> list[dict[str, Any]] | None:
+        """The functions the answer must call (``tool_choice`` ``required``: any of the tools;
+        a named function: that one), or ``None`` when the model may answer in text."""
+        if self.tool_choice == "required":
+            return [tool["function"] for tool in self.tools or []]
+        if isinstance(self.tool_choice, dict):
+            name = self.tool_choice["function"]["name"]
+            return [tool["function"] for tool in self.tools or [] if tool["function"]["name"] == name]
+        return None
+
     def _check_tools(self) -> None:
         for i, tool in enumerate(self.tools or []):
             function = tool.get("function") if tool.get("type") == "function" else None
@@ -146,15 +157,33 @@ class ChatRequest(BaseModel):
                     f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
                     param="tools",
                 )
-        if self.tool_choice not in (None, "auto", "none"):
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            function = choice.get("function") if choice.get("type") == "function" else None
+            name = function.get("name") if isinstance(function, dict) else None
+            names = [tool["function"]["name"] for tool in self.tools or []]
+            if name not in names:
+                raise RequestError(
+                    400,
+                    "a named tool_choice is {'type': 'function', 'function': {'name': N}} with N one of "
+                    f"the request's tools ({', '.join(names)[:120] or 'none given'})",
+                    param="tool_choice",
+                )
+        elif choice not in (None, "auto", "none", "required"):
             raise RequestError(
                 400,
-                f"tool_choice {str(self.tool_choice)[:60]!r} is not served yet: 'auto' or 'none' (a named or "
-                "required call would need constrained decoding)",
+                f"tool_choice {str(choice)[:60]!r}: 'auto', 'none', 'required' or a named function",
                 param="tool_choice",
             )
-        if self.tool_choice == "auto" and not self.tools:
-            raise RequestError(400, "tool_choice 'auto' needs tools", param="tool_choice")
+        if choice in ("auto", "required") and not self.tools:
+            raise RequestError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
+        formatted = (self.response_format or {}).get("type", "text") != "text"
+        if self.forced_tools is not None and formatted:
+            raise RequestError(
+                400,
+                "response_format and a required tool call both constrain the answer; send one of them",
+                param="tool_choice",
+            )
 
     def _refuse_ignored_values(self) -> None:
         extra = self.model_extra or {}

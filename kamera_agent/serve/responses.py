@@ -162,7 +162,7 @@ def to_chat(
         "top_p": request.top_p,
         "max_tokens": request.max_output_tokens,
         "tools": tools,
-        "tool_choice": request.tool_choice,
+        "tool_choice": _tool_choice(request.tool_choice),
         "parallel_tool_calls": request.parallel_tool_calls,
         "prompt_cache_key": request.prompt_cache_key,
         "user": request.user,
@@ -208,6 +208,13 @@ def _part(part: dict[str, Any], where: str) -> dict[str, Any]:
             )
         return {"type": "image_url", "image_url": {"url": url}}
     raise RequestError(400, f"{where}: content part type {str(kind)[:40]!r} is not served", param="input")
+
+
+def _tool_choice(choice: Any) -> Any:
+    """The Responses API's named choice (``{"type": "function", "name": N}``) in chat's shape."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
 
 
 def _tool(tool: dict[str, Any], i: int) -> dict[str, Any]:

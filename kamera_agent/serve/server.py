@@ -33,7 +33,7 @@ from kamera_agent.serve.metrics import Metrics
 from kamera_agent.serve.protocol import ChatRequest, RequestError
 from kamera_agent.serve.responses import ResponseStore
 from kamera_agent.serve.sessions import SessionPool
-from kamera_agent.serve.structured import json_constraint
+from kamera_agent.serve.structured import json_constraint, tool_call_constraint
 from kamera_agent.serve.sync import SyncReport, sync_window
 from kamera_agent.serve.tools import HERMES, CallFilter, system_with_tools
 from kamera_agent.serve.turns import ImageReader, Limits, read_turns
@@ -257,10 +257,7 @@ class KameraServer:
             system = system_with_tools(
                 self.backend.encoder.tokenizer, self.messages.template, system, request.tools
             )
-        structured = (request.response_format or {}).get("type", "text") != "text"
-        constraint = (
-            json_constraint(self._grammar_tokenizer(), request.response_format or {}) if structured else None
-        )
+        constraint = self._constraint(request)
         prepared = self.messages.prepare(system, turns)  # images, tokens, keys: outside the lock
         query_tokens = self._query_tokens(system, prepared)
         with self._admitted(tenant):
@@ -336,6 +333,17 @@ class KameraServer:
         ops = [(op, cost) for op, _, cost in report.ops] + [("ask", cost) for cost in asks]
         self.metrics.served(done.usage(), split, spent, ops, cancelled=answer.finish_reason == "cancelled")
         return done
+
+    def _constraint(self, request: ChatRequest) -> Callable[[], Constraint] | None:
+        """What the answer's tokens are held to: a required tool call, a JSON format, or nothing."""
+        forced = request.forced_tools
+        if forced is not None:
+            return tool_call_constraint(
+                self._grammar_tokenizer(), forced, HERMES, parallel=request.parallel_tool_calls
+            )
+        if (request.response_format or {}).get("type", "text") != "text":
+            return json_constraint(self._grammar_tokenizer(), request.response_format or {})
+        return None
 
     def _grammar_tokenizer(self) -> Any:
         """The served tokenizer as llguidance reads it (built on first use: structured output)."""

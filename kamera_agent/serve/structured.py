@@ -1,4 +1,5 @@
-"""Structured output: ``response_format`` JSON, enforced token by token with llguidance.
+"""Structured output: ``response_format`` JSON and required tool calls, enforced token by token
+with llguidance.
 
 Why llguidance: the grammar engine vLLM and SGLang use (with xgrammar) to mask logits, as a
 3 MB wheel with no dependencies (xgrammar pulls in triton). A JSON schema (or "any JSON
@@ -6,6 +7,12 @@ object") is compiled once per request into a grammar with **no flexible whitespa
 small model cannot wander into an endless run of spaces: every token it may choose keeps the
 text a prefix of a valid document, and the answer ends when the document is complete. The mask
 is computed on the CPU and applied to the logits wherever they live.
+
+A required tool call (``tool_choice`` ``required`` or a named function) is the same machinery
+over a grammar of the template family's call text: ``<tool_call>\n{"name": …, "arguments":
+…}\n</tool_call>`` with the name one of the allowed functions and the arguments that
+function's parameter schema, separated as the template renders calls (``json.dumps``'s
+``": "`` and ``", "``), so a forced call reads exactly like one the model chose.
 """
 
 from __future__ import annotations
@@ -18,12 +25,16 @@ import torch
 
 from kamera_agent.backends.base import Constraint
 from kamera_agent.serve.protocol import RequestError
+from kamera_agent.serve.tools import ToolFormat
 
-__all__ = ["JsonGrammar", "json_constraint"]
+__all__ = ["Grammar", "json_constraint", "tool_call_constraint"]
+
+_RENDERED_JSON = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+"""How a call's JSON is spaced: as the template renders calls (``json.dumps``), and no more."""
 
 
-class JsonGrammar:
-    """A compiled JSON grammar for one tokenizer; each `Constraint` it makes follows one answer."""
+class Grammar:
+    """A compiled grammar for one tokenizer; each `Constraint` it makes follows one answer."""
 
     def __init__(self, tokenizer: Any, grammar: str) -> None:
         import llguidance  # not llguidance.torch: it torch.compile s a kernel at import
@@ -36,7 +47,7 @@ class JsonGrammar:
 
 
 class _Follower:
-    def __init__(self, grammar: JsonGrammar) -> None:
+    def __init__(self, grammar: Grammar) -> None:
         self.matcher = grammar._llg.LLMatcher(grammar.tokenizer, grammar.grammar)
         self.size = int(grammar.tokenizer.vocab_size)
 
@@ -94,7 +105,52 @@ def json_constraint(tokenizer: Any, response_format: dict[str, Any]) -> Callable
         )
     except Exception as exc:  # the compiler's own message names what it cannot take
         raise RequestError(400, f"response_format schema: {exc}"[:300], param="response_format") from exc
+    return _compiled(tokenizer, grammar, "response_format schema", "response_format")
+
+
+def tool_call_constraint(
+    tokenizer: Any, functions: list[dict[str, Any]], tool_format: ToolFormat, *, parallel: bool
+) -> Callable[[], Constraint]:
+    """The constraint of a required tool call: one call (or, with ``parallel``, one or more) of
+    one of ``functions`` (OpenAI function objects: ``name``, ``parameters``), in
+    ``tool_format``'s text.
+
+    Raises:
+        RequestError: a function whose parameter schema does not compile.
+    """
+    import llguidance
+
+    rules = []
+    for i, function in enumerate(functions):
+        parameters = function.get("parameters") or {"type": "object"}
+        schema = {
+            "type": "object",
+            "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+            "x-guidance": _RENDERED_JSON,
+        }
+        rules.append(f"f{i}: %json {json.dumps(schema, ensure_ascii=False)}")
+    call = f"{_literal(tool_format.open)} ({' | '.join(f'f{i}' for i in range(len(functions)))}) "
+    call += _literal(tool_format.close)
+    more = f" ({_literal(tool_format.separator)} call)*" if parallel else ""
+    lark = "\n".join([f"start: call{more}", f"call: {call}", *rules]) + "\n"
+    try:
+        grammar = llguidance.grammar_from("lark", lark)
+    except Exception as exc:
+        raise RequestError(400, f"tool parameters: {exc}"[:300], param="tools") from exc
+    return _compiled(tokenizer, grammar, "tool parameters", "tools")
+
+
+def _literal(text: str) -> str:
+    """``text`` as a lark string literal (JSON's escapes are lark's)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _compiled(tokenizer: Any, grammar: str, what: str, param: str) -> Grammar:
+    import llguidance
+
     message = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)  # "" when it compiles
     if message:
-        raise RequestError(400, f"response_format schema: {message}"[:300], param="response_format")
-    return JsonGrammar(tokenizer, grammar)
+        raise RequestError(400, f"{what}: {message}"[:300], param=param)
+    return Grammar(tokenizer, grammar)

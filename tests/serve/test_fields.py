@@ -108,8 +108,20 @@ def test_a_logit_bias_moves_the_answer(serve: Serve) -> None:
     [
         ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"tool_choice": "required"}, "tool_choice"),
         (
-            {"tools": [{"type": "function", "function": {"name": "click"}}], "tool_choice": "required"},
+            {
+                "tools": [{"type": "function", "function": {"name": "click"}}],
+                "tool_choice": {"type": "function", "function": {"name": "scroll"}},
+            },
+            "tool_choice",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "click"}}],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
             "tool_choice",
         ),
         ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),

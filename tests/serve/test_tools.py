@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
+import jsonschema
 import pytest
 import torch
 
@@ -289,3 +290,118 @@ def test_the_demo_template_renders_tools_and_otherwise_exactly_qwen2_vls(
         assert ours == theirs
     with_tools = tokenizer.apply_chat_template([SYSTEM, *messages], tools=TOOLS, tokenize=False)
     assert "<tools>\n" + json.dumps(TOOLS[0]) in with_tools
+
+
+BOUNDED = [  # parameter schemas a forced call can always complete within a few dozen tokens
+    {
+        "type": "function",
+        "function": {
+            "name": "click",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "y": {"type": "integer", "minimum": 0, "maximum": 99},
+                },
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "type_text",
+            "parameters": {
+                "type": "object",
+                "properties": {"text": {"type": "string", "maxLength": 8}},
+                "required": ["text"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+_SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in BOUNDED}
+
+
+def _valid_calls(calls: list[Any], names: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call.function.name in names and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), _SCHEMAS[call.function.name])
+
+
+def test_a_required_or_named_call_on_the_demo_model_is_a_call_that_validates(
+    serve: Callable[..., LiveServer],
+) -> None:
+    """The demo model never learned to call tools: with ``tool_choice`` ``required`` or a named
+    function the grammar makes every answer a call of an allowed function whose arguments
+    validate, ended by the grammar (never cut by ``max_tokens``)."""
+    live = serve()
+    named = {"type": "function", "function": {"name": "type_text"}}
+    for i in range(12):
+        choice_of = "required" if i % 2 == 0 else named
+        reply = live.client.chat.completions.create(
+            model=MODEL,
+            messages=[SYSTEM, shot(i, "what next?")],  # type: ignore[list-item]
+            tools=BOUNDED,  # type: ignore[arg-type]
+            tool_choice=choice_of,  # type: ignore[arg-type]
+            parallel_tool_calls=False,
+            temperature=0 if i % 4 < 2 else 1.0,
+            seed=i,
+            max_tokens=200,
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        calls = choice.message.tool_calls or []
+        assert len(calls) == 1
+        _valid_calls(calls, {"click", "type_text"} if choice_of == "required" else {"type_text"})
+
+
+def test_a_required_call_streams_as_tool_calls_and_parallel_calls_each_validate(
+    serve: Callable[..., LiveServer],
+) -> None:
+    live = serve()
+    stream = live.client.chat.completions.create(
+        model=MODEL,
+        messages=[SYSTEM, shot(3, "what next?")],  # type: ignore[list-item]
+        tools=BOUNDED,  # type: ignore[arg-type]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=200,
+        stream=True,
+    )
+    text, calls, finish = "", [], None
+    for event in stream:
+        for choice in event.choices:
+            text += choice.delta.content or ""
+            calls += choice.delta.tool_calls or []
+            finish = choice.finish_reason or finish
+    assert text == "" and finish == "tool_calls"
+    _valid_calls(calls, {"click", "type_text"})
+    several = live.client.chat.completions.create(
+        model=MODEL,
+        messages=[SYSTEM, shot(4, "what next?")],  # type: ignore[list-item]
+        tools=BOUNDED,  # type: ignore[arg-type]
+        tool_choice="required",
+        temperature=0,
+        max_tokens=300,
+    )
+    _valid_calls(several.choices[0].message.tool_calls or [], {"click", "type_text"})  # type: ignore[arg-type]
+
+
+def test_a_named_function_in_the_responses_shape_is_called(serve: Callable[..., LiveServer]) -> None:
+    live = serve()
+    response = live.client.responses.create(
+        model=MODEL,
+        input="fill the form",
+        tools=[{"type": "function", **tool["function"]} for tool in BOUNDED],  # type: ignore[misc]
+        tool_choice={"type": "function", "name": "click"},
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=200,
+    )
+    (item,) = response.output
+    assert item.type == "function_call" and item.name == "click"
+    jsonschema.validate(json.loads(item.arguments), _SCHEMAS["click"])
