@@ -54,6 +54,13 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument(
         "--max-queued", type=int, default=8, help="requests of one tenant in the server at once (429 past it)"
     )
+    serve.add_argument(
+        "--reuse",
+        choices=["kamera", "prefix"],
+        default="kamera",
+        help="kamera: every edit the window can make; prefix: serve as a prefix cache would (keep the "
+        "unchanged leading messages, prefill the rest exactly): the baseline to compare against",
+    )
 
 
 def run_serve_command(args: argparse.Namespace, console: Console) -> int:
@@ -108,6 +115,7 @@ def build_server(args: argparse.Namespace) -> Any:
         limits=Limits(max_messages=args.max_messages),
         max_request_bytes=args.max_request_bytes,
         max_queued=args.max_queued,
+        reuse=args.reuse,
     )
     return KameraServer(backend, settings)
 

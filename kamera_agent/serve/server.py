@@ -82,6 +82,10 @@ class ServeSettings:
         max_queued: requests of one tenant in the server at once (more: 429 with Retry-After).
         image_cache_bytes: decoded images kept, in bytes.
         chunk_cache_bytes: prepared messages (tokens, preprocessed pixels) kept, in bytes.
+        reuse: ``"kamera"`` (every edit the window can make) or ``"prefix"``: the same server
+            as a prefix cache (vLLM's and SGLang's reuse): each request keeps its window's
+            unchanged leading messages and prefills everything from the first change, exactly
+            (`WindowConfig.exact`); the baseline a comparison runs beside kamera.
     """
 
     model_name: str
@@ -98,6 +102,7 @@ class ServeSettings:
     max_queued: int = 8
     image_cache_bytes: int = 64 << 20
     chunk_cache_bytes: int = 128 << 20
+    reuse: str = "kamera"
 
     def tenant_of(self, authorization: str | None) -> str | None:
         """The tenant an ``Authorization`` header names (``None``: not a key of this server)."""
@@ -212,6 +217,8 @@ class KameraServer:
     """Sessions of conversation windows over one backend and one shared store, by tenant."""
 
     def __init__(self, backend: Backend, settings: ServeSettings) -> None:
+        if settings.reuse not in ("kamera", "prefix"):
+            raise ConfigError(f"reuse {settings.reuse!r}: 'kamera' or 'prefix' (a prefix cache)")
         self.backend, self.settings = backend, settings
         self.store: ChunkStore = resolve_store(backend, settings.config, None)
         policy = MediaPolicy(settings.fetching, settings.local_media)
@@ -278,7 +285,7 @@ class KameraServer:
             )
             window = session.window
             try:
-                report = sync_window(window, prepared)
+                report = sync_window(window, prepared, prefix_only=self.settings.reuse == "prefix")
                 answers = []
                 for choice in range(request.n):  # n samples over one prefill of the prompt
                     answers.append(
@@ -425,6 +432,16 @@ class KameraServer:
     def _config_for(self, overrides: dict[str, Any]) -> WindowConfig:
         fields = dict(overrides)
         preset = fields.pop("preset", None)
+        if self.settings.reuse == "prefix":  # a prefix cache is exact: nothing to tune per request
+            if fields or preset not in (None, "exact"):
+                name = sorted(fields)[0] if fields else "preset"
+                raise RequestError(
+                    400,
+                    f"kamera.{name}: this server reuses only a prefix (reuse 'prefix'), every answer "
+                    "exact; send no fidelity settings",
+                    param=f"kamera.{name}",
+                )
+            preset = "exact"
         refused = sorted(set(fields) - FIDELITY_FIELDS)
         if refused:
             raise RequestError(

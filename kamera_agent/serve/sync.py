@@ -64,13 +64,15 @@ class SyncReport:
         return sum((cost for _, _, cost in self.ops), OpCost())
 
 
-def sync_window(window: KameraWindow, prepared: Prepared) -> SyncReport:
+def sync_window(window: KameraWindow, prepared: Prepared, *, prefix_only: bool = False) -> SyncReport:
     """Edit ``window`` to hold what a request prepared (every chunk but the question), in one op;
-    returns what it did."""
+    returns what it did. ``prefix_only``: as a prefix cache would, keep the unchanged leading
+    chunks and admit everything from the first change anew."""
     report = SyncReport(
         query=prepared.query, in_message=prepared.in_message, provenance=Provenance.of(window)
     )
-    target = _target(window, list(prepared.chunks))
+    desired = list(prepared.chunks)
+    target = _prefix_target(window, desired) if prefix_only else _target(window, desired)
     if target != window.refs:
         window.arrange(target)
         plan = window.last_plan
@@ -125,6 +127,16 @@ def _target(window: KameraWindow, desired: list[Chunk]) -> Target:
                 target, cost = trial, trial_cost
                 evicted[item.key].pop()
     return target
+
+
+def _prefix_target(window: KameraWindow, desired: list[Chunk]) -> Target:
+    """A prefix cache's target: the window's chunks up to the first one the request changes,
+    then the request's own chunks, new."""
+    current = window.refs
+    same = 0
+    while same < min(len(current), len(desired)) and window.chunk(current[same]).key == desired[same].key:
+        same += 1
+    return [*current[:same], *desired[same:]]
 
 
 def _tokens(window: KameraWindow, target: Target) -> float:

@@ -383,3 +383,26 @@ def test_image_urls_are_fetched_only_when_enabled_and_within_limits(serve: Serve
     finally:
         host.shutdown()
         host.server_close()
+
+
+def test_the_prefix_cache_mode_keeps_only_an_unchanged_prefix_and_answers_exactly(serve: Serve) -> None:
+    """``reuse="prefix"``: the baseline the replay benchmark runs beside kamera. Every token is
+    either an unchanged leading token or prefilled (nothing relocated, patched or kept), answers
+    equal the exact kamera server's (which, on this sliding conversation, prefills as much), and
+    kamera's defaults prefill fewer tokens."""
+    prefix, exact, defaults = serve(reuse="prefix"), serve(config=WindowConfig.exact()), serve()
+    spent = {"prefix": 0, "exact": 0, "defaults": 0}
+    turns = zip(_run(prefix, 7), _run(exact, 7), _run(defaults, 7), strict=True)
+    for turn, ((cached, _), (ours, _), (cheap, _)) in enumerate(turns):
+        split = cached.model_extra["kamera"]["prompt"]
+        assert split["relocated"] == split["patched"] == split["kept"] == 0, (turn, split)
+        assert split["prefix"] + split["prefilled"] == cached.usage.prompt_tokens
+        assert _text(cached) == _text(ours), turn
+        assert _prefilled(cached) >= _prefilled(ours), turn
+        spent["prefix"] += _prefilled(cached)
+        spent["exact"] += _prefilled(ours)
+        spent["defaults"] += _prefilled(cheap)
+        assert turn == 0 or split["prefix"] > 0
+    assert spent["defaults"] < spent["exact"] <= spent["prefix"], spent
+    with pytest.raises(openai.BadRequestError, match=r"kamera\.rank"):
+        _ask(prefix, [SYSTEM, shot(0, "What now?")], extra_body={"kamera": {"rank": 4}})
