@@ -110,15 +110,16 @@ class MessageChunks:
         self, conversation: Conversation, turn: Turn, where: str, count: int, *, closed: bool
     ) -> list[Chunk]:
         labels = [f"{where}.{j}" for j in range(count)]
+        every = [f"{where}.open", *labels, *([f"{where}.close"] if closed else [])]  # markers apart
         key = (conversation.encoder.origin, turn.digest, closed, count)
         with self._lock:
             known = self._chunks.get(key)
             if known is not None:
                 self._chunks.move_to_end(key)
-                return [replace(chunk, label=label) for chunk, label in zip(known, labels, strict=True)]
+                return [replace(chunk, label=label) for chunk, label in zip(known, every, strict=True)]
         parts = [part if isinstance(part, str) else self.images.read(part) for part in turn.parts]
         try:
-            made = conversation.message(turn.role, parts, closed=closed, labels=labels)
+            made = conversation.message(turn.role, parts, closed=closed, labels=labels, markers_apart=True)
         except InputError as exc:
             raise RequestError(400, f"{where}: {exc}", param="messages") from exc
         self._keep(key, tuple(made))

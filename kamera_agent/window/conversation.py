@@ -49,10 +49,17 @@ class Conversation:
         opened: bool = True,
         closed: bool = True,
         labels: Sequence[str | None] | None = None,
+        markers_apart: bool = False,
     ) -> list[Chunk]:
         """The chunks of one message, a chunk per part: the first carries the role's opening
         marker (unless ``opened`` is false: the message was begun by earlier chunks), the last its
         closing one (unless ``closed`` is false: the query will close it).
+
+        ``markers_apart``: the markers are chunks of their own (labelled ``open`` and
+        ``close``), so every part's chunk is the same whichever parts the message keeps: an
+        agent that drops a screenshot from an old message (its text kept) evicts that one
+        chunk, and the message's other chunks stay where they are. The token sequence is the
+        same either way.
 
         Raises:
             InputError: an unknown role, or a message with no parts.
@@ -66,11 +73,16 @@ class Conversation:
             raise InputError(f"a {role} message needs at least one part (text or an image)")
         t = self.template
         chunks = []
+        if markers_apart and opened:
+            chunks.append(self.encoder.text(t.opens[role], label=_marker(labels, "open")))
         for i, part in enumerate(parts):
-            before = (t.opens[role] if opened else "") if i == 0 else t.part_separator
-            after = t.closes[role] if closed and i == len(parts) - 1 else ""
+            first, last = i == 0, i == len(parts) - 1
+            before = t.part_separator if not first else ("" if markers_apart or not opened else t.opens[role])
+            after = t.closes[role] if closed and last and not markers_apart else ""
             label = labels[i] if labels is not None else None
             chunks.append(self._part(part, before, after, label))
+        if markers_apart and closed:
+            chunks.append(self.encoder.text(t.closes[role], label=_marker(labels, "close")))
         return chunks
 
     def query_ids(self, text: str, *, opened: bool = True, role: str = "user") -> torch.Tensor:
@@ -98,3 +110,10 @@ class Conversation:
         return self.encoder.image(
             image, kind=kind, caption=before, trailer=after, label=label, max_pixels=self.max_pixels
         )
+
+
+def _marker(labels: Sequence[str | None] | None, which: str) -> str | None:
+    """A marker chunk's label: the message's first label's stem and ``which``."""
+    if not labels or labels[0] is None:
+        return None
+    return labels[0].rpartition(".")[0] + f".{which}" if "." in labels[0] else f"{labels[0]}.{which}"

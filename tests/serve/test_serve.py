@@ -406,3 +406,33 @@ def test_the_prefix_cache_mode_keeps_only_an_unchanged_prefix_and_answers_exactl
     assert spent["defaults"] < spent["exact"] <= spent["prefix"], spent
     with pytest.raises(openai.BadRequestError, match=r"kamera\.rank"):
         _ask(prefix, [SYSTEM, shot(0, "What now?")], extra_body={"kamera": {"rank": 4}})
+
+
+def test_dropping_a_screenshot_from_an_old_message_evicts_that_chunk_alone(serve: Serve) -> None:
+    """Agents drop old screenshots and keep their text (Anthropic's computer-use demo, Agent-S3):
+    each message's markers are chunks of their own, so the message's text chunk is unchanged
+    and the request is one evict; everything after it is reused (relocated or kept), where a
+    prefix cache re-prefills from that message on. The exact preset still answers as a
+    re-prefill does."""
+    history = [SYSTEM]
+    for i in range(4):
+        history += [
+            {"role": "user", "content": [*shot(i)["content"], {"type": "text", "text": f"step {i}"}]},
+            {"role": "assistant", "content": "ok"},
+        ]
+    question = shot(9, "What now?")
+    dropped = [dict(m) for m in history]
+    dropped[1] = {"role": "user", "content": [{"type": "text", "text": "step 0"}]}  # its screenshot gone
+    prefix, defaults, exact = serve(reuse="prefix"), serve(), serve(config=WindowConfig.exact())
+    for live in (prefix, defaults, exact):
+        _ask(live, [*history, question], session_id="agent")
+    spent = {}
+    for name, live in (("prefix", prefix), ("defaults", defaults), ("exact", exact)):
+        response = _ask(live, [*dropped, question], session_id="agent")
+        spent[name] = _prefilled(response)
+        (op,) = [op for op in _ops(response) if op["op"] == "arrange"]
+        if name != "prefix":  # kamera: the screenshot's chunk leaves, nothing else does
+            assert op["edits"].get("evict") == 1, op
+        if name == "exact":
+            assert _text(response) == _text(_ask(prefix, [*dropped, question], session_id="agent"))
+    assert spent["defaults"] < spent["prefix"] / 3, spent
