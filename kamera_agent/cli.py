@@ -53,6 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_threads(args.threads)
     console = Console(width=None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", "160")))
     if args.command == "bench":
+        if args.suite == "agents-replay":  # drives kamera serve: above the bench suites' layer
+            from kamera_agent.replay.command import run_replay_command
+
+            return run_replay_command(args, console)
         return run_bench_command(args, console)
     if args.command == "store":
         return run_store_command(args, console)

@@ -53,9 +53,9 @@ def add_bench_parser(commands: Any) -> None:
     bench = commands.add_parser("bench", help="fidelity, cost, window and agent benchmarks, with a report")
     bench.add_argument(
         "--suite",
-        choices=["fidelity", "cost", "window", "agents", "all"],
+        choices=["fidelity", "cost", "window", "agents", "agents-replay", "all"],
         default="all",
-        help="which suite to run (default: all)",
+        help="which suite to run (default: all; agents-replay, which drives kamera serve, runs alone)",
     )
     bench.add_argument("--model", default=None, help="a kamera-tiny-vl checkpoint (default: shipped)")
     bench.add_argument("--out", default="bench-results", help="output directory (default: bench-results)")

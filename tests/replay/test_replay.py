@@ -1,0 +1,70 @@
+"""The agents-replay suite: each policy sends what its agent sends, and a quick run drives both
+servers through the official client end to end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from kamera_agent.replay.command import run_replay_command
+from kamera_agent.replay.policies import POLICIES
+from kamera_agent.replay.screens import TextScreens
+
+SCREENS = TextScreens(seed=1, screen_tokens=8, output_tokens=8)
+
+
+def _screens_shown(messages: list[dict[str, Any]]) -> list[str]:
+    shown = []
+    for message in messages:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else []:
+            if part.get("text") in {SCREENS.screen(k)["text"] for k in range(40)}:
+                shown.append(part["text"])
+    return shown
+
+
+def test_keep_3_batched_drops_old_screens_ten_at_a_time() -> None:
+    counts = [len(_screens_shown(m)) for m in POLICIES["keep-3-batched"].requests(SCREENS, 24)]
+    assert counts[:12] == list(range(1, 13))  # nothing dropped until 10 can go at once
+    assert counts[12] == 3 and counts[21] == 12 and counts[22] == 3
+
+
+def test_latest_8_keeps_eight_screens_and_their_messages_text() -> None:
+    requests = POLICIES["latest-8"].requests(SCREENS, 20)
+    assert [len(_screens_shown(m)) for m in requests][7:] == [8] * 13
+    last = requests[-1]
+    assert last[1]["content"] == [{"type": "text", "text": "Book a table for two at eight."}]  # text kept
+
+
+def test_current_only_and_spliced_histories() -> None:
+    current = POLICIES["current-only"].requests(SCREENS, 6)
+    assert all(len(_screens_shown(m)) == 1 for m in current)
+    spliced = POLICIES["latest-5-spliced"].requests(SCREENS, 9)
+    firsts = [m[1]["content"] for m in spliced]
+    assert len(set(firsts[4:])) == 5  # the first message changes every step once actions age out
+    assert all(len(_screens_shown(m)) == min(5, i + 1) for i, m in enumerate(spliced))
+
+
+def test_tool_truncated_ends_in_the_newest_output_and_stubs_old_ones() -> None:
+    request = POLICIES["tool-truncated"].requests(SCREENS, 8)[-1]
+    assert request[-1]["role"] == "tool"
+    outputs = [m["content"] for m in request if m["role"] == "tool"]
+    assert outputs[:-3] == ["(output dropped)"] * 5 and "(output dropped)" not in outputs[-3:]
+
+
+def test_a_quick_replay_drives_both_servers_and_writes_its_table(tmp_path: Path) -> None:
+    args = argparse.Namespace(quick=True, model=None, out=str(tmp_path), seed=7)
+    assert run_replay_command(args, Console(file=None, width=200, quiet=True)) == 0
+    payload = json.loads((tmp_path / "agents-replay.json").read_text())
+    assert not payload["partial"]
+    assert {(s["model"], s["policy"]) for s in payload["summaries"]} == {
+        (model, policy) for model in ("demo", "realistic") for policy in POLICIES
+    }
+    for record in payload["records"]:
+        assert record["kamera"]["prompt_tokens"] == record["prefix"]["prompt_tokens"]  # the same request
+        assert 0 < record["prefix"]["prefilled"] <= record["prefix"]["prompt_tokens"]
+    assert (tmp_path / "agents-replay.md").read_text().count("\n") == 2 + 2 * len(POLICIES)
