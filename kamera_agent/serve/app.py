@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,7 +30,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from kamera_agent.serve.feed import Cancellation, Feed
 from kamera_agent.serve.protocol import ChatRequest, RequestError, error_body
+from kamera_agent.serve.response_events import response_events
 from kamera_agent.serve.responses import (
     ResponseRequest,
     StoredResponse,
@@ -44,32 +45,6 @@ __all__ = ["Cancellation", "create_app"]
 
 _OPEN = frozenset({"/health"})
 """Routes that answer without a key (a load balancer's liveness probe)."""
-
-
-class Cancellation:
-    """A request's generation, stoppable when its client goes away: ``keep_going`` is asked
-    before each decode step; ``cancel`` is called when the client is seen gone."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self.steps = 0
-        self.steps_at_cancel: int | None = None
-
-    def keep_going(self) -> bool:
-        if self._event.is_set():
-            return False
-        self.steps += 1
-        return True
-
-    def cancel(self) -> None:
-        if not self._event.is_set():
-            self.steps_at_cancel = self.steps
-            self._event.set()
-
-    @property
-    def after_cancel(self) -> int:
-        """Decode steps begun after the client was seen gone (0 or 1: the one in flight)."""
-        return 0 if self.steps_at_cancel is None else self.steps - self.steps_at_cancel
 
 
 class _Tenants:
@@ -143,15 +118,27 @@ def create_app(server: KameraServer) -> FastAPI:
             return _refused(server, exc)
         except ValidationError as exc:
             return _refused(server, _invalid(exc))
+        response_id = f"resp_{uuid.uuid4().hex}"
+
+        def keep(done: Completion, body: dict[str, Any], message: dict[str, Any]) -> None:
+            if request.store:
+                server.responses.put(response_id, StoredResponse(tenant, [*history, message], body))
+
+        if request.stream:
+            feed = Feed(server, chat, tenant)
+            first = await feed.next()
+            if first[0] == "refused":
+                feed.cancel()
+                return _refused(server, first[1])
+            server.metrics.request(200)
+            events = response_events(feed, first, request, response_id, keep)
+            return StreamingResponse(events, media_type="text/event-stream")
         try:
             done = await _watched(server, raw, chat, tenant)
         except RequestError as exc:
             return _refused(server, exc)
-        response_id = f"resp_{uuid.uuid4().hex}"
         body, message = to_response(done, request, response_id)
-        if request.store:
-            stored = StoredResponse(tenant, [*history, message], body)
-            server.responses.put(response_id, stored)
+        keep(done, body, message)
         server.metrics.request(200)
         return JSONResponse(body)
 
@@ -295,33 +282,10 @@ def _completion(done: Completion) -> dict[str, Any]:
 async def _streamed(server: KameraServer, request: ChatRequest, tenant: str) -> Response:
     """Runs the request in a thread, streaming its text; a request refused before its first
     token gets a plain 4xx, as a non-streamed one would. A client gone mid-stream stops it."""
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-    cancellation = Cancellation()
-
-    def put(kind: str, value: Any) -> None:
-        loop.call_soon_threadsafe(events.put_nowait, (kind, value))
-
-    def work() -> None:
-        try:
-            done = server.complete(
-                request,
-                tenant=tenant,
-                on_text=lambda text: put("text", text),
-                keep_going=cancellation.keep_going,
-            )
-            if cancellation.steps_at_cancel is not None:
-                server.metrics.after_cancel(cancellation.after_cancel)
-            put("done", done)
-        except RequestError as exc:
-            put("refused", exc)
-        except Exception as exc:  # reported to this client; the server keeps serving
-            put("refused", RequestError(500, f"internal error ({type(exc).__name__})"))
-
-    threading.Thread(target=work, name="kamera-request", daemon=True).start()
-    first = await events.get()
+    feed = Feed(server, request, tenant)
+    first = await feed.next()
     if first[0] == "refused":
-        cancellation.cancel()
+        feed.cancel()
         return _refused(server, first[1])
     server.metrics.request(200)
     stamp = {
@@ -360,10 +324,10 @@ async def _streamed(server: KameraServer, request: ChatRequest, tenant: str) -> 
                 else:  # refused after streaming began: say so in the stream and end it
                     yield _data(error_body(value.message, "server_error", value.param, value.code))
                     break
-                kind, value = await events.get()
+                kind, value = await feed.next()
             yield b"data: [DONE]\n\n"
         finally:  # the client went away (or the stream ended): no decode step more for it
-            cancellation.cancel()
+            feed.cancel()
 
     return StreamingResponse(body(), media_type="text/event-stream")
 

@@ -66,10 +66,6 @@ class ResponseRequest(BaseModel):
             raise RequestError(
                 400, f"{name!r} is not a field kamera serve takes for responses; remove it", param=name
             )
-        if self.stream:
-            raise RequestError(
-                400, "streamed responses are not served yet: send stream false", param="stream"
-            )
         if self.truncation not in (None, "disabled", "auto"):
             raise RequestError(
                 400, f"truncation {self.truncation!r}: 'auto' or 'disabled'", param="truncation"
@@ -235,7 +231,7 @@ def _format(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_response(
-    done: Any, request: ResponseRequest, response_id: str
+    done: Any, request: ResponseRequest, response_id: str, message_id: str | None = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The Responses object for a served `Completion`, and the assistant message it adds to
     the conversation (what a follow-up's history holds)."""
@@ -245,7 +241,7 @@ def to_response(
         output.append(
             {
                 "type": "message",
-                "id": f"msg_{uuid.uuid4().hex[:24]}",
+                "id": message_id or f"msg_{uuid.uuid4().hex[:24]}",
                 "status": "completed",
                 "role": "assistant",
                 "content": [{"type": "output_text", "text": message["content"], "annotations": []}],

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import openai
 import pytest
 
+from kamera_agent.config import WindowConfig
 from kamera_agent.serve.protocol import RequestError
 from kamera_agent.serve.responses import ResponseStore, StoredResponse
 from tests.serve.conftest import MODEL, LiveServer, frame_url
@@ -95,11 +96,72 @@ def test_structured_text_format_and_refusals_by_name(serve: Serve) -> None:
     assert json.loads(reply.output_text)["colour"] in ("red", "blue")
     for fields, named in (
         ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
-        ({"stream": True}, "stream"),
+        ({"stream": True, "tool_choice": "required"}, "tool_choice"),
         ({"truncation": "sometimes"}, "truncation"),
     ):
         with pytest.raises(openai.BadRequestError, match=named):
             live.client.responses.create(model=MODEL, input="hi", max_output_tokens=1, **fields)  # type: ignore[call-overload]
+
+
+def test_a_streamed_response_is_openais_event_sequence_and_equals_the_plain_one(serve: Serve) -> None:
+    """Streamed: created, in_progress, the message item and its part opened, a text delta per
+    piece, each closed, completed with the whole response (stored: a follow-up extends it),
+    its text the deltas' and a plain request's; a forced call streams as a function_call item."""
+    live, plain = serve(config=WindowConfig.exact()), serve(config=WindowConfig.exact())
+    asked = {"model": MODEL, "instructions": INSTRUCTIONS, "input": _screen(4, "what?"), "temperature": 0}
+    events = list(live.client.responses.create(**asked, max_output_tokens=6, stream=True))  # type: ignore[call-overload]
+    kinds = [event.type for event in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed" if events[-1].response.status == "completed" else "response.incomplete",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    final = events[-1].response
+    assert deltas == final.output_text == events[-4].text
+    assert final.output[0].id == events[2].item.id
+    assert final.output_text == plain.client.responses.create(**asked, max_output_tokens=6).output_text  # type: ignore[call-overload]
+    follow = live.client.responses.create(
+        model=MODEL,
+        instructions=INSTRUCTIONS,
+        previous_response_id=final.id,
+        input="and?",
+        max_output_tokens=1,
+    )
+    assert follow.usage is not None and follow.usage.input_tokens_details.cached_tokens > 0
+    tools = [
+        {
+            "type": "function",
+            "name": "pick",
+            "parameters": {
+                "type": "object",
+                "properties": {"n": {"enum": [1, 2]}},
+                "required": ["n"],
+                "additionalProperties": False,
+            },
+        }
+    ]
+    called = list(
+        live.client.responses.create(
+            model=MODEL,
+            input="pick",
+            tools=tools,
+            tool_choice="required",
+            max_output_tokens=64,
+            stream=True,  # type: ignore[arg-type]
+        )
+    )
+    (item,) = [e.item for e in called if e.type == "response.output_item.done"]
+    assert item.type == "function_call" and item.name == "pick" and json.loads(item.arguments)["n"] in (1, 2)
+    assert called[-1].type == "response.completed" and called[-1].response.output[0].call_id == item.call_id
 
 
 def test_stored_responses_are_bounded_per_tenant_by_count_and_bytes() -> None:
