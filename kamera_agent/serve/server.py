@@ -384,11 +384,8 @@ class KameraServer:
         cannot fit the model's context (its tokenizing would hold the lock for a text no answer
         can follow)."""
         conversation = self.messages.conversation(system)
-        tokens = int(
-            conversation.query_ids(prepared.query, opened=not prepared.in_message, role=prepared.role).shape[
-                0
-            ]
-        )
+        ids = conversation.query_ids(prepared.query, opened=not prepared.in_message, role=prepared.role)
+        tokens = int(ids.shape[0])
         limit = self.backend.context_limit
         if limit is not None and tokens >= limit:
             raise RequestError(
