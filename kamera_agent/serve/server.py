@@ -35,7 +35,7 @@ from kamera_agent.serve.responses import ResponseStore
 from kamera_agent.serve.sessions import SessionPool
 from kamera_agent.serve.structured import json_constraint, tool_call_constraint
 from kamera_agent.serve.sync import SyncReport, sync_window
-from kamera_agent.serve.tools import HERMES, CallFilter, system_with_tools
+from kamera_agent.serve.tools import CallFilter, ToolFormat, system_with_tools, tool_format_for
 from kamera_agent.serve.turns import ImageReader, Limits, read_turns
 from kamera_agent.serve.usage import PromptSplit
 from kamera_agent.store import ChunkStore
@@ -234,6 +234,8 @@ class KameraServer:
         self._llg_tokenizer: Any = None
         self.responses = ResponseStore()
         """Stored responses (``/v1/responses``), per tenant bounded."""
+        self.tool_format: ToolFormat = tool_format_for(backend.encoder.tokenizer)
+        """How the model's template writes tool calls (rendered history, parsed answers, grammar)."""
 
     def complete(
         self,
@@ -259,7 +261,7 @@ class KameraServer:
                 code="model_not_found",
             )
         settings = self._settings_key(request.kamera)
-        system, turns = read_turns(request.messages, self.settings.limits, HERMES)
+        system, turns = read_turns(request.messages, self.settings.limits, self.tool_format)
         if request.tools:  # the definitions belong to the system block: the conversation's anchor
             system = system_with_tools(
                 self.backend.encoder.tokenizer, self.messages.template, system, request.tools
@@ -276,7 +278,7 @@ class KameraServer:
         self, asked: _Asked, on_text: Callable[[str], None] | None, keep_going: Callable[[], bool] | None
     ) -> Completion:
         request, prepared = asked.request, asked.prepared
-        calls = CallFilter(on_text, HERMES) if on_text is not None and request.calls_tools else None
+        calls = CallFilter(on_text, self.tool_format) if on_text is not None and request.calls_tools else None
         if calls is not None:
             on_text = calls  # a call is sent as tool_calls, never as text
         with self._lock:
@@ -331,7 +333,7 @@ class KameraServer:
             spent,
             tuple(answers[1:]),
             tuple(self._logprobs(each) for each in answers),
-            tuple(_called(each, request.parallel_tool_calls) for each in answers)
+            tuple(_called(each, request.parallel_tool_calls, self.tool_format) for each in answers)
             if request.calls_tools
             else (),
         )
@@ -346,7 +348,7 @@ class KameraServer:
         forced = request.forced_tools
         if forced is not None:
             return tool_call_constraint(
-                self._grammar_tokenizer(), forced, HERMES, parallel=request.parallel_tool_calls
+                self._grammar_tokenizer(), forced, self.tool_format, parallel=request.parallel_tool_calls
             )
         if (request.response_format or {}).get("type", "text") != "text":
             return json_constraint(self._grammar_tokenizer(), request.response_format or {})
@@ -484,9 +486,9 @@ class KameraServer:
         }
 
 
-def _called(answer: Answer, parallel: bool) -> Called:
+def _called(answer: Answer, parallel: bool, tool_format: ToolFormat) -> Called:
     """The answer's tool calls (the first only when ``parallel`` is off) and the text around them."""
-    content, tool_calls = HERMES.parse(answer.text)
+    content, tool_calls = tool_format.parse(answer.text)
     return Called(content, tool_calls if parallel else tool_calls[:1])
 
 

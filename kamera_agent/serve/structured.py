@@ -9,10 +9,11 @@ text a prefix of a valid document, and the answer ends when the document is comp
 is computed on the CPU and applied to the logits wherever they live.
 
 A required tool call (``tool_choice`` ``required`` or a named function) is the same machinery
-over a grammar of the template family's call text: ``<tool_call>\n{"name": …, "arguments":
-…}\n</tool_call>`` with the name one of the allowed functions and the arguments that
-function's parameter schema, separated as the template renders calls (``json.dumps``'s
-``": "`` and ``", "``), so a forced call reads exactly like one the model chose.
+over a grammar of the template family's call text (Hermes: ``<tool_call>\n{"name": …,
+"arguments": …}\n</tool_call>``; Llama 3: a bare ``{"name": …, "parameters": …}``) with the
+name one of the allowed functions and the arguments that function's parameter schema, spaced
+as the template renders calls (``json.dumps``'s ``": "`` and ``", "``), so a forced call reads
+exactly like one the model chose.
 """
 
 from __future__ import annotations
@@ -125,14 +126,16 @@ def tool_call_constraint(
         parameters = function.get("parameters") or {"type": "object"}
         schema = {
             "type": "object",
-            "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-            "required": ["name", "arguments"],
+            "properties": {"name": {"const": function["name"]}, tool_format.arguments_key: parameters},
+            "required": ["name", tool_format.arguments_key],
             "additionalProperties": False,
             "x-guidance": _RENDERED_JSON,
         }
         rules.append(f"f{i}: %json {json.dumps(schema, ensure_ascii=False)}")
-    call = f"{_literal(tool_format.open)} ({' | '.join(f'f{i}' for i in range(len(functions)))}) "
-    call += _literal(tool_format.close)
+    alternatives = f"({' | '.join(f'f{i}' for i in range(len(functions)))})"
+    framed = [_literal(tool_format.open) if tool_format.open else "", alternatives]
+    framed.append(_literal(tool_format.close) if tool_format.close else "")
+    call = " ".join(piece for piece in framed if piece)
     more = f" ({_literal(tool_format.separator)} call)*" if parallel else ""
     lark = "\n".join([f"start: call{more}", f"call: {call}", *rules]) + "\n"
     try:

@@ -8,9 +8,11 @@ output is an evict, not a re-prefill. What the model reads is what its chat temp
   are part of the conversation's anchor: `system_with_tools` asks the template for the system
   block with the tools and returns its content, which then frames the conversation as a system
   prompt does (a template that ignores ``tools`` is refused by name, never silently);
-- an assistant message's calls are rendered in the template family's call format
-  (`HERMES`: ``<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>``, what ChatML and
-  Qwen templates use), and a tool message is a message of role ``tool``;
+- an assistant message's calls are rendered in the template family's call format, chosen from
+  the template (`tool_format_for`): `HERMES` (``<tool_call>\\n{"name": …, "arguments": {…}}\\n
+  </tool_call>``, what ChatML and Qwen templates use) or `LLAMA3_JSON` (Llama 3.1-3.3's bare
+  ``{"name": …, "parameters": {…}}``, tool results in the ``ipython`` role); `TOOL_FORMATS`
+  is the registry; a tool message is a message of role ``tool``;
 - the answer is parsed back in the same format (`ToolFormat.parse`): calls become
   ``message.tool_calls``; a streamed answer holds back text from the first call marker on
   (`CallFilter`).
@@ -27,7 +29,15 @@ from typing import Any
 from kamera_agent.chunks.chat import ChatTemplate
 from kamera_agent.serve.protocol import RequestError
 
-__all__ = ["HERMES", "CallFilter", "ToolFormat", "system_with_tools"]
+__all__ = [
+    "HERMES",
+    "LLAMA3_JSON",
+    "TOOL_FORMATS",
+    "CallFilter",
+    "ToolFormat",
+    "system_with_tools",
+    "tool_format_for",
+]
 
 _A = "\u2063KAMERA_TOOLS_A\u2063"
 
@@ -37,15 +47,21 @@ class ToolFormat:
     """How a template family writes a tool call in text, and reads it back.
 
     Attributes:
-        open: the text before a call's JSON (``<tool_call>\\n``).
+        open: the text before a call's JSON (``<tool_call>\\n``; ``""``: a bare JSON call, which
+            is then the whole answer).
         close: the text after it (``\\n</tool_call>``).
         separator: between two calls, and between an assistant's text and its first call.
+        arguments_key: the key of a call's arguments in its JSON (``arguments``; Llama 3's
+            ``parameters``).
+        prefix: text a model may put before a bare call (Llama's ``<|python_tag|>``), dropped.
     """
 
     name: str
     open: str
     close: str
     separator: str
+    arguments_key: str = "arguments"
+    prefix: str = ""
 
     def render(self, content: str | None, calls: Sequence[dict[str, Any]]) -> str:
         """An assistant message's text: its content, then each call as the template writes it."""
@@ -60,7 +76,7 @@ class ToolFormat:
                     raise RequestError(
                         400, f"tool call arguments are not JSON: {arguments[:60]!r}", param="messages"
                     ) from exc
-            body = '{"name": "' + str(function.get("name", "")) + '", "arguments": '
+            body = '{"name": "' + str(function.get("name", "")) + f'", "{self.arguments_key}": '
             pieces.append(self.open + body + json.dumps(arguments, ensure_ascii=False) + "}" + self.close)
         return self.separator.join(pieces)
 
@@ -68,6 +84,8 @@ class ToolFormat:
         """``(content, tool_calls)`` of an answer: each well-formed call (JSON with a ``name``) in
         OpenAI's shape with a fresh id; text around them is the content (``None`` if empty).
         A call that does not parse stays in the content, as the model wrote it."""
+        if not self.marker:
+            return self._parse_bare(text)
         calls: list[dict[str, Any]] = []
         kept: list[str] = []
         rest = text
@@ -89,12 +107,38 @@ class ToolFormat:
 
     @property
     def marker(self) -> str:
-        """The text a call starts with (what a stream holds back)."""
+        """The text a call starts with (what a stream holds back; ``""``: a bare call)."""
         return self.open.strip()
+
+    def _parse_bare(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """A bare-JSON answer: calls when the whole answer is calls, else text."""
+        said = text.strip().removeprefix(self.prefix).strip() if self.prefix else text.strip()
+        pieces = [piece.strip() for piece in (said.split(self.separator) if self.separator else [said])]
+        calls = [_call(piece) for piece in pieces]
+        if said and all(call is not None for call in calls):
+            return None, [call for call in calls if call is not None]
+        return text.strip() or None, []
 
 
 HERMES = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>", "\n")
 """Hermes-style calls, as ChatML and Qwen2/2.5 templates (and the demo model's) render them."""
+
+LLAMA3_JSON = ToolFormat("llama3_json", "", "", "; ", arguments_key="parameters", prefix="<|python_tag|>")
+"""Llama 3.1-3.3's JSON tool calls: the whole answer is ``{"name": …, "parameters": {…}}``."""
+
+TOOL_FORMATS: dict[str, ToolFormat] = {each.name: each for each in (HERMES, LLAMA3_JSON)}
+"""The call formats served, by name (a template family's format is added here)."""
+
+
+def tool_format_for(tokenizer: Any) -> ToolFormat:
+    """The call format of the tokenizer's chat template: Hermes where it writes ``<tool_call>``
+    (and by default), Llama 3's JSON where it has the ``ipython`` role or ``<|python_tag|>``."""
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    if "<tool_call>" in template:
+        return HERMES
+    if "ipython" in template or "<|python_tag|>" in template:
+        return LLAMA3_JSON
+    return HERMES
 
 
 def _call(raw: str) -> dict[str, Any] | None:
@@ -144,9 +188,9 @@ def system_with_tools(
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
-    try:
+    try:  # Llama 3.1's template would put tools in the first user message; ask for the system block
         text: str = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=False, tokenize=False
+            messages, tools=tools, add_generation_prompt=False, tokenize=False, tools_in_user_message=False
         )
     except Exception as exc:  # a template may raise on tools it does not support
         raise RequestError(
@@ -162,11 +206,23 @@ class CallFilter:
 
     def __init__(self, on_text: Callable[[str], None], tool_format: ToolFormat) -> None:
         self.on_text, self.marker = on_text, tool_format.marker
-        self.text, self.sent, self.calling = "", 0, False
+        self.starts = ("{", tool_format.prefix) if tool_format.prefix else ("{",)  # a bare call's
+        self.text, self.sent, self.calling, self.plain = "", 0, False, False
 
     def __call__(self, piece: str) -> None:
         self.text += piece
         if self.calling:
+            return
+        if self.plain:
+            self._send(len(self.text))
+            return
+        if not self.marker:  # a bare call is the whole answer: decided by how the answer starts
+            begun = self.text.lstrip()
+            if not begun or any(start.startswith(begun) for start in self.starts if len(begun) < len(start)):
+                return  # too little to tell yet
+            self.calling = begun.startswith(self.starts)
+            self.plain = not self.calling
+            self._send(0 if self.calling else len(self.text))
             return
         found = self.text.find(self.marker)
         if found >= 0:
