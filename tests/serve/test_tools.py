@@ -405,3 +405,13 @@ def test_a_named_function_in_the_responses_shape_is_called(serve: Callable[..., 
     (item,) = response.output
     assert item.type == "function_call" and item.name == "click"
     jsonschema.validate(json.loads(item.arguments), _SCHEMAS["click"])
+    answered = live.client.responses.create(  # the agent runs the call and sends its output back
+        model=MODEL,
+        previous_response_id=response.id,
+        input=[{"type": "function_call_output", "call_id": item.call_id, "output": "clicked: a form opened"}],
+        tools=[{"type": "function", **tool["function"]} for tool in BOUNDED],  # type: ignore[misc]
+        temperature=0,
+        max_output_tokens=3,
+    )
+    assert answered.status in ("completed", "incomplete") and answered.usage is not None
+    assert answered.usage.input_tokens_details.cached_tokens > 0  # the call's conversation was kept
