@@ -4,15 +4,18 @@ A window's image chunk is the image framed as the chat template frames it (visio
 placeholders, vision end) and each conversation message is a chunk of its own. In a request an
 engine has, that is: each image's placeholder span (the engine says where: SGLang by its
 content-derived pad values, vLLM by its ``mm_features``) with the framing token on each side,
-and text cut before each message's opening marker. A chunk's key is its tokens (an image's: its
-content identity) scoped by the request's anchor (its first chunk, keyed in the request's
-namespace: `keyed`), so the same image or message behind the same system prompt has the same
-key wherever it sits, the key a conversation window gives the same message, and another
-tenant's never does.
+and text cut before each message's opening marker. The marker is read off the tokenizer's own
+chat template (`message_starts`): ChatML's ``<|im_start|>``, Llama 3's
+``<|start_header_id|>``, Gemma's ``<start_of_turn>``, Mistral's ``[INST]``. A chunk's key is
+its tokens (an image's: its content identity) scoped by the request's anchor (its first chunk,
+keyed in the request's namespace: `keyed`), so the same image or message behind the same
+system prompt has the same key wherever it sits, the key a conversation window gives the same
+message, and another tenant's never does.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +23,9 @@ from typing import Any
 from kamera_agent.chunks.chunk import token_key
 from kamera_agent.engines.synthesis import RequestChunk
 
-__all__ = ["ChunkRules", "ImageSpan", "keyed", "request_chunks"]
+__all__ = ["ChunkRules", "ImageSpan", "keyed", "message_starts", "request_chunks"]
+
+_SENTINELS = tuple(f"\u2063KAMERA_M{i}\u2063" for i in range(4))
 
 
 @dataclass(frozen=True)
@@ -30,28 +35,59 @@ class ChunkRules:
     Attributes:
         image_open / image_close: the tokens framing an image's placeholders (Qwen-VL:
             ``<|vision_start|>`` / ``<|vision_end|>``); ``None``: the span alone.
-        message_start: the token opening each message (``<|im_start|>``); ``None``: text runs
-            are not cut.
+        message_starts: the tokens opening a message (``<|im_start|>``); empty: text runs are
+            not cut.
     """
 
     image_open: int | None = None
     image_close: int | None = None
-    message_start: int | None = None
+    message_starts: frozenset[int] = frozenset()
 
     @classmethod
     def for_model(cls, config: Any, tokenizer: Any | None = None) -> ChunkRules:
         """The rules of a model: framing tokens from its config (``vision_start_token_id``,
-        ``vision_end_token_id``), the message marker from its tokenizer (``<|im_start|>``)."""
-        start = None
-        if tokenizer is not None:
-            token = tokenizer.convert_tokens_to_ids("<|im_start|>")
-            known = isinstance(token, int) and token != getattr(tokenizer, "unk_token_id", None)
-            start = token if known else None
+        ``vision_end_token_id``), the message markers from its tokenizer's chat template."""
         return cls(
             image_open=getattr(config, "vision_start_token_id", None),
             image_close=getattr(config, "vision_end_token_id", None),
-            message_start=start,
+            message_starts=message_starts(tokenizer) if tokenizer is not None else frozenset(),
         )
+
+
+def message_starts(tokenizer: Any) -> frozenset[int]:
+    """The special tokens that open a message in the tokenizer's chat template.
+
+    Read off the template: a user / assistant / user / assistant conversation is rendered around
+    sentinels, and between each message and the next the first special token after the
+    previous message's own closing token is the next one's opening (``<|im_end|>\\n
+    <|im_start|>`` gives ``<|im_start|>``; Llama 3's ``<|eot_id|><|start_header_id|>`` gives
+    ``<|start_header_id|>``). A template with no special marker there (Mistral's assistant turn,
+    which only ``[/INST]`` ends) cuts where it has one. No template, one that cannot render
+    this conversation, or none found: ChatML's ``<|im_start|>`` if the vocabulary has it, else
+    no cuts (a request is then one chunk, which nothing but a prefix cache can reuse).
+    """
+    found: set[int] = set()
+    if getattr(tokenizer, "chat_template", None):
+        roles = ("user", "assistant", "user", "assistant")
+        messages = [{"role": role, "content": text} for role, text in zip(roles, _SENTINELS, strict=True)]
+        try:
+            rendered = str(tokenizer.apply_chat_template(messages, tokenize=False))
+        except Exception:  # a template may refuse any shape it does not know: fall back
+            rendered = ""
+        special = set(getattr(tokenizer, "all_special_ids", ()))
+        special |= {i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
+        for before, after in itertools.pairwise(_SENTINELS):
+            a, b = rendered.find(before), rendered.find(after)
+            if a < 0 or b < 0:
+                continue
+            between = tokenizer(rendered[a + len(before) : b], add_special_tokens=False)["input_ids"]
+            closer = 1 if between and between[0] in special else 0
+            found |= {next((i for i in between[closer:] if i in special), -1)} - {-1}
+    if not found:
+        token = tokenizer.convert_tokens_to_ids("<|im_start|>") if tokenizer is not None else None
+        known = isinstance(token, int) and token != getattr(tokenizer, "unk_token_id", None)
+        found = {token} if known and isinstance(token, int) else set()
+    return frozenset(found)
 
 
 @dataclass(frozen=True)
@@ -96,6 +132,6 @@ def keyed(
 
 def _text(tokens: Sequence[int], start: int, end: int, rules: ChunkRules) -> list[tuple[int, int, str]]:
     cuts = [start]
-    if rules.message_start is not None:
-        cuts += [i for i in range(start + 1, end) if tokens[i] == rules.message_start]
+    if rules.message_starts:
+        cuts += [i for i in range(start + 1, end) if tokens[i] in rules.message_starts]
     return [(a, b, "text") for a, b in zip(cuts, [*cuts[1:], end], strict=True) if a < b]

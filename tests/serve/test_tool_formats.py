@@ -22,36 +22,8 @@ from kamera_agent.serve import KameraServer, ServeSettings
 from kamera_agent.serve.tools import HERMES, LLAMA3_JSON, CallFilter, system_with_tools, tool_format_for
 from kamera_agent.serve.turns import read_turns
 from tests.serve.conftest import LiveServer
+from tests.templates import LLAMA_STYLE, SPECIALS
 
-# A Llama 3.1-style template (the family's shape, not Meta's text): headers per role, tools as
-# JSON in the system block when tools_in_user_message is false, a call as a bare JSON object,
-# tool results in the ipython role.
-LLAMA_STYLE = (
-    "{%- if tools_in_user_message is not defined %}{%- set tools_in_user_message = true %}{%- endif %}"
-    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
-    "{%- set messages = messages[1:] %}{%- else %}{%- set system = '' %}{%- endif %}"
-    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
-    "{%- if tools is not none %}{{- 'Environment: ipython\\n' }}{%- endif %}"
-    "{%- if tools is not none and not tools_in_user_message %}"
-    '{{- \'Call a function with JSON: {"name": name, "parameters": arguments}.\\n\' }}'
-    "{%- for t in tools %}{{- t | tojson }}{{- '\\n' }}{%- endfor %}{%- endif %}"
-    "{{- system }}{{- '<|eot_id|>' }}"
-    "{%- for m in messages %}"
-    "{%- if m['role'] == 'assistant' and m.get('tool_calls') %}"
-    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-    "{%- set f = m['tool_calls'][0]['function'] %}"
-    "{{- '{\"name\": \"' + f['name'] + '\", \"parameters\": ' }}"
-    "{{- f['arguments'] | tojson }}{{- '}<|eot_id|>' }}"
-    "{%- else %}"
-    "{%- set role = 'ipython' if m['role'] in ('tool', 'ipython') else m['role'] %}"
-    "{{- '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n' }}"
-    "{%- if m['content'] is string %}{{- m['content'] }}"
-    "{%- else %}{%- for p in m['content'] %}{{- p['text'] }}{%- endfor %}{%- endif %}"
-    "{{- '<|eot_id|>' }}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
-)
-SPECIALS = {"<|start_header_id|>": 300, "<|end_header_id|>": 301, "<|eot_id|>": 302, "<|python_tag|>": 303}
 TOOLS = [
     {
         "type": "function",

@@ -18,7 +18,7 @@ def _pads(seed: int, n: int) -> list[int]:
 
 
 def test_images_take_their_framing_and_messages_are_cut_at_their_markers() -> None:
-    rules = ChunkRules(image_open=OPEN, image_close=CLOSE, message_start=MSG)
+    rules = ChunkRules(image_open=OPEN, image_close=CLOSE, message_starts=frozenset({MSG}))
     system = [MSG, 20, 21, 22]
     user = [MSG, 30, 31, OPEN, *_pads(1, 6), CLOSE, 32]
     other = [MSG, 40, OPEN, *_pads(2, 4), CLOSE]
@@ -53,4 +53,4 @@ def test_rules_come_from_the_models_config_and_tokenizer() -> None:
     assert (
         rules.image_open == config.vision_start_token_id and rules.image_close == config.vision_end_token_id
     )
-    assert rules.message_start == tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert rules.message_starts == {tokenizer.convert_tokens_to_ids("<|im_start|>")}

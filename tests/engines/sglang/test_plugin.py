@@ -80,7 +80,7 @@ def test_the_flag_routes_create_tree_cache_to_kamera(monkeypatch: pytest.MonkeyP
     assert cache.synthesis is not None and cache.synthesis.policy == "keep"  # survivors keep by default
     assert cache.layout is not None and cache.layout.num_layers == demo.num_hidden_layers
     assert cache.layout.rope.axes is not None  # Qwen2-VL: M-RoPE
-    assert cache.rules.image_open is not None and cache.rules.message_start is not None
+    assert cache.rules.image_open is not None and cache.rules.message_starts
 
 
 def test_settings_default_to_the_exact_ones(monkeypatch: pytest.MonkeyPatch) -> None:
