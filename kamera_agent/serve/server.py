@@ -16,7 +16,7 @@ import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,8 @@ from kamera_agent.backends.base import Backend, Constraint
 from kamera_agent.backends.decoding import decoded_tokens
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import ConfigError, ContextOverflowError, KameraError
-from kamera_agent.results import Answer, OpCost, Plan
+from kamera_agent.results import Answer, OpCost
+from kamera_agent.serve.completion import Completion, called
 from kamera_agent.serve.media import ImageFetching, MediaPolicy
 from kamera_agent.serve.messages import MessageChunks, Prepared
 from kamera_agent.serve.metrics import Metrics
@@ -34,10 +35,9 @@ from kamera_agent.serve.protocol import ChatRequest, RequestError
 from kamera_agent.serve.responses import ResponseStore
 from kamera_agent.serve.sessions import SessionPool
 from kamera_agent.serve.structured import json_constraint, tool_call_constraint
-from kamera_agent.serve.sync import SyncReport, sync_window
+from kamera_agent.serve.sync import sync_window
 from kamera_agent.serve.tools import CallFilter, ToolFormat, system_with_tools, tool_format_for
 from kamera_agent.serve.turns import ImageReader, Limits, read_turns
-from kamera_agent.serve.usage import PromptSplit
 from kamera_agent.store import ChunkStore
 from kamera_agent.window import KameraWindow
 from kamera_agent.window.setup import resolve_store
@@ -110,93 +110,6 @@ class ServeSettings:
             return DEFAULT_TENANT
         scheme, _, key = (authorization or "").partition(" ")
         return self.api_keys.get(key.strip()) if scheme.lower() == "bearer" else None
-
-
-@dataclass(frozen=True)
-class Called:
-    """An answer read for tool calls: the text around them, and the calls in OpenAI's shape."""
-
-    content: str | None
-    tool_calls: list[dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A served request: the answer, its session, what it did and its usage."""
-
-    id: str
-    created: int
-    model: str
-    session_id: str
-    answer: Answer
-    report: SyncReport
-    split: PromptSplit
-    tokens_prefilled: int
-    more: tuple[Answer, ...] = ()
-    """Choices 1.. of a request with ``n > 1`` (choice 0 is ``answer``, the one the session keeps)."""
-    logprobs: tuple[dict[str, Any] | None, ...] = ()
-    """Each choice's ``logprobs`` object in OpenAI's shape (``None``: not asked for)."""
-    calls: tuple[Called, ...] = ()
-    """Each choice's text read for tool calls (empty when the request gave no tools)."""
-
-    def message(self, index: int) -> dict[str, Any]:
-        """Choice ``index``'s assistant message: its content, and its tool calls if it made any."""
-        answer = self.answers[index]
-        if not self.calls or not self.calls[index].tool_calls:
-            return {"role": "assistant", "content": answer.text}
-        called = self.calls[index]
-        return {"role": "assistant", "content": called.content, "tool_calls": called.tool_calls}
-
-    @property
-    def answers(self) -> tuple[Answer, ...]:
-        return (self.answer, *self.more)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.split.total
-
-    @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens no forward of this request computed (never clamped: the split adds up)."""
-        return self.prompt_tokens - self.split.prefilled
-
-    @property
-    def finish_reason(self) -> str:
-        return _finish(self.answer)
-
-    def finish_reasons(self) -> list[str]:
-        called = self.calls or (None,) * len(self.answers)
-        return [
-            "tool_calls" if call is not None and call.tool_calls else _finish(answer)
-            for answer, call in zip(self.answers, called, strict=True)
-        ]
-
-    def usage(self) -> dict[str, Any]:
-        completion = sum(len(answer.tokens) for answer in self.answers)
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
-
-    def kamera(self) -> dict[str, Any]:
-        """The extension object: the session, the prompt's provenance, every op the request ran
-        and what each cost, and the forward work beyond the prompt, if any."""
-        edits = [_edits(plan) for plan in self.report.plans] + [{}] * len(self.answers)
-        ran = [*self.report.ops, *(("ask", [], answer.cost or OpCost()) for answer in self.answers)]
-        ops = [
-            {"op": op, "chunks": labels, "edits": done, **_cost(cost)}
-            for (op, labels, cost), done in zip(ran, edits, strict=True)
-        ]
-        return {
-            "session_id": self.session_id,
-            "prompt": self.split.as_dict(),
-            "ops": ops,
-            "prefilled_prompt_tokens": self.split.prefilled,
-            "tokens_prefilled": self.tokens_prefilled,
-            "beyond_prompt": max(0, self.tokens_prefilled - self.prompt_tokens),
-        }
 
 
 @dataclass(frozen=True)
@@ -333,7 +246,7 @@ class KameraServer:
             spent,
             tuple(answers[1:]),
             tuple(self._logprobs(each) for each in answers),
-            tuple(_called(each, request.parallel_tool_calls, self.tool_format) for each in answers)
+            tuple(called(each, request.parallel_tool_calls, self.tool_format) for each in answers)
             if request.calls_tools
             else (),
         )
@@ -484,24 +397,3 @@ class KameraServer:
             "image_cache_bytes": float(self.images.nbytes),
             "message_cache_bytes": float(self.messages.nbytes),
         }
-
-
-def _called(answer: Answer, parallel: bool, tool_format: ToolFormat) -> Called:
-    """The answer's tool calls (the first only when ``parallel`` is off) and the text around them."""
-    content, tool_calls = tool_format.parse(answer.text)
-    return Called(content, tool_calls if parallel else tool_calls[:1])
-
-
-def _finish(answer: Answer) -> str:
-    """OpenAI's finish reason: ``length`` when the answer ran out of tokens, else ``stop``."""
-    return "length" if answer.finish_reason == "length" else "stop"
-
-
-def _edits(plan: Plan) -> dict[str, int]:
-    """How many edits of each kind an op's plan executed (relocations of unmoved chunks aside)."""
-    return dict(Counter(edit.kind for edit in plan.edits if edit.kind != "rotate"))
-
-
-def _cost(cost: OpCost) -> dict[str, Any]:
-    """Every `OpCost` field, seconds rounded to the microsecond."""
-    return {**asdict(cost), "seconds": round(cost.seconds, 6)}
