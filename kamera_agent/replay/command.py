@@ -23,10 +23,10 @@ COLUMNS = (
     "steps",
     "prefix tokens",
     "kamera tokens",
-    "tokens ×",
+    "tokens prefix/kamera",
     "prefix s",
     "kamera s",
-    "wall ×",
+    "wall prefix/kamera",
     "top-1 = prefix",
 )
 STEPS, QUICK_STEPS = 24, 4
