@@ -131,7 +131,7 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.rules = ChunkRules.for_model(model.hf_config, tokenizer)
         self._requests: dict[str, _Track] = {}
         self._loads: list[Load] = []
-        self._pool = VLLMSlots([], self.layout)
+        self._pool = VLLMSlots([], [], self.layout)
         self._load_errors: set[int] = set()
         self.recent_loads: deque[Load] = deque(maxlen=256)
         """The worker side's latest loads (for checks of what it wrote)."""
@@ -292,11 +292,15 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     # -- worker side ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Choose each layer's layout from the attention backend vLLM runs it with: anything the
+        connector cannot address fails here (`BlockLayoutError`), before the first step."""
         from vllm.model_executor.models.utils import extract_layer_index
 
-        self._pool = VLLMSlots(
-            [kv_caches[name] for name in sorted(kv_caches, key=extract_layer_index)], self.layout
-        )
+        names = sorted(kv_caches, key=extract_layer_index)
+        backends = _backend_names(self._vllm_config, names)
+        heads = _local_kv_heads(self.layout, self._vllm_config)
+        caches = [kv_caches[n] for n in names]
+        self._pool = VLLMSlots.of(caches, [backends[n] for n in names], self.layout, heads)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -353,3 +357,22 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+
+def _backend_names(vllm_config: Any, names: list[str]) -> dict[str, str]:
+    """Each layer's attention backend (``get_name()``) as vLLM built it; where vLLM has no layer
+    objects (a harness without a model), the backend its selector picks for this model."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, names)  # type: ignore[type-abstract]
+    fallback = None if len(layers) == len(names) else get_current_attn_backends(vllm_config)[0].get_name()
+    return {n: layers[n].get_attn_backend().get_name() if n in layers else str(fallback) for n in names}
+
+
+def _local_kv_heads(layout: KVLayout, vllm_config: Any) -> int:
+    """KV heads one tensor-parallel rank holds: ``heads / tp``, one where ``tp`` exceeds them
+    (vLLM replicates heads then); MLA's single latent is whole on every rank."""
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    return max(1, layout.keys_shape[0] // tp)
