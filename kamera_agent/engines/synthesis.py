@@ -35,8 +35,9 @@ from typing import Literal, TypeVar
 
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.identity import ChunkState, Context
+from kamera_agent.engines.shards import EntryStore
 from kamera_agent.operator.layout import ChunkKV
-from kamera_agent.store import ChunkStore, EntryKey
+from kamera_agent.store import EntryKey
 
 __all__ = ["EngineStats", "LoadPlan", "PrefixSynthesis", "RequestChunk", "ServePolicy", "Served", "policy_of"]
 
@@ -145,11 +146,12 @@ class PrefixSynthesis:
     which only ``"keep"`` ever stores (an approximation filed under a slightly wrong name).
 
     Args:
-        store: where position-free chunk KV is kept (shared by every process that names it).
+        store: where position-free chunk KV is kept (shared by every process that names it): a
+            `ChunkStore`, or a `ShardedStore` where the engine splits KV over ranks.
         policy: ``"exact"`` or ``"keep"`` (`policy_of`).
     """
 
-    store: ChunkStore
+    store: EntryStore
     policy: ServePolicy = "exact"
     _latest: OrderedDict[str, Served] = field(default_factory=OrderedDict, repr=False)
     _loaded: OrderedDict[str, ChunkState] = field(default_factory=OrderedDict, repr=False)

@@ -8,7 +8,10 @@ that is, the backend vLLM picked decides; `layouts` holds the table, chosen once
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -20,43 +23,124 @@ from kamera_agent.engines.vllm.layouts import (
     read_tokens,
     write_tokens,
 )
+from kamera_agent.errors import LayoutMismatchError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 
-__all__ = ["BlockLayoutError", "VLLMSlots"]
+__all__ = ["BlockLayoutError", "PlacedLayer", "VLLMSlots", "place_layers"]
+
+
+@dataclass(frozen=True)
+class PlacedLayer:
+    """One registered cache as a layer of the model.
+
+    Attributes:
+        name: vLLM's layer name.
+        index: the model's layer (global: a pipeline stage's first layer is not 0).
+        cache: the view vLLM registered.
+        layout: how its backend lays a token out.
+        shared: the cache is another layer's (vLLM's cross-layer KV sharing): read, never written.
+    """
+
+    name: str
+    index: int
+    cache: torch.Tensor
+    layout: LayerLayout
+    shared: bool = False
 
 
 class VLLMSlots(KVSlots):
-    """vLLM's per-layer paged caches (in the model's layer order) as `KVSlots`.
+    """vLLM's per-layer paged caches of one rank as `KVSlots` over layers ``first..end``.
 
-    Args:
-        caches: one registered view per layer.
-        layouts: each layer's `LayerLayout` (`VLLMSlots.of` chooses them).
-        layout: the model's KV layout (relocation).
+    A `ChunkKV` written or read holds exactly those layers (``[end - first, heads, n, dim]``,
+    this rank's heads): a pipeline stage's piece of a chunk.
     """
 
-    def __init__(
-        self, caches: Sequence[torch.Tensor], layouts: Sequence[LayerLayout], layout: KVLayout
-    ) -> None:
-        if len(caches) != len(layouts):
-            raise BlockLayoutError(f"{len(caches)} caches but {len(layouts)} layouts")
-        self.caches, self.layouts, self.layout = list(caches), list(layouts), layout
+    def __init__(self, layers: Sequence[PlacedLayer], layout: KVLayout) -> None:
+        self.layers, self.layout = sorted(layers, key=lambda p: p.index), layout
+        indices = [p.index for p in self.layers]
+        self.first = indices[0] if indices else 0
+        self.end = indices[-1] + 1 if indices else 0
+        if indices != list(range(self.first, self.end)):
+            raise BlockLayoutError(
+                f"the KV caches vLLM registered are layers {indices} of the model: not one cache per "
+                "layer of a contiguous range, which kamera's entries need"
+            )
+
+    @property
+    def caches(self) -> list[torch.Tensor]:
+        return [p.cache for p in self.layers]
+
+    @property
+    def layouts(self) -> list[LayerLayout]:
+        return [p.layout for p in self.layers]
 
     @classmethod
     def of(
         cls, caches: Sequence[torch.Tensor], backends: Sequence[str], layout: KVLayout, heads: int
     ) -> VLLMSlots:
-        """The slots of ``caches`` run by ``backends`` (``get_name()`` per layer), ``heads`` KV heads
-        per layer on this rank. Raises `BlockLayoutError` for anything the connector cannot address."""
-        layouts = [layer_layout(b, c, layout, heads) for c, b in zip(caches, backends, strict=True)]
-        return cls(caches, layouts, layout)
+        """The slots of ``caches`` (layers ``0..``) run by ``backends`` (``get_name()`` per layer),
+        ``heads`` KV heads per layer. Raises `BlockLayoutError` for anything it cannot address."""
+        placed = [
+            PlacedLayer(str(i), i, c, layer_layout(b, c, layout, heads))
+            for i, (c, b) in enumerate(zip(caches, backends, strict=True))
+        ]
+        return cls(placed, layout)
 
     def write_placed(self, kv: ChunkKV, slots: torch.Tensor) -> None:
-        for layer, (cache, where) in enumerate(zip(self.caches, self.layouts, strict=True)):
-            keys, values = kv.keys[layer].transpose(0, 1), kv.values[layer].transpose(0, 1)
-            write_tokens(cache, where, keys, values, slots)
+        self._check(kv.keys.shape[0])
+        for p in self.layers:
+            if not p.shared:  # its cache is another layer's, written as that one
+                keys, values = kv.keys[p.index - self.first], kv.values[p.index - self.first]
+                write_tokens(p.cache, p.layout, keys.transpose(0, 1), values.transpose(0, 1), slots)
 
     def read_placed(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pairs = [read_tokens(c, where, slots) for c, where in zip(self.caches, self.layouts, strict=True)]
+        pairs = [read_tokens(p.cache, p.layout, slots) for p in self.layers]
         keys = torch.stack([k.transpose(0, 1) for k, _ in pairs]).float().cpu()
         values = torch.stack([v.transpose(0, 1) for _, v in pairs]).float().cpu()
         return keys, values
+
+    def _check(self, layers: int) -> None:
+        if layers != self.end - self.first:
+            raise LayoutMismatchError(
+                f"a chunk piece of {layers} layers for caches of layers {self.first}..{self.end - 1}"
+            )
+
+
+def place_layers(
+    caches: Mapping[str, torch.Tensor],
+    backends: Mapping[str, str],
+    layout: KVLayout,
+    heads: int,
+    index_of: Callable[[str], int],
+) -> tuple[list[PlacedLayer], list[str]]:
+    """The registered caches that are layers of the model, by name, and the names skipped.
+
+    A cache is the model's layer ``index_of(name)`` where its name follows the pattern most names
+    follow (``model.layers.{i}.self_attn.attn``) and the index is one of the model's layers; the
+    rest are skipped by name: a draft model's layers (EAGLE, MTP: another prefix, or indices past
+    the model's) and names without one layer index. A cache that is the same memory as one
+    already placed is that layer's KV reused (cross-layer sharing): placed, marked shared.
+    """
+    patterns: dict[str, str] = {}
+    for name in caches:
+        patterns[name] = re.sub(r"\.\d+(?=\.|$)", ".{}", name)
+    counts = Counter(patterns.values())
+    main = counts.most_common(1)[0][0] if counts else ""
+    placed: list[PlacedLayer] = []
+    skipped: list[str] = []
+    seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
+    for name, cache in caches.items():
+        try:
+            index = int(index_of(name))
+        except (ValueError, AssertionError, TypeError):
+            index = -1
+        if patterns[name] != main or not 0 <= index < layout.num_layers:
+            skipped.append(name)
+            continue
+        memory = (cache.data_ptr(), tuple(cache.shape), tuple(cache.stride()))
+        shared = memory in seen
+        seen.setdefault(memory, name)
+        placed.append(
+            PlacedLayer(name, index, cache, layer_layout(backends[name], cache, layout, heads), shared)
+        )
+    return placed, skipped

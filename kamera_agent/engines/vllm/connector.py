@@ -36,15 +36,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kamera_agent.config import WindowConfig
 from kamera_agent.engines.chunking import ChunkRules, ImageSpan, request_chunks
 from kamera_agent.engines.faults import HookFaults
+from kamera_agent.engines.shards import Grid, ShardedStore
 from kamera_agent.engines.slots import request_positions
 from kamera_agent.engines.stores import STORES
 from kamera_agent.engines.synthesis import EngineStats, LoadPlan, PrefixSynthesis, RequestChunk, policy_of
-from kamera_agent.engines.vllm.blocks import VLLMSlots
+from kamera_agent.engines.vllm.blocks import BlockLayoutError, VLLMSlots, place_layers
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.store import EntryKey
 
@@ -83,6 +85,36 @@ class KameraMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     loads: list[Load] = field(default_factory=list)
     saves: list[Save] = field(default_factory=list)
+
+
+LoadId = tuple[str, int]
+"""A load's name on both sides: its request and the first request token it writes."""
+
+
+@dataclass
+class KameraWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """What the worker side did with one step's loads, sent back to the scheduler side (vLLM
+    aggregates every worker's into one: a load some rank failed counts as failed)."""
+
+    written: set[LoadId] = field(default_factory=set)
+    failed: set[LoadId] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KameraWorkerMeta:
+        if not isinstance(other, KameraWorkerMeta):
+            return self
+        return KameraWorkerMeta(self.written | other.written, self.failed | other.failed)
+
+
+@dataclass(frozen=True)
+class _Offered:
+    """A load plan the scheduler side offered, recorded (`PrefixSynthesis.loaded`) only once the
+    worker side reports every one of its loads written: under ``"keep"`` a recorded load names
+    the state later requests find in vLLM's prefix, which a failed load never left there."""
+
+    namespace: str
+    chunks: list[RequestChunk]
+    plan: LoadPlan
+    loads: frozenset[LoadId]
 
 
 @dataclass
@@ -126,13 +158,20 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.stats = EngineStats()
         self.faults = HookFaults(_LOG)
         """Runtime faults caught at this side's hooks (``hook:ExceptionType`` -> count)."""
-        self.synthesis = PrefixSynthesis(self.store, policy_of(self.config))
+        self.grid = _grid(self.layout, vllm_config)
+        """How vLLM splits each chunk's KV over its ranks: entries are filed piece by piece."""
+        self.synthesis = PrefixSynthesis(ShardedStore(self.store, self.grid), policy_of(self.config))
         tokenizer = AutoTokenizer.from_pretrained(model.tokenizer) if model.tokenizer else None
         self.rules = ChunkRules.for_model(model.hf_config, tokenizer)
         self._requests: dict[str, _Track] = {}
         self._loads: list[Load] = []
-        self._pool = VLLMSlots([], [], self.layout)
+        self._pool = VLLMSlots([], self.layout)
         self._load_errors: set[int] = set()
+        self._offered: dict[str, _Offered] = {}
+        self._written: set[LoadId] = set()
+        self._failed: set[LoadId] = set()
+        self.skipped_layers: list[str] = []
+        """Registered caches that are no layer of the model (draft layers), skipped by name."""
         self.recent_loads: deque[Load] = deque(maxlen=256)
         """The worker side's latest loads (for checks of what it wrote)."""
 
@@ -185,13 +224,16 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 track.namespace, track.chunks, plan.device_len, end, self.block_size, approximate=track.salted
             )
         track.block_ids = list(blocks.get_block_ids()[0])
+        loads: set[LoadId] = set()
         for item in plan.served:
             start = max(item.chunk.start, plan.device_len)
             end = min(item.chunk.end, plan.end)
             slots = self._slots(track, start, end)
             a, b = start - item.chunk.start, end - item.chunk.start
             self._loads.append(Load(request.request_id, item.entry, a, b, start, slots))
-        self.synthesis.loaded(track.namespace, track.chunks, plan)
+            loads.add((request.request_id, start))
+        # recorded once the worker side reports every load written (`update_connector_output`)
+        self._offered[request.request_id] = _Offered(track.namespace, track.chunks, plan, frozenset(loads))
         self.stats.offered += 1
         self.stats.tokens_offered += plan.tokens
 
@@ -239,6 +281,22 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 track.block_ids += list(new_ids[0])
             meta.saves += self._saves(req_id, track, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' report of a step (`KameraWorkerMeta`): an offer whose loads were all
+        written is recorded as loaded; one with a failed load is dropped, never recorded."""
+        try:
+            report = getattr(connector_output, "kv_connector_worker_meta", None)
+            if not isinstance(report, KameraWorkerMeta):
+                return
+            for req_id, offer in list(self._offered.items()):
+                if offer.loads & report.failed:
+                    del self._offered[req_id]
+                elif offer.loads <= report.written:
+                    del self._offered[req_id]
+                    self.synthesis.loaded(offer.namespace, offer.chunks, offer.plan)
+        except Exception as exc:  # a load not recorded: a later request recomputes, no more
+            self.faults.caught("update_connector_output", exc)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         try:
             self._forget(request.request_id)
@@ -248,6 +306,7 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
+        self._offered.pop(req_id, None)  # finished before its loads were reported: never recorded
 
     def _track(self, request: Any) -> _Track:
         track = self._requests.get(request.request_id)
@@ -292,15 +351,33 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     # -- worker side ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Choose each layer's layout from the attention backend vLLM runs it with: anything the
-        connector cannot address fails here (`BlockLayoutError`), before the first step."""
+        """Map the caches to the model's layers by name and choose each one's layout from the
+        attention backend vLLM runs it with; this rank's place in the grid decides which piece of
+        each entry it reads and writes. Anything the connector cannot address fails here
+        (`BlockLayoutError`), before the first step."""
         from vllm.model_executor.models.utils import extract_layer_index
 
-        names = sorted(kv_caches, key=extract_layer_index)
-        backends = _backend_names(self._vllm_config, names)
-        heads = _local_kv_heads(self.layout, self._vllm_config)
-        caches = [kv_caches[n] for n in names]
-        self._pool = VLLMSlots.of(caches, [backends[n] for n in names], self.layout, heads)
+        tp_rank, stage = _ranks()
+        heads = self.grid.head_range(tp_rank)
+        backends = _backend_names(self._vllm_config, list(kv_caches))
+        placed, self.skipped_layers = place_layers(
+            kv_caches, backends, self.layout, heads[1] - heads[0], extract_layer_index
+        )
+        if self.skipped_layers:
+            _LOG.warning(
+                "kamera: %d KV cache layers are no layer of the model and are skipped by name "
+                "(draft or unknown layers: %s)",
+                len(self.skipped_layers),
+                ", ".join(self.skipped_layers[:4]) + (" ..." if len(self.skipped_layers) > 4 else ""),
+            )
+        self._pool = VLLMSlots(placed, self.layout)
+        if (self._pool.first, self._pool.end) != self.grid.stages[stage]:
+            raise BlockLayoutError(
+                f"pipeline stage {stage} registered KV caches of layers {self._pool.first}.."
+                f"{self._pool.end - 1}, but vLLM's partition gives it {self.grid.stages[stage]}; "
+                "kamera's entries need every layer of the stage"
+            )
+        self.synthesis.store = ShardedStore(self.store, self.grid, tp_rank, stage)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -314,6 +391,7 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if not written:  # an entry gone, damaged or unwritable: vLLM recomputes these blocks
                 self.stats.failed += 1
                 self._load_errors |= {slot // self.block_size for slot in load.slots}
+            (self._written if written else self._failed).add((load.req_id, load.start))
 
     def _load(self, load: Load) -> bool:
         if load.entry is None:
@@ -354,6 +432,14 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.synthesis.write(save.entry, self._pool.read(slots, positions, save.entry.key))
         self.stats.chunks_captured += 1
 
+    def build_connector_worker_meta(self) -> KameraWorkerMeta | None:
+        """This step's loads, written and failed, for the scheduler side's record."""
+        if not self._written and not self._failed:
+            return None
+        report = KameraWorkerMeta(self._written, self._failed)
+        self._written, self._failed = set(), set()
+        return report
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -371,8 +457,21 @@ def _backend_names(vllm_config: Any, names: list[str]) -> dict[str, str]:
     return {n: layers[n].get_attn_backend().get_name() if n in layers else str(fallback) for n in names}
 
 
-def _local_kv_heads(layout: KVLayout, vllm_config: Any) -> int:
-    """KV heads one tensor-parallel rank holds: ``heads / tp``, one where ``tp`` exceeds them
-    (vLLM replicates heads then); MLA's single latent is whole on every rank."""
-    tp = int(vllm_config.parallel_config.tensor_parallel_size)
-    return max(1, layout.keys_shape[0] // tp)
+def _grid(layout: KVLayout, vllm_config: Any) -> Grid:
+    """The engine's split: KV heads over tensor-parallel ranks, layers over pipeline stages
+    (vLLM's own partition, ``VLLM_PP_LAYER_PARTITION`` included)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    parallel = vllm_config.parallel_config
+    tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
+    stages = [get_pp_indices(layout.num_layers, rank, pp) for rank in range(pp)]
+    return Grid.of(layout, 1 if layout.kind == "mla" else tp, stages)
+
+
+def _ranks() -> tuple[int, int]:
+    """This worker's tensor-parallel rank and pipeline stage (``(0, 0)`` outside vLLM's groups)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 0
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pp_group().rank_in_group

@@ -228,7 +228,13 @@ def _connector_stats(llm: Any) -> dict[str, Any]:
         scheduler, worker = _connectors(llm)
     except (AttributeError, AssertionError):
         return {}
-    return {"scheduler": vars(scheduler.stats), "worker": vars(worker.stats)}
+    return {
+        "scheduler": vars(scheduler.stats),
+        "worker": vars(worker.stats),
+        # kept loads recorded once the worker side reported them written; offers still unreported
+        "recorded": len(scheduler.synthesis._loaded),
+        "unconfirmed": len(scheduler._offered),
+    }
 
 
 def _kv_check(llm: Any, model_dir: str, prompt: list[int]) -> dict[str, Any]:

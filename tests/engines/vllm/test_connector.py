@@ -110,6 +110,10 @@ def test_defaults_load_moved_chunks_of_a_sliding_conversation(model_dir: Path) -
         file=sys.stderr,
     )
     assert divergence[0] < 1e-6  # the first request is vLLM's own computation
+    # kept loads are recorded only from the workers' report that they were written (vLLM's
+    # worker-to-scheduler metadata), and every offer was reported by the end
+    connector = defaults["connector"]
+    assert connector["recorded"] > 0 and connector["unconfirmed"] == 0, connector
     # unsalted, the same conversation is served exactly: vLLM's own answers
     assert [r["tokens"] for r in defaults["unsalted"]] == [r["tokens"] for r in baseline]
 

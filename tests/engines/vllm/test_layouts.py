@@ -28,7 +28,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kamera_agent.engines.vllm.blocks import VLLMSlots
+from kamera_agent.engines.shards import even_stages
+from kamera_agent.engines.vllm.blocks import VLLMSlots, place_layers
 from kamera_agent.engines.vllm.layouts import (
     BACKENDS,
     BlockLayoutError,
@@ -36,6 +37,7 @@ from kamera_agent.engines.vllm.layouts import (
     read_tokens,
     write_tokens,
 )
+from kamera_agent.errors import LayoutMismatchError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.operator.rope import RotarySpec
 
@@ -236,3 +238,77 @@ def test_unknown_backends_quantized_caches_and_foreign_shapes_fail_at_startup() 
         layer_layout("FLASHMLA", cache, GQA, HEADS)
     with pytest.raises(BlockLayoutError, match="LBHNC"):
         layer_layout("CPU_ATTN", _views(KVCacheLayout.LBNHC)[0], GQA, HEADS)
+
+
+def _named(names: list[str]) -> dict[str, torch.Tensor]:
+    """A distinct FlashAttention view (vLLM's own) for each name."""
+    caches: list[torch.Tensor] = []
+    while len(caches) < len(names):
+        caches += _views(KVCacheLayout.LBNHC)
+    return dict(zip(names, caches[: len(names)], strict=True))
+
+
+def test_caches_are_placed_by_their_layer_names_and_draft_layers_skipped() -> None:
+    """Names, not registration order, say which layer a cache is (vLLM's ``extract_layer_index``);
+    a draft model's caches (EAGLE/MTP: another prefix, an index past the model's) are skipped."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    names = ["model.layers.1.self_attn.attn", "model.layers.0.self_attn.attn", "draft.layers.2.attn"]
+    caches = _named(names)
+    backends = dict.fromkeys(names, "FLASH_ATTN")
+    placed, skipped = place_layers(caches, backends, GQA, HEADS, extract_layer_index)
+    assert skipped == ["draft.layers.2.attn"]
+    pool = VLLMSlots(placed, GQA)
+    assert [p.name for p in pool.layers] == names[1::-1] and (pool.first, pool.end) == (0, LAYERS)
+    assert pool.caches[0] is caches["model.layers.0.self_attn.attn"]
+
+
+def test_a_pipeline_stage_writes_its_own_layers_of_a_chunk() -> None:
+    """A stage holding layers 2..3 of a 4-layer model reads and writes exactly those layers of a
+    chunk (its piece), never the model's layers 0..1 into its first caches."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    four = KVLayout("gqa", 4, (HEADS, HEAD), (HEADS, HEAD), "keys", _rope(HEAD))
+    names = ["model.layers.2.self_attn.attn", "model.layers.3.self_attn.attn"]
+    placed, skipped = place_layers(
+        _named(names), dict.fromkeys(names, "FLASH_ATTN"), four, HEADS, extract_layer_index
+    )
+    pool = VLLMSlots(placed, four)
+    assert not skipped and (pool.first, pool.end) == (2, 4)
+    g = torch.Generator().manual_seed(3)
+    piece = ChunkKV(torch.randn(2, HEADS, 8, HEAD, generator=g), torch.randn(2, HEADS, 8, HEAD, generator=g))
+    slots, positions = torch.arange(8), torch.arange(40, 48)
+    pool.write(piece, positions, slots)
+    back = pool.read(slots, positions)
+    assert torch.allclose(back.keys, piece.keys, atol=1e-5) and torch.equal(back.values, piece.values)
+    whole = ChunkKV(torch.randn(4, HEADS, 8, HEAD), torch.randn(4, HEADS, 8, HEAD))
+    with pytest.raises(LayoutMismatchError, match=r"layers 2\.\.3"):
+        pool.write(whole, positions, slots)
+
+
+def test_a_layer_sharing_another_layers_cache_is_read_never_written_twice() -> None:
+    """vLLM's cross-layer KV sharing: layer 1 attends over layer 0's cache. Writing a chunk
+    writes layer 0's KV there once; reading gives layer 0's KV for both layers."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    cache = _views(KVCacheLayout.LBNHC)[0]
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    placed, _ = place_layers(
+        dict.fromkeys(names, cache), dict.fromkeys(names, "FLASH_ATTN"), GQA, HEADS, extract_layer_index
+    )
+    assert [p.shared for p in placed] == [False, True]
+    g = torch.Generator().manual_seed(5)
+    kv = ChunkKV(
+        torch.randn(LAYERS, HEADS, 4, HEAD, generator=g), torch.randn(LAYERS, HEADS, 4, HEAD, generator=g)
+    )
+    pool, slots, positions = VLLMSlots(placed, GQA), torch.arange(4), torch.arange(4)
+    pool.write(kv, positions, slots)
+    back = pool.read(slots, positions)
+    assert torch.equal(back.values[1], kv.values[0]) and torch.equal(back.values[0], kv.values[0])
+
+
+def test_even_stages_are_vllms_own_partition() -> None:
+    from vllm.distributed.utils import get_pp_indices
+
+    for layers, stages in ((4, 2), (7, 3), (28, 4), (61, 4)):
+        assert list(even_stages(layers, stages)) == [get_pp_indices(layers, r, stages) for r in range(stages)]
