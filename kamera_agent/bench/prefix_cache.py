@@ -24,9 +24,11 @@ from typing import Any
 
 import torch
 
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.common import wall
 from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.results import Answer
 
 __all__ = ["Answered", "PrefixCache", "Sync"]
 
@@ -58,6 +60,8 @@ class Answered:
     tokens: int
     seconds: float
     forwards: int = 1
+    answer: Answer | None = None
+    """The decoded answer (`PrefixCache.answer`); ``None`` when only the logits were computed."""
 
 
 @dataclass
@@ -108,6 +112,19 @@ class PrefixCache:
         logits = self._forward(query_ids, torch.zeros_like(query_ids), positions, None)
         self.keys.append("query")
         return Answered(logits, int(query_ids.shape[0]), wall() - began)
+
+    def answer(self, query_ids: torch.Tensor, config: DecodeConfig) -> Answered:
+        """The query decoded after the cached sequence as ``config`` says: the backend's own
+        decode loop over this cache, the one a window's ``ask`` runs (so both sides of a
+        comparison decode the same answer the same way). The query's and the answer's KV are
+        appended; the next `sync` crops them off."""
+        began = wall()
+        done = self.backend.decode(self._cache, query_ids, self.end, config)
+        self.keys.append("query")
+        answer, seconds = done.answer, wall() - began
+        return Answered(
+            answer.first_logits.cpu(), int(query_ids.shape[0]), seconds, done.spent.forwards, answer
+        )
 
     def first_logits(self, query_ids: torch.Tensor) -> torch.Tensor:
         """Next-token logits of ``query_ids`` placed after the cached sequence (appends to the cache)."""

@@ -153,7 +153,8 @@ class KVCore:
         assert chunk.vision_key is not None
         hit = txn.store.get_vision(chunk.vision_key)
         if hit is not None:
-            return {name: t.to(self.backend.device) for name, t in hit.items()}
+            device = self.backend.device  # once: a backend's device is a walk over its parameters
+            return {name: t.to(device) for name, t in hit.items()}
         if not chunk.has_pixels:
             raise ChunkLostError(
                 f"chunk {chunk.label or chunk.key[:12]} released its pixels and the store no longer holds "

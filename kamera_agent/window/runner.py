@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -39,6 +39,7 @@ T = TypeVar("T")
 Build = Callable[[Planner], WindowPlan]
 """One op's planner call, its arguments parsed and checked already (`Inputs`, `arguments`)."""
 _ATTEMPTS = 3  # plans re-made when another window changed an orbit patch under an op
+_QUERIES = 64  # query token ids remembered per window family
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class WindowParts:
     backend: Backend
     core: KVCore
     conversation: Conversation | None
+    _queries: dict[tuple[str, bool, str], torch.Tensor] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @property
     def encoder(self) -> ChunkEncoder:
@@ -58,10 +62,19 @@ class WindowParts:
 
     def query_ids(self, query: str, opened: bool = True, role: str = "user") -> torch.Tensor:
         """The token ids a query is decoded from, framed as the window frames questions (as a
-        message of ``role`` in a conversation)."""
+        message of ``role`` in a conversation). Remembered per query (`_QUERIES` of them): an
+        agent asks the same questions again and again, and tokenizing is a fixed cost per call."""
+        known = self._queries.get((query, opened, role))
+        if known is not None:
+            return known
         if self.conversation is not None:
-            return self.conversation.query_ids(query, opened=opened, role=role)
-        return self.encoder.query_ids(query)
+            ids = self.conversation.query_ids(query, opened=opened, role=role)
+        else:
+            ids = self.encoder.query_ids(query)
+        if len(self._queries) >= _QUERIES:
+            self._queries.pop(next(iter(self._queries)))  # the oldest first
+        self._queries[(query, opened, role)] = ids
+        return ids
 
 
 class OpRunner:

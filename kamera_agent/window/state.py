@@ -134,6 +134,27 @@ def _lineage() -> str:
     return secrets.token_hex(6)
 
 
+def _copied(graph: nx.DiGraph) -> nx.DiGraph:
+    """An independent copy of an antecedent graph: nodes, edges and their attribute dicts.
+
+    Why not ``graph.copy()``: it re-adds every edge through ``add_edges_from`` (checks and hashes
+    each one again), the largest bookkeeping cost of an op that writes the graph. This builds
+    networkx's documented dict-of-dicts directly; assigning ``_adj`` and ``_pred`` is what
+    networkx's own descriptors support (they reset the cached views), and ``_pred`` shares each
+    edge's attribute dict with ``_adj`` as networkx does."""
+    copied = nx.DiGraph()
+    copied.graph.update(graph.graph)
+    copied._node = {node: data.copy() for node, data in graph._node.items()}
+    succ = {
+        source: {target: data.copy() for target, data in out.items()} for source, out in graph._adj.items()
+    }
+    copied._adj = succ
+    copied._pred = {
+        target: {source: succ[source][target] for source in into} for target, into in graph._pred.items()
+    }
+    return copied
+
+
 @dataclass
 class WindowState:
     """The mutable part of a window; ``copy()`` is a cheap, independent snapshot."""
@@ -159,7 +180,7 @@ class WindowState:
         """The graph, copied first if a snapshot shares it (copy on write: every op snapshots the
         state, most ops never touch the graph, and copying it is O(edges))."""
         if not self._owns_graph:
-            self._graph, self._owns_graph = self._graph.copy(), True
+            self._graph, self._owns_graph = _copied(self._graph), True
         return self._graph
 
     def copy(self) -> WindowState:
@@ -209,17 +230,25 @@ class WindowState:
         return tuple(source for source, _, _ in sorted(edges, key=lambda edge: edge[2]))
 
     def set_antecedents(self, ref: ChunkRef, antecedents: Sequence[ChunkRef]) -> None:
-        """Make ``ref``'s in-edges exactly ``antecedents``, each carrying the state ``ref`` encodes."""
+        """Make ``ref``'s in-edges exactly ``antecedents``, each carrying the state ``ref`` encodes.
+
+        Edges that stay (most of them when a chunk is re-formed over the same chunks) get their
+        attributes rewritten in place; only edges that leave or arrive are removed or added
+        (removing and re-adding every edge was most of a reorder's bookkeeping)."""
         graph = self._writable_graph()
-        graph.remove_edges_from(list(graph.in_edges(ref)))
-        chain = self.entries[ref].state.context.states() if antecedents else ()
+        entries = self.entries
+        chain = entries[ref].state.context.states() if antecedents else ()
         if len(chain) != len(antecedents):  # an orbit encodes a set: its members' states as they are
-            chain = tuple(self.entries[source].state for source in antecedents if source in self.entries)
-        graph.add_edges_from(
-            (source, ref, {"index": i, "state": chain[i].digest})
-            for i, source in enumerate(antecedents)
-            if source in self.entries
-        )
+            chain = tuple(entries[source].state for source in antecedents if source in entries)
+        wanted = {source: i for i, source in enumerate(antecedents) if source in entries}
+        current = graph.pred[ref]
+        graph.remove_edges_from([(source, ref) for source in current if source not in wanted])
+        for source, i in wanted.items():
+            data = current.get(source)
+            if data is None:
+                graph.add_edge(source, ref, index=i, state=chain[i].digest)
+            else:  # the edge's own attribute dict (shared by succ and pred): rewritten in place
+                data["index"], data["state"] = i, chain[i].digest
 
     def dependents(self, ref: ChunkRef) -> list[ChunkRef]:
         """In-window chunks whose KV encodes ``ref``, left to right."""

@@ -599,9 +599,10 @@ class KameraWindow:
         return self.backend.reference_inputs(chunks, query_ids, anchor=self._parts.core.anchor)
 
     def query_ids(self, query: str, *, in_message: bool = False, query_role: str = "user") -> torch.Tensor:
-        """The token ids ``ask`` would decode ``query`` from (its framing included)."""
+        """The token ids ``ask`` would decode ``query`` from (its framing included): a copy, the
+        window remembers its own."""
         return self._parts.query_ids(
             check_text(query, "query"),
             opened=not check_flag(in_message, "in_message"),
             role=check_choice(query_role, "query_role", ("user", "tool")),
-        )
+        ).clone()
