@@ -135,3 +135,17 @@ def test_overhead_benchmark_splits_every_op_into_forward_operator_and_rest(tmp_p
     for row in ops.values():
         assert row["total_ms"] > 0 and row["forward_ms"] >= 0 and row["operator_ms"] >= 0
     assert ops["push"]["forward_ms"] > 0 and ops["slide"]["forward_ms"] == 0  # a slide runs no forward
+
+
+def test_engine_gpu_check_runs_its_cpu_part(tmp_path: Path) -> None:
+    """The device check's own checks hold on CPU: every vLLM layout round trip bit-equal,
+    relocation at fp32 rounding, the exact window's answers equal to the model's forward."""
+    out = tmp_path / "engine_gpu.json"
+    run_benchmark("engine_gpu_check", ["--device", "cpu", "--quick", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["ok"] and len(report["layouts"]) == 6 * 3 * 4 - 3  # FlashInfer has no LHBNC
+    assert all(row["equal"] for row in report["layouts"])
+    assert all(r["keys_relative_error"] < 1e-5 for r in report["relocation"] if r["dtype"] == "float32")
+    assert all(r["keys_relative_error"] < 2e-2 for r in report["relocation"] if r["dtype"] == "bfloat16")
+    assert [r["op"] for r in report["window"]] == ["push", "reorder", "evict", "recall", "slide"]
+    assert all(r["argmax_equal"] and r["kl"] < 1e-6 for r in report["window"])
