@@ -23,6 +23,14 @@ Which scheduler code each step mirrors (paths under ``sglang/srt/``):
   ``update_finish_state``, then ``release_kv_cache(req, tree, checkpoint=True)`` (387) or
   ``checkpoint_kv_cache(req, tree)`` (394), inside ``free_group_begin/end``; then the merge of the
   prefill batch into the running batch of ``scheduler.py`` ``get_next_batch_to_run`` (3894);
+* chunked prefill (``chunked_prefill_size``, SGLang's ``--chunked-prefill-size``; its default is on):
+  a prompt longer than the chunk is admitted as ``adder.new_chunked_req`` (``scheduler.py`` 4324,
+  ``inflight_middle_chunks += 1`` at 4330, ``ScheduleBatch.init_new(..., chunked_req=...)`` and
+  ``contains_last_prefill_chunk`` at 4335-4348); a middle chunk samples nothing and publishes
+  nothing (``batch_result_processor.py`` 426: ``inflight_middle_chunks -= 1``); before the merge,
+  ``get_next_batch_to_run`` stashes it (3911-3919: ``stash_chunked_request`` ->
+  ``checkpoint_kv_cache``) and keeps it out of the running batch; the next pass continues it first
+  (4176-4184: ``init_next_round_input()``, ``shortest_prefill_chunk_limit``, ``add_chunked_req``);
 * decode, ``Admission.decode`` -- ``scheduler.py`` ``update_running_batch`` (4459: ``filter_batch``,
   ``check_decode_mem``, ``retract_decode``, ``prepare_for_decode``) and ``process_batch_result_decode``
   (batch_result_processor.py 952: ``output_ids.extend`` (1046), ``update_finish_state``,
@@ -72,11 +80,13 @@ class HarnessError(AssertionError):
 
 
 @functools.lru_cache(maxsize=8)
-def _context(model_dir: str, page_size: int) -> Any:
+def _context(model_dir: str, page_size: int, chunked_prefill_size: int) -> Any:
     from sglang.srt.runtime_context import create_context
     from sglang.srt.server_args import ServerArgs
 
-    server_args = ServerArgs(model_path=model_dir, device="cpu", page_size=page_size)
+    server_args = ServerArgs(
+        model_path=model_dir, device="cpu", page_size=page_size, chunked_prefill_size=chunked_prefill_size
+    )
     return create_context(server_args, role="scheduler")
 
 
@@ -112,8 +122,9 @@ class Admission:
     ``tree_cache_factory(params: CacheInitParams)`` builds the cache (``RadixCache`` itself, a
     subclass, or a lambda). ``page_size`` 1 uses ``TokenToKVPoolAllocator``, larger ones
     ``PagedTokenToKVPoolAllocator``. ``size`` is the KV pool in tokens, ``max_requests`` the
-    ``req_to_token`` rows. Chunked prefill is off (``rem_chunk_tokens=None``), as the scheduler
-    runs without ``--chunked-prefill-size``; a prompt must fit one prefill. ``schedule_policy`` is
+    ``req_to_token`` rows. ``chunked_prefill_size`` is SGLang's ``--chunked-prefill-size``: ``None``
+    turns chunked prefill off (``-1``: a prompt must fit one prefill), a size prefills a longer
+    prompt over several passes (``chunked``: the request between them). ``schedule_policy`` is
     SGLang's ``--schedule-policy`` (``"lpm"`` re-matches every waiting request on each pass).
     ``on_extend`` replaces the default forward (``stamp_kv``) for every step; ``next_token(req)``
     is the sampler (never ``EOS`` unless the request is told to stop); ``kv_pool(size, page_size)``
@@ -134,6 +145,7 @@ class Admission:
         max_prefill_tokens: int = 16384,
         new_token_ratio: float = 0.7,
         schedule_policy: str = "fcfs",
+        chunked_prefill_size: int | None = None,
         model_dir: str | Path = DEMO_MODEL_DIR,
         next_token: Callable[[Any], int] = _default_next_token,
         on_extend: OnExtend | None = None,
@@ -143,7 +155,8 @@ class Admission:
         self.max_prefill_tokens = max_prefill_tokens
         self.new_token_ratio = new_token_ratio
         self.next_token = next_token
-        self._context = _context(str(model_dir), page_size)
+        self.chunked_prefill_size = chunked_prefill_size
+        self._context = _context(str(model_dir), page_size, chunked_prefill_size or -1)
         with self.active():
             from sglang.srt.managers.schedule_batch import ScheduleBatch
             from sglang.srt.managers.schedule_policy import SchedulePolicy
@@ -193,6 +206,8 @@ class Admission:
         """Every slot of the pool, page-aligned: what ``free_slots()`` must return once idle and evicted."""
         self.row_capacity = self.req_to_token_pool.available_size()
         self.waiting: list[Any] = []
+        self.chunked: Any = None
+        """The request chunked prefill is part way through (SGLang's ``Scheduler.chunked_req``)."""
         self.batch: Any = None
         """The prefill batch ``admit`` prepared and ``prefill`` has not run yet."""
         self.finished: list[Any] = []
@@ -260,7 +275,7 @@ class Admission:
             running.filter_batch()
             if running.is_empty():
                 running.batch_is_full = False
-            if not self.waiting:
+            if not self.waiting and self.chunked is None:
                 return []
             self.policy.calc_priority(self.waiting, running, processed_tokens=0)
             adder = PrefillAdder(
@@ -270,7 +285,7 @@ class Admission:
                 running,
                 self.new_token_ratio,
                 self.max_prefill_tokens,
-                None,  # rem_chunk_tokens: chunked prefill off
+                self.chunked_prefill_size,
                 0,
                 0,
                 max_prefill_bs=0,
@@ -281,27 +296,41 @@ class Admission:
                 waiting_queue_len=len(self.waiting),
                 prefill_tile_block_m=64,
             )
+            if self.chunked is not None:  # its next chunk goes first
+                self.chunked.init_next_round_input()
+                adder.chunked_req_limit = self.policy.shortest_prefill_chunk_limit(
+                    self.chunked, self.waiting, adder.rem_chunk_tokens or 0, self.page_size
+                )
+                self.chunked = adder.add_chunked_req(self.chunked)
             for req in self.waiting:
                 if adder.budget_state() == AddReqResult.OTHER:
                     break
                 rows = self.req_to_token_pool.available_size()
-                if len(adder.can_run_list) >= rows:
+                held = sum(r.kv.holds_kv for r in adder.can_run_list)  # a continued chunk has its row
+                if len(adder.can_run_list) - held >= rows:
                     running.batch_is_full = True
                     break
                 req.init_next_round_input(self.tree_cache)
-                result = adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
+                result = adder.add_one_req(
+                    req, has_chunked_req=self.chunked is not None, truncation_align_size=None
+                )
                 if result != AddReqResult.CONTINUE:
                     if result == AddReqResult.NO_TOKEN:
                         running.batch_is_full = bool(adder.can_run_list) or not running.is_empty()
                     break
-            if adder.new_chunked_req is not None:
-                raise HarnessError(
-                    f"{adder.new_chunked_req.rid} needs chunked prefill, which the harness lacks"
-                )
             admitted = list(adder.can_run_list)
             if not admitted:
                 return []
             self.waiting = [r for r in self.waiting if r not in admitted]
+            if adder.new_chunked_req is not None:
+                if self.chunked is not None:
+                    raise HarnessError(
+                        f"two chunked requests: {self.chunked.rid}, {adder.new_chunked_req.rid}"
+                    )
+                self.chunked = adder.new_chunked_req
+            if self.chunked is not None:
+                self.chunked.inflight_middle_chunks += 1
+            continued = [r for r in admitted if r.kv.holds_kv]
             batch = ScheduleBatch.init_new(
                 admitted,
                 self.req_to_token_pool,
@@ -310,24 +339,34 @@ class Admission:
                 self.model_config,
                 False,  # enable_overlap
                 SpeculativeAlgorithm.NONE,
-                chunked_req=None,
+                chunked_req=self.chunked,
             )
-            batch.contains_last_prefill_chunk = True
+            batch.contains_last_prefill_chunk = self.chunked is None or len(admitted) != 1
+            rows = {id(r): self.row(r, r.prefix_len).clone() for r in continued}
             batch.prepare_for_extend()
             self.batch = batch
-            self._check_batch(batch)
+            self._check_batch(batch, rows)
         return admitted
 
-    def _check_batch(self, batch: Any) -> None:
+    def _check_batch(self, batch: Any, continued: dict[int, torch.Tensor]) -> None:
         # What prepare_for_extend promises: each row starts with the matched prefix as the tree
-        # reports it, then the slots out_cache_loc handed out for the extend.
+        # reports it (a continued chunk: the row as its last chunk left it, the published part
+        # the tree's), then the slots out_cache_loc handed out for the extend.
         start = 0
         for req in batch.reqs:
             new = batch.out_cache_loc[start : start + req.extend_len].to(torch.int64)
             start += req.extend_len
-            prefix = self.tree_cache.prefix_device_indices(req).to(torch.int64) if req.prefix_len else None
             row = self.row(req, req.extend_end)
-            if prefix is not None and not torch.equal(row[: req.prefix_len], prefix):
+            if id(req) in continued:
+                protected = req.kv.cache_protected_len
+                tree = self.tree_cache.path_device_indices(req.last_node).to(torch.int64)
+                if not torch.equal(row[: req.prefix_len], continued[id(req)]):
+                    raise HarnessError(f"{req.rid}: a continued chunk's row prefix changed")
+                if not torch.equal(row[:protected], tree[:protected]):
+                    raise HarnessError(f"{req.rid}: req_to_token[:cache_protected_len] is not the tree's")
+            elif req.prefix_len and not torch.equal(
+                row[: req.prefix_len], self.tree_cache.prefix_device_indices(req).to(torch.int64)
+            ):
                 raise HarnessError(f"{req.rid}: req_to_token[:prefix_len] is not the tree's prefix")
             if not torch.equal(row[req.prefix_len :], new):
                 raise HarnessError(f"{req.rid}: req_to_token[prefix_len:] is not out_cache_loc")
@@ -360,8 +399,8 @@ class Admission:
     def prefill(self, on_extend: OnExtend | None = None, *, stop: Iterable[Any] = ()) -> list[Any]:
         """Run the pending prefill batch: ``on_extend`` for each request's new slots, sample one token
         (EOS for requests in ``stop``), then finish-and-release or checkpoint each request as
-        ``process_batch_result_prefill`` does, and merge the rest into the running batch. Returns
-        the requests that finished."""
+        ``process_batch_result_prefill`` does (a middle chunk does neither), stash the chunked
+        request, and merge the rest into the running batch. Returns the requests that finished."""
         if self.batch is None:
             raise HarnessError("no admitted batch: call admit() first")
         batch, self.batch = self.batch, None
@@ -379,6 +418,9 @@ class Admission:
             self.allocator.free_group_begin()
             try:
                 for req in batch.reqs:
+                    if req.inflight_middle_chunks > 0:  # a middle chunk: no token, nothing published
+                        req.inflight_middle_chunks -= 1
+                        continue
                     req.output_ids.append(EOS if id(req) in stopping else self.next_token(req))
                     req.update_finish_state()
                     if req.finished():
@@ -388,8 +430,12 @@ class Admission:
                         checkpoint_kv_cache(req, self.tree_cache)
             finally:
                 self.allocator.free_group_end()
-            # get_next_batch_to_run: filter the prefill batch, merge it into the running batch.
-            batch.filter_batch()
+            # get_next_batch_to_run: stash the chunked request (publish its chunk), filter the
+            # prefill batch without it, merge the rest into the running batch.
+            chunked = self.chunked
+            if chunked is not None and chunked.extend_end > chunked.prefix_len:
+                checkpoint_kv_cache(chunked, self.tree_cache)
+            batch.filter_batch(reqs_to_exclude=[chunked] if chunked is not None else None)
             if not batch.is_empty():
                 if self.running_batch.is_empty():
                     self.running_batch = batch
@@ -458,9 +504,15 @@ class Admission:
         return done
 
     def drain(self, on_extend: OnExtend | None = None) -> list[Any]:
-        """Run the pending batch, then finish every running request (waiting ones stay queued)."""
+        """Run the pending batch and the chunked request's remaining chunks (waiting requests the
+        scheduler admits beside them included), then finish every running request (other waiting
+        ones stay queued)."""
         done: list[Any] = []
         if self.batch is not None:
+            done += self.prefill(on_extend)
+        while self.chunked is not None:
+            if not self.admit():
+                raise HarnessError(f"{self.chunked.rid}: its next chunk cannot be admitted")
             done += self.prefill(on_extend)
         if self.running:
             done += self.finish(*self.running, on_extend=on_extend)
@@ -493,10 +545,13 @@ class Admission:
         return self.allocator.available_size()
 
     def live_requests(self) -> list[Any]:
-        """Requests holding a ``req_to_token`` row: the pending batch and the running batch."""
+        """Requests holding a ``req_to_token`` row: the pending batch, the running batch and the
+        chunked request."""
         live = list(self.running_batch.reqs)
         if self.batch is not None:
             live += self.batch.reqs
+        if self.chunked is not None and all(r is not self.chunked for r in live):
+            live.append(self.chunked)
         return [r for r in live if r.kv.holds_kv]
 
     def private_tokens(self) -> int:

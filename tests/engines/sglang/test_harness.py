@@ -150,6 +150,38 @@ def test_the_check_catches_a_cache_that_loses_slots(bug: str, message: str, page
         harness.check()
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_long_prompt_is_prefilled_in_chunks_each_published_before_the_next(page_size: int) -> None:
+    harness = Admission(_radix_cache, page_size=page_size, size=1024, chunked_prefill_size=32)
+    tokens = list(range(10, 110))
+    long = harness.request(tokens, max_new_tokens=3)
+    assert harness.admit([long]) == [long] and harness.chunked is long
+    sharer = harness.request([*tokens[:40], 5])
+    ends = []
+    while not long.output_ids:
+        ends.append(long.extend_end)
+        harness.prefill()
+        harness.check()
+        if harness.chunked is long:  # a middle chunk: nothing sampled, its KV in the tree
+            assert long not in harness.running and harness.row(long).shape[0] == long.extend_end
+            assert harness.tree_cache.total_size() == long.extend_end // page_size * page_size
+            # a request sharing its head waits while a full chunk takes the pass's chunk budget,
+            # and is admitted beside the last one, reusing what the chunks published
+            admitted = harness.admit([sharer] if len(ends) == 1 else [])
+            assert admitted == ([long] if long.extend_end < len(tokens) else [long, sharer])
+    assert ends == [32, 64, 96, 100] and long in harness.running and sharer in harness.finished
+    assert sharer.prefix_len == 40 // page_size * page_size
+    second = harness.request([*tokens[:70], 5, 6])
+    assert harness.admit([second]) == [second]
+    assert second.prefix_len == 70 // page_size * page_size
+    _prefix_holds_its_own_kv(harness, second)
+    harness.check()
+    harness.drain()
+    harness.evict_all()
+    assert harness.free_slots() == harness.capacity
+    harness.check()
+
+
 def _random_tokens(rng: random.Random, stems: list[list[int]]) -> list[int]:
     length = rng.randint(5, 80)
     shared = rng.randint(0, length)
@@ -177,9 +209,12 @@ POOLS = {
 }
 
 
+@pytest.mark.parametrize("chunked", [None, 32], ids=["whole", "chunked"])
 @pytest.mark.parametrize("pool", sorted(POOLS))
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_200_random_requests_return_every_slot(page_size: int, pool: str) -> None:
+def test_200_random_requests_return_every_slot(page_size: int, pool: str, chunked: int | None) -> None:
+    """Prompts of up to 80 tokens; with chunked prefill (SGLang's default) of 32 tokens, most are
+    prefilled over two or three passes, other requests admitted beside their chunks."""
     shape = POOLS[pool]
     rng = random.Random(1234 + page_size)
     harness = Admission(
@@ -189,9 +224,10 @@ def test_200_random_requests_return_every_slot(page_size: int, pool: str) -> Non
         max_requests=16,
         new_token_ratio=shape["new_token_ratio"],
         schedule_policy=shape["schedule_policy"],
+        chunked_prefill_size=chunked,
     )
     stems = [[rng.randint(10, 13) for _ in range(80)] for _ in range(6)]
-    hits = evicted = queued = 0
+    hits = evicted = queued = chunks = 0
     for i in range(200):
         req = harness.request(
             _random_tokens(rng, stems),
@@ -204,6 +240,7 @@ def test_200_random_requests_return_every_slot(page_size: int, pool: str) -> Non
         queued = max(queued, len(harness.waiting))
         harness.check()
         if harness.batch is not None:
+            chunks += harness.chunked is not None
             harness.prefill()
             harness.check()
         roll = rng.random()
@@ -215,15 +252,16 @@ def test_200_random_requests_return_every_slot(page_size: int, pool: str) -> Non
         if i % 10 == 9:
             evicted += harness.evict(rng.randint(1, 256))
             harness.check()
-    while harness.waiting or harness.running or harness.batch is not None:
+    while harness.waiting or harness.running or harness.batch is not None or harness.chunked is not None:
         for admitted in harness.admit():
             _prefix_holds_its_own_kv(harness, admitted)
         harness.drain()
         harness.check()
 
+    assert (chunks > 20) is (chunked is not None)
     assert len(harness.finished) == 200 and len({r.rid for r in harness.finished}) == 200
     assert hits > 0 and evicted > 0  # prefixes were shared and the tree was evicted under use
-    assert (queued > 0) is (pool == "tight")
+    assert (queued > 0) is (pool == "tight" or chunked is not None)  # or a chunk took the pass's budget
     assert harness.tree_cache.protected_size() == 0
     harness.evict_all()
     assert harness.tree_cache.total_size() == 0

@@ -107,9 +107,16 @@ def _part(kv: ChunkKV, start: int, end: int) -> ChunkKV:
     )
 
 
-def _setup(backend: Any, page_size: int, config: WindowConfig, size: int = 2048) -> tuple[Admission, Model]:
+def _setup(
+    backend: Any,
+    page_size: int,
+    config: WindowConfig,
+    size: int = 2048,
+    store_budget: int = 1 << 28,
+    chunked_prefill_size: int | None = None,
+) -> tuple[Admission, Model]:
     layout = backend.layout
-    store = ChunkStore(fingerprint=backend.fingerprint, memory_budget=1 << 28)
+    store = ChunkStore(fingerprint=backend.fingerprint, memory_budget=store_budget)
     tokenizer = backend.encoder.tokenizer
     config_of_model = backend.model.config
     rules = ChunkRules.for_model(config_of_model, tokenizer)
@@ -128,6 +135,7 @@ def _setup(backend: Any, page_size: int, config: WindowConfig, size: int = 2048)
         head_dim=head_dim,
         on_extend=model,
         kv_pool=_mla_pool(layout) if layout.kind == "mla" else None,
+        chunked_prefill_size=chunked_prefill_size,
     )
     model.harness = harness
     return harness, model
@@ -182,11 +190,16 @@ def _image(backend: Any, seed: int) -> Chunk:
 FAMILIES = ["qwen2", "qwen2_vl", "deepseek_v2"]
 
 
+@pytest.mark.parametrize("chunked", [None, 32], ids=["whole", "chunked"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_exact_loads_the_models_own_kv_after_the_tree_lost_it(family: str, page_size: int) -> None:
+def test_exact_loads_the_models_own_kv_after_the_tree_lost_it(
+    family: str, page_size: int, chunked: int | None
+) -> None:
+    """With chunked prefill (SGLang's default) the first prompt is prefilled and captured over
+    several passes, the second's remainder after the load computed over several."""
     backend = _backend(family)
-    harness, model = _setup(backend, page_size, WindowConfig.exact())
+    harness, model = _setup(backend, page_size, WindowConfig.exact(), chunked_prefill_size=chunked)
     cache = harness.tree_cache
     middle = (
         _image(backend, 1)
@@ -196,7 +209,7 @@ def test_exact_loads_the_models_own_kv_after_the_tree_lost_it(family: str, page_
     chunks = [_text(backend, "notes from the first morning of the trip"), middle, _text(backend, "then rain")]
     first = _prompt(backend, [*chunks, _text(backend, "what rolled?")])
     _run(harness, model, first, "first")
-    harness.prefill()
+    harness.drain()
     assert cache.stats.chunks_captured >= 4
     harness.evict_all()  # the tree lost every slot: only the store still holds the chunks
     assert cache.total_size() == 0
@@ -286,10 +299,13 @@ def test_a_tenant_is_never_served_another_tenants_chunks() -> None:
     harness.check()
 
 
+@pytest.mark.parametrize("chunked", [None, 32], ids=["whole", "chunked"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_200_random_requests_leak_no_slot_and_matching_changes_nothing(page_size: int) -> None:
+def test_200_random_requests_leak_no_slot_and_matching_changes_nothing(
+    page_size: int, chunked: int | None
+) -> None:
     backend = _backend("qwen2")
-    harness, _ = _setup(backend, page_size, WindowConfig(), size=768)
+    harness, _ = _setup(backend, page_size, WindowConfig(), size=768, chunked_prefill_size=chunked)
     harness.on_extend = functools.partial(stamp_kv, harness.kv_pool)  # values do not matter here: slots do
     cache = harness.tree_cache
     rng = random.Random(13)
@@ -298,7 +314,7 @@ def test_200_random_requests_leak_no_slot_and_matching_changes_nothing(page_size
         for i in range(8)
     ]
     anchor = backend.anchor.input_ids.tolist()
-    sent = 0
+    sent = chunks = 0
     for step in range(200):
         chosen = rng.sample(pieces, rng.randint(1, 4))
         tokens = anchor + [t for piece in chosen for t in piece.input_ids.tolist()] + [rng.randint(10, 90)]
@@ -320,6 +336,7 @@ def test_200_random_requests_leak_no_slot_and_matching_changes_nothing(page_size
             assert (harness.free_slots(), cache.total_size()) == (free, size)
         harness.admit([req])
         sent += 1
+        chunks += harness.chunked is not None
         if harness.batch is not None:
             harness.prefill()
         if rng.random() < 0.3:
@@ -329,6 +346,7 @@ def test_200_random_requests_leak_no_slot_and_matching_changes_nothing(page_size
         harness.check()
     _finish_every_request(harness)
     assert sent == 200 and cache.stats.loads > 10 and cache.stats.chunks_captured > 10
+    assert (chunks > 20) is (chunked is not None)  # most prompts are longer than a chunk of 32
 
 
 def test_a_load_that_cannot_be_written_is_declined_and_leaks_nothing() -> None:
@@ -421,7 +439,7 @@ def test_faults_in_every_hook_never_fail_a_request_or_leak_a_slot() -> None:
 def _finish_every_request(harness: Admission) -> None:
     """Run every admitted and waiting request to its end, evict the tree, and check that every
     slot came back."""
-    while harness.waiting or harness.batch is not None or harness.running:
+    while harness.waiting or harness.batch is not None or harness.running or harness.chunked is not None:
         if harness.batch is not None:
             harness.prefill()
         harness.drain()
