@@ -8,7 +8,7 @@ timed side by side in one run:
 
 - forward: the backend's primitives (prefill, decode, vision, assemble, crop), wall time;
 - operator: the operator's tensor work the core calls (relocation with patches, forming and
-  merging patches, un-rotation);
+  merging patches, an orbit's running mean of full KV, un-rotation);
 - rest: everything else the op did (the target).
 
     .venv/bin/python benchmarks/overhead.py                    # 16 chunks, 10 repeats
@@ -39,7 +39,7 @@ from kamera_agent.window import KameraWindow
 OPS = ("push", "slide", "reorder", "evict", "recall", "ask")
 _BACKEND = ("prefill", "decode", "encode_vision", "assemble", "crop")
 _OPERATOR = [(kv_core, name) for name in ("apply_patch", "form_patch", "place_many", "to_position_free")]
-_OPERATOR.append((orbits, "merge_patches"))
+_OPERATOR += [(orbits, "merge_patches"), (orbits, "running_mean")]
 
 
 class Clock:

@@ -56,15 +56,19 @@ def fold_full_orbit(store: StagedStore, root: Context, member: ChunkState, kv: C
     if previous is None:  # a first member (or the old mean left the store): start again
         members, mean = [], kv
     else:
-        count = len(members)
-        keys = (previous.keys.float() * count + kv.keys.float()) / (count + 1)
-        values = (previous.values.float() * count + kv.values.float()) / (count + 1)
-        mean = replace(kv, keys=keys.to(kv.keys.dtype), values=values.to(kv.values.dtype))
+        mean = running_mean(previous, len(members), kv)
     members.append(member.digest)
     state = ChunkState.orbit(chunk_key, member.rank, root, address, members)
     store.put_full(mean, state.digest)
     record = Patch({}, kv.num_tokens, chunk_key, state.digest, "", "orbit", {"members": json.dumps(members)})
     store.put_patch(record, address)
+
+
+def running_mean(mean: ChunkKV, count: int, kv: ChunkKV) -> ChunkKV:
+    """The mean of ``count`` KVs (``mean``) and ``kv``: the orbit's tensor work, in fp32."""
+    keys = (mean.keys.float() * count + kv.keys.float()) / (count + 1)
+    values = (mean.values.float() * count + kv.values.float()) / (count + 1)
+    return replace(kv, keys=keys.to(kv.keys.dtype), values=values.to(kv.values.dtype))
 
 
 def _members(meta: dict[str, str] | None) -> list[str]:
