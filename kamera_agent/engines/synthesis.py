@@ -39,7 +39,16 @@ from kamera_agent.engines.shards import EntryStore
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.store import EntryKey
 
-__all__ = ["EngineStats", "LoadPlan", "PrefixSynthesis", "RequestChunk", "ServePolicy", "Served", "policy_of"]
+__all__ = [
+    "EngineStats",
+    "KeptLoad",
+    "LoadPlan",
+    "PrefixSynthesis",
+    "RequestChunk",
+    "ServePolicy",
+    "Served",
+    "policy_of",
+]
 
 ServePolicy = Literal["exact", "keep"]
 
@@ -132,6 +141,35 @@ class LoadPlan:
         return self.end - self.device_len
 
 
+@dataclass(frozen=True)
+class KeptLoad:
+    """A chunk a load left in the engine's cache in a state a forward would not give it (a kept
+    state, or a splice): what a later request finding it in the engine's own prefix must chain.
+
+    Attributes:
+        prefix: where it is remembered (its key chained over every chunk before it, in the
+            request's namespace): what `PrefixSynthesis.lost` names.
+        chunk: the request's chunk.
+        state: what the load wrote.
+        computed: the state a forward over the chunks before it gives the chunk.
+        tokens: the chunk's leading tokens that hold ``state``'s KV: the whole chunk, or fewer
+            where the load's end cut it or the engine evicted the rest (what the engine holds
+            after them, a forward computed behind them).
+    """
+
+    prefix: str
+    chunk: RequestChunk
+    state: ChunkState
+    computed: ChunkState
+    tokens: int
+
+    def held(self, tokens: int) -> ChunkState:
+        """The state of the chunk's first ``tokens`` as the engine holds them."""
+        if tokens <= self.tokens:
+            return self.state
+        return ChunkState.spliced(self.state, self.computed, self.tokens)
+
+
 @dataclass
 class PrefixSynthesis:
     """Chunk states of requests over one store, and the KV that serves them.
@@ -143,7 +181,9 @@ class PrefixSynthesis:
 
     Both memories are bounded (`MEMORY`, least recently used forgotten first): a server runs
     for weeks. A forgotten load makes a later request take that chunk's state for a computed one,
-    which only ``"keep"`` ever stores (an approximation filed under a slightly wrong name).
+    which only ``"keep"`` ever stores (an approximation filed under a slightly wrong name). An
+    engine that evicts a loaded chunk's tokens says so (`lost`): its tokens computed again are
+    what a forward gives.
 
     Args:
         store: where position-free chunk KV is kept (shared by every process that names it): a
@@ -154,7 +194,7 @@ class PrefixSynthesis:
     store: EntryStore
     policy: ServePolicy = "exact"
     _latest: OrderedDict[str, Served] = field(default_factory=OrderedDict, repr=False)
-    _loaded: OrderedDict[str, ChunkState] = field(default_factory=OrderedDict, repr=False)
+    _loaded: OrderedDict[str, KeptLoad] = field(default_factory=OrderedDict, repr=False)
 
     # -- planning ---------------------------------------------------------------------------
     def plan(
@@ -178,7 +218,9 @@ class PrefixSynthesis:
                 break
             prefix = _hash(prefix, chunk.key)
             computed = chain.computed(chunk)
-            held = self._held(prefix, computed) if chunk.start < device_len else computed
+            held = computed
+            if chunk.start < device_len:
+                held = self._held(prefix, computed, min(device_len, chunk.end) - chunk.start)
             if chunk.end <= device_len:
                 chain.extend(chunk, held)
                 continue
@@ -204,25 +246,47 @@ class PrefixSynthesis:
             out.append(kv)
         return out
 
-    def loaded(self, namespace: str, chunks: Sequence[RequestChunk], plan: LoadPlan) -> None:
+    def loaded(self, namespace: str, chunks: Sequence[RequestChunk], plan: LoadPlan) -> list[KeptLoad]:
         """Record what a load put into the engine's cache, so later requests that find these
         tokens in the engine's own prefix chain the states they really hold: a kept state, or
-        a splice (a chunk the load's end cuts, finished by a forward over a kept head)."""
+        a splice (a chunk the load's end cuts, finished by a forward over a kept head). Returns
+        the records made: an engine that evicts their tokens tells `lost`."""
         if self.policy == "exact":
-            return  # every state served is the one a forward computes: nothing to remember
+            return []  # every state served is the one a forward computes: nothing to remember
         served = {item.chunk.start: item for item in plan.served}
         prefix = _prefix_root(namespace)
+        out: list[KeptLoad] = []
         for chunk in chunks:
             if chunk.start >= plan.end:
                 break
             prefix = _hash(prefix, chunk.key)
             item = served.get(chunk.start)
-            if item is None or item.computed:
+            if item is None:
                 continue
-            state = item.state
-            if chunk.end > plan.end and item.computed_state is not None:
-                state = ChunkState.spliced(item.state, item.computed_state, plan.end - chunk.start)
-            _remember(self._loaded, prefix, state)
+            if item.computed or item.computed_state is None:
+                self._loaded.pop(prefix, None)  # a forward's state now, whatever a load left before
+                continue
+            tokens = min(chunk.end, plan.end) - chunk.start
+            out.append(KeptLoad(prefix, chunk, item.state, item.computed_state, tokens))
+            _remember(self._loaded, prefix, out[-1])
+        return out
+
+    def lost(self, prefix: str, kept: int) -> None:
+        """The engine lost the tokens of the load recorded at ``prefix`` (`KeptLoad.prefix`) from
+        its ``kept``-th on (it evicted them): forget the load, or keep it for the tokens that
+        remain (a forward computes what follows them again)."""
+        record = self._loaded.get(prefix)
+        if record is None:
+            return
+        if kept <= 0:
+            del self._loaded[prefix]
+        elif kept < record.tokens:
+            self._loaded[prefix] = replace(record, tokens=kept)
+
+    @property
+    def kept_loads(self) -> tuple[KeptLoad, ...]:
+        """The loads remembered, least recently made first."""
+        return tuple(self._loaded.values())
 
     # -- capture ----------------------------------------------------------------------------
     def captures(
@@ -237,7 +301,7 @@ class PrefixSynthesis:
             if chunk.end > upto:
                 break
             prefix = _hash(prefix, chunk.key)
-            state = self._held(prefix, chain.computed(chunk))
+            state = self._held(prefix, chain.computed(chunk), len(chunk))
             chain.extend(chunk, state)
             entry = _entry(chunk, state)
             if self.policy == "keep":
@@ -271,9 +335,11 @@ class PrefixSynthesis:
         self.store.put(entry, replace(kv, chunk_key=entry.key))
 
     # -- states -----------------------------------------------------------------------------
-    def _held(self, prefix: str, computed: ChunkState) -> ChunkState:
-        """The state of a chunk the engine holds: the one a load left there, else ``computed``."""
-        return self._loaded.get(prefix, computed) if self._loaded else computed
+    def _held(self, prefix: str, computed: ChunkState, tokens: int) -> ChunkState:
+        """The state of a chunk's first ``tokens`` the engine holds: the one a load left there,
+        else ``computed``."""
+        record = self._loaded.get(prefix) if self._loaded else None
+        return computed if record is None else record.held(tokens)
 
     def _servable(
         self,

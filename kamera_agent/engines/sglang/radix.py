@@ -10,6 +10,9 @@ whose states the store holds is loaded: each chunk's position-free KV rotated to
 positions for this request (1-D, or the request's precomputed M-RoPE positions) and written into
 new slots, which then join the tree under the request's tokens, so SGLang owns, locks and evicts
 them like any prefix. ``checkpoint`` (SGLang publishing a prefill) captures the chunks' KV first.
+A load in a state a forward would not compute is remembered with the tree slots it fills
+(`KeptSlots`); when SGLang evicts those slots (``_delete_leaf``) or resets the tree, the memory
+is cut to what remains, so tokens computed again are known for what a forward gives.
 
 Every hook catches kamera's faults at its boundary (`HookFaults`): a fault costs the request the
 reuse (SGLang's own match, no load, a capture skipped), never the request, a slot or the tree.
@@ -32,6 +35,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from kamera_agent.config import WindowConfig
 from kamera_agent.engines.faults import HookFaults
+from kamera_agent.engines.sglang.kept import KeptSlots
 from kamera_agent.engines.sglang.pool import SGLangSlots
 from kamera_agent.engines.sglang.segments import ChunkRules, request_chunks
 from kamera_agent.engines.slots import request_positions
@@ -70,7 +74,10 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         rules: ChunkRules | None = None,
         pool_pairing: Pairing | None = None,
     ) -> None:
-        super().__init__(params)
+        self.synthesis: PrefixSynthesis | None = None
+        self.kept = KeptSlots()
+        """The tree's slots that hold kept loads (what an eviction tells `PrefixSynthesis.lost`)."""
+        super().__init__(params)  # calls reset()
         self.config = config or WindowConfig.exact()
         self.layout, self.rules, self.pool_pairing = layout, rules or ChunkRules(), pool_pairing
         self.synthesis = (
@@ -129,7 +136,7 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         match = super().match_prefix(MatchPrefixParams(key=full))
         assert match.device_prefix_len == plan.end, (match.device_prefix_len, plan.end)
         try:  # the load is in the tree now; only kamera's own bookkeeping may fail past here
-            self.synthesis.loaded(_namespace(key), self._chunks(key, req), plan)
+            self._loaded(key, req, plan, self.path_device_indices(match.last_device_node))
         except Exception as exc:
             self.faults.caught("init_load_back.loaded", exc)
         self.stats.offered += 1
@@ -148,6 +155,23 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
                 self.faults.caught("checkpoint", exc)
         super().checkpoint(req, up_to=up_to)
 
+    def _delete_leaf(self, node: Any) -> None:
+        """SGLang evicts ``node`` (its slots are being freed): loads that held them lose those tokens."""
+        if self.synthesis is not None and len(self.kept):
+            try:
+                for prefix, kept in self.kept.evicted(node.value.tolist()).items():
+                    self.synthesis.lost(prefix, kept)
+            except Exception as exc:
+                self.faults.caught("evict", exc)
+        super()._delete_leaf(node)
+
+    def reset(self) -> None:
+        """SGLang empties the tree (every slot freed): every load is gone."""
+        super().reset()
+        for prefix in self.kept.clear():
+            if self.synthesis is not None:
+                self.synthesis.lost(prefix, 0)
+
     # -- kamera's side ----------------------------------------------------------------------
     def _plan(self, key: Any, req: Any | None, device_len: int, limit: int | None = None) -> LoadPlan:
         """What the store can serve after ``device_len`` within ``limit`` tokens (the match's key
@@ -156,6 +180,14 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         chunks = self._chunks(key, req)
         end = len(key) if limit is None else limit
         return self.synthesis.plan(_namespace(key), chunks, device_len, end, self.page_size)
+
+    def _loaded(self, key: Any, req: Any, plan: LoadPlan, path: torch.Tensor) -> None:
+        """Remember the loads ``plan`` made that a forward would not compute, with the slots of
+        ``path`` (the tree's slots of ``tokens[:plan.end]``) that hold them."""
+        assert self.synthesis is not None
+        for load in self.synthesis.loaded(_namespace(key), self._chunks(key, req), plan):
+            start = load.chunk.start
+            self.kept.record(load.prefix, path[start : start + load.tokens].tolist())
 
     def _chunks(self, key: Any, req: Any | None) -> list[RequestChunk]:
         """The request's chunks, cut once per request: SGLang matches a waiting request on every
