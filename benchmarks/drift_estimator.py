@@ -12,6 +12,9 @@ for every chunk the window did not hold exactly, measures the true error and can
 - ``own+inherited``: ``own`` plus ``b ×`` the largest estimate of a chunk before it, left to
   right (by the triangle inequality the chunk's error is at most its deviation from a fresh
   forward over its context plus how far that context is off).
+- ``audit`` (and ``audit+inherited``): a random ``--audit`` share of the chunk's tokens
+  recomputed through every layer over the window's own context (`Backend.recompute`), the
+  chunk's KV measured against them on those rows: the chunk's error estimated from a sample.
 
 Each estimate is scaled on fitting episodes (``--fit-seeds``) so that it upper-bounds the true
 error at a chosen quantile, then judged on held-out episodes (``--seeds``, disjoint): Spearman
@@ -19,7 +22,7 @@ correlation with the true error, and per ε in 1e-3, 1e-2, 1e-1 the share of chu
 within ε whose true error exceeds 3ε (the budget's calibration target: ≤ 1 %). Probe tokens are
 reported beside the tokens of re-prefilling the window after every op, measured in one run.
 
-    .venv/bin/python benchmarks/drift_estimator.py                      # 120 ops, 2 + 2 episodes
+    .venv/bin/python benchmarks/drift_estimator.py                      # 120 ops, 2 + 2 episodes, audit 10 %
     .venv/bin/python benchmarks/drift_estimator.py --ops 40 --fit-seeds 11 --seeds 21
 """
 
@@ -45,16 +48,18 @@ from kamera_agent.settings import configure_threads
 from kamera_agent.window import KameraWindow
 
 EPSILONS = (1e-3, 1e-2, 1e-1)
+TRUE = (1e-2, 3e-2, 1e-1)  # what an oracle budget could leave unfixed: the true error's spread
 EXACT = 1e-5  # below this a chunk is held exactly (float32 rounding): not an approximated chunk
 
 
 @dataclass(frozen=True)
 class Slot:
-    """One chunk of the window after one op, left to right: its true relative KV error and its
-    one-layer probe deviation."""
+    """One chunk of the window after one op, left to right: its true relative KV error, its
+    one-layer probe deviation and its sampled audit's error."""
 
     error: float
     own: float
+    audit: float
 
 
 Op = list[Slot]
@@ -68,9 +73,23 @@ def _relative(kv: Any, truth: Any) -> float:
     return float((num / den).sqrt())
 
 
-def episode(seed: int, ops: int, progress: Progress) -> tuple[list[Op], int, int]:
-    """Every op's chunks (error, probe), its probe tokens and the tokens of re-prefilling the
-    window after every op."""
+def _sampled_error(kv: Any, audited: Any, indices: torch.Tensor) -> float:
+    """Relative error of ``kv`` against ``audited`` over the audited token rows only."""
+    rows = (slice(None), slice(None), indices)
+    return _relative(
+        type(kv)(kv.keys[rows], kv.values[rows]), type(kv)(audited.keys[rows], audited.values[rows])
+    )
+
+
+def episode(seed: int, ops: int, progress: Progress, audit: float = 0.1) -> tuple[list[Op], int, int, int]:
+    """Every op's chunks (error, probe, audit), its probe tokens, its audit tokens and the tokens
+    of re-prefilling the window after every op.
+
+    The audit recomputes a random ``audit`` share of the chunk's tokens through every layer over
+    the window's own context (`Backend.recompute`, CacheBlend's primitive run as a measurement)
+    and measures the chunk's KV against it on those rows: an estimate of the whole chunk's error
+    from a sample, biased low only by what the audited rows take from the chunk's other (kept)
+    rows and from an approximate context."""
     model, tokenizer, image_processor = load_demo_model()
     config = WindowConfig(capacity_chunks=12, max_new_tokens=1, evicted_pixels="keep")
     window = KameraWindow(model, tokenizer=tokenizer, image_processor=image_processor, config=config)
@@ -79,7 +98,8 @@ def episode(seed: int, ops: int, progress: Progress) -> tuple[list[Op], int, int
     moves = _Episode(window, backend.encoder, random.Random(seed), _items(ops))
     layers = backend.layout.num_layers
     recorded: list[Op] = []
-    probe_tokens = reprefill_tokens = 0
+    probe_tokens = audit_tokens = reprefill_tokens = 0
+    sampler = torch.Generator().manual_seed(seed)
     vision: dict[str, Any] = {}
     task = progress.add_task(f"episode {seed}", total=ops)
     for _ in range(ops):
@@ -99,12 +119,17 @@ def episode(seed: int, ops: int, progress: Progress) -> tuple[list[Op], int, int
                 features = vision[chunk.vision_key]
             probe = backend.deviation(chunk, kv, context, start, features, 1)
             probe_tokens += math.ceil(chunk.num_tokens / layers)
-            slots.append(Slot(_relative(kv, exact), float(probe.scores.pow(2).mean().sqrt())))
+            count = max(2, math.ceil(audit * chunk.num_tokens))
+            indices = torch.randperm(chunk.num_tokens, generator=sampler)[:count].sort().values
+            audited = backend.recompute(chunk, kv, indices, context, start, features).kv[0]
+            audit_tokens += int(indices.numel())
+            sample = _sampled_error(kv, audited, indices)
+            slots.append(Slot(_relative(kv, exact), float(probe.scores.pow(2).mean().sqrt()), sample))
             context.append(kv)
             start += chunk.advance
         recorded.append(slots)
         progress.advance(task)
-    return recorded, probe_tokens, reprefill_tokens
+    return recorded, probe_tokens, audit_tokens, reprefill_tokens
 
 
 def _spearman(xs: list[float], ys: list[float]) -> float:
@@ -122,14 +147,15 @@ def _spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else math.nan
 
 
-def signals(ops: list[Op], inherit: float) -> list[tuple[float, float]]:
-    """``(signal, true error)`` of every approximated chunk: ``own + inherit × max(signal of a
-    chunk before it)``, left to right (``inherit = 0``: the probe alone)."""
+def signals(ops: list[Op], inherit: float, source: str = "own") -> list[tuple[float, float]]:
+    """``(signal, true error)`` of every approximated chunk: its ``source`` signal (``own``: the
+    probe, ``audit``: the sampled audit) ``+ inherit × max(signal of a chunk before it)``, left
+    to right (``inherit = 0``: the chunk's own signal alone)."""
     out = []
     for slots in ops:
         before = 0.0
         for slot in slots:
-            signal = slot.own + inherit * before
+            signal = getattr(slot, source) + inherit * before
             if slot.error > EXACT:
                 out.append((signal, slot.error))
             before = max(before, signal)
@@ -144,8 +170,15 @@ def fit_scale(pairs: list[tuple[float, float]], quantile: float) -> float:
     return ratios[min(len(ratios) - 1, int(quantile * len(ratios)))]
 
 
-ESTIMATORS = {"probe": 0.0, "probe+0.5inh": 0.5, "probe+1inh": 1.0}
-"""Each candidate by its inheritance weight."""
+ESTIMATORS = {
+    "probe": ("own", 0.0),
+    "probe+0.5inh": ("own", 0.5),
+    "probe+1inh": ("own", 1.0),
+    "audit": ("audit", 0.0),
+    "audit+0.5inh": ("audit", 0.5),
+    "audit+1inh": ("audit", 1.0),
+}
+"""Each candidate by its signal and its inheritance weight."""
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -154,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--fit-seeds", type=int, nargs="+", default=[7001, 7002])
     parser.add_argument("--seeds", type=int, nargs="+", default=[7101, 7102])
     parser.add_argument("--quantile", type=float, default=0.99, help="the fitted scale bounds this share")
+    parser.add_argument("--audit", type=float, default=0.1, help="share of a chunk's tokens audited")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if set(args.fit_seeds) & set(args.seeds):
@@ -162,18 +196,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     fit: list[Op] = []
     held: list[Op] = []
-    probe = reprefill = 0
+    probe = audited = reprefill = 0
     with Progress() as progress:
         for seed in args.fit_seeds:
-            fit += episode(seed, args.ops, progress)[0]
+            fit += episode(seed, args.ops, progress, args.audit)[0]
         for seed in args.seeds:
-            ops, probed, refilled = episode(seed, args.ops, progress)
+            ops, probed, audits, refilled = episode(seed, args.ops, progress, args.audit)
             held += ops
-            probe, reprefill = probe + probed, reprefill + refilled
+            probe, audited, reprefill = probe + probed, audited + audits, reprefill + refilled
     rows = []
-    for name, inherit in ESTIMATORS.items():
-        scale = fit_scale(signals(fit, inherit), args.quantile)
-        pairs = signals(held, inherit)
+    for name, (source, inherit) in ESTIMATORS.items():
+        scale = fit_scale(signals(fit, inherit, source), args.quantile)
+        pairs = signals(held, inherit, source)
         estimate, errors = [scale * signal for signal, _ in pairs], [error for _, error in pairs]
         row: dict[str, Any] = {"estimator": name, "scale": scale, "spearman": _spearman(estimate, errors)}
         for eps in EPSILONS:
@@ -182,6 +216,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row[f">3x {eps:g}"] = sum(e > 3 * eps for e in within) / len(within) if within else math.nan
         rows.append(row)
     held_samples = len(signals(held, 0.0))
+    truths = [error for _, error in signals(held, 0.0)]
+    within = {f"{eps:g}": sum(e <= eps for e in truths) / len(truths) if truths else math.nan for eps in TRUE}
     table = Table(title=f"drift estimators on {held_samples} approximated chunk-states (held-out episodes)")
     for column in rows[0]:
         table.add_column(column, justify="right")
@@ -196,13 +232,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "probe_tokens": probe,
         "reprefill_tokens": reprefill,
         "probe_share_of_reprefill": probe / reprefill if reprefill else math.nan,
+        "audit": args.audit,
+        "audit_tokens": audited,
+        "audit_share_of_reprefill": audited / reprefill if reprefill else math.nan,
         "estimators": rows,
+        "true_error_within": within,
     }
     table.caption = (
-        f"probe tokens {probe:,} = {report['probe_share_of_reprefill']:.1%} of re-prefilling the "
-        f"window after every op ({reprefill:,}); each scale fitted on {report['fit_samples']} chunk-states "
+        f"probe tokens {probe:,} = {report['probe_share_of_reprefill']:.1%} and audit tokens "
+        f"{audited:,} ({args.audit:.0%} of each chunk) = {report['audit_share_of_reprefill']:.1%} of "
+        f"re-prefilling the window after every op ({reprefill:,}); each scale fitted on "
+        f"{report['fit_samples']} chunk-states "
         f"of other episodes to bound {args.quantile:.0%} of them; >3x ε: share of the chunks estimated "
-        "within ε whose true error exceeds 3ε"
+        "within ε whose true error exceeds 3ε; approximated chunk-states truly within "
+        + ", ".join(f"{eps}: {share:.0%}" for eps, share in within.items())
     )
     return show_and_save(table, report, args.json)
 

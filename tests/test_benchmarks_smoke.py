@@ -123,8 +123,10 @@ def test_drift_estimator_benchmark_judges_each_estimator_on_held_out_episodes(tm
     out = tmp_path / "drift.json"
     run_benchmark("drift_estimator", ["--ops", "12", "--fit-seeds", "1", "--seeds", "2", "--json", str(out)])
     report = json.loads(out.read_text())
-    assert [row["estimator"] for row in report["estimators"]] == ["probe", "probe+0.5inh", "probe+1inh"]
+    names = [row["estimator"] for row in report["estimators"]]
+    assert names == ["probe", "probe+0.5inh", "probe+1inh", "audit", "audit+0.5inh", "audit+1inh"]
     assert 0 < report["probe_tokens"] < report["reprefill_tokens"]
+    assert 0 < report["audit_tokens"] < report["reprefill_tokens"]
 
 
 def test_overhead_benchmark_splits_every_op_into_forward_operator_and_rest(tmp_path: Path) -> None:
