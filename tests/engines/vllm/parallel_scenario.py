@@ -14,18 +14,8 @@ import argparse
 import json
 import os
 from pathlib import Path
-from typing import Any
 
-NOTES = [
-    f"note {i}: the {animal} was seen near the {place} at {i} o'clock"
-    for i, (animal, place) in enumerate(
-        zip(
-            ["fox", "owl", "cat", "dog", "elk", "bat"],
-            ["gate", "barn", "well", "mill", "pond", "shed"],
-            strict=True,
-        )
-    )
-]
+from tests.engines.vllm.scenario import NOTES, _prompt, _sources
 
 
 def main() -> None:
@@ -67,10 +57,10 @@ def main() -> None:
         disable_log_stats=False,
     )
     rows = []
-    for count in range(2, len(NOTES) + 1):
+    for count in range(2, 7):  # a growing conversation: every request's notes begin the next's
         llm.reset_prefix_cache()
         before = _sources(llm)
-        prompt = TokensPrompt(prompt_token_ids=_prompt(tokenizer, NOTES[:count]))
+        prompt = TokensPrompt(prompt_token_ids=_prompt(tokenizer, NOTES[:count], "which came last?"))
         (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
         after = _sources(llm)
         rows.append(
@@ -81,22 +71,6 @@ def main() -> None:
             }
         )
     Path(args.out).write_text(json.dumps(rows))
-
-
-def _prompt(tokenizer: Any, notes: list[str]) -> list[int]:
-    messages = [{"role": "system", "content": "You answer briefly."}]
-    messages += [{"role": "user", "content": note} for note in notes]
-    messages.append({"role": "user", "content": "which came last?"})
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _sources(llm: Any) -> dict[str, float]:
-    out = {"local_compute": 0.0, "external_kv_transfer": 0.0}
-    for metric in llm.get_metrics():
-        if metric.name == "vllm:prompt_tokens_by_source" and metric.labels.get("source") in out:
-            out[metric.labels["source"]] += float(metric.value)
-    return out
 
 
 if __name__ == "__main__":  # vLLM's worker processes re-import this module: run only as a script
