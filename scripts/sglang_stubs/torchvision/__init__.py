@@ -1,7 +1,10 @@
 """A stand-in for torchvision beside the CPU torch (PyPI's torchvision does not import with it).
 
 SGLang's scheduler-side modules import ``torchvision.transforms`` at module level for vision
-preprocessing that the classes kamera's tests use never run; transformers probes the package.
+preprocessing that the classes kamera's tests use never run; transformers probes the package,
+and its Qwen2-VL image processor module (which vLLM's Qwen2-VL imports) names torchvision types
+in annotations while its slow, PIL path never calls them (`tests/engines/vllm/image_scenario.py`
+puts this package on ``PYTHONPATH`` for that run only).
 Every ``torchvision.*`` submodule resolves to an empty module; any attribute used raises.
 """
 
@@ -29,6 +32,11 @@ class _Missing:
 
     def __mro_entries__(self, bases):
         return (object,)
+
+    def __or__(self, other):  # a type annotation naming a stub (``Resampling | InterpolationMode``)
+        return self
+
+    __ror__ = __or__
 
 
 class _Stub(types.ModuleType):
