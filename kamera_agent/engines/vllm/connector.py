@@ -47,6 +47,7 @@ from kamera_agent.engines.slots import request_positions
 from kamera_agent.engines.stores import STORES
 from kamera_agent.engines.synthesis import EngineStats, LoadPlan, PrefixSynthesis, RequestChunk, policy_of
 from kamera_agent.engines.vllm.blocks import BlockLayoutError, VLLMSlots, place_layers
+from kamera_agent.engines.vllm.metrics import KameraConnectorStats, KameraPromMetrics, Reports
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.store import EntryKey
 
@@ -158,6 +159,7 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.stats = EngineStats()
         self.faults = HookFaults(_LOG)
         """Runtime faults caught at this side's hooks (``hook:ExceptionType`` -> count)."""
+        self._reports = Reports()
         self.grid = _grid(self.layout, vllm_config)
         """How vLLM splits each chunk's KV over its ranks: entries are filed piece by piece."""
         self.synthesis = PrefixSynthesis(ShardedStore(self.store, self.grid), policy_of(self.config))
@@ -443,6 +445,30 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    # -- metrics (both sides) ---------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KameraConnectorStats | None:
+        """What this side counted since its last report (`kamera_agent.engines.vllm.metrics`):
+        vLLM sums the workers', adds the scheduler's and exports them on ``/metrics``."""
+        try:
+            return self._reports.since(self.stats, self.faults.as_dict())
+        except Exception as exc:  # a report missed: the counters lag, nothing else
+            self.faults.caught("get_kv_connector_stats", exc)
+            return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KameraConnectorStats:
+        return KameraConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KameraPromMetrics:
+        return KameraPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
 def _backend_names(vllm_config: Any, names: list[str]) -> dict[str, str]:
