@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kamera_agent.store.remote.tier import ABSENT_FOR
 from tests.engines.vllm.scenario import MEMOS, NOTES, SYSTEM
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -245,6 +246,9 @@ def converse(server: Server) -> dict[str, Any]:
         "sliding": [ask(server, messages) for messages in sliding()],
         "rag": [ask(server, messages) for messages in rag()],
     }
+    # vllm serve runs the worker in a process of its own: the scheduler sees the worker's captures
+    # through the shared tier, which remembers a miss for ABSENT_FOR seconds (docs/vllm.md)
+    time.sleep(ABSENT_FOR + 0.5)
     replay = []
     for messages in (sliding()[-1], rag()[-1]):
         server.reset_prefix_cache()
@@ -268,7 +272,9 @@ def valkey_with_password() -> Iterator[tuple[Any, str]]:
     try:
         server.client().config_set("requirepass", PASSWORD)
         client = valkey.Valkey(host="127.0.0.1", port=server.port, password=PASSWORD)
-        yield client, f"redis://:{PASSWORD}@127.0.0.1:{server.port}/0"
+        # a machine shared with other test runs answers slowly at times: calls may take 2 s
+        # before they count as failed (the default 0.2 s cost this test's loads under load)
+        yield client, f"redis://:{PASSWORD}@127.0.0.1:{server.port}/0?timeout=2&max_timeout=5"
     finally:
         server.stop()
 

@@ -43,7 +43,7 @@ def _kv(key: str, writer: int) -> ChunkKV:
 def _writer(url: str, writer: int, start: Any) -> None:
     """One process: wait for the other, then write every entry (its own bytes) and flush."""
     torch.set_num_threads(1)
-    store = ChunkStore(fingerprint=FP, memory_budget=1 << 28, remote=url + "?part_bytes=4096")
+    store = ChunkStore(fingerprint=FP, memory_budget=1 << 28, remote=url + "&part_bytes=4096")
     start.wait(timeout=60)
     for key in KEYS if writer == 1 else KEYS[::-1]:  # opposite orders: the writers cross mid-way
         store.put_full(_kv(key, writer), "state")
