@@ -26,7 +26,7 @@ def test_the_vllm_connector_passes_on_vllms_own_engine() -> None:
         PYTHON,
         "tests/engines/vllm",
         ("DeprecationWarning", "FutureWarning"),
-        timeout=1200,
+        timeout=1800,  # the suite runs ~10 engines and 3 vllm serve processes: ~5 min alone here
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
     )
