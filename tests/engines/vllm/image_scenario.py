@@ -20,7 +20,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from tests.engines.vllm.scenario import NOTES, _connector_stats, _sources
+from tests.engines.vllm.scenario import EXACT, NOTES, _connector_stats, _sources, connector
 
 
 def main() -> None:
@@ -31,21 +31,13 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
 
     from kamera_agent.demo.model import DEMO_MODEL_DIR
     from kamera_agent.demo.task import make_item, render_page
 
     transfer = None
     if args.settings == "exact":
-        exact = {"survivors": "removal", "orbit": False, "rank": "full", "recall_context": "current"}
-        transfer = KVTransferConfig(
-            kv_connector="KameraConnector",
-            kv_connector_module_path="kamera_agent.engines.vllm.connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"config": exact},
-        )
+        transfer = connector(EXACT)
     llm = LLM(
         model=str(DEMO_MODEL_DIR),
         dtype="float32",

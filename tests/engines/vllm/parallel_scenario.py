@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from tests.engines.vllm.scenario import NOTES, _prompt, _sources
+from tests.engines.vllm.scenario import EXACT, NOTES, _prompt, _sources, connector
 
 
 def main() -> None:
@@ -29,19 +29,11 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams, TokensPrompt
-    from vllm.config import KVTransferConfig
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     transfer = None
     if args.store != "none":
-        exact = {"survivors": "removal", "orbit": False, "rank": "full", "recall_context": "current"}
-        transfer = KVTransferConfig(
-            kv_connector="KameraConnector",
-            kv_connector_module_path="kamera_agent.engines.vllm.connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"config": exact | {"store_url": args.store}},
-        )
+        transfer = connector(EXACT | {"store_url": args.store})
     llm = LLM(
         model=args.model,
         dtype="float32",

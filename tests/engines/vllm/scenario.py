@@ -130,24 +130,34 @@ def _inject(llm: Any, only: list[str]) -> list[str]:
     return [name for _, name in hooks if "all" in only or name in only]
 
 
+EXACT: dict[str, Any] = {"survivors": "removal", "orbit": False, "rank": "full", "recall_context": "current"}
+"""`WindowConfig.exact()`'s fields, as a connector's ``config``."""
+
+
+def connector(config: dict[str, Any]) -> Any:
+    """vLLM's transfer config for kamera's connector with ``config`` (`WindowConfig` fields)."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="KameraConnector",
+        kv_connector_module_path="kamera_agent.engines.vllm.connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",  # an entry gone or damaged: vLLM computes its blocks
+        kv_connector_extra_config={"config": config},
+    )
+
+
 def _llm(model: str, settings: str, corrupt: bool) -> Any:
     from vllm import LLM
-    from vllm.config import KVTransferConfig
 
     transfer = None
     if settings != "none":
         config: dict[str, Any] = {} if settings == "defaults" else {"survivors": "removal", "orbit": False}
         if settings == "exact":
-            config |= {"rank": "full", "recall_context": "current"}
+            config = dict(EXACT)
         if corrupt:
             config |= {"memory_budget": 200_000, "disk_dir": _STORE_DIR, "disk_budget": 1 << 30}
-        transfer = KVTransferConfig(
-            kv_connector="KameraConnector",
-            kv_connector_module_path="kamera_agent.engines.vllm.connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",  # an entry gone or damaged: vLLM computes its blocks
-            kv_connector_extra_config={"config": config},
-        )
+        transfer = connector(config)
     return LLM(
         model=model,
         dtype="float32",
