@@ -222,7 +222,9 @@ def _overlapping(bounds: Sequence[Range], want: Range) -> list[Range] | None:
 
 
 def _join(parts: list[tuple[ChunkKV, Range, Range]], heads: Range, layers: Range, chunk_key: str) -> ChunkKV:
-    first = parts[0][0]
+    first, first_heads, first_layers = parts[0]
+    if len(parts) == 1 and (first_heads, first_layers) == (heads, layers):
+        return replace(first, chunk_key=chunk_key)  # exactly the range read: no copy (every TP=1 load)
     n = first.num_tokens
     shape_k = (layers[1] - layers[0], heads[1] - heads[0], n, first.keys.shape[3])
     shape_v = (layers[1] - layers[0], heads[1] - heads[0], n, first.values.shape[3])
