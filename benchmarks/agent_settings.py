@@ -18,6 +18,7 @@ every answer checked against the model's own re-prefill: top-1 agreement and mea
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from rich.progress import Progress
@@ -39,7 +40,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agent", choices=sorted(AGENTS), default="document")
     parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="a WindowConfig field"
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a WindowConfig field (VALUE read as JSON where it parses: drift_budget=null, rank=4)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
@@ -49,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, default=1, help="demo model: item seeds to run")
     args = parser.parse_args(argv)
     configure_threads(args.threads)
-    overrides = dict(item.split("=", 1) for item in args.set)
+    overrides = {key: _value(text) for key, text in (item.split("=", 1) for item in args.set)}
     if args.model == "demo":
         return _on_demo(args, overrides)
     shape = QUICK_SHAPE if args.quick else QWEN2_1_5B_SLICE
@@ -122,6 +127,14 @@ def _on_demo(args: argparse.Namespace, overrides: dict[str, str]) -> dict[str, A
         report["sides"][side] = {"top1": share, "mean_kl": kl, "asks": t["asks"], "tokens": t["tokens"]}
         table.add_row(side, f"{t['agree']}/{t['asks']} = {share:.1%}", f"{kl:.2e}", f"{t['tokens']:.0f}")
     return show_and_save(table, report, args.json)
+
+
+def _value(text: str) -> Any:
+    """A ``--set`` value: JSON where it parses (``null``, numbers), else the text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The ``kamera`` command: ``demo`` (the README's main job), ``check`` a checkpoint, ``bench`` it,
-``store`` (a shared store's contents), ``serve`` (an OpenAI-compatible chat server)."""
+``calibrate`` its drift estimate, ``store`` (a shared store's contents), ``serve`` (an
+OpenAI-compatible chat server)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.markup import escape
 
+from kamera_agent.bench.calibrate import add_calibrate_parser, run_calibrate_command
 from kamera_agent.bench.runner import add_bench_parser, run_bench_command
 from kamera_agent.serve.command import add_serve_parser
 from kamera_agent.settings import configure_threads
@@ -43,6 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     check.add_argument("--debug", action="store_true", help="show the traceback when the model is refused")
     add_bench_parser(commands)
+    add_calibrate_parser(commands)
     add_store_parser(commands)
     add_serve_parser(commands)
     for sub in commands.choices.values():  # `kamera bench --threads 1` works as `kamera --threads 1 bench`
@@ -58,6 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_replay_command(args, console)
         return run_bench_command(args, console)
+    if args.command == "calibrate":
+        return run_calibrate_command(args, console)
     if args.command == "store":
         return run_store_command(args, console)
     if args.command == "serve":

@@ -7,6 +7,7 @@ policy name fails at construction with the list of known names, not deep inside 
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -78,6 +79,13 @@ class WindowConfig(BaseModel):
         max_image_pixels: images larger than this (width × height) are refused before decoding.
         large_chunk_tokens: pushing a chunk longer than this warns (`LargeChunkWarning`);
             ``None``: never. A chunk the model's context cannot hold is always refused.
+        drift_budget: the largest estimated drift (relative KV error against a re-prefill of
+            the same arrangement, `kamera_agent.core.drift`) any chunk may carry after an op: the
+            window audits what it approximates and re-prefills from the first chunk over it.
+            ``"calibrated"``: the budget the model's calibration chose (``kamera calibrate``); a
+            number ε ≥ 0 (0: exact, the default of `exact`); ``None``: no budget (the policies'
+            approximations unmeasured and unbounded). A model never calibrated runs exactly,
+            with one `UncalibratedWarning` saying how to calibrate it.
         evicted_pixels: ``"drop"`` releases an evicted image's pixels once its vision output or
             canonical is stored (they are most of its memory); ``"keep"`` holds them, so its
             re-prefill inputs (``as_model_inputs``) can always be rebuilt.
@@ -126,6 +134,7 @@ class WindowConfig(BaseModel):
     evicted_pixels: Literal["drop", "keep"] = "drop"
     max_image_pixels: int = Field(default=50_000_000, ge=1)
     large_chunk_tokens: int | None = Field(default=8192, ge=1)
+    drift_budget: float | Literal["calibrated"] | None = "calibrated"
 
     @model_validator(mode="before")
     @classmethod
@@ -158,6 +167,13 @@ class WindowConfig(BaseModel):
         if name not in known:
             raise ValueError(f"unknown {info.field_name} policy {name!r}; known: {', '.join(sorted(known))}")
         return name
+
+    @field_validator("drift_budget")
+    @classmethod
+    def _budget_is_valid(cls, budget: float | str | None) -> float | str | None:
+        if isinstance(budget, float) and not (math.isfinite(budget) and budget >= 0):
+            raise ValueError("drift_budget must be a finite number >= 0, 'calibrated' or None")
+        return budget
 
     @field_validator("store_url")
     @classmethod
@@ -205,7 +221,8 @@ class WindowConfig(BaseModel):
         """The default trade, by name (``WindowConfig()`` is the same): rank-32 patches formed at
         admission, survivors keep what they absorbed, recalls use their original context,
         cascades, orbit patches for reorders within an antecedent set. Fewer forwards than
-        `exact`; answers measured, not guaranteed, equal to a re-prefill."""
+        `exact` where the model is calibrated (``drift_budget="calibrated"``: every chunk's
+        estimated drift kept within the calibration's budget); exact where it is not."""
         return cls(**overrides)
 
     @classmethod
@@ -213,8 +230,12 @@ class WindowConfig(BaseModel):
         """Settings under which every op answers like a re-prefill of the window: full-rank
         patches, survivors re-patched without what left, recalls patched on their new left,
         cascades, no orbit approximation."""
-        exact = {"rank": "full", "survivors": "removal", "recall_context": "current", "cascade": "cascade"}
-        return cls(**{**exact, "orbit": False, **overrides})
+        return cls(**{**EXACT_SETTINGS, **overrides})
+
+    def exactly(self) -> WindowConfig:
+        """These settings with every approximation off (`exact`'s), the rest as they are: what a
+        window runs when its budget is 0 or its model has no calibration."""
+        return self.model_copy(update=EXACT_SETTINGS)
 
     @classmethod
     def for_model(cls, model: Any, **overrides: Any) -> WindowConfig:
@@ -222,6 +243,18 @@ class WindowConfig(BaseModel):
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         small = int(getattr(text, "hidden_size", 4096)) <= 256
         return cls(**{"rank": "full" if small else 32, **overrides})
+
+
+EXACT_SETTINGS: dict[str, Any] = {
+    "rank": "full",
+    "survivors": "removal",
+    "recall_context": "current",
+    "cascade": "cascade",
+    "orbit": False,
+    "drift_budget": 0.0,
+}
+"""What `WindowConfig.exact` sets: full-rank patches, survivors re-patched without what left,
+recalls patched on their new left, cascades, no orbit approximation, a zero drift budget."""
 
 
 def _config_error(error: ValidationError) -> ConfigError:

@@ -35,7 +35,8 @@ failed call never corrupts a window or a store.
         ├── EmptyVideoError             a video with no frames
         └── ProcessorRejectedError      an image the model's processor refuses
 
-Warnings (not errors: the call goes on): ``KameraWarning`` ⟵ ``LargeChunkWarning``.
+Warnings (not errors: the call goes on): ``KameraWarning`` ⟵ ``LargeChunkWarning``,
+``UncalibratedWarning``.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ __all__ = [
     "StoreDirectoryError",
     "StoreKeyError",
     "StoreURLError",
+    "UncalibratedWarning",
     "UnknownChunkError",
     "UnreadableInputError",
     "UnsupportedModelError",
@@ -115,6 +117,10 @@ class KameraWarning(UserWarning):
 
 class LargeChunkWarning(KameraWarning):
     """A chunk over ``WindowConfig.large_chunk_tokens``: slow to prefill, large to keep."""
+
+
+class UncalibratedWarning(KameraWarning):
+    """A drift budget asked of a model with no calibration: the window runs exactly instead."""
 
 
 class RelocationError(KameraError):

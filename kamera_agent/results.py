@@ -50,6 +50,12 @@ class OpCost:
         uncached: entries too large for the store's budget, used for this op without being stored.
         forgotten: evicted chunks dropped for good (``max_evicted`` or ``forget``).
         probes: chunks scored by a probe decode (probe-driven eviction).
+        audits: chunks the drift budget audited (`kamera_agent.window.budget`).
+        audit_tokens: tokens those audits recomputed (in ``tokens_prefilled`` too).
+        drift_fixes: chunks re-prefilled to keep the drift budget (their tokens are in
+            ``tokens_prefilled``).
+        drift: the largest estimated drift of any chunk after the op (0: every chunk exact;
+            summed costs keep the largest).
         seconds: wall time.
     """
 
@@ -66,6 +72,10 @@ class OpCost:
     uncached: int = 0
     forgotten: int = 0
     probes: int = 0
+    audits: int = 0
+    audit_tokens: int = 0
+    drift_fixes: int = 0
+    drift: float = 0.0
     seconds: float = 0.0
 
     @property
@@ -75,7 +85,8 @@ class OpCost:
         return self.reforms
 
     def __add__(self, other: OpCost) -> OpCost:
-        return OpCost(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        return OpCost(**{**summed, "drift": max(self.drift, other.drift)})
 
 
 @dataclass(frozen=True)

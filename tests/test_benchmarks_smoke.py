@@ -56,10 +56,16 @@ def test_window_memory_benchmark_drops_pixels_beside_keeping_them(tmp_path: Path
 
 def test_agent_settings_benchmark_runs_a_variant_beside_the_defaults(tmp_path: Path) -> None:
     out = tmp_path / "variant.json"
-    args = ["--quick", "--agent", "document", "--set", "cascade=keep", "--json", str(out)]
+    keep = [
+        "--set",
+        "cascade=keep",
+        "--set",
+        "drift_budget=null",
+    ]  # unbounded: the random model is uncalibrated
+    args = ["--quick", "--agent", "document", *keep, "--json", str(out)]
     run_benchmark("agent_settings", args)
     report = json.loads(out.read_text())
-    assert report["variant"] == {"cascade": "keep"} and set(report["sides"]) == {
+    assert report["variant"] == {"cascade": "keep", "drift_budget": None} and set(report["sides"]) == {
         "kamera",
         "variant",
         "prefix",
@@ -119,14 +125,12 @@ def test_serve_overhead_benchmark_reports_each_turn(tmp_path: Path) -> None:
     assert len(report["median_ms"]) == 4 and all(ms > 0 for ms in report["median_ms"]) and report["ratio"] > 0
 
 
-def test_drift_estimator_benchmark_judges_each_estimator_on_held_out_episodes(tmp_path: Path) -> None:
+def test_drift_estimator_benchmark_judges_a_calibration_on_held_out_episodes(tmp_path: Path) -> None:
     out = tmp_path / "drift.json"
-    run_benchmark("drift_estimator", ["--ops", "12", "--fit-seeds", "1", "--seeds", "2", "--json", str(out)])
+    run_benchmark("drift_estimator", ["--ops", "30", "--fit-seeds", "1", "--seeds", "2", "--json", str(out)])
     report = json.loads(out.read_text())
-    names = [row["estimator"] for row in report["estimators"]]
-    assert names == ["probe", "probe+0.5inh", "probe+1inh", "audit", "audit+0.5inh", "audit+1inh"]
-    assert 0 < report["probe_tokens"] < report["reprefill_tokens"]
-    assert 0 < report["audit_tokens"] < report["reprefill_tokens"]
+    assert [row["ε"] for row in report["rows"]][:1] == [1e-3] and report["held_samples"] > 0
+    assert all(0 <= row["truly within ε"] <= 1 for row in report["rows"])
 
 
 def test_overhead_benchmark_splits_every_op_into_forward_operator_and_rest(tmp_path: Path) -> None:
@@ -136,7 +140,7 @@ def test_overhead_benchmark_splits_every_op_into_forward_operator_and_rest(tmp_p
     assert set(ops) == {"push", "slide", "reorder", "evict", "recall", "ask"}
     for row in ops.values():
         assert row["total_ms"] > 0 and row["forward_ms"] >= 0 and row["operator_ms"] >= 0
-    assert ops["push"]["forward_ms"] > 0 and ops["slide"]["forward_ms"] == 0  # a slide runs no forward
+    assert ops["push"]["forward_ms"] > 0  # (a slide at the drift budget may audit: a forward too)
 
 
 def test_engine_gpu_check_runs_its_cpu_part(tmp_path: Path) -> None:

@@ -63,7 +63,16 @@ class Row:
     def changed(self) -> str:
         """The settings that differ from the defaults, in words."""
         config, defaults = self.config(CAPACITY), WindowConfig(capacity_chunks=CAPACITY)
-        names = ("rank", "patch_mode", "orbit", "survivors", "reorder", "recall_context", "cascade")
+        names = (
+            "rank",
+            "patch_mode",
+            "orbit",
+            "survivors",
+            "reorder",
+            "recall_context",
+            "cascade",
+            "drift_budget",
+        )
         differ = [f"{n}={getattr(config, n)}" for n in names if getattr(config, n) != getattr(defaults, n)]
         return ", ".join(differ) or "the defaults"
 
@@ -72,23 +81,31 @@ def _rows(*rows: Row) -> Mapping[str, Row]:
     return MappingProxyType({row.name: row for row in rows})
 
 
+_UNBOUNDED = {"drift_budget": None}
+
 ROWS: Mapping[str, Row] = _rows(
     Row("exact", exact=True, followers=(PREFIX, *RECOMPUTE)),
     Row("defaults"),
-    Row("blind", {"rank": 0}),
-    Row("rank-4", {"rank": 4}),
-    Row("rank-16", {"rank": 16}),
-    Row("rank-full", {"rank": "full"}),
-    Row("survivors-removal", {"survivors": "removal"}),
-    Row("recall-current", {"recall_context": "current"}),
-    Row("orbit-off", {"orbit": False}),
-    Row("cascade-keep", {"cascade": "keep"}),
-    Row("reorder-keep", {"reorder": "keep"}),
-    Row("reorder-revert", {"reorder": "revert"}),
-    Row("lazy", {"patch_mode": "lazy"}),
+    Row("budget-1e-3", {"drift_budget": 1e-3}),
+    Row("budget-1e-2", {"drift_budget": 1e-2}),
+    Row("budget-1e-1", {"drift_budget": 1e-1}),
+    Row("unbounded", _UNBOUNDED),
+    Row("blind", {"rank": 0, **_UNBOUNDED}),
+    Row("rank-4", {"rank": 4, **_UNBOUNDED}),
+    Row("rank-16", {"rank": 16, **_UNBOUNDED}),
+    Row("rank-full", {"rank": "full", **_UNBOUNDED}),
+    Row("survivors-removal", {"survivors": "removal", **_UNBOUNDED}),
+    Row("recall-current", {"recall_context": "current", **_UNBOUNDED}),
+    Row("orbit-off", {"orbit": False, **_UNBOUNDED}),
+    Row("cascade-keep", {"cascade": "keep", **_UNBOUNDED}),
+    Row("reorder-keep", {"reorder": "keep", **_UNBOUNDED}),
+    Row("reorder-revert", {"reorder": "revert", **_UNBOUNDED}),
+    Row("lazy", {"patch_mode": "lazy", **_UNBOUNDED}),
 )
 """The frontier's window rows, in the order they run: exact (which hosts the token-recompute
-sweep, `RECOMPUTE`), the defaults, blind, then each single-knob change of the defaults."""
+sweep, `RECOMPUTE`), the defaults (the calibrated drift budget), the budget at three ε, the
+policies unbounded (the defaults before the budget: ``drift_budget=None``), blind, then each
+single-knob change of the unbounded policies."""
 
 
 @dataclass(frozen=True)

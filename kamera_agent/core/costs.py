@@ -33,6 +33,10 @@ class CostMeter:
     uncached: int = 0
     forgotten: int = 0
     probes: int = 0
+    audits: int = 0
+    audit_tokens: int = 0
+    drift_fixes: int = 0
+    drift: float = 0.0
     prefilled: set[str] = field(default_factory=set)
     reused: set[Hashable] = field(default_factory=set)
     began: float = field(default_factory=time.perf_counter)

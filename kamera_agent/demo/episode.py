@@ -190,7 +190,8 @@ def run_demo_episode(
         step(f"push page #{k}", admit(pages, page), f"{sum(cell != BLANK for cell in cells)} glyphs")
     ask("colour", item.question, item.answer)
     ask("glyph", readout, drawn_in)
-    blind = KameraWindow(window.backend, config=config.model_copy(update={"patch_mode": "none"}))
+    unbounded = {"patch_mode": "none", "drift_budget": None}  # blind reuse as it is: no budget fixes it
+    blind = KameraWindow(window.backend, config=config.model_copy(update=unbounded))
     for ref in window.refs:
         blind.push(window.chunk(ref))
     for name, question, expected in (("colour", item.question, item.answer), ("glyph", readout, drawn_in)):

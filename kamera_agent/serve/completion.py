@@ -9,7 +9,7 @@ choice's message, finish reasons, ``usage`` whose cached tokens no forward compu
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kamera_agent.results import Answer, OpCost, Plan
@@ -46,6 +46,9 @@ class Completion:
     """Each choice's ``logprobs`` object in OpenAI's shape (``None``: not asked for)."""
     calls: tuple[Called, ...] = ()
     """Each choice's text read for tool calls (empty when the request gave no tools)."""
+    drift: dict[str, float | None] = field(default_factory=dict)
+    """The session's drift budget and the largest estimated drift of any chunk its answer read
+    (`KameraWindow.drift_of`; ``None``: some chunk is approximated with no budget to estimate it)."""
 
     def message(self, index: int) -> dict[str, Any]:
         """Choice ``index``'s assistant message: its content, and its tool calls if it made any."""
@@ -104,6 +107,7 @@ class Completion:
             "prefilled_prompt_tokens": self.split.prefilled,
             "tokens_prefilled": self.tokens_prefilled,
             "beyond_prompt": max(0, self.tokens_prefilled - self.prompt_tokens),
+            "drift": self.drift,
         }
 
 

@@ -231,6 +231,9 @@ class KameraServer:
             assert report.provenance is not None
             report.provenance.saw(window.last_plan)  # lazily deferred patches the answer formed
             split = report.provenance.split(window, asked.query_tokens)
+            estimates = [window.drift_of(ref) for ref in window.refs]
+            largest = None if None in estimates else max((e for e in estimates if e is not None), default=0.0)
+            drift = {"budget": window.budget, "largest": largest}
         asks = [each.cost or OpCost() for each in answers]
         spent = report.cost.tokens_prefilled + sum(
             cost.tokens_prefilled - decoded_tokens(each) for cost, each in zip(asks, answers, strict=True)
@@ -249,6 +252,7 @@ class KameraServer:
             tuple(called(each, request.parallel_tool_calls, self.tool_format) for each in answers)
             if request.calls_tools
             else (),
+            drift,
         )
         if calls is not None:
             calls.flush(done.calls[0].content)

@@ -16,6 +16,7 @@ needs listed in the plan, and is planned again once they have run.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
@@ -343,23 +344,52 @@ class Planner:
         more (a recall formed over its original context rebuilds that context, a reorder's
         canonicals, a cascade of re-formed survivors). Both are counted the same way (the
         planned steps' tokens), and the cheaper runs: the re-prefill is exact over the chunks
-        left of that slot, so it never costs fidelity either.
+        left of that slot, so it never costs fidelity either. With a drift budget the plan is
+        counted with the most keeping the budget could add after it (`_budget_fix_tokens`).
         """
         planned = sum(step.tokens for step in plan.steps)
-        if planned == 0:
+        budget = self.inputs.budget
+        if planned == 0 and budget is None:
             return plan
         changed = _first_changed(state, plan)
         order = plan.order
         index_of = {ref: i for i, ref in enumerate(order)}
-        steps = [step for step in plan.steps if index_of[step.ref] < changed]
+        left = [step for step in plan.steps if index_of[step.ref] < changed]
         ctx = self.root
-        for step in steps:
+        for step in left:
             if step.kind != "form_canonical":
                 ctx = ctx.extend(step.state)
         why = f"re-prefill from slot {changed}: fewer tokens than the plan's {planned}"
+        steps = left + self._refill_steps(state, plan, changed, ctx, why)
+        refill = sum(step.tokens for step in steps)
+        if budget is None:
+            return plan if refill >= planned else replace(plan, steps=tuple(steps))
+        fix, audits = self._budget_fix_tokens(state, plan)
+        tried = not fix or budget.worth_trying(plan.op, planned, fix, refill, audits)
+        if planned + fix <= refill and tried:
+            return plan
+        why = f"re-prefill from slot {changed}: the plan and what its drift budget may add cost more"
+        return replace(plan, steps=tuple(left + self._refill_steps(state, plan, changed, ctx, why)))
+
+    def refill(self, state: WindowState, start: int, why: str) -> WindowPlan:
+        """Re-prefill the window's chunks from index ``start`` on over the chunks left of it as they
+        are (each then exact over its left context): how a drift budget is kept."""
+        order = tuple(state.order)
+        ctx = self.root
+        for ref in order[:start]:
+            ctx = ctx.extend(state.entries[ref].state)
+        plan = WindowPlan("refill", order)
+        return replace(plan, steps=tuple(self._refill_steps(state, plan, start, ctx, why)))
+
+    def _refill_steps(
+        self, state: WindowState, plan: WindowPlan, start: int, ctx: Context, why: str
+    ) -> list[Step]:
+        """The steps re-prefilling ``plan.order`` from ``start`` over ``ctx`` (formations share forwards)."""
+        steps: list[Step] = []
         previous: Step | None = None
         group: list[Step] = []
-        for i in range(changed, len(order)):
+        order = plan.order
+        for i in range(start, len(order)):
             ref = order[i]
             chunk = plan.chunks[ref] if ref in plan.chunks else state.entries[ref].chunk
             step = self.rules.refilled(ref, chunk, ctx, order[:i], why)
@@ -370,9 +400,30 @@ class Planner:
                 steps.append(self.rules.form_canonical(ref, chunk))
             steps.append(step)
             previous, ctx = step, ctx.extend(step.state)
-        if sum(step.tokens for step in steps) >= planned:
-            return plan
-        return replace(plan, steps=tuple(steps))
+        return steps
+
+    def _budget_fix_tokens(self, state: WindowState, plan: WindowPlan) -> tuple[int, int]:
+        """The most a drift budget could re-prefill after ``plan`` runs: from the first chunk whose
+        planned state it cannot vouch for yet (not remembered, or over ε), everything to the right;
+        0 where every planned chunk is known to be within ε. (Its audits are the estimator's cost,
+        counted apart in ``audit_tokens``: they recompute a sample, they prefill no chunk.) With it,
+        the tokens the audits would recompute at most (every chunk from there on)."""
+        budget = self.inputs.budget
+        assert budget is not None
+        final = {step.ref: step.state for step in plan.steps if step.kind != "form_canonical"}
+        states = [final[ref] if ref in final else state.entries[ref].state for ref in plan.order]
+        estimates = budget.estimates(states, self.root)
+        first = budget.first_over(estimates)
+        if first is None:
+            return 0, 0
+        ctx = self.root
+        for planned in states[:first]:
+            ctx = ctx.extend(planned)
+        fix = sum(step.tokens for step in self._refill_steps(state, plan, first, ctx, "fix"))
+        share = budget.calibration.audit_share
+        audited = [plan.chunks[r] if r in plan.chunks else state.entries[r].chunk for r in plan.order[first:]]
+        audits = sum(min(c.num_tokens, max(2, math.ceil(share * c.num_tokens))) for c in audited)
+        return fix, audits
 
     def _taken(
         self, state: WindowState, ref: ChunkRef, i: int, order: Sequence[ChunkRef], ctx: Context, before: Once

@@ -31,6 +31,7 @@ from kamera_agent.core.identity import ChunkState, Context, StateRank, effective
 from kamera_agent.core.staging import StoreView, can_form
 from kamera_agent.policies import PATCH_TIMING, PatchAction
 from kamera_agent.results import EditKind
+from kamera_agent.window.budget import DriftBudget
 from kamera_agent.window.plan import Step
 from kamera_agent.window.state import ChunkRef, WindowState
 
@@ -51,6 +52,8 @@ class PlanInputs:
         query_tokens: how many tokens a query has (probe edits' cost).
         gaps: the engine runs formations with placed chunks between them in one forward
             (`Backend.supports_gaps`).
+        budget: the window's drift budget (``None``: none), for the never-costlier bound on
+            what keeping it may re-prefill.
     """
 
     config: WindowConfig
@@ -61,6 +64,7 @@ class PlanInputs:
     anchor_ready: bool = True
     query_tokens: Callable[[str], int] = lambda query: 0
     gaps: bool = False
+    budget: DriftBudget | None = None
 
 
 Causality = Callable[[ChunkRef, int], bool]

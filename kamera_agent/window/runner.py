@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import TypeVar
 
 import torch
@@ -21,11 +22,15 @@ from kamera_agent.backends.base import Backend, DecodeConfig
 from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.costs import CostMeter
+from kamera_agent.core.drift import audit
+from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
 from kamera_agent.core.staging import StagedStore, StoreView
 from kamera_agent.errors import ContextOverflowError, WindowClosedError, WindowError
 from kamera_agent.metrics import next_token_kl
+from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer, OpCost, Plan
+from kamera_agent.window.budget import DriftBudget, Measure
 from kamera_agent.window.conversation import Conversation
 from kamera_agent.window.executor import Executor
 from kamera_agent.window.memory import release_evicted
@@ -45,12 +50,14 @@ _QUERIES = 64  # query token ids remembered per window family
 @dataclass(frozen=True)
 class WindowParts:
     """What a window and its forks share: settings, the engine, the core over the store (with the
-    window's encoder and anchor), and the conversation framing, if any."""
+    window's encoder and anchor), the conversation framing, if any, and the drift budget, if any
+    (with the audits it remembers)."""
 
     config: WindowConfig
     backend: Backend
     core: KVCore
     conversation: Conversation | None
+    budget: DriftBudget | None = None
     _queries: dict[tuple[str, bool, str], torch.Tensor] = field(
         default_factory=dict, repr=False, compare=False
     )
@@ -165,6 +172,7 @@ class OpRunner:
             anchor_ready=core.anchor_ready,
             query_tokens=lambda query: int(self.parts.query_ids(query).shape[0]),
             gaps=core.backend.supports_gaps,
+            budget=self.parts.budget,
         )
         return Planner(inputs)
 
@@ -197,6 +205,7 @@ class OpRunner:
                 self.check_context(plan)
                 executor = Executor(self.state, core, txn, config)
                 executor.run(plan)
+                plan = self._keep_budget(plan, executor, txn)
                 value = read(executor) if read is not None else None
             except StaleLookup:
                 self.state = _restored(snapshot)
@@ -211,6 +220,57 @@ class OpRunner:
             self.state.book.record(op, cost)
             return plan, (value, cost)
         raise WindowError(f"{op}: the store kept changing under the operation; try it again")
+
+    def drift(self, measure: Measure | None = None, until_over: bool = False) -> list[float | None]:
+        """Each in-window chunk's estimated drift, left to right: 0 where the window holds it
+        exactly; ``None`` where it is not estimated (no budget, or not measured)."""
+        states = [self.state.entries[ref].state for ref in self.state.order]
+        budget = self.parts.budget
+        if budget is not None:
+            return budget.estimates(states, self.parts.core.root, measure, until_over)
+        out: list[float | None] = []
+        ctx = self.parts.core.root
+        for state in states:
+            ctx = ctx.extend(state)
+            out.append(0.0 if ctx.exact else None)
+        return out
+
+    def _keep_budget(self, plan: WindowPlan, executor: Executor, txn: Txn) -> WindowPlan:
+        """Audit what ``plan`` left approximate, then re-prefill from the first chunk over the
+        budget (`kamera_agent.window.budget`); ``plan`` with those steps added."""
+        budget, state, core = self.parts.budget, self.state, self.parts.core
+        if budget is None or any(state.entries[ref].pending for ref in state.order):
+            return plan  # lazy patches are due: the read that forms them keeps the budget
+        placed: list[ChunkKV] = []
+        advances = (state.entries[ref].chunk.advance for ref in state.order)
+        starts = list(accumulate(advances, initial=core.anchor.advance))
+        meter = txn.meter
+
+        def measure(i: int, chunk_state: ChunkState, ctx: Context) -> float:
+            if not placed:
+                placed.extend(executor.placements())
+            chunk = state.entries[state.order[i]].chunk
+            seed = f"{chunk_state.digest}:{ctx.digest}"
+            share = budget.calibration.audit_share
+            error, tokens = audit(core, chunk, placed[i + 1], placed[: i + 1], starts[i], share, seed, txn)
+            meter.audits += 1
+            meter.audit_tokens += tokens
+            return error
+
+        estimates = self.drift(measure, until_over=True)
+        first = budget.first_over(estimates)
+        if meter.audits:
+            budget.record(plan.op, first is not None)
+        if first is not None:
+            over = estimates[first]
+            why = f"drift budget {budget.epsilon:g}: estimated {over:.3g} here; re-prefilled from it"
+            fix = self.planner(txn.store).refill(state, first, why)
+            executor.run(fix)
+            meter.drift_fixes += len(state.order) - first
+            plan = replace(plan, steps=plan.steps + fix.steps)
+            estimates = self.drift()
+        meter.drift = max((e for e in estimates if e is not None), default=0.0)
+        return plan
 
     def _score(self, plan: WindowPlan, txn: Txn) -> None:
         """Run the probes a probe-driven eviction asked for; remember their KLs for the re-plan."""

@@ -34,7 +34,13 @@ from kamera_agent.core import Patch
 from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.identity import ChunkState
 from kamera_agent.core.kv_core import KVCore
-from kamera_agent.errors import ArgumentError, ChunkInWindowError, DuplicateChunkError, SettingsError
+from kamera_agent.errors import (
+    ArgumentError,
+    ChunkInWindowError,
+    DuplicateChunkError,
+    SettingsError,
+    UnknownChunkError,
+)
 from kamera_agent.metrics import next_token_kl
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer, Plan, Probe, WindowStats
@@ -55,6 +61,7 @@ from kamera_agent.window.arguments import (
     check_stop,
     check_text,
 )
+from kamera_agent.window.budget import resolve_budget
 from kamera_agent.window.conversation import Conversation, MessagePart
 from kamera_agent.window.dry_run import PlanView
 from kamera_agent.window.executor import Executor
@@ -125,8 +132,10 @@ class KameraWindow:
             template = ChatTemplate.from_tokenizer(encoder.tokenizer, encoder.prompt)
             encoder = encoder.with_prompt(template.prompt_format(system_prompt))
             framing = Conversation(template, encoder, config.max_image_pixels)
-        core = KVCore(backend, resolve_store(backend, config, store), encoder)
-        self._setup(WindowParts(config, backend, core, framing), WindowState())
+        store = resolve_store(backend, config, store)
+        config, budget = resolve_budget(config, backend.fingerprint, backend.supports_recompute)
+        core = KVCore(backend, store, encoder)
+        self._setup(WindowParts(config, backend, core, framing, budget), WindowState())
 
     def _setup(self, parts: WindowParts, state: WindowState) -> None:
         """Every window, new or forked, is built here from its shared parts and its own state."""
@@ -217,6 +226,24 @@ class KameraWindow:
     def state_of(self, ref: ChunkRef) -> ChunkState:
         """What ``ref``'s KV encodes: its content, patch and the chained states of its antecedents."""
         return self._inputs.entry(ref).state
+
+    def drift_of(self, ref: ChunkRef) -> float | None:
+        """``ref``'s estimated drift: its relative KV error against a re-prefill of the window as
+        it is, as the drift budget estimates it (`kamera_agent.window.budget`); 0 where the window
+        holds it exactly, ``None`` where nothing estimates it (``drift_budget=None``)."""
+        with self._runner.lock:
+            entry = self._inputs.entry(ref)
+            if not entry.in_window:
+                raise UnknownChunkError(f"{ref} is not in the window (evicted): it has no drift there")
+            return self._runner.drift()[self._runner.state.order.index(ref)]
+
+    @property
+    def budget(self) -> float | None:
+        """The drift budget ε the window keeps (0: exact; ``None``: none, approximations unbounded)."""
+        budget = self._parts.budget
+        if budget is not None:
+            return budget.epsilon
+        return 0.0 if self.config.drift_budget == 0 else None
 
     @property
     def graph(self) -> nx.DiGraph:

@@ -71,7 +71,8 @@ def test_prefix_cache_runs_the_vision_tower_once_per_image(agents: dict[str, Any
     video = next(run for run in _runs(agents) if run["agent"] == "video" and run["model"] == "demo")
     frames = AgentCounts.quick().video_frames
     assert video["sides"]["prefix"]["totals"]["vision"] == frames  # slides re-prefill, never re-encode
-    assert video["sides"]["prefix"]["totals"]["tokens"] > video["sides"]["kamera"]["totals"]["tokens"]
+    # never costlier (at the drift budget a slide's kept survivors are re-prefilled where they drift)
+    assert video["sides"]["prefix"]["totals"]["tokens"] >= video["sides"]["kamera"]["totals"]["tokens"]
 
 
 def test_exact_settings_answer_like_re_prefill_after_every_step(agents: dict[str, Any]) -> None:

@@ -389,8 +389,13 @@ def test_the_prefix_cache_mode_keeps_only_an_unchanged_prefix_and_answers_exactl
     """``reuse="prefix"``: the baseline the replay benchmark runs beside kamera. Every token is
     either an unchanged leading token or prefilled (nothing relocated, patched or kept), answers
     equal the exact kamera server's (which, on this sliding conversation, prefills as much), and
-    kamera's defaults prefill fewer tokens."""
-    prefix, exact, defaults = serve(reuse="prefix"), serve(config=WindowConfig.exact()), serve()
+    kamera's policies unbounded (no drift budget) prefill fewer tokens."""
+    unbounded = WindowConfig(drift_budget=None)
+    prefix, exact, defaults = (
+        serve(reuse="prefix"),
+        serve(config=WindowConfig.exact()),
+        serve(config=unbounded),
+    )
     spent = {"prefix": 0, "exact": 0, "defaults": 0}
     turns = zip(_run(prefix, 7), _run(exact, 7), _run(defaults, 7), strict=True)
     for turn, ((cached, _), (ours, _), (cheap, _)) in enumerate(turns):
@@ -413,7 +418,7 @@ def test_dropping_a_screenshot_from_an_old_message_evicts_that_chunk_alone(serve
     each message's markers are chunks of their own, so the message's text chunk is unchanged
     and the request is one evict; everything after it is reused (relocated or kept), where a
     prefix cache re-prefills from that message on. The exact preset still answers as a
-    re-prefill does."""
+    re-prefill does. (Policies unbounded: at the drift budget, see the drift test.)"""
     history = [SYSTEM]
     for i in range(4):
         history += [
@@ -423,7 +428,12 @@ def test_dropping_a_screenshot_from_an_old_message_evicts_that_chunk_alone(serve
     question = shot(9, "What now?")
     dropped = [dict(m) for m in history]
     dropped[1] = {"role": "user", "content": [{"type": "text", "text": "step 0"}]}  # its screenshot gone
-    prefix, defaults, exact = serve(reuse="prefix"), serve(), serve(config=WindowConfig.exact())
+    unbounded = WindowConfig(drift_budget=None)
+    prefix, defaults, exact = (
+        serve(reuse="prefix"),
+        serve(config=unbounded),
+        serve(config=WindowConfig.exact()),
+    )
     for live in (prefix, defaults, exact):
         _ask(live, [*history, question], session_id="agent")
     spent = {}
@@ -436,3 +446,14 @@ def test_dropping_a_screenshot_from_an_old_message_evicts_that_chunk_alone(serve
         if name == "exact":
             assert _text(response) == _text(_ask(prefix, [*dropped, question], session_id="agent"))
     assert spent["defaults"] < spent["prefix"] / 3, spent
+
+
+def test_each_response_reports_the_drift_its_answer_read(serve: Serve) -> None:
+    """The defaults keep the demo model's calibrated budget: every answer's chunks are estimated
+    within it, and the response says so; unbounded policies say their drift is not estimated."""
+    budgeted, unbounded = serve(), serve(config=WindowConfig(drift_budget=None))
+    for (response, _), (loose, _) in zip(_run(budgeted, 5), _run(unbounded, 5), strict=True):
+        drift = response.model_extra["kamera"]["drift"]
+        assert drift["budget"] is not None and drift["budget"] > 0
+        assert drift["largest"] is not None and drift["largest"] <= drift["budget"]
+        assert loose.model_extra["kamera"]["drift"]["budget"] is None

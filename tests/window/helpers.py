@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from kamera_agent.backends.base import Reference
+from kamera_agent.core.drift import Calibration, save_calibration
 from kamera_agent.window import KameraWindow
 from tests.kv_helpers import next_token_kl, rel_err
 
@@ -34,3 +38,15 @@ def answer_kl(window: KameraWindow, query: str = "What is it?") -> float:
     """Next-token KL(re-prefill ‖ window) for ``query``."""
     reference = reprefill(window, query).logits
     return next_token_kl(reference, window.ask(query, max_new_tokens=1).first_logits)
+
+
+def calibrate_for_tests(fingerprint: str, directory: Path, **fields: Any) -> Calibration:
+    """File a calibration for ``fingerprint`` in ``directory`` (point ``KAMERA_CALIBRATION_DIR``
+    there): random test models have none, so a budgeted window on one would run exactly. The
+    constants are the test's choice, not a fit: tests check that the budget is kept against the
+    estimate and that what the estimate calls exact is, not the fit's calibration (the benchmark's)."""
+    calibration = Calibration(
+        fingerprint, **{"scale": 1.0, "inherit": 0.5, "audit_share": 0.5, "budget": 0.05, **fields}
+    )
+    save_calibration(calibration, directory)
+    return calibration

@@ -68,7 +68,7 @@ def test_arrange_evicts_moves_recalls_and_admits_in_one_exact_op(backend_name: s
 
 
 def test_arrange_refuses_bad_lists_and_changes_nothing(backend_name: str) -> None:
-    w, (a, b, c, d) = _window(backend_name, WindowConfig(capacity_chunks=4))
+    w, (a, b, c, d) = _window(backend_name, WindowConfig(drift_budget=None, capacity_chunks=4))
     before = (w.refs, w.stats)
     with pytest.raises(DuplicateChunkError):
         w.arrange([a, a])
@@ -88,8 +88,8 @@ def test_a_recall_at_the_end_costs_at_most_the_recalled_chunk(backend_name: str,
     settings (the original-context recall used to rebuild that context first)."""
     config = {
         "exact": WindowConfig.exact(),
-        "defaults": WindowConfig(),
-        "original context": WindowConfig(rank=4, recall_context="original"),
+        "defaults": WindowConfig(drift_budget=None),
+        "original context": WindowConfig(drift_budget=None, rank=4, recall_context="original"),
     }[settings]
     w, (a, b, c, d) = _window(backend_name, config, budget=40_000)
     w.evict(c, d)  # c absorbed a and b; nothing absorbed c but d, which left too
@@ -105,7 +105,9 @@ def test_the_bound_takes_the_re_prefill_when_the_plan_costs_more(backend_name: s
     """A recall in its original context whose stored KV the store dropped rebuilds that context
     (72 tokens on these models); re-prefilling from the recalled slot costs the chunk's own
     tokens, and the plan says which it runs and why."""
-    w, (_, _, c, d) = _window(backend_name, WindowConfig(rank=4, recall_context="original"), budget=40_000)
+    w, (_, _, c, d) = _window(
+        backend_name, WindowConfig(drift_budget=None, rank=4, recall_context="original"), budget=40_000
+    )
     w.evict(c, d)
     _crowd_out(w)
     planned = w.plan.recall(c)

@@ -51,7 +51,9 @@ class SpyView:
 
 
 def window(**config: object) -> KameraWindow:
-    return KameraWindow(backend_named("tiny_torch"), config=WindowConfig(**{"rank": "full", **config}))  # type: ignore[arg-type]
+    return KameraWindow(
+        backend_named("tiny_torch"), config=WindowConfig(drift_budget=None, **{"rank": "full", **config})
+    )  # type: ignore[arg-type]
 
 
 def planner(w: KameraWindow, view: SpyView, **config: object) -> Planner:

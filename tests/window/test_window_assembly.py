@@ -51,7 +51,7 @@ def test_a_chunk_served_by_a_patch_is_placed_by_the_answer(name: str) -> None:
     """With B's canonical stored, B's formation is a rank-2 patch on it: the forward's exact
     output is not what B is served as, so the kept cache stops before B and the answer places it."""
     backend = CountingBackend(backend_named(name))
-    window = KameraWindow(backend, config=WindowConfig(rank=2))
+    window = KameraWindow(backend, config=WindowConfig(drift_budget=None, rank=2))
     refs = [window.push(B), window.push(A)]  # B first: its canonical is stored
     window.reorder([refs[1], refs[0]])  # B now behind A: a rank-2 patch against its canonical
     assert window.state_of(refs[0]).rank == 2
@@ -86,7 +86,7 @@ def test_a_chunk_whose_state_changes_in_place_is_placed_again(name: str) -> None
 def test_a_slide_re_places_every_survivor(name: str) -> None:
     """Survivors that keep their KV only rotate: the answer after the slide places all three."""
     backend = CountingBackend(backend_named(name))
-    window = KameraWindow(backend, config=WindowConfig(survivors="keep"))
+    window = KameraWindow(backend, config=WindowConfig(drift_budget=None, survivors="keep"))
     for text in (A, B, C, D):
         window.push(text)
     window.ask("What is it?", max_new_tokens=1)
@@ -116,7 +116,7 @@ def test_a_push_after_a_slide_places_the_survivors_once(name: str) -> None:
     equals an answer over the same KV assembled afresh (a fork assembles its own; the survivors
     keep what they absorbed from A, so a re-prefill is not the reference here)."""
     backend = CountingBackend(backend_named(name))
-    window = KameraWindow(backend, config=WindowConfig(capacity_chunks=3))
+    window = KameraWindow(backend, config=WindowConfig(drift_budget=None, capacity_chunks=3))
     for text in (A, B, C):
         window.push(text)
     window.ask("What is it?", max_new_tokens=1)

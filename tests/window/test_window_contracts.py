@@ -49,7 +49,7 @@ def test_a_patch_formed_over_a_survivor_is_never_served_to_fresh_antecedents(nam
     served that patch (it was 0.31 off in logits when patches were filed by content keys)."""
     backend = backend_named(name)
     store = store_for(backend)
-    first = KameraWindow(backend, store=store, config=WindowConfig(rank="full"))
+    first = KameraWindow(backend, store=store, config=WindowConfig(drift_budget=None, rank="full"))
     for text in (A, B, C):
         first.push(text)
     first.slide()
@@ -83,7 +83,7 @@ def test_a_second_window_finds_the_first_windows_patches_where_they_are_exact(na
 # -- refs across forks ------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", TEXT_BACKENDS)
 def test_refs_minted_after_a_fork_belong_to_their_branch_only(name: str) -> None:
-    window = KameraWindow(backend_named(name), config=WindowConfig(rank="full"))
+    window = KameraWindow(backend_named(name), config=WindowConfig(drift_budget=None, rank="full"))
     shared = window.push(A)
     branch = window.fork()
     mine, theirs = branch.push(B), window.push(C)
@@ -110,7 +110,7 @@ POLICIES: list[dict[str, Any]] = [
 @pytest.mark.parametrize("name", TEXT_BACKENDS)
 def test_plan_runs_nothing_and_changes_nothing_for_every_op_and_policy(name: str, policy: int) -> None:
     backend = CountingBackend(backend_named(name))
-    config = WindowConfig(rank=4, capacity_chunks=3, max_new_tokens=1, **POLICIES[policy])
+    config = WindowConfig(drift_budget=None, rank=4, capacity_chunks=3, max_new_tokens=1, **POLICIES[policy])
     window = KameraWindow(backend, config=config)
     refs = [window.push(text) for text in (A, B, C, D)]  # the fourth push evicts one (FIFO: no query yet)
     window.ask("What is it?")  # probe-driven eviction now has a query to probe against
@@ -129,7 +129,9 @@ def test_plan_runs_nothing_and_changes_nothing_for_every_op_and_policy(name: str
 
 def test_probe_driven_eviction_probes_only_when_a_push_overflows() -> None:
     backend = CountingBackend(backend_named("tiny_torch"))
-    window = KameraWindow(backend, config=WindowConfig(rank=4, capacity_chunks=3, eviction="disposable"))
+    window = KameraWindow(
+        backend, config=WindowConfig(drift_budget=None, rank=4, capacity_chunks=3, eviction="disposable")
+    )
     window.push(A)
     window.ask("What is it?", max_new_tokens=1)
     window.push(B)  # below capacity: no probe
@@ -145,21 +147,25 @@ def test_probe_driven_eviction_probes_only_when_a_push_overflows() -> None:
 # -- settings apply, or say where to set them ----------------------------------------------------
 def test_store_settings_apply_to_a_backend_and_conflicts_are_named(tmp_path: Any) -> None:
     backend = backend_named("tiny_torch")
-    config = WindowConfig(memory_budget=12345, disk_dir=tmp_path, disk_budget=1 << 20)
+    config = WindowConfig(drift_budget=None, memory_budget=12345, disk_dir=tmp_path, disk_budget=1 << 20)
     window = KameraWindow(backend, config=config)
     stats = window.store.stats()
     assert (stats.memory_budget, stats.disk_budget, window.store.disk_dir) == (12345, 1 << 20, tmp_path)
     with pytest.raises(SettingsError, match=r"memory_budget.*store= was passed"):
-        KameraWindow(backend, config=WindowConfig(memory_budget=1 << 20), store=store_for(backend))
+        KameraWindow(
+            backend, config=WindowConfig(drift_budget=None, memory_budget=1 << 20), store=store_for(backend)
+        )
 
 
 def test_device_and_dtype_for_a_backend_built_elsewhere_are_refused_with_where_to_set_them() -> None:
     backend = backend_named("tiny_torch")
     with pytest.raises(SettingsError, match=r"dtype='bfloat16'.*move or cast the model"):
-        KameraWindow(backend, config=WindowConfig(dtype="bfloat16"))
+        KameraWindow(backend, config=WindowConfig(drift_budget=None, dtype="bfloat16"))
     with pytest.raises(SettingsError, match="device='meta'"):
-        KameraWindow(backend, config=WindowConfig(device="meta"))
-    KameraWindow(backend, config=WindowConfig(device="cpu", dtype="float32"))  # where it runs: fine
+        KameraWindow(backend, config=WindowConfig(drift_budget=None, device="meta"))
+    KameraWindow(
+        backend, config=WindowConfig(drift_budget=None, device="cpu", dtype="float32")
+    )  # where it runs: fine
 
 
 # -- transactions cover the store -------------------------------------------------------------------
@@ -167,7 +173,7 @@ def test_device_and_dtype_for_a_backend_built_elsewhere_are_refused_with_where_t
 def test_an_op_that_fails_mid_way_leaves_window_and_store_as_they_were(name: str) -> None:
     backend = CountingBackend(backend_named(name))
     store = store_for(backend)
-    window = KameraWindow(backend, config=WindowConfig(rank="full"), store=store)
+    window = KameraWindow(backend, config=WindowConfig(drift_budget=None, rank="full"), store=store)
     window.push(A)
     window.push(B)
     before = (window.refs, window.stats, store.keys(), store.stats().puts)
@@ -184,7 +190,7 @@ def test_an_op_that_fails_mid_way_leaves_window_and_store_as_they_were(name: str
 
 def test_a_canonical_no_budget_can_hold_fails_before_anything_runs() -> None:
     backend = CountingBackend(backend_named("tiny_torch"))
-    window = KameraWindow(backend, config=WindowConfig(memory_budget=256))
+    window = KameraWindow(backend, config=WindowConfig(drift_budget=None, memory_budget=256))
     with pytest.raises(StoreBudgetError, match="raise memory_budget"):
         window.push(A)
     assert backend.total() == 0 and window.refs == [] and window.store.keys() == []
@@ -197,7 +203,7 @@ def test_a_patch_larger_than_the_budget_is_used_uncached_and_counted() -> None:
     canonical = max(sizes) * backend.layout.bytes_per_token(backend.dtype)
     # Room for a canonical, not for a near-full-rank patch of the same chunk ([n, m] + [m, F] factors).
     rank = max(sizes) - 1
-    config = WindowConfig(rank=rank, orbit=False, memory_budget=int(canonical * 1.05))
+    config = WindowConfig(drift_budget=None, rank=rank, orbit=False, memory_budget=int(canonical * 1.05))
     window = KameraWindow(backend, config=config)
     longest_text = texts[sizes.index(max(sizes))]
     first, second = (window.push(text) for text in texts if text != longest_text)
@@ -219,7 +225,7 @@ def test_a_patch_larger_than_the_budget_is_used_uncached_and_counted() -> None:
 @pytest.mark.parametrize("name", IMAGE_BACKENDS)
 def test_an_evicted_image_releases_its_pixels_and_recalls_without_them(name: str) -> None:
     backend = CountingBackend(backend_named(name))
-    window = KameraWindow(backend, config=WindowConfig(rank="full"))
+    window = KameraWindow(backend, config=WindowConfig(drift_budget=None, rank="full"))
     frame = window.push(images(1, seed=51)[0])
     window.push("the frame above")
     window.evict(frame)
@@ -232,7 +238,7 @@ def test_an_evicted_image_releases_its_pixels_and_recalls_without_them(name: str
 def test_an_image_whose_pixels_kv_and_vision_output_are_all_gone_is_refused_by_name() -> None:
     backend = backend_named("tiny_torch")
     store = store_for(backend)
-    window = KameraWindow(backend, config=WindowConfig(rank="full"), store=store)
+    window = KameraWindow(backend, config=WindowConfig(drift_budget=None, rank="full"), store=store)
     frame = window.push(images(1, seed=52)[0])
     window.push("text after it")
     window.evict(frame)
@@ -246,7 +252,7 @@ def test_an_image_whose_pixels_kv_and_vision_output_are_all_gone_is_refused_by_n
 
 @pytest.mark.parametrize("name", TEXT_BACKENDS)
 def test_forget_and_max_evicted_bound_what_a_window_remembers(name: str) -> None:
-    window = KameraWindow(backend_named(name), config=WindowConfig(rank=4, max_evicted=2))
+    window = KameraWindow(backend_named(name), config=WindowConfig(drift_budget=None, rank=4, max_evicted=2))
     refs = [window.push(text) for text in (A, B, C, D, "epsilon nine ten")]
     with pytest.raises(ChunkInWindowError, match="evict it before forgetting"):
         window.forget(refs[0])

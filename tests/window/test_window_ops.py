@@ -47,7 +47,7 @@ def make(request: pytest.FixtureRequest) -> Make:
             "evicted_pixels": "keep",
             **config,
         }  # keep: re-prefills rebuild recalled images
-        return KameraWindow(backend, config=WindowConfig(**settings))  # type: ignore[arg-type]
+        return KameraWindow(backend, config=WindowConfig(drift_budget=None, **settings))  # type: ignore[arg-type]
 
     return window
 
@@ -245,9 +245,9 @@ def test_bad_input_gets_named_errors_and_changes_nothing(make: Make) -> None:
     with pytest.raises(CapacityError, match="never fit"):
         make(capacity_tokens=3).push(images(1)[0])
     with pytest.raises(ValueError, match="capacity_chunks"):
-        WindowConfig(capacity_chunks=0)
+        WindowConfig(drift_budget=None, capacity_chunks=0)
     with pytest.raises(ValueError, match="unknown eviction policy"):
-        WindowConfig(eviction="random")
+        WindowConfig(drift_budget=None, eviction="random")
 
 
 def test_a_probe_after_the_same_ask_is_a_single_decode_and_kv_costs_are_recorded(make: Make) -> None:
@@ -379,7 +379,7 @@ def test_a_gapped_forward_without_a_kept_cache_matches_reprefill() -> None:
     """An engine that runs gaps but cannot extend caches: the forward's context is assembled
     afresh (anchor, the chunks left of the first member, the chunks between members)."""
     backend = CountingBackend(backend_named("tiny_torch"), extend=False)
-    w = KameraWindow(backend, config=WindowConfig(rank="full"))
+    w = KameraWindow(backend, config=WindowConfig(drift_budget=None, rank="full"))
     b = [w.push(text) for text in ("first line here", "second line", "third line")][1]
     w.replace(b, "a caption", append=["one more line"])
     assert w.stats.last.forwards == 1 and backend.calls["crop"] == 0

@@ -25,23 +25,27 @@ explore new ones.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import networkx as nx
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kamera_agent.backends.decoding import decoded_tokens
 from kamera_agent.config import WindowConfig
+from kamera_agent.core.drift import CALIBRATION_DIR_VARIABLE
 from kamera_agent.errors import KameraError
 from kamera_agent.results import Answer
 from kamera_agent.store import ChunkStore
 from kamera_agent.window import ChunkRef, KameraWindow
 from tests.window.backends import backend_named
-from tests.window.helpers import answer_kl, chunk_errors
+from tests.window.helpers import answer_kl, calibrate_for_tests, chunk_errors
 from tests.window.oracle import StateOracle
 
 T = TypeVar("T")
@@ -68,6 +72,11 @@ ANY_SETTINGS: list[dict[str, Any]] = [
     {"rank": 4, "capacity_chunks": 3, "eviction": "disposable", "max_new_tokens": 1},
     {"rank": 0, "capacity_chunks": 4},
 ]
+"""Settings whose approximations the tests exercise unbounded (``drift_budget=None``; a budget on a
+random model, with no calibration, would run them exactly), and with a budget (`BUDGETED`)."""
+for _settings_ in ANY_SETTINGS:
+    _settings_.setdefault("drift_budget", None)
+BUDGET = 0.05
 
 
 class WindowMachine(RuleBasedStateMachine):
@@ -78,6 +87,8 @@ class WindowMachine(RuleBasedStateMachine):
     shared: ClassVar[bool] = False
     roomy: ClassVar[bool] = False
     """A store that holds a whole sequence (what the shared windows get too): nothing is dropped."""
+    budgeted: ClassVar[bool] = False
+    """Each setting with a drift budget (a calibration filed for the backend by the test)."""
 
     @initialize(
         choice=st.integers(0, len(ANY_SETTINGS) - 1),
@@ -85,9 +96,10 @@ class WindowMachine(RuleBasedStateMachine):
     )
     def setup(self, choice: int, first: list[str] | None = None) -> None:
         self.backend = backend_named(self.backend_name)
-        self.config = (
-            WindowConfig.exact(capacity_chunks=4) if self.exact else WindowConfig(**ANY_SETTINGS[choice])
-        )
+        settings_ = {**ANY_SETTINGS[choice], **({"drift_budget": BUDGET} if self.budgeted else {})}
+        if self.budgeted:
+            calibrate_for_tests(self.backend.fingerprint, _CALIBRATIONS)
+        self.config = WindowConfig.exact(capacity_chunks=4) if self.exact else WindowConfig(**settings_)
         budget = SHARED_STORE if self.shared or self.roomy else SMALL_STORE
         self.store = ChunkStore(fingerprint=self.backend.fingerprint, memory_budget=budget)
         count = 2 if self.shared else 1
@@ -174,7 +186,13 @@ class WindowMachine(RuleBasedStateMachine):
         if cost.probes:  # decodes a probe-driven eviction spends by choice: counted apart
             costs.probed += spent
             return result
-        if self.exact:
+        if self.budgeted:  # the budget's audits are its estimator's cost, not a chunk's prefill
+            spent -= cost.audit_tokens
+            lazy = w.config.patch_mode == "lazy" and not isinstance(result, Answer)
+            for ref in [] if lazy else w.refs:  # lazily deferred patches: kept by the read forming them
+                drift = w.drift_of(ref)
+                assert drift is not None and drift <= BUDGET, (ref, drift, w.last_plan)
+        if self.exact or self.budgeted:
             assert spent <= prefix + anchor, (w.stats.last, w.last_plan, before, [c.key for c in after])
         else:
             assert spent <= sum(chunk.num_tokens for chunk in after) + anchor, (w.stats.last, w.last_plan)
@@ -324,6 +342,13 @@ class WindowMachine(RuleBasedStateMachine):
             for label, (error, state) in errors.items():
                 bound = EXACT_KV if state.exact else APPROX_KV
                 assert error <= bound, (label, state, error)
+            if self.budgeted and w.refs:  # what the budget calls exact (estimate 0) is
+                spent = w.stats.total.tokens_prefilled
+                truth = chunk_errors(w)
+                costs.read += w.stats.total.tokens_prefilled - spent
+                for ref in w.refs:
+                    if w.drift_of(ref) == 0.0:
+                        assert truth[ref.label] <= EXACT_KV, (ref, truth)
 
     @invariant()
     def exact_settings_answer_like_a_reprefill(self) -> None:
@@ -395,11 +420,22 @@ def _settings(examples: int, steps: int = 12) -> settings:
     )
 
 
-def _machine(backend: str, exact: bool, shared: bool, roomy: bool = False) -> type[WindowMachine]:
+def _machine(
+    backend: str, exact: bool, shared: bool, roomy: bool = False, budgeted: bool = False
+) -> type[WindowMachine]:
     kind = ("Exact" if exact else "Any") + ("Shared" if shared else "") + ("Roomy" if roomy else "")
-    name = kind + backend.title().replace("_", "")
+    name = kind + ("Budgeted" if budgeted else "") + backend.title().replace("_", "")
     attributes = {"backend_name": backend, "exact": exact, "shared": shared, "roomy": roomy}
-    return type(name, (WindowMachine,), attributes)
+    return type(name, (WindowMachine,), {**attributes, "budgeted": budgeted})
+
+
+_CALIBRATIONS = Path(tempfile.mkdtemp(prefix="kamera-calibrations-"))
+
+
+@pytest.fixture(autouse=True)
+def _calibrations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Budgeted machines find the calibrations they file for their backends here."""
+    monkeypatch.setenv(CALIBRATION_DIR_VARIABLE, str(_CALIBRATIONS))
 
 
 TestExactQwen2 = _machine("qwen2", True, False).TestCase
@@ -427,6 +463,11 @@ TestExactRoomyTinyTorch = _machine("tiny_torch", True, False, roomy=True).TestCa
 TestExactRoomyTinyTorch.settings = _settings(150)
 TestAnyRoomyTinyTorch = _machine("tiny_torch", False, False, roomy=True).TestCase
 TestAnyRoomyTinyTorch.settings = _settings(150)
+# a drift budget over every setting: each op within ε by the estimate, never costlier, estimate 0 exact
+TestAnyBudgetedQwen2 = _machine("qwen2", False, False, budgeted=True).TestCase
+TestAnyBudgetedQwen2.settings = _settings(100)
+TestSharedBudgetedTinyTorch = _machine("tiny_torch", False, True, budgeted=True).TestCase
+TestSharedBudgetedTinyTorch.settings = _settings(60)
 
 
 def test_budget_forced_re_encodes_are_reported() -> None:

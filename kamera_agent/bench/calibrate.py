@@ -1,0 +1,301 @@
+"""Fitting a model's drift calibration (``kamera calibrate``) and judging one on other episodes.
+
+Why from episodes of the window suite: the estimate a drift budget keeps (`kamera_agent.core.drift`)
+must calibrate against what it stands for, each approximated chunk's relative KV error against
+the model's own re-prefill of the window, on the approximations a window really makes. So the
+window suite's episode runs with the policies unbounded (``drift_budget=None``), and after every
+op each chunk the window does not hold exactly gets its true error (the re-prefill) and its
+sampled audit, exactly as a budgeted window would audit it (same rows, same context).
+
+A calibration is fitted on its own seeds (`FIT_SEEDS`) and judged on others (`HELD_SEEDS`,
+``benchmarks/drift_estimator.py``); the window suite's episodes use neither.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from rich.progress import Progress
+
+from kamera_agent.backends.transformers import TransformersBackend
+from kamera_agent.bench.window_suite import _Episode, _items
+from kamera_agent.config import WindowConfig
+from kamera_agent.core.drift import (
+    AGREES,
+    BUDGETS,
+    Calibration,
+    audit_indices,
+    relative_error,
+    sampled_error,
+)
+from kamera_agent.core.identity import ChunkState, Context
+from kamera_agent.window import KameraWindow
+from kamera_agent.window.budget import DriftBudget, Measure
+
+__all__ = [
+    "FIT_SEEDS",
+    "HELD_SEEDS",
+    "Judged",
+    "Slot",
+    "add_calibrate_parser",
+    "drift_episode",
+    "fit_calibration",
+    "judge",
+    "run_calibrate_command",
+]
+
+FIT_SEEDS = (7001, 7002)
+"""Episodes ``kamera calibrate`` fits on by default."""
+
+HELD_SEEDS = (7101, 7102)
+"""Episodes a calibration is judged on by default (disjoint from `FIT_SEEDS`)."""
+
+CAPACITY = 12
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One chunk of the window after one op: its true relative KV error against re-prefill, its
+    own audit (0 where its KV is a forward's output over exactly its left context), and whether
+    the window held it exactly (the chain up to it exact: never estimated, never fitted)."""
+
+    error: float
+    own: float
+    exact: bool
+
+
+def drift_episode(
+    model: Any, seed: int, ops: int, progress: Progress, share: float = 0.1, **window: Any
+) -> list[list[Slot]]:
+    """The window suite's episode (``seed``, ``ops``) with the policies unbounded; every op's
+    chunks as `Slot`s. ``model`` and ``window`` are what `KameraWindow` takes."""
+    config = WindowConfig(
+        capacity_chunks=CAPACITY, max_new_tokens=1, evicted_pixels="keep", drift_budget=None
+    )
+    window_ = KameraWindow(model, config=config, **window)
+    backend = window_.backend
+    if not isinstance(backend, TransformersBackend):
+        raise TypeError("calibration runs on a transformers model (it needs the model's own re-prefill)")
+    measurer = DriftBudget(0.0, Calibration(backend.fingerprint, scale=1.0, inherit=0.0, audit_share=share))
+    moves = _Episode(window_, backend.encoder, random.Random(seed), _items(ops))
+    root = Context.root(backend.anchor.key)
+    vision: dict[str, Any] = {}
+    recorded: list[list[Slot]] = []
+    task = progress.add_task(f"episode {seed}", total=ops)
+    for _ in range(ops):
+        moves.next().run()
+        refs = window_.refs
+        chunks = [window_.chunk(ref) for ref in refs]
+        truth = backend.reference_prefill(chunks)
+        kvs = [window_.chunk_kv(ref) for ref in refs]
+        starts = [backend.anchor.advance]
+        for chunk in chunks:
+            starts.append(starts[-1] + chunk.advance)
+
+        measure = _measure(backend, chunks, [truth.kv[0], *kvs], starts, share, vision)
+        states = [window_.state_of(ref) for ref in refs]
+        owns = measurer.estimates(states, root, measure)
+        ctx, slots = root, []
+        for state, own, kv, exact in zip(states, owns, kvs, truth.kv[1:], strict=True):
+            ctx = ctx.extend(state)
+            slots.append(Slot(relative_error(kv, exact), float(own or 0.0), ctx.exact))
+        recorded.append(slots)
+        progress.advance(task)
+    window_.close()
+    return recorded
+
+
+def _measure(
+    backend: TransformersBackend,
+    chunks: Sequence[Any],
+    placed: Sequence[Any],
+    starts: Sequence[int],
+    share: float,
+    vision: dict[str, Any],
+) -> Measure:
+    """The audit a budgeted window runs (`kamera_agent.core.drift.audit`: the same rows, over the
+    same context), on one op's window: ``placed`` is the anchor's KV, then each chunk's."""
+
+    def measure(i: int, state: ChunkState, ctx: Context) -> float:
+        chunk = chunks[i]
+        features = None
+        if chunk.has_vision:
+            assert chunk.vision_key is not None
+            if chunk.vision_key not in vision:
+                vision[chunk.vision_key] = backend.encode_vision(chunk).features
+            features = vision[chunk.vision_key]
+        indices = audit_indices(chunk.num_tokens, share, f"{state.digest}:{ctx.digest}")
+        kv = placed[i + 1]
+        audited = backend.recompute(chunk, kv, indices, placed[: i + 1], starts[i], features).kv[0]
+        return sampled_error(kv, audited, indices)
+
+    return measure
+
+
+def _signals(ops: Sequence[Sequence[Slot]], inherit: float) -> list[tuple[float, float]]:
+    """``(own + inherit × largest signal to its left, true error)`` of every approximated chunk
+    (an exact one's signal is 0, as a window's estimate of it)."""
+    out = []
+    for slots in ops:
+        before = 0.0
+        for slot in slots:
+            signal = 0.0 if slot.exact else slot.own + inherit * before
+            if not slot.exact:
+                out.append((signal, slot.error))
+            before = max(before, signal)
+    return out
+
+
+def fit_calibration(
+    fingerprint: str,
+    ops: Sequence[Sequence[Slot]],
+    seeds: Sequence[int],
+    share: float,
+    inherit: float = 0.5,
+    quantile: float = 0.99,
+) -> Calibration:
+    """The calibration of these episodes: the scale at which ``quantile`` of the approximated
+    chunks have ``error ≤ scale × signal``, and the largest of `BUDGETS` at which at most 1 % of the
+    chunks estimated within it were truly over `AGREES` (at least the smallest budget)."""
+    pairs = _signals(ops, inherit)
+    if not pairs:
+        raise ValueError("nothing was approximated in these episodes: there is nothing to calibrate on")
+    ratios = sorted(error / max(signal, 1e-12) for signal, error in pairs)
+    scale = ratios[min(len(ratios) - 1, int(quantile * len(ratios)))]
+    draft = Calibration(fingerprint, scale, inherit, share, quantile, samples=len(pairs), seeds=tuple(seeds))
+    judged = judge(draft, ops)
+    budget = BUDGETS[0]
+    for eps in BUDGETS:
+        kept = [error for estimate, error in judged.pairs if estimate <= eps]
+        if kept and sum(error > AGREES for error in kept) / len(kept) <= 0.01:
+            budget = eps
+    return Calibration(
+        fingerprint,
+        scale,
+        inherit,
+        share,
+        quantile,
+        budget,
+        len(pairs),
+        tuple(seeds),
+        {f"{eps:g}": judged.over[eps] for eps in BUDGETS},
+    )
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A calibration on episodes: each approximated chunk's ``(estimate, true error)``, their
+    Spearman correlation, and per ε how many were estimated within it (``within``) and which share
+    of those were truly over 3ε (``over``; NaN where none was within)."""
+
+    pairs: list[tuple[float, float]]
+    spearman: float
+    within: dict[float, int]
+    over: dict[float, float]
+
+
+def judge(calibration: Calibration, ops: Sequence[Sequence[Slot]]) -> Judged:
+    """How ``calibration``'s estimates stand against the true errors of these episodes."""
+    pairs = [(calibration.scale * s, e) for s, e in _signals(ops, calibration.inherit)]
+    within: dict[float, int] = {}
+    over: dict[float, float] = {}
+    for eps in (*BUDGETS, calibration.budget):
+        kept = [error for estimate, error in pairs if estimate <= eps]
+        within[eps] = len(kept)
+        over[eps] = sum(error > 3 * eps for error in kept) / len(kept) if kept else math.nan
+    estimates, errors = [p[0] for p in pairs], [p[1] for p in pairs]
+    return Judged(pairs, _spearman(estimates, errors), within, over)
+
+
+def _spearman(xs: list[float], ys: list[float]) -> float:
+    if len(xs) < 2:
+        return math.nan
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        for rank, i in enumerate(order):
+            out[i] = float(rank)
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return cov / var if var else math.nan
+
+
+def episodes(
+    model: Any, seeds: Sequence[int], ops: int, progress: Progress, share: float, **window: Any
+) -> list[list[Slot]]:
+    """`drift_episode` for each seed, one after another, their ops together."""
+    torch.manual_seed(0)
+    out: list[list[Slot]] = []
+    for seed in seeds:
+        out += drift_episode(model, seed, ops, progress, share, **window)
+    return out
+
+
+def add_calibrate_parser(commands: Any) -> None:
+    """Register ``calibrate`` on the ``kamera`` command's subparsers."""
+    calibrate = commands.add_parser(
+        "calibrate", help="fit a model's drift calibration once (what its drift budget is kept with)"
+    )
+    calibrate.add_argument("model", help="'demo' (the shipped model) or a local VLM checkpoint directory")
+    calibrate.add_argument("--seeds", type=int, nargs="+", default=list(FIT_SEEDS), help="fitting episodes")
+    calibrate.add_argument("--ops", type=int, default=120, help="ops per episode (default 120)")
+    calibrate.add_argument(
+        "--audit", type=float, default=0.1, help="share of a chunk's tokens one audit recomputes"
+    )
+    calibrate.add_argument(
+        "--quantile", type=float, default=0.99, help="share of fitting chunks the scale bounds"
+    )
+    calibrate.add_argument("--out", default=None, help="where to file it (default: $KAMERA_CALIBRATION_DIR)")
+
+
+def run_calibrate_command(args: Any, console: Any) -> int:
+    """Fit and file the calibration; print where, its constants and how it stands on its episodes."""
+    from pathlib import Path
+
+    from rich.table import Table
+
+    from kamera_agent.core.drift import save_calibration
+
+    if not 0 < args.audit <= 1 or not 0 < args.quantile < 1 or args.ops < 1:
+        console.print("[red]--audit must be in (0, 1], --quantile in (0, 1) and --ops at least 1[/red]")
+        return 2
+    if args.model == "demo":
+        from kamera_agent.demo.model import load_demo_model
+
+        model, tokenizer, image_processor = load_demo_model()
+        window: dict[str, Any] = {"tokenizer": tokenizer, "image_processor": image_processor}
+    else:
+        from kamera_agent.loading import load_backend
+
+        model, window = load_backend(args.model), {}
+    with Progress(console=console, transient=True) as progress:
+        ops = episodes(model, args.seeds, args.ops, progress, args.audit, **window)
+    fingerprint = KameraWindow(model, config=WindowConfig(drift_budget=None), **window).backend.fingerprint
+    calibration = fit_calibration(fingerprint, ops, args.seeds, args.audit, quantile=args.quantile)
+    path = save_calibration(calibration, Path(args.out) if args.out else None)
+    judged = judge(calibration, ops)
+    table = Table(
+        title=f"drift calibration on {calibration.samples} approximated chunk-states (fitting episodes)"
+    )
+    for column in ("ε", "estimated within ε", "of those truly over 3ε"):
+        table.add_column(column, justify="right")
+    for eps in BUDGETS:
+        table.add_row(f"{eps:g}", str(judged.within[eps]), f"{judged.over[eps]:.1%}")
+    console.print(table)
+    console.print(
+        f"scale {calibration.scale:.3g}, inherit {calibration.inherit:g}, "
+        f"audit {calibration.audit_share:.0%}; "
+        f"Spearman {judged.spearman:.2f}; default budget ε = {calibration.budget:g}; filed at {path}"
+    )
+    return 0

@@ -1,0 +1,193 @@
+"""Drift: how far a chunk's reused KV is from what a re-prefill of its arrangement computes.
+
+Why estimated: the exact error of a reused chunk (its relative KV error against the model's
+own re-prefill of the window) costs a re-prefill to measure, which is what reuse avoids. What
+calibrates on the shipped model (`benchmarks/drift_estimator.py`) is a **sampled audit**: a
+random share of the chunk's tokens recomputed through every layer over the window's own
+context (`Backend.recompute`), the chunk's KV measured against them on those rows. It misses
+what the context itself carries (an approximate chunk to the left), so an estimate adds a share
+of the largest estimate before it:
+
+    estimate(i) = scale × audit(i) + inherit × max(estimate(j) for j < i)
+
+``scale`` and ``inherit`` are a model's `Calibration`, fitted once on episodes disjoint from
+every benchmark it is judged on (``kamera calibrate``) and filed by the model's fingerprint:
+never another model's constants. An audit is a function of what the chunk's KV and its left
+context encode (their chained states), so it is measured once per pair and remembered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.operator.layout import ChunkKV
+
+if TYPE_CHECKING:
+    from kamera_agent.core.kv_core import KVCore, Txn
+
+__all__ = [
+    "AGREES",
+    "BUDGETS",
+    "CALIBRATION_DIR_VARIABLE",
+    "Calibration",
+    "audit",
+    "audit_indices",
+    "calibration_dirs",
+    "find_calibration",
+    "relative_error",
+    "sampled_error",
+    "save_calibration",
+]
+
+CALIBRATION_DIR_VARIABLE = "KAMERA_CALIBRATION_DIR"
+"""Where ``kamera calibrate`` files calibrations (default ``~/.cache/kamera/calibration``)."""
+
+_SHIPPED = Path(__file__).resolve().parent.parent / "models" / "calibrations"
+"""Calibrations of the models kamera ships (the demo model), found like the user's own."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A model's drift estimator, fitted on its own episodes.
+
+    Attributes:
+        fingerprint: the model it was fitted on (`Backend.fingerprint`); used for no other.
+        scale: the audit's multiplier: on the fitting episodes, ``quantile`` of the approximated
+            chunks have a true error at most ``scale × audit + inherit × inherited``.
+        inherit: the share of the largest estimate to a chunk's left that it inherits.
+        audit_share: the share of a chunk's tokens one audit recomputes (at least two tokens).
+        quantile: the share of fitting chunks the scale bounds.
+        budget: the ε a window uses by default: the largest of `BUDGETS` at which, on the fitting
+            episodes, at most 1 % of the chunks estimated within ε were truly over `AGREES`.
+        samples: approximated chunk-states it was fitted on.
+        seeds: the fitting episodes' seeds (benchmarks judge on other seeds).
+        within: per ε of `BUDGETS`, the share of fitting chunks estimated within ε that were
+            truly over 3ε (the budget's calibration target: at most 1 %).
+    """
+
+    fingerprint: str
+    scale: float
+    inherit: float = 0.5
+    audit_share: float = 0.1
+    quantile: float = 0.99
+    budget: float = 1e-2
+    samples: int = 0
+    seeds: tuple[int, ...] = ()
+    within: dict[str, float] = field(default_factory=dict)
+
+    def estimate(self, audit: float, inherited: float) -> float:
+        """A chunk's estimated drift from its audit and the largest estimate to its left."""
+        return self.scale * audit + self.inherit * inherited
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "seeds": list(self.seeds)}, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Calibration:
+        data: dict[str, Any] = json.loads(text)
+        known = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
+        known["seeds"] = tuple(known.get("seeds", ()))
+        return cls(**known)
+
+
+BUDGETS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+"""The budgets a calibration chooses its default from."""
+
+AGREES = 3e-2
+"""Relative KV error under which every chunk of a window kept re-prefill's first answer token on
+the window suite (KL ≤ 7.4e-4 over 826 op-states): a default budget keeps chunks below it."""
+
+
+def calibration_dirs() -> list[Path]:
+    """Where calibrations are looked for: the user's directory, then the shipped models'."""
+    user = os.environ.get(CALIBRATION_DIR_VARIABLE)
+    home = Path(user) if user else Path.home() / ".cache" / "kamera" / "calibration"
+    return [home, _SHIPPED]
+
+
+def _file_name(fingerprint: str) -> str:
+    return f"{fingerprint[:32]}.json"
+
+
+def find_calibration(fingerprint: str) -> Calibration | None:
+    """The calibration fitted on the model with this fingerprint, or ``None`` (never another's)."""
+    for directory in calibration_dirs():
+        path = directory / _file_name(fingerprint)
+        if not path.is_file():
+            continue
+        try:
+            calibration = Calibration.from_json(path.read_text())
+        except (OSError, ValueError, TypeError):
+            continue  # unreadable: as if absent (calibrate again to replace it)
+        if calibration.fingerprint == fingerprint and math.isfinite(calibration.scale):
+            return calibration
+    return None
+
+
+def save_calibration(calibration: Calibration, directory: Path | None = None) -> Path:
+    """File ``calibration`` by its model's fingerprint (default: the user's calibration directory)."""
+    target = directory if directory is not None else calibration_dirs()[0]
+    target.mkdir(parents=True, exist_ok=True)
+    path = target / _file_name(calibration.fingerprint)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(calibration.to_json())
+    temporary.replace(path)
+    return path
+
+
+def audit_indices(num_tokens: int, share: float, seed: str) -> torch.Tensor:
+    """The sorted token indices one audit recomputes: ``share`` of the chunk (at least two, at most
+    all), drawn reproducibly from ``seed`` (what the chunk and its context encode): the same pair
+    is audited on the same rows wherever it is measured."""
+    count = min(num_tokens, max(2, math.ceil(share * num_tokens)))
+    draw = int(hashlib.blake2b(seed.encode(), digest_size=8).hexdigest(), 16)
+    generator = torch.Generator().manual_seed(draw)
+    return torch.randperm(num_tokens, generator=generator)[:count].sort().values
+
+
+def relative_error(kv: ChunkKV, truth: ChunkKV) -> float:
+    """``‖kv − truth‖ / ‖truth‖`` over keys and values of every layer (float32)."""
+    num = (kv.keys.float() - truth.keys.float()).pow(2).sum() + (
+        kv.values.float() - truth.values.float()
+    ).pow(2).sum()
+    den = truth.keys.float().pow(2).sum() + truth.values.float().pow(2).sum()
+    return float((num / den.clamp_min(1e-30)).sqrt())
+
+
+def sampled_error(kv: ChunkKV, audited: ChunkKV, indices: torch.Tensor) -> float:
+    """`relative_error` of ``kv`` against ``audited`` on the audited token rows only."""
+    rows = (slice(None), slice(None), indices.to(kv.keys.device))
+    return relative_error(
+        ChunkKV(kv.keys[rows], kv.values[rows]), ChunkKV(audited.keys[rows], audited.values[rows])
+    )
+
+
+def audit(
+    core: KVCore,
+    chunk: Chunk,
+    kv: ChunkKV,
+    context: Sequence[ChunkKV],
+    start: int,
+    share: float,
+    seed: str,
+    txn: Txn,
+) -> tuple[float, int]:
+    """One sampled audit of ``kv`` (the chunk placed at ``start`` behind ``context``): its relative
+    error on `audit_indices` rows against those rows recomputed through every layer over
+    ``context`` (`Backend.recompute`; its cost lands in ``txn.meter``), and the tokens audited."""
+    core.check_origin(chunk)
+    vision = core.vision(chunk, txn) if chunk.has_vision else None
+    indices = audit_indices(chunk.num_tokens, share, seed)
+    done = core.backend.recompute(chunk, kv, indices, context, start, vision)
+    txn.meter.spend(done.spent)
+    return sampled_error(kv, done.kv[0], indices), int(indices.numel())

@@ -1,0 +1,166 @@
+"""A window's drift budget: every chunk's estimated drift kept within ε after each op.
+
+Why here and in this shape: the planner approximates where the window's policies say (kept
+survivors, orbit patches, recalls in their original context, rank-m patches); the budget bounds
+what those approximations may cost in fidelity. After an op runs, each chunk the window does not
+hold exactly is given an estimate (`kamera_agent.core.drift`: a sampled audit, scaled by the
+model's calibration, plus a share of the largest estimate to its left); the first chunk over ε
+and every chunk after it are re-prefilled over their left context (`Planner.refill`), which
+makes them exact there. An audit is remembered by what the chunk's KV and its left context
+encode (their chained digests), so a chunk is audited once per arrangement it is served in.
+
+The planner keeps the never-costlier rule with the budget on: before an op runs it bounds what
+the fix could cost (a re-prefill from the first chunk it cannot already vouch for, and the
+audits), and where the plan with that fix could prefill more than re-prefilling from the op's
+first changed slot, it plans that re-prefill instead.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from kamera_agent.config import WindowConfig
+from kamera_agent.core.drift import Calibration, find_calibration
+from kamera_agent.core.identity import ChunkState, Context
+from kamera_agent.errors import UncalibratedWarning
+
+__all__ = ["DriftBudget", "Measure", "resolve_budget"]
+
+_AUDITS = 1 << 14  # audits remembered per window family
+_RETRY = 16  # an op name whose approximations keep failing is still tried once in this many
+_warned: set[str] = set()  # fingerprints warned about in this process (one warning each)
+
+Measure = Callable[[int, ChunkState, Context], float]
+"""Audit the chunk at index ``i`` in ``state`` behind left context ``ctx``: its sampled error."""
+
+
+class DriftBudget:
+    """ε, the model's calibration and the audits measured so far (shared by a window's forks:
+    an audit depends only on the digests it is filed by)."""
+
+    def __init__(self, epsilon: float, calibration: Calibration) -> None:
+        self.epsilon, self.calibration = epsilon, calibration
+        self._audits: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._outcomes: dict[str, list[int]] = {}  # per op name: [audited ops, ops that needed a fix]
+        self._skipped: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def record(self, op: str, fixed: bool) -> None:
+        """Remember whether an op whose approximations were audited had to be fixed."""
+        with self._lock:
+            seen = self._outcomes.setdefault(op, [0, 0])
+            seen[0] += 1
+            seen[1] += int(fixed)
+
+    def fix_rate(self, op: str) -> float:
+        """How often audited ops of this name needed a fix (0 before any: the first is tried;
+        one more op counted as passing, so one failure does not rule the name out for good)."""
+        with self._lock:
+            audited, fixed = self._outcomes.get(op, (0, 0))
+        return fixed / (audited + 1)
+
+    def worth_trying(self, op: str, planned: int, fix: int, refill: int, audits: int) -> bool:
+        """Whether approximating is expected to cost less than re-prefilling exactly: ops of this
+        name needed a fix less than half the time, and the plan, its audits and its fix at that
+        rate cost fewer tokens than the re-prefill (each audit is a forward of its own: a fix rate
+        over ½ costs more wall time than it saves tokens). Every `_RETRY`-th op that would not be
+        tried is tried anyway, so the rate keeps up with what the window holds."""
+        rate = self.fix_rate(op)
+        if rate < 0.5 and planned + audits + rate * fix < refill:
+            return True
+        with self._lock:
+            skipped = self._skipped.get(op, 0) + 1
+            self._skipped[op] = skipped % _RETRY
+        return skipped >= _RETRY
+
+    def own(self, state: ChunkState, left: Context) -> float | None:
+        """What the chunk adds itself in ``state`` behind ``left``: 0 where its KV is that forward's
+        output over exactly ``left`` (a full-rank state formed there), else its remembered audit,
+        else ``None`` (not measured)."""
+        if state.kind == "patched" and state.rank == "full" and state.context.digest == left.digest:
+            return 0.0
+        if state.kind == "canonical" and left.length == 0:
+            return 0.0
+        with self._lock:
+            return self._audits.get((state.digest, left.digest))
+
+    def remember(self, state: ChunkState, left: Context, audit: float) -> None:
+        with self._lock:
+            self._audits[(state.digest, left.digest)] = audit
+            while len(self._audits) > _AUDITS:
+                self._audits.popitem(last=False)
+
+    def estimates(
+        self,
+        states: Sequence[ChunkState],
+        root: Context,
+        measure: Measure | None = None,
+        until_over: bool = False,
+    ) -> list[float | None]:
+        """Each chunk's estimated drift, left to right, in ``states`` behind ``root``: 0 where the
+        chain up to it is exact; from ``measure`` where nothing is remembered (``None`` from the
+        first chunk that is neither, when no ``measure`` is given, and after the first over ε
+        with ``until_over``: what a fix re-prefills anyway is not audited)."""
+        out: list[float | None] = []
+        ctx, worst = root, 0.0
+        for i, state in enumerate(states):
+            following = ctx.extend(state)
+            if following.exact:
+                estimate = 0.0
+            else:
+                own = self.own(state, ctx)
+                if own is None and measure is not None:
+                    own = measure(i, state, ctx)
+                    self.remember(state, ctx, own)
+                if own is None:
+                    return out + [None] * (len(states) - i)
+                estimate = self.calibration.estimate(own, worst)
+            out.append(estimate)
+            if until_over and estimate > self.epsilon:
+                return out + [None] * (len(states) - i - 1)
+            worst, ctx = max(worst, estimate), following
+        return out
+
+    def first_over(self, estimates: Sequence[float | None]) -> int | None:
+        """The first index not known to be within ε (over it, or not estimated)."""
+        return next((i for i, e in enumerate(estimates) if e is None or e > self.epsilon), None)
+
+
+def resolve_budget(
+    config: WindowConfig, fingerprint: str, can_audit: bool = True
+) -> tuple[WindowConfig, DriftBudget | None]:
+    """The settings a window runs with and its budget.
+
+    ``drift_budget=None``: the settings as given, no budget. A budget of 0, or any budget on a
+    model with no calibration or an engine that cannot audit (`Backend.supports_recompute`): the
+    settings with every approximation off (`WindowConfig.exactly`), the latter two with one
+    `UncalibratedWarning` per model and process.
+    """
+    if config.drift_budget is None:
+        return config, None
+    if config.drift_budget == 0:
+        return config.exactly(), None
+    calibration = find_calibration(fingerprint) if can_audit else None
+    if calibration is None:
+        if fingerprint not in _warned:
+            _warned.add(fingerprint)
+            why = (
+                "this model has no drift calibration"
+                if can_audit
+                else "this engine cannot recompute sampled tokens to audit drift (supports_recompute)"
+            )
+            warnings.warn(
+                f"{why}, so the window runs exactly (no approximation is bounded without it): calibrate "
+                "the model once with `kamera calibrate MODEL` (or set WindowConfig(drift_budget=None) to "
+                "approximate unbounded, or use WindowConfig.exact())",
+                UncalibratedWarning,
+                stacklevel=4,
+            )
+        return config.exactly(), None
+    epsilon = calibration.budget if config.drift_budget == "calibrated" else float(config.drift_budget)
+    if epsilon == 0:
+        return config.exactly(), None
+    return config, DriftBudget(epsilon, calibration)

@@ -1,0 +1,217 @@
+"""The drift budget: what a window estimates, keeps within ε, and what it does without a calibration.
+
+Checked against the model's own re-prefill of the window (`tests.window.helpers`) on a 4-layer
+random Qwen2 whose calibration the test files itself (random models have none), and on the
+shipped demo model with its shipped calibration.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+
+from kamera_agent.config import WindowConfig
+from kamera_agent.core.drift import (
+    CALIBRATION_DIR_VARIABLE,
+    Calibration,
+    audit_indices,
+    find_calibration,
+    save_calibration,
+)
+from kamera_agent.errors import ConfigError, UncalibratedWarning, UnknownChunkError
+from kamera_agent.results import OpCost
+from kamera_agent.window import KameraWindow
+from kamera_agent.window import budget as budget_module
+from tests.window.backends import backend_named
+from tests.window.helpers import answer_kl, calibrate_for_tests, chunk_errors
+
+EXACT_KV = 2e-5
+TEXTS = ["red ball", "green box moves", "a cat sat", "the dog ran", "yellow sun", "blue sky now"]
+
+
+@pytest.fixture
+def calibrations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(CALIBRATION_DIR_VARIABLE, str(tmp_path))
+    return tmp_path
+
+
+def _window(epsilon: float | str | None, **settings: object) -> KameraWindow:
+    config = WindowConfig(capacity_chunks=4, rank=4, drift_budget=epsilon, **settings)  # type: ignore[arg-type]
+    return KameraWindow(backend_named("qwen2"), config=config)
+
+
+def _episode(window: KameraWindow) -> list[str]:
+    """Pushes, slides (survivors keep what left), a reorder and a recall: every approximation the
+    defaults make; each op's name, for messages."""
+    ops = []
+    for text in TEXTS[:4]:
+        window.push(text, label=text)
+        ops.append("push")
+    window.slide(1)
+    ops.append("slide")
+    window.push(TEXTS[4], label=TEXTS[4])
+    ops.append("push")
+    window.reorder(list(reversed(window.refs)))
+    ops.append("reorder")
+    window.evict(window.refs[1])
+    ops.append("evict")
+    window.recall(window.evicted[0], at=0)
+    ops.append("recall")
+    return ops
+
+
+def test_a_budget_of_zero_is_exact_and_needs_no_calibration() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no UncalibratedWarning: exactness needs no calibration
+        window = _window(0.0)
+    assert window.config.survivors == "removal" and window.config.rank == "full"
+    assert window.budget == 0.0
+    _episode(window)
+    assert max(chunk_errors(window).values()) <= EXACT_KV
+    assert all(window.drift_of(ref) == 0.0 for ref in window.refs)
+
+
+def test_an_uncalibrated_model_runs_exactly_with_one_warning(
+    calibrations: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(budget_module, "_warned", set())
+    with pytest.warns(UncalibratedWarning, match="kamera calibrate"):
+        window = _window("calibrated")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per model and process
+        _window(0.05)
+    assert window.budget == 0.0 and window.config.survivors == "removal"  # ran exactly
+    _episode(window)
+    assert max(chunk_errors(window).values()) <= EXACT_KV
+
+
+def test_another_models_calibration_is_never_used(calibrations: Path) -> None:
+    fingerprint = backend_named("qwen2").fingerprint
+    save_calibration(Calibration("0" * 64, scale=1.0), calibrations)
+    assert find_calibration(fingerprint) is None
+    calibrate_for_tests(fingerprint, calibrations)
+    found = find_calibration(fingerprint)
+    assert found is not None and found.fingerprint == fingerprint
+    (calibrations / f"{fingerprint[:32]}.json").write_text("{not json")
+    assert find_calibration(fingerprint) is None  # unreadable: as if absent
+
+
+@pytest.mark.parametrize("epsilon", [1e-9, 0.05])
+def test_the_budget_is_kept_after_every_op(calibrations: Path, epsilon: float) -> None:
+    """After every op each chunk's estimate is within ε; a chunk estimated 0 is exact; a tiny ε
+    answers like a re-prefill; and every audit and fix is counted."""
+    calibrate_for_tests(backend_named("qwen2").fingerprint, calibrations)
+    window = _window(epsilon)
+    assert window.budget == epsilon and window.config.survivors == "keep"  # the policies stay
+    for text in TEXTS[:4]:
+        window.push(text, label=text)
+    checks = [lambda w: w.slide(1), lambda w: w.reorder(list(reversed(w.refs))), lambda w: w.evict(w.refs[1])]
+    checks.append(lambda w: w.recall(w.evicted[0], at=0))
+    for op in checks:
+        op(window)
+        errors = chunk_errors(window)
+        for ref in window.refs:
+            drift = window.drift_of(ref)
+            assert drift is not None and drift <= epsilon, (ref, drift)
+            if drift == 0.0:
+                assert errors[ref.label] <= EXACT_KV, (ref, errors)
+        assert window.stats.last.drift <= epsilon
+    total = window.stats.total
+    assert total.audits > 0 and total.audit_tokens >= 2 * total.audits
+    if epsilon < 1e-6:
+        assert total.drift_fixes > 0  # the unbounded policies' approximations were fixed
+        assert max(chunk_errors(window).values()) <= EXACT_KV
+        assert answer_kl(window) < 1e-9
+
+
+def test_without_a_budget_the_policies_are_unbounded_and_unestimated(calibrations: Path) -> None:
+    calibrate_for_tests(backend_named("qwen2").fingerprint, calibrations)
+    window = _window(None)
+    assert window.budget is None
+    _episode(window)
+    drifts = [window.drift_of(ref) for ref in window.refs]
+    assert None in drifts  # approximated chunks: not estimated without a budget
+    assert window.stats.total.audits == 0 and window.stats.total.drift_fixes == 0
+    assert max(chunk_errors(window).values()) > 1e-3  # the policies did approximate here
+
+
+def test_a_budget_never_prefills_more_than_a_prefix_cache(calibrations: Path) -> None:
+    """Each op's prefilled tokens, its audits' apart, stay within re-prefilling from the first slot
+    whose content changed (the test counts that slot itself, from chunk keys)."""
+    calibrate_for_tests(backend_named("qwen2").fingerprint, calibrations)
+    window = _window(0.05)
+    anchor = window.encoder.anchor().num_tokens
+    ops = [lambda w, t=t: w.push(t, label=t) for t in TEXTS[:4]]
+    ops += [lambda w: w.slide(1), lambda w: w.push(TEXTS[4]), lambda w: w.reorder(list(reversed(w.refs)))]
+    ops += [lambda w: w.evict(w.refs[1]), lambda w: w.recall(w.evicted[0], at=0), lambda w: w.slide(2)]
+    for op in ops:
+        before = [window.chunk(ref).key for ref in window.refs]
+        op(window)
+        after = [window.chunk(ref) for ref in window.refs]
+        same = next(
+            (k for k, (a, b) in enumerate(zip(before, after, strict=False)) if a != b.key),
+            min(len(before), len(after)),
+        )
+        prefix = sum(chunk.num_tokens for chunk in after[same:]) + anchor
+        cost = window.stats.last
+        assert cost.tokens_prefilled - cost.audit_tokens <= prefix, (cost, window.last_plan)
+
+
+def test_ops_whose_approximations_keep_failing_stop_being_tried(calibrations: Path) -> None:
+    """At a budget no approximation of this model meets, slides stop keeping survivors after the
+    first fails (one audited slide, then re-prefills), so audits do not pile up."""
+    calibrate_for_tests(backend_named("qwen2").fingerprint, calibrations)
+    window = _window(1e-9)
+    for text in TEXTS:
+        window.push(text)
+    audited = []
+    for text in TEXTS * 2:
+        window.slide(1)
+        audited.append(window.stats.last.audits)
+        window.push(text)
+    assert audited[0] > 0 and sum(a > 0 for a in audited) <= 2, audited
+
+
+def test_drift_of_names_what_it_cannot_estimate(calibrations: Path) -> None:
+    calibrate_for_tests(backend_named("qwen2").fingerprint, calibrations)
+    window = _window(0.05)
+    first = window.push("red ball")
+    window.push("green box")
+    window.evict(first)
+    with pytest.raises(UnknownChunkError, match="evicted"):
+        window.drift_of(first)
+
+
+def test_budget_settings_are_checked() -> None:
+    for bad in (-0.1, math.nan, math.inf, "tight", True):
+        with pytest.raises(ConfigError, match="drift_budget"):
+            WindowConfig(drift_budget=bad)  # type: ignore[arg-type]
+    assert WindowConfig.exact().drift_budget == 0.0
+    assert WindowConfig().drift_budget == "calibrated"
+
+
+def test_summed_costs_keep_the_largest_drift() -> None:
+    total = OpCost(drift=0.02, audits=1) + OpCost(drift=0.01, audits=2)
+    assert total.drift == 0.02 and total.audits == 3
+
+
+def test_an_audit_draws_the_same_rows_for_the_same_pair() -> None:
+    a, b = audit_indices(50, 0.1, "s:c"), audit_indices(50, 0.1, "s:c")
+    assert a.tolist() == b.tolist() and len(a) == 5 and a.tolist() == sorted(set(a.tolist()))
+    assert audit_indices(50, 0.1, "s:d").tolist() != a.tolist()
+    assert len(audit_indices(3, 0.1, "x")) == 2 and len(audit_indices(1, 0.5, "x")) == 1
+
+
+def test_the_shipped_calibration_is_the_demo_models() -> None:
+    """Retraining the demo model changes its fingerprint: its shipped calibration must be refitted
+    (``kamera calibrate demo --out kamera_agent/models/calibrations``), else it runs exactly."""
+    from kamera_agent.demo.model import load_demo_model
+
+    model, tokenizer, image_processor = load_demo_model()
+    window = KameraWindow(model, tokenizer=tokenizer, image_processor=image_processor)
+    calibration = find_calibration(window.backend.fingerprint)
+    assert calibration is not None and window.budget == calibration.budget
+    assert calibration.seeds and not set(calibration.seeds) & {424242, 424243}  # not the suite's episodes
