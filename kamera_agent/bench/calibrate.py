@@ -16,23 +16,28 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from rich.progress import Progress
 
 from kamera_agent.backends.transformers import TransformersBackend
+from kamera_agent.bench.agents.contents import RandomContents
 from kamera_agent.bench.window_suite import _Episode, _items
+from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.drift import (
     AGREES,
     BUDGETS,
     Calibration,
     audit_indices,
+    find_calibration,
     relative_error,
     sampled_error,
+    save_calibration,
 )
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.window import KameraWindow
@@ -45,6 +50,7 @@ __all__ = [
     "Slot",
     "add_calibrate_parser",
     "drift_episode",
+    "ensure_calibrated",
     "fit_calibration",
     "judge",
     "run_calibrate_command",
@@ -84,6 +90,8 @@ def drift_episode(
         raise TypeError("calibration runs on a transformers model (it needs the model's own re-prefill)")
     measurer = DriftBudget(0.0, Calibration(backend.fingerprint, scale=1.0, inherit=0.0, audit_share=share))
     moves = _Episode(window_, backend.encoder, random.Random(seed), _items(ops))
+    if backend.encoder.image_processor is None:  # a text model: random-token lines and pages instead
+        moves.frames = _text_frames(backend, seed, len(moves.frames))
     root = Context.root(backend.anchor.key)
     vision: dict[str, Any] = {}
     recorded: list[list[Slot]] = []
@@ -109,6 +117,23 @@ def drift_episode(
         progress.advance(task)
     window_.close()
     return recorded
+
+
+TEXT_TOKENS = {"line": 24, "page": 48}
+"""Tokens of a text model's calibration chunks (the demo task's legends and pages are 12 and 96
+image tokens; a text model's lines and pages sit between)."""
+
+
+def _text_frames(
+    backend: TransformersBackend, seed: int, count: int
+) -> list[tuple[str, Callable[[], Chunk]]]:
+    """``count`` random-token chunks, lines and pages alternating, for a model that reads no images."""
+    config = backend.model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = int(text.vocab_size)
+    contents = RandomContents(backend.encoder, TEXT_TOKENS, vocab, seed, first_id=min(512, vocab // 2))
+    kinds = ("line", "page")
+    return [(f"{kinds[k % 2]} {k}", partial(contents.make, kinds[k % 2], k)) for k in range(count)]
 
 
 def _measure(
@@ -242,6 +267,19 @@ def episodes(
     return out
 
 
+def ensure_calibrated(backend: TransformersBackend, progress: Progress, ops: int = 40) -> Calibration:
+    """The model's calibration, fitted now on `FIT_SEEDS` (text or image episodes as it reads) and
+    filed in the user's calibration directory where it has none: a benchmark's random-weight
+    shape is a model like any other, and its default budget needs one."""
+    found = find_calibration(backend.fingerprint)
+    if found is not None:
+        return found
+    fitted = episodes(backend, FIT_SEEDS, ops, progress, 0.1)
+    calibration = fit_calibration(backend.fingerprint, fitted, FIT_SEEDS, 0.1)
+    save_calibration(calibration)
+    return calibration
+
+
 def add_calibrate_parser(commands: Any) -> None:
     """Register ``calibrate`` on the ``kamera`` command's subparsers."""
     calibrate = commands.add_parser(
@@ -264,8 +302,6 @@ def run_calibrate_command(args: Any, console: Any) -> int:
     from pathlib import Path
 
     from rich.table import Table
-
-    from kamera_agent.core.drift import save_calibration
 
     if not 0 < args.audit <= 1 or not 0 < args.quantile < 1 or args.ops < 1:
         console.print("[red]--audit must be in (0, 1], --quantile in (0, 1) and --ops at least 1[/red]")

@@ -78,6 +78,10 @@ def run_suite(run: AgentsRun, demo_parts: tuple[Any, Any, Any], seed: int, progr
     model, tokenizer, image_processor = demo_parts
     demo = TransformersBackend(model, tokenizer=tokenizer, image_processor=image_processor)
     realistic = realistic_backend(run.shape, seed)
+    if not run.quick:  # its defaults keep a drift budget: calibrated once per shape and seed
+        from kamera_agent.bench.calibrate import ensure_calibrated
+
+        ensure_calibrated(realistic, progress)
     backends = {"demo": demo, "realistic": realistic}
     contents: dict[str, Contents] = {
         "demo": DemoContents(demo.encoder, seed),
