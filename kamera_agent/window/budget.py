@@ -54,6 +54,12 @@ class DriftBudget:
             seen = self._outcomes.setdefault(op, [0, 0])
             seen[0] += 1
             seen[1] += int(fixed)
+            self._skipped[op] = 0
+
+    def declined(self, op: str) -> None:
+        """Remember that an op of this name was re-prefilled without trying its approximations."""
+        with self._lock:
+            self._skipped[op] = self._skipped.get(op, 0) + 1
 
     def fix_rate(self, op: str) -> float:
         """How often audited ops of this name needed a fix (0 before any: the first is tried;
@@ -71,10 +77,8 @@ class DriftBudget:
         rate = self.fix_rate(op)
         if rate < 0.5 and planned + audits + rate * fix < refill:
             return True
-        with self._lock:
-            skipped = self._skipped.get(op, 0) + 1
-            self._skipped[op] = skipped % _RETRY
-        return skipped >= _RETRY
+        with self._lock:  # read only: planning is a dry run (the runner counts what ran: `declined`)
+            return self._skipped.get(op, 0) + 1 >= _RETRY
 
     def own(self, state: ChunkState, left: Context) -> float | None:
         """What the chunk adds itself in ``state`` behind ``left``: 0 where its KV is that forward's

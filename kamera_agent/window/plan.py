@@ -78,6 +78,13 @@ class WindowPlan:
     probe_tokens: int = 0
     recalled: tuple[ChunkRef, ...] = ()
     """Of ``admitted``, the evicted chunks that come back (`Planner.arrange`)."""
+    vouched_to: int | None = None
+    """With a drift budget, the first chunk whose planned state the budget could not vouch for
+    before the op ran (`Planner._bounded` counted re-prefilling from it): the fix may start there
+    instead of at the first chunk found over ε, where that prefills fewer tokens."""
+    declined: bool = False
+    """A re-prefill planned instead of approximations the drift budget expects to fail
+    (`DriftBudget.worth_trying`): the runner counts it once the op has run."""
 
     def public(self) -> Plan:
         """The user-facing `Plan`: labelled edits with the forwards and tokens each will run."""

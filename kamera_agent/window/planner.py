@@ -364,11 +364,15 @@ class Planner:
         refill = sum(step.tokens for step in steps)
         if budget is None:
             return plan if refill >= planned else replace(plan, steps=tuple(steps))
-        fix, audits = self._budget_fix_tokens(state, plan)
-        tried = not fix or budget.worth_trying(plan.op, planned, fix, refill, audits)
-        if planned + fix <= refill and tried:
-            return plan
-        why = f"re-prefill from slot {changed}: the plan and what its drift budget may add cost more"
+        first, fix, audits = self._budget_fix_tokens(state, plan)
+        if planned + fix > refill:
+            why = f"re-prefill from slot {changed}: the plan and what its drift budget may add cost more"
+        elif fix and not budget.worth_trying(plan.op, planned, fix, refill, audits):
+            why = f"re-prefill from slot {changed}: the drift budget expects to fix what the plan keeps"
+            steps = left + self._refill_steps(state, plan, changed, ctx, why)
+            return replace(plan, steps=tuple(steps), declined=True)
+        else:
+            return replace(plan, vouched_to=first)
         return replace(plan, steps=tuple(left + self._refill_steps(state, plan, changed, ctx, why)))
 
     def refill(self, state: WindowState, start: int, why: str) -> WindowPlan:
@@ -402,12 +406,12 @@ class Planner:
             previous, ctx = step, ctx.extend(step.state)
         return steps
 
-    def _budget_fix_tokens(self, state: WindowState, plan: WindowPlan) -> tuple[int, int]:
-        """The most a drift budget could re-prefill after ``plan`` runs: from the first chunk whose
-        planned state it cannot vouch for yet (not remembered, or over ε), everything to the right;
-        0 where every planned chunk is known to be within ε. (Its audits are the estimator's cost,
-        counted apart in ``audit_tokens``: they recompute a sample, they prefill no chunk.) With it,
-        the tokens the audits would recompute at most (every chunk from there on)."""
+    def _budget_fix_tokens(self, state: WindowState, plan: WindowPlan) -> tuple[int | None, int, int]:
+        """The first chunk whose planned state the drift budget cannot vouch for yet (not
+        remembered, or over ε; ``None``: every planned chunk is known to be within ε), the most it
+        could re-prefill after ``plan`` runs (that chunk and everything to its right), and the
+        tokens its audits would recompute at most. (Audits are the estimator's cost, counted
+        apart in ``audit_tokens``: they recompute a sample, they prefill no chunk.)"""
         budget = self.inputs.budget
         assert budget is not None
         final = {step.ref: step.state for step in plan.steps if step.kind != "form_canonical"}
@@ -415,7 +419,7 @@ class Planner:
         estimates = budget.estimates(states, self.root)
         first = budget.first_over(estimates)
         if first is None:
-            return 0, 0
+            return None, 0, 0
         ctx = self.root
         for planned in states[:first]:
             ctx = ctx.extend(planned)
@@ -423,7 +427,7 @@ class Planner:
         share = budget.calibration.audit_share
         audited = [plan.chunks[r] if r in plan.chunks else state.entries[r].chunk for r in plan.order[first:]]
         audits = sum(min(c.num_tokens, max(2, math.ceil(share * c.num_tokens))) for c in audited)
-        return fix, audits
+        return first, fix, audits
 
     def _taken(
         self, state: WindowState, ref: ChunkRef, i: int, order: Sequence[ChunkRef], ctx: Context, before: Once

@@ -261,10 +261,18 @@ class OpRunner:
         first = budget.first_over(estimates)
         if meter.audits:
             budget.record(plan.op, first is not None)
+        elif plan.declined:
+            budget.declined(plan.op)
         if first is not None:
             over = estimates[first]
             why = f"drift budget {budget.epsilon:g}: estimated {over:.3g} here; re-prefilled from it"
-            fix = self.planner(txn.store).refill(state, first, why)
+            planner = self.planner(txn.store)
+            fix = planner.refill(state, first, why)
+            vouched = plan.vouched_to
+            if vouched is not None and vouched < first:  # what the plan was bounded with, if cheaper
+                earlier = planner.refill(state, vouched, why)
+                if sum(s.tokens for s in earlier.steps) < sum(s.tokens for s in fix.steps):
+                    fix, first = earlier, vouched
             executor.run(fix)
             meter.drift_fixes += len(state.order) - first
             plan = replace(plan, steps=plan.steps + fix.steps)

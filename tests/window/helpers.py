@@ -34,6 +34,20 @@ def chunk_errors(window: KameraWindow) -> dict[str, float]:
     return errors
 
 
+def chunk_errors_in_order(window: KameraWindow) -> list[float]:
+    """`chunk_errors` slot by slot (chunks of the same content share a label)."""
+    window.kv()
+    truth = reprefill(window)
+    return [
+        max(
+            rel_err(getattr(window.chunk_kv(ref), slot)[layer], getattr(want, slot)[layer])
+            for layer in range(want.keys.shape[0])
+            for slot in ("keys", "values")
+        )
+        for ref, want in zip(window.refs, truth.kv[1:], strict=True)
+    ]
+
+
 def answer_kl(window: KameraWindow, query: str = "What is it?") -> float:
     """Next-token KL(re-prefill ‖ window) for ``query``."""
     reference = reprefill(window, query).logits

@@ -26,7 +26,7 @@ from kamera_agent.results import OpCost
 from kamera_agent.window import KameraWindow
 from kamera_agent.window import budget as budget_module
 from tests.window.backends import backend_named
-from tests.window.helpers import answer_kl, calibrate_for_tests, chunk_errors
+from tests.window.helpers import answer_kl, calibrate_for_tests, chunk_errors, chunk_errors_in_order
 
 EXACT_KV = 2e-5
 TEXTS = ["red ball", "green box moves", "a cat sat", "the dog ran", "yellow sun", "blue sky now"]
@@ -112,12 +112,12 @@ def test_the_budget_is_kept_after_every_op(calibrations: Path, epsilon: float) -
     checks.append(lambda w: w.recall(w.evicted[0], at=0))
     for op in checks:
         op(window)
-        errors = chunk_errors(window)
-        for ref in window.refs:
+        errors = chunk_errors_in_order(window)
+        for ref, error in zip(window.refs, errors, strict=True):
             drift = window.drift_of(ref)
             assert drift is not None and drift <= epsilon, (ref, drift)
             if drift == 0.0:
-                assert errors[ref.label] <= EXACT_KV, (ref, errors)
+                assert error <= EXACT_KV, (ref, errors)
         assert window.stats.last.drift <= epsilon
     total = window.stats.total
     assert total.audits > 0 and total.audit_tokens >= 2 * total.audits
