@@ -47,7 +47,7 @@ __all__ = ["DEFAULT_TENANT", "Completion", "KameraServer", "ServeSettings"]
 DEFAULT_TENANT = "default"
 """The one tenant every client is when the server has no API keys."""
 FIDELITY_FIELDS = frozenset(
-    {"rank", "patch_mode", "orbit", "survivors", "reorder", "recall_context", "cascade"}
+    {"rank", "patch_mode", "orbit", "survivors", "reorder", "recall_context", "cascade", "drift_budget"}
 )
 """The `WindowConfig` fields a request may set for its own session (``kamera``): how faithful
 its window is. Anything process-wide (threads, device, dtype, store, budgets) is the server's."""

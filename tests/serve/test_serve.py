@@ -457,3 +457,5 @@ def test_each_response_reports_the_drift_its_answer_read(serve: Serve) -> None:
         assert drift["budget"] is not None and drift["budget"] > 0
         assert drift["largest"] is not None and drift["largest"] <= drift["budget"]
         assert loose.model_extra["kamera"]["drift"]["budget"] is None
+    asked = _ask(budgeted, [SYSTEM, shot(0, "What now?")], extra_body={"kamera": {"drift_budget": 0.1}})
+    assert asked.model_extra["kamera"]["drift"]["budget"] == 0.1  # a session's own budget
