@@ -27,11 +27,13 @@ from kamera_agent.core.drift import Calibration, find_calibration
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.errors import UncalibratedWarning
 
-__all__ = ["DriftBudget", "Measure", "resolve_budget"]
+__all__ = ["DriftBudget", "Measure", "resolve_budget", "shared_budget"]
 
 _AUDITS = 1 << 14  # audits remembered per window family
 _RETRY = 16  # an op name whose approximations keep failing is still tried once in this many
 _warned: set[str] = set()  # fingerprints warned about in this process (one warning each)
+_shared: dict[tuple[str, float, str], DriftBudget] = {}
+_shared_lock = threading.Lock()
 
 Measure = Callable[[int, ChunkState, Context], float]
 """Audit the chunk at index ``i`` in ``state`` behind left context ``ctx``: its sampled error."""
@@ -167,4 +169,17 @@ def resolve_budget(
     epsilon = calibration.budget if config.drift_budget == "calibrated" else float(config.drift_budget)
     if epsilon == 0:
         return config.exactly(), None
-    return config, DriftBudget(epsilon, calibration)
+    return config, shared_budget(fingerprint, epsilon, calibration)
+
+
+def shared_budget(fingerprint: str, epsilon: float, calibration: Calibration) -> DriftBudget:
+    """The process's one budget for this model, ε and calibration: windows of one model share
+    what was audited (filed by digests that name model, anchor and content, so a pair is the
+    same pair in every window) and how often each op name needed a fix, so a new window, or a
+    new `kamera serve` session, does not try again what the others found over ε."""
+    key = (fingerprint, epsilon, calibration.to_json())
+    with _shared_lock:
+        budget = _shared.get(key)
+        if budget is None:
+            budget = _shared[key] = DriftBudget(epsilon, calibration)
+        return budget

@@ -35,6 +35,7 @@ TEXTS = ["red ball", "green box moves", "a cat sat", "the dog ran", "yellow sun"
 @pytest.fixture
 def calibrations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv(CALIBRATION_DIR_VARIABLE, str(tmp_path))
+    monkeypatch.setattr(budget_module, "_shared", {})  # each test learns afresh
     return tmp_path
 
 
@@ -215,3 +216,22 @@ def test_the_shipped_calibration_is_the_demo_models() -> None:
     calibration = find_calibration(window.backend.fingerprint)
     assert calibration is not None and window.budget == calibration.budget
     assert calibration.seeds and not set(calibration.seeds) & {424242, 424243}  # not the suite's episodes
+
+
+def test_windows_of_one_model_share_what_the_budget_learned(calibrations: Path) -> None:
+    """A second window (a new serve session) does not audit again what the first found over ε:
+    its first slide is re-prefilled without trying."""
+    calibrate_for_tests(backend_named("qwen2").fingerprint, calibrations)
+    first = _window(1e-9)
+    for text in TEXTS:
+        first.push(text)
+    first.slide(1)
+    first.push(TEXTS[0])
+    first.slide(1)
+    assert first.stats.total.audits > 0
+    second = _window(1e-9)
+    for text in TEXTS:
+        second.push(text)
+    second.slide(1)
+    assert second.stats.last.audits == 0 and "drift budget expects" in str(second.last_plan)
+    assert _window(0.05)._parts.budget is not second._parts.budget  # another ε: its own
