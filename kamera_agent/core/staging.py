@@ -17,7 +17,7 @@ from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.operator.patch import Patch
 from kamera_agent.store import ChunkStore, EntryKey
-from kamera_agent.store.codec import StoredValue, entry_nbytes
+from kamera_agent.store.codec import StoredValue
 
 __all__ = ["Committed", "StagedStore", "StoreView", "can_form"]
 
@@ -129,28 +129,11 @@ class StagedStore:
         return len(self._staged)
 
     def commit(self) -> Committed:
-        """Write every staged entry that fits the store's budget, in the order it was staged."""
-        stored = nbytes = uncached = 0
-        for key, value in self._staged.items():
-            size = entry_nbytes(key.kind, value)
-            if not self.store.fits(size):
-                uncached += 1
-                continue
-            if key.kind == "canonical":
-                assert isinstance(value, ChunkKV)
-                self.store.put_canonical(value)
-            elif key.kind == "full":
-                assert isinstance(value, ChunkKV)
-                self.store.put_full(value, key.variant)
-            elif key.kind == "vision":
-                assert isinstance(value, dict)
-                self.store.put_vision(key.key, value)
-            else:
-                assert isinstance(value, Patch)
-                self.store.put_patch(value, key.variant)
-            stored, nbytes = stored + 1, nbytes + size
+        """Write every staged entry that fits the store's budget, in the order it was staged (one
+        batch: each entry's size is computed once, the store's lock taken once)."""
+        done = self.store.put_many(self._staged.items())
         self._staged.clear()
-        return Committed(stored, nbytes, uncached)
+        return Committed(done.stored, done.nbytes, done.too_large)
 
 
 _T = TypeVar("_T")

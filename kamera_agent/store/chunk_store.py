@@ -34,7 +34,8 @@ import contextlib
 import json
 import os
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, cast
@@ -55,7 +56,17 @@ from kamera_agent.store.stack import TierStack, own
 from kamera_agent.store.stats import EventLog, StoreEvent, StoreStats
 from kamera_agent.store.tier import Entry, Tier
 
-__all__ = ["ChunkStore"]
+__all__ = ["ChunkStore", "Written"]
+
+
+@dataclass(frozen=True)
+class Written:
+    """What `ChunkStore.put_many` did: entries stored, their tensor bytes, and entries skipped
+    because one alone exceeds a budget (they could never be kept)."""
+
+    stored: int
+    nbytes: int
+    too_large: int
 
 
 def _flush_at_exit(store: weakref.ReferenceType[ChunkStore]) -> None:
@@ -191,8 +202,7 @@ class ChunkStore:
 
     def put_vision(self, key: str, outputs: Mapping[str, torch.Tensor]) -> EntryKey:
         """Store a vision tower's outputs (e.g. embeddings plus deepstack features) under ``key``."""
-        if "__metadata__" in outputs:
-            raise StoreKeyError("'__metadata__' is reserved by safetensors; rename that vision output")
+        _check_vision(outputs)
         return self._put(EntryKey.vision(key), dict(outputs))
 
     def get_vision(self, key: str) -> dict[str, torch.Tensor] | None:
@@ -211,7 +221,12 @@ class ChunkStore:
     def patch_info(self, chunk_key: str, variant: str) -> tuple[str, dict[str, str]] | None:
         """``(state digest, meta)`` of the patch filed under ``variant``, read without loading its
         tensors or counting a hit (a planner's peek); ``None`` when no tier holds it."""
-        header = self._stack.peek(EntryKey.patch(chunk_key, variant))
+        key = EntryKey.patch(chunk_key, variant)
+        with self._lock:
+            live = self._memory.value_of(key)
+        if isinstance(live, Patch):  # memory answers first: what its header would say, unencoded
+            return live.state, {str(k): str(v) for k, v in live.meta.items()}
+        header = self._stack.peek(key)
         if header is None or "state" not in header:
             return None
         try:
@@ -245,6 +260,27 @@ class ChunkStore:
         """Store ``value`` at ``key`` (of the kind ``key.kind`` names); for callers that hold an
         address (the typed ``put_*`` make the address from the value)."""
         return self._put(key, value)
+
+    def put_many(self, entries: Iterable[tuple[EntryKey, StoredValue]]) -> Written:
+        """Store each ``(address, value)`` in order, as `put` would, under one lock; an entry
+        larger than a budget is skipped and counted instead of refused (an operation's commit:
+        such an entry was used without being stored). Every entry is checked before any is
+        stored, so one that fails a check (`StoreKeyError`, `ForeignChunkError`) stores none."""
+        limit = min(self._stack.budgets().values(), default=None)
+        batch: list[Entry] = []
+        nbytes = too_large = 0
+        for key, value in entries:
+            size = entry_nbytes(key.kind, value)
+            if limit is not None and size > limit:
+                too_large += 1
+                continue
+            if key.kind == "vision":
+                assert isinstance(value, dict)
+                _check_vision(value)
+            batch.append(self._entry(key, value, size))
+            nbytes += size
+        self._stack.put_many(batch)
+        return Written(len(batch), nbytes, too_large)
 
     def contains(self, key: EntryKey) -> bool:
         """Whether a tier holds ``key``. A disk or remote copy is verified only when read, so a
@@ -357,16 +393,25 @@ class ChunkStore:
     # --- the two generic paths -----------------------------------------------------------
 
     def _put(self, key: EntryKey, value: StoredValue) -> EntryKey:
+        entry = self._entry(key, value, entry_nbytes(key.kind, value))
+        check_fits(str(key), entry.nbytes, self._stack.budgets())
+        self._stack.put(entry)
+        return key
+
+    def _entry(self, key: EntryKey, value: StoredValue, nbytes: int) -> Entry:
+        """``value`` on its way into the tiers: its address checked, its model owned (stamped)."""
         if not key.key:
             raise StoreKeyError(
                 f"a {key.kind} needs its chunk's content key: set chunk_key (dataclasses.replace) "
                 "before storing it"
             )
         value = own(key, value, fingerprint_of(key.kind, value), self._fingerprint, "put")
-        entry = Entry(key, value, entry_nbytes(key.kind, value), self._fingerprint, self._stack.signer)
-        check_fits(str(key), entry.nbytes, self._stack.budgets())
-        self._stack.put(entry)
-        return key
+        return Entry(key, value, nbytes, self._fingerprint, self._stack.signer)
 
     def _get(self, key: EntryKey) -> StoredValue | None:
         return self._stack.get(key)
+
+
+def _check_vision(outputs: Mapping[str, torch.Tensor]) -> None:
+    if "__metadata__" in outputs:
+        raise StoreKeyError("'__metadata__' is reserved by safetensors; rename that vision output")

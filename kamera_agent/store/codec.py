@@ -134,12 +134,17 @@ def _patch_build(tensors: Tensors, meta: Meta) -> Patch:
     )
 
 
+def _stamped(value: Any, fingerprint: str) -> Any:
+    """A frozen `ChunkKV` or `Patch` carrying ``fingerprint``: itself when it does already."""
+    return value if value.model_fingerprint == fingerprint else replace(value, model_fingerprint=fingerprint)
+
+
 _CHUNK_KV = _Codec(
     tensors=_chunk_tensors,
     meta=lambda kv: {},
     build=_chunk_build,
     fingerprint=lambda kv: kv.model_fingerprint,
-    stamp=lambda kv, fp: replace(kv, model_fingerprint=fp),
+    stamp=lambda kv, fp: _stamped(kv, fp),
 )
 """A canonical and a full state's KV are both a position-free `ChunkKV`."""
 
@@ -159,7 +164,7 @@ _CODECS: Mapping[EntryKind, _Codec] = MappingProxyType(
             meta=_patch_meta,
             build=_patch_build,
             fingerprint=lambda patch: patch.model_fingerprint,
-            stamp=lambda patch, fp: replace(patch, model_fingerprint=fp),
+            stamp=lambda patch, fp: _stamped(patch, fp),
         ),
     }
 )
@@ -182,7 +187,8 @@ def header_info(kind: EntryKind, value: StoredValue) -> Meta:
 
 
 def stamp(kind: EntryKind, value: StoredValue, fingerprint: str) -> StoredValue:
-    """The entry as the store keeps it: carrying ``fingerprint``, detached from caller containers."""
+    """The entry as the store keeps it: carrying ``fingerprint``, detached from caller containers
+    (a `ChunkKV` or `Patch` that carries it already is kept as it is: both are frozen)."""
     return cast(StoredValue, _CODECS[kind].stamp(value, fingerprint))
 
 

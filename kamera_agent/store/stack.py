@@ -98,19 +98,30 @@ class TierStack:
     def put(self, entry: Entry) -> None:
         """Keep ``entry`` in memory (evicting to the budget), then write it to every tier that
         takes puts (a shared tier only queues it: the caller never waits on a network)."""
-        key = entry.key
+        self.put_many((entry,))
+
+    def put_many(self, entries: Sequence[Entry]) -> None:
+        """`put` of each entry in order: memory takes them all under one lock (each evicting to
+        the budget as it arrives), then each tier that takes puts gets them, outside the lock."""
         with self.lock:
-            self._log.count("puts")
-            if self._disk is not None and key in self._disk:
-                # the same entry again keeps its durable file; other bytes under the key make the
-                # file stale, and a stale file must never be served
-                self._disk.keep_if_same(key, content_digest(key, entry.value, self._fingerprint))
-            self._memory.put(entry)
-            self._evict(keep=key)
+            for entry in entries:
+                self._keep(entry)
         for tier in self.tiers[1:]:
             if tier.written_on_put:
-                with self._guard(tier):
-                    tier.put(entry)
+                for entry in entries:
+                    with self._guard(tier):
+                        tier.put(entry)
+
+    def _keep(self, entry: Entry) -> None:
+        """Hold ``entry`` in memory and evict to the budget (called under the lock)."""
+        key = entry.key
+        self._log.count("puts")
+        if self._disk is not None and key in self._disk:
+            # the same entry again keeps its durable file; other bytes under the key make the
+            # file stale, and a stale file must never be served
+            self._disk.keep_if_same(key, content_digest(key, entry.value, self._fingerprint))
+        self._memory.put(entry)
+        self._evict(keep=key)
 
     def contains(self, key: EntryKey) -> bool:
         """Whether a tier holds ``key``; a tier that does not answer counts as unavailable."""
