@@ -59,6 +59,8 @@ class Txn:
 
     store: StagedStore
     meter: CostMeter = field(default_factory=CostMeter)
+    device: torch.device | None = field(default=None, init=False, repr=False)
+    """The engine's device, read once per op (`KVCore.device`)."""
 
     def commit(self) -> Committed:
         """Store what the op staged; entries too large for the budget are counted as uncached."""
@@ -138,7 +140,7 @@ class KVCore:
         self.check_origin(chunk)
         hit = txn.store.get_canonical(chunk.key)
         if hit is not None:
-            return self.on_device(hit)
+            return self.on_device(hit, txn)
         vision = [self.vision(chunk, txn)] if chunk.has_vision else []
         done = self.backend.prefill([chunk], [self.anchor_kv(txn.meter)], self.anchor.advance, vision)
         txn.meter.spend(done.spent)
@@ -153,7 +155,7 @@ class KVCore:
         assert chunk.vision_key is not None
         hit = txn.store.get_vision(chunk.vision_key)
         if hit is not None:
-            device = self.backend.device  # once: a backend's device is a walk over its parameters
+            device = self.device(txn)
             return {name: t.to(device) for name, t in hit.items()}
         if not chunk.has_pixels:
             raise ChunkLostError(
@@ -260,7 +262,7 @@ class KVCore:
         kv = txn.store.get_full(state.chunk_key, state.digest)
         if kv is None and state.kind == "orbit":
             raise StaleLookup(f"the mean KV of orbit {state.digest[:8]} left the store")
-        return None if kv is None else self.on_device(kv)
+        return None if kv is None else self.on_device(kv, txn)
 
     def place(self, canonical: ChunkKV, patch: Patch | None, positions: torch.Tensor) -> ChunkKV:
         """The chunk at ``positions`` with its conditioning restored: rotate(canonical + patch)."""
@@ -301,9 +303,15 @@ class KVCore:
                 "re-create it with this window's encoder (window.push does this for you)"
             )
 
-    def on_device(self, kv: ChunkKV) -> ChunkKV:
+    def device(self, txn: Txn) -> torch.device:
+        """The engine's device, read once per op: a backend's device is a walk over its parameters."""
+        if txn.device is None:
+            txn.device = self.backend.device
+        return txn.device
+
+    def on_device(self, kv: ChunkKV, txn: Txn) -> ChunkKV:
         """``kv`` on the engine's device (entries read back from a disk tier live on the CPU)."""
-        device = self.backend.device
+        device = self.device(txn)
         if kv.keys.device == device:
             return kv
         return replace(kv, keys=kv.keys.to(device), values=kv.values.to(device))
