@@ -135,23 +135,19 @@ def _lineage() -> str:
 
 
 def _copied(graph: nx.DiGraph) -> nx.DiGraph:
-    """An independent copy of an antecedent graph: nodes, edges and their attribute dicts.
+    """An independent copy of an antecedent graph: nodes and edges; edge attribute dicts shared.
 
     Why not ``graph.copy()``: it re-adds every edge through ``add_edges_from`` (checks and hashes
     each one again), the largest bookkeeping cost of an op that writes the graph. This builds
     networkx's documented dict-of-dicts directly; assigning ``_adj`` and ``_pred`` is what
-    networkx's own descriptors support (they reset the cached views), and ``_pred`` shares each
-    edge's attribute dict with ``_adj`` as networkx does."""
+    networkx's own descriptors support (they reset the cached views). An edge's attribute dict
+    is shared with the original (``_pred`` shares it with ``_adj`` as networkx does): a
+    `WindowState` never changes one in place, it files a new dict (`set_antecedents`)."""
     copied = nx.DiGraph()
     copied.graph.update(graph.graph)
     copied._node = {node: data.copy() for node, data in graph._node.items()}
-    succ = {
-        source: {target: data.copy() for target, data in out.items()} for source, out in graph._adj.items()
-    }
-    copied._adj = succ
-    copied._pred = {
-        target: {source: succ[source][target] for source in into} for target, into in graph._pred.items()
-    }
+    copied._adj = {source: out.copy() for source, out in graph._adj.items()}
+    copied._pred = {target: into.copy() for target, into in graph._pred.items()}
     return copied
 
 
@@ -232,8 +228,9 @@ class WindowState:
     def set_antecedents(self, ref: ChunkRef, antecedents: Sequence[ChunkRef]) -> None:
         """Make ``ref``'s in-edges exactly ``antecedents``, each carrying the state ``ref`` encodes.
 
-        Edges that stay (most of them when a chunk is re-formed over the same chunks) get their
-        attributes rewritten in place; only edges that leave or arrive are removed or added
+        Edges that stay (most of them when a chunk is re-formed over the same chunks) are kept,
+        a new attribute dict filed where their attributes change (never changed in place: a
+        snapshot shares them, `_copied`); only edges that leave or arrive are removed or added
         (removing and re-adding every edge was most of a reorder's bookkeeping)."""
         graph = self._writable_graph()
         entries = self.entries
@@ -241,14 +238,15 @@ class WindowState:
         if len(chain) != len(antecedents):  # an orbit encodes a set: its members' states as they are
             chain = tuple(entries[source].state for source in antecedents if source in entries)
         wanted = {source: i for i, source in enumerate(antecedents) if source in entries}
-        current = graph.pred[ref]
+        succ, current = graph._adj, graph._pred[ref]
         graph.remove_edges_from([(source, ref) for source in current if source not in wanted])
         for source, i in wanted.items():
             data = current.get(source)
+            digest = chain[i].digest
             if data is None:
-                graph.add_edge(source, ref, index=i, state=chain[i].digest)
-            else:  # the edge's own attribute dict (shared by succ and pred): rewritten in place
-                data["index"], data["state"] = i, chain[i].digest
+                graph.add_edge(source, ref, index=i, state=digest)
+            elif data["index"] != i or data["state"] != digest:  # one dict for succ and pred, as networkx
+                succ[source][ref] = current[source] = {**data, "index": i, "state": digest}
 
     def dependents(self, ref: ChunkRef) -> list[ChunkRef]:
         """In-window chunks whose KV encodes ``ref``, left to right."""

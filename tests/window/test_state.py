@@ -1,0 +1,67 @@
+"""`WindowState` snapshots: a copy shares the antecedent graph until either side writes it, and
+what one side writes (edges added, removed, re-stated) never shows in the other."""
+
+from __future__ import annotations
+
+import torch
+
+from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.core.identity import ChunkState, Context
+from kamera_agent.window.state import Entry, WindowState
+
+ROOT = Context.root("anchor")
+
+
+def _chunk(key: str) -> Chunk:
+    ids = torch.arange(3)
+    return Chunk("text", key, ids, ids, 3, torch.zeros(3, dtype=torch.long))
+
+
+def _edges(state: WindowState) -> dict[tuple[str, str], dict[str, object]]:
+    return {(a.key, b.key): dict(data) for a, b, data in state.graph.edges(data=True)}
+
+
+def _chained(state: WindowState, keys: list[str]) -> None:
+    """Each chunk's state patched over the ones before it, its in-edges set to match."""
+    refs = {ref.key: ref for ref in state.entries}
+    context = ROOT
+    for i, key in enumerate(keys):
+        ref = refs[key]
+        state.entries[ref].state = (
+            ChunkState.patched(key, "full", context) if i else ChunkState.canonical(key, ROOT)
+        )
+        context = context.extend(state.entries[ref].state)
+        state.set_antecedents(ref, [refs[k] for k in keys[:i]])
+
+
+def _window(keys: list[str]) -> WindowState:
+    state = WindowState()
+    for key in keys:
+        chunk = _chunk(key)
+        ref = state.mint(chunk, None)
+        state.add(ref, Entry(chunk, ChunkState.canonical(key, ROOT)))
+        state.order.append(ref)
+    _chained(state, keys)
+    return state
+
+
+def test_a_snapshot_keeps_its_edges_while_the_live_state_rewrites_them() -> None:
+    live = _window(["a", "b", "c", "d"])
+    snapshot = live.copy()
+    before = _edges(snapshot)
+    assert before[("a", "d")]["index"] == 0 and len(before) == 6
+    _chained(live, ["c", "a", "d", "b"])  # a reorder: every edge that stays is re-stated
+    after = _edges(live)
+    assert after != before and after[("c", "a")]["index"] == 0 and ("a", "c") not in after
+    assert _edges(snapshot) == before  # nothing the live state wrote shows in the snapshot
+    _chained(snapshot, ["a", "b", "d", "c"])  # and the other way round
+    assert _edges(live) == after
+
+
+def test_unchanged_antecedents_keep_their_edges() -> None:
+    state = _window(["a", "b", "c"])
+    ref = state.order[2]
+    kept = state.graph.pred[ref][state.order[0]]
+    state.set_antecedents(ref, state.antecedents_of(ref))
+    assert state.graph.pred[ref][state.order[0]] is kept
+    assert state.graph.succ[state.order[0]][ref] is kept  # one attribute dict for both directions
