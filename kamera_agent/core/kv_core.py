@@ -156,7 +156,7 @@ class KVCore:
         hit = txn.store.get_vision(chunk.vision_key)
         if hit is not None:
             device = self.device(txn)
-            return {name: t.to(device) for name, t in hit.items()}
+            return {name: t if t.device == device else t.to(device) for name, t in hit.items()}
         if not chunk.has_pixels:
             raise ChunkLostError(
                 f"chunk {chunk.label or chunk.key[:12]} released its pixels and the store no longer holds "

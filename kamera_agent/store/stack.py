@@ -211,6 +211,8 @@ class TierStack:
     def _tally(self, tier: Tier, status: Status, *, get: bool = False) -> None:
         """Count one answer: ``unavailable`` (any lookup), ``<tier>_rejected``, and for a get
         ``<tier>_misses`` (``<tier>_errors`` of them unanswered)."""
+        if status is Status.HIT or (status is Status.MISS and not get):
+            return  # nothing to count: most answers, so no lock taken
         with self.lock:
             if status is Status.UNAVAILABLE:
                 self._log.count("unavailable")
