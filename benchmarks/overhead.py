@@ -6,7 +6,8 @@ clock there too; the target is <= 2 ms of that per op at 16 chunks. Measured on 
 model at its defaults, each op kind repeated over a 16-chunk window of the demo task's frames,
 timed side by side in one run:
 
-- forward: the backend's primitives (prefill, decode, vision, assemble, crop), wall time;
+- forward: the backend's primitives (prefill, decode, vision, assemble, crop, and the drift
+  budget's audits: recompute, deviation), wall time;
 - operator: the operator's tensor work the core calls (relocation with patches, forming and
   merging patches, an orbit's running mean of full KV, un-rotation);
 - rest: everything else the op did (the target).
@@ -37,7 +38,7 @@ from kamera_agent.settings import configure_threads
 from kamera_agent.window import KameraWindow
 
 OPS = ("push", "slide", "reorder", "evict", "recall", "ask")
-_BACKEND = ("prefill", "decode", "encode_vision", "assemble", "crop")
+_BACKEND = ("prefill", "decode", "encode_vision", "assemble", "crop", "recompute", "deviation")
 _OPERATOR = [(kv_core, name) for name in ("apply_patch", "form_patch", "place_many", "to_position_free")]
 _OPERATOR += [(orbits, "merge_patches"), (orbits, "running_mean")]
 
