@@ -11,6 +11,17 @@ reader). The grids a reader tries are its own, the whole, and the even splits of
 (every TP degree that divides them) and of the layers (vLLM's default partition into 2 to 4
 stages); pieces of any other grid are not found (a miss: the engine computes the tokens).
 
+A miss must stay cheap: the scheduler side asks on its step for every chunk of every request,
+and most chunks are new. A reader given a `Splits` memory (an engine's connector) tries only the
+grids it knows hold pieces (its own, the whole, and any found since): one lookup per known grid,
+one in all for a single-rank engine. The other even splits are scanned on the first miss and
+then on every ``scan_every``-th, and a grid found so is known from then on (a TP=1 server
+reading a TP=2 server's captures learns their split from its first hit). Without one (`Splits`
+``None``) every miss scans every grid. Entries the engine's own workers report filed
+(`Splits.filed`) count as present for `FILED_FOR` seconds: the scheduler side learns of its
+workers' captures before the store it reads does (a shared tier's writes are behind, and it
+remembers a miss for a second).
+
     writer rank (heads a:b, layers c:d) ──put──► entry#kv:h{a}-{b}/{H}:l{c}-{d}/{L}
     reader rank (heads a':b', layers c':d') ◄──get── whole entry | covering shards, sliced and joined
 
@@ -20,8 +31,11 @@ A single-rank engine (TP=1, PP=1) reads and writes whole entries, as a window do
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -30,9 +44,24 @@ from kamera_agent.errors import KameraError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.store import EntryKey
 
-__all__ = ["EntryStore", "Grid", "ShardError", "ShardedStore", "even_stages", "shard_entry"]
+__all__ = [
+    "FILED_FOR",
+    "EntryStore",
+    "Grid",
+    "ShardError",
+    "ShardedStore",
+    "Splits",
+    "even_stages",
+    "shard_entry",
+]
 
 Range = tuple[int, int]
+Split = tuple[tuple[Range, ...], tuple[Range, ...]]
+"""A grid as the ranges it cuts: (head ranges, layer ranges), each tiling in order."""
+FILED_FOR = 30.0
+"""Seconds an entry the engine's workers report filed counts as present without asking the
+store: long enough to outlast a shared tier's write-behind and its remembered miss (a second),
+short enough that an entry evicted since is soon asked for again."""
 
 
 class ShardError(KameraError):
@@ -115,6 +144,62 @@ class Grid:
         return [(h, layers) for layers in self.stages for h in heads]
 
 
+@dataclass
+class Splits:
+    """What one engine side remembers across lookups: the grids found holding pieces and the
+    entries its workers reported filed. Thread-safe (a connector's worker writes from a thread).
+
+    Attributes:
+        scan_every: a miss in every known grid scans the other even splits on the first such miss
+            and every ``scan_every``-th after it.
+        filed_for: seconds a reported entry counts as present.
+    """
+
+    scan_every: int = 64
+    filed_for: float = FILED_FOR
+    known: list[Split] = field(default_factory=list, init=False)
+    """Grids found holding pieces, in the order they are tried."""
+    misses: int = field(default=0, init=False)
+    """Lookups that found nothing in the known grids."""
+    scans: int = field(default=0, init=False)
+    """Of those, the ones that tried every other grid."""
+    _filed: OrderedDict[EntryKey, float] = field(default_factory=OrderedDict, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def learn(self, split: Split) -> None:
+        with self._lock:
+            if split not in self.known:
+                self.known.append(split)
+
+    def scan_due(self) -> bool:
+        """Count a miss in the known grids; whether this one scans the rest."""
+        with self._lock:
+            due = self.misses % max(self.scan_every, 1) == 0
+            self.misses += 1
+            self.scans += due
+            return due
+
+    def filed(self, entries: Iterable[EntryKey]) -> None:
+        """The workers filed ``entries`` (as they name them: shard entries or whole ones)."""
+        until = time.monotonic() + self.filed_for
+        with self._lock:
+            for entry in entries:
+                self._filed[entry] = until
+                self._filed.move_to_end(entry)
+            while len(self._filed) > 65536:  # bounded: the oldest go first
+                self._filed.popitem(last=False)
+
+    def was_filed(self, entry: EntryKey) -> bool:
+        with self._lock:
+            until = self._filed.get(entry)
+            if until is None:
+                return False
+            if time.monotonic() < until:
+                return True
+            del self._filed[entry]
+            return False
+
+
 def shard_entry(entry: EntryKey, heads: Range, layers: Range, grid: tuple[int, int]) -> EntryKey:
     """The entry of ``entry``'s piece over ``heads`` and ``layers`` of a model with ``grid`` =
     (heads, layers)."""
@@ -130,10 +215,23 @@ class ShardedStore:
         grid: the engine's split.
         tp_rank, stage: this rank's place in it; ``None`` for the scheduler side, which only
             asks whether every rank can read an entry (`contains`).
+        splits: what this side remembers across lookups (known grids, entries reported filed);
+            ``None``: nothing, every miss tries every grid.
     """
 
-    def __init__(self, store: EntryStore, grid: Grid, tp_rank: int | None = None, stage: int | None = None):
+    def __init__(
+        self,
+        store: EntryStore,
+        grid: Grid,
+        tp_rank: int | None = None,
+        stage: int | None = None,
+        splits: Splits | None = None,
+    ):
         self.store, self.grid, self.tp_rank, self.stage = store, grid, tp_rank, stage
+        self.splits = splits
+        if splits is not None:
+            splits.learn(self._own())
+            splits.learn(self._whole())
 
     @property
     def heads(self) -> Range:
@@ -165,41 +263,73 @@ class ShardedStore:
             parts.append((kv, h, lay))
         return _join(parts, heads, layers, key.key)
 
-    def put(self, key: EntryKey, value: ChunkKV) -> None:
+    def put(self, key: EntryKey, value: ChunkKV) -> EntryKey | None:
         """File this rank's piece ``value`` (whole where the grid is single; nothing where another
-        rank holding the same heads files it)."""
+        rank holding the same heads files it). Returns the entry filed, or ``None``."""
+        filed = self.filed_as(key)
+        if filed is not None:
+            self.store.put(filed, value)
+        return filed
+
+    def filed_as(self, key: EntryKey) -> EntryKey | None:
+        """The entry this rank files its piece of ``key`` under (``None``: another rank files it)."""
         if self.grid.single:
-            self.store.put(key, value)
-        elif self.grid.writes(self.tp_rank or 0):
-            size = (self.grid.heads, self.grid.layers)
-            self.store.put(shard_entry(key, self.heads, self.layers, size), value)
+            return key
+        if self.grid.writes(self.tp_rank or 0):
+            return shard_entry(key, self.heads, self.layers, (self.grid.heads, self.grid.layers))
+        return None
 
     # -- assembly ----------------------------------------------------------------------------
     def _cover(
         self, key: EntryKey, heads: Range, layers: Range
     ) -> list[tuple[EntryKey, Range, Range]] | None:
-        """The entries that together hold ``heads`` x ``layers`` of ``key``, first grid found."""
-        size = (self.grid.heads, self.grid.layers)
-        for head_bounds, layer_bounds in self._grids():
-            hs, ls = _overlapping(head_bounds, heads), _overlapping(layer_bounds, layers)
-            if hs is None or ls is None:
+        """The entries that together hold ``heads`` x ``layers`` of ``key``, first grid found:
+        the known grids first (every grid without a `Splits` memory), the rest when a scan is due."""
+        known = self.splits.known if self.splits is not None else [self._own(), self._whole()]
+        for split in list(known):
+            cover = self._cover_in(key, split, heads, layers)
+            if cover is not None:
+                return cover
+        if self.splits is not None and not self.splits.scan_due():
+            return None
+        for split in self._grids():
+            if split in known:
                 continue
-            cover = []
-            for h in hs:
-                for lay in ls:
-                    whole = h == (0, size[0]) and lay == (0, size[1])
-                    cover.append((key if whole else shard_entry(key, h, lay, size), h, lay))
-            if all(self.store.contains(entry) for entry, _, _ in cover):
+            cover = self._cover_in(key, split, heads, layers)
+            if cover is not None:
+                if self.splits is not None:
+                    self.splits.learn(split)
                 return cover
         return None
 
-    def _grids(self) -> Iterator[tuple[tuple[Range, ...], tuple[Range, ...]]]:
+    def _cover_in(
+        self, key: EntryKey, split: Split, heads: Range, layers: Range
+    ) -> list[tuple[EntryKey, Range, Range]] | None:
+        size = (self.grid.heads, self.grid.layers)
+        hs, ls = _overlapping(split[0], heads), _overlapping(split[1], layers)
+        if hs is None or ls is None:
+            return None
+        cover = []
+        for h in hs:
+            for lay in ls:
+                whole = h == (0, size[0]) and lay == (0, size[1])
+                cover.append((key if whole else shard_entry(key, h, lay, size), h, lay))
+        return cover if all(self._has(entry) for entry, _, _ in cover) else None
+
+    def _has(self, entry: EntryKey) -> bool:
+        return (self.splits is not None and self.splits.was_filed(entry)) or self.store.contains(entry)
+
+    def _own(self) -> Split:
+        return tuple(sorted({self.grid.head_range(r) for r in range(self.grid.tp)})), self.grid.stages
+
+    def _whole(self) -> Split:
+        return ((0, self.grid.heads),), ((0, self.grid.layers),)
+
+    def _grids(self) -> Iterator[Split]:
         heads, layers = self.grid.heads, self.grid.layers
-        own = (tuple(sorted({self.grid.head_range(r) for r in range(self.grid.tp)})), self.grid.stages)
-        whole = (((0, heads),), ((0, layers),))
-        seen = {own, whole}
-        yield own
-        yield whole
+        seen = {self._own(), self._whole()}
+        yield self._own()
+        yield self._whole()
         head_grids = [
             tuple((i * heads // t, (i + 1) * heads // t) for i in range(t)) for t in _divisors(heads)
         ]
