@@ -94,9 +94,16 @@ class VLLMSlots(KVSlots):
                 write_tokens(p.cache, p.layout, keys.transpose(0, 1), values.transpose(0, 1), slots)
 
     def read_placed(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.gather(slots)
+        return keys.float().cpu(), values.float().cpu()
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at ``slots`` ``[n]`` as the caches hold them: ``[layers, heads, n, dim]``
+        each, in the cache's dtype, on its device (a capture copies them out without a sync:
+        `kamera_agent.engines.vllm.captures.copy_out`)."""
         pairs = [read_tokens(p.cache, p.layout, slots) for p in self.layers]
-        keys = torch.stack([k.transpose(0, 1) for k, _ in pairs]).float().cpu()
-        values = torch.stack([v.transpose(0, 1) for _, v in pairs]).float().cpu()
+        keys = torch.stack([k.transpose(0, 1) for k, _ in pairs])
+        values = torch.stack([v.transpose(0, 1) for _, v in pairs])
         return keys, values
 
     def _check(self, layers: int) -> None:

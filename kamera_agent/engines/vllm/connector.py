@@ -9,6 +9,11 @@ Here the loadable tokens are the longest run of the request's chunks (messages, 
 planning SGLang's plugin uses), each written rotated to its positions in this request; and every
 prompt chunk a forward computes is captured into the store under the state it has.
 
+The store's I/O stays off vLLM's engine step: loads use vLLM's asynchronous-load contract and
+run on a thread (`kamera_agent.engines.vllm.loads`), captures are copied out in the cache's
+dtype on the step and filed by another (`kamera_agent.engines.vllm.captures`); the workers
+report what they filed, which the scheduler side counts as present (`ShardedStore`'s `Splits`).
+
 Settings (``kv_connector_extra_config``): ``{"config": {WindowConfig fields}}`` (default: the
 exact settings). Exact serves only what a re-prefill computes; ``survivors="keep"`` also serves
 moved chunks in the state they were captured in, to requests that carry a ``cache_salt``: loaded
@@ -27,6 +32,7 @@ they share it; across processes give the settings a ``store_url`` (docs/vllm.md)
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,31 +48,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kamera_agent.config import WindowConfig
 from kamera_agent.engines.chunking import ChunkRules, ImageSpan, request_chunks
 from kamera_agent.engines.faults import HookFaults
-from kamera_agent.engines.shards import Grid, ShardedStore
+from kamera_agent.engines.shards import Grid, ShardedStore, Splits
 from kamera_agent.engines.slots import request_positions
 from kamera_agent.engines.stores import STORES
-from kamera_agent.engines.synthesis import EngineStats, LoadPlan, PrefixSynthesis, RequestChunk, policy_of
+from kamera_agent.engines.synthesis import LoadPlan, PrefixSynthesis, RequestChunk, policy_of
 from kamera_agent.engines.vllm.blocks import BlockLayoutError, VLLMSlots, place_layers
-from kamera_agent.engines.vllm.metrics import KameraConnectorStats, KameraPromMetrics, Reports
-from kamera_agent.operator.layout import ChunkKV, KVLayout
+from kamera_agent.engines.vllm.captures import CaptureWriter, Copied, copy_out
+from kamera_agent.engines.vllm.loads import BackgroundLoads, Load, LoadId
+from kamera_agent.engines.vllm.metrics import ConnectorStats, KameraConnectorStats, KameraPromMetrics, Reports
+from kamera_agent.operator.layout import ChunkKV, KVLayout, to_position_free
 from kamera_agent.store import EntryKey
 
-__all__ = ["KameraConnector", "KameraMetadata"]
+__all__ = ["KameraConnector", "KameraMetadata", "Load"]
 
 _LOG = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Load:
-    """One piece of a chunk to write: ``kv[a:b]`` of ``entry`` at request tokens ``start..``."""
-
-    req_id: str
-    entry: EntryKey | None
-    """``None``: blocks offered that cannot be loaded (a fault after the offer): reported failed."""
-    a: int
-    b: int
-    start: int
-    slots: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -88,8 +83,8 @@ class KameraMetadata(KVConnectorMetadata):  # type: ignore[misc]
     saves: list[Save] = field(default_factory=list)
 
 
-LoadId = tuple[str, int]
-"""A load's name on both sides: its request and the first request token it writes."""
+Filed = tuple[str, str, str]
+"""An entry a worker filed, as ``(kind, key, variant)`` (plain strings: it crosses processes)."""
 
 
 @dataclass
@@ -99,11 +94,16 @@ class KameraWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
 
     written: set[LoadId] = field(default_factory=set)
     failed: set[LoadId] = field(default_factory=set)
+    filed: set[Filed] = field(default_factory=set)
+    """Entries the workers' background writers filed since their last report: the scheduler side
+    counts them present (`Splits.filed`) before the store it reads shows them."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KameraWorkerMeta:
         if not isinstance(other, KameraWorkerMeta):
             return self
-        return KameraWorkerMeta(self.written | other.written, self.failed | other.failed)
+        return KameraWorkerMeta(
+            self.written | other.written, self.failed | other.failed, self.filed | other.filed
+        )
 
 
 @dataclass(frozen=True)
@@ -156,18 +156,24 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.block_size = int(vllm_config.cache_config.block_size)
         fingerprint = checkpoint_fingerprint(model.model, model.dtype)
         self.store = STORES.open(fingerprint, self.config)
-        self.stats = EngineStats()
+        self.stats = ConnectorStats()
         self.faults = HookFaults(_LOG)
         """Runtime faults caught at this side's hooks (``hook:ExceptionType`` -> count)."""
         self._reports = Reports()
         self.grid = _grid(self.layout, vllm_config)
         """How vLLM splits each chunk's KV over its ranks: entries are filed piece by piece."""
-        self.synthesis = PrefixSynthesis(ShardedStore(self.store, self.grid), policy_of(self.config))
+        self.splits = Splits()
+        """The scheduler side's memory: the grids found holding pieces, the entries workers filed."""
+        self.synthesis = PrefixSynthesis(
+            ShardedStore(self.store, self.grid, splits=self.splits), policy_of(self.config)
+        )
         tokenizer = AutoTokenizer.from_pretrained(model.tokenizer) if model.tokenizer else None
         self.rules = ChunkRules.for_model(model.hf_config, tokenizer)
         self._requests: dict[str, _Track] = {}
         self._loads: list[Load] = []
         self._pool = VLLMSlots([], self.layout)
+        self.loads = BackgroundLoads(lambda load: self._load(load), self.faults, self.block_size)
+        """The worker side's loads, run off the step (vLLM's asynchronous loads)."""
         self._load_errors: set[int] = set()
         self._offered: dict[str, _Offered] = {}
         self._written: set[LoadId] = set()
@@ -176,6 +182,10 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Registered caches that are no layer of the model (draft layers), skipped by name."""
         self.recent_loads: deque[Load] = deque(maxlen=256)
         """The worker side's latest loads (for checks of what it wrote)."""
+        self.captures = CaptureWriter(lambda copied: self._file(copied), self.faults)
+        """The worker side's background writer: captures are filed off the step."""
+        self._filed: set[Filed] = set()
+        self._filed_lock = threading.Lock()
 
     # -- scheduler side ---------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -199,15 +209,20 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
             track.namespace, chunks, num_computed_tokens, limit, self.block_size, approximate=salted
         )
         track.plan = plan
-        return plan.tokens, False
+        return plan.tokens, plan.tokens > 0  # loaded asynchronously, off the step (`loads`)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         try:
             self._allocated(request, blocks, num_external_tokens)
         except Exception as exc:  # the offered blocks cannot be filled: report them failed
             self.faults.caught("update_state_after_alloc", exc)
+            if num_external_tokens <= 0:  # nothing offered: nothing for vLLM to wait for
+                return
             try:
-                start = int(request.num_computed_tokens)
+                # the offer began past vLLM's own hit (vLLM sets the request's count only later)
+                track = self._requests.get(request.request_id)
+                plan = track.plan if track is not None else None
+                start = plan.device_len if plan is not None else int(request.num_computed_tokens)
                 ids = list(blocks.get_block_ids()[0])
                 bs = self.block_size
                 slots = tuple(ids[t // bs] * bs + t % bs for t in range(start, start + num_external_tokens))
@@ -216,9 +231,11 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.faults.caught("update_state_after_alloc.report", again)
 
     def _allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        track = self._requests.get(request.request_id)
-        if track is None or num_external_tokens <= 0 or track.plan is None:
+        if num_external_tokens <= 0:
             return
+        track = self._requests.get(request.request_id)
+        if track is None or track.plan is None:  # vLLM waits for this load: it must be reported
+            raise KeyError(f"{num_external_tokens} tokens allocated for a request kamera offered nothing")
         plan = track.plan
         if plan.tokens != num_external_tokens:  # vLLM allocated less: plan to exactly that
             end = plan.device_len + num_external_tokens
@@ -290,6 +307,7 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
             report = getattr(connector_output, "kv_connector_worker_meta", None)
             if not isinstance(report, KameraWorkerMeta):
                 return
+            self.splits.filed(EntryKey(*filed) for filed in report.filed)  # type: ignore[arg-type]
             for req_id, offer in list(self._offered.items()):
                 if offer.loads & report.failed:
                     del self._offered[req_id]
@@ -379,23 +397,30 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 f"{self._pool.end - 1}, but vLLM's partition gives it {self.grid.stages[stage]}; "
                 "kamera's entries need every layer of the stage"
             )
+        # no `Splits` memory here: the scheduler side found the entry, this side must find it too
         self.synthesis.store = ShardedStore(self.store, self.grid, tp_rank, stage)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Hand this step's loads to the background thread (`loads`): vLLM calls this after the
+        step's forward is launched (no load feeds it) and schedules each request once
+        `get_finished` names it."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KameraMetadata)
-        for load in meta.loads:
-            try:
-                written = self._load(load)
-            except Exception as exc:  # any fault: these blocks are reported failed, vLLM computes them
-                self.faults.caught("start_load_kv", exc)
-                written = False
-            if not written:  # an entry gone, damaged or unwritable: vLLM recomputes these blocks
-                self.stats.failed += 1
-                self._load_errors |= {slot // self.block_size for slot in load.slots}
-            (self._written if written else self._failed).add((load.req_id, load.start))
+        self.loads.submit(meta.loads)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The requests whose loads are done. Their written and failed loads and the blocks a
+        failure left unwritten are reported in this same step (`build_connector_worker_meta`,
+        `get_block_ids_with_load_errors`, which vLLM calls after this), as its contract asks."""
+        done = self.loads.take()
+        self.stats.failed += len(done.failed)  # an entry gone, damaged or unwritable: vLLM recomputes
+        self._written |= done.written
+        self._failed |= done.failed
+        self._load_errors |= done.errors
+        return None, done.finished or None
 
     def _load(self, load: Load) -> bool:
+        """On the loader's thread: one load into vLLM's blocks (``False``: not written)."""
         if load.entry is None:
             return False
         kv = self.synthesis.read(load.entry)
@@ -412,7 +437,7 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are synchronous: ``start_load_kv`` wrote every layer before the forward."""
+        """Nothing to wait for: a loaded request runs only after its loads are reported done."""
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -420,6 +445,8 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Captures read every layer at once after the forward (``wait_for_save``)."""
 
     def wait_for_save(self) -> None:
+        """Copy each captured chunk out of vLLM's blocks in the cache's dtype and queue it for the
+        background writer (`kamera_agent.engines.vllm.captures`): no store I/O, no device sync."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KameraMetadata)
         for save in meta.saves:
@@ -429,16 +456,47 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.faults.caught("wait_for_save", exc)
 
     def _capture(self, save: Save) -> None:
-        slots = torch.tensor(save.slots, dtype=torch.long)
-        positions = request_positions(self.layout, save.start, save.end)
-        self.synthesis.write(save.entry, self._pool.read(slots, positions, save.entry.key))
+        keys, values = self._pool.gather(torch.tensor(save.slots, dtype=torch.long))
+        keys, values, ready = copy_out(keys, values)
+        if not self.captures.submit(Copied(save.entry, save.start, save.end, keys, values, ready)):
+            self.stats.captures_dropped += 1
+
+    def _file(self, copied: Copied) -> None:
+        """On the writer's thread: what the step copied, position-free in float32, into the store."""
+        positions = request_positions(self.layout, copied.start, copied.end)
+        kv = ChunkKV(copied.keys.float(), copied.values.float(), positions, copied.entry.key)
+        self.synthesis.write(copied.entry, to_position_free(kv, self.layout))
+        store = self.synthesis.store
+        filed = store.filed_as(copied.entry) if isinstance(store, ShardedStore) else copied.entry
         self.stats.chunks_captured += 1
+        if filed is not None:
+            with self._filed_lock:
+                self._filed.add((filed.kind, filed.key, filed.variant))
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every capture queued so far is in the store and every load started is done
+        (at most ``timeout`` seconds each); whether they are. What reads the store right after
+        the engine's step calls this."""
+        return self.captures.flush(timeout) & self.loads.flush(timeout)
+
+    def shutdown(self) -> None:
+        """vLLM's worker is shutting down: finish the loads, file the queued captures, then flush
+        the store."""
+        try:
+            self.loads.close()
+            self.captures.close()
+            self.store.flush()
+        except Exception as exc:  # shutdown goes on; the captures left are later forwards' cost
+            self.faults.caught("shutdown", exc)
 
     def build_connector_worker_meta(self) -> KameraWorkerMeta | None:
-        """This step's loads, written and failed, for the scheduler side's record."""
-        if not self._written and not self._failed:
+        """This step's loads, written and failed, and the entries filed since the last report,
+        for the scheduler side's record."""
+        with self._filed_lock:
+            filed, self._filed = self._filed, set()
+        if not self._written and not self._failed and not filed:
             return None
-        report = KameraWorkerMeta(self._written, self._failed)
+        report = KameraWorkerMeta(self._written, self._failed, filed)
         self._written, self._failed = set(), set()
         return report
 

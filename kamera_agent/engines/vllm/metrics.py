@@ -22,6 +22,7 @@ Exported (every one a counter, labelled with vLLM's ``model_name`` and ``engine`
 ``vllm:kamera_loaded_chunks_total``     chunk pieces written
 ``vllm:kamera_failed_loads_total``      loads given up (vLLM computed those blocks)
 ``vllm:kamera_captured_chunks_total``   chunk states captured from vLLM's prefills
+``vllm:kamera_dropped_captures_total``  captures dropped: the background writer's queue was full
 ``vllm:kamera_faults_total``            faults caught at a hook (labels ``hook``, ``kind``)
 ==================================== ==================================================
 """
@@ -35,7 +36,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from kamera_agent.engines.synthesis import EngineStats
 
-__all__ = ["COUNTERS", "KameraConnectorStats", "KameraPromMetrics", "Reports"]
+__all__ = ["COUNTERS", "ConnectorStats", "KameraConnectorStats", "KameraPromMetrics", "Reports"]
+
+
+@dataclass
+class ConnectorStats(EngineStats):
+    """`EngineStats` and what only the vLLM connector counts.
+
+    Attributes:
+        captures_dropped: captures dropped on the step because the background writer's queue
+            was full (`kamera_agent.engines.vllm.captures`): a later forward pays for them.
+    """
+
+    captures_dropped: int = 0
+
 
 COUNTERS: dict[str, tuple[str, str]] = {
     "offered": ("vllm:kamera_offered_requests", "Requests kamera's store offered tokens to."),
@@ -45,8 +59,12 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "chunks_loaded": ("vllm:kamera_loaded_chunks", "Chunk pieces kamera wrote from its store."),
     "failed": ("vllm:kamera_failed_loads", "Loads kamera gave up: vLLM computed those blocks."),
     "chunks_captured": ("vllm:kamera_captured_chunks", "Chunk states kamera captured from vLLM's prefills."),
+    "captures_dropped": (
+        "vllm:kamera_dropped_captures",
+        "Captures kamera dropped: its background writer's queue was full.",
+    ),
 }
-"""`EngineStats` field -> (Prometheus name without ``_total``, help text)."""
+"""`ConnectorStats` field -> (Prometheus name without ``_total``, help text)."""
 FAULTS = ("vllm:kamera_faults", "Faults caught at a kamera connector hook (the request went on without).")
 
 _COUNTS, _FAULTS = "counts", "faults"

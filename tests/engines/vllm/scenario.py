@@ -73,6 +73,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     llm = _llm(args.model, args.settings, args.corrupt)
     report: dict[str, Any] = {"settings": args.settings}
+    parked = _count_async_loads(llm) if args.settings != "none" else [0]
     if args.inject:
         report["injected"] = _inject(llm, args.inject.split(","))
     # an agent's sliding conversation under its own salt (approximations are served only so)
@@ -92,6 +93,7 @@ def main() -> None:
     if args.settings == "exact":
         report["shared"] = _shared(llm, args.model, tokenizer)
     report["connector"] = _connector_stats(llm)
+    report["async_loads"] = parked[0]
     if args.inject:
         scheduler, worker = _connectors(llm)
         report["faults"] = {**scheduler.faults.as_dict(), **worker.faults.as_dict()}
@@ -202,6 +204,7 @@ def _ask(llm: Any, prompt: list[int], salt: str | None = None) -> dict[str, Any]
     began = time.perf_counter()
     (out,) = llm.generate([request], params, use_tqdm=False)
     seconds = time.perf_counter() - began
+    flush(llm)  # the request's captures are filed off the step: in the store before the next one
     after = _sources(llm)
     first = out.outputs[0].logprobs[0]
     return {
@@ -224,6 +227,30 @@ def _sources(llm: Any) -> dict[str, float]:
             if source in out:
                 out[source] += float(metric.value)
     return out
+
+
+def _count_async_loads(llm: Any) -> list[int]:
+    """Count the requests vLLM's scheduler released after an asynchronous load (its own
+    ``_update_waiting_for_remote_kv``, run only for requests a connector loads off the step)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    original, count = scheduler._update_waiting_for_remote_kv, [0]
+
+    def counted(request: Any) -> None:
+        count[0] += 1
+        original(request)
+
+    scheduler._update_waiting_for_remote_kv = counted
+    return count
+
+
+def flush(llm: Any) -> None:
+    """Wait until the worker's background writer has filed every capture (in-process engines;
+    vLLM alone has no connector)."""
+    try:
+        _, worker = _connectors(llm)
+    except (AttributeError, AssertionError):
+        return
+    assert worker.flush(timeout=60.0), "the connector's captures were not filed within a minute"
 
 
 def _connectors(llm: Any) -> tuple[Any, Any]:
