@@ -218,7 +218,7 @@ class TierStack:
                 self._log.count("unavailable")
             if status is Status.REJECTED:
                 self._log.count(f"{tier.name}_rejected")
-            elif get and status is not Status.HIT:
+            elif get:  # a miss or an outage: a hit returned above
                 self._log.count(f"{tier.name}_misses")
                 if status is Status.UNAVAILABLE:
                     self._log.count(f"{tier.name}_errors")
