@@ -36,7 +36,10 @@ def release_evicted(
     limit = config.max_evicted
     if limit is None:
         return
-    gone = sorted((entry.evicted_at, ref) for ref, entry in state.entries.items() if not entry.in_window)
-    for _, ref in gone[: max(0, len(gone) - limit)]:
+    gone = [(entry.evicted_at, ref) for ref, entry in state.entries.items() if not entry.in_window]
+    if len(gone) <= limit:
+        return  # most ops: nothing to forget, nothing to sort
+    gone.sort(key=lambda item: (item[0], item[1].id, item[1].lineage))  # a ref orders by (id, lineage)
+    for _, ref in gone[: len(gone) - limit]:
         state.remove(ref)
         meter.forgotten += 1
