@@ -99,9 +99,38 @@ class VLLMSlots(KVSlots):
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at ``slots`` ``[n]`` as the caches hold them: ``[layers, heads, n, dim]``
-        each, in the cache's dtype, on its device (a capture copies them out without a sync:
-        `kamera_agent.engines.vllm.captures.copy_out`)."""
-        pairs = [read_tokens(p.cache, p.layout, slots) for p in self.layers]
+        each, in the cache's dtype, on its device."""
+        return self.unpack(*self.copy_blocks(slots))
+
+    def copy_blocks(self, slots: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """The blocks holding ``slots``, whole, of every layer (``[blocks, heads, block_size, C]``
+        each, contiguous, in the cache's dtype, on its device), and the rows of those copies the
+        slots are (``block's index among them × block_size + offset``, on the CPU).
+
+        Why whole blocks: a block is one contiguous run of each layer's view, so copying it is a
+        plain memory copy, where picking tokens out of it (`unpack`) strides through every head
+        (CPU attention keeps keys transposed): a capture copies blocks on vLLM's step, which must
+        not wait, and unpacks them on its writer's thread. The block indices are worked out on the
+        CPU, so nothing here waits for the device."""
+        slots = slots.to("cpu", torch.long)
+        block_size = self.layers[0].cache.shape[2] if self.layers else 1
+        blocks, offsets = slots // block_size, slots % block_size
+        unique, inverse = torch.unique_consecutive(blocks, return_inverse=True)
+        rows = inverse * block_size + offsets
+        copies = []
+        for p in self.layers:
+            if p.cache.shape[2] != block_size:
+                raise BlockLayoutError(
+                    f"layer {p.name} has blocks of {p.cache.shape[2]} tokens, layer "
+                    f"{self.layers[0].name} of {block_size}: one slot cannot address both"
+                )
+            copies.append(p.cache.index_select(0, unique.to(p.cache.device, non_blocking=True)))
+        return tuple(copies), rows
+
+    def unpack(self, copies: Sequence[torch.Tensor], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[layers, heads, n, dim]`` at ``rows`` of ``copies`` (`copy_blocks`),
+        each layer read as its backend lays it out, on the copies' device."""
+        pairs = [read_tokens(copy, p.layout, rows) for copy, p in zip(copies, self.layers, strict=True)]
         keys = torch.stack([k.transpose(0, 1) for k, _ in pairs])
         values = torch.stack([v.transpose(0, 1) for _, v in pairs])
         return keys, values

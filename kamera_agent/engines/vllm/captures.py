@@ -3,14 +3,18 @@
 Why: `wait_for_save` runs inside vLLM's engine step, after the forward, once per step. Filing a
 chunk there (to float32, un-rotating its keys, serializing, the store's put) makes every step
 that captures wait for kamera, and reading the cache to the CPU there is a device sync. So the
-step only copies the captured slots out of vLLM's blocks, in the cache's own dtype (on CUDA a
-non-blocking copy into pinned memory, ordered on the stream after the forward that wrote them;
-on the CPU a plain gather), and hands the copy to one background thread through a queue bounded
-in bytes. A full queue drops the capture and counts it (`CaptureWriter.dropped`): the step never
-waits for the store. A dropped or failed capture costs a later forward, no more.
+step only copies the blocks that hold the captured slots, whole, out of vLLM's caches, in the
+cache's own dtype (`VLLMSlots.copy_blocks`: one contiguous copy per layer; on CUDA then a
+non-blocking copy into pinned memory, ordered on the stream after the forward that wrote them),
+and hands the copies to one background thread through a queue bounded in bytes; the thread picks
+the chunk's tokens out of them (`VLLMSlots.unpack`: CPU attention keeps keys transposed, so that
+read strides through every head, 5× the block copy on the 1.5B shape). A full queue drops the
+capture and counts it (`CaptureWriter.dropped`): the step never waits for the store. A dropped
+or failed capture costs a later forward, no more.
 
-    wait_for_save ──copy slots (cache dtype)──► queue (≤ max_bytes) ──thread──► float32, position-free,
-                                   └ full: dropped, counted                    the store's put
+    wait_for_save ──copy blocks (cache dtype)──► queue (≤ max_bytes) ──thread──► tokens picked out,
+                                   └ full: dropped, counted                     float32, position-free,
+                                                                                the store's put
 
 What is filed is what the synchronous path filed: float32 position-free keys and values, made by
 the same functions from the same cache contents, so an entry decodes to the same KV bit for bit.
@@ -46,21 +50,22 @@ class Copied:
     Attributes:
         entry: the entry the chunk's state belongs in.
         start, end: the request tokens it covers (its keys are rotated to those positions).
-        keys, values: ``[layers, heads, n, dim]`` in the cache's dtype, on the CPU (pinned where
-            the cache is on CUDA: the copy may still be in flight until ``ready``).
+        blocks: per layer, the blocks holding its tokens, whole, in the cache's dtype, on the CPU
+            (pinned where the cache is on CUDA: the copy may still be in flight until ``ready``).
+        rows: its tokens' rows of those copies (`VLLMSlots.unpack`).
         ready: a CUDA event recorded after the copy (``None`` on the CPU: already done).
     """
 
     entry: EntryKey
     start: int
     end: int
-    keys: torch.Tensor
-    values: torch.Tensor
+    blocks: tuple[torch.Tensor, ...]
+    rows: torch.Tensor
     ready: Any = None
 
     @property
     def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return sum(block.numel() * block.element_size() for block in self.blocks)
 
     def wait(self) -> None:
         """Block until the copy has landed (a no-op on the CPU)."""
@@ -68,20 +73,21 @@ class Copied:
             self.ready.synchronize()
 
 
-def copy_out(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """Host copies of ``keys`` and ``values`` (gathered from the cache on its device) without a
-    device sync: on CUDA a non-blocking copy into pinned memory and an event recorded after it on
-    the current stream (the one the forward wrote the cache on, so the copy reads what it wrote);
-    elsewhere the tensors themselves (a gather is already a copy)."""
-    if keys.device.type != "cuda":
-        return keys.cpu(), values.cpu(), None
-    host_k = torch.empty(keys.shape, dtype=keys.dtype, pin_memory=True)
-    host_v = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-    host_k.copy_(keys, non_blocking=True)
-    host_v.copy_(values, non_blocking=True)
+def copy_out(blocks: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """Host copies of ``blocks`` (copied from the cache on its device) without a device sync: on
+    CUDA a non-blocking copy into pinned memory and an event recorded after it on the current
+    stream (the one the forward wrote the cache on, so the copy reads what it wrote); elsewhere
+    the tensors themselves (they are copies already)."""
+    if not blocks or blocks[0].device.type != "cuda":
+        return tuple(block.cpu() for block in blocks), None
+    hosts = []
+    for block in blocks:
+        host = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
+        host.copy_(block, non_blocking=True)
+        hosts.append(host)
     event = torch.cuda.Event()
     event.record()
-    return host_k, host_v, event
+    return tuple(hosts), event
 
 
 class CaptureWriter:

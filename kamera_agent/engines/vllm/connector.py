@@ -445,8 +445,9 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Captures read every layer at once after the forward (``wait_for_save``)."""
 
     def wait_for_save(self) -> None:
-        """Copy each captured chunk out of vLLM's blocks in the cache's dtype and queue it for the
-        background writer (`kamera_agent.engines.vllm.captures`): no store I/O, no device sync."""
+        """Copy the blocks of each captured chunk out of vLLM's caches in the cache's dtype and
+        queue them for the background writer (`kamera_agent.engines.vllm.captures`): no store
+        I/O, no device sync."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KameraMetadata)
         for save in meta.saves:
@@ -456,15 +457,16 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.faults.caught("wait_for_save", exc)
 
     def _capture(self, save: Save) -> None:
-        keys, values = self._pool.gather(torch.tensor(save.slots, dtype=torch.long))
-        keys, values, ready = copy_out(keys, values)
-        if not self.captures.submit(Copied(save.entry, save.start, save.end, keys, values, ready)):
+        blocks, rows = self._pool.copy_blocks(torch.tensor(save.slots, dtype=torch.long))
+        blocks, ready = copy_out(blocks)
+        if not self.captures.submit(Copied(save.entry, save.start, save.end, blocks, rows, ready)):
             self.stats.captures_dropped += 1
 
     def _file(self, copied: Copied) -> None:
         """On the writer's thread: what the step copied, position-free in float32, into the store."""
         positions = request_positions(self.layout, copied.start, copied.end)
-        kv = ChunkKV(copied.keys.float(), copied.values.float(), positions, copied.entry.key)
+        keys, values = self._pool.unpack(copied.blocks, copied.rows)
+        kv = ChunkKV(keys.float(), values.float(), positions, copied.entry.key)
         self.synthesis.write(copied.entry, to_position_free(kv, self.layout))
         store = self.synthesis.store
         filed = store.filed_as(copied.entry) if isinstance(store, ShardedStore) else copied.entry

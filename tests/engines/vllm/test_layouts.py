@@ -312,3 +312,34 @@ def test_even_stages_are_vllms_own_partition() -> None:
 
     for layers, stages in ((4, 2), (7, 3), (28, 4), (61, 4)):
         assert list(even_stages(layers, stages)) == [get_pp_indices(layers, r, stages) for r in range(stages)]
+
+
+@pytest.mark.parametrize(
+    ("backend", "layout"),
+    [
+        ("FLASH_ATTN", KVCacheLayout.LBNHC),
+        ("FLASH_ATTN", KVCacheLayout.LBHNC),
+        ("CPU_ATTN", KVCacheLayout.LBHNC),
+    ],
+)
+def test_whole_blocks_copied_then_unpacked_are_the_tokens_read_in_place(
+    backend: str, layout: KVCacheLayout
+) -> None:
+    """What a capture copies on vLLM's step (the blocks holding its slots, whole) and unpacks on
+    its writer's thread is what reading the slots in place gives: scattered slots, a block met
+    twice out of order, a partial block."""
+    caches = _views(layout)
+    pool = VLLMSlots.of(caches, [backend] * LAYERS, GQA, HEADS)
+    for seed in range(3):
+        slots, keys, values = _tokens(40, HEADS, HEAD, HEAD, seed=20 + seed)
+        for cache in caches:
+            write_tokens(cache, layer_layout(backend, cache, GQA, HEADS), keys, values, slots)
+        slots = torch.cat([slots[:25], slots[:3], slots[25:]])  # a block again, after others
+        copies, rows = pool.copy_blocks(slots)
+        assert all(c.is_contiguous() and c.shape[0] <= len(slots) for c in copies)
+        got_k, got_v = pool.unpack(copies, rows)
+        for i, cache in enumerate(caches):
+            want_k, want_v = read_tokens(cache, layer_layout(backend, cache, GQA, HEADS), slots)
+            assert torch.equal(got_k[i], want_k.transpose(0, 1)) and torch.equal(
+                got_v[i], want_v.transpose(0, 1)
+            )

@@ -7,10 +7,14 @@ the pieces are the connector's own, over vLLM's own cache views (`test_layouts._
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,9 +35,11 @@ from kamera_agent.store import ChunkStore, EntryKey
 from tests.engines.vllm.test_layouts import GQA, HEAD, HEADS, LAYERS, _views
 
 pytestmark = pytest.mark.vllm
+ROOT = Path(__file__).resolve().parents[3]
 
 FP = "d" * 64
 ENTRY = EntryKey.full("c" * 64, "s" * 64)
+ROWS = torch.zeros(1, dtype=torch.long)
 
 
 class _Counting:
@@ -112,7 +118,7 @@ def test_a_full_capture_queue_drops_and_counts_and_never_waits() -> None:
     one = torch.zeros(1, 1, 100, 1)  # 400 bytes a tensor, 800 a capture
 
     def capture(i: int) -> Copied:
-        return Copied(EntryKey.full(f"{i}", "s"), 0, 100, one, one)
+        return Copied(EntryKey.full(f"{i}", "s"), 0, 100, (one, one), ROWS)
 
     assert writer.submit(capture(0))
     assert started.wait(timeout=60)  # the thread holds capture 0
@@ -136,7 +142,9 @@ def test_a_fault_on_the_writers_thread_is_counted_and_the_thread_goes_on() -> No
 
     writer = CaptureWriter(file, faults)
     t = torch.zeros(1, 1, 1, 1)
-    assert writer.submit(Copied(ENTRY, 0, 1, t, t)) and writer.submit(Copied(ENTRY, 1, 2, t, t))
+    assert writer.submit(Copied(ENTRY, 0, 1, (t, t), ROWS)) and writer.submit(
+        Copied(ENTRY, 1, 2, (t, t), ROWS)
+    )
     assert writer.flush(timeout=60)
     assert seen == [1] and faults.as_dict() == {"capture_writer:ValueError": 1} and writer.filed == 1
 
@@ -278,3 +286,18 @@ def test_a_write_through_this_processs_tier_clears_its_remembered_miss(valkey: s
     finally:
         mine.close()
         theirs.close()
+
+
+def test_the_step_time_benchmark_runs_at_a_toy_size(tmp_path: Path) -> None:
+    """`benchmarks/vllm_step_time.py` keeps running (figures are not asserted: timings only there)."""
+    out = tmp_path / "step_time.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "vllm_step_time.py"), "--layers", "1"]
+    command += ["--prompt-tokens", "512", "--turns", "2", "--message-tokens", "128", "--runs", "1"]
+    done = subprocess.run(
+        [*command, "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["answers_equal"], report  # kamera's exact settings answer as vLLM alone
+    assert report["kamera"]["captured_chunks"] > 0 and report["vllm"]["captured_chunks"] == 0
+    assert report["kamera"]["hook_ms_per_request"]["worker.wait_for_save"] > 0
