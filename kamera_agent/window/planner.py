@@ -40,6 +40,9 @@ from kamera_agent.window.state import ChunkRef, Entry, WindowState
 
 __all__ = ["PlanInputs", "Planner"]
 
+_WHY = "\x00why\x00"
+"""Stands for a re-prefill's reason in steps planned before the reason is known (`_bounded`)."""
+
 Special = Callable[[int, Context], Step]
 """A step decided by the op itself (the pushed chunk, the recalled one) at index ``i`` over ``ctx``."""
 
@@ -359,21 +362,28 @@ class Planner:
         for step in left:
             if step.kind != "form_canonical":
                 ctx = ctx.extend(step.state)
-        why = f"re-prefill from slot {changed}: fewer tokens than the plan's {planned}"
-        steps = left + self._refill_steps(state, plan, changed, ctx, why)
-        refill = sum(step.tokens for step in steps)
+        # planned once, worded once the reason is known (a plan is a few steps per chunk)
+        refilled = self._refill_steps(state, plan, changed, ctx, _WHY)
+        after = sum(step.tokens for step in refilled)
+        refill = sum(step.tokens for step in left) + after
+
+        def refilling(why: str, declined: bool = False) -> WindowPlan:
+            steps = left + [replace(s, detail=s.detail.replace(_WHY, why)) for s in refilled]
+            return replace(plan, steps=tuple(steps), declined=declined)
+
         if budget is None:
-            return plan if refill >= planned else replace(plan, steps=tuple(steps))
-        first, fix, audits = self._budget_fix_tokens(state, plan)
+            if refill >= planned:
+                return plan
+            return refilling(f"re-prefill from slot {changed}: fewer tokens than the plan's {planned}")
+        first, fix, audits = self._budget_fix_tokens(state, plan, (changed, after))
         if planned + fix > refill:
-            why = f"re-prefill from slot {changed}: the plan and what its drift budget may add cost more"
-        elif fix and not budget.worth_trying(plan.op, planned, fix, refill, audits):
+            return refilling(
+                f"re-prefill from slot {changed}: the plan and what its drift budget may add cost more"
+            )
+        if fix and not budget.worth_trying(plan.op, planned, fix, refill, audits):
             why = f"re-prefill from slot {changed}: the drift budget expects to fix what the plan keeps"
-            steps = left + self._refill_steps(state, plan, changed, ctx, why)
-            return replace(plan, steps=tuple(steps), declined=True)
-        else:
-            return replace(plan, vouched_to=first)
-        return replace(plan, steps=tuple(left + self._refill_steps(state, plan, changed, ctx, why)))
+            return refilling(why, declined=True)
+        return replace(plan, vouched_to=first)
 
     def refill(self, state: WindowState, start: int, why: str) -> WindowPlan:
         """Re-prefill the window's chunks from index ``start`` on over the chunks left of it as they
@@ -406,12 +416,16 @@ class Planner:
             previous, ctx = step, ctx.extend(step.state)
         return steps
 
-    def _budget_fix_tokens(self, state: WindowState, plan: WindowPlan) -> tuple[int | None, int, int]:
+    def _budget_fix_tokens(
+        self, state: WindowState, plan: WindowPlan, known: tuple[int, int]
+    ) -> tuple[int | None, int, int]:
         """The first chunk whose planned state the drift budget cannot vouch for yet (not
         remembered, or over ε; ``None``: every planned chunk is known to be within ε), the most it
         could re-prefill after ``plan`` runs (that chunk and everything to its right), and the
         tokens its audits would recompute at most. (Audits are the estimator's cost, counted
-        apart in ``audit_tokens``: they recompute a sample, they prefill no chunk.)"""
+        apart in ``audit_tokens``: they recompute a sample, they prefill no chunk.) ``known``: a
+        slot and what re-prefilling from it costs, when already planned (the plan's first changed
+        slot: left of it the plan's states are the window's)."""
         budget = self.inputs.budget
         assert budget is not None
         final = {step.ref: step.state for step in plan.steps if step.kind != "form_canonical"}
@@ -420,10 +434,13 @@ class Planner:
         first = budget.first_over(estimates)
         if first is None:
             return None, 0, 0
-        ctx = self.root
-        for planned in states[:first]:
-            ctx = ctx.extend(planned)
-        fix = sum(step.tokens for step in self._refill_steps(state, plan, first, ctx, "fix"))
+        if first == known[0]:
+            fix = known[1]
+        else:
+            ctx = self.root
+            for planned in states[:first]:
+                ctx = ctx.extend(planned)
+            fix = sum(step.tokens for step in self._refill_steps(state, plan, first, ctx, "fix"))
         share = budget.calibration.audit_share
         audited = [plan.chunks[r] if r in plan.chunks else state.entries[r].chunk for r in plan.order[first:]]
         audits = sum(min(c.num_tokens, max(2, math.ceil(share * c.num_tokens))) for c in audited)
