@@ -14,11 +14,14 @@ A calibration is fitted on its own seeds (`FIT_SEEDS`) and judged on others (`HE
 from __future__ import annotations
 
 import math
+import os
 import random
 import statistics
+import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +35,7 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.core.drift import (
     AGREES,
     BUDGETS,
+    CALIBRATION_DIR_VARIABLE,
     Calibration,
     audit_indices,
     find_calibration,
@@ -41,7 +45,7 @@ from kamera_agent.core.drift import (
 )
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.window import KameraWindow
-from kamera_agent.window.budget import DriftBudget, Measure
+from kamera_agent.window.budget import DriftBudget, Measure, shared_budget
 
 __all__ = [
     "FIT_SEEDS",
@@ -49,10 +53,12 @@ __all__ = [
     "Judged",
     "Slot",
     "add_calibrate_parser",
+    "calibrate",
     "drift_episode",
     "ensure_calibrated",
     "fit_calibration",
     "judge",
+    "measure_fix_rates",
     "run_calibrate_command",
 ]
 
@@ -267,6 +273,73 @@ def episodes(
     return out
 
 
+def measure_fix_rates(
+    model: Any,
+    calibration: Calibration,
+    seeds: Sequence[int],
+    ops: int,
+    progress: Progress,
+    **window: Any,
+) -> dict[str, tuple[int, int]]:
+    """Per op name, ``(ops audited, ops that needed a fix)`` when the episodes of ``seeds`` run
+    at the calibration's default budget with it: what a new window of this model starts from
+    (`Calibration.fix_rates`), so it does not pay an audit and a fix to learn, op by op, what
+    the fitting episodes already showed. Run on a budget of its own (the calibration filed in a
+    scratch directory, found as any window finds it), never on a user's budget; every op's
+    approximations tried (`DriftBudget.always_try`), so each rate is measured on all its ops."""
+    config = WindowConfig(capacity_chunks=CAPACITY, max_new_tokens=1, evicted_pixels="keep")
+    budget = shared_budget(calibration.fingerprint, calibration.budget, calibration)  # the windows' below
+    before, budget.always_try = budget.outcomes(), True  # every op tried: its rate measured on all
+    with tempfile.TemporaryDirectory(prefix="kamera-calibration-") as scratch:
+        save_calibration(calibration, Path(scratch))
+        user = os.environ.get(CALIBRATION_DIR_VARIABLE)
+        os.environ[CALIBRATION_DIR_VARIABLE] = scratch
+        try:
+            for seed in seeds:
+                window_ = KameraWindow(model, config=config, **window)
+                assert window_.budget == calibration.budget  # found the scratch calibration
+                moves = _Episode(window_, window_.encoder, random.Random(seed), _items(ops))
+                if window_.encoder.image_processor is None:
+                    backend = window_.backend
+                    assert isinstance(backend, TransformersBackend)
+                    moves.frames = _text_frames(backend, seed, len(moves.frames))
+                task = progress.add_task(f"fix rates {seed}", total=ops)
+                for _ in range(ops):
+                    moves.next().run()
+                    progress.advance(task)
+                window_.close()
+        finally:
+            budget.always_try = False
+            if user is None:
+                del os.environ[CALIBRATION_DIR_VARIABLE]
+            else:
+                os.environ[CALIBRATION_DIR_VARIABLE] = user
+    after = budget.outcomes()
+    return {
+        op: (audited - before.get(op, (0, 0))[0], fixed - before.get(op, (0, 0))[1])
+        for op, (audited, fixed) in after.items()
+        if audited > before.get(op, (0, 0))[0]
+    }
+
+
+def calibrate(
+    model: Any,
+    seeds: Sequence[int],
+    ops: int,
+    progress: Progress,
+    share: float = 0.1,
+    quantile: float = 0.99,
+    **window: Any,
+) -> tuple[Calibration, list[list[Slot]]]:
+    """Fit a model's calibration on the episodes of ``seeds`` (`fit_calibration`), then measure
+    its fix rates at its default budget (`measure_fix_rates`); the calibration and its episodes."""
+    fitted = episodes(model, seeds, ops, progress, share, **window)
+    fingerprint = KameraWindow(model, config=WindowConfig(drift_budget=None), **window).backend.fingerprint
+    calibration = fit_calibration(fingerprint, fitted, seeds, share, quantile=quantile)
+    rates = measure_fix_rates(model, calibration, seeds, ops, progress, **window)
+    return replace(calibration, fix_rates=rates), fitted
+
+
 def ensure_calibrated(backend: TransformersBackend, progress: Progress, ops: int = 40) -> Calibration:
     """The model's calibration, fitted now on `FIT_SEEDS` (text or image episodes as it reads) and
     filed in the user's calibration directory where it has none: a benchmark's random-weight
@@ -274,8 +347,7 @@ def ensure_calibrated(backend: TransformersBackend, progress: Progress, ops: int
     found = find_calibration(backend.fingerprint)
     if found is not None:
         return found
-    fitted = episodes(backend, FIT_SEEDS, ops, progress, 0.1)
-    calibration = fit_calibration(backend.fingerprint, fitted, FIT_SEEDS, 0.1)
+    calibration, _ = calibrate(backend, FIT_SEEDS, ops, progress)
     save_calibration(calibration)
     return calibration
 
@@ -299,8 +371,6 @@ def add_calibrate_parser(commands: Any) -> None:
 
 def run_calibrate_command(args: Any, console: Any) -> int:
     """Fit and file the calibration; print where, its constants and how it stands on its episodes."""
-    from pathlib import Path
-
     from rich.table import Table
 
     if not 0 < args.audit <= 1 or not 0 < args.quantile < 1 or args.ops < 1:
@@ -316,9 +386,9 @@ def run_calibrate_command(args: Any, console: Any) -> int:
 
         model, window = load_backend(args.model), {}
     with Progress(console=console, transient=True) as progress:
-        ops = episodes(model, args.seeds, args.ops, progress, args.audit, **window)
-    fingerprint = KameraWindow(model, config=WindowConfig(drift_budget=None), **window).backend.fingerprint
-    calibration = fit_calibration(fingerprint, ops, args.seeds, args.audit, quantile=args.quantile)
+        calibration, ops = calibrate(
+            model, args.seeds, args.ops, progress, args.audit, args.quantile, **window
+        )
     path = save_calibration(calibration, Path(args.out) if args.out else None)
     judged = judge(calibration, ops)
     table = Table(
@@ -334,4 +404,6 @@ def run_calibrate_command(args: Any, console: Any) -> int:
         f"audit {calibration.audit_share:.0%}; "
         f"Spearman {judged.spearman:.2f}; default budget ε = {calibration.budget:g}; filed at {path}"
     )
+    rates = ", ".join(f"{op} {f}/{a}" for op, (a, f) in sorted(calibration.fix_rates.items()))
+    console.print(f"at ε = {calibration.budget:g}, audited ops that needed a fix: {rates or 'none audited'}")
     return 0

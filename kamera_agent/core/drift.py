@@ -73,6 +73,11 @@ class Calibration:
         seeds: the fitting episodes' seeds (benchmarks judge on other seeds).
         within: per ε of `BUDGETS`, the share of fitting chunks estimated within ε that were
             truly over 3ε (the budget's calibration target: at most 1 %).
+        fix_rates: per op name, ``[ops audited, ops that needed a fix]`` when the fitting
+            episodes ran again at ``budget`` with this calibration: where a model's
+            approximations of an op rarely stay within ε, a new window knows it from its first
+            op (a `DriftBudget` starts from these counts, capped) instead of paying an audit
+            and a fix to learn it.
     """
 
     fingerprint: str
@@ -84,19 +89,24 @@ class Calibration:
     samples: int = 0
     seeds: tuple[int, ...] = ()
     within: dict[str, float] = field(default_factory=dict)
+    fix_rates: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def estimate(self, audit: float, inherited: float) -> float:
         """A chunk's estimated drift from its audit and the largest estimate to its left."""
         return self.scale * audit + self.inherit * inherited
 
     def to_json(self) -> str:
-        return json.dumps({**asdict(self), "seeds": list(self.seeds)}, indent=2, sort_keys=True)
+        data = {**asdict(self), "seeds": list(self.seeds)}
+        data["fix_rates"] = {op: list(counts) for op, counts in self.fix_rates.items()}
+        return json.dumps(data, indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> Calibration:
         data: dict[str, Any] = json.loads(text)
         known = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
         known["seeds"] = tuple(known.get("seeds", ()))
+        rates = known.get("fix_rates", {})
+        known["fix_rates"] = {str(op): (int(a), int(f)) for op, (a, f) in rates.items() if 0 <= f <= a}
         return cls(**known)
 
 

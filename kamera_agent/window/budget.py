@@ -31,6 +31,10 @@ __all__ = ["DriftBudget", "Measure", "resolve_budget", "shared_budget"]
 
 _AUDITS = 1 << 14  # audits remembered per window family
 _RETRY = 16  # an op name whose approximations keep failing is still tried once in this many
+_KIND = {"evict": "slide"}
+"""Op names counted as another's: an eviction leaves what a slide leaves (survivors keeping what
+they absorbed from the chunks that left), so how often one needed a fix tells about the other."""
+_PRIOR = 8  # a calibration's fix rates count as at most this many ops (the window's own outweigh them)
 _warned: set[str] = set()  # fingerprints warned about in this process (one warning each)
 _shared: dict[tuple[str, float, str], DriftBudget] = {}
 _shared_lock = threading.Lock()
@@ -46,28 +50,41 @@ class DriftBudget:
     def __init__(self, epsilon: float, calibration: Calibration) -> None:
         self.epsilon, self.calibration = epsilon, calibration
         self._audits: OrderedDict[tuple[str, str], float] = OrderedDict()
-        self._outcomes: dict[str, list[int]] = {}  # per op name: [audited ops, ops that needed a fix]
+        # per op name: [audited ops, ops that needed a fix], from the calibration's run at first
+        self._outcomes: dict[str, list[int]] = {
+            op: _prior(*counts) for op, counts in calibration.fix_rates.items()
+        }
         self._skipped: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.always_try = False
+        """Try every op's approximations whatever its fix rate (a calibration's run measuring the
+        rates: a name ruled out after two fixes would be measured on two ops)."""
 
     def record(self, op: str, fixed: bool) -> None:
         """Remember whether an op whose approximations were audited had to be fixed."""
         with self._lock:
-            seen = self._outcomes.setdefault(op, [0, 0])
+            seen = self._outcomes.setdefault(_KIND.get(op, op), [0, 0])
             seen[0] += 1
             seen[1] += int(fixed)
-            self._skipped[op] = 0
+            self._skipped[_KIND.get(op, op)] = 0
+
+    def outcomes(self) -> dict[str, tuple[int, int]]:
+        """Per op name: ``(ops audited, ops that needed a fix)`` (a calibration's counts included)."""
+        with self._lock:
+            return {op: (seen[0], seen[1]) for op, seen in self._outcomes.items()}
 
     def declined(self, op: str) -> None:
         """Remember that an op of this name was re-prefilled without trying its approximations."""
         with self._lock:
-            self._skipped[op] = self._skipped.get(op, 0) + 1
+            kind = _KIND.get(op, op)
+            self._skipped[kind] = self._skipped.get(kind, 0) + 1
 
     def fix_rate(self, op: str) -> float:
-        """How often audited ops of this name needed a fix (0 before any: the first is tried;
-        one more op counted as passing, so one failure does not rule the name out for good)."""
+        """How often audited ops of this name needed a fix (counted from the calibration's run of
+        its fitting episodes, else 0 before any: the first is tried; one more op counted as
+        passing, so one failure does not rule the name out for good)."""
         with self._lock:
-            audited, fixed = self._outcomes.get(op, (0, 0))
+            audited, fixed = self._outcomes.get(_KIND.get(op, op), (0, 0))
         return fixed / (audited + 1)
 
     def worth_trying(self, op: str, planned: int, fix: int, refill: int, audits: int) -> bool:
@@ -76,11 +93,13 @@ class DriftBudget:
         rate cost fewer tokens than the re-prefill (each audit is a forward of its own: a fix rate
         over ½ costs more wall time than it saves tokens). Every `_RETRY`-th op that would not be
         tried is tried anyway, so the rate keeps up with what the window holds."""
+        if self.always_try:
+            return planned + audits < refill
         rate = self.fix_rate(op)
         if rate < 0.5 and planned + audits + rate * fix < refill:
             return True
         with self._lock:  # read only: planning is a dry run (the runner counts what ran: `declined`)
-            return self._skipped.get(op, 0) + 1 >= _RETRY
+            return self._skipped.get(_KIND.get(op, op), 0) + 1 >= _RETRY
 
     def own(self, state: ChunkState, left: Context) -> float | None:
         """What the chunk adds itself in ``state`` behind ``left``: 0 where its KV is that forward's
@@ -133,6 +152,13 @@ class DriftBudget:
     def first_over(self, estimates: Sequence[float | None]) -> int | None:
         """The first index not known to be within ε (over it, or not estimated)."""
         return next((i for i, e in enumerate(estimates) if e is None or e > self.epsilon), None)
+
+
+def _prior(audited: int, fixed: int) -> list[int]:
+    """A calibration's counts for one op name, scaled down to at most `_PRIOR` ops (same rate)."""
+    if audited <= _PRIOR:
+        return [audited, fixed]
+    return [_PRIOR, round(fixed * _PRIOR / audited)]
 
 
 def resolve_budget(

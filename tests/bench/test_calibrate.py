@@ -39,6 +39,10 @@ def test_kamera_calibrate_files_the_demo_models_calibration(
     (filed,) = tmp_path.glob("*.json")
     data = json.loads(filed.read_text())
     assert data["seeds"] == [5] and data["samples"] > 0 and data["scale"] > 0
+    # the episode ran again at the default budget: its ops' fix counts ship with the calibration
+    rates = data["fix_rates"]
+    assert rates and all(0 <= fixed <= audited for audited, fixed in rates.values())
+    assert sum(audited for audited, _ in rates.values()) > 0
     from kamera_agent.demo.model import load_demo_model
 
     model, tokenizer, image_processor = load_demo_model()

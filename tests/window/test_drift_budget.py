@@ -235,3 +235,23 @@ def test_windows_of_one_model_share_what_the_budget_learned(calibrations: Path) 
     second.slide(1)
     assert second.stats.last.audits == 0 and "drift budget expects" in str(second.last_plan)
     assert _window(0.05)._parts.budget is not second._parts.budget  # another ε: its own
+
+
+def test_a_calibrations_fix_rates_are_where_a_new_window_starts(calibrations: Path) -> None:
+    """Where the calibration's run found slides needing a fix, a new window re-prefills its first
+    slide without an audit; where the run rarely fixed them, it tries; the window's own outcomes
+    outweigh the calibration's (its counts are capped)."""
+    fingerprint = backend_named("qwen2").fingerprint
+    for rates, tried in (((40, 38), False), ((40, 1), True)):
+        calibrate_for_tests(fingerprint, calibrations, fix_rates={"slide": rates})
+        assert find_calibration(fingerprint).fix_rates == {"slide": rates}  # type: ignore[union-attr]
+        window = _window(1e-9)
+        for text in TEXTS:
+            window.push(text)
+        window.slide(1)
+        assert (window.stats.last.audits > 0) == tried, window.last_plan
+        assert ("drift budget expects" in str(window.last_plan)) != tried
+        budget = window._parts.budget
+        assert budget is not None
+        audited, fixed = budget.outcomes()["slide"]
+        assert audited == 8 + tried and fixed == round(rates[1] * 8 / 40) + tried  # 1e-9: it needed one
