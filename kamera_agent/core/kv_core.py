@@ -144,9 +144,15 @@ class KVCore:
         vision = [self.vision(chunk, txn)] if chunk.has_vision else []
         done = self.backend.prefill([chunk], [self.anchor_kv(txn.meter)], self.anchor.advance, vision)
         txn.meter.spend(done.spent)
+        return self.keep_canonical(chunk, done.kv[0], txn)
+
+    def keep_canonical(self, chunk: Chunk, conditioned: ChunkKV, txn: Txn) -> ChunkKV:
+        """The canonical from a forward that computed it (the chunk right behind the anchor, at
+        the anchor's end: a re-prefill from a window's first slot computes it with the chunks
+        after it), position-free, stored."""
         txn.meter.prefilled.add(chunk.key)
         txn.meter.canonicals_formed += 1
-        canonical = replace(to_position_free(done.kv[0], self.backend.layout), chunk_key=chunk.key)
+        canonical = replace(to_position_free(conditioned, self.backend.layout), chunk_key=chunk.key)
         txn.store.put_canonical(canonical)
         return canonical
 

@@ -73,12 +73,46 @@ class Executor:
         steps, index, self._moved = list(plan.steps), 0, plan.moved
         while index < len(steps):
             step = steps[index]
-            if step.kind == "form_patch" and not step.off_window:
+            if self._leads_a_run(steps, index):
+                run, after = self._collect_run(steps, index + 2)
+                if [self._slot(s.ref) for s in run] == list(range(1, len(run) + 1)):
+                    self._form_in_window(run, lead=steps[index + 1])
+                else:  # members with placed chunks between: the canonical on its own
+                    self._apply(steps[index])
+                    self._apply(steps[index + 1])
+                    self._form_in_window(run)
+                index = after
+            elif step.kind == "form_patch" and not step.off_window:
                 run, index = self._collect_run(steps, index)
                 self._form_in_window(run)
             else:
                 self._apply(step)
                 index += 1
+
+    def _leads_a_run(self, steps: Sequence[Step], index: int) -> bool:
+        """The steps at ``index`` serve the first chunk of the window as its canonical, which the
+        store does not hold, and the next chunk is formed over it: one forward from the first
+        slot computes both (the canonical is the chunk behind the anchor alone), where forming
+        the canonical first would run a forward of its own (a re-prefill from slot 0)."""
+        if index + 2 >= len(steps):
+            return False
+        make, revert, first = steps[index : index + 3]
+        order = self.state.order
+        return (
+            make.kind == "form_canonical"
+            and revert.kind == "revert"
+            and revert.ref == make.ref
+            and first.kind == "form_patch"
+            and not first.off_window
+            and not first.in_run
+            and len(order) > 1
+            and order[0] == make.ref
+            and order[1] == first.ref
+            and not self.txn.store.has_canonical(self.state.entries[make.ref].chunk.key)
+        )
+
+    def _slot(self, ref: ChunkRef) -> int:
+        return self.state.order.index(ref)
 
     def _collect_run(self, steps: Sequence[Step], index: int) -> tuple[list[Step], int]:
         """The in-window formation at ``index`` and the ones planned to share its forward (an
@@ -145,8 +179,11 @@ class Executor:
         self._reused(step.ref)
 
     # -- forming patches --------------------------------------------------------------------------
-    def _form_in_window(self, run: Sequence[Step]) -> None:
+    def _form_in_window(self, run: Sequence[Step], lead: Step | None = None) -> None:
         """Patches for in-window chunks, each over everything to its left: one forward.
+
+        ``lead``: the window's first chunk, served as its canonical (a ``revert``), computed in
+        the same forward before the consecutive members (`_leads_a_run`) and stored as such.
 
         The members are consecutive, or have placed chunks between them (`Rules.across_gap`):
         those are placed first and each member sees the placed slots to its left and the
@@ -159,6 +196,9 @@ class Executor:
         order, members = self.state.order, {step.ref for step in run}
         count, last = order.index(run[0].ref), order.index(run[-1].ref)
         chunks = [self.state.entries[step.ref].chunk for step in run]
+        if lead is not None:  # slot 0, the members right after it
+            count, chunks = 0, [self.state.entries[lead.ref].chunk, *chunks]
+            members.add(lead.ref)
         between = [ref for ref in order[count:last] if ref not in members]
         placed = self._places(between)
         self.txn.meter.tokens_placed += sum(kv.num_tokens for kv in placed)
@@ -179,17 +219,36 @@ class Executor:
                     sees.append(seen)
                 else:
                     seen += slots[ref]
-        start = self._starts[run[0].ref]
+        start = self._starts[run[0].ref if lead is None else lead.ref]
         done = self.core.condition(chunks, context, start, self.txn, onto=cache, starts=starts, sees=sees)
-        for step, kv in zip(run, done.kv, strict=True):
+        formed = list(done.kv)
+        if lead is not None:
+            self._lead_canonical(lead, formed.pop(0))
+        for step, kv in zip(run, formed, strict=True):
             self._adopt(step.ref, step.state, kv, step.antecedents or ())
         if not keeps or done.cache is None:
             return
+        if lead is not None:
+            chunk = chunks.pop(0)
+            pieces.append(((lead.ref, self._starts[lead.ref], lead.state.digest), chunk.num_tokens))
         for step, chunk in zip(run, chunks, strict=True):
             if between or not step.state.is_full:  # out of window order / canonical + patch
                 break
             pieces.append(((step.ref, self._starts[step.ref], step.state.digest), chunk.num_tokens))
         self.state.assembled = Assembled(done.cache, tuple(pieces))
+
+    def _lead_canonical(self, lead: Step, conditioned: ChunkKV) -> None:
+        """The lead's KV from the run's forward is its canonical: stored, and the chunk served as
+        it (what ``form_canonical`` then ``revert`` do, without the forward of its own)."""
+        entry = self.state.entries[lead.ref]
+        meter = self.txn.meter
+        fresh = entry.chunk.key not in meter.prefilled
+        self.core.keep_canonical(entry.chunk, conditioned, self.txn)
+        if fresh:
+            meter.reforms += int(entry.canonical_formed)
+        entry.canonical_formed = True
+        self._settle(lead.ref, lead.state, None, ())
+        self._reused(lead.ref)
 
     def _form_over(self, ref: ChunkRef, target: ChunkState, antecedents: Sequence[ChunkRef]) -> None:
         """Form ``ref``'s patch over the context its target state names, placed behind the anchor."""

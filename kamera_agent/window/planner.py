@@ -341,6 +341,10 @@ class Planner:
 
     # -- never costlier than a prefix cache ------------------------------------------------------
     def _bounded(self, state: WindowState, plan: WindowPlan) -> WindowPlan:
+        """`_cheaper` of ``plan`` and re-prefilling, its forwards counted as the executor runs them."""
+        return _lead_shares_forward(self._cheaper(state, plan))
+
+    def _cheaper(self, state: WindowState, plan: WindowPlan) -> WindowPlan:
         """``plan``, or re-prefilling from the first slot it changes where that prefills fewer tokens.
 
         Why: a prefix cache pays exactly the tokens from the first changed slot on; a plan can pay
@@ -393,7 +397,9 @@ class Planner:
         for ref in order[:start]:
             ctx = ctx.extend(state.entries[ref].state)
         plan = WindowPlan("refill", order)
-        return replace(plan, steps=tuple(self._refill_steps(state, plan, start, ctx, why)))
+        return _lead_shares_forward(
+            replace(plan, steps=tuple(self._refill_steps(state, plan, start, ctx, why)))
+        )
 
     def _refill_steps(
         self, state: WindowState, plan: WindowPlan, start: int, ctx: Context, why: str
@@ -579,6 +585,30 @@ class Planner:
                 f"the canonical of a {chunk.num_tokens}-token chunk takes {nbytes} bytes, more than the "
                 "store's budget; raise memory_budget (and disk_budget) above the largest chunk"
             )
+
+
+def _lead_shares_forward(plan: WindowPlan) -> WindowPlan:
+    """``plan`` with the formation of its second chunk counted in the forward that forms the
+    first chunk's canonical, where the executor runs them as one (`Executor._leads_a_run`: the
+    window's first chunk served as a canonical the store lacks, the next formed over it)."""
+    steps = plan.steps
+    for i in range(len(steps) - 2):
+        make, revert, first = steps[i : i + 3]
+        if (
+            make.kind == "form_canonical"
+            and revert.kind == "revert"
+            and revert.ref == make.ref
+            and first.kind == "form_patch"
+            and not first.off_window
+            and not first.in_run
+            and first.forwards
+            and plan.order[:2] == (make.ref, first.ref)
+        ):
+            joined = replace(
+                first, forwards=0, detail=f"{first.detail} (in the forward of the chunk before it)"
+            )
+            return replace(plan, steps=(*steps[: i + 2], joined, *steps[i + 3 :]))
+    return plan
 
 
 def _no_action(i: int) -> PatchAction:

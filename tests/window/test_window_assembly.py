@@ -67,17 +67,19 @@ def test_a_chunk_served_by_a_patch_is_placed_by_the_answer(name: str) -> None:
 @pytest.mark.parametrize("name", TEXT_BACKENDS)
 def test_a_chunk_whose_state_changes_in_place_is_placed_again(name: str) -> None:
     """Swapping two chunks of equal length leaves C where it was, but C now encodes B, A: the
-    kept cache is cut after the anchor, B placed onto it and A, C re-formed over it (C's old
-    piece is not reused); the answer then places nothing."""
+    kept cache is cut after the anchor, and B (reverted: its canonical, never formed) and A, C
+    re-formed over it come from one forward onto it (C's old piece is not reused); the answer
+    then places nothing."""
     window, backend = window_over(name)
     refs = [window.push(text) for text in (A, B, C)]
     assert answer_error(window) < 1e-4
     window.reorder([refs[1], refs[0], refs[2]])
-    assert backend.assembles[-1] == (1, True)  # the anchor kept, the reverted B placed onto it
+    assert backend.assembles[-1] == (0, True)  # the anchor kept, nothing placed onto it
     formed = sum(window.chunk(r).num_tokens for r in (refs[0], refs[2]))
     canonical = window.chunk(refs[1]).num_tokens  # B's first canonical (never formed before: not a re-encode)
     last = window.stats.last
-    assert (last.tokens_prefilled, last.forwards, last.reforms) == (formed + canonical, 2, 0)
+    assert (last.tokens_prefilled, last.forwards, last.reforms) == (formed + canonical, 1, 0)
+    assert last.canonicals_formed == 1 and window.store.has_canonical(window.chunk(refs[1]).key)
     assert answer_error(window) < 1e-4
     assert backend.assembles[-1] == (0, True) and window.stats.last.tokens_placed == 0
 
@@ -98,14 +100,16 @@ def test_a_slide_re_places_every_survivor(name: str) -> None:
 
 @pytest.mark.parametrize("name", TEXT_BACKENDS)
 def test_survivors_re_formed_by_a_slide_are_kept_from_their_forward(name: str) -> None:
-    """Exact settings: the new leftmost chunk reverts (placed), the others are re-formed over it
-    in one forward; the answer after the slide places nothing."""
+    """Exact settings: the new leftmost chunk reverts (its canonical, which the store lacks) and
+    the others are re-formed over it, all in one forward; the answer after the slide places
+    nothing."""
     window, backend = window_over(name)
     for text in (A, B, C, D):
         window.push(text)
     assert answer_error(window) < 1e-4
     window.slide()
-    assert backend.assembles[-1] == (1, True)  # the slide's forward: the reverted B onto the kept anchor
+    assert backend.assembles[-1] == (0, True)  # the slide's forward: B, C, D onto the kept anchor
+    assert window.stats.last.forwards == 1
     assert answer_error(window) < 1e-4
     assert backend.assembles[-1] == (0, True) and window.stats.last.tokens_placed == 0
 

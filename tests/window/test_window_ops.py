@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import (
@@ -103,8 +104,8 @@ def test_a_truncated_rank_serves_the_full_orbit_its_pushes_formed(make: Make) ->
     assert w.state_of(c).rank == "full"  # new content: its exact KV, no canonical formed
     c_edit = next(edit for edit in w.plan("reorder", [b, a, c]).edits if edit.label == "c")
     assert (c_edit.kind, c_edit.forwards) == ("apply_patch", 0) and "orbit" in c_edit.detail
-    w.reorder([b, a, c])  # b reverts (its canonical's prefill), a is formed behind b, c: no forward
-    assert (w.stats.last.forwards, w.stats.last.patches_applied) == (2, 1)
+    w.reorder([b, a, c])  # b reverts (its canonical, computed in a's forward behind it), c: no forward
+    assert (w.stats.last.forwards, w.stats.last.patches_applied) == (1, 1)
     assert w.state_of(c).kind == "orbit" and w.state_of(c).rank == "full"
     assert chunk_errors(w)["c"] > EXACT  # the mean over orderings approximates this one
     assert answer_kl(w) < APPROX_KL
@@ -138,6 +139,28 @@ def test_slide_only_rotates_survivors_and_runs_no_forward(make: Make) -> None:
     for ref in (a, b, c):
         oracle.know(w.chunk(ref))
     assert max(error for error, _ in oracle.errors(w).values()) <= EXACT  # and are what they say
+
+
+def test_a_re_prefill_from_the_first_slot_forms_its_canonical_in_the_same_forward(make: Make) -> None:
+    """An exact slide: the new first chunk is served as its canonical, which the store lacks (it
+    was only ever formed over a left context), and the next is re-formed over it: one forward
+    computes both, as the plan says beforehand; the canonical stored is the chunk's own."""
+    w = make(survivors="removal")
+    three(w)
+    w.push("a green box", label="d")
+    planned = w.plan("slide", 1)
+    assert sum(edit.forwards for edit in planned.edits) == 1, planned
+    w.slide(1)
+    assert w.stats.last.forwards == 1 and w.stats.last.canonicals_formed == 1, w.last_plan
+    assert_exact(w)
+    first = w.refs[0]
+    stored = w.store.get_canonical(w.chunk(first).key)
+    alone = KameraWindow(w.backend, config=WindowConfig.exact())  # a store of its own
+    alone.push(w.chunk(first))  # first in its window: its canonical, from a forward of its own
+    own = alone.store.get_canonical(w.chunk(first).key)
+    assert stored is not None and own is not None and stored is not own
+    assert torch.allclose(stored.keys, own.keys, atol=1e-5)
+    assert torch.allclose(stored.values, own.values, atol=1e-5)
 
 
 def test_recall_reuses_its_stored_patch_and_the_second_recall_runs_no_forward(make: Make) -> None:
