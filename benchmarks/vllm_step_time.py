@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -142,34 +143,18 @@ def _child(args: argparse.Namespace, name: str, model: Path, out: Path) -> dict[
 
 
 def _save_model(path: Path, layers: int) -> Path:
-    """A random Qwen2 of Qwen2.5-1.5B's layer shape (std 0.02 weights) and the byte tokenizer."""
+    """A random Qwen2 of Qwen2.5-1.5B's layer shape (the benchmarks' builder) and the byte tokenizer."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from kamera_agent.models.random_qwen2 import QWEN2_1_5B_SLICE, random_qwen2
     from kamera_agent.models.tiny_tokenizer import build_byte_tokenizer
 
     tokenizer = build_byte_tokenizer(model_max_length=32768)
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=1536,
-        num_hidden_layers=layers,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        intermediate_size=8960,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim == 2:
-                param.normal_(0.0, 0.02)
-    model.to(torch.bfloat16).save_pretrained(path)
+    shape = replace(QWEN2_1_5B_SLICE, layers=layers, vocab=len(tokenizer))
+    model = random_qwen2(shape, max_positions=32768, dtype=torch.bfloat16)
+    model.config.eos_token_id, model.config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    model.config.bos_token_id = None
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
