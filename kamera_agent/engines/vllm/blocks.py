@@ -112,20 +112,39 @@ class VLLMSlots(KVSlots):
         (CPU attention keeps keys transposed): a capture copies blocks on vLLM's step, which must
         not wait, and unpacks them on its writer's thread. The block indices are worked out on the
         CPU, so nothing here waits for the device."""
+        blocks, rows = self.locate(slots)
+        return self.copy(blocks), rows
+
+    def locate(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks holding ``slots`` (each once, in the order met) and the slots' rows of a copy
+        of those blocks (`copy_blocks`), both on the CPU."""
         slots = slots.to("cpu", torch.long)
-        block_size = self.layers[0].cache.shape[2] if self.layers else 1
-        blocks, offsets = slots // block_size, slots % block_size
-        unique, inverse = torch.unique_consecutive(blocks, return_inverse=True)
-        rows = inverse * block_size + offsets
-        copies = []
+        block_size = self.block_size
         for p in self.layers:
             if p.cache.shape[2] != block_size:
                 raise BlockLayoutError(
                     f"layer {p.name} has blocks of {p.cache.shape[2]} tokens, layer "
                     f"{self.layers[0].name} of {block_size}: one slot cannot address both"
                 )
-            copies.append(p.cache.index_select(0, unique.to(p.cache.device, non_blocking=True)))
-        return tuple(copies), rows
+        blocks, offsets = slots // block_size, slots % block_size
+        unique, inverse = torch.unique_consecutive(blocks, return_inverse=True)
+        return unique, inverse * block_size + offsets
+
+    def copy(self, blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every layer's ``blocks``, whole and contiguous, in the cache's dtype, on its device."""
+        return tuple(
+            p.cache.index_select(0, blocks.to(p.cache.device, non_blocking=True)) for p in self.layers
+        )
+
+    @property
+    def block_size(self) -> int:
+        """Tokens of one block of the views (a kernel block where vLLM splits its own)."""
+        return int(self.layers[0].cache.shape[2]) if self.layers else 1
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over every layer (what `copy` takes per block)."""
+        return sum(p.cache[0].numel() * p.cache.element_size() for p in self.layers)
 
     def unpack(self, copies: Sequence[torch.Tensor], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[layers, heads, n, dim]`` at ``rows`` of ``copies`` (`copy_blocks`),

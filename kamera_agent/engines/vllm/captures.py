@@ -21,6 +21,15 @@ the same functions from the same cache contents, so an entry decodes to the same
 (The cache's own dtype cannot hold the un-rotated keys of a bf16 cache without a second rounding,
 so entries stay float32; only the conversion moved off the step.)
 
+On vLLM's CPU build even the block copy is a real memory copy on the step (2.7 ms per request
+of 8k-token prompts on the 1.5B shape: `benchmarks/vllm_step_time.py`), so there the step copies
+nothing: it queues the blocks to copy (`Copied.copy`) and the writer copies them on its thread.
+That is safe only while vLLM keeps those blocks, and vLLM keeps a request's blocks until it ends
+or is preempted: so a request with a capture queued is held past its end (the scheduler side's
+``request_finished`` answers "free later") until its blocks are copied (`HeldBlocks`, reported
+in ``get_finished`` as vLLM's finished sends), and a preempted request's queued copies are made
+on the step before its blocks are reused (``handle_preemptions``, `CaptureWriter.copy_now`).
+
 `flush` waits until every queued capture is filed (tests read the store after the engine's last
 step; a connector's `shutdown` and the process's exit flush too).
 """
@@ -30,9 +39,9 @@ from __future__ import annotations
 import atexit
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,7 +49,7 @@ import torch
 from kamera_agent.engines.faults import HookFaults
 from kamera_agent.store import EntryKey
 
-__all__ = ["CaptureWriter", "Copied", "copy_out"]
+__all__ = ["CaptureWriter", "Copied", "HeldBlocks", "copy_out"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,10 @@ class Copied:
             (pinned where the cache is on CUDA: the copy may still be in flight until ``ready``).
         rows: its tokens' rows of those copies (`VLLMSlots.unpack`).
         ready: a CUDA event recorded after the copy (``None`` on the CPU: already done).
+        copy: set where the blocks are not copied yet (``blocks`` empty): makes the copies; run
+            by the writer while vLLM holds the request's blocks (`HeldBlocks`).
+        size: the bytes ``copy`` will take (the queue's bound counts them from the start).
+        req_id: the request whose blocks ``copy`` reads.
     """
 
     entry: EntryKey
@@ -62,10 +75,21 @@ class Copied:
     blocks: tuple[torch.Tensor, ...]
     rows: torch.Tensor
     ready: Any = None
+    copy: Callable[[], tuple[torch.Tensor, ...]] | None = None
+    size: int = 0
+    req_id: str = ""
 
     @property
     def nbytes(self) -> int:
+        if self.copy is not None:
+            return self.size
         return sum(block.numel() * block.element_size() for block in self.blocks)
+
+    def copied(self) -> Copied:
+        """This capture with its blocks copied (itself where they are)."""
+        if self.copy is None:
+            return self
+        return replace(self, blocks=self.copy(), copy=None)
 
     def wait(self) -> None:
         """Block until the copy has landed (a no-op on the CPU)."""
@@ -100,12 +124,19 @@ class CaptureWriter:
         file: files one capture (called on the thread; what it raises is caught and counted).
         faults: where a capture that failed on the thread is counted (hook ``capture_writer``).
         max_bytes: copies queued at once; a capture beyond it is dropped.
+        copied: called with a capture's ``req_id`` once its deferred copy was made or failed.
     """
 
     def __init__(
-        self, file: Callable[[Copied], None], faults: HookFaults, max_bytes: int = 256 << 20
+        self,
+        file: Callable[[Copied], None],
+        faults: HookFaults,
+        max_bytes: int = 256 << 20,
+        copied: Callable[[str], None] | None = None,
     ) -> None:
         self._file, self._faults, self.max_bytes = file, faults, max_bytes
+        self._copied = copied or (lambda req_id: None)
+        self._copying: Copied | None = None  # a deferred copy being made on the thread
         self._queue: deque[Copied] = deque()
         self._pending = 0  # bytes queued or being filed
         self._busy = 0  # captures queued or being filed
@@ -161,6 +192,33 @@ class CaptureWriter:
             atexit.unregister(self.flush)
             thread.join(timeout=1.0)
 
+    def copy_now(self, req_ids: Iterable[str]) -> None:
+        """Make the queued deferred copies of ``req_ids`` on the calling thread, and wait out one
+        the writer is making: vLLM is about to reuse those requests' blocks (a preemption)."""
+        wanted = set(req_ids)
+        with self._lock:
+            mine = [c for c in self._queue if c.copy is not None and c.req_id in wanted]
+            for item in mine:
+                self._queue.remove(item)
+            while self._copying is not None and self._copying.req_id in wanted:
+                self._lock.wait()
+        made: list[Copied] = []
+        for item in mine:
+            try:
+                made.append(item.copied())
+            except Exception as exc:  # this capture is lost: a later forward pays, no more
+                self._faults.caught("handle_preemptions", exc)
+                with self._lock:
+                    self._pending -= item.nbytes
+                    self._busy -= 1
+                    self._lock.notify_all()
+            finally:
+                self._copied(item.req_id)
+        with self._lock:
+            for item in reversed(made):  # filed next, in their order
+                self._queue.appendleft(item)
+            self._lock.notify_all()
+
     def _run(self) -> None:
         while True:
             with self._lock:
@@ -169,7 +227,17 @@ class CaptureWriter:
                 if not self._queue:
                     return
                 copied = self._queue.popleft()
+                if copied.copy is not None:
+                    self._copying = copied
             try:
+                if copied.copy is not None:
+                    try:
+                        copied = copied.copied()
+                    finally:
+                        self._copied(copied.req_id)
+                        with self._lock:
+                            self._copying = None
+                            self._lock.notify_all()
                 copied.wait()
                 self._file(copied)
                 filed = 1
@@ -181,3 +249,67 @@ class CaptureWriter:
                 self._pending -= copied.nbytes
                 self._busy -= 1
                 self._lock.notify_all()
+
+
+class HeldBlocks:
+    """The worker side's record of requests whose blocks vLLM keeps past their end until the
+    captures queued from them are copied (thread-safe: the step's hooks and the writer).
+
+    A request is held from the step that queues its first capture (every capture the scheduler
+    side planned for it) and released, through ``get_finished``, once vLLM said it ended and no
+    copy of its blocks is still queued. Copies made are reported to the scheduler side with each
+    step (`take_copies`): a request whose every copy was reported before it ended is freed at
+    once there (``request_finished`` answers "free now") and forgotten here (`forget`); the
+    others the scheduler side answers "free later", and they are released here.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._uncopied: Counter[str] = Counter()
+        self._made: Counter[str] = Counter()  # copies made since `take_copies`
+        self._held: set[str] = set()
+        self._ended: set[str] = set()
+
+    def hold(self, req_ids: Iterable[str]) -> None:
+        with self._lock:
+            self._held.update(req_ids)
+
+    def queued(self, req_id: str) -> None:
+        with self._lock:
+            self._uncopied[req_id] += 1
+
+    def copied(self, req_id: str) -> None:
+        """One copy of ``req_id``'s blocks made, failed or given up: its blocks are not read again."""
+        with self._lock:
+            self._uncopied[req_id] -= 1
+            if self._uncopied[req_id] <= 0:
+                del self._uncopied[req_id]
+            self._made[req_id] += 1
+
+    def take_copies(self) -> dict[str, int]:
+        """Per request, the copies made since the last call (the scheduler side's count)."""
+        with self._lock:
+            made, self._made = dict(self._made), Counter()
+            return made
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """Requests vLLM freed at their end (every copy reported made): never released here."""
+        with self._lock:
+            for req_id in req_ids:
+                self._held.discard(req_id)
+                self._ended.discard(req_id)
+
+    def released(self, ended: Iterable[str]) -> set[str]:
+        """The held requests vLLM may free now: ended (now or before) and nothing left to copy."""
+        with self._lock:
+            self._ended.update(r for r in ended if r in self._held)
+            free = {r for r in self._ended if not self._uncopied.get(r)}
+            self._ended -= free
+            self._held -= free
+            return free
+
+    @property
+    def held(self) -> int:
+        """Requests held now."""
+        with self._lock:
+            return len(self._held)

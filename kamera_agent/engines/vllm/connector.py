@@ -35,6 +35,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ from kamera_agent.engines.slots import request_positions
 from kamera_agent.engines.stores import STORES
 from kamera_agent.engines.synthesis import LoadPlan, PrefixSynthesis, RequestChunk, policy_of
 from kamera_agent.engines.vllm.blocks import BlockLayoutError, VLLMSlots, place_layers
-from kamera_agent.engines.vllm.captures import CaptureWriter, Copied, copy_out
+from kamera_agent.engines.vllm.captures import CaptureWriter, Copied, HeldBlocks, copy_out
 from kamera_agent.engines.vllm.loads import BackgroundLoads, Load, LoadId
 from kamera_agent.engines.vllm.metrics import ConnectorStats, KameraConnectorStats, KameraPromMetrics, Reports
 from kamera_agent.operator.layout import ChunkKV, KVLayout, to_position_free
@@ -66,13 +67,17 @@ _LOG = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Save:
-    """One chunk to capture after the forward: request tokens ``start..end`` into ``entry``."""
+    """One chunk to capture after the forward: request tokens ``start..end`` into ``entry``, at
+    ``slots``, or (what the scheduler side sends: no per-token list built or read on a step) in
+    ``blocks`` from row ``offset`` of the first on, consecutively."""
 
     req_id: str
     entry: EntryKey
     start: int
     end: int
-    slots: tuple[int, ...]
+    slots: tuple[int, ...] = ()
+    blocks: tuple[int, ...] = ()
+    offset: int = 0
 
 
 @dataclass
@@ -81,6 +86,11 @@ class KameraMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     loads: list[Load] = field(default_factory=list)
     saves: list[Save] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+    """Requests vLLM preempted in this step: their blocks are reused by this step's forward."""
+    unheld: set[str] = field(default_factory=set)
+    """Requests that ended with every copy of their blocks reported made: freed at once, so the
+    workers release them no more (`HeldBlocks.forget`)."""
 
 
 Filed = tuple[str, str, str]
@@ -97,12 +107,19 @@ class KameraWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
     filed: set[Filed] = field(default_factory=set)
     """Entries the workers' background writers filed since their last report: the scheduler side
     counts them present (`Splits.filed`) before the store it reads shows them."""
+    copies: dict[str, int] = field(default_factory=dict)
+    """Per request, the copies of its captured blocks made (or given up) off the step since the
+    last report, summed over the workers: a request whose copies are all made is freed at its
+    end without waiting (`request_finished`)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KameraWorkerMeta:
         if not isinstance(other, KameraWorkerMeta):
             return self
+        copies = dict(self.copies)
+        for req_id, n in other.copies.items():
+            copies[req_id] = copies.get(req_id, 0) + n
         return KameraWorkerMeta(
-            self.written | other.written, self.failed | other.failed, self.filed | other.filed
+            self.written | other.written, self.failed | other.failed, self.filed | other.filed, copies
         )
 
 
@@ -132,6 +149,11 @@ class _Track:
     saved: set[int] = field(default_factory=set)
     walked: int = 0
     """Prompt tokens already walked for captures (decode steps then cost nothing)."""
+    copies: int = 0
+    """Captures planned for it: where workers copy blocks off the step, each is a copy that must
+    be made before its blocks are freed (`HeldBlocks`)."""
+    copied: int = 0
+    """Copies the workers reported made, summed over them."""
 
 
 class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -182,7 +204,14 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Registered caches that are no layer of the model (draft layers), skipped by name."""
         self.recent_loads: deque[Load] = deque(maxlen=256)
         """The worker side's latest loads (for checks of what it wrote)."""
-        self.captures = CaptureWriter(lambda copied: self._file(copied), self.faults)
+        self.copies_off_step = _copies_off_step(vllm_config)
+        """Captures' blocks are copied by the writer, not on the step (vLLM's CPU build, where a
+        copy is a real memory copy); vLLM then holds a request's blocks until they are."""
+        self.held = HeldBlocks()
+        self._unheld: set[str] = set()
+        self._workers = max(1, int(getattr(vllm_config.parallel_config, "world_size", 1)))
+        """Workers reporting copies (each copies its own piece of every capture)."""
+        self.captures = CaptureWriter(lambda copied: self._file(copied), self.faults, copied=self.held.copied)
         """The worker side's background writer: captures are filed off the step."""
         self._filed: set[Filed] = set()
         self._filed_lock = threading.Lock()
@@ -216,6 +245,9 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._allocated(request, blocks, num_external_tokens)
         except Exception as exc:  # the offered blocks cannot be filled: report them failed
             self.faults.caught("update_state_after_alloc", exc)
+            failed = self._requests.get(request.request_id)
+            if failed is not None:  # never offered again: vLLM's recompute would meet the same fault
+                failed.servable = False
             if num_external_tokens <= 0:  # nothing offered: nothing for vLLM to wait for
                 return
             try:
@@ -265,6 +297,10 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.faults.caught("build_connector_meta", exc)
             meta.saves = []
             self._disown(scheduler_output)
+        for save in meta.saves:  # exactly the requests whose captures the workers queue
+            self._requests[save.req_id].copies += 1
+        meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        meta.unheld, self._unheld = self._unheld, set()
         return meta
 
     def _disown(self, scheduler_output: Any) -> None:
@@ -308,6 +344,10 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if not isinstance(report, KameraWorkerMeta):
                 return
             self.splits.filed(EntryKey(*filed) for filed in report.filed)  # type: ignore[arg-type]
+            for req_id, n in report.copies.items():
+                track = self._requests.get(req_id)
+                if track is not None:
+                    track.copied += n
             for req_id, offer in list(self._offered.items()):
                 if offer.loads & report.failed:
                     del self._offered[req_id]
@@ -318,11 +358,21 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.faults.caught("update_connector_output", exc)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request. Where workers copy captures off the step and one was planned for
+        it, its blocks are freed later, once every worker reports them copied (``get_finished``),
+        unless the workers already reported every copy made: then now, and the workers are told
+        (`KameraMetadata.unheld`). Both sides decide from the same step metadata, as vLLM's
+        contract needs (a request reported freed must be one held)."""
+        track = self._requests.get(request.request_id)
+        later = self.copies_off_step and track is not None and track.copies > 0
+        if later and track is not None and track.copied >= track.copies * self._workers:
+            later = False
+            self._unheld.add(request.request_id)
         try:
             self._forget(request.request_id)
         except Exception as exc:
             self.faults.caught("request_finished", exc)
-        return False, None
+        return later, None
 
     def _forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
@@ -361,8 +411,10 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for chunk, _, entry in found:
             if chunk.start not in track.saved:  # a chunk is captured once per request
                 track.saved.add(chunk.start)
-                slots = self._slots(track, chunk.start, chunk.end)
-                out.append(Save(req_id, entry, chunk.start, chunk.end, slots))
+                first, last = chunk.start // self.block_size, (chunk.end - 1) // self.block_size
+                blocks = tuple(track.block_ids[first : last + 1])
+                offset = chunk.start - first * self.block_size
+                out.append(Save(req_id, entry, chunk.start, chunk.end, blocks=blocks, offset=offset))
         return out
 
     def _slots(self, track: _Track, start: int, end: int) -> tuple[int, ...]:
@@ -409,15 +461,26 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.loads.submit(meta.loads)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """The requests whose loads are done. Their written and failed loads and the blocks a
-        failure left unwritten are reported in this same step (`build_connector_worker_meta`,
+        """The ended requests whose captured blocks are copied (vLLM frees them now) and the
+        requests whose loads are done. Their written and failed loads and the blocks a failure
+        left unwritten are reported in this same step (`build_connector_worker_meta`,
         `get_block_ids_with_load_errors`, which vLLM calls after this), as its contract asks."""
         done = self.loads.take()
         self.stats.failed += len(done.failed)  # an entry gone, damaged or unwritable: vLLM recomputes
         self._written |= done.written
         self._failed |= done.failed
         self._load_errors |= done.errors
-        return None, done.finished or None
+        meta = self._connector_metadata if self.has_connector_metadata() else None
+        self.held.forget(getattr(meta, "unheld", ()))  # freed at their end: never reported
+        copied = self.held.released(finished_req_ids)
+        return copied or None, done.finished or None
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Before this step's forward reuses preempted requests' blocks: their queued copies are
+        made now, on the step (rare: what a preemption costs)."""
+        preempted = getattr(kv_connector_metadata, "preempted", None)
+        if preempted and self.copies_off_step:
+            self.captures.copy_now(preempted)
 
     def _load(self, load: Load) -> bool:
         """On the loader's thread: one load into vLLM's blocks (``False``: not written)."""
@@ -450,6 +513,8 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         I/O, no device sync."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KameraMetadata)
+        if self.copies_off_step:  # every request the scheduler side holds, whatever fails below
+            self.held.hold(save.req_id for save in meta.saves)
         for save in meta.saves:
             try:
                 self._capture(save)
@@ -457,10 +522,32 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.faults.caught("wait_for_save", exc)
 
     def _capture(self, save: Save) -> None:
-        blocks, rows = self._pool.copy_blocks(torch.tensor(save.slots, dtype=torch.long))
-        blocks, ready = copy_out(blocks)
-        if not self.captures.submit(Copied(save.entry, save.start, save.end, blocks, rows, ready)):
+        blocks, rows = self._located(save)
+        if self.copies_off_step:  # the writer copies the blocks while vLLM holds them
+            size = blocks.numel() * self._pool.block_bytes
+            copy = partial(self._pool.copy, blocks)
+            deferred = Copied(
+                save.entry, save.start, save.end, (), rows, copy=copy, size=size, req_id=save.req_id
+            )
+            self.held.queued(save.req_id)
+            if not self.captures.submit(deferred):
+                self.held.copied(save.req_id)
+                self.stats.captures_dropped += 1
+            return
+        copies, ready = copy_out(self._pool.copy(blocks))
+        if not self.captures.submit(Copied(save.entry, save.start, save.end, copies, rows, ready)):
             self.stats.captures_dropped += 1
+
+    def _located(self, save: Save) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks of the cache views holding the save's tokens and their rows (`VLLMSlots.locate`)."""
+        if not save.blocks:
+            return self._pool.locate(torch.tensor(save.slots, dtype=torch.long))
+        blocks, n = torch.tensor(save.blocks, dtype=torch.long), save.end - save.start
+        if self._pool.block_size == self.block_size:  # a request's blocks are distinct: consecutive rows
+            return blocks, torch.arange(save.offset, save.offset + n)
+        # vLLM split each of its blocks into kernel blocks: the same slots address them
+        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
+        return self._pool.locate(slots[save.offset : save.offset + n])
 
     def _file(self, copied: Copied) -> None:
         """On the writer's thread: what the step copied, position-free in float32, into the store."""
@@ -496,9 +583,10 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for the scheduler side's record."""
         with self._filed_lock:
             filed, self._filed = self._filed, set()
-        if not self._written and not self._failed and not filed:
+        copies = self.held.take_copies()
+        if not self._written and not self._failed and not filed and not copies:
             return None
-        report = KameraWorkerMeta(self._written, self._failed, filed)
+        report = KameraWorkerMeta(self._written, self._failed, filed, copies)
         self._written, self._failed = set(), set()
         return report
 
@@ -529,6 +617,14 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KameraPromMetrics:
         return KameraPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _copies_off_step(vllm_config: Any) -> bool:
+    """Whether captures' blocks are copied by the writer (the CPU build: a copy there is a memory
+    copy on the step; on CUDA the step only launches an asynchronous one). Both sides decide the
+    same from the same config."""
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
+    return str(device) == "cpu"
 
 
 def _backend_names(vllm_config: Any, names: list[str]) -> dict[str, str]:

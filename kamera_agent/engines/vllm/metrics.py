@@ -29,7 +29,7 @@ Exported (every one a counter, labelled with vLLM's ``model_name`` and ``engine`
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
@@ -110,11 +110,12 @@ class Reports:
 
     def since(self, stats: EngineStats, faults: dict[str, int]) -> KameraConnectorStats | None:
         """The counts that grew since the last call (``None``: nothing did, vLLM sends nothing)."""
-        counts = _grown(asdict(stats), self._counts)
+        now = dict(vars(stats))  # flat ints: `dataclasses.asdict`'s deep copy cost 30 µs a step
+        counts = _grown(now, self._counts)
         grown = _grown(faults, self._faults)
         if not counts and not grown:
             return None
-        self._counts, self._faults = asdict(stats), dict(faults)
+        self._counts, self._faults = now, dict(faults)
         return KameraConnectorStats(data={_COUNTS: counts, _FAULTS: grown})
 
 

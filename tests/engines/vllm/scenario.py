@@ -72,6 +72,7 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     llm = _llm(args.model, args.settings, args.corrupt)
+    free_at_start = _free_blocks(llm)
     report: dict[str, Any] = {"settings": args.settings}
     parked = _count_async_loads(llm) if args.settings != "none" else [0]
     if args.inject:
@@ -94,6 +95,7 @@ def main() -> None:
         report["shared"] = _shared(llm, args.model, tokenizer)
     report["connector"] = _connector_stats(llm)
     report["async_loads"] = parked[0]
+    report["drained"] = _drained(llm) | {"free_at_start": free_at_start}
     if args.inject:
         scheduler, worker = _connectors(llm)
         report["faults"] = {**scheduler.faults.as_dict(), **worker.faults.as_dict()}
@@ -227,6 +229,25 @@ def _sources(llm: Any) -> dict[str, float]:
             if source in out:
                 out[source] += float(metric.value)
     return out
+
+
+def _free_blocks(llm: Any) -> int:
+    return int(
+        llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    )
+
+
+def _drained(llm: Any, steps: int = 50) -> dict[str, int]:
+    """Step the idle engine until every finished request is gone from vLLM's scheduler (a request
+    whose captures were queued off the step is freed once the worker reports its blocks copied):
+    the requests left and the free blocks then (every block free again: none leaked)."""
+    flush(llm)
+    core = llm.llm_engine.engine_core.engine_core
+    for _ in range(steps):
+        if not core.scheduler.requests:
+            break
+        core.step_fn()
+    return {"requests": len(core.scheduler.requests), "free_blocks": _free_blocks(llm)}
 
 
 def _count_async_loads(llm: Any) -> list[int]:

@@ -26,8 +26,14 @@ from kamera_agent.engines.faults import HookFaults
 from kamera_agent.engines.shards import Grid, ShardedStore, Splits, even_stages
 from kamera_agent.engines.synthesis import PrefixSynthesis, policy_of
 from kamera_agent.engines.vllm.blocks import VLLMSlots
-from kamera_agent.engines.vllm.captures import CaptureWriter, Copied
-from kamera_agent.engines.vllm.connector import KameraConnector, KameraWorkerMeta, Save
+from kamera_agent.engines.vllm.captures import CaptureWriter, Copied, HeldBlocks
+from kamera_agent.engines.vllm.connector import (
+    KameraConnector,
+    KameraMetadata,
+    KameraWorkerMeta,
+    Save,
+    _Track,
+)
 from kamera_agent.engines.vllm.loads import BackgroundLoads, Load
 from kamera_agent.engines.vllm.metrics import ConnectorStats
 from kamera_agent.operator.layout import ChunkKV
@@ -59,7 +65,9 @@ class _Counting:
         return self.store.put(key, value)
 
 
-def _worker(dtype: torch.dtype = torch.float32, store: ChunkStore | None = None) -> KameraConnector:
+def _worker(
+    dtype: torch.dtype = torch.float32, store: ChunkStore | None = None, off_step: bool = False
+) -> KameraConnector:
     """A worker-side connector over FlashAttention-layout views on the CPU, without an engine
     (the attributes `_capture` and `_file` use; `__init__` needs a vLLM config)."""
     worker = object.__new__(KameraConnector)
@@ -71,9 +79,10 @@ def _worker(dtype: torch.dtype = torch.float32, store: ChunkStore | None = None)
     worker.synthesis = PrefixSynthesis(
         ShardedStore(store, Grid.of(GQA), 0, 0), policy_of(WindowConfig.exact())
     )
-    worker.captures = CaptureWriter(worker._file, worker.faults)
+    worker.copies_off_step, worker.held, worker._connector_metadata = off_step, HeldBlocks(), None
+    worker.captures = CaptureWriter(worker._file, worker.faults, copied=worker.held.copied)
     worker._filed, worker._filed_lock = set(), threading.Lock()
-    worker._written, worker._failed = set(), set()
+    worker._written, worker._failed, worker._load_errors = set(), set(), set()
     worker.loads = BackgroundLoads(lambda load: False, worker.faults, 32)
     return worker
 
@@ -103,6 +112,114 @@ def test_a_background_capture_files_what_the_synchronous_read_filed(dtype: torch
     report = worker.build_connector_worker_meta()
     assert report is not None and report.filed == {(ENTRY.kind, ENTRY.key, ENTRY.variant)}
     assert worker.build_connector_worker_meta() is None  # reported once
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_blocks_copied_off_the_step_are_held_until_copied_and_file_the_same_entry(dtype: torch.dtype) -> None:
+    """The CPU build's path: the step queues the blocks to copy; the request vLLM says ended is
+    released (its blocks freed) only once the writer copied them; the entry is the one the
+    synchronous read makes."""
+    worker = _worker(dtype, off_step=True)
+    slots, positions = torch.arange(17, 41), torch.arange(200, 224)
+    _fill(worker._pool, slots, positions)
+    gate, copies = threading.Event(), []
+    copy = worker._pool.copy
+
+    def slow_copy(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        copies.append(threading.current_thread().name)
+        assert gate.wait(timeout=60)
+        return copy(blocks)
+
+    worker._pool.copy = slow_copy  # type: ignore[method-assign]
+    worker.bind_connector_metadata(KameraMetadata(saves=[Save("r", ENTRY, 200, 224, tuple(slots.tolist()))]))
+    worker.wait_for_save()  # queues, copies nothing on this thread
+    assert worker.get_finished({"r"}) == (None, None)  # ended, but its blocks are not copied yet
+    gate.set()
+    assert worker.flush()
+    assert copies == ["kamera-vllm-captures"] and worker.held.held == 1
+    report = worker.build_connector_worker_meta()  # the copy made, for the scheduler side's count
+    assert report is not None and report.copies == {"r": 1}
+    assert worker.get_finished(set()) == ({"r"}, None)  # released once, in a later step
+    assert worker.get_finished(set()) == (None, None) and worker.held.held == 0
+    got, want = worker.store.get(ENTRY), worker._pool.read(slots, positions, ENTRY.key)
+    assert (
+        isinstance(got, ChunkKV) and torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+    )
+
+
+def test_a_request_freed_at_its_end_is_never_released_again() -> None:
+    """The scheduler side frees at once a request whose every copy was reported made and says so
+    (`KameraMetadata.unheld`): the worker does not report it freed again (vLLM would fail)."""
+    worker = _worker(off_step=True)
+    slots = torch.arange(0, 24)
+    _fill(worker._pool, slots, torch.arange(24))
+    worker.bind_connector_metadata(KameraMetadata(saves=[Save("r", ENTRY, 0, 24, tuple(slots.tolist()))]))
+    worker.wait_for_save()
+    assert worker.flush()
+    assert worker.build_connector_worker_meta().copies == {"r": 1}  # type: ignore[union-attr]
+    worker.bind_connector_metadata(KameraMetadata(unheld={"r"}))
+    assert worker.get_finished({"r"}) == (None, None) and worker.held.held == 0
+    merged = KameraWorkerMeta(copies={"r": 1, "s": 2}).aggregate(KameraWorkerMeta(copies={"r": 1}))
+    assert merged.copies == {"r": 2, "s": 2}  # summed over workers (each copies its piece)
+
+
+@pytest.mark.parametrize("split", [1, 2], ids=["kernel blocks are vLLM's", "vLLM's blocks split in two"])
+@pytest.mark.parametrize("off_step", [False, True], ids=["on the step", "off the step"])
+def test_a_save_by_blocks_files_what_a_save_by_slots_files(off_step: bool, split: int) -> None:
+    """The scheduler side sends a chunk's blocks and its first row (no per-token slot list): the
+    capture reads the same tokens as one given their slots, partial first and last blocks too,
+    also where vLLM splits each of its blocks into kernel blocks (the views' blocks are smaller)."""
+    block = _views(KVCacheLayout.LBHNC)[0].shape[2] * split  # vLLM's block size
+    ids = (4, 1, 5, 2) if split == 1 else (2, 0, 1)  # a request's blocks, in its order
+    start, end = 5, (len(ids) - 1) * block + 3
+    slots = [ids[t // block] * block + t % block for t in range(start, end)]
+    entries = []
+    for form in ("slots", "blocks"):
+        worker = _worker(off_step=off_step)
+        worker.block_size = block
+        _fill(worker._pool, torch.tensor(slots), torch.arange(start, end))
+        entry = EntryKey.full(form * 8, "s" * 64)
+        by = {"slots": tuple(slots)} if form == "slots" else {"blocks": ids, "offset": start}
+        worker._capture(Save("r", entry, start, end, **by))
+        assert worker.flush()
+        entries.append(worker.store.get(entry))
+    assert all(isinstance(e, ChunkKV) for e in entries)
+    assert torch.equal(entries[0].keys, entries[1].keys) and torch.equal(entries[0].values, entries[1].values)
+
+
+def test_a_preempted_requests_queued_copies_are_made_before_its_blocks_are_reused() -> None:
+    """``handle_preemptions`` makes the preempted request's queued copies on the step (the writer
+    busy with another's), so the step's forward may overwrite its blocks; both entries file."""
+    worker = _worker(off_step=True)
+    first, second = EntryKey.full("a" * 64, "s" * 64), ENTRY
+    slots_a, slots_b = torch.arange(0, 24), torch.arange(64, 88)
+    _fill(worker._pool, slots_a, torch.arange(24), seed=1)
+    _fill(worker._pool, slots_b, torch.arange(24), seed=2)
+    gate, copy = threading.Event(), worker._pool.copy
+
+    def copy_a_slowly(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if threading.current_thread().name == "kamera-vllm-captures" and int(blocks[0]) == 0:
+            assert gate.wait(timeout=60)
+        return copy(blocks)
+
+    worker._pool.copy = copy_a_slowly  # type: ignore[method-assign]
+    saves = [
+        Save("a", first, 0, 24, tuple(slots_a.tolist())),
+        Save("p", second, 0, 24, tuple(slots_b.tolist())),
+    ]
+    worker.bind_connector_metadata(KameraMetadata(saves=saves))
+    worker.wait_for_save()
+    worker.handle_preemptions(KameraMetadata(preempted={"p"}))  # p's copy made here, now
+    _fill(worker._pool, slots_b, torch.arange(24), seed=9)  # the step's forward reuses p's blocks
+    gate.set()
+    assert worker.flush()
+    for entry, slots, seed in ((first, slots_a, 1), (second, slots_b, 2)):
+        other = _worker(off_step=False)
+        _fill(other._pool, slots, torch.arange(24), seed=seed)
+        want = other._pool.read(slots, torch.arange(24), entry.key)
+        got = worker.store.get(entry)
+        assert isinstance(got, ChunkKV) and torch.equal(got.keys, want.keys), entry
+    assert worker.get_finished({"a", "p"})[0] == {"a", "p"}
 
 
 def test_a_full_capture_queue_drops_and_counts_and_never_waits() -> None:
@@ -301,3 +418,24 @@ def test_the_step_time_benchmark_runs_at_a_toy_size(tmp_path: Path) -> None:
     assert report["answers_equal"], report  # kamera's exact settings answer as vLLM alone
     assert report["kamera"]["captured_chunks"] > 0 and report["vllm"]["captured_chunks"] == 0
     assert report["kamera"]["hook_ms_per_request"]["worker.wait_for_save"] > 0
+
+
+def test_a_request_whose_offer_could_not_be_filled_is_not_offered_again() -> None:
+    """A fault filling an offer reports its blocks failed (vLLM recomputes them) and the request
+    is never offered again: offering it again would meet the same fault, and vLLM would
+    reschedule it without end."""
+    scheduler = object.__new__(KameraConnector)
+    scheduler.faults, scheduler._loads, scheduler.block_size = HookFaults(logging.getLogger("t")), [], 4
+    track = _Track("", [], 16, servable=True, salted=False)  # offered, but its plan is gone
+    scheduler._requests = {"r": track}
+
+    class Blocks:
+        def get_block_ids(self) -> tuple[list[int]]:
+            return ([3, 7, 9, 11],)
+
+    request = type("Request", (), {"request_id": "r", "num_computed_tokens": 0})()
+    scheduler.update_state_after_alloc(request, Blocks(), 8)
+    assert scheduler.faults.as_dict() == {"update_state_after_alloc:KeyError": 1}
+    (failed,) = scheduler._loads  # reported failed: vLLM recomputes those blocks
+    assert failed.entry is None and failed.slots == tuple(range(12, 16)) + tuple(range(28, 32))
+    assert not track.servable and scheduler._matched(request, 0) == (0, False)
