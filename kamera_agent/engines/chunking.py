@@ -132,6 +132,20 @@ def keyed(
 
 def _text(tokens: Sequence[int], start: int, end: int, rules: ChunkRules) -> list[tuple[int, int, str]]:
     cuts = [start]
-    if rules.message_starts:
-        cuts += [i for i in range(start + 1, end) if tokens[i] in rules.message_starts]
+    for token in rules.message_starts:  # found by the sequence's own search (a C scan for a list)
+        cuts += _positions(tokens, token, start + 1, end)
+    cuts.sort()
     return [(a, b, "text") for a, b in zip(cuts, [*cuts[1:], end], strict=True) if a < b]
+
+
+def _positions(tokens: Sequence[int], token: int, start: int, end: int) -> list[int]:
+    """Every index of ``token`` in ``tokens[start:end]``."""
+    out, at = [], start
+    while at < end:
+        try:
+            at = tokens.index(token, at, end)
+        except ValueError:
+            break
+        out.append(at)
+        at += 1
+    return out
