@@ -24,7 +24,7 @@ from kamera_agent.core.identity import ChunkState, Context, effective_rank
 from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer
-from kamera_agent.window.plan import Step, WindowPlan
+from kamera_agent.window.plan import Step, WindowPlan, canonical_leads_run
 from kamera_agent.window.state import Assembled, ChunkRef, Entry, Home, WindowState
 
 __all__ = ["Executor", "StaleLookup"]
@@ -90,26 +90,12 @@ class Executor:
                 index += 1
 
     def _leads_a_run(self, steps: Sequence[Step], index: int) -> bool:
-        """The steps at ``index`` serve the first chunk of the window as its canonical, which the
-        store does not hold, and the next chunk is formed over it: one forward from the first
-        slot computes both (the canonical is the chunk behind the anchor alone), where forming
-        the canonical first would run a forward of its own (a re-prefill from slot 0)."""
-        if index + 2 >= len(steps):
+        """The steps at ``index`` serve the window's first chunk as its canonical, which the store
+        does not hold, and form the next over it (`canonical_leads_run`): one forward from the
+        first slot computes both, where forming the canonical first runs a forward of its own."""
+        if not canonical_leads_run(steps, index, self.state.order):
             return False
-        make, revert, first = steps[index : index + 3]
-        order = self.state.order
-        return (
-            make.kind == "form_canonical"
-            and revert.kind == "revert"
-            and revert.ref == make.ref
-            and first.kind == "form_patch"
-            and not first.off_window
-            and not first.in_run
-            and len(order) > 1
-            and order[0] == make.ref
-            and order[1] == first.ref
-            and not self.txn.store.has_canonical(self.state.entries[make.ref].chunk.key)
-        )
+        return not self.txn.store.has_canonical(self.state.entries[steps[index].ref].chunk.key)
 
     def _slot(self, ref: ChunkRef) -> int:
         return self.state.order.index(ref)

@@ -8,7 +8,7 @@ predicted forwards are the executor's, step for step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kamera_agent.chunks.chunk import Chunk
@@ -16,7 +16,7 @@ from kamera_agent.core.identity import ChunkState
 from kamera_agent.results import Edit, EditKind, Plan
 from kamera_agent.window.state import ChunkRef
 
-__all__ = ["Step", "WindowPlan"]
+__all__ = ["Step", "WindowPlan", "canonical_leads_run"]
 
 
 @dataclass(slots=True)
@@ -116,3 +116,23 @@ class WindowPlan:
             detail = step.detail + (" (in the forward of the chunk before it)" if step.in_run else "")
             edits.append(Edit(step.kind, step.ref.label, detail, step.forwards, step.tokens, step.ref))
         return Plan(self.op, tuple(edits))
+
+
+def canonical_leads_run(steps: Sequence[Step], index: int, order: Sequence[ChunkRef]) -> bool:
+    """``steps[index:index + 3]`` form the window's first chunk's canonical, serve the chunk as
+    it (a revert) and form the second chunk over it: one forward from the first slot computes
+    both, since the canonical is the chunk behind the anchor alone (the executor runs them so
+    where the store lacks the canonical; the planner counts them so)."""
+    if index + 2 >= len(steps) or len(order) < 2:
+        return False
+    make, revert, first = steps[index : index + 3]
+    return (
+        make.kind == "form_canonical"
+        and revert.kind == "revert"
+        and revert.ref == make.ref
+        and first.kind == "form_patch"
+        and not first.off_window
+        and not first.in_run
+        and order[0] == make.ref
+        and order[1] == first.ref
+    )

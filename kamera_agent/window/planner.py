@@ -34,7 +34,7 @@ from kamera_agent.errors import (
     WindowError,
 )
 from kamera_agent.policies import EVICTION, REORDER, SURVIVORS, EvictionContext, PatchAction
-from kamera_agent.window.plan import Step, WindowPlan
+from kamera_agent.window.plan import Step, WindowPlan, canonical_leads_run
 from kamera_agent.window.rules import Once, PlanInputs, Rules
 from kamera_agent.window.state import ChunkRef, Entry, WindowState
 
@@ -589,24 +589,13 @@ class Planner:
 
 def _lead_shares_forward(plan: WindowPlan) -> WindowPlan:
     """``plan`` with the formation of its second chunk counted in the forward that forms the
-    first chunk's canonical, where the executor runs them as one (`Executor._leads_a_run`: the
-    window's first chunk served as a canonical the store lacks, the next formed over it)."""
+    first chunk's canonical, where the executor runs them as one (`canonical_leads_run`)."""
     steps = plan.steps
     for i in range(len(steps) - 2):
-        make, revert, first = steps[i : i + 3]
-        if (
-            make.kind == "form_canonical"
-            and revert.kind == "revert"
-            and revert.ref == make.ref
-            and first.kind == "form_patch"
-            and not first.off_window
-            and not first.in_run
-            and first.forwards
-            and plan.order[:2] == (make.ref, first.ref)
-        ):
-            joined = replace(
-                first, forwards=0, detail=f"{first.detail} (in the forward of the chunk before it)"
-            )
+        first = steps[i + 2]
+        if first.forwards and canonical_leads_run(steps, i, plan.order):
+            detail = f"{first.detail} (in the forward of the chunk before it)"
+            joined = replace(first, forwards=0, detail=detail)
             return replace(plan, steps=(*steps[: i + 2], joined, *steps[i + 3 :]))
     return plan
 
