@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import atexit
 import threading
-import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -47,6 +46,7 @@ from typing import Any
 import torch
 
 from kamera_agent.engines.faults import HookFaults
+from kamera_agent.engines.vllm.worker_thread import WorkerThread
 from kamera_agent.store import EntryKey
 
 __all__ = ["CaptureWriter", "Copied", "HeldBlocks", "copy_out"]
@@ -139,10 +139,8 @@ class CaptureWriter:
         self._copying: Copied | None = None  # a deferred copy being made on the thread
         self._queue: deque[Copied] = deque()
         self._pending = 0  # bytes queued or being filed
-        self._busy = 0  # captures queued or being filed
-        self._lock = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._closed = False
+        self._worker = WorkerThread("kamera-vllm-captures", self._run)  # busy: captures queued or being filed
+        self._lock = self._worker.lock
         self.dropped = 0
         """Captures dropped because the queue was full (or the writer closed)."""
         self.filed = 0
@@ -151,15 +149,13 @@ class CaptureWriter:
     def submit(self, copied: Copied) -> bool:
         """Queue ``copied``; ``False`` (dropped, counted) when the queue is full. Never waits."""
         with self._lock:
-            if self._closed or (self._busy and self._pending + copied.nbytes > self.max_bytes):
+            if self._worker.closed or (self._worker.busy and self._pending + copied.nbytes > self.max_bytes):
                 self.dropped += 1
                 return False
             self._queue.append(copied)
             self._pending += copied.nbytes
-            self._busy += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kamera-vllm-captures", daemon=True)
-                self._thread.start()
+            self._worker.busy += 1
+            if self._worker.start_once():
                 atexit.register(self.flush, 10.0)  # a process that never shuts the connector down
             self._lock.notify_all()
         return True
@@ -168,29 +164,16 @@ class CaptureWriter:
     def pending(self) -> int:
         """Captures queued or being filed."""
         with self._lock:
-            return self._busy
+            return self._worker.busy
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued capture is filed (at most ``timeout`` seconds); whether it was."""
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            while self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._lock.wait(left)
-        return True
+        return self._worker.flush(timeout)
 
     def close(self, timeout: float = 30.0) -> None:
         """File what is queued (within ``timeout``), then stop the thread; later captures drop."""
-        self.flush(timeout)
-        with self._lock:
-            self._closed = True
-            thread = self._thread
-            self._lock.notify_all()
-        if thread is not None:
+        if self._worker.close(timeout):
             atexit.unregister(self.flush)
-            thread.join(timeout=1.0)
 
     def copy_now(self, req_ids: Iterable[str]) -> None:
         """Make the queued deferred copies of ``req_ids`` on the calling thread, and wait out one
@@ -210,7 +193,7 @@ class CaptureWriter:
                 self._faults.caught("handle_preemptions", exc)
                 with self._lock:
                     self._pending -= item.nbytes
-                    self._busy -= 1
+                    self._worker.busy -= 1
                     self._lock.notify_all()
             finally:
                 self._copied(item.req_id)
@@ -222,7 +205,7 @@ class CaptureWriter:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._queue and not self._closed:
+                while not self._queue and not self._worker.closed:
                     self._lock.wait()
                 if not self._queue:
                     return
@@ -247,7 +230,7 @@ class CaptureWriter:
             with self._lock:
                 self.filed += filed
                 self._pending -= copied.nbytes
-                self._busy -= 1
+                self._worker.busy -= 1
                 self._lock.notify_all()
 
 

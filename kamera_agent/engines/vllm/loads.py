@@ -20,8 +20,6 @@ before the request is reported.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +28,7 @@ from typing import Any
 import torch
 
 from kamera_agent.engines.faults import HookFaults
+from kamera_agent.engines.vllm.worker_thread import WorkerThread
 from kamera_agent.store import EntryKey
 
 __all__ = ["BackgroundLoads", "Load", "LoadId", "LoadResults"]
@@ -76,11 +75,9 @@ class BackgroundLoads:
     def __init__(self, load: Callable[[Load], bool], faults: HookFaults, block_size: int) -> None:
         self._load, self._faults, self._block_size = load, faults, block_size
         self._jobs: deque[list[Load]] = deque()
-        self._busy = 0
         self._done = LoadResults()
-        self._lock = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._closed = False
+        self._worker = WorkerThread("kamera-vllm-loads", self._run)
+        self._lock = self._worker.lock
         self._stream: Any = None
 
     def submit(self, loads: Sequence[Load]) -> None:
@@ -88,14 +85,12 @@ class BackgroundLoads:
         if not loads:
             return
         with self._lock:
-            if self._closed:  # shutting down: every load fails, every request is still reported
+            if self._worker.closed:  # shutting down: every load fails, every request is still reported
                 self._record(list(loads), [False] * len(loads))
                 return
             self._jobs.append(list(loads))
-            self._busy += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kamera-vllm-loads", daemon=True)
-                self._thread.start()
+            self._worker.busy += 1
+            self._worker.start_once()
             self._lock.notify_all()
 
     def take(self) -> LoadResults:
@@ -106,29 +101,16 @@ class BackgroundLoads:
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every submitted load is done (at most ``timeout`` seconds); whether they are."""
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            while self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._lock.wait(left)
-        return True
+        return self._worker.flush(timeout)
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish what was submitted (within ``timeout``) and stop the thread."""
-        self.flush(timeout)
-        with self._lock:
-            self._closed = True
-            thread = self._thread
-            self._lock.notify_all()
-        if thread is not None:
-            thread.join(timeout=1.0)
+        self._worker.close(timeout)
 
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._jobs and not self._closed:
+                while not self._jobs and not self._worker.closed:
                     self._lock.wait()
                 if not self._jobs:
                     return
@@ -138,7 +120,7 @@ class BackgroundLoads:
                 self._stream.synchronize()  # written before vLLM is told
             with self._lock:
                 self._record(job, outcomes)
-                self._busy -= 1
+                self._worker.busy -= 1
                 self._lock.notify_all()
 
     def _one(self, load: Load) -> bool:

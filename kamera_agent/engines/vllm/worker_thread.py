@@ -1,0 +1,59 @@
+"""The background thread a worker-side queue runs on (captures, loads): what they share.
+
+Why one piece: both queues start a daemon thread on first use, count the work submitted and not
+yet done, and let vLLM's hooks and the tests wait until it is done (``flush``) or stop the
+thread (``close``); they differ only in what an item is and how it is done.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = ["WorkerThread"]
+
+
+class WorkerThread:
+    """A daemon thread running ``run`` (started by `start_once`), the condition its owner's queue
+    and this share (``lock``), the work not yet done (``busy``) and whether it was closed.
+
+    The owner changes ``busy`` and ``closed`` under ``lock`` and notifies it when either changes.
+    """
+
+    def __init__(self, name: str, run: Callable[[], None]) -> None:
+        self.lock = threading.Condition()
+        self.busy = 0
+        self.closed = False
+        self._name, self._run = name, run
+        self._thread: threading.Thread | None = None
+
+    def start_once(self) -> bool:
+        """Start the thread if it is not running (call under ``lock``); whether it started now."""
+        if self._thread is not None:
+            return False
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+        return True
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until nothing is busy (at most ``timeout`` seconds); whether nothing is."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while self.busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.lock.wait(left)
+        return True
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Finish what is busy (within ``timeout``), then stop the thread; whether it had started."""
+        self.flush(timeout)
+        with self.lock:
+            self.closed = True
+            thread = self._thread
+            self.lock.notify_all()
+        if thread is not None:
+            thread.join(timeout=1.0)
+        return thread is not None
