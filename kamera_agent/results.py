@@ -209,7 +209,8 @@ class Probe:
         kl: next-token KL(with ‖ without) of the first answer token.
         top1_agree: both put the same token first.
         disposable: ``kl`` is below the window's ``probe_threshold``.
-        cost: what the probe spent (decodes only, no re-prefill).
+        cost: what the probe spent: its decodes, and the forward that forms the chunks after the
+            one switched off where the store holds nothing for their reduced context.
     """
 
     with_chunk: Answer

@@ -141,6 +141,9 @@ class KVCore:
         hit = txn.store.get_canonical(chunk.key)
         if hit is not None:
             return self.on_device(hit, txn)
+        if not self.anchor_ready:  # the window's first forward: the anchor runs in it
+            done = self.condition([chunk], [], self.anchor.advance, txn)
+            return self.keep_canonical(chunk, done.kv[0], txn)
         vision = [self.vision(chunk, txn)] if chunk.has_vision else []
         done = self.backend.prefill([chunk], [self.anchor_kv(txn.meter)], self.anchor.advance, vision)
         txn.meter.spend(done.spent)
@@ -188,10 +191,20 @@ class KVCore:
         """``KV(B_i | context, B_<i)`` of consecutive chunks from ``start`` (the anchor first in
         ``onto`` or ``context``): one forward, each chunk at its positions; with it the engine
         cache it ran over, where the engine keeps one; ``starts``/``sees`` for runs with placed
-        chunks between their members (``Backend.prefill``)."""
+        chunks between their members (``Backend.prefill``).
+
+        With nothing before the chunks (no ``context``, no ``onto``, ``start`` at the anchor's
+        end) and the anchor not yet computed, the anchor runs first in the same forward: a
+        window's first forward is then one, as a prefix cache's is."""
         for chunk in chunks:
             self.check_origin(chunk)
         vision = [self.vision(chunk, txn) for chunk in chunks if chunk.has_vision]
+        lead = not self.anchor_ready and not context and onto is None and starts is None
+        if lead and start == self.anchor.advance:
+            done = self.backend.prefill([self.anchor, *chunks], [], 0, vision)
+            txn.meter.spend(done.spent)
+            self._anchor_kv = done.kv[0]
+            return replace(done, kv=done.kv[1:])
         done = self.backend.prefill(chunks, context, start, vision, onto, starts=starts, sees=sees)
         txn.meter.spend(done.spent)
         return done

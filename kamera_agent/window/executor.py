@@ -189,7 +189,10 @@ class Executor:
         placed = self._places(between)
         self.txn.meter.tokens_placed += sum(kv.num_tokens for kv in placed)
         keeps = self.core.backend.supports_extend
-        if keeps:
+        if count == 0 and not between and not self.core.anchor_ready:  # the anchor joins this forward
+            cache, context = None, []
+            pieces: list[Piece] = [(("anchor",), self.core.anchor.num_tokens)]
+        elif keeps:
             cache, pieces = self._cache_through(count)
             cached, context = sum(slots for _, slots in pieces), placed
         else:
@@ -402,25 +405,67 @@ class Executor:
         return self.core.decode(self.window_cache(), query_ids, self.end(), config, self.txn.meter)
 
     def answer_without(self, removed: ChunkRef, query_ids: torch.Tensor, config: DecodeConfig) -> Answer:
-        """Decode with ``removed`` left out and its influence taken off the chunks that encode it:
-        each such chunk is served by a stored patch over the reduced left context, else its canonical."""
-        state, core = self.state, self.core
+        """Decode with ``removed`` left out and its influence taken off the chunks that encode it.
+
+        The chunks before it keep their KV (the kept engine cache is cut back to them). Each
+        later chunk that encodes it is served by a stored state for its reduced left context
+        (full KV, a patch), else by its canonical where the store holds one; from the first
+        that has neither, the rest are formed over what is placed before them in one forward,
+        exactly (a prefix cache's re-prefill from there, never more tokens), and stored as the
+        states they are, so the same probe again, or evicting ``removed``, finds them."""
+        state, core, meter = self.state, self.core, self.txn.meter
+        slot = state.order.index(removed)
         influenced = _Influence(state.entries[removed].state.digest)
-        jobs, ctx, start = [], core.root, core.anchor.advance
-        for ref in state.order:
-            if ref == removed:
-                continue
+        ctx, start = core.root, core.anchor.advance
+        for ref in state.order[:slot]:
+            entry = state.entries[ref]
+            ctx, start = ctx.extend(entry.state), start + entry.chunk.advance
+        rest = state.order[slot + 1 :]
+        jobs, formed_from = [], len(rest)
+        pieces: list[Piece] = []
+        for i, ref in enumerate(rest):
             entry = state.entries[ref]
             served = entry.state
             if removed in state.graph.pred[ref] or influenced(entry.state):
                 served = self._reduced(ref, ctx)
+                if served.kind == "canonical" and not self.txn.store.has_canonical(ref.key):
+                    formed_from = i
+                    break
             reference, patch = self.free_kv(served) if served != entry.state else self._made_of(ref)
             jobs.append((reference, patch, entry.chunk.positions_at(start)))
+            pieces.append(((ref, start, served.digest), entry.chunk.num_tokens))
             ctx, start = ctx.extend(served), start + entry.chunk.advance
-        placed = [core.anchor_kv(self.txn.meter), *core.place_many(jobs)]
-        self.txn.meter.tokens_placed += sum(kv.num_tokens for kv in placed)
-        cache = core.backend.assemble(placed)
-        return core.decode(cache, query_ids, start, config, self.txn.meter)
+        placed = core.place_many(jobs)
+        meter.tokens_placed += sum(kv.num_tokens for kv in placed)
+        keeps = core.backend.supports_extend
+        context: list[ChunkKV] = []
+        if keeps:
+            cache, kept = self._cache_through(slot)
+            cache = core.backend.assemble(placed, onto=cache)
+            pieces = [*kept, *pieces]
+        else:
+            context = [core.anchor_kv(meter), *self._places(state.order[:slot]), *placed]
+            cache = None
+        formed = [state.entries[ref].chunk for ref in rest[formed_from:]]
+        if formed:
+            done = core.condition(formed, context, start, self.txn, onto=cache)
+            for chunk, kv in zip(formed, done.kv, strict=True):
+                exact = ChunkState.patched(chunk.key, "full", ctx)
+                core.keep_full(exact, kv, self.txn)
+                meter.patches_formed += 1
+                pieces.append(((rest[formed_from], start, exact.digest), chunk.num_tokens))
+                formed_from, ctx, start = formed_from + 1, ctx.extend(exact), start + chunk.advance
+            if keeps and done.cache is not None:
+                cache = done.cache
+            else:  # the engine kept no cache: the whole view assembled anew
+                before = [core.anchor_kv(meter), *self._places(state.order[:slot])]
+                cache, keeps = core.backend.assemble([*(context or [*before, *placed]), *done.kv]), False
+                self.state.assembled = None  # the kept one may have been cut back: it says no more
+        elif not keeps:
+            cache = core.backend.assemble(context)
+        if keeps:
+            self.state.assembled = Assembled(cache, tuple(pieces))
+        return core.decode(cache, query_ids, start, config, meter)
 
     def _reduced(self, ref: ChunkRef, ctx: Context) -> ChunkState:
         """The state ``ref`` can be served in over ``ctx`` from the store (its full KV there, a

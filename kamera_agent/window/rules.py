@@ -48,7 +48,6 @@ class PlanInputs:
         root: the context every window of this model and anchor starts behind.
         features: the widest KV slot (heads · dim): a rank at or above it is lossless.
         kv_bytes_per_token: bytes of one token's canonical, for budget checks.
-        anchor_ready: the anchor's KV is computed (else the first forward also runs it).
         query_tokens: how many tokens a query has (probe edits' cost).
         gaps: the engine runs formations with placed chunks between them in one forward
             (`Backend.supports_gaps`).
@@ -61,7 +60,6 @@ class PlanInputs:
     root: Context
     features: int
     kv_bytes_per_token: int
-    anchor_ready: bool = True
     query_tokens: Callable[[str], int] = lambda query: 0
     gaps: bool = False
     budget: DriftBudget | None = None
@@ -331,7 +329,7 @@ class Rules:
     def form_canonical(self, ref: ChunkRef, chunk: Chunk) -> Step:
         """The chunk's canonical: from the store, else one prefill behind the anchor."""
         stored = self.view.has_canonical(chunk.key)
-        forwards = 0 if stored else 1 + int(not self.inputs.anchor_ready)
+        forwards = 0 if stored else 1  # the anchor, not computed yet, runs in the same forward
         if stored:
             detail = "canonical from the store (no forward)"
         elif chunk.has_vision:

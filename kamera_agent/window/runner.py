@@ -169,7 +169,6 @@ class OpRunner:
             root=core.root,
             features=layout.features,
             kv_bytes_per_token=layout.bytes_per_token(core.backend.dtype),
-            anchor_ready=core.anchor_ready,
             query_tokens=lambda query: int(self.parts.query_ids(query).shape[0]),
             gaps=core.backend.supports_gaps,
             budget=self.parts.budget,

@@ -572,10 +572,12 @@ class KameraWindow:
         """Is ``ref`` still load-bearing for ``query``? Decode with its influence switched off.
 
         The chunk is left out and the chunks whose KV encodes it are served without that
-        conditioning (a stored patch for their reduced context, else their canonical). No
-        re-prefill, and the window is unchanged afterwards. The answer with the chunk is the
-        last greedy ``ask`` of the same query when nothing changed since (then the probe is one
-        decode), else it is decoded too.
+        conditioning: a stored state for their reduced context (full KV, a patch) or their stored
+        canonical; from the first the store cannot serve, the rest are formed over what is left
+        in one forward (exact; stored, so the probe again or evicting ``ref`` reuses them). The
+        window is unchanged afterwards. The answer with the chunk is the last greedy ``ask`` of
+        the same query when nothing changed since (then the probe decodes once), else it is
+        decoded too.
         """
         self._inputs.in_window(ref)
         check_text(query, "query")

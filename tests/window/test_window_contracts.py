@@ -209,9 +209,12 @@ def test_a_patch_larger_than_the_budget_is_used_uncached_and_counted() -> None:
     first, second = (window.push(text) for text in texts if text != longest_text)
     longest = window.push(longest_text)
     a, b, c = first, second, longest
-    # A rank-m patch needs the canonical: serving the window without `first` forms and stores it
-    # (the last entry the budget holds), so new antecedents then give a rank-m patch against it.
-    window.probe_without(first, "What is it?")
+    # A rank-m patch needs the canonical: a branch (same store) that starts with the chunk forms
+    # and stores it (the last entry the budget holds), so new antecedents then give a rank-m
+    # patch against it.
+    branch = window.fork()
+    branch.slide(len(branch))
+    branch.push(longest_text)
     window.reorder([second, first, longest])
     assert window.stats.last.uncached >= 1 and window.state_of(longest).rank == rank
     assert window.patch_of(longest) is not None  # held by the window: it serves the next answers

@@ -27,6 +27,7 @@ from kamera_agent.errors import (
 from kamera_agent.window import KameraWindow
 from tests.backends.test_transformers_backend import images
 from tests.window.backends import CountingBackend, backend_named
+from tests.kv_helpers import next_token_kl
 from tests.window.helpers import answer_kl, chunk_errors
 from tests.window.oracle import StateOracle
 
@@ -210,6 +211,29 @@ def test_probe_without_leaves_the_window_unchanged(make: Make) -> None:
     assert before == after
     assert probe.kl >= 0 and probe.cost.forwards > 0 and probe.cost.tokens_prefilled < 200
     assert probe.disposable == (probe.kl < w.config.probe_threshold)
+    assert_exact(w)
+
+
+def test_a_probe_the_store_cannot_serve_answers_as_the_window_without_the_chunk(make: Make) -> None:
+    """Nothing stored for the reduced contexts: the chunks after the one switched off are formed
+    over what is left, in one forward, so the answer is the model's own over the window without
+    it; they are stored, so evicting it right after runs no forward for them."""
+    w = make(survivors="removal")
+    a, b, c = three(w)
+    d = w.push("a second sentence after the picture", label="d")
+    w.ask("What rolled?", max_new_tokens=2)
+    probe = w.probe_without(b, "What rolled?", max_new_tokens=2)
+    without = [w.chunk(ref) for ref in (a, c, d)]
+    truth = w.backend.reference_prefill(
+        without, w.encoder.query_ids("What rolled?"), anchor=w.encoder.anchor()
+    )
+    assert next_token_kl(truth.logits, probe.without_chunk.first_logits) < 1e-9
+    assert probe.cost.patches_formed == 2 and probe.cost.canonicals_formed == 0
+    decodes = len(probe.without_chunk.tokens) + (probe.without_chunk.finish_reason == "eos")
+    assert probe.cost.forwards == 1 + decodes  # one forward for c and d, then the decode
+    assert_exact(w)  # the window as it was: its next answer too
+    w.evict(b)
+    assert w.stats.last.forwards == 0 and w.stats.last.patches_applied == 2
     assert_exact(w)
 
 
