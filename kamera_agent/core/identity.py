@@ -51,6 +51,12 @@ def _key_hash(chunk_key: str) -> int:
         return int(hashlib.blake2b(chunk_key.encode(), digest_size=16).hexdigest(), 16)
 
 
+_EXTENDED: dict[tuple[str, str], Context] = {}
+"""`Context.extend` by (context digest, state digest): a digest names the chain, so the same two
+give the same context (digest, keyset, exactness)."""
+_EXTENDED_MAX = 1 << 16
+
+
 class Context:
     """An ordered sequence of antecedent states behind the anchor, chained one state at a time.
 
@@ -85,11 +91,20 @@ class Context:
         return cls(_hash("root", anchor_key), None, None, 0, True)
 
     def extend(self, state: ChunkState) -> Context:
-        """This context followed by one more antecedent."""
+        """This context followed by one more antecedent (the same two digests: the same context,
+        remembered, since every op walks its window's chain again)."""
+        link = (self.digest, state.digest)
+        known = _EXTENDED.get(link)
+        if known is not None:
+            return known
         keyset = (self.keyset + _key_hash(state.chunk_key)) & _MASK
         digest = _hash(self.digest, state.digest)
         exact = self.exact and state.exact and state.context.digest == self.digest
-        return Context(digest, self, state, self.length + 1, exact, keyset)
+        extended = Context(digest, self, state, self.length + 1, exact, keyset)
+        if len(_EXTENDED) >= _EXTENDED_MAX:
+            _EXTENDED.clear()  # a bound, not a policy: the next walks refill what is in use
+        _EXTENDED[link] = extended
+        return extended
 
     def states(self) -> tuple[ChunkState, ...]:
         """The antecedent states, first to last (a walk: for checks and rebuilds, not hot paths)."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import torch
+
 from kamera_agent.core.identity import ChunkState, Context, orbit_key
 from kamera_agent.core.staging import StagedStore
 from kamera_agent.operator.layout import ChunkKV
@@ -65,9 +67,11 @@ def fold_full_orbit(store: StagedStore, root: Context, member: ChunkState, kv: C
 
 
 def running_mean(mean: ChunkKV, count: int, kv: ChunkKV) -> ChunkKV:
-    """The mean of ``count`` KVs (``mean``) and ``kv``: the orbit's tensor work, in fp32."""
-    keys = (mean.keys.float() * count + kv.keys.float()) / (count + 1)
-    values = (mean.values.float() * count + kv.values.float()) / (count + 1)
+    """The mean of ``count`` KVs (``mean``) and ``kv``: the orbit's tensor work, in fp32 (one
+    pass: ``mean + (kv - mean) / (count + 1)``)."""
+    weight = 1.0 / (count + 1)
+    keys = torch.lerp(mean.keys.float(), kv.keys.float(), weight)
+    values = torch.lerp(mean.values.float(), kv.values.float(), weight)
     return replace(kv, keys=keys.to(kv.keys.dtype), values=values.to(kv.values.dtype))
 
 

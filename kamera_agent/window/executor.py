@@ -292,8 +292,16 @@ class Executor:
     def _same_edges(self, ref: ChunkRef, antecedents: Sequence[ChunkRef]) -> bool:
         """The graph already records exactly these antecedents for ``ref`` (its state unchanged,
         so each edge's state is too): rewriting its edges would change nothing."""
-        known = tuple(source for source in antecedents if source in self.state.entries)
-        return known == self.state.antecedents_of(ref)
+        entries, recorded = self.state.entries, self.state.graph._pred[ref]
+        last, count = -1, 0
+        for source in antecedents:  # each known one recorded, in the recorded order, and no other
+            if source not in entries:
+                continue
+            edge = recorded.get(source)
+            if edge is None or edge["index"] <= last:
+                return False
+            last, count = edge["index"], count + 1
+        return count == len(recorded)
 
     # -- KV of chunks and states -------------------------------------------------------------------
     def canonical(self, ref: ChunkRef) -> ChunkKV:

@@ -129,9 +129,10 @@ class OpRunner:
         with self.lock:
             self.check_open()
             idle = WindowPlan(op, tuple(self.state.order))
-            build: Build = (
-                (lambda planner: planner.materialize(self.state)) if materialize else (lambda _: idle)
-            )
+            entries = self.state.entries
+            due = materialize and any(entries[ref].pending for ref in self.state.order)
+            # nothing deferred: the materializing plan would only rotate every chunk in place
+            build: Build = (lambda planner: planner.materialize(self.state)) if due else (lambda _: idle)
             _, (value, cost) = self._run(op, build, read)
         assert value is not None
         return value, cost

@@ -26,8 +26,8 @@ from kamera_agent.errors import (
 )
 from kamera_agent.window import KameraWindow
 from tests.backends.test_transformers_backend import images
-from tests.window.backends import CountingBackend, backend_named
 from tests.kv_helpers import next_token_kl
+from tests.window.backends import CountingBackend, backend_named
 from tests.window.helpers import answer_kl, chunk_errors
 from tests.window.oracle import StateOracle
 
