@@ -121,8 +121,8 @@ def read_chunk(
     layers = cache.layers
     if len(layers) != layout.num_layers:
         raise LayoutMismatchError(f"cache has {len(layers)} layers, the layout {layout.num_layers}")
-    keys = torch.stack([layer.keys[batch_index, :, start:stop] for layer in layers]).clone()
-    values = torch.stack([layer.values[batch_index, :, start:stop] for layer in layers]).clone()
+    keys = torch.stack([layer.keys[batch_index, :, start:stop] for layer in layers])  # a new tensor:
+    values = torch.stack([layer.values[batch_index, :, start:stop] for layer in layers])  # no clone
     kv = ChunkKV(keys, values, positions.clone(), chunk_key, model_fingerprint)
     check_layout(kv, layout)
     return kv
