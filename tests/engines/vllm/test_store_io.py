@@ -12,6 +12,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -307,6 +308,35 @@ def test_the_worker_reports_loads_in_the_step_that_names_their_requests() -> Non
     report = worker.build_connector_worker_meta()
     assert report is not None and report.failed == {("a", 0)}
     assert worker.get_finished(set()) == (None, None)
+
+
+def test_a_step_with_nothing_scheduled_waits_for_the_loads_instead_of_spinning() -> None:
+    """Every request parked for its loads: vLLM steps with nothing scheduled, and a worker that
+    returned at once would have its loop spin against the loader for the interpreter. Such a
+    step waits (at most `IDLE_WAIT`) and names the request as soon as its load is done; a step
+    with work scheduled never waits."""
+    from kamera_agent.engines.vllm.connector import IDLE_WAIT
+
+    worker = _worker()
+    worker.block_size, worker._load_errors = 32, set()
+    gate = threading.Event()
+
+    def load(_: Load) -> bool:
+        return gate.wait(timeout=60)
+
+    worker.loads = BackgroundLoads(load, worker.faults, 32)
+    worker.loads.submit([Load("a", ENTRY, 0, 32, 0, tuple(range(32)))])
+    worker.bind_connector_metadata(KameraMetadata(idle=False))
+    assert worker.get_finished(set()) == (None, None)  # work scheduled: no wait, not done yet
+    worker.bind_connector_metadata(KameraMetadata(idle=True))
+    began = time.monotonic()
+    assert worker.get_finished(set()) == (None, None)  # still gated: waited the bound, then returned
+    assert IDLE_WAIT <= time.monotonic() - began < 100 * IDLE_WAIT
+    gate.set()  # the load finishes while this idle step waits (on a starved machine: a step later)
+    named = worker.get_finished(set())[1]
+    assert named == {"a"} or (worker.loads.flush(60) and worker.get_finished(set())[1] == {"a"})
+    report = worker.build_connector_worker_meta()
+    assert report is not None and report.written == {("a", 0)}
 
 
 def _piece(kv: ChunkKV, heads: tuple[int, int], layers: tuple[int, int]) -> ChunkKV:
