@@ -85,6 +85,9 @@ class Executor:
             elif step.kind == "form_patch" and not step.off_window:
                 run, index = self._collect_run(steps, index)
                 self._form_in_window(run)
+            elif self._leads_alone(steps, index):
+                self._form_in_window([], lead=steps[index + 1])
+                index += 2
             else:
                 self._apply(step)
                 index += 1
@@ -96,6 +99,24 @@ class Executor:
         if not canonical_leads_run(steps, index, self.state.order):
             return False
         return not self.txn.store.has_canonical(self.state.entries[steps[index].ref].chunk.key)
+
+    def _leads_alone(self, steps: Sequence[Step], index: int) -> bool:
+        """The steps at ``index`` form the window's first chunk's canonical, which the store does
+        not hold, and serve the chunk as it, with no formation after: the forward runs in the
+        window's kept cache, so the next op or answer appends to it instead of placing the chunk
+        there again (engines that keep caches)."""
+        if index + 1 >= len(steps) or not self.core.backend.supports_extend:
+            return False
+        make, serve = steps[index], steps[index + 1]
+        return (
+            make.kind == "form_canonical"
+            and serve.kind in ("revert", "rotate")
+            and serve.source is None
+            and serve.ref == make.ref
+            and serve.state.kind == "canonical"
+            and self.state.order[0] == make.ref
+            and not self.txn.store.has_canonical(self.state.entries[make.ref].chunk.key)
+        )
 
     def _slot(self, ref: ChunkRef) -> int:
         return self.state.order.index(ref)
@@ -180,11 +201,13 @@ class Executor:
         after a push then places nothing but its query), up to the first member otherwise (the
         members sit after the placed chunks in it)."""
         order, members = self.state.order, {step.ref for step in run}
-        count, last = order.index(run[0].ref), order.index(run[-1].ref)
         chunks = [self.state.entries[step.ref].chunk for step in run]
-        if lead is not None:  # slot 0, the members right after it
-            count, chunks = 0, [self.state.entries[lead.ref].chunk, *chunks]
+        if lead is not None:  # slot 0, the members (if any) right after it
+            count, last = 0, order.index(run[-1].ref) if run else 0
+            chunks = [self.state.entries[lead.ref].chunk, *chunks]
             members.add(lead.ref)
+        else:
+            count, last = order.index(run[0].ref), order.index(run[-1].ref)
         between = [ref for ref in order[count:last] if ref not in members]
         placed = self._places(between)
         self.txn.meter.tokens_placed += sum(kv.num_tokens for kv in placed)

@@ -120,15 +120,18 @@ class WindowPlan:
 
 def canonical_leads_run(steps: Sequence[Step], index: int, order: Sequence[ChunkRef]) -> bool:
     """``steps[index:index + 3]`` form the window's first chunk's canonical, serve the chunk as
-    it (a revert) and form the second chunk over it: one forward from the first slot computes
-    both, since the canonical is the chunk behind the anchor alone (the executor runs them so
-    where the store lacks the canonical; the planner counts them so)."""
+    it (a revert, or a rotate of a chunk admitted there) and form the second chunk over it: one
+    forward from the first slot computes both, since the canonical is the chunk behind the
+    anchor alone (the executor runs them so where the store lacks the canonical; the planner
+    counts them so)."""
     if index + 2 >= len(steps) or len(order) < 2:
         return False
     make, revert, first = steps[index : index + 3]
     return (
         make.kind == "form_canonical"
-        and revert.kind == "revert"
+        and revert.kind in ("revert", "rotate")  # served as its canonical: reverted, or admitted first
+        and revert.source is None
+        and revert.state.kind == "canonical"
         and revert.ref == make.ref
         and first.kind == "form_patch"
         and not first.off_window

@@ -28,14 +28,14 @@ def answer_error(window: KameraWindow, query: str = "What is it?") -> float:
 
 @pytest.mark.parametrize("name", TEXT_BACKENDS)
 def test_a_push_keeps_the_cache_its_forward_ran_over(name: str) -> None:
-    """B's conditioned forward runs over anchor + A (placed once) and leaves B's exact KV in
-    that cache: the answer after it places nothing, and C's forward appends onto it."""
+    """A's forward (the anchor and A's canonical) leaves its cache kept, B's conditioned forward
+    appends onto it and leaves B's exact KV there: nothing is ever placed, the answer after it
+    places nothing, and C's forward appends onto it too."""
     window, backend = window_over(name)
-    first = window.push(A)
+    window.push(A)
     window.push(B)
-    anchor = window.encoder.anchor().num_tokens
-    assert backend.assembles[-1] == (2, False)  # B's forward: anchor and A assembled
-    assert window.stats.last.tokens_placed == anchor + window.chunk(first).num_tokens
+    assert backend.assembles[-1] == (0, True)  # B's forward: onto the cache A's ran in
+    assert window.stats.last.tokens_placed == 0
     assert answer_error(window) < 1e-4
     assert backend.assembles[-1] == (0, True) and window.stats.last.tokens_placed == 0
     window.push(C)  # onto the kept cache: the answer's query and generated tokens are cropped

@@ -76,6 +76,20 @@ def test_pushes_with_exact_patches_match_reprefill(make: Make) -> None:
     assert w.stats.ops["push"] == 3
 
 
+def test_the_anchor_runs_in_the_first_forward_of_a_window(make: Make) -> None:
+    """A window's first op prefills the anchor with its first chunks, in one forward, as a
+    prefix cache does: as a pushed chunk's canonical, and as a run formed from slot 0."""
+    w = make()
+    w.push("the red ball rolled left", label="a")
+    assert w.stats.last.forwards == 1
+    assert w.stats.last.tokens_prefilled == w.encoder.anchor().num_tokens + w.chunk(w.refs[0]).num_tokens
+    assert_exact(w)
+    v = make()
+    v.extend(["the red ball rolled left", "then it stopped by the wall"])
+    assert v.stats.last.forwards == 1
+    assert_exact(v)
+
+
 def test_reorder_with_exact_patches_matches_and_reorder_back_runs_no_forward(make: Make) -> None:
     w = make()
     a, b, c = three(w)
