@@ -25,7 +25,9 @@ Why the clock is fair: each step's content is prepared (preprocessed, hashed) be
 both timings, since a prefix cache must do the same to find its hits; both sides answer with the
 backend's own decode loop and the same decode settings; the whole episode runs once untimed
 first, on another item (scratch window, scratch prefix cache), so neither side pays a shape's
-first-call costs.
+first-call costs; then it is timed twice, the sides taking turns going first at each step (each
+first where the other run had the other side first), and each step's times are the two runs'
+mean.
 """
 
 from __future__ import annotations
