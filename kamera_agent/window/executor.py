@@ -435,7 +435,9 @@ class Executor:
         """Decode the query over the window as it is."""
         return self.core.decode(self.window_cache(), query_ids, self.end(), config, self.txn.meter)
 
-    def answer_without(self, removed: ChunkRef, query_ids: torch.Tensor, config: DecodeConfig) -> Answer:
+    def answer_without(
+        self, removed: ChunkRef, query_ids: torch.Tensor, config: DecodeConfig, *, exact: bool = True
+    ) -> Answer:
         """Decode with ``removed`` left out and its influence taken off the chunks that encode it.
 
         The chunks before it keep their KV (the kept engine cache is cut back to them). Each
@@ -443,7 +445,11 @@ class Executor:
         (full KV, a patch), else by its canonical where the store holds one; from the first
         that has neither, the rest are formed over what is placed before them in one forward,
         exactly (a prefix cache's re-prefill from there, never more tokens), and stored as the
-        states they are, so the same probe again, or evicting ``removed``, finds them."""
+        states they are, so the same probe again, or evicting ``removed``, finds them.
+
+        ``exact=False``: such chunks are served by their canonicals, formed where missing (each
+        once, for every probe after it): what ranking every chunk of a window costs in decodes
+        only, where exact views would re-prefill the rest once per chunk."""
         state, core, meter = self.state, self.core, self.txn.meter
         slot = state.order.index(removed)
         influenced = _Influence(state.entries[removed].state.digest)
@@ -459,7 +465,7 @@ class Executor:
             served = entry.state
             if removed in state.graph.pred[ref] or influenced(entry.state):
                 served = self._reduced(ref, ctx)
-                if served.kind == "canonical" and not self.txn.store.has_canonical(ref.key):
+                if exact and served.kind == "canonical" and not self.txn.store.has_canonical(ref.key):
                     formed_from = i
                     break
             reference, patch = self.free_kv(served) if served != entry.state else self._made_of(ref)
@@ -481,11 +487,11 @@ class Executor:
         if formed:
             done = core.condition(formed, context, start, self.txn, onto=cache)
             for chunk, kv in zip(formed, done.kv, strict=True):
-                exact = ChunkState.patched(chunk.key, "full", ctx)
-                core.keep_full(exact, kv, self.txn)
+                over = ChunkState.patched(chunk.key, "full", ctx)  # exact over what is left
+                core.keep_full(over, kv, self.txn)
                 meter.patches_formed += 1
-                pieces.append(((rest[formed_from], start, exact.digest), chunk.num_tokens))
-                formed_from, ctx, start = formed_from + 1, ctx.extend(exact), start + chunk.advance
+                pieces.append(((rest[formed_from], start, over.digest), chunk.num_tokens))
+                formed_from, ctx, start = formed_from + 1, ctx.extend(over), start + chunk.advance
             if keeps and done.cache is not None:
                 cache = done.cache
             else:  # the engine kept no cache: the whole view assembled anew

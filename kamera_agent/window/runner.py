@@ -287,9 +287,10 @@ class OpRunner:
         query, config = plan.probe_query, DecodeConfig(max_new_tokens=1)
         query_ids = self.parts.query_ids(query)
         with_chunk = self.with_answer(executor, query, query_ids, config)
-        kl = {
+        kl = {  # a ranking: canonical views, formed once for all the probes (`answer_without`)
             ref: next_token_kl(
-                with_chunk.first_logits, executor.answer_without(ref, query_ids, config).first_logits
+                with_chunk.first_logits,
+                executor.answer_without(ref, query_ids, config, exact=False).first_logits,
             )
             for ref in plan.probes
         }

@@ -327,6 +327,19 @@ def test_a_probe_after_the_same_ask_is_a_single_decode_and_kv_costs_are_recorded
     assert probe.with_chunk.tokens == w.ask("What rolled?", max_new_tokens=3).tokens
 
 
+def test_probe_driven_eviction_ranks_with_canonical_views_in_decodes(make: Make) -> None:
+    """Scoring every chunk serves each switched-off view from canonicals (each formed once, for
+    all the probes), not by re-prefilling the rest once per chunk: one decode forward a probe,
+    one forward a missing canonical, and the pushed chunk's own formation."""
+    w = make(capacity_chunks=3, eviction="disposable")
+    three(w)
+    w.ask("What rolled?", max_new_tokens=1)
+    w.push("one more line", label="d")
+    last = w.stats.last
+    assert last.probes == 3 and last.patches_formed == 1  # the probes formed no state of their own
+    assert last.forwards == last.probes + last.canonicals_formed + 1
+
+
 def test_probe_driven_eviction_drops_the_chunk_the_last_query_leans_on_least(make: Make) -> None:
     w = make(capacity_chunks=3, eviction="disposable")
     refs = three(w)
