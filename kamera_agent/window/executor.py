@@ -24,7 +24,7 @@ from kamera_agent.core.identity import ChunkState, Context, effective_rank
 from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer
-from kamera_agent.window.plan import Step, WindowPlan, canonical_leads_run
+from kamera_agent.window.plan import Step, WindowPlan, canonical_leads_run, serves_canonical_first
 from kamera_agent.window.state import Assembled, ChunkRef, Entry, Home, WindowState
 
 __all__ = ["Executor", "StaleLookup"]
@@ -96,27 +96,19 @@ class Executor:
         """The steps at ``index`` serve the window's first chunk as its canonical, which the store
         does not hold, and form the next over it (`canonical_leads_run`): one forward from the
         first slot computes both, where forming the canonical first runs a forward of its own."""
-        if not canonical_leads_run(steps, index, self.state.order):
-            return False
-        return not self.txn.store.has_canonical(self.state.entries[steps[index].ref].chunk.key)
+        return canonical_leads_run(steps, index, self.state.order) and self._unstored(steps[index].ref)
 
     def _leads_alone(self, steps: Sequence[Step], index: int) -> bool:
         """The steps at ``index`` form the window's first chunk's canonical, which the store does
         not hold, and serve the chunk as it, with no formation after: the forward runs in the
         window's kept cache, so the next op or answer appends to it instead of placing the chunk
         there again (engines that keep caches)."""
-        if index + 1 >= len(steps) or not self.core.backend.supports_extend:
-            return False
-        make, serve = steps[index], steps[index + 1]
-        return (
-            make.kind == "form_canonical"
-            and serve.kind in ("revert", "rotate")
-            and serve.source is None
-            and serve.ref == make.ref
-            and serve.state.kind == "canonical"
-            and self.state.order[0] == make.ref
-            and not self.txn.store.has_canonical(self.state.entries[make.ref].chunk.key)
-        )
+        order, keeps = self.state.order, self.core.backend.supports_extend
+        return keeps and serves_canonical_first(steps, index, order) and self._unstored(steps[index].ref)
+
+    def _unstored(self, ref: ChunkRef) -> bool:
+        """The store lacks ``ref``'s canonical (else serving it runs no forward to share)."""
+        return not self.txn.store.has_canonical(self.state.entries[ref].chunk.key)
 
     def _slot(self, ref: ChunkRef) -> int:
         return self.state.order.index(ref)

@@ -16,7 +16,7 @@ from kamera_agent.core.identity import ChunkState
 from kamera_agent.results import Edit, EditKind, Plan
 from kamera_agent.window.state import ChunkRef
 
-__all__ = ["Step", "WindowPlan", "canonical_leads_run"]
+__all__ = ["Step", "WindowPlan", "canonical_leads_run", "serves_canonical_first"]
 
 
 @dataclass(slots=True)
@@ -118,24 +118,28 @@ class WindowPlan:
         return Plan(self.op, tuple(edits))
 
 
-def canonical_leads_run(steps: Sequence[Step], index: int, order: Sequence[ChunkRef]) -> bool:
-    """``steps[index:index + 3]`` form the window's first chunk's canonical, serve the chunk as
-    it (a revert, or a rotate of a chunk admitted there) and form the second chunk over it: one
-    forward from the first slot computes both, since the canonical is the chunk behind the
-    anchor alone (the executor runs them so where the store lacks the canonical; the planner
-    counts them so)."""
-    if index + 2 >= len(steps) or len(order) < 2:
+def serves_canonical_first(steps: Sequence[Step], index: int, order: Sequence[ChunkRef]) -> bool:
+    """``steps[index:index + 2]`` form the window's first chunk's canonical and serve the chunk
+    as it (a revert, or a rotate of a chunk admitted there): the canonical is the chunk behind
+    the anchor alone, so the forward that forms it is the window's own from the first slot."""
+    if index + 1 >= len(steps) or not order:
         return False
-    make, revert, first = steps[index : index + 3]
+    make, serve = steps[index], steps[index + 1]
     return (
         make.kind == "form_canonical"
-        and revert.kind in ("revert", "rotate")  # served as its canonical: reverted, or admitted first
-        and revert.source is None
-        and revert.state.kind == "canonical"
-        and revert.ref == make.ref
-        and first.kind == "form_patch"
-        and not first.off_window
-        and not first.in_run
+        and serve.kind in ("revert", "rotate")
+        and serve.source is None
+        and serve.state.kind == "canonical"
+        and serve.ref == make.ref
         and order[0] == make.ref
-        and order[1] == first.ref
     )
+
+
+def canonical_leads_run(steps: Sequence[Step], index: int, order: Sequence[ChunkRef]) -> bool:
+    """`serves_canonical_first` at ``index``, then the second chunk formed over it: one forward
+    from the first slot computes both (the executor runs them so where the store lacks the
+    canonical; the planner counts them so)."""
+    if index + 2 >= len(steps) or len(order) < 2 or not serves_canonical_first(steps, index, order):
+        return False
+    first = steps[index + 2]
+    return first.kind == "form_patch" and not first.off_window and not first.in_run and order[1] == first.ref

@@ -8,7 +8,6 @@ thread (``close``); they differ only in what an item is and how it is done.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 __all__ = ["WorkerThread"]
@@ -38,14 +37,8 @@ class WorkerThread:
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until nothing is busy (at most ``timeout`` seconds); whether nothing is."""
-        deadline = time.monotonic() + timeout
         with self.lock:
-            while self.busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self.lock.wait(left)
-        return True
+            return self.lock.wait_for(lambda: not self.busy, timeout)
 
     def close(self, timeout: float = 30.0) -> bool:
         """Finish what is busy (within ``timeout``), then stop the thread; whether it had started."""

@@ -163,13 +163,8 @@ class RemoteTier(Tier):
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every queued write is done (or failed), at most ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
         with self._lock:
-            while self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._lock.wait(left)
+            self._lock.wait_for(lambda: not self._pending, timeout)
 
     def close(self, timeout: float = 30.0) -> None:
         """Drain the queue (within ``timeout``), stop the writer, close the connection."""
