@@ -155,7 +155,7 @@ class KVCore:
         after it), position-free, stored."""
         txn.meter.prefilled.add(chunk.key)
         txn.meter.canonicals_formed += 1
-        canonical = replace(to_position_free(conditioned, self.backend.layout), chunk_key=chunk.key)
+        canonical = self._position_free(conditioned, chunk.key)
         txn.store.put_canonical(canonical)
         return canonical
 
@@ -243,11 +243,16 @@ class KVCore:
     def keep_full(self, state: ChunkState, conditioned: ChunkKV, txn: Txn, *, orbit: bool = False) -> ChunkKV:
         """A full-rank state's KV from the forward that computed it: position-free, stored under
         the state (no canonical needed: smaller than full-rank factors), folded into its orbit."""
-        kv = replace(to_position_free(conditioned, self.backend.layout), chunk_key=state.chunk_key)
+        kv = self._position_free(conditioned, state.chunk_key)
         txn.store.put_full(kv, state.digest)
         if orbit:
             fold_full_orbit(txn.store, self.root, state, kv)
         return kv
+
+    def _position_free(self, conditioned: ChunkKV, chunk_key: str) -> ChunkKV:
+        """``conditioned`` as stored: position-free, filed under its chunk's key."""
+        free = to_position_free(conditioned, self.backend.layout)
+        return ChunkKV(free.keys, free.values, None, chunk_key, free.model_fingerprint)
 
     def keep_patch(
         self, canonical: ChunkKV, state: ChunkState, conditioned: ChunkKV, txn: Txn, *, orbit: bool = False

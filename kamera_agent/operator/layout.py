@@ -21,7 +21,7 @@ scaling variant is right by construction): the operator knows no engine and no m
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -155,9 +155,10 @@ def at_positions(kv: ChunkKV, layout: KVLayout, positions: torch.Tensor) -> Chun
 
 
 def _with_slot(kv: ChunkKV, slot: Slot, tensor: torch.Tensor, positions: torch.Tensor | None) -> ChunkKV:
-    if slot == "keys":
-        return replace(kv, keys=tensor, positions=positions)
-    return replace(kv, values=tensor, positions=positions)
+    # the constructor, not dataclasses.replace: this runs once per chunk stored or placed, and
+    # replace re-reads the fields each call (a few microseconds per chunk of an op's bookkeeping)
+    keys, values = (tensor, kv.values) if slot == "keys" else (kv.keys, tensor)
+    return ChunkKV(keys, values, positions, kv.chunk_key, kv.model_fingerprint)
 
 
 def check_positions(positions: torch.Tensor, n: int) -> None:

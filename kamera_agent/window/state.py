@@ -239,14 +239,16 @@ class WindowState:
             chain = tuple(entries[source].state for source in antecedents if source in entries)
         wanted = {source: i for i, source in enumerate(antecedents) if source in entries}
         succ, current = graph._adj, graph._pred[ref]
-        graph.remove_edges_from([(source, ref) for source in current if source not in wanted])
+        leaving = [source for source in current if source not in wanted]
+        if leaving:
+            graph.remove_edges_from([(source, ref) for source in leaving])
         for source, i in wanted.items():
             data = current.get(source)
             digest = chain[i].digest
             if data is None:
                 graph.add_edge(source, ref, index=i, state=digest)
             elif data["index"] != i or data["state"] != digest:  # one dict for succ and pred, as networkx
-                succ[source][ref] = current[source] = {**data, "index": i, "state": digest}
+                succ[source][ref] = current[source] = {"index": i, "state": digest}
 
     def dependents(self, ref: ChunkRef) -> list[ChunkRef]:
         """In-window chunks whose KV encodes ``ref``, left to right."""
