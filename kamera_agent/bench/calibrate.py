@@ -352,6 +352,9 @@ def ensure_calibrated(backend: TransformersBackend, progress: Progress, ops: int
     return calibration
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def add_calibrate_parser(commands: Any) -> None:
     """Register ``calibrate`` on the ``kamera`` command's subparsers."""
     calibrate = commands.add_parser(
@@ -367,6 +370,13 @@ def add_calibrate_parser(commands: Any) -> None:
         "--quantile", type=float, default=0.99, help="share of fitting chunks the scale bounds"
     )
     calibrate.add_argument("--out", default=None, help="where to file it (default: $KAMERA_CALIBRATION_DIR)")
+    calibrate.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        default=None,
+        help="load a checkpoint directory in this dtype (default: its own): the dtype an engine serves "
+        "it in, since a calibration is filed by the fingerprint of the checkpoint and dtype",
+    )
 
 
 def run_calibrate_command(args: Any, console: Any) -> int:
@@ -376,6 +386,9 @@ def run_calibrate_command(args: Any, console: Any) -> int:
     if not 0 < args.audit <= 1 or not 0 < args.quantile < 1 or args.ops < 1:
         console.print("[red]--audit must be in (0, 1], --quantile in (0, 1) and --ops at least 1[/red]")
         return 2
+    if args.model == "demo" and args.dtype is not None:
+        console.print("[red]--dtype is for a checkpoint directory; the demo model runs in its own[/red]")
+        return 2
     if args.model == "demo":
         from kamera_agent.demo.model import load_demo_model
 
@@ -384,7 +397,7 @@ def run_calibrate_command(args: Any, console: Any) -> int:
     else:
         from kamera_agent.loading import load_backend
 
-        model, window = load_backend(args.model), {}
+        model, window = load_backend(args.model, dtype=_DTYPES.get(args.dtype or "")), {}
     with Progress(console=console, transient=True) as progress:
         calibration, ops = calibrate(
             model, args.seeds, args.ops, progress, args.audit, args.quantile, **window

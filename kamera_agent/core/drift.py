@@ -22,15 +22,17 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.operator.layout import ChunkKV
+from kamera_agent.store.audits import DriftAudit
 
 if TYPE_CHECKING:
     from kamera_agent.core.kv_core import KVCore, Txn
@@ -39,10 +41,12 @@ __all__ = [
     "AGREES",
     "BUDGETS",
     "CALIBRATION_DIR_VARIABLE",
+    "AuditSource",
     "Calibration",
     "audit",
     "audit_indices",
     "calibration_dirs",
+    "filed_in",
     "find_calibration",
     "relative_error",
     "sampled_error",
@@ -201,3 +205,19 @@ def audit(
     done = core.backend.recompute(chunk, kv, indices, context, start, vision)
     txn.meter.spend(done.spent)
     return sampled_error(kv, done.kv[0], indices), int(indices.numel())
+
+
+class AuditSource(Protocol):
+    """Where audits are filed: a `ChunkStore`, or an operation's staged view of one."""
+
+    def get_audit(self, chunk_key: str, state: str, left: str) -> DriftAudit | None: ...
+
+
+def filed_in(source: AuditSource) -> Callable[[ChunkState, Context], float | None]:
+    """The error filed in ``source`` for a state behind a left context, or ``None`` (not measured)."""
+
+    def filed(state: ChunkState, left: Context) -> float | None:
+        found = source.get_audit(state.chunk_key, state.digest, left.digest)
+        return None if found is None else found.error
+
+    return filed

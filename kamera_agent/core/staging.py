@@ -17,6 +17,7 @@ from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.operator.patch import Patch
 from kamera_agent.store import ChunkStore, EntryKey
+from kamera_agent.store.audits import DriftAudit
 from kamera_agent.store.codec import StoredValue
 
 __all__ = ["Committed", "StagedStore", "StoreView", "can_form"]
@@ -78,6 +79,9 @@ class StagedStore:
     def get_patch(self, chunk_key: str, variant: str) -> Patch | None:
         return _typed(self._get(EntryKey.patch(chunk_key, variant)), Patch)
 
+    def get_audit(self, chunk_key: str, state: str, left: str) -> DriftAudit | None:
+        return _typed(self._get(EntryKey.audit(chunk_key, state, left)), DriftAudit)
+
     def has_canonical(self, key: str) -> bool:
         return self._has(EntryKey.canonical(key))
 
@@ -118,6 +122,9 @@ class StagedStore:
 
     def put_patch(self, patch: Patch, variant: str | None = None) -> None:
         self._staged[EntryKey.patch(patch.chunk_key, patch.state if variant is None else variant)] = patch
+
+    def put_audit(self, audit: DriftAudit) -> None:
+        self._staged[EntryKey.audit(audit.chunk_key, audit.state, audit.left)] = audit
 
     def discard(self) -> None:
         """Forget every staged write (a failed op)."""

@@ -19,6 +19,15 @@ absorbed": a slide or reorder is then served without recompute, approximately. P
 below full need a chunk's canonical, one forward an engine's cache hook cannot run, so only
 full-rank states are served here.
 
+A kept state is an approximation, so under a drift budget (``WindowConfig.drift_budget``, by
+default the model's calibrated ε) it is served only where the store vouches for it: an audit
+filed for that state behind the request's left context (`DriftAudit`, measured by a window
+sharing the store: an engine cannot recompute tokens to audit) puts its estimated drift within
+ε, counting what the kept chunks to its left carry (`Calibration.estimate`). A model without a
+calibration serves exactly, with one warning; ``drift_budget=None`` keeps unbounded. Every
+served chunk carries its estimate (`Served.drift`), so a request's kept tokens and largest drift
+are reported (`LoadPlan.kept_tokens`, `LoadPlan.drift`).
+
 Every chunk key is scoped by the request's anchor, itself keyed in the request's namespace
 (SGLang's ``extra_key``, vLLM's ``cache_salt``; ``""`` for neither), so every state is too: one
 tenant is never served another's KV, approximate or not. A request's first chunk is its anchor
@@ -28,19 +37,23 @@ tenant is never served another's KV, approximate or not. A request's first chunk
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, TypeVar
 
 from kamera_agent.config import WindowConfig
+from kamera_agent.core.drift import AuditSource, Calibration, filed_in, find_calibration
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.engines.shards import EntryStore
+from kamera_agent.errors import UncalibratedWarning
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.store import EntryKey
 
 __all__ = [
     "EngineStats",
+    "KeptBudget",
     "KeptLoad",
     "LoadPlan",
     "PrefixSynthesis",
@@ -48,6 +61,7 @@ __all__ = [
     "ServePolicy",
     "Served",
     "policy_of",
+    "serving",
 ]
 
 ServePolicy = Literal["exact", "keep"]
@@ -56,6 +70,54 @@ ServePolicy = Literal["exact", "keep"]
 def policy_of(config: WindowConfig) -> ServePolicy:
     """What an engine may serve under ``config``: kept states only where survivors keep them."""
     return "keep" if config.survivors == "keep" else "exact"
+
+
+@dataclass(frozen=True)
+class KeptBudget:
+    """The drift budget an engine serves kept states within: ε, the model's calibration, and
+    where audits are filed (the store every window sharing it files its audits in)."""
+
+    epsilon: float
+    calibration: Calibration
+    audits: AuditSource
+
+    def estimate(self, state: ChunkState, left: Context, inherited: float) -> float | None:
+        """``state``'s estimated drift behind ``left`` from the audit filed for the pair and the
+        largest estimate to its left, or ``None``: nobody measured it."""
+        own = filed_in(self.audits)(state, left)
+        return None if own is None else self.calibration.estimate(own, inherited)
+
+
+_warned: set[str] = set()  # fingerprints warned about in this process
+
+
+def serving(
+    config: WindowConfig, audits: AuditSource, fingerprint: str
+) -> tuple[ServePolicy, KeptBudget | None]:
+    """The policy an engine serves under ``config`` and the budget its kept states must keep.
+
+    ``drift_budget=None``: kept states unbounded (their drift unknown); 0: exact; a number or
+    ``"calibrated"``: the model's calibration (`find_calibration`) bounds them, and a model
+    without one serves exactly, with one `UncalibratedWarning` per model and process."""
+    policy = policy_of(config)
+    if policy == "exact" or config.drift_budget is None:
+        return policy, None
+    calibration = find_calibration(fingerprint) if config.drift_budget != 0 else None
+    if calibration is None:
+        if config.drift_budget != 0 and fingerprint not in _warned:
+            _warned.add(fingerprint)
+            warnings.warn(
+                "this model has no drift calibration, so the engine serves exactly (kept states are "
+                "approximations nothing bounds without it): calibrate the model once with `kamera "
+                "calibrate MODEL`, or set drift_budget None in the connector's config to keep unbounded",
+                UncalibratedWarning,
+                stacklevel=2,
+            )
+        return "exact", None
+    epsilon = calibration.budget if config.drift_budget == "calibrated" else float(config.drift_budget)
+    if epsilon == 0:
+        return "exact", None
+    return policy, KeptBudget(epsilon, calibration, audits)
 
 
 @dataclass
@@ -72,6 +134,9 @@ class EngineStats:
         failed: loads or pieces given up (an entry gone or damaged, no free slots, a layout the
             adapter cannot write): the engine computed those tokens itself.
         chunks_captured: chunk states stored from the engine's prefills.
+        tokens_kept: tokens offered in kept states (approximations).
+        kept_refused: plannings stopped at a kept state no audit vouched for within the drift
+            budget (the engine computed it and what follows; vLLM counts each request once).
     """
 
     offered: int = 0
@@ -81,6 +146,8 @@ class EngineStats:
     chunks_loaded: int = 0
     failed: int = 0
     chunks_captured: int = 0
+    tokens_kept: int = 0
+    kept_refused: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,6 +173,8 @@ class Served:
         skip: leading tokens of the chunk the engine already holds (its prefix hit ends inside
             the chunk); the load writes the rest.
         computed_state: the state a forward over the states before it would give the chunk.
+        drift: its estimated drift against a re-prefill of the request: 0 for a forward's state
+            behind exact chunks; ``None`` where unknown (kept unbounded, or behind such a chunk).
     """
 
     chunk: RequestChunk
@@ -113,6 +182,7 @@ class Served:
     entry: EntryKey
     skip: int = 0
     computed_state: ChunkState | None = None
+    drift: float | None = 0.0
 
     @property
     def computed(self) -> bool:
@@ -129,16 +199,39 @@ class LoadPlan:
         end: where the synthesized prefix ends (page-aligned; ``device_len`` when nothing is served).
         served: the chunks whose KV is loaded, left to right (the first may start inside the
             engine's hit, the last may be cut by ``end``).
+        held_kept: tokens of the engine's own hit in kept states an earlier load left there
+            (the engine's prefix cache serves them as computed).
+        held_drift: their largest estimated drift (0: none held; ``None``: unknown).
+        refused: the synthesis stopped at a kept state no audit vouched for within the budget
+            (the engine computes it and what follows).
     """
 
     device_len: int
     end: int
     served: tuple[Served, ...] = ()
+    held_kept: int = 0
+    held_drift: float | None = 0.0
+    refused: bool = False
 
     @property
     def tokens(self) -> int:
         """How many tokens the synthesis loads."""
         return self.end - self.device_len
+
+    @property
+    def kept_tokens(self) -> int:
+        """Tokens loaded in states a forward would not give them (kept or spliced: approximations)."""
+        kept = [item for item in self.served if not item.computed]
+        return sum(min(item.chunk.end, self.end) - item.chunk.start - item.skip for item in kept)
+
+    @property
+    def drift(self) -> float | None:
+        """The largest estimated drift of what the request is served, from the engine's own hit
+        and from the store (0: exact; ``None``: unknown somewhere)."""
+        drifts = [self.held_drift, *(item.drift for item in self.served)]
+        if any(d is None for d in drifts):
+            return None
+        return max((d for d in drifts if d is not None), default=0.0)
 
 
 @dataclass(frozen=True)
@@ -155,6 +248,7 @@ class KeptLoad:
         tokens: the chunk's leading tokens that hold ``state``'s KV: the whole chunk, or fewer
             where the load's end cut it or the engine evicted the rest (what the engine holds
             after them, a forward computed behind them).
+        drift: its estimated drift when loaded (``None``: unknown).
     """
 
     prefix: str
@@ -162,6 +256,7 @@ class KeptLoad:
     state: ChunkState
     computed: ChunkState
     tokens: int
+    drift: float | None = None
 
     def held(self, tokens: int) -> ChunkState:
         """The state of the chunk's first ``tokens`` as the engine holds them."""
@@ -189,10 +284,13 @@ class PrefixSynthesis:
         store: where position-free chunk KV is kept (shared by every process that names it): a
             `ChunkStore`, or a `ShardedStore` where the engine splits KV over ranks.
         policy: ``"exact"`` or ``"keep"`` (`policy_of`).
+        budget: under ``"keep"``, the drift budget kept states are served within (`serving`);
+            ``None``: unbounded.
     """
 
     store: EntryStore
     policy: ServePolicy = "exact"
+    budget: KeptBudget | None = None
     _latest: OrderedDict[str, Served] = field(default_factory=OrderedDict, repr=False)
     _loaded: OrderedDict[str, KeptLoad] = field(default_factory=OrderedDict, repr=False)
 
@@ -213,6 +311,10 @@ class PrefixSynthesis:
         blocks every other request may reuse). Reads presence only: no side effects."""
         served: list[Served] = []
         chain, prefix = _Chain(), _prefix_root(namespace)
+        worst: float | None = 0.0  # the largest drift to the left (None: unknown)
+        held_kept = 0  # tokens of the engine's own hit in kept states, and their largest drift:
+        held_drift: float | None = 0.0
+        refused = False
         for chunk in chunks:
             if chunk.start >= limit:
                 break
@@ -221,19 +323,30 @@ class PrefixSynthesis:
             held = computed
             if chunk.start < device_len:
                 held = self._held(prefix, computed, min(device_len, chunk.end) - chunk.start)
+                if held.digest != computed.digest:  # an earlier load's kept state, in the engine's cache
+                    held_kept += min(device_len, chunk.end) - chunk.start
+                    record = self._loaded.get(prefix)
+                    drift = record.drift if record is not None else None
+                    worst = None if worst is None or drift is None else max(worst, drift)
+                    held_drift = None if held_drift is None or drift is None else max(held_drift, drift)
             if chunk.end <= device_len:
                 chain.extend(chunk, held)
                 continue
-            hit = self._servable(namespace, chunk, held, computed, device_len, approximate)
+            hit, refused = self._servable(
+                namespace, chunk, held, computed, device_len, approximate, chain, worst
+            )
             if hit is None:
                 break
             served.append(hit)
+            worst = None if worst is None or hit.drift is None else max(worst, hit.drift)
             chain.extend(chunk, hit.state)
         end = min(served[-1].chunk.end if served else device_len, limit)
         end = max(device_len, end - end % page_size)
         while served and served[-1].chunk.start + served[-1].skip >= end:
             served.pop()
-        return LoadPlan(device_len, end if served else device_len, tuple(served))
+        return LoadPlan(
+            device_len, end if served else device_len, tuple(served), held_kept, held_drift, refused
+        )
 
     def load(self, plan: LoadPlan) -> list[ChunkKV] | None:
         """The served chunks' whole position-free KV, or ``None`` when any entry is gone (a load
@@ -267,7 +380,7 @@ class PrefixSynthesis:
                 self._loaded.pop(prefix, None)  # a forward's state now, whatever a load left before
                 continue
             tokens = min(chunk.end, plan.end) - chunk.start
-            out.append(KeptLoad(prefix, chunk, item.state, item.computed_state, tokens))
+            out.append(KeptLoad(prefix, chunk, item.state, item.computed_state, tokens, item.drift))
             _remember(self._loaded, prefix, out[-1])
         return out
 
@@ -334,6 +447,16 @@ class PrefixSynthesis:
         """File position-free ``kv`` (read from the engine's cache) at ``entry``."""
         self.store.put(entry, replace(kv, chunk_key=entry.key))
 
+    def _behind(self, worst: float | None) -> float | None:
+        """The drift of a forward's state behind chunks whose largest drift is ``worst``: what it
+        inherits (`Calibration.estimate` of no audit error), 0 behind exact chunks, ``None``
+        where that is unknown."""
+        if worst == 0.0:
+            return 0.0
+        if worst is None or self.budget is None:
+            return None
+        return self.budget.calibration.estimate(0.0, worst)
+
     # -- states -----------------------------------------------------------------------------
     def _held(self, prefix: str, computed: ChunkState, tokens: int) -> ChunkState:
         """The state of a chunk's first ``tokens`` the engine holds: the one a load left there,
@@ -349,20 +472,30 @@ class PrefixSynthesis:
         computed: ChunkState,
         device_len: int,
         approximate: bool,
-    ) -> Served | None:
+        chain: _Chain,
+        worst: float | None,
+    ) -> tuple[Served | None, bool]:
         """The chunk served from the store: in the state the engine's part of it holds (or, past
         the engine's hit, a forward would compute), else under ``"keep"`` in its last captured
-        state (spliced behind the engine's part of the chunk, if any)."""
+        state (spliced behind the engine's part of the chunk, if any), where the budget allows:
+        an audit filed for that state behind ``chain``'s context puts it within ε, counting
+        ``worst``, the largest drift to its left. With it, whether a kept state was refused."""
         skip = max(0, device_len - chunk.start)
         entry = _entry(chunk, held)
         if self.store.contains(entry):
-            return Served(chunk, held, entry, skip, computed)
+            return Served(chunk, held, entry, skip, computed, self._behind(worst)), False
         if self.policy == "keep" and approximate:
             kept = self._latest.get(_latest_key(namespace, chunk))
             if kept is not None and self.store.contains(kept.entry):
+                drift = None
+                if self.budget is not None:
+                    left = chain.context or Context.root("")
+                    drift = None if worst is None else self.budget.estimate(kept.state, left, worst)
+                    if drift is None or drift > self.budget.epsilon:
+                        return None, True
                 state = kept.state if skip == 0 else ChunkState.spliced(held, kept.state, skip)
-                return Served(chunk, state, kept.entry, skip, computed)
-        return None
+                return Served(chunk, state, kept.entry, skip, computed, drift), False
+        return None, False
 
 
 MEMORY = 1 << 16

@@ -1,4 +1,4 @@
-"""The content-addressed store: canonicals, vision embeddings and patches, in ordered tiers.
+"""The content-addressed store: canonicals, vision embeddings, patches and audits, in ordered tiers.
 
 `ChunkStore` is the facade; `EntryKey` addresses an entry; each tier (memory, disk, a shared
 Valkey/Redis server, or one of your own) is a `Tier` answering with a `Lookup` and a `Status`;
@@ -6,6 +6,7 @@ eviction policies are scoring functions in `EVICTION_POLICIES`; `StoreStats` and
 say what the store did.
 """
 
+from kamera_agent.store.audits import DriftAudit
 from kamera_agent.store.budget import EVICTION_POLICIES, EntryInfo, EvictionPolicy
 from kamera_agent.store.chunk_store import ChunkStore
 from kamera_agent.store.keys import EntryKey, EntryKind
@@ -15,6 +16,7 @@ from kamera_agent.store.tier import Lookup, Status, Tier
 __all__ = [
     "EVICTION_POLICIES",
     "ChunkStore",
+    "DriftAudit",
     "EntryInfo",
     "EntryKey",
     "EntryKind",

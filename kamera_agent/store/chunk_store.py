@@ -1,4 +1,4 @@
-"""The content-addressed `ChunkStore`: canonicals, vision embeddings and patches, over ordered tiers.
+"""The content-addressed `ChunkStore`: canonicals, vision embeddings, patches and audits, over ordered tiers.
 
 Why: every reuse in kamera-agent starts with a lookup by content key. A hit skips the vision
 encode and the canonical prefill (or, for a patch, the conditioned forward), so the store is
@@ -45,6 +45,7 @@ import torch
 from kamera_agent.errors import StoreBudgetError, StoreKeyError
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.operator.patch import Patch
+from kamera_agent.store.audits import DriftAudit
 from kamera_agent.store.budget import EvictionPolicy, check_budget, check_fits, resolve_policy
 from kamera_agent.store.codec import StoredValue, entry_nbytes, fingerprint_of
 from kamera_agent.store.disk import DiskTier
@@ -234,6 +235,15 @@ class ChunkStore:
         except ValueError:
             return None
         return header["state"], {str(k): str(v) for k, v in meta.items()}
+
+    def put_audit(self, audit: DriftAudit) -> EntryKey:
+        """File a measured drift (`DriftAudit`) under its chunk, state and left context."""
+        return self._put(EntryKey.audit(audit.chunk_key, audit.state, audit.left), audit)
+
+    def get_audit(self, chunk_key: str, state: str, left: str) -> DriftAudit | None:
+        """The drift measured for ``chunk_key`` in ``state`` behind ``left``, or ``None``: not
+        measured (or no longer held)."""
+        return cast("DriftAudit | None", self._get(EntryKey.audit(chunk_key, state, left)))
 
     def has_canonical(self, key: str) -> bool:
         """Whether a canonical for this chunk key is held (any tier), without loading it."""

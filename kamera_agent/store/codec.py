@@ -12,6 +12,7 @@ never deserialized under rules it was not written by.
     full        positions [n] | [3, n] when placed
     vision      the tower's outputs under their own names  -
     patch       "{layer}.{slot}.u" [n, m], ".v" [m, F]     num_tokens, patch_kind, state, meta (JSON)
+    audit       error [1] (float64)                        state, left, tokens
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from safetensors.torch import load, save
 
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.operator.patch import Patch
+from kamera_agent.store.audits import DriftAudit
 from kamera_agent.store.keys import EntryKey, EntryKind
 from kamera_agent.store.signing import MAC_FIELD, Signer
 
@@ -48,7 +50,7 @@ __all__ = [
     "stamp",
 ]
 
-StoredValue = ChunkKV | Patch | dict[str, torch.Tensor]
+StoredValue = ChunkKV | Patch | DriftAudit | dict[str, torch.Tensor]
 Tensors = dict[str, torch.Tensor]
 Meta = dict[str, str]
 FORMAT = "kamera-store/3"
@@ -135,8 +137,16 @@ def _patch_build(tensors: Tensors, meta: Meta) -> Patch:
 
 
 def _stamped(value: Any, fingerprint: str) -> Any:
-    """A frozen `ChunkKV` or `Patch` carrying ``fingerprint``: itself when it does already."""
+    """A frozen `ChunkKV`, `Patch` or `DriftAudit` carrying ``fingerprint``: itself when it does already."""
     return value if value.model_fingerprint == fingerprint else replace(value, model_fingerprint=fingerprint)
+
+
+def _audit_build(tensors: Tensors, meta: Meta) -> DriftAudit:
+    error = tensors["error"]
+    if error.shape != (1,):
+        raise ValueError(f"an audit's error is one number, got shape {tuple(error.shape)}")
+    tokens, fingerprint = int(meta["tokens"]), meta["model_fingerprint"]
+    return DriftAudit(meta["key"], meta["state"], meta["left"], float(error[0]), tokens, fingerprint)
 
 
 _CHUNK_KV = _Codec(
@@ -165,6 +175,13 @@ _CODECS: Mapping[EntryKind, _Codec] = MappingProxyType(
             build=_patch_build,
             fingerprint=lambda patch: patch.model_fingerprint,
             stamp=lambda patch, fp: _stamped(patch, fp),
+        ),
+        "audit": _Codec(
+            tensors=lambda audit: {"error": torch.tensor([audit.error], dtype=torch.float64)},
+            meta=lambda audit: {"state": audit.state, "left": audit.left, "tokens": str(audit.tokens)},
+            build=_audit_build,
+            fingerprint=lambda audit: audit.model_fingerprint,
+            stamp=lambda audit, fp: _stamped(audit, fp),
         ),
     }
 )

@@ -62,7 +62,7 @@ _LOG = logging.getLogger(__name__)
 _INDEX = "index.json"
 _LOCK = ".kamera.lock"
 _INDEX_FORMAT = "kamera-store-index/1"
-_NAME = re.compile(r"^(canonical|full|vision|patch)-([0-9a-f]{32})\.([0-9a-f]{64})\.safetensors$")
+_NAME = re.compile(r"^(canonical|full|vision|patch|audit)-([0-9a-f]{32})\.([0-9a-f]{64})\.safetensors$")
 _TEMP_PREFIX = ".kamera-"
 
 

@@ -4,7 +4,7 @@ Why: canonicals and vision embeddings are keyed by the chunk's content key alone
 the chunk's content key *and* a variant: the digest of the state it gives the chunk (its
 antecedents' states chained in, `kamera_agent.core.identity`), or for an orbit the key of its
 antecedent set. Variants are opaque strings made by the caller. One frozen key type
-for all three keeps the tiers generic: they never look inside an entry.
+for every kind keeps the tiers generic: they never look inside an entry.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
+from kamera_agent.store.audits import audit_variant
+
 __all__ = ["EntryKey", "EntryKind"]
 
-EntryKind = Literal["canonical", "full", "vision", "patch"]
+EntryKind = Literal["canonical", "full", "vision", "patch", "audit"]
 
 
 @dataclass(frozen=True, order=True)
@@ -26,10 +28,12 @@ class EntryKey:
     Attributes:
         kind: ``"canonical"`` (position-free `ChunkKV`), ``"full"`` (the position-free KV of one
             full-rank chunk state, filed under the state's digest), ``"vision"`` (a vision tower's output,
-            ``dict[str, Tensor]``) or ``"patch"`` (a `Patch`).
+            ``dict[str, Tensor]``), ``"patch"`` (a `Patch`) or ``"audit"`` (a `DriftAudit`: a
+            state's measured drift behind one left context).
         key: the chunk's content key (hex string).
         variant: a patch's variant (the state digest it gives, or an orbit's set key), a full
-            KV's state digest; ``""`` for canonicals and vision embeddings.
+            KV's state digest, an audit's state and left context (`audit_variant`); ``""`` for
+            canonicals and vision embeddings.
     """
 
     kind: EntryKind
@@ -51,6 +55,10 @@ class EntryKey:
     @classmethod
     def patch(cls, chunk_key: str, variant: str) -> EntryKey:
         return cls("patch", chunk_key, variant)
+
+    @classmethod
+    def audit(cls, chunk_key: str, state: str, left: str) -> EntryKey:
+        return cls("audit", chunk_key, audit_variant(state, left))
 
     @property
     def digest(self) -> str:

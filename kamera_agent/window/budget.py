@@ -7,7 +7,9 @@ hold exactly is given an estimate (`kamera_agent.core.drift`: a sampled audit, s
 model's calibration, plus a share of the largest estimate to its left); the first chunk over ε
 and every chunk after it are re-prefilled over their left context (`Planner.refill`), which
 makes them exact there. An audit is remembered by what the chunk's KV and its left context
-encode (their chained digests), so a chunk is audited once per arrangement it is served in.
+encode (their chained digests), so a chunk is audited once per arrangement it is served in; it
+is also filed in the store (`DriftAudit`), so windows of other processes and nodes sharing the
+store, and engine adapters, which cannot audit, read it instead of measuring it again.
 
 The planner keeps the never-costlier rule with the budget on: before an op runs it bounds what
 the fix could cost (a re-prefill from the first chunk it cannot already vouch for, and the
@@ -27,7 +29,7 @@ from kamera_agent.core.drift import Calibration, find_calibration
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.errors import UncalibratedWarning
 
-__all__ = ["DriftBudget", "Measure", "resolve_budget", "shared_budget"]
+__all__ = ["DriftBudget", "Filed", "Measure", "resolve_budget", "shared_budget"]
 
 _AUDITS = 1 << 14  # audits remembered per window family
 _RETRY = 16  # an op name whose approximations keep failing is still tried once in this many
@@ -41,6 +43,9 @@ _shared_lock = threading.Lock()
 
 Measure = Callable[[int, ChunkState, Context], float]
 """Audit the chunk at index ``i`` in ``state`` behind left context ``ctx``: its sampled error."""
+
+Filed = Callable[[ChunkState, Context], float | None]
+"""The error an audit filed in the store measured for ``state`` behind ``ctx``, or ``None``."""
 
 
 class DriftBudget:
@@ -101,16 +106,22 @@ class DriftBudget:
         with self._lock:  # read only: planning is a dry run (the runner counts what ran: `declined`)
             return self._skipped.get(_KIND.get(op, op), 0) + 1 >= _RETRY
 
-    def own(self, state: ChunkState, left: Context) -> float | None:
+    def own(self, state: ChunkState, left: Context, filed: Filed | None = None) -> float | None:
         """What the chunk adds itself in ``state`` behind ``left``: 0 where its KV is that forward's
         output over exactly ``left`` (a full-rank state formed there), else its remembered audit,
-        else ``None`` (not measured)."""
+        else one ``filed`` in the store (by any window, in any process), remembered, else ``None``
+        (not measured)."""
         if state.kind == "patched" and state.rank == "full" and state.context.digest == left.digest:
             return 0.0
         if state.kind == "canonical" and left.length == 0:
             return 0.0
         with self._lock:
-            return self._audits.get((state.digest, left.digest))
+            known = self._audits.get((state.digest, left.digest))
+        if known is None and filed is not None:
+            known = filed(state, left)
+            if known is not None:
+                self.remember(state, left, known)
+        return known
 
     def remember(self, state: ChunkState, left: Context, audit: float) -> None:
         with self._lock:
@@ -124,11 +135,13 @@ class DriftBudget:
         root: Context,
         measure: Measure | None = None,
         until_over: bool = False,
+        filed: Filed | None = None,
     ) -> list[float | None]:
         """Each chunk's estimated drift, left to right, in ``states`` behind ``root``: 0 where the
-        chain up to it is exact; from ``measure`` where nothing is remembered (``None`` from the
-        first chunk that is neither, when no ``measure`` is given, and after the first over ε
-        with ``until_over``: what a fix re-prefills anyway is not audited)."""
+        chain up to it is exact; from an audit remembered or ``filed`` in the store, else from
+        ``measure`` (``None`` from the first chunk that is neither, when no ``measure`` is given,
+        and after the first over ε with ``until_over``: what a fix re-prefills anyway is not
+        audited)."""
         out: list[float | None] = []
         ctx, worst = root, 0.0
         for i, state in enumerate(states):
@@ -136,7 +149,7 @@ class DriftBudget:
             if following.exact:
                 estimate = 0.0
             else:
-                own = self.own(state, ctx)
+                own = self.own(state, ctx, filed)
                 if own is None and measure is not None:
                     own = measure(i, state, ctx)
                     self.remember(state, ctx, own)

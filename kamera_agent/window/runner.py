@@ -22,7 +22,7 @@ from kamera_agent.backends.base import Backend, DecodeConfig
 from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.costs import CostMeter
-from kamera_agent.core.drift import audit
+from kamera_agent.core.drift import AuditSource, audit, filed_in
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
 from kamera_agent.core.staging import StagedStore, StoreView
@@ -30,6 +30,7 @@ from kamera_agent.errors import ContextOverflowError, WindowClosedError, WindowE
 from kamera_agent.metrics import next_token_kl
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer, OpCost, Plan
+from kamera_agent.store.audits import DriftAudit
 from kamera_agent.window.budget import DriftBudget, Measure
 from kamera_agent.window.conversation import Conversation
 from kamera_agent.window.executor import Executor
@@ -221,13 +222,18 @@ class OpRunner:
             return plan, (value, cost)
         raise WindowError(f"{op}: the store kept changing under the operation; try it again")
 
-    def drift(self, measure: Measure | None = None, until_over: bool = False) -> list[float | None]:
+    def drift(
+        self, measure: Measure | None = None, until_over: bool = False, store: AuditSource | None = None
+    ) -> list[float | None]:
         """Each in-window chunk's estimated drift, left to right: 0 where the window holds it
-        exactly; ``None`` where it is not estimated (no budget, or not measured)."""
+        exactly; ``None`` where it is not estimated (no budget, or not measured). Audits filed in
+        ``store`` (default: the window's) count as measured."""
         states = [self.state.entries[ref].state for ref in self.state.order]
         budget = self.parts.budget
         if budget is not None:
-            return budget.estimates(states, self.parts.core.root, measure, until_over)
+            source = self.parts.core.store if store is None else store
+            filed = filed_in(source)
+            return budget.estimates(states, self.parts.core.root, measure, until_over, filed)
         out: list[float | None] = []
         ctx = self.parts.core.root
         for state in states:
@@ -255,9 +261,11 @@ class OpRunner:
             error, tokens = audit(core, chunk, placed[i + 1], placed[: i + 1], starts[i], share, seed, txn)
             meter.audits += 1
             meter.audit_tokens += tokens
+            # filed with the op's writes: readers of the store (other windows, engines) use it too
+            txn.store.put_audit(DriftAudit(chunk.key, chunk_state.digest, ctx.digest, error, tokens))
             return error
 
-        estimates = self.drift(measure, until_over=True)
+        estimates = self.drift(measure, until_over=True, store=txn.store)
         first = budget.first_over(estimates)
         if meter.audits:
             budget.record(plan.op, first is not None)
@@ -276,7 +284,7 @@ class OpRunner:
             executor.run(fix)
             meter.drift_fixes += len(state.order) - first
             plan = replace(plan, steps=plan.steps + fix.steps)
-            estimates = self.drift()
+            estimates = self.drift(store=txn.store)
         meter.drift = max((e for e in estimates if e is not None), default=0.0)
         return plan
 

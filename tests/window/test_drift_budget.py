@@ -21,8 +21,10 @@ from kamera_agent.core.drift import (
     find_calibration,
     save_calibration,
 )
+from kamera_agent.core.staging import StagedStore
 from kamera_agent.errors import ConfigError, UncalibratedWarning, UnknownChunkError
 from kamera_agent.results import OpCost
+from kamera_agent.store import DriftAudit
 from kamera_agent.window import KameraWindow
 from kamera_agent.window import budget as budget_module
 from tests.window.backends import backend_named
@@ -255,3 +257,59 @@ def test_a_calibrations_fix_rates_are_where_a_new_window_starts(calibrations: Pa
         assert budget is not None
         audited, fixed = budget.outcomes()["slide"]
         assert audited == 8 + tried and fixed == round(rates[1] * 8 / 40) + tried  # 1e-9: it needed one
+
+
+def test_audits_are_filed_in_the_store_for_every_reader(calibrations: Path, tmp_path: Path) -> None:
+    """An audit is filed with the op's writes: a window of another process over the same disk
+    store (its own budget, remembering nothing) reads it instead of auditing the same chunk
+    states again, and estimates the same drift."""
+    calibrate_for_tests(backend_named("qwen2").fingerprint, calibrations)
+    settings = {"disk_dir": tmp_path / "store", "disk_budget": 1 << 26}
+    first = _window(0.05, **settings)
+    for text in TEXTS[:4]:
+        first.push(text, label=text)
+    first.slide(1)
+    assert first.stats.last.audits > 0
+    drifts = [first.drift_of(ref) for ref in first.refs]
+    keys = [key for key in first.store.keys() if key.kind == "audit"]  # noqa: SIM118 (the local tiers' keys)
+    assert len(keys) == first.stats.total.audits  # one entry per audit, none for exact chunks
+    first.close()
+
+    budget_module._shared.clear()  # another process: no audit remembered
+    second = _window(0.05, **settings)
+    for text in TEXTS[:4]:
+        second.push(text, label=text)
+    second.slide(1)
+    assert second.stats.total.audits == 0
+    assert [second.drift_of(ref) for ref in second.refs] == drifts
+
+
+def test_a_failed_op_files_no_audit(calibrations: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audits go with the op's other writes: an op that fails after auditing leaves the store as
+    it was (no audit of a state the window never held)."""
+    calibrate_for_tests(backend_named("qwen2").fingerprint, calibrations)
+    staged: list[object] = []
+    put_audit = StagedStore.put_audit
+
+    def counted(self: StagedStore, audit: DriftAudit) -> None:
+        staged.append(audit)
+        put_audit(self, audit)
+
+    monkeypatch.setattr(StagedStore, "put_audit", counted)
+    window = _window(0.05)
+    for text in TEXTS[:4]:
+        window.push(text, label=text)
+    before = set(window.store.keys())
+    runner = window._runner
+    original = runner._keep_budget
+
+    def fails_after_auditing(*args: object) -> object:
+        original(*args)  # type: ignore[arg-type]
+        raise RuntimeError("the op fails after its audits")
+
+    runner._keep_budget = fails_after_auditing  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        window.slide(1)
+    runner._keep_budget = original  # type: ignore[method-assign]
+    assert staged  # the op audited before it failed
+    assert set(window.store.keys()) == before

@@ -39,7 +39,7 @@ from kamera_agent.engines.sglang.kept import KeptSlots
 from kamera_agent.engines.sglang.pool import SGLangSlots
 from kamera_agent.engines.sglang.segments import ChunkRules, request_chunks
 from kamera_agent.engines.slots import request_positions
-from kamera_agent.engines.synthesis import EngineStats, LoadPlan, PrefixSynthesis, RequestChunk, policy_of
+from kamera_agent.engines.synthesis import EngineStats, LoadPlan, PrefixSynthesis, RequestChunk, serving
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.operator.rope import Pairing
 from kamera_agent.store import ChunkStore
@@ -55,7 +55,8 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
 
     Args:
         params: SGLang's ``CacheInitParams`` (pools, allocator, page size).
-        config: which approximations may be served (`policy_of`: exact unless survivors keep).
+        config: which approximations may be served (`serving`: exact unless survivors keep, kept
+            states within the drift budget).
         store: the chunk store (shared by every worker that names one URL); ``None``: SGLang's
             own radix reuse only.
         layout: the model's KV layout (where the rope band sits, its frequencies).
@@ -80,11 +81,9 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         super().__init__(params)  # calls reset()
         self.config = config or WindowConfig.exact()
         self.layout, self.rules, self.pool_pairing = layout, rules or ChunkRules(), pool_pairing
-        self.synthesis = (
-            PrefixSynthesis(store, policy_of(self.config))
-            if store is not None and layout is not None and not self.is_eagle
-            else None
-        )
+        if store is not None and layout is not None and not self.is_eagle:
+            policy, budget = serving(self.config, store, store.fingerprint)
+            self.synthesis = PrefixSynthesis(store, policy, budget)
         self.stats = EngineStats()
         self.faults = HookFaults(_LOG)
         """Runtime faults caught at this cache's hooks (``hook:ExceptionType`` -> count)."""
@@ -104,6 +103,7 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         except Exception as exc:  # SGLang's own match, as if kamera were not there
             self.faults.caught("match_prefix", exc)
             return result
+        self.stats.kept_refused += int(plan.refused)
         return result if plan.tokens == 0 else result._replace(host_hit_length=plan.tokens)
 
     def init_load_back(self, params: Any) -> tuple[int, Any]:
@@ -144,6 +144,7 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         self.stats.loads += 1
         self.stats.tokens_loaded += plan.tokens
         self.stats.chunks_loaded += len(plan.served)
+        self.stats.tokens_kept += plan.kept_tokens
         return plan.tokens, match.last_device_node
 
     def checkpoint(self, req: Any, *, up_to: int) -> None:

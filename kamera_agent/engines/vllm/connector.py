@@ -52,7 +52,7 @@ from kamera_agent.engines.faults import HookFaults
 from kamera_agent.engines.shards import Grid, ShardedStore, Splits
 from kamera_agent.engines.slots import request_positions
 from kamera_agent.engines.stores import STORES
-from kamera_agent.engines.synthesis import LoadPlan, PrefixSynthesis, RequestChunk, policy_of
+from kamera_agent.engines.synthesis import LoadPlan, PrefixSynthesis, RequestChunk, serving
 from kamera_agent.engines.vllm.blocks import BlockLayoutError, VLLMSlots, place_layers
 from kamera_agent.engines.vllm.captures import CaptureWriter, Copied, HeldBlocks, copy_out
 from kamera_agent.engines.vllm.loads import BackgroundLoads, Load, LoadId
@@ -164,6 +164,25 @@ class _Track:
     """Copies the workers reported made, summed over them."""
 
 
+def served_report(plan: LoadPlan | None) -> dict[str, Any]:
+    """What kamera served one request, under ``"kamera"`` (vLLM's ``kv_transfer_params`` of its
+    output; ``vllm serve`` returns it in the response body): prompt tokens loaded from the store,
+    tokens in kept states (approximations: loaded now, or left in vLLM's prefix cache by an
+    earlier load), their largest estimated drift (``None``: unknown, kept unbounded), and
+    whether a kept state was refused for want of an audit within the drift budget."""
+    if plan is None:
+        return {"kamera": {"loaded_tokens": 0, "kept_tokens": 0, "drift": 0.0, "kept_refused": False}}
+    kept = plan.kept_tokens + plan.held_kept
+    return {
+        "kamera": {
+            "loaded_tokens": plan.tokens,
+            "kept_tokens": kept,
+            "drift": plan.drift,
+            "kept_refused": plan.refused,
+        }
+    }
+
+
 class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """kamera's chunk store as vLLM's external KV source (both connector roles)."""
 
@@ -194,8 +213,9 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """How vLLM splits each chunk's KV over its ranks: entries are filed piece by piece."""
         self.splits = Splits()
         """The scheduler side's memory: the grids found holding pieces, the entries workers filed."""
+        policy, budget = serving(self.config, self.store, fingerprint)
         self.synthesis = PrefixSynthesis(
-            ShardedStore(self.store, self.grid, splits=self.splits), policy_of(self.config)
+            ShardedStore(self.store, self.grid, splits=self.splits), policy, budget
         )
         tokenizer = AutoTokenizer.from_pretrained(model.tokenizer) if model.tokenizer else None
         self.rules = ChunkRules.for_model(model.hf_config, tokenizer)
@@ -245,6 +265,8 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         plan = self.synthesis.plan(
             track.namespace, chunks, num_computed_tokens, limit, self.block_size, approximate=salted
         )
+        if plan.refused and track.plan is None:  # counted once per request (vLLM may ask again)
+            self.stats.kept_refused += 1
         track.plan = plan
         return plan.tokens, plan.tokens > 0  # loaded asynchronously, off the step (`loads`)
 
@@ -293,8 +315,10 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
             loads.add((request.request_id, start))
         # recorded once the worker side reports every load written (`update_connector_output`)
         self._offered[request.request_id] = _Offered(track.namespace, track.chunks, plan, frozenset(loads))
+        track.plan = plan
         self.stats.offered += 1
         self.stats.tokens_offered += plan.tokens
+        self.stats.tokens_kept += plan.kept_tokens
 
     def build_connector_meta(self, scheduler_output: Any) -> KameraMetadata:
         meta = KameraMetadata(loads=self._loads)
@@ -367,12 +391,14 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.faults.caught("update_connector_output", exc)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request. Where workers copy captures off the step and one was planned for
-        it, its blocks are freed later, once every worker reports them copied (``get_finished``),
-        unless the workers already reported every copy made: then now, and the workers are told
-        (`KameraMetadata.unheld`). Both sides decide from the same step metadata, as vLLM's
-        contract needs (a request reported freed must be one held)."""
+        """Forget the request, and report what kamera served it (`served_report`: vLLM returns
+        it as the request's ``kv_transfer_params``). Where workers copy captures off the step
+        and one was planned for it, its blocks are freed later, once every worker reports them
+        copied (``get_finished``), unless the workers already reported every copy made: then
+        now, and the workers are told (`KameraMetadata.unheld`). Both sides decide from the same
+        step metadata, as vLLM's contract needs (a request reported freed must be one held)."""
         track = self._requests.get(request.request_id)
+        report = served_report(track.plan) if track is not None else None
         later = self.copies_off_step and track is not None and track.copies > 0
         if later and track is not None and track.copied >= track.copies * self._workers:
             later = False
@@ -381,7 +407,7 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._forget(request.request_id)
         except Exception as exc:
             self.faults.caught("request_finished", exc)
-        return later, None
+        return later, report
 
     def _forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)

@@ -22,6 +22,8 @@ Exported (every one a counter, labelled with vLLM's ``model_name`` and ``engine`
 ``vllm:kamera_loaded_chunks_total``     chunk pieces written
 ``vllm:kamera_failed_loads_total``      loads given up (vLLM computed those blocks)
 ``vllm:kamera_captured_chunks_total``   chunk states captured from vLLM's prefills
+``vllm:kamera_kept_tokens_total``       tokens offered in kept (approximate) states
+``vllm:kamera_refused_kept_total``      requests whose kept states the drift budget refused
 ``vllm:kamera_dropped_captures_total``  captures dropped: the background writer's queue was full
 ``vllm:kamera_faults_total``            faults caught at a hook (labels ``hook``, ``kind``)
 ==================================== ==================================================
@@ -59,6 +61,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "chunks_loaded": ("vllm:kamera_loaded_chunks", "Chunk pieces kamera wrote from its store."),
     "failed": ("vllm:kamera_failed_loads", "Loads kamera gave up: vLLM computed those blocks."),
     "chunks_captured": ("vllm:kamera_captured_chunks", "Chunk states kamera captured from vLLM's prefills."),
+    "tokens_kept": ("vllm:kamera_kept_tokens", "Prompt tokens kamera offered in kept (approximate) states."),
+    "kept_refused": (
+        "vllm:kamera_refused_kept",
+        "Requests whose kept states no audit vouched for within the drift budget (vLLM computed them).",
+    ),
     "captures_dropped": (
         "vllm:kamera_dropped_captures",
         "Captures kamera dropped: its background writer's queue was full.",

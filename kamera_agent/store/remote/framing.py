@@ -128,7 +128,7 @@ def read_head(value: bytes) -> tuple[Head, bytes]:
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptEntry(f"unreadable header: {exc}") from exc
-    if header.get("format") != FORMAT or kind not in ("canonical", "full", "vision", "patch"):
+    if header.get("format") != FORMAT or kind not in ("canonical", "full", "vision", "patch", "audit"):
         raise CorruptEntry(f"not a {FORMAT} entry")
     return head, value[8 + size :]
 

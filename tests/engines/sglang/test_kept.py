@@ -34,7 +34,7 @@ def _kept_load() -> tuple[Admission, Any, Prompt, KeptLoad, torch.Tensor]:
     """A chunk captured behind one prefix, loaded behind another in that kept state; returns the
     harness, the model, the prompt, the load's record and the tree's slots of the loaded chunk."""
     backend = _backend("qwen2")
-    harness, model = _setup(backend, 1, WindowConfig(), size=640, store_budget=STORE)
+    harness, model = _setup(backend, 1, WindowConfig(drift_budget=None), size=640, store_budget=STORE)
     cache = harness.tree_cache
     moved = _text(backend, "the blue kite was stuck in the oak tree")
     later = _text(backend, "a much longer note about the morning, the walk, the dog and the rain")

@@ -8,16 +8,20 @@ pad-value scheme for images.
 from __future__ import annotations
 
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 import torch
 
+import kamera_agent.engines.synthesis as synthesis_module
 from kamera_agent.config import WindowConfig
+from kamera_agent.core.drift import CALIBRATION_DIR_VARIABLE, Calibration, save_calibration
 from kamera_agent.demo.model import DEMO_MODEL_DIR
 from kamera_agent.engines.sglang import Segment, segment_key
 from kamera_agent.engines.sglang.plugin import BACKEND_NAME, CONFIG_VARIABLE, register, settings
 from kamera_agent.engines.sglang.radix import KameraRadixCache
 from kamera_agent.engines.sglang.segments import MM_PAD_SHIFT_VALUE
+from kamera_agent.errors import UncalibratedWarning
 
 LAYERS, HEADS, HEAD_DIM, SIZE = 4, 2, 32, 512
 
@@ -49,7 +53,7 @@ def test_the_entry_point_registers_the_backend() -> None:
     assert registered_radix_cache_backends().count(BACKEND_NAME) == 1
 
 
-def test_the_flag_routes_create_tree_cache_to_kamera(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_flag_routes_create_tree_cache_to_kamera(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
@@ -71,13 +75,21 @@ def test_the_flag_routes_create_tree_cache_to_kamera(monkeypatch: pytest.MonkeyP
         tp_rank=0,
         tp_group=None,
     )
-    cache = create_tree_cache(context)
+    monkeypatch.setenv(CALIBRATION_DIR_VARIABLE, str(tmp_path))
+    monkeypatch.setattr(synthesis_module, "_warned", set())
+    with pytest.warns(UncalibratedWarning):  # the checkpoint at the served dtype: never calibrated
+        cache = create_tree_cache(context)
     assert isinstance(cache, KameraRadixCache) and cache.config.rank == 16
+    assert cache.synthesis is not None and cache.synthesis.policy == "exact"  # kept states: unbounded
+    fingerprint = cache.synthesis.store.fingerprint  # type: ignore[attr-defined]
+    save_calibration(Calibration(fingerprint, scale=1.0, budget=0.03), tmp_path)
+    cache = create_tree_cache(context)
     # built from the server's own description of the model: no weights loaded
     from transformers import AutoConfig
 
     demo = AutoConfig.from_pretrained(DEMO_MODEL_DIR).get_text_config()
-    assert cache.synthesis is not None and cache.synthesis.policy == "keep"  # survivors keep by default
+    assert cache.synthesis is not None and cache.synthesis.policy == "keep"  # survivors keep by default,
+    assert cache.synthesis.budget is not None and cache.synthesis.budget.epsilon == 0.03  # within its ε
     assert cache.layout is not None and cache.layout.num_layers == demo.num_hidden_layers
     assert cache.layout.rope.axes is not None  # Qwen2-VL: M-RoPE
     assert cache.rules.image_open is not None and cache.rules.message_starts

@@ -14,22 +14,31 @@ from __future__ import annotations
 import functools
 import random
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import kamera_agent.engines.synthesis as synthesis_module
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
+from kamera_agent.core.drift import CALIBRATION_DIR_VARIABLE, Calibration, save_calibration
 from kamera_agent.engines.sglang.pool import SGLangSlots
 from kamera_agent.engines.sglang.radix import KameraRadixCache
 from kamera_agent.engines.sglang.segments import ChunkRules
+from kamera_agent.errors import UncalibratedWarning
 from kamera_agent.operator.layout import ChunkKV, to_position_free
 from kamera_agent.store import ChunkStore
 from tests.backends.test_transformers_backend import images, text_backend, vl_backend
 from tests.engines.sglang.harness import Admission, stamp_kv
 
 EXACT = 2e-5
+
+UNBOUNDED = WindowConfig(drift_budget=None)
+"""The defaults with kept states unbounded: these random models have no drift calibration (the
+default budget would serve them exactly); what the budget allows is tested in
+tests/engines/test_synthesis.py."""
 
 
 @dataclass
@@ -232,7 +241,7 @@ def test_exact_loads_the_models_own_kv_after_the_tree_lost_it(
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_moved_chunk_is_served_from_its_capture_at_its_new_positions(family: str, page_size: int) -> None:
     backend = _backend(family)
-    harness, model = _setup(backend, page_size, WindowConfig())  # survivors keep: kept states served
+    harness, model = _setup(backend, page_size, UNBOUNDED)  # survivors keep: kept states served
     cache = harness.tree_cache
     before = _text(backend, "one")
     moved = (
@@ -305,7 +314,7 @@ def test_200_random_requests_leak_no_slot_and_matching_changes_nothing(
     page_size: int, chunked: int | None
 ) -> None:
     backend = _backend("qwen2")
-    harness, _ = _setup(backend, page_size, WindowConfig(), size=768, chunked_prefill_size=chunked)
+    harness, _ = _setup(backend, page_size, UNBOUNDED, size=768, chunked_prefill_size=chunked)
     harness.on_extend = functools.partial(stamp_kv, harness.kv_pool)  # values do not matter here: slots do
     cache = harness.tree_cache
     rng = random.Random(13)
@@ -376,7 +385,7 @@ def test_faults_in_every_hook_never_fail_a_request_or_leak_a_slot() -> None:
     call: SGLang's real admission path serves all 120 requests, every slot comes back, the tree
     stays consistent, and each fault is counted at its hook's boundary."""
     backend = _backend("qwen2")
-    harness, _ = _setup(backend, 1, WindowConfig(), size=768)
+    harness, _ = _setup(backend, 1, UNBOUNDED, size=768)
     harness.on_extend = functools.partial(stamp_kv, harness.kv_pool)
     cache = harness.tree_cache
     assert cache.synthesis is not None
@@ -446,4 +455,32 @@ def _finish_every_request(harness: Admission) -> None:
         harness.admit()
     harness.evict_all()
     assert harness.free_slots() == harness.capacity and harness.tree_cache.total_size() == 0
+    harness.check()
+
+
+def test_at_the_default_budget_a_kept_state_nobody_audited_is_computed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The window's default settings in SGLang: the model's calibrated drift budget. A moved chunk
+    whose kept state no audit vouches for is not loaded: SGLang computes it (counted refused);
+    without a calibration the plugin serves exactly, with one warning."""
+    backend = _backend("qwen2")
+    monkeypatch.setenv(CALIBRATION_DIR_VARIABLE, str(tmp_path))
+    monkeypatch.setattr(synthesis_module, "_warned", set())
+    with pytest.warns(UncalibratedWarning):
+        harness, _ = _setup(backend, 1, WindowConfig())
+    assert harness.tree_cache.synthesis.policy == "exact"
+    save_calibration(Calibration(backend.fingerprint, scale=1.0, inherit=0.5, budget=0.5), tmp_path)
+    harness, model = _setup(backend, 1, WindowConfig())
+    cache = harness.tree_cache
+    assert cache.synthesis.policy == "keep" and cache.synthesis.budget.epsilon == 0.5
+    moved = _text(backend, "the blue kite was stuck in the oak tree")
+    later = _text(backend, "a much longer note about the morning, the walk, the dog and the rain")
+    _run(harness, model, _prompt(backend, [_text(backend, "one"), moved, _text(backend, "q1")]), "first")
+    harness.prefill()
+    _run(harness, model, _prompt(backend, [later, _text(backend, "q0")]), "other")
+    harness.prefill()
+    _run(harness, model, _prompt(backend, [later, moved, _text(backend, "where is the kite?")]), "moved")
+    assert cache.stats.loads == 0 and cache.stats.tokens_kept == 0
+    assert cache.stats.kept_refused >= 1
     harness.check()

@@ -3,7 +3,10 @@
 Run by tests/engines/vllm/test_connector.py in a fresh interpreter per setting (vLLM keeps
 process-wide state), in .venv-vllm:
 
-    python -m tests.engines.vllm.scenario --model DIR --settings exact|defaults|none --out F.json
+    python -m tests.engines.vllm.scenario --model DIR --settings exact|defaults|unbounded|none --out F.json
+
+``defaults`` is the connector at the default drift budget, the model calibrated by the scenario
+(a random model has no calibration: ε `EPSILON`); ``unbounded`` keeps with no budget.
 
 Two conversations, greedy, the full next-token distribution of each answer's first token kept:
 
@@ -13,6 +16,10 @@ Two conversations, greedy, the full next-token distribution of each answer's fir
   window held is loaded by vLLM (its notes' KV made by the window), and one vLLM computed is
   pushed into a window without a forward (its notes' KV captured from vLLM's blocks), each
   compared with the transformers model's own KV;
+- **reordered** (defaults, unbounded, none): 3 requests holding notes in an order no request
+  held before (a RAG retriever's ranking); under ``defaults`` a window sharing the store audits
+  first (`_audit_kept`: each kept candidate's KV against the transformers model's own there,
+  filed as a `DriftAudit`), so the budget serves the kept states those audits put within ε;
 - **growing**: 5 requests appending a note each, vLLM's own prefix cache reset before every
   request (as if evicted, or served by another worker): what is past the system prompt must
   come from the store. After each request the KV the connector wrote into vLLM's blocks is read
@@ -58,7 +65,7 @@ NOTES = [
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
-    parser.add_argument("--settings", choices=["none", "exact", "defaults"], required=True)
+    parser.add_argument("--settings", choices=["none", "exact", "defaults", "unbounded"], required=True)
     parser.add_argument("--corrupt", action="store_true")
     parser.add_argument(
         "--inject", default="", help="comma-separated connector hooks to raise faults of every kind in"
@@ -71,6 +78,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if args.settings == "defaults":
+        _calibrate(args.model)
     llm = _llm(args.model, args.settings, args.corrupt)
     free_at_start = _free_blocks(llm)
     report: dict[str, Any] = {"settings": args.settings}
@@ -78,11 +87,17 @@ def main() -> None:
     if args.inject:
         report["injected"] = _inject(llm, args.inject.split(","))
     # an agent's sliding conversation under its own salt (approximations are served only so)
-    salt = "agent-1" if args.settings == "defaults" else None
+    keeps = args.settings in ("defaults", "unbounded")
+    salt = "agent-1" if keeps else None
     sliding = [_prompt(tokenizer, NOTES[i : i + 4], f"what did the {i}th do?") for i in range(9)]
     report["sliding"] = [_ask(llm, prompt, salt) for prompt in sliding]
-    if args.settings == "defaults":  # the same conversation unsalted: served exactly, as vLLM alone
+    if keeps:  # the same conversation unsalted: served exactly, as vLLM alone
         report["unsalted"] = [_ask(llm, prompt) for prompt in sliding]
+    if args.settings != "exact":
+        reordered = [_prompt(tokenizer, NOTES[i : i + 5][::-1], "which came first?") for i in (1, 3, 5)]
+        audited = args.settings == "defaults"
+        report["audits"] = [_audit_kept(llm, args.model, p, salt) for p in reordered] if audited else []
+        report["reordered"] = [_ask(llm, prompt, salt) for prompt in reordered]
     growing = []
     for i in range(1, 6):
         llm.reset_prefix_cache()
@@ -156,9 +171,13 @@ def _llm(model: str, settings: str, corrupt: bool) -> Any:
 
     transfer = None
     if settings != "none":
-        config: dict[str, Any] = {} if settings == "defaults" else {"survivors": "removal", "orbit": False}
+        config: dict[str, Any] = {"survivors": "removal", "orbit": False}
         if settings == "exact":
             config = dict(EXACT)
+        elif settings == "defaults":
+            config = {}
+        elif settings == "unbounded":
+            config = {"drift_budget": None}
         if corrupt:
             config |= {"memory_budget": 200_000, "disk_dir": _STORE_DIR, "disk_budget": 1 << 30}
         transfer = connector(config)
@@ -217,6 +236,7 @@ def _ask(llm: Any, prompt: list[int], salt: str | None = None) -> dict[str, Any]
         "computed": after["local_compute"] - before["local_compute"],
         "external": after["external_kv_transfer"] - before["external_kv_transfer"],
         "local_hit": after["local_cache_hit"] - before["local_cache_hit"],
+        "served": (out.kv_transfer_params or {}).get("kamera"),  # the connector's report
     }
 
 
@@ -272,6 +292,63 @@ def flush(llm: Any) -> None:
     except (AttributeError, AssertionError):
         return
     assert worker.flush(timeout=60.0), "the connector's captures were not filed within a minute"
+
+
+EPSILON = 0.5
+"""The drift budget the scenario's calibration gives the model (scale 1, inherit ½): wide, so that
+on this random model, whose kept chunks are 40-60 % off the model's own KV in a new order, the
+first kept chunk of a request passes and the next (inheriting half of it) does not."""
+
+
+def _calibrate(model_dir: str) -> None:
+    """File a calibration for the model (as ``kamera calibrate`` would) where the connector finds it."""
+    import torch
+
+    from kamera_agent.core.drift import CALIBRATION_DIR_VARIABLE, Calibration, save_calibration
+    from kamera_agent.fingerprint import checkpoint_fingerprint
+
+    directory = tempfile.mkdtemp(prefix="kamera-calibration-")
+    os.environ[CALIBRATION_DIR_VARIABLE] = directory
+    fingerprint = checkpoint_fingerprint(model_dir, torch.float32)
+    save_calibration(Calibration(fingerprint, scale=1.0, inherit=0.5, budget=EPSILON), Path(directory))
+
+
+def _audit_kept(llm: Any, model_dir: str, prompt: list[int], salt: str | None) -> list[dict[str, Any]]:
+    """What a window sharing the store would file before ``prompt`` is served: each chunk the
+    connector could serve kept (its unbounded plan), audited against the transformers model's own
+    KV of the whole prompt (every row, behind the exact chunks before it), filed as a `DriftAudit`."""
+    from dataclasses import replace
+
+    import torch
+
+    from kamera_agent.core.drift import relative_error
+    from kamera_agent.core.identity import Context
+    from kamera_agent.engines.chunking import request_chunks
+    from kamera_agent.operator.layout import ChunkKV, relocate
+    from kamera_agent.store import DriftAudit
+
+    scheduler, _ = _connectors(llm)
+    namespace = f"|{salt}" if salt else ""
+    chunks = request_chunks(prompt, [], scheduler.rules, namespace)
+    plan = replace(scheduler.synthesis, budget=None).plan(namespace, chunks, 0, len(prompt) - 1)
+    truth = _hf_kv(model_dir, prompt)
+    left, filed = Context.root(chunks[0].key), []
+    for item in plan.served[1:]:  # the first is the anchor, served as its canonical
+        if not item.computed:
+            kv = scheduler.synthesis.read(item.entry)
+            a, b = item.chunk.start, item.chunk.end
+            want = ChunkKV(
+                torch.stack([k[a:b].transpose(0, 1) for k, _ in truth]),
+                torch.stack([v[a:b].transpose(0, 1) for _, v in truth]),
+            )
+            placed = relocate(kv, scheduler.layout, torch.arange(a, b))
+            error = relative_error(placed, want)
+            scheduler.store.put_audit(
+                DriftAudit(item.chunk.key, item.state.digest, left.digest, error, b - a)
+            )
+            filed.append({"start": a, "tokens": b - a, "error": error})
+        left = left.extend(item.state)
+    return filed
 
 
 def _connectors(llm: Any) -> tuple[Any, Any]:

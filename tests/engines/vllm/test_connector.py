@@ -101,9 +101,12 @@ def test_every_request_held_for_its_captures_is_freed(model_dir: Path, settings:
     assert drained["requests"] == 0 and drained["free_blocks"] == drained["free_at_start"], drained
 
 
-def test_defaults_load_moved_chunks_of_a_sliding_conversation(model_dir: Path) -> None:
-    alone, defaults = _run(str(model_dir), "none"), _run(str(model_dir), "defaults")
+def test_unbounded_keep_loads_moved_chunks_of_a_sliding_conversation(model_dir: Path) -> None:
+    """``drift_budget=None``: kept states served wherever the store holds them, their drift unknown."""
+    alone, defaults = _run(str(model_dir), "none"), _run(str(model_dir), "unbounded")
     sliding, baseline = defaults["sliding"], alone["sliding"]
+    reports = [r["served"] for r in sliding]
+    assert all(r["kept_tokens"] > 0 and r["drift"] is None for r in reports[1:]), reports
     assert sliding[0]["external"] == 0  # nothing known yet: vLLM's own path
     assert all(r["external"] > 0 for r in sliding[1:]), [r["external"] for r in sliding]
     computed, computed_alone = sum(r["computed"] for r in sliding), sum(r["computed"] for r in baseline)
@@ -113,7 +116,7 @@ def test_defaults_load_moved_chunks_of_a_sliding_conversation(model_dir: Path) -
     divergence = [kl(a["first_logprobs"], r["first_logprobs"]) for a, r in pairs]
     agree = sum(a["tokens"] == r["tokens"] for a, r in pairs)
     print(
-        f"defaults, sliding conversation: computed {computed} vs {computed_alone} prompt tokens; "
+        f"unbounded keep, sliding conversation: computed {computed} vs {computed_alone} prompt tokens; "
         f"wall time of requests 2-9 {1000 * wall:.0f} vs {1000 * wall_alone:.0f} ms; "
         f"first-token KL mean {sum(divergence) / len(divergence):.3g}, max {max(divergence):.3g}; "
         f"answers equal {agree}/{len(sliding)}",
@@ -126,6 +129,49 @@ def test_defaults_load_moved_chunks_of_a_sliding_conversation(model_dir: Path) -
     assert connector["recorded"] > 0 and connector["unconfirmed"] == 0, connector
     # unsalted, the same conversation is served exactly: vLLM's own answers
     assert [r["tokens"] for r in defaults["unsalted"]] == [r["tokens"] for r in baseline]
+
+
+def test_the_default_budget_serves_kept_states_only_where_filed_audits_vouch(model_dir: Path) -> None:
+    """At the default drift budget a kept state is served only where an audit filed in the store
+    (here by the scenario, as a window sharing the store files one: the kept KV against the
+    transformers model's own) puts its estimate within ε, the kept chunks to its left counted
+    (`Calibration.estimate`): with none filed the sliding conversation answers as vLLM alone;
+    in the reordered one, each request is served exactly the kept chunks the audits vouch for,
+    and says so in its ``kv_transfer_params``."""
+    from tests.engines.vllm.scenario import EPSILON
+
+    alone, run = _run(str(model_dir), "none"), _run(str(model_dir), "defaults")
+    assert [r["tokens"] for r in run["sliding"]] == [r["tokens"] for r in alone["sliding"]]
+    reports = [r["served"] for r in run["sliding"]]
+    assert all(r["kept_tokens"] == 0 and r["drift"] == 0.0 for r in reports), reports
+    assert all(r["kept_refused"] for r in reports[1:]), reports  # nothing vouched for them
+    lines, vouched = [], 0
+    for audits, r, a in zip(run["audits"], run["reordered"], alone["reordered"], strict=True):
+        worst, expected = 0.0, []
+        for audit in audits:  # the chain rule: scale 1, half the largest estimate to the left
+            estimate = audit["error"] + 0.5 * worst
+            if estimate > EPSILON:
+                break
+            expected.append(estimate)
+            worst = max(worst, estimate)
+        served = r["served"]
+        assert served["drift"] == pytest.approx(max(expected, default=0.0)) and served["drift"] <= EPSILON
+        assert (served["kept_tokens"] > 0) == bool(expected) and served["kept_refused"] == (
+            len(expected) < len(audits)
+        )
+        if expected:
+            assert r["computed"] < a["computed"] and r["external"] > 0
+        vouched += len(expected)
+        divergence = kl(a["first_logprobs"], r["first_logprobs"])
+        lines.append(
+            f"computed {r['computed']:.0f} vs {a['computed']:.0f}, kept {served['kept_tokens']}, "
+            f"drift {served['drift']:.3f}, first-token KL {divergence:.2g}, "
+            f"answer {'equal' if r['tokens'] == a['tokens'] else 'differs'}"
+        )
+    assert vouched > 0  # this model's first kept chunk of a request is within the scenario's ε
+    errors = [round(audit["error"], 3) for audits in run["audits"] for audit in audits]
+    print(f"default budget (eps {EPSILON}): kept chunks' audited errors {errors}", file=sys.stderr)
+    print("reordered at the default budget: " + "; ".join(lines), file=sys.stderr)
 
 
 def test_a_damaged_entry_is_never_loaded(model_dir: Path) -> None:
