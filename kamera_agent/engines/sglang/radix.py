@@ -180,7 +180,11 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         assert self.synthesis is not None
         chunks = self._chunks(key, req)
         end = len(key) if limit is None else limit
-        return self.synthesis.plan(_namespace(key), chunks, device_len, end, self.page_size)
+        # what a load writes enters SGLang's tree under the request's tokens, which every later
+        # request of the same namespace may match: approximations only under a client's salt
+        salted = bool(key.cache_salt)
+        namespace = _namespace(key)
+        return self.synthesis.plan(namespace, chunks, device_len, end, self.page_size, approximate=salted)
 
     def _loaded(self, key: Any, req: Any, plan: LoadPlan, path: torch.Tensor) -> None:
         """Remember the loads ``plan`` made that a forward would not compute, with the slots of

@@ -77,9 +77,10 @@ def test_a_kept_load_the_tree_evicted_is_forgotten_and_its_tokens_computed_again
     assert again.prefix_len == 0 and cache.stats.loads == 1  # computed by the forward, all of it
     harness.drain()
     # the chunk computed again is filed under the state a forward gives it, and chained on
-    chunks = request_chunks(now.tokens, cache.rules)
+    namespace = f"|{model.salt}"  # kept states are served only under a client's salt
+    chunks = request_chunks(now.tokens, cache.rules, namespace)
     exact = PrefixSynthesis(cache.synthesis.store, "exact")
-    plan = exact.plan("", chunks, 0, len(now.tokens))
+    plan = exact.plan(namespace, chunks, 0, len(now.tokens))
     assert [item.chunk for item in plan.served] == chunks
     kvs = exact.load(plan)
     assert kvs is not None
@@ -99,6 +100,7 @@ def test_a_kept_load_whose_tail_the_tree_evicted_keeps_its_head() -> None:
     head = (end - start) // 2
     # a request sharing the load's first tokens makes SGLang split the load's node there
     branch = harness.request([*now.tokens[: start + head], 7, 8, 9])
+    branch.cache_salt = model.salt  # the load's namespace
     assert harness.admit([branch]) == [branch] and branch.prefix_len == start + head
     harness.prefill(_nothing)
     # the oldest leaves go first, one at a time, until the load's tail is gone: its head stays

@@ -81,13 +81,16 @@ def _prompt(backend: Any, chunks: list[Chunk], shift: int = 0) -> Prompt:
 class Model:
     """The harness's forward: each request's slots get the model's own KV for its prompt."""
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any, salt: str | None = None) -> None:
         self.backend, self.prompts = backend, {}
+        self.salt = salt
+        """Every request's ``cache_salt``: kept states are served only under one."""
 
     def request(self, harness: Admission, prompt: Prompt, rid: str) -> Any:
         from sglang.srt.managers.schedule_batch import MultimodalInputs
 
         req = harness.request(prompt.tokens, rid=rid)
+        req.cache_salt = self.salt
         if prompt.positions.ndim == 2:  # M-RoPE: SGLang's processor precomputes the prompt's positions
             req.multimodal_inputs = MultimodalInputs(mm_items=[])
             req.multimodal_inputs.mrope_positions = prompt.positions.clone()
@@ -129,7 +132,7 @@ def _setup(
     tokenizer = backend.encoder.tokenizer
     config_of_model = backend.model.config
     rules = ChunkRules.for_model(config_of_model, tokenizer)
-    model = Model(backend)
+    model = Model(backend, salt="agent-1" if config.survivors == "keep" else None)
 
     def factory(params: Any) -> KameraRadixCache:
         return KameraRadixCache(params, config, store=store, layout=layout, rules=rules)
@@ -483,4 +486,23 @@ def test_at_the_default_budget_a_kept_state_nobody_audited_is_computed(
     _run(harness, model, _prompt(backend, [later, moved, _text(backend, "where is the kite?")]), "moved")
     assert cache.stats.loads == 0 and cache.stats.tokens_kept == 0
     assert cache.stats.kept_refused >= 1
+    harness.check()
+
+
+def test_an_unsalted_request_is_never_served_a_kept_state() -> None:
+    """What a load writes enters SGLang's tree under the request's own tokens, which any later
+    request of its namespace may match: a kept (approximate) state is loaded only for a request
+    with a ``cache_salt``, as in vLLM. Unsalted, the moved chunk is computed by SGLang."""
+    backend = _backend("qwen2")
+    harness, model = _setup(backend, 1, UNBOUNDED)
+    model.salt = None
+    cache = harness.tree_cache
+    moved = _text(backend, "the blue kite was stuck in the oak tree")
+    later = _text(backend, "a much longer note about the morning, the walk, the dog and the rain")
+    _run(harness, model, _prompt(backend, [_text(backend, "one"), moved, _text(backend, "q1")]), "first")
+    harness.prefill()
+    _run(harness, model, _prompt(backend, [later, _text(backend, "q0")]), "other")
+    harness.prefill()
+    _run(harness, model, _prompt(backend, [later, moved, _text(backend, "where is the kite?")]), "moved")
+    assert cache.stats.tokens_kept == 0 and cache.synthesis.kept_loads == ()
     harness.check()
