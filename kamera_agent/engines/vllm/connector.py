@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from kamera_agent.config import WindowConfig
@@ -183,8 +184,15 @@ def served_report(plan: LoadPlan | None) -> dict[str, Any]:
     }
 
 
-class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """kamera's chunk store as vLLM's external KV source (both connector roles)."""
+class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """kamera's chunk store as vLLM's external KV source (both connector roles).
+
+    It declares `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on: a model whose KV is
+    one group of blocks (every layer full attention) is served as before; one split into several
+    groups (sliding-window layers beside full ones, state layers) runs as vLLM alone would, with
+    the manager on, kamera serving and capturing nothing (its entries are every layer's KV of a
+    chunk in one group's blocks: per-group entries are not built).
+    """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -198,6 +206,15 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
         from kamera_agent.backends.transformers.reading import kv_layout_of_config
         from kamera_agent.fingerprint import checkpoint_fingerprint
 
+        groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or [None])
+        self.one_group = groups == 1
+        """The model's KV is one group of blocks: what kamera's entries and loads address."""
+        if not self.one_group:
+            _LOG.warning(
+                "kamera: this model's KV is split into %d cache groups (hybrid attention); the "
+                "connector serves and captures nothing, vLLM runs as without it",
+                groups,
+            )
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.config = WindowConfig(**extra.get("config", {})) if "config" in extra else WindowConfig.exact()
         model = vllm_config.model_config
@@ -409,6 +426,13 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.faults.caught("request_finished", exc)
         return later, report
 
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """`request_finished` where vLLM's hybrid manager is on (`SupportsHMA`): kamera's blocks
+        are the first group's, the only one where it serves (`one_group`)."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
     def _forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
         self._offered.pop(req_id, None)  # finished before its loads were reported: never recorded
@@ -428,7 +452,7 @@ class KameraConnector(KVConnectorBase_V1):  # type: ignore[misc]
             salt = getattr(request, "cache_salt", None) or ""
             namespace = f"{lora}|{salt}" if lora or salt else ""  # "": a window's chunks' namespace
             # M-RoPE positions of a request with images are the engine's to compute: not served
-            servable = not (images and self.layout.rope.axes is not None)
+            servable = self.one_group and not (images and self.layout.rope.axes is not None)
             chunks = request_chunks(tokens, images, self.rules, namespace)
             track = _Track(namespace, chunks, len(tokens), servable, bool(salt))
             self._requests[request.request_id] = track

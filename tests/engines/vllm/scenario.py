@@ -109,6 +109,8 @@ def main() -> None:
     if args.settings == "exact":
         report["shared"] = _shared(llm, args.model, tokenizer)
     report["connector"] = _connector_stats(llm)
+    scheduler_config = llm.llm_engine.vllm_config.scheduler_config
+    report["hybrid_manager_on"] = not scheduler_config.disable_hybrid_kv_cache_manager
     report["async_loads"] = parked[0]
     report["drained"] = _drained(llm) | {"free_at_start": free_at_start}
     if args.inject:

@@ -91,6 +91,8 @@ def test_exact_settings_answer_like_vllm_alone_and_load_the_models_own_kv(model_
     assert all(c["tokens"] > 0 and c["worst_relative_error"] < EXACT for c in checks), checks
     # loaded off the step: vLLM parked each loaded request until the connector reported it done
     assert exact["async_loads"] >= len(growing) - 1, exact["async_loads"]
+    # the connector declares SupportsHMA: vLLM keeps its hybrid KV cache manager on, as alone
+    assert exact["hybrid_manager_on"] and alone["hybrid_manager_on"]
 
 
 @pytest.mark.parametrize("settings", ["exact", "defaults"])
