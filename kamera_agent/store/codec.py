@@ -53,8 +53,10 @@ __all__ = [
 StoredValue = ChunkKV | Patch | DriftAudit | dict[str, torch.Tensor]
 Tensors = dict[str, torch.Tensor]
 Meta = dict[str, str]
-FORMAT = "kamera-store/3"
+FORMAT = "kamera-store/4"
 """The entry format this version writes and reads; an entry of any other is never deserialized.
+4: audits (`DriftAudit`, an entry kind of their own) and text chunk keys hashing the token ids'
+bytes (every earlier text key means something else now);
 3: text chunk keys and state roots made anew (every earlier key means something else now);
 2: patches filed by the state they give (chained identity)."""
 _MAX_HEADER = 64 << 20  # a header larger than this is damage, not metadata

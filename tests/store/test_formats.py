@@ -20,12 +20,12 @@ from kamera_agent.store.codec import FORMAT, OutdatedEntry, deserialize, header_
 from kamera_agent.store.remote import framing
 from tests.store.test_chunk_store import FP, make_kv, make_patch
 
-OLD = "kamera-store/2"
+OLD = "kamera-store/3"
 STATE = "s" * 64
 
 
-def test_the_format_is_3_and_a_decode_of_another_names_both() -> None:
-    assert FORMAT == "kamera-store/3"
+def test_the_format_is_4_and_a_decode_of_another_names_both() -> None:
+    assert FORMAT == "kamera-store/4"
     key = EntryKey.canonical("page")
     for written, age in ((OLD, "an older"), ("kamera-store/9", "a newer")):
         with pytest.MonkeyPatch.context() as patched:
