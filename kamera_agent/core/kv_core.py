@@ -250,9 +250,11 @@ class KVCore:
         return kv
 
     def _position_free(self, conditioned: ChunkKV, chunk_key: str) -> ChunkKV:
-        """``conditioned`` as stored: position-free, filed under its chunk's key."""
+        """``conditioned`` as stored: position-free, filed under its chunk's key and carrying the
+        model's fingerprint (the store stamps an entry without one with a copy at commit)."""
         free = to_position_free(conditioned, self.backend.layout)
-        return ChunkKV(free.keys, free.values, None, chunk_key, free.model_fingerprint)
+        fingerprint = free.model_fingerprint or self.backend.fingerprint
+        return ChunkKV(free.keys, free.values, None, chunk_key, fingerprint)
 
     def keep_patch(
         self, canonical: ChunkKV, state: ChunkState, conditioned: ChunkKV, txn: Txn, *, orbit: bool = False

@@ -62,7 +62,8 @@ def fold_full_orbit(store: StagedStore, root: Context, member: ChunkState, kv: C
     members.append(member.digest)
     state = ChunkState.orbit(chunk_key, member.rank, root, address, members)
     store.put_full(mean, state.digest)
-    record = Patch({}, kv.num_tokens, chunk_key, state.digest, "", "orbit", {"members": json.dumps(members)})
+    meta = {"members": json.dumps(members)}
+    record = Patch({}, kv.num_tokens, chunk_key, state.digest, kv.model_fingerprint, "orbit", meta)
     store.put_patch(record, address)
 
 
