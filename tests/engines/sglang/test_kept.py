@@ -21,7 +21,7 @@ from kamera_agent.engines.synthesis import KeptLoad, PrefixSynthesis
 from kamera_agent.operator.layout import ChunkKV, to_position_free
 from kamera_agent.store import EntryKey
 from tests.engines.sglang.harness import Admission
-from tests.engines.sglang.test_radix import EXACT, Prompt, _backend, _part, _prompt, _rel, _run, _setup, _text
+from tests.engines.sglang.test_radix import EXACT, Prompt, _backend, _part, _rel, _run, _setup, move_a_chunk
 
 STORE = 8 << 20
 
@@ -36,14 +36,7 @@ def _kept_load() -> tuple[Admission, Any, Prompt, KeptLoad, torch.Tensor]:
     backend = _backend("qwen2")
     harness, model = _setup(backend, 1, WindowConfig(drift_budget=None), size=640, store_budget=STORE)
     cache = harness.tree_cache
-    moved = _text(backend, "the blue kite was stuck in the oak tree")
-    later = _text(backend, "a much longer note about the morning, the walk, the dog and the rain")
-    _run(harness, model, _prompt(backend, [_text(backend, "one"), moved, _text(backend, "q1")]), "first")
-    harness.prefill()
-    _run(harness, model, _prompt(backend, [later, _text(backend, "q0")]), "other")
-    harness.prefill()
-    now = _prompt(backend, [later, moved, _text(backend, "where is the kite?")])
-    req = _run(harness, model, now, "moved")
+    now, req = move_a_chunk(harness, model)
     start, end = now.bounds[2]
     assert cache.stats.loads == 1 and req.prefix_len == end
     slots = harness.row(req)[start:end].clone()

@@ -185,6 +185,21 @@ def _run(harness: Admission, model: Model, prompt: Prompt, rid: str) -> Any:
     return req
 
 
+def move_a_chunk(harness: Admission, model: Model) -> tuple[Prompt, Any]:
+    """Three requests: a note captured behind one prefix, another prefix, then the note moved
+    behind that one (where the store holds it only in its kept state); the last prompt and
+    request."""
+    backend = model.backend
+    moved = _text(backend, "the blue kite was stuck in the oak tree")
+    later = _text(backend, "a much longer note about the morning, the walk, the dog and the rain")
+    _run(harness, model, _prompt(backend, [_text(backend, "one"), moved, _text(backend, "q1")]), "first")
+    harness.prefill()
+    _run(harness, model, _prompt(backend, [later, _text(backend, "q0")]), "other")
+    harness.prefill()
+    now = _prompt(backend, [later, moved, _text(backend, "where is the kite?")])
+    return now, _run(harness, model, now, "moved")
+
+
 def _backend(family: str) -> Any:
     if family == "qwen2_vl":
         return vl_backend("qwen2_vl", layers=4)
@@ -477,13 +492,7 @@ def test_at_the_default_budget_a_kept_state_nobody_audited_is_computed(
     harness, model = _setup(backend, 1, WindowConfig())
     cache = harness.tree_cache
     assert cache.synthesis.policy == "keep" and cache.synthesis.budget.epsilon == 0.5
-    moved = _text(backend, "the blue kite was stuck in the oak tree")
-    later = _text(backend, "a much longer note about the morning, the walk, the dog and the rain")
-    _run(harness, model, _prompt(backend, [_text(backend, "one"), moved, _text(backend, "q1")]), "first")
-    harness.prefill()
-    _run(harness, model, _prompt(backend, [later, _text(backend, "q0")]), "other")
-    harness.prefill()
-    _run(harness, model, _prompt(backend, [later, moved, _text(backend, "where is the kite?")]), "moved")
+    move_a_chunk(harness, model)
     assert cache.stats.loads == 0 and cache.stats.tokens_kept == 0
     assert cache.stats.kept_refused >= 1
     harness.check()
@@ -497,12 +506,6 @@ def test_an_unsalted_request_is_never_served_a_kept_state() -> None:
     harness, model = _setup(backend, 1, UNBOUNDED)
     model.salt = None
     cache = harness.tree_cache
-    moved = _text(backend, "the blue kite was stuck in the oak tree")
-    later = _text(backend, "a much longer note about the morning, the walk, the dog and the rain")
-    _run(harness, model, _prompt(backend, [_text(backend, "one"), moved, _text(backend, "q1")]), "first")
-    harness.prefill()
-    _run(harness, model, _prompt(backend, [later, _text(backend, "q0")]), "other")
-    harness.prefill()
-    _run(harness, model, _prompt(backend, [later, moved, _text(backend, "where is the kite?")]), "moved")
+    move_a_chunk(harness, model)
     assert cache.stats.tokens_kept == 0 and cache.synthesis.kept_loads == ()
     harness.check()
