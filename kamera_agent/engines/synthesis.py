@@ -491,7 +491,7 @@ class PrefixSynthesis:
                 if self.budget is not None:
                     left = chain.context or Context.root("")
                     drift = None if worst is None else self.budget.estimate(kept.state, left, worst)
-                    if drift is None or drift > self.budget.epsilon:
+                    if drift is None or not drift <= self.budget.epsilon:  # NaN: not within it
                         return None, True
                 state = kept.state if skip == 0 else ChunkState.spliced(held, kept.state, skip)
                 return Served(chunk, state, kept.entry, skip, computed, drift), False

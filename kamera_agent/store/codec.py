@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -145,8 +146,8 @@ def _stamped(value: Any, fingerprint: str) -> Any:
 
 def _audit_build(tensors: Tensors, meta: Meta) -> DriftAudit:
     error = tensors["error"]
-    if error.shape != (1,):
-        raise ValueError(f"an audit's error is one number, got shape {tuple(error.shape)}")
+    if error.shape != (1,) or not 0 <= float(error[0]) < math.inf:
+        raise ValueError(f"an audit's error is one finite number >= 0, got {error.tolist()}")
     tokens, fingerprint = int(meta["tokens"]), meta["model_fingerprint"]
     return DriftAudit(meta["key"], meta["state"], meta["left"], float(error[0]), tokens, fingerprint)
 

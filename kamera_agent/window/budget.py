@@ -157,14 +157,14 @@ class DriftBudget:
                     return out + [None] * (len(states) - i)
                 estimate = self.calibration.estimate(own, worst)
             out.append(estimate)
-            if until_over and estimate > self.epsilon:
+            if until_over and not estimate <= self.epsilon:
                 return out + [None] * (len(states) - i - 1)
             worst, ctx = max(worst, estimate), following
         return out
 
     def first_over(self, estimates: Sequence[float | None]) -> int | None:
         """The first index not known to be within ε (over it, or not estimated)."""
-        return next((i for i, e in enumerate(estimates) if e is None or e > self.epsilon), None)
+        return next((i for i, e in enumerate(estimates) if e is None or not e <= self.epsilon), None)
 
 
 def _prior(audited: int, fixed: int) -> list[int]:

@@ -562,3 +562,15 @@ def test_putting_the_same_entry_again_keeps_its_durable_file(tmp_path: Path) -> 
         assert sorted(p.name for p in tmp_path.glob("canonical-*")) == before
         store.put_canonical(make_kv("k", 4, seed=99))  # other bytes under the key: the file is stale
         assert not list(tmp_path.glob("canonical-*"))
+
+
+@pytest.mark.parametrize("error", [float("nan"), float("inf"), -0.5])
+def test_an_audit_that_is_no_measurement_is_refused_when_read(tmp_path: Path, error: float) -> None:
+    """An audit's error is a finite number >= 0; a file saying otherwise (written by hand or
+    damaged in a way its checksum cannot see) is dropped when read, never served as a drift."""
+    store = ChunkStore(fingerprint=FP, memory_budget=4_000, disk_dir=tmp_path, disk_budget=100_000)
+    store.put_audit(DriftAudit("chunk", "state", "left", error, 3))
+    store.close()
+    reopened = ChunkStore(fingerprint=FP, memory_budget=4_000, disk_dir=tmp_path, disk_budget=100_000)
+    assert reopened.get_audit("chunk", "state", "left") is None
+    assert reopened.stats().corrupt_dropped == 1
