@@ -50,6 +50,7 @@ class ChunkEncoder:
         model_fingerprint: str,
         merge_size: int = 1,
         tokens_per_image: int | None = None,
+        namespace: str = "",
     ) -> None:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
@@ -59,10 +60,14 @@ class ChunkEncoder:
         self.merge_size = merge_size
         self.tokens_per_image = tokens_per_image
         self.settings = _processing_signature(tokenizer, image_processor, prompt)
-        self.origin = content_key("origin", model_fingerprint, self.settings)
-        self.anchor_key = token_key("", "text", self.tokens(prompt.anchor))
+        self.namespace = namespace
+        """Whose chunks these are (an engine request's ``cache_salt`` namespace: `in_namespace`);
+        ``""``: nobody's in particular."""
+        origin = ("origin", model_fingerprint, self.settings) + ((namespace,) if namespace else ())
+        self.origin = content_key(*origin)
+        self.anchor_key = token_key(namespace, "text", self.tokens(prompt.anchor))
         """The anchor's key: every text chunk's key is scoped by it (`token_key`), as its canonical
-        is computed behind the anchor."""
+        is computed behind the anchor; the anchor's own by the namespace."""
 
     def with_prompt(self, prompt: PromptFormat) -> ChunkEncoder:
         """An encoder for the same model and processing with another prompt: another anchor (a
@@ -75,6 +80,23 @@ class ChunkEncoder:
             self.model_fingerprint,
             self.merge_size,
             self.tokens_per_image,
+            self.namespace,
+        )
+
+    def in_namespace(self, namespace: str) -> ChunkEncoder:
+        """An encoder for the same model, processing and prompt whose chunks are keyed in
+        ``namespace`` (through the anchor's key): an engine request with a ``cache_salt`` keys its
+        chunks in ``"|<salt>"`` (`kamera_agent.engines.chunking`), so a window in that namespace
+        shares their entries, and the drift audits it files vouch for the engine's kept states."""
+        return ChunkEncoder(
+            self.tokenizer,
+            self.image_processor,
+            self.prompt,
+            self.positions,
+            self.model_fingerprint,
+            self.merge_size,
+            self.tokens_per_image,
+            namespace,
         )
 
     def tokens(self, text: str) -> torch.Tensor:
@@ -96,7 +118,7 @@ class ChunkEncoder:
 
     def anchor(self) -> Chunk:
         """The shared prefix every window starts with (system prompt, user-turn start)."""
-        return self._text_chunk(self.prompt.anchor, kind="anchor", label="anchor", scope="")
+        return self._text_chunk(self.prompt.anchor, kind="anchor", label="anchor", scope=self.namespace)
 
     def text(self, text: str, *, label: str | None = None) -> Chunk:
         """A span of text as a chunk."""

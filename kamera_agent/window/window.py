@@ -88,6 +88,11 @@ class KameraWindow:
             than one user turn; implied by ``system_prompt``.
         system_prompt: the conversation's system prompt (it is the window's anchor: fixed,
             never moved); ``None`` with ``conversation=True``: the chat template's default.
+        cache_salt: key the window's chunks in the namespace an engine's requests with this
+            ``cache_salt`` use (vLLM's, SGLang's): a window and a salted agent share their
+            entries on one store, and the drift audits this window's budget files vouch for the
+            kept states the engine may serve them (`kamera_agent.engines.synthesis`). ``None``:
+            the namespace of unsalted requests.
 
     Attributes:
         plan: dry runs of every op, typed like the ops (``window.plan.reorder(refs)``), also
@@ -112,6 +117,7 @@ class KameraWindow:
         store: ChunkStore | None = None,
         conversation: bool = False,
         system_prompt: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if model is None:
             raise ArgumentError(
@@ -123,11 +129,16 @@ class KameraWindow:
             raise ArgumentError(f"store must be a ChunkStore, got {type(store).__name__}")
         conversation = check_flag(conversation, "conversation")
         system_prompt = check_text(system_prompt, "system_prompt", optional=True)
+        cache_salt = check_text(cache_salt, "cache_salt", optional=True)
+        if cache_salt == "":
+            raise ArgumentError("cache_salt must name a namespace (a non-empty str), or be None for none")
         config = config or WindowConfig()
         if config.threads is not None or THREADS_ENV in os.environ:
             configure_threads(config.threads)  # the setting, else $KAMERA_NUM_THREADS
         backend = resolve_backend(model, processor, tokenizer, image_processor, config)
         encoder, framing = backend.encoder, None
+        if cache_salt is not None:  # an engine's salted requests key their chunks in "|<salt>"
+            encoder = encoder.in_namespace(f"|{cache_salt}")
         if conversation or system_prompt is not None:
             template = ChatTemplate.from_tokenizer(encoder.tokenizer, encoder.prompt)
             encoder = encoder.with_prompt(template.prompt_format(system_prompt))

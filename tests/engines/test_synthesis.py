@@ -25,6 +25,7 @@ from kamera_agent.engines.synthesis import KeptBudget, PrefixSynthesis, RequestC
 from kamera_agent.errors import UncalibratedWarning
 from kamera_agent.operator.layout import ChunkKV, relocate, to_position_free
 from kamera_agent.store import ChunkStore, DriftAudit
+from kamera_agent.window import budget as budget_module
 from tests.backends.test_transformers_backend import text_backend
 
 EXACT = 2e-5
@@ -330,3 +331,46 @@ def test_engines_serve_kept_states_within_the_models_calibrated_budget(
     _, budget = serving(keep.model_copy(update={"drift_budget": 0.1}), store, fingerprint)
     assert budget is not None and budget.epsilon == 0.1
     assert serving(keep, store, "another model") == ("exact", None)  # never another model's constants
+
+
+def test_a_windows_audits_let_an_engine_serve_its_kept_states_within_the_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole path on one store: an engine captures an agent's conversation under its salt; a
+    window with the same ``cache_salt`` holds it (served from those captures: no forward) and
+    slides, its budget auditing the survivors it keeps and filing the audits; the engine, asked
+    the slid conversation, serves those kept states with exactly the drift the window estimates
+    (same audits, same calibration), and refuses them without the window's audits."""
+    from kamera_agent import KameraWindow
+    from tests.window.helpers import calibrate_for_tests
+
+    monkeypatch.setenv(CALIBRATION_DIR_VARIABLE, str(tmp_path))
+    monkeypatch.setattr(budget_module, "_shared", {})
+    calibration = calibrate_for_tests(_backend().fingerprint, tmp_path, budget=10.0)  # wide: kept
+    notes = [f"the {w} was seen near the window at noon" for w in ("cat", "dog", "owl", "fox", "elk")]
+    s, a, b, c, d = (_backend().encoder.text(note) for note in notes)
+    salted = "|agent-1"
+    store = _store()
+    engine = PrefixSynthesis(store, "keep", KeptBudget(10.0, calibration, store))
+    _capture(engine, [s, a, b, c], namespace=salted)
+    slid = _request([a, b, c, d], namespace=salted)
+    unaudited = engine.plan(salted, slid, slid[0].end, slid[-1].end)
+    assert unaudited.served == () and unaudited.refused  # a's kept state: nobody audited it
+
+    window = KameraWindow(
+        _backend(), config=WindowConfig(drift_budget=10.0), store=store, cache_salt="agent-1"
+    )
+    assert _request([s], namespace=salted)[0].key == window.encoder.anchor().key
+    for note in notes[:4]:
+        window.push(note)
+    assert window.stats.total.forwards == 0  # the engine's captures, in the window's namespace
+    window.slide(1)  # survivors keep what they absorbed from s; the budget audits and files them
+    drifts = [window.drift_of(ref) for ref in window.refs]
+    assert window.stats.last.audits == 3 and all(d is not None and 0 < d <= 10.0 for d in drifts)
+
+    plan = engine.plan(salted, slid, slid[0].end, slid[-1].end)
+    assert [item.chunk for item in plan.served] == slid[1:4] and not plan.refused
+    assert [item.drift for item in plan.served] == pytest.approx(drifts)
+    assert plan.kept_tokens == sum(len(chunk) for chunk in slid[1:4])
+    other = KameraWindow(_backend(), config=WindowConfig.exact(), store=store)  # no salt: not its chunks
+    assert other.encoder.anchor().key != window.encoder.anchor().key

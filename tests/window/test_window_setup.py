@@ -56,3 +56,12 @@ def test_presets_pick_exact_patches_for_tiny_models() -> None:
     assert WindowConfig.for_model(tiny_qwen2(), rank=8).rank == 8
     with pytest.raises(ValueError, match="disk_dir and disk_budget"):
         WindowConfig(disk_budget=10)
+
+
+@pytest.mark.parametrize("salt", ["", 5, b"agent"])
+def test_a_cache_salt_is_a_namespace_or_none(salt: object) -> None:
+    from kamera_agent.errors import ArgumentError
+    from tests.window.backends import backend_named
+
+    with pytest.raises(ArgumentError, match="cache_salt"):
+        KameraWindow(backend_named("qwen2"), config=WindowConfig.exact(), cache_salt=salt)  # type: ignore[arg-type]
