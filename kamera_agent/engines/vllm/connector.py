@@ -163,16 +163,21 @@ class _Track:
     be made before its blocks are freed (`HeldBlocks`)."""
     copied: int = 0
     """Copies the workers reported made, summed over them."""
+    load_failed: bool = False
+    """A load of its offer failed on some worker: vLLM computed those tokens (`served_report`)."""
 
 
-def served_report(plan: LoadPlan | None) -> dict[str, Any]:
+def served_report(plan: LoadPlan | None, failed: bool = False) -> dict[str, Any]:
     """What kamera served one request, under ``"kamera"`` (vLLM's ``kv_transfer_params`` of its
     output; ``vllm serve`` returns it in the response body): prompt tokens loaded from the store,
     tokens in kept states (approximations: loaded now, or left in vLLM's prefix cache by an
     earlier load), their largest estimated drift (``None``: unknown, kept unbounded), and
-    whether a kept state was refused for want of an audit within the drift budget."""
+    whether a kept state was refused for want of an audit within the drift budget. A load that
+    ``failed`` loaded nothing (vLLM computed those tokens): only what vLLM's cache held counts."""
     if plan is None:
         return {"kamera": {"loaded_tokens": 0, "kept_tokens": 0, "drift": 0.0, "kept_refused": False}}
+    if failed:
+        plan = LoadPlan(plan.device_len, plan.device_len, (), plan.held_kept, plan.held_drift, plan.refused)
     kept = plan.kept_tokens + plan.held_kept
     return {
         "kamera": {
@@ -401,6 +406,9 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             for req_id, offer in list(self._offered.items()):
                 if offer.loads & report.failed:
                     del self._offered[req_id]
+                    failed = self._requests.get(req_id)
+                    if failed is not None:
+                        failed.load_failed = True
                 elif offer.loads <= report.written:
                     del self._offered[req_id]
                     self.synthesis.loaded(offer.namespace, offer.chunks, offer.plan)
@@ -415,7 +423,7 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         now, and the workers are told (`KameraMetadata.unheld`). Both sides decide from the same
         step metadata, as vLLM's contract needs (a request reported freed must be one held)."""
         track = self._requests.get(request.request_id)
-        report = served_report(track.plan) if track is not None else None
+        report = served_report(track.plan, track.load_failed) if track is not None else None
         later = self.copies_off_step and track is not None and track.copies > 0
         if later and track is not None and track.copied >= track.copies * self._workers:
             later = False

@@ -68,3 +68,25 @@ def test_the_counters_are_prometheus_counters_per_engine() -> None:
     assert registry.get_sample_value("vllm:kamera_captured_chunks_total", engine) == 6
     faults = engine | {"hook": "start_load_kv", "kind": "KeyError"}
     assert registry.get_sample_value("vllm:kamera_faults_total", faults) == 4
+
+
+def test_a_request_reports_what_it_was_served_and_a_failed_load_loaded_nothing() -> None:
+    from kamera_agent.core.identity import ChunkState, Context
+    from kamera_agent.engines.synthesis import LoadPlan, RequestChunk, Served
+    from kamera_agent.engines.vllm.connector import served_report
+    from kamera_agent.store import EntryKey
+
+    root = Context.root("anchor")
+    first, second = RequestChunk(32, 64, "a"), RequestChunk(64, 100, "b")
+    computed_b = ChunkState.patched("b", "full", root.extend(ChunkState.canonical("a", root)))
+    kept_b = ChunkState.patched("b", "full", root.extend(ChunkState.canonical("x", root)))
+    served = (
+        Served(first, ChunkState.canonical("a", root), EntryKey.canonical("a")),
+        Served(second, kept_b, EntryKey.full("b", kept_b.digest), 0, computed_b, 0.02),
+    )
+    plan = LoadPlan(32, 96, served, held_kept=5, held_drift=0.01, refused=True)
+    report = served_report(plan)["kamera"]
+    assert report == {"loaded_tokens": 64, "kept_tokens": 32 + 5, "drift": 0.02, "kept_refused": True}
+    failed = served_report(plan, failed=True)["kamera"]
+    assert failed == {"loaded_tokens": 0, "kept_tokens": 5, "drift": 0.01, "kept_refused": True}
+    assert served_report(None)["kamera"]["loaded_tokens"] == 0
