@@ -104,6 +104,8 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
             self.faults.caught("match_prefix", exc)
             return result
         self.stats.kept_refused += int(plan.refused)
+        if plan.refused and plan.tokens == 0:  # no load follows: the refusal is the request's report
+            _report(params.req, plan)
         return result if plan.tokens == 0 else result._replace(host_hit_length=plan.tokens)
 
     def init_load_back(self, params: Any) -> tuple[int, Any]:
@@ -145,6 +147,7 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         self.stats.tokens_loaded += plan.tokens
         self.stats.chunks_loaded += len(plan.served)
         self.stats.tokens_kept += plan.kept_tokens
+        _report(req, plan)
         return plan.tokens, match.last_device_node
 
     def checkpoint(self, req: Any, *, up_to: int) -> None:
@@ -263,6 +266,19 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         if mrope is not None:
             return torch.as_tensor(mrope)[:, start:end].to("cpu", torch.long)
         return request_positions(self.layout, start, end)
+
+
+def _report(req: Any, plan: LoadPlan) -> None:
+    """One log line per request kamera planned for: SGLang's outputs carry no per-request field
+    for what was loaded, kept (approximate) and refused."""
+    _LOG.info(
+        "kamera: request %s loaded %d prompt tokens, %d kept (approximate), largest drift %s%s",
+        req.rid,
+        plan.tokens,
+        plan.kept_tokens + plan.held_kept,
+        "unknown" if plan.drift is None else f"{plan.drift:.3g}",
+        "; a kept state was refused (no audit within the drift budget)" if plan.refused else "",
+    )
 
 
 def _request_key(req: Any) -> Any:

@@ -12,6 +12,7 @@ absorbed, shifted by the move: attention sees relative positions only).
 from __future__ import annotations
 
 import functools
+import logging
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -477,7 +478,7 @@ def _finish_every_request(harness: Admission) -> None:
 
 
 def test_at_the_default_budget_a_kept_state_nobody_audited_is_computed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The window's default settings in SGLang: the model's calibrated drift budget. A moved chunk
     whose kept state no audit vouches for is not loaded: SGLang computes it (counted refused);
@@ -492,10 +493,36 @@ def test_at_the_default_budget_a_kept_state_nobody_audited_is_computed(
     harness, model = _setup(backend, 1, WindowConfig())
     cache = harness.tree_cache
     assert cache.synthesis.policy == "keep" and cache.synthesis.budget.epsilon == 0.5
-    move_a_chunk(harness, model)
+    with caplog.at_level(logging.INFO, logger=RADIX_LOGGER):
+        move_a_chunk(harness, model)
     assert cache.stats.loads == 0 and cache.stats.tokens_kept == 0
     assert cache.stats.kept_refused >= 1
+    assert "request moved loaded 0 prompt tokens, 0 kept" in _reports(caplog, "moved")
+    assert "a kept state was refused" in _reports(caplog, "moved")
     harness.check()
+
+
+def test_each_request_reports_its_kept_tokens_and_their_drift(caplog: pytest.LogCaptureFixture) -> None:
+    """SGLang's outputs carry no per-request field for kamera: the plugin logs one line per
+    loaded request with its loaded and kept tokens and the largest estimated drift served."""
+    backend = _backend("qwen2")
+    harness, model = _setup(backend, 1, UNBOUNDED)
+    cache = harness.tree_cache
+    with caplog.at_level(logging.INFO, logger=RADIX_LOGGER):
+        move_a_chunk(harness, model)
+    kept = cache.stats.tokens_kept
+    assert kept > 0
+    report = _reports(caplog, "moved")
+    assert f"loaded {cache.stats.tokens_loaded} prompt tokens, {kept} kept (approximate)" in report
+    assert "refused" not in report
+    harness.check()
+
+
+RADIX_LOGGER = "kamera_agent.engines.sglang.radix"
+
+
+def _reports(caplog: pytest.LogCaptureFixture, rid: str) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records if f"request {rid} " in r.getMessage())
 
 
 def test_an_unsalted_request_is_never_served_a_kept_state() -> None:
