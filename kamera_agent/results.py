@@ -54,6 +54,9 @@ class OpCost:
         audit_tokens: tokens those audits recomputed (in ``tokens_prefilled`` too).
         drift_fixes: chunks re-prefilled to keep the drift budget (their tokens are in
             ``tokens_prefilled``).
+        drift_recomputes: chunks whose most deviating tokens were recomputed to keep the drift
+            budget (the budget's cheapest fix; tokens and forwards in ``tokens_prefilled`` and
+            ``forwards``).
         drift: the largest estimated drift of any chunk after the op (0: every chunk exact;
             summed costs keep the largest).
         seconds: wall time.
@@ -75,6 +78,7 @@ class OpCost:
     audits: int = 0
     audit_tokens: int = 0
     drift_fixes: int = 0
+    drift_recomputes: int = 0
     drift: float = 0.0
     seconds: float = 0.0
 

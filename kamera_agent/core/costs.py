@@ -36,6 +36,7 @@ class CostMeter:
     audits: int = 0
     audit_tokens: int = 0
     drift_fixes: int = 0
+    drift_recomputes: int = 0
     drift: float = 0.0
     prefilled: set[str] = field(default_factory=set)
     reused: set[Hashable] = field(default_factory=set)

@@ -77,6 +77,9 @@ class Calibration:
         seeds: the fitting episodes' seeds (benchmarks judge on other seeds).
         within: per ε of `BUDGETS`, the share of fitting chunks estimated within ε that were
             truly over 3ε (the budget's calibration target: at most 1 %).
+        recompute_share: the share of an over-budget chunk's tokens the budget's cheapest fix
+            recomputes (its most deviating ones, CacheBlend's 15 % by default) before it
+            re-prefills the chunk and what follows.
         fix_rates: per op name, ``[ops audited, ops that needed a fix]`` when the fitting
             episodes ran again at ``budget`` with this calibration: where a model's
             approximations of an op rarely stay within ε, a new window knows it from its first
@@ -94,6 +97,7 @@ class Calibration:
     seeds: tuple[int, ...] = ()
     within: dict[str, float] = field(default_factory=dict)
     fix_rates: dict[str, tuple[int, int]] = field(default_factory=dict)
+    recompute_share: float = 0.15
 
     def estimate(self, audit: float, inherited: float) -> float:
         """A chunk's estimated drift from its audit and the largest estimate to its left."""
@@ -143,7 +147,8 @@ def find_calibration(fingerprint: str) -> Calibration | None:
             calibration = Calibration.from_json(path.read_text())
         except (OSError, ValueError, TypeError):
             continue  # unreadable: as if absent (calibrate again to replace it)
-        if calibration.fingerprint == fingerprint and math.isfinite(calibration.scale):
+        share = calibration.recompute_share
+        if calibration.fingerprint == fingerprint and math.isfinite(calibration.scale) and 0 < share <= 1:
             return calibration
     return None
 

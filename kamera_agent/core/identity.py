@@ -15,6 +15,8 @@ antecedents in order, folded one at a time into a `Context`:
     orbit(B)      = H("orbit", key(B), rank, set, members...) mean over orderings of one set
     spliced(B)    = H("spliced", head, tail, cut)             B's first cut tokens in one state,
                                                               the rest in another (engines only)
+    recomputed(B) = H("recomputed", s, c, share)              state s with its most deviating
+                                                              share of tokens recomputed over c
 
 A state's digest determines its KV (up to relocation, which is exact): states that differ in
 anything their KV depends on (an approximate antecedent, a rank, an orbit's members) differ, so
@@ -31,7 +33,7 @@ from typing import Literal
 
 __all__ = ["ChunkState", "Context", "StateKind", "StateRank", "effective_rank", "orbit_key"]
 
-StateKind = Literal["canonical", "patched", "orbit", "spliced"]
+StateKind = Literal["canonical", "patched", "orbit", "spliced", "recomputed"]
 StateRank = int | Literal["full"]
 
 
@@ -141,18 +143,34 @@ class ChunkState:
         chunk_key: the chunk's content key.
         kind: ``"canonical"`` (no antecedent), ``"patched"`` (canonical + a patch formed over
             ``context``), ``"orbit"`` (canonical + the mean patch of ``members``) or
-            ``"spliced"`` (two states' KV, cut at a token: engines' synthesized prefixes).
+            ``"spliced"`` (two states' KV, cut at a token: engines' synthesized prefixes) or
+            ``"recomputed"`` (``source``'s KV with its most deviating tokens recomputed over
+            ``context``: a drift budget's cheapest fix, never exact).
         rank: the patch rank (``"full"``: lossless); 0 for a canonical.
         context: the antecedents it was conditioned on (the root for canonicals and orbits).
         members: an orbit's member states (digests), in the order they were merged.
         address: where an orbit patch is filed (its antecedent set's key); ``""`` otherwise.
         keyset: the order-free fingerprint of the chunks it is conditioned on (`Context.keyset`;
             an orbit's: its set's).
+        source: a recomputed state's state before the recompute (``None`` for other kinds).
+        share: the share of its tokens a recomputed state recomputed (0 for other kinds).
         exact: a re-prefill of its chain computes the same KV (canonical, or full rank over an
             exact context).
     """
 
-    __slots__ = ("address", "chunk_key", "context", "digest", "exact", "keyset", "kind", "members", "rank")
+    __slots__ = (
+        "address",
+        "chunk_key",
+        "context",
+        "digest",
+        "exact",
+        "keyset",
+        "kind",
+        "members",
+        "rank",
+        "share",
+        "source",
+    )
 
     def __init__(
         self,
@@ -164,17 +182,20 @@ class ChunkState:
         members: tuple[str, ...] = (),
         address: str = "",
         keyset: int | None = None,
+        source: ChunkState | None = None,
+        share: float = 0.0,
     ) -> None:
         self.digest, self.chunk_key, self.kind, self.rank = digest, chunk_key, kind, rank
         self.context, self.members, self.address = context, members, address
         self.keyset = context.keyset if keyset is None else keyset
+        self.source, self.share = source, share
         self.exact = kind == "canonical" or (kind == "patched" and rank == "full" and context.exact)
 
     @property
     def is_full(self) -> bool:
-        """A full-rank patched or orbit state: its KV is stored as is (a full KV, filed under this
-        digest), not as a patch on the chunk's canonical."""
-        return self.rank == "full" and self.kind in ("patched", "orbit")
+        """A full-rank patched or orbit state, or a recomputed one: its KV is stored as is (a full
+        KV, filed under this digest), not as a patch on the chunk's canonical."""
+        return self.rank == "full" and self.kind in ("patched", "orbit", "recomputed")
 
     @classmethod
     def canonical(cls, chunk_key: str, root: Context) -> ChunkState:
@@ -214,6 +235,20 @@ class ChunkState:
         digest = _hash("spliced", head.digest, tail.digest, str(cut))
         return cls(digest, head.chunk_key, "spliced", tail.rank, head.context)
 
+    @classmethod
+    def recomputed(cls, source: ChunkState, context: Context, share: float) -> ChunkState:
+        """``source``'s KV, placed behind ``context``, with its most deviating ``share`` of tokens
+        recomputed through every layer over it (`KVCore.recompute`): what the other tokens absorbed
+        elsewhere stays, so never exact; its KV is stored whole under this digest."""
+        digest = _hash("recomputed", source.digest, context.digest, f"{share:.6g}")
+        return cls(digest, source.chunk_key, "recomputed", "full", context, source=source, share=share)
+
+    def antecedents(self) -> tuple[ChunkState, ...]:
+        """The states whose KV this state's KV encodes directly: its context's, and a recomputed
+        state's source (whose tokens it kept)."""
+        states = self.context.states()
+        return states if self.source is None else (*states, self.source)
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ChunkState) and other.digest == self.digest
 
@@ -224,6 +259,8 @@ class ChunkState:
         # "full" where the window's rank is smaller: the chunk's deficit has no more rank than
         # that (few tokens), so its patch is lossless (`effective_rank`)
         rank = "rank full (lossless)" if self.rank == "full" else f"rank {self.rank}"
+        if self.kind == "recomputed":
+            rank = f"{self.share:.0%} of tokens recomputed (approximate)"
         return f"ChunkState({self.kind}, {rank}, {self.context.length} antecedents, {self.digest[:8]})"
 
 

@@ -257,17 +257,62 @@ class Executor:
     def _form_over(self, ref: ChunkRef, target: ChunkState, antecedents: Sequence[ChunkRef]) -> None:
         """Form ``ref``'s patch over the context its target state names, placed behind the anchor."""
         chunk = self.state.entries[ref].chunk
+        if target.kind == "recomputed":  # rebuilt as it was made, not formed (it is not that forward)
+            self._settle(ref, target, None, antecedents, full=self._full_kv(target, chunk))
+            return
         kv = self._conditioned_over(chunk, target.context)
         self._adopt(ref, target, kv, antecedents)
 
     def _conditioned_over(self, chunk: Chunk, context: Context) -> ChunkKV:
+        placed, start = self._placed_context(context)
+        return self.core.condition([chunk], placed, start, self.txn).kv[0]
+
+    def _placed_context(self, context: Context) -> tuple[list[ChunkKV], int]:
+        """The anchor and ``context``'s states placed back to back behind it, and where a chunk
+        after them starts."""
         jobs, start = [], self.core.anchor.advance
         for state in context.states():
             source = self._chunk_for(state.chunk_key)
             jobs.append((*self.free_kv(state), source.positions_at(start)))
             start += source.advance
-        placed = [self.core.anchor_kv(self.txn.meter), *self.core.place_many(jobs)]
-        return self.core.condition([chunk], placed, start, self.txn).kv[0]
+        return [self.core.anchor_kv(self.txn.meter), *self.core.place_many(jobs)], start
+
+    def _recomputed_over(self, chunk: Chunk, state: ChunkState) -> ChunkKV:
+        """A recomputed state's KV made again as it was first made: its source placed behind its
+        context, its most deviating tokens recomputed over it (`KVCore.recompute`)."""
+        assert state.source is not None
+        placed, start = self._placed_context(state.context)
+        reference, patch = self.free_kv(state.source)
+        kv = self.core.place(reference, patch, chunk.positions_at(start))
+        return self.core.recompute(chunk, kv, placed, start, state.share, self.txn).kv
+
+    def recompute(self, ref: ChunkRef, share: float) -> ChunkState:
+        """Recompute the in-window chunk's most deviating ``share`` of tokens over the chunks to its
+        left as they are now (`KVCore.recompute`): its new state, stored and settled.
+
+        Why: the cheapest fix a drift budget has for one chunk whose own KV drifted (what it
+        absorbed elsewhere), where re-prefilling it and everything after it costs far more."""
+        order, entries = self.state.order, self.state.entries
+        i = order.index(ref)
+        ctx = self.core.root
+        for left in order[:i]:
+            ctx = ctx.extend(entries[left].state)
+        entry = entries[ref]
+        target = ChunkState.recomputed(entry.state, ctx, share)
+        placed = self.placements()
+        start = self._starts[ref]
+        blended = self.core.recompute(entry.chunk, placed[i + 1], placed[: i + 1], start, share, self.txn)
+        kv = self.core.keep_full(target, blended.kv, self.txn)
+        self._full[target.digest] = kv
+        # what it encoded before (a chunk that left, maybe recalled later) it still encodes in part
+        recorded = self.state.graph.pred[ref]
+        kept = self.state.antecedents_of(ref)
+        joined = [(r, s.digest) for r, s in zip(order[:i], ctx.states(), strict=True) if r not in recorded]
+        refs = (*kept, *(r for r, _ in joined))
+        digests = (*(recorded[r]["state"] for r in kept), *(d for _, d in joined))
+        self._settle(ref, target, None, None, full=kv)
+        self.state.set_antecedents(ref, refs, digests)
+        return target
 
     def _adopt(
         self, ref: ChunkRef, target: ChunkState, conditioned: ChunkKV, antecedents: Sequence[ChunkRef]
@@ -361,7 +406,10 @@ class Executor:
         if state.digest in self._full:
             return self._full[state.digest]
         kv = self.core.stored_full(state, self.txn)
-        if kv is None:
+        if kv is None and state.kind == "recomputed":
+            kv = self.core.keep_full(state, self._recomputed_over(chunk, state), self.txn)
+            self.txn.meter.reforms += int(held)
+        elif kv is None:
             kv = self.core.keep_full(state, self._conditioned_over(chunk, state.context), self.txn)
             self.txn.meter.reforms += int(held)
         self._full[state.digest] = kv
@@ -559,7 +607,7 @@ class _Influence:
 
     def __call__(self, state: ChunkState) -> bool:
         if state.digest not in self._memo:
-            self._memo[state.digest] = any(s.digest == self.digest or self(s) for s in state.context.states())
+            self._memo[state.digest] = any(s.digest == self.digest or self(s) for s in state.antecedents())
         return self._memo[state.digest]
 
 

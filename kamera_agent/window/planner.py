@@ -373,7 +373,7 @@ class Planner:
 
         def refilling(why: str, declined: bool = False) -> WindowPlan:
             steps = left + [replace(s, detail=s.detail.replace(_WHY, why)) for s in refilled]
-            return replace(plan, steps=tuple(steps), declined=declined)
+            return replace(plan, steps=tuple(steps), declined=declined, prefix_bound=refill)
 
         if budget is None:
             if refill >= planned:
@@ -387,7 +387,7 @@ class Planner:
         if fix and not budget.worth_trying(plan.op, planned, fix, refill, audits):
             why = f"re-prefill from slot {changed}: the drift budget expects to fix what the plan keeps"
             return refilling(why, declined=True)
-        return replace(plan, vouched_to=first)
+        return replace(plan, vouched_to=first, prefix_bound=refill)
 
     def refill(self, state: WindowState, start: int, why: str) -> WindowPlan:
         """Re-prefill the window's chunks from index ``start`` on over the chunks left of it as they

@@ -22,6 +22,7 @@ where other antecedents stand. The pushed and the recalled chunk have rules of t
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -371,11 +372,19 @@ class Rules:
         self, s: ChunkState, chunk: Chunk, cost: Callable[[ChunkState], tuple[int, int] | None]
     ) -> tuple[int, int] | None:
         """Forwards and tokens to have state ``s`` of ``chunk`` from the store (rebuilding what is not)."""
-        full = s.kind in ("patched", "orbit") and s.rank == "full"
+        full = s.is_full
         if full and self.view.has_full(s.chunk_key, s.digest):
             return (0, 0)
         if full and s.kind == "orbit":
             return None
+        if s.kind == "recomputed":  # its source placed behind its context, a share recomputed
+            assert s.source is not None
+            parts = [cost(a) for a in s.antecedents()]
+            if any(part is None for part in parts):
+                return None
+            selected = max(1, math.ceil(s.share * chunk.num_tokens))
+            underneath = sum(p[1] for p in parts if p)
+            return 2 + sum(p[0] for p in parts if p), chunk.num_tokens + selected + underneath
         if not can_form(chunk, self.view):
             return None
         canonical = (0, 0) if full or self.view.has_canonical(s.chunk_key) else (1, chunk.num_tokens)

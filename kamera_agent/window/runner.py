@@ -9,6 +9,7 @@ window and its forks share.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ import torch
 from kamera_agent.backends.base import Backend, DecodeConfig
 from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.config import WindowConfig
+from kamera_agent.core.blend import selected_count
 from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.drift import AuditSource, audit, filed_in
 from kamera_agent.core.identity import ChunkState, Context
@@ -46,6 +48,9 @@ Build = Callable[[Planner], WindowPlan]
 """One op's planner call, its arguments parsed and checked already (`Inputs`, `arguments`)."""
 _ATTEMPTS = 3  # plans re-made when another window changed an orbit patch under an op
 _QUERIES = 64  # query token ids remembered per window family
+RECOMPUTE = "recompute"
+"""The drift budget's outcome name for token recomputes (`DriftBudget.record`): how often one
+left its chunk over ε."""
 
 
 @dataclass(frozen=True)
@@ -271,6 +276,16 @@ class OpRunner:
             budget.record(plan.op, first is not None)
         elif plan.declined:
             budget.declined(plan.op)
+        recomputed: set[int] = set()
+        while first is not None and first not in recomputed and self._recompute_pays(plan, first, txn):
+            executor.recompute(state.order[first], budget.calibration.recompute_share)
+            recomputed.add(first)
+            meter.drift_recomputes += 1
+            placed.clear()  # the chunk's KV changed: placed again for the audits that follow
+            estimates = self.drift(measure, until_over=True, store=txn.store)
+            still = budget.first_over(estimates)
+            budget.record(RECOMPUTE, still is not None and still <= first)
+            first = still
         if first is not None:
             over = estimates[first]
             why = f"drift budget {budget.epsilon:g}: estimated {over:.3g} here; re-prefilled from it"
@@ -287,6 +302,38 @@ class OpRunner:
             estimates = self.drift(store=txn.store)
         meter.drift = max((e for e in estimates if e is not None), default=0.0)
         return plan
+
+    def _recompute_pays(self, plan: WindowPlan, first: int, txn: Txn) -> bool:
+        """Whether to try the drift budget's cheapest fix for the chunk at ``first``: recompute its
+        most deviating tokens over the chunks to its left (`Executor.recompute`) before
+        re-prefilling it and everything after it.
+
+        Tried where it cannot break the never-costlier rule (what the op prefilled so far, the
+        recompute, and the re-prefill from ``first`` should it fail, within the prefix cache's
+        cost of the op, `WindowPlan.prefix_bound`), and where the budget expects it to pay at the
+        rate recomputes have kept chunks within ε so far (`DriftBudget.worth_trying`)."""
+        budget, state, core = self.parts.budget, self.state, self.parts.core
+        entry = state.entries[state.order[first]]
+        if budget is None or plan.prefix_bound is None or entry.state.kind == "recomputed":
+            return False
+        n, layers = entry.chunk.num_tokens, core.backend.layout.num_layers
+        share = budget.calibration.recompute_share
+        cost = selected_count(share, n) + math.ceil(n / layers)  # the recompute and its probe
+        if cost >= n:
+            return False  # as dear as re-prefilling the chunk itself
+        fix = sum(step.tokens for step in self.planner(txn.store).refill(state, first, "fix").steps)
+        spent = txn.meter.spent.tokens_prefilled - txn.meter.audit_tokens
+        if spent + cost + fix > plan.prefix_bound:
+            return False
+        share_audited = budget.calibration.audit_share
+        audits = sum(
+            min(e.chunk.num_tokens, max(2, math.ceil(share_audited * e.chunk.num_tokens)))
+            for e in (state.entries[ref] for ref in state.order[first:])
+        )
+        if budget.worth_trying(RECOMPUTE, cost, fix, fix, audits):
+            return True
+        budget.declined(RECOMPUTE)
+        return False
 
     def _score(self, plan: WindowPlan, txn: Txn) -> None:
         """Run the probes a probe-driven eviction asked for; remember their KLs for the re-plan."""

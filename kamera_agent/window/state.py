@@ -225,8 +225,11 @@ class WindowState:
         edges = self.graph.in_edges(ref, data="index")
         return tuple(source for source, _, _ in sorted(edges, key=lambda edge: edge[2]))
 
-    def set_antecedents(self, ref: ChunkRef, antecedents: Sequence[ChunkRef]) -> None:
-        """Make ``ref``'s in-edges exactly ``antecedents``, each carrying the state ``ref`` encodes.
+    def set_antecedents(
+        self, ref: ChunkRef, antecedents: Sequence[ChunkRef], states: Sequence[str] | None = None
+    ) -> None:
+        """Make ``ref``'s in-edges exactly ``antecedents``, each carrying the state ``ref`` encodes
+        (``states``: those digests, one per antecedent, where ``ref``'s context does not say them).
 
         Edges that stay (most of them when a chunk is re-formed over the same chunks) are kept,
         a new attribute dict filed where their attributes change (never changed in place: a
@@ -234,9 +237,13 @@ class WindowState:
         (removing and re-adding every edge was most of a reorder's bookkeeping)."""
         graph = self._writable_graph()
         entries = self.entries
-        chain = entries[ref].state.context.states() if antecedents else ()
-        if len(chain) != len(antecedents):  # an orbit encodes a set: its members' states as they are
-            chain = tuple(entries[source].state for source in antecedents if source in entries)
+        if states is not None:
+            digests = list(states)
+        else:
+            chain = entries[ref].state.context.states() if antecedents else ()
+            if len(chain) != len(antecedents):  # an orbit encodes a set: its members' states as they are
+                chain = tuple(entries[source].state for source in antecedents if source in entries)
+            digests = [state.digest for state in chain]
         wanted = {source: i for i, source in enumerate(antecedents) if source in entries}
         succ, current = graph._adj, graph._pred[ref]
         leaving = [source for source in current if source not in wanted]
@@ -244,7 +251,7 @@ class WindowState:
             graph.remove_edges_from([(source, ref) for source in leaving])
         for source, i in wanted.items():
             data = current.get(source)
-            digest = chain[i].digest
+            digest = digests[i]
             if data is None:
                 graph.add_edge(source, ref, index=i, state=digest)
             elif data["index"] != i or data["state"] != digest:  # one dict for succ and pred, as networkx

@@ -9,7 +9,10 @@ prefill, never through the window's planner, executor, store or placement code:
   state placed back to back; its deficit over the canonical truncated to the state's rank by a
   plain SVD per layer and slot (no truncation at rank ``"full"``);
 - orbit: the running mean of its members' truncated deficits, re-truncated after each member,
-  in the order the members were merged (what an orbit patch is by definition).
+  in the order the members were merged (what an orbit patch is by definition);
+- recomputed: the truth of its source placed behind the truth of its context, the chunk's
+  ``ceil(share · n)`` tokens of largest one-layer deviation there (`Backend.deviation`)
+  recomputed through every layer (`Backend.recompute`).
 
 States and chunks are learned from every window a test touches (`learn`), so a state formed in
 one window and served in another is checked against the same truth. Truths are memoised by the
@@ -20,6 +23,7 @@ different truths, so a digest that forgets part of a chain is caught.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -56,7 +60,7 @@ class StateOracle:
         if state.digest in self.states:
             return
         self.states[state.digest] = state
-        for antecedent in state.context.states():
+        for antecedent in state.antecedents():
             self._learn(antecedent)
 
     # -- truth ------------------------------------------------------------------------------
@@ -76,6 +80,8 @@ class StateOracle:
         canonical = self._canonical(state.chunk_key)
         if state.kind == "canonical":
             return canonical
+        if state.kind == "recomputed":
+            return self._recomputed(state)
         if state.kind == "patched":
             conditioned = self._conditioned(state)
             if state.rank == "full":
@@ -102,12 +108,29 @@ class StateOracle:
         return self._free[digest]
 
     def _conditioned(self, state: ChunkState) -> ChunkKV:
+        context, start = self._context(state)
+        chunk = self.chunks[state.chunk_key]
+        return to_position_free(self._prefill(chunk, context, start), self.layout)
+
+    def _context(self, state: ChunkState) -> tuple[list[ChunkKV], int]:
+        """The truths of the state's context placed behind the anchor, and where the chunk starts."""
         context, start = [self.anchor_kv], self.anchor.advance
         for antecedent in state.context.states():
             context.append(self.placed(antecedent, start))
             start += self.chunks[antecedent.chunk_key].advance
+        return context, start
+
+    def _recomputed(self, state: ChunkState) -> ChunkKV:
+        assert state.source is not None
+        context, start = self._context(state)
         chunk = self.chunks[state.chunk_key]
-        return to_position_free(self._prefill(chunk, context, start), self.layout)
+        source = self.placed(state.source, start)
+        vision = self.backend.encode_vision(chunk).features if chunk.has_vision else None
+        scores = self.backend.deviation(chunk, source, context, start, vision, 1).scores
+        count = math.ceil(round(state.share * chunk.num_tokens, 9))
+        indices = torch.topk(scores.float().cpu(), count).indices.sort().values
+        kv = self.backend.recompute(chunk, source, indices, context, start, vision).kv[0]
+        return to_position_free(kv, self.layout)
 
     def _prefill(self, chunk: Chunk, context: list[ChunkKV], start: int) -> ChunkKV:
         vision = [self.backend.encode_vision(chunk).features] if chunk.has_vision else []
@@ -137,6 +160,10 @@ def _structure(state: ChunkState) -> object:
         return ("canonical", state.chunk_key)
     if state.kind == "orbit":
         return ("orbit", state.chunk_key, state.rank, state.address, state.members)
+    if state.kind == "recomputed":
+        assert state.source is not None
+        context = tuple(_structure(a) for a in state.context.states())
+        return ("recomputed", state.chunk_key, state.share, _structure(state.source), context)
     return ("patched", state.chunk_key, state.rank, tuple(_structure(a) for a in state.context.states()))
 
 

@@ -13,22 +13,31 @@ from pathlib import Path
 
 import pytest
 
+from kamera_agent.backends.base import Spent
 from kamera_agent.config import WindowConfig
+from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.drift import (
     CALIBRATION_DIR_VARIABLE,
     Calibration,
     audit_indices,
     find_calibration,
+    relative_error,
     save_calibration,
 )
+from kamera_agent.core.identity import ChunkState, Context
+from kamera_agent.core.kv_core import Txn
 from kamera_agent.core.staging import StagedStore
 from kamera_agent.errors import ConfigError, UncalibratedWarning, UnknownChunkError
+from kamera_agent.operator.layout import to_position_free
 from kamera_agent.results import OpCost
 from kamera_agent.store import DriftAudit
 from kamera_agent.window import KameraWindow
 from kamera_agent.window import budget as budget_module
+from kamera_agent.window.executor import Executor
+from tests.kv_helpers import rel_err
 from tests.window.backends import backend_named
 from tests.window.helpers import answer_kl, calibrate_for_tests, chunk_errors, chunk_errors_in_order
+from tests.window.oracle import StateOracle
 
 EXACT_KV = 2e-5
 TEXTS = ["red ball", "green box moves", "a cat sat", "the dog ran", "yellow sun", "blue sky now"]
@@ -313,3 +322,122 @@ def test_a_failed_op_files_no_audit(calibrations: Path, monkeypatch: pytest.Monk
     runner._keep_budget = original  # type: ignore[method-assign]
     assert staged  # the op audited before it failed
     assert set(window.store.keys()) == before
+
+
+NOTES = [
+    "the red ball rolled",
+    "green box " * 3,
+    " ".join(["a long note about the morning walk and the dog"] * 4),
+    "the dog ran after the kite in the rain today",
+]
+
+
+def _evict_behind_a_vouched_chunk(epsilon: float | None, share: float, calibrations: Path) -> KameraWindow:
+    """Four notes; the chunk that will follow the evicted one vouched for (an audit of 0 remembered
+    for it behind its new left context), then the second note evicted. The last note, kept with
+    what it absorbed from the evicted one, is the first chunk over ε, and the vouched chunk between
+    the op's first changed slot and it leaves the never-costlier rule room for a recompute."""
+    calibrate_for_tests(
+        backend_named("qwen2").fingerprint, calibrations, audit_share=0.1, recompute_share=share
+    )
+    window = _window(epsilon)
+    for note in NOTES:
+        window.push(note, label=note[:8])
+    first, evicted, vouched, _ = window.refs
+    budget = window._parts.budget
+    if budget is not None:
+        budget.always_try = True
+        left = window._parts.core.root.extend(window.state_of(first))
+        budget.remember(window.state_of(vouched), left, 0.0)
+    window.evict(evicted)
+    return window
+
+
+def test_an_over_budget_chunk_is_fixed_by_recomputing_its_most_deviating_tokens(calibrations: Path) -> None:
+    """The budget's cheapest fix: the chunk's most deviating 30 % of tokens recomputed over the
+    chunks to its left. Its KV is a state of its own (never exact), nearer the chunk's own forward
+    over those chunks than the kept state it came from, made again alike from what its state
+    names, estimated within ε; the op prefilled far fewer tokens than re-prefilling from its
+    first changed slot."""
+    window = _evict_behind_a_vouched_chunk(0.08, 0.3, calibrations)
+    cost, last = window.stats.last, window.refs[-1]
+    assert cost.drift_recomputes == 1 and cost.drift_fixes == 0, window.last_plan
+    state = window.state_of(last)
+    assert state.kind == "recomputed" and not state.exact and state.share == 0.3
+    assert state.source is not None and state.source.kind == "patched"
+    assert "30% of tokens recomputed (approximate)" in repr(state)
+    drift = window.drift_of(last)
+    assert drift is not None and 0 < drift <= 0.08
+    chunk = window.chunk(last)
+    selected = math.ceil(0.3 * chunk.num_tokens)
+    prefix = sum(window.chunk(ref).num_tokens for ref in window.refs[1:])  # from the changed slot
+    assert cost.tokens_prefilled - cost.audit_tokens == selected + math.ceil(chunk.num_tokens / 4) < prefix
+
+    runner, core = window._runner, window._parts.core
+    with runner.lock:  # against the chunk's own forward over the chunks to its left as they are
+        meter = CostMeter()
+        txn = Txn(StagedStore(window.store), meter)
+        executor = Executor(runner.state, core, txn, window.config)
+        placed, start = executor.placements(), core.anchor.advance
+        start += sum(window.chunk(ref).advance for ref in window.refs[:-1])
+        truth = core.condition([chunk], placed[:-1], start, txn).kv[0]
+        source = core.place(*executor.free_kv(state.source), chunk.positions_at(start))
+        meter.spent = Spent()
+        rebuilt = executor._recomputed_over(chunk, state)  # what the state names, made again
+    recomputed, kept = relative_error(placed[-1], truth), relative_error(source, truth)
+    assert recomputed < 0.8 * kept, (recomputed, kept)
+    oracle = StateOracle(window.backend)  # every chunk against what its state names, built apart
+    for ref in (*window.refs, *window.evicted):
+        oracle.know(window.chunk(ref))
+    assert all(error <= EXACT_KV for error, _ in oracle.errors(window).values())
+    held = window._runner.state.entries[last].full
+    assert held is not None and meter.spent.forwards == 2  # the probe and the recompute
+    free = to_position_free(rebuilt, window.backend.layout)
+    assert rel_err(free.keys, held.keys) < EXACT_KV and rel_err(free.values, held.values) < EXACT_KV
+
+
+def test_a_recompute_that_leaves_its_chunk_over_budget_is_followed_by_the_re_prefill(
+    calibrations: Path,
+) -> None:
+    """Where the recompute does not bring the chunk within ε, the chunk and what follows are
+    re-prefilled as before (exact), the op still within the prefix cache's cost, and the budget
+    remembers how recomputes fare."""
+    window = _evict_behind_a_vouched_chunk(1e-3, 0.3, calibrations)
+    cost = window.stats.last
+    assert cost.drift_recomputes == 1 and cost.drift_fixes == 1
+    state, left = window.state_of(window.refs[-1]), window._parts.core.root
+    for ref in window.refs[:-1]:
+        left = left.extend(window.state_of(ref))
+    # formed over the chunks to its left as they are (the vouched one is the test's fiction)
+    assert state.kind == "patched" and state.rank == "full" and state.context == left
+    assert window.drift_of(window.refs[-1]) == 0.0
+    prefix = sum(window.chunk(ref).num_tokens for ref in window.refs[1:])
+    assert cost.tokens_prefilled - cost.audit_tokens <= prefix
+    budget = window._parts.budget
+    assert budget is not None and budget.outcomes()["recompute"] == (1, 1)
+
+
+def test_a_recompute_is_never_tried_where_its_failure_would_cost_more_than_a_prefix_cache(
+    calibrations: Path,
+) -> None:
+    """When the first chunk over ε sits at the op's first changed slot, a recompute that failed
+    would add its tokens to a re-prefill from that slot: the budget re-prefills at once."""
+    window = _evict_behind_a_vouched_chunk(1e-3, 0.3, calibrations)
+    window.evict(window.refs[1])  # nothing vouched now: the chunk after it is the first over
+    assert window.stats.last.drift_fixes > 0 and window.stats.last.drift_recomputes == 0
+
+
+def test_a_recomputed_state_is_named_by_its_source_context_and_share() -> None:
+    root = Context.root("anchor")
+    left = root.extend(ChunkState.canonical("a", root))
+    source = ChunkState.patched("b", "full", root.extend(ChunkState.canonical("c", root)))
+    state = ChunkState.recomputed(source, left, 0.15)
+    assert state.is_full and not state.exact and not left.extend(state).exact
+    assert state.antecedents() == (*left.states(), source)
+    others = [
+        ChunkState.recomputed(source, left, 0.3),
+        ChunkState.recomputed(source, root, 0.15),
+        ChunkState.recomputed(ChunkState.patched("b", 4, left), left, 0.15),
+    ]
+    assert len({state.digest, *(other.digest for other in others)}) == 4
+    assert ChunkState.recomputed(source, left, 0.15) == state

@@ -40,6 +40,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kamera_agent.backends.decoding import decoded_tokens
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.drift import CALIBRATION_DIR_VARIABLE
+from kamera_agent.core.identity import ChunkState
 from kamera_agent.errors import KameraError
 from kamera_agent.results import Answer
 from kamera_agent.store import ChunkStore
@@ -375,7 +376,7 @@ class WindowMachine(RuleBasedStateMachine):
             order = {ref: i for i, ref in enumerate(w.refs)}
             for source, target, recorded in graph.edges(data="state"):
                 if w.state_of(target).kind != "orbit":  # an orbit encodes a set, not a chain
-                    assert recorded in {s.digest for s in w.state_of(target).context.states()}
+                    assert recorded in _encoded(w.state_of(target))
                 if source in order and target in order:
                     assert order[source] < order[target], "a KV may only encode chunks to its left"
             known = set(w.refs) | set(w.evicted)
@@ -406,6 +407,15 @@ class _Costs:
     deferred chunk prefills): a prefix cache's ops pay none of them either."""
     probed: int = 0
     anchored: bool = False
+
+
+def _encoded(state: ChunkState) -> set[str]:
+    """The digests of the states whose KV ``state``'s KV encodes: its context's, and a recomputed
+    state's source's (its other tokens kept what they encoded)."""
+    encoded = {s.digest for s in state.context.states()}
+    if state.source is not None:
+        encoded |= {state.source.digest} | _encoded(state.source)
+    return encoded
 
 
 def _settings(examples: int, steps: int = 12) -> settings:
