@@ -344,7 +344,10 @@ class Executor:
         if not same_state or full is not None:
             entry.full = full
         entry.state, entry.patch, entry.pending = target, patch, pending
-        if antecedents is not None and not (same_state and self._same_edges(ref, antecedents)):
+        # a recomputed state's edges were filed when it was made: its kept tokens still encode
+        # its source's antecedents, which its context (the chunks now to its left) does not name
+        kept = same_state and target.kind == "recomputed"
+        if antecedents is not None and not kept and not (same_state and self._same_edges(ref, antecedents)):
             self.state.set_antecedents(ref, antecedents)
         if entry.home is None and not pending:
             entry.home = Home(tuple(antecedents or ()), target)

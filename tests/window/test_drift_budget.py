@@ -396,6 +396,26 @@ def test_an_over_budget_chunk_is_fixed_by_recomputing_its_most_deviating_tokens(
     assert rel_err(free.keys, held.keys) < EXACT_KV and rel_err(free.values, held.values) < EXACT_KV
 
 
+def test_a_recomputed_chunk_still_encodes_what_its_source_did(calibrations: Path) -> None:
+    """Its kept tokens still carry the evicted chunk: the graph says so across later ops, so
+    recalling that chunk to its right makes it non-causal, and it is not kept there."""
+    window = _evict_behind_a_vouched_chunk(0.08, 0.3, calibrations)
+    last, (evicted,) = window.refs[-1], window.evicted
+    state = window.state_of(last)
+    assert state.kind == "recomputed" and evicted in window.graph.pred[last]
+    note = window.push("a short note")  # its left unchanged: it keeps its state and its edges
+    assert window.state_of(last) == state and evicted in window.graph.pred[last]
+    window.evict(note)
+    window.recall(evicted)  # behind it
+    order = {ref: i for i, ref in enumerate(window.refs)}
+    assert order[evicted] > order[last] and window.state_of(last) != state
+    assert all(
+        order[source] < order[target]
+        for source, target in window.graph.edges
+        if target in order and source in order
+    )
+
+
 def test_a_recompute_that_leaves_its_chunk_over_budget_is_followed_by_the_re_prefill(
     calibrations: Path,
 ) -> None:
