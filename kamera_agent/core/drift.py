@@ -44,6 +44,7 @@ __all__ = [
     "AuditSource",
     "Calibration",
     "audit",
+    "audit_count",
     "audit_indices",
     "calibration_dirs",
     "filed_in",
@@ -164,11 +165,17 @@ def save_calibration(calibration: Calibration, directory: Path | None = None) ->
     return path
 
 
+def audit_count(num_tokens: int, share: float) -> int:
+    """How many token rows one audit of a ``num_tokens`` chunk recomputes: ``share`` of them, at
+    least two, at most all (what the planner and the runner charge an audit before running it)."""
+    return min(num_tokens, max(2, math.ceil(share * num_tokens)))
+
+
 def audit_indices(num_tokens: int, share: float, seed: str) -> torch.Tensor:
     """The sorted token indices one audit recomputes: ``share`` of the chunk (at least two, at most
     all), drawn reproducibly from ``seed`` (what the chunk and its context encode): the same pair
     is audited on the same rows wherever it is measured."""
-    count = min(num_tokens, max(2, math.ceil(share * num_tokens)))
+    count = audit_count(num_tokens, share)
     draw = int(hashlib.blake2b(seed.encode(), digest_size=8).hexdigest(), 16)
     generator = torch.Generator().manual_seed(draw)
     return torch.randperm(num_tokens, generator=generator)[:count].sort().values

@@ -16,12 +16,12 @@ needs listed in the plan, and is planned again once they have run.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 
 from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.core.drift import audit_count
 from kamera_agent.core.identity import Context
 from kamera_agent.core.staging import can_form
 from kamera_agent.errors import (
@@ -449,7 +449,7 @@ class Planner:
             fix = sum(step.tokens for step in self._refill_steps(state, plan, first, ctx, "fix"))
         share = budget.calibration.audit_share
         audited = [plan.chunks[r] if r in plan.chunks else state.entries[r].chunk for r in plan.order[first:]]
-        audits = sum(min(c.num_tokens, max(2, math.ceil(share * c.num_tokens))) for c in audited)
+        audits = sum(audit_count(c.num_tokens, share) for c in audited)
         return first, fix, audits
 
     def _taken(

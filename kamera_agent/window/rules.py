@@ -22,12 +22,12 @@ where other antecedents stand. The pushed and the recalled chunk have rules of t
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
+from kamera_agent.core.blend import selected_count
 from kamera_agent.core.identity import ChunkState, Context, StateRank, effective_rank, orbit_key
 from kamera_agent.core.staging import StoreView, can_form
 from kamera_agent.policies import PATCH_TIMING, PatchAction
@@ -382,7 +382,7 @@ class Rules:
             parts = [cost(a) for a in s.antecedents()]
             if any(part is None for part in parts):
                 return None
-            selected = max(1, math.ceil(s.share * chunk.num_tokens))
+            selected = selected_count(s.share, chunk.num_tokens)
             underneath = sum(p[1] for p in parts if p)
             return 2 + sum(p[0] for p in parts if p), chunk.num_tokens + selected + underneath
         if not can_form(chunk, self.view):

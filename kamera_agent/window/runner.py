@@ -9,7 +9,6 @@ window and its forks share.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,11 +19,12 @@ from typing import TypeVar
 import torch
 
 from kamera_agent.backends.base import Backend, DecodeConfig
+from kamera_agent.backends.recompute import deviation_spent
 from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.blend import selected_count
 from kamera_agent.core.costs import CostMeter
-from kamera_agent.core.drift import AuditSource, audit, filed_in
+from kamera_agent.core.drift import AuditSource, audit, audit_count, filed_in
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
 from kamera_agent.core.staging import StagedStore, StoreView
@@ -318,7 +318,8 @@ class OpRunner:
             return False
         n, layers = entry.chunk.num_tokens, core.backend.layout.num_layers
         share = budget.calibration.recompute_share
-        cost = selected_count(share, n) + math.ceil(n / layers)  # the recompute and its probe
+        probe = deviation_spent(n, 1, layers).tokens_prefilled
+        cost = selected_count(share, n) + probe  # the recompute and the one-layer probe picking its tokens
         if cost >= n:
             return False  # as dear as re-prefilling the chunk itself
         fix = sum(step.tokens for step in self.planner(txn.store).refill(state, first, "fix").steps)
@@ -327,8 +328,7 @@ class OpRunner:
             return False
         share_audited = budget.calibration.audit_share
         audits = sum(
-            min(e.chunk.num_tokens, max(2, math.ceil(share_audited * e.chunk.num_tokens)))
-            for e in (state.entries[ref] for ref in state.order[first:])
+            audit_count(state.entries[ref].chunk.num_tokens, share_audited) for ref in state.order[first:]
         )
         if budget.worth_trying(RECOMPUTE, cost, fix, fix, audits):
             return True
