@@ -34,7 +34,7 @@ from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.core.orbits import fold_full_orbit, fold_orbit
 from kamera_agent.core.staging import Committed, StagedStore
 from kamera_agent.errors import ChunkLostError, ContextOverflowError, ForeignChunkError, UnsupportedModelError
-from kamera_agent.operator.layout import ChunkKV, to_position_free
+from kamera_agent.operator.layout import ChunkKV, to_position_free, to_position_free_many
 from kamera_agent.operator.patch import Patch, apply_patch, form_patch, place_many
 from kamera_agent.results import Answer
 from kamera_agent.store import ChunkStore
@@ -248,6 +248,11 @@ class KVCore:
         if orbit:
             fold_full_orbit(txn.store, self.root, state, kv)
         return kv
+
+    def position_free(self, conditioned: Sequence[ChunkKV]) -> list[ChunkKV]:
+        """One forward's chunks un-rotated together (`to_position_free_many`): what `keep_full`,
+        `keep_patch` and `keep_canonical` then store as they are, with no rotation of their own."""
+        return to_position_free_many(conditioned, self.backend.layout)
 
     def _position_free(self, conditioned: ChunkKV, chunk_key: str) -> ChunkKV:
         """``conditioned`` as stored: position-free, filed under its chunk's key and carrying the

@@ -21,6 +21,7 @@ scaling variant is right by construction): the operator knows no engine and no m
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -41,6 +42,7 @@ __all__ = [
     "check_positions",
     "relocate",
     "to_position_free",
+    "to_position_free_many",
 ]
 
 
@@ -131,6 +133,32 @@ def to_position_free(kv: ChunkKV, layout: KVLayout) -> ChunkKV:
         return kv
     band = unrotate(kv.slot(layout.rope_slot), layout.rope, kv.positions)
     return _with_slot(kv, layout.rope_slot, band, positions=None)
+
+
+def to_position_free_many(kvs: Sequence[ChunkKV], layout: KVLayout) -> list[ChunkKV]:
+    """`to_position_free` of each chunk, as one rotation over all their tokens.
+
+    Why: one forward conditions a whole run of small chunks, and for a chunk of a few dozen
+    tokens the rotation's cost is its dozen kernel launches, not its arithmetic (on a GPU most
+    of an op's tensor work). Each result owns its own contiguous tensor, so storing or dropping
+    one chunk never keeps the others' bytes alive. Chunks whose bands differ in shape, dtype or
+    device, or in how their positions are given, are each unrotated on their own."""
+    placed = [(kv, kv.positions) for kv in kvs if kv.positions is not None]
+    slot = layout.rope_slot
+    bands = [kv.slot(slot) for kv, _ in placed]
+    alike = {
+        (b.shape[:-2], b.shape[-1], b.dtype, b.device, p.ndim, p.device)
+        for b, (_, p) in zip(bands, placed, strict=True)
+    }
+    if len(placed) < 2 or len(alike) != 1:
+        return [to_position_free(kv, layout) for kv in kvs]
+    positions = torch.cat([p for _, p in placed], dim=-1)
+    band = unrotate(torch.cat(bands, dim=-2), layout.rope, positions)
+    pieces = iter(band.split([kv.num_tokens for kv, _ in placed], dim=-2))
+    return [
+        kv if kv.positions is None else _with_slot(kv, slot, next(pieces).contiguous(), positions=None)
+        for kv in kvs
+    ]
 
 
 def relocate(kv: ChunkKV, layout: KVLayout, positions: torch.Tensor) -> ChunkKV:

@@ -225,7 +225,7 @@ class Executor:
                     seen += slots[ref]
         start = self._starts[run[0].ref if lead is None else lead.ref]
         done = self.core.condition(chunks, context, start, self.txn, onto=cache, starts=starts, sees=sees)
-        formed = list(done.kv)
+        formed = self.core.position_free(done.kv)
         if lead is not None:
             self._lead_canonical(lead, formed.pop(0))
         for step, kv in zip(run, formed, strict=True):

@@ -16,6 +16,7 @@ import torch
 
 from kamera_agent.backends.transformers import kv_layout
 from kamera_agent.operator import KVLayout, relocate, rerotate, to_position_free
+from kamera_agent.operator.layout import ChunkKV, to_position_free_many
 from kamera_agent.operator.rope import RotarySpec
 from tests.kv_helpers import chunk_kv, rel_err
 from tests.tiny_models import ALL_TEXT_FACTORIES, ALL_VL_FACTORIES, as_bf16, vl_image_inputs
@@ -154,6 +155,48 @@ def test_mrope_image_tokens_relocate_under_per_axis_shifts(name: str, shift: tup
     placed = relocate(canonical, layout, target_pos)
     assert rel_err(placed.keys, target.keys) <= 2e-5
     assert rel_err(placed.values, target.values) <= 2e-5
+
+
+def _pieces(kv: ChunkKV, sizes: list[int], shifts: list[int]) -> list[ChunkKV]:
+    """``kv`` cut into consecutive chunks, each moved on by its own shift (as one forward's run
+    of chunks with placed chunks between them)."""
+    assert kv.positions is not None
+    out, at = [], 0
+    for size, shift in zip(sizes, shifts, strict=True):
+        rows = slice(at, at + size)
+        moved = kv.positions[..., rows] + shift
+        out.append(ChunkKV(kv.keys[:, :, rows], kv.values[:, :, rows], moved, f"c{at}", "fp"))
+        at += size
+    return out
+
+
+@pytest.mark.parametrize("name", [*TEXT, *VL])
+def test_one_rotation_over_a_run_equals_each_chunk_unrotated_alone(name: str) -> None:
+    """`to_position_free_many` (one forward's chunks un-rotated together) gives each chunk what
+    `to_position_free` gives it alone, in tensors of its own; a chunk already position-free
+    passes through, and chunks that cannot share a rotation are each un-rotated alone."""
+    model, layout = _model(name)
+    if name in VL:
+        inputs = vl_image_inputs(model, grid_thw=(1, 4, 6), text_ids=(7, 8, 9))
+        kv = chunk_kv(model, layout, _vl_positions(model, inputs), **inputs)
+    else:
+        kv = chunk_kv(model, layout, torch.arange(N) + 3, input_ids=_ids())
+    n = kv.num_tokens
+    run = _pieces(kv, [5, n - 12, 7], [0, 40, 4096])
+    free = to_position_free(run[1], layout)
+    together = to_position_free_many([run[0], free, run[1], run[2]], layout)
+    alone = [to_position_free(c, layout) for c in (run[0], free, run[1], run[2])]
+    assert together[1] is free
+    for got, want in zip(together, alone, strict=True):
+        assert got.positions is None and (got.chunk_key, got.model_fingerprint) == (want.chunk_key, "fp")
+        for slot in ("keys", "values"):
+            assert got.slot(slot).is_contiguous() or slot != layout.rope_slot  # type: ignore[arg-type]
+            assert rel_err(got.slot(slot), want.slot(slot)) <= 1e-7  # type: ignore[arg-type]
+    band = together[0].slot(layout.rope_slot)
+    assert band.untyped_storage().nbytes() == band.numel() * band.element_size()  # its own bytes
+    other = ChunkKV(run[2].keys.double(), run[2].values.double(), run[2].positions, "c", "fp")
+    mixed = to_position_free_many([run[0], other], layout)  # two dtypes: each alone
+    assert mixed[1].keys.dtype == torch.float64 and rel_err(mixed[0].keys, alone[0].keys) == 0
 
 
 def test_the_old_name_at_positions_is_relocate_with_a_warning() -> None:
