@@ -3,10 +3,13 @@ growth past its capacity, crops and decode steps, on a GQA and an MLA family."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from transformers import DynamicCache
 
+from kamera_agent.backends.transformers import read_chunk, read_chunks
 from kamera_agent.backends.transformers.cache import BufferedLayer, buffered_cache
 from tests.backends.test_transformers_backend import text_backend
 
@@ -53,3 +56,34 @@ def test_appends_write_into_spare_capacity_without_copying_what_is_held() -> Non
     assert layer.keys.shape[-2] == 12
     with pytest.raises(ValueError, match="negative"):
         layer.crop(2)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "deepseek_v3"])
+def test_reading_a_run_at_once_gives_each_chunk_what_reading_it_alone_gives(name: str) -> None:
+    """`read_chunks` both ways (the whole run sliced once, as on a GPU; each chunk alone, as on a
+    CPU) equals `read_chunk` per chunk bit for bit, each chunk in tensors of its own."""
+    backend = text_backend(name, layers=4)
+    config = backend.model.config
+    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    cache, _ = backend.forward_tokens(ids, torch.arange(40), buffered_cache(config))
+    sizes, start = [5, 17, 11], 4
+    bounds = [start + sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    positions = [torch.arange(a, b) + 100 for a, b in itertools.pairwise(bounds)]
+    alone = [
+        read_chunk(cache, backend.layout, a, b, where, chunk_key=f"c{i}", model_fingerprint="fp")
+        for i, ((a, b), where) in enumerate(zip(itertools.pairwise(bounds), positions, strict=True))
+    ]
+    keys = [f"c{i}" for i in range(len(sizes))]
+    for whole_run in (True, False, None):
+        got = read_chunks(
+            cache, backend.layout, start, positions, keys, model_fingerprint="fp", whole_run=whole_run
+        )
+        for kv, want in zip(got, alone, strict=True):
+            assert torch.equal(kv.keys, want.keys) and torch.equal(kv.values, want.values)
+            assert torch.equal(kv.positions, want.positions) and (kv.chunk_key, kv.model_fingerprint) == (
+                want.chunk_key,
+                "fp",
+            )
+            for tensor in (kv.keys, kv.values):
+                assert tensor.is_contiguous()
+                assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()

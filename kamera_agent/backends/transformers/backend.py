@@ -33,7 +33,7 @@ from kamera_agent.backends.runs import hidden_slots, run_positions
 from kamera_agent.backends.transformers.cache import HEADROOM, BufferedLayer, buffered_cache
 from kamera_agent.backends.transformers.parts import ModelParts, model_parts
 from kamera_agent.backends.transformers.positions import position_scheme
-from kamera_agent.backends.transformers.reading import kv_layout, read_chunk
+from kamera_agent.backends.transformers.reading import kv_layout, read_chunk, read_chunks
 from kamera_agent.backends.transformers.recompute import deviation, full_attention_only, recompute
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
@@ -145,19 +145,8 @@ class TransformersBackend(Backend):
         cache, _ = self.forward(
             ids, mm, torch.cat(positions, dim=-1), cache, merged, logits=False, hidden=hidden
         )
-        out = []
-        for chunk, where in zip(chunks, positions, strict=True):
-            kv = read_chunk(
-                cache,
-                self.layout,
-                slot,
-                slot + chunk.num_tokens,
-                where,
-                chunk_key=chunk.key,
-                model_fingerprint=self.fingerprint,
-            )
-            out.append(kv)
-            slot += chunk.num_tokens
+        keys = [chunk.key for chunk in chunks]
+        out = read_chunks(cache, self.layout, slot, positions, keys, model_fingerprint=self.fingerprint)
         return Prefilled(tuple(out), Spent(forwards=1, tokens_prefilled=int(ids.shape[0])), cache)
 
     def recompute(
