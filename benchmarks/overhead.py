@@ -14,6 +14,11 @@ timed side by side in one run:
 
     .venv/bin/python benchmarks/overhead.py                    # 16 chunks, 10 repeats
     .venv/bin/python benchmarks/overhead.py --chunks 8 --repeats 3 --json overhead.json
+    python benchmarks/overhead.py --device cuda    # the model on a GPU: forwards take what a
+                                                   # launch takes there, the rest stays on the CPU
+
+On a GPU every timed call ends with a synchronize, so a forward's kernels count as forward time,
+not as the next Python line's.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from rich.table import Table
 
 import kamera_agent.core.kv_core as kv_core
@@ -39,26 +45,37 @@ from kamera_agent.window import KameraWindow
 
 OPS = ("push", "slide", "reorder", "evict", "recall", "ask")
 _BACKEND = ("prefill", "decode", "encode_vision", "assemble", "crop", "recompute", "deviation")
-_OPERATOR = [(kv_core, name) for name in ("apply_patch", "form_patch", "place_many", "to_position_free")]
+_OPERATOR = [
+    (kv_core, name)
+    for name in ("apply_patch", "form_patch", "place_many", "to_position_free", "to_position_free_many")
+]
 _OPERATOR += [(orbits, "merge_patches"), (orbits, "running_mean")]
 
 
 class Clock:
     """Seconds spent inside wrapped functions, by kind, since the last `reset`."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.spent: dict[str, float] = defaultdict(float)
         self._depth = 0
+        self._cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        """Wait for the kernels queued so far (a GPU runs them after the call returns)."""
+        if self._cuda:
+            torch.cuda.synchronize()
 
     def wrap(self, kind: str, function: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if self._depth:  # nested in another timed call: counted there
                 return function(*args, **kwargs)
             self._depth += 1
+            self.sync()
             began = time.perf_counter()
             try:
                 return function(*args, **kwargs)
             finally:
+                self.sync()
                 self.spent[kind] += time.perf_counter() - began
                 self._depth -= 1
 
@@ -73,11 +90,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--chunks", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
     args = parser.parse_args(argv)
     configure_threads(None)
+    device = torch.device(args.device)
     model, tokenizer, image_processor = load_demo_model()
+    model.to(device)
     window = KameraWindow(model, tokenizer=tokenizer, image_processor=image_processor, config=WindowConfig())
-    clock = Clock()
+    clock = Clock(device)
     backend = window.backend
     for name in _BACKEND:
         setattr(backend, name, clock.wrap("forward", getattr(backend, name)))
@@ -93,9 +113,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     samples: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
 
     def measure(op: str, run: Callable[[], Any]) -> None:
+        clock.sync()
         clock.reset()
         began = time.perf_counter()
         run()
+        clock.sync()
         total = time.perf_counter() - began
         forward, operator = clock.spent["forward"], clock.spent["operator"]
         samples[op].append((total * 1e3, forward * 1e3, operator * 1e3))
@@ -113,7 +135,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         measure("ask", lambda: window.ask("Absent colour?", max_new_tokens=1))
     rows: dict[str, dict[str, float]] = {}
     table = Table(
-        title=f"where an op's time goes: demo model, defaults, {args.chunks} chunks, median of {args.repeats}"
+        title=f"where an op's time goes: demo model on {device.type}, defaults, {args.chunks} chunks, "
+        f"median of {args.repeats}"
     )
     for column in ("op", "total ms", "forward ms", "operator ms", "rest ms", "rest <= 2 ms"):
         table.add_column(column, justify="right")
@@ -129,7 +152,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{rest:.2f}",
             "yes" if rest <= 2 else "no",
         )
-    return show_and_save(table, {"chunks": args.chunks, "repeats": args.repeats, "ops": rows}, args.json)
+    return show_and_save(
+        table, {"chunks": args.chunks, "repeats": args.repeats, "device": device.type, "ops": rows}, args.json
+    )
 
 
 if __name__ == "__main__":

@@ -87,9 +87,10 @@ def test_remote_store_benchmark_fetches_what_it_stored(tmp_path: Path) -> None:
 def test_gpu_check_script_runs_every_check_at_toy_size(tmp_path: Path) -> None:
     """The prepared GPU script (issues 12 and 14) stays runnable where no GPU is lent."""
     out = tmp_path / "gpu.json"
-    run_benchmark("gpu_check", ["--quick", "--json", str(out)])
+    run_benchmark("gpu_check", ["--quick", "--passes", "2", "--json", str(out)])
     report = json.loads(out.read_text())
     assert set(report["video"]) == {"kamera", "kamera-exact", "prefix"}
+    assert len(report["video_passes"]) == 2 and report["video_passes"][0] == report["video"]
     assert report["ttft"]["rows"] and all(row["floor_ms"] > 0 for row in report["ttft"]["rows"])
     turns = report["serve"]["turns"]
     assert len(turns) == 6 and all(t["prompt_tokens_details"]["cached_tokens"] > 0 for t in turns[1:])
