@@ -156,3 +156,13 @@ def test_engine_gpu_check_runs_its_cpu_part(tmp_path: Path) -> None:
     assert all(r["keys_relative_error"] < 2e-2 for r in report["relocation"] if r["dtype"] == "bfloat16")
     assert [r["op"] for r in report["window"]] == ["push", "reorder", "evict", "recall", "slide"]
     assert all(r["argmax_equal"] and r["kl"] < 1e-6 for r in report["window"])
+
+
+def test_survivor_drift_benchmark_measures_every_survivor_after_the_change(tmp_path: Path) -> None:
+    out = tmp_path / "survivors.json"
+    run_benchmark("survivor_drift", ["--chunks", "4", "--ops", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    slide = [row["distance"] for row in rows if row["op"] == "slide"]
+    evict = [row["distance"] for row in rows if row["op"] == "evict"]
+    assert slide == [0, 1, 2, 3] and evict == [0, 1]  # every survivor from the changed slot on
+    assert all(row["survivors"] == 1 and row["median"] > 0 and 0 <= row["within"] <= 1 for row in rows)
