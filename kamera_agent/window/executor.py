@@ -57,6 +57,8 @@ class Executor:
             state.tick += 1
         sources = {step.source for step in plan.steps if step.source is not None}
         self._held = {r: (e.state, e.patch, e.full) for r, e in state.entries.items() if r in sources}
+        # and what each such holder's KV encodes, edge by edge, before any step rewrites its edges
+        self._held_edges = {r: _recorded_states(state, r) for r in self._held}
         for ref in plan.evicted:
             entry = state.entries[ref]
             entry.in_window, entry.patch, entry.full, entry.evicted_at = False, None, None, state.tick
@@ -142,7 +144,8 @@ class Executor:
         elif step.kind == "rotate" and step.source is not None:  # the KV its same-content holder had
             held, patch, full = self._held[step.source]
             self._reused(step.ref)
-            self._settle(step.ref, held, patch, step.antecedents, full=full)
+            states = self._held_edges[step.source]  # the planner mapped those edges in this order
+            self._settle(step.ref, held, patch, step.antecedents, full=full, states=states)
         elif step.kind == "rotate":
             if step.ref in self._moved:
                 self._reused(step.ref)
@@ -337,8 +340,12 @@ class Executor:
         antecedents: Sequence[ChunkRef] | None,
         pending: bool = False,
         full: ChunkKV | None = None,
+        states: Sequence[str] | None = None,
     ) -> None:
-        """Record the chunk's new KV: state, patch, graph edges; its first settled state is its home."""
+        """Record the chunk's new KV: state, patch, graph edges; its first settled state is its home.
+
+        ``states``: the state each antecedent's edge records, where ``target``'s context does not
+        say them (a KV taken from another chunk records what that chunk's edges recorded)."""
         entry = self.state.entries[ref]
         same_state = target == entry.state
         if not same_state or full is not None:
@@ -348,7 +355,7 @@ class Executor:
         # its source's antecedents, which its context (the chunks now to its left) does not name
         kept = same_state and target.kind == "recomputed"
         if antecedents is not None and not kept and not (same_state and self._same_edges(ref, antecedents)):
-            self.state.set_antecedents(ref, antecedents)
+            self.state.set_antecedents(ref, antecedents, states)
         if entry.home is None and not pending:
             entry.home = Home(tuple(antecedents or ()), target)
 
@@ -619,3 +626,10 @@ def _changes(state: WindowState, plan: WindowPlan) -> bool:
     if plan.evicted or plan.admitted or plan.moved or list(plan.order) != state.order:
         return True
     return any(step.kind not in ("form_canonical", "rotate") for step in plan.steps)
+
+
+def _recorded_states(state: WindowState, ref: ChunkRef) -> tuple[str, ...]:
+    """The states ``ref``'s in-edges record, in their recorded order (`Planner._taken` maps the
+    same edges, in this order, onto the refs that hold those slots after the op)."""
+    edges = sorted(state.graph.in_edges(ref, data=True), key=lambda edge: edge[2]["index"])
+    return tuple(data["state"] for _, _, data in edges)

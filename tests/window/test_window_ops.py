@@ -488,3 +488,26 @@ def test_replace_under_the_exact_settings_re_forms_the_chunks_to_its_right(make:
     assert_exact(w)
     with pytest.raises(UnknownChunkError):
         w.replace(b, "not in the window any more")
+
+
+def test_a_chunk_taking_a_same_content_holders_kv_records_what_that_kv_encodes() -> None:
+    """Repeated content re-read by an agent (the property tests' shrunk case): after a slide
+    each "red" takes the KV the "red" before it held in its slot, so one op rewrites the edges
+    of a chunk whose old KV the next chunk takes. The taker's edges record the states the old KV
+    encodes, not the states its sources hold after the op, and every KV is what its state says."""
+    config = WindowConfig(rank=2, capacity_chunks=5, reorder="revert", max_evicted=3, drift_budget=None)
+    w = KameraWindow(backend_named("tiny_torch"), config=config)
+    texts = ["green ball", "red", "green ball", "red", "red", "green ball", "red", "red", "red"]
+    texts += ["red", "green ball", "red"]
+    for text in texts:
+        w.push(text, label=text)
+    branch = w.fork()
+    branch.slide(1)
+    oracle = StateOracle(w.backend)
+    for window in (w, branch):
+        for ref in [*window.refs, *window.evicted]:
+            oracle.know(window.chunk(ref))
+        for _, target, recorded in window.graph.edges(data="state"):
+            state = window.state_of(target)
+            assert recorded in {s.digest for s in state.context.states()}, (target, recorded)
+        assert max(error for error, _ in oracle.errors(window).values()) <= 1e-4
