@@ -166,6 +166,9 @@ class WindowMachine(RuleBasedStateMachine):
         before = [w.chunk(ref).key for ref in w.refs]
         ops = sum(w.stats.ops.values())
         result = do(w)
+        # every state a chunk holds after an op, learned before the next op can replace it: an
+        # orbit keeps the digests of all the states merged into it, held at a check or not
+        self.oracle.learn(w)
         if sum(w.stats.ops.values()) == ops:
             return result  # nothing ran (an empty slide)
         cost = w.stats.last
