@@ -25,6 +25,7 @@ from typing import Any
 from rich.progress import Progress
 from rich.table import Table
 
+from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.common import show_and_save
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.drift import relative_error
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     configure_threads(None)
     model, tokenizer, image_processor = load_demo_model()
-    backend = KameraWindow(model, tokenizer=tokenizer, image_processor=image_processor).backend
+    backend = TransformersBackend(model, tokenizer=tokenizer, image_processor=image_processor)
     frames = []
     for item in make_items(args.chunks + 2 * args.ops + 4, seed=5):
         frames += [backend.encoder.image(render_legend(item.legend[0]))]

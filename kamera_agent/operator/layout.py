@@ -138,10 +138,10 @@ def to_position_free(kv: ChunkKV, layout: KVLayout) -> ChunkKV:
 def to_position_free_many(kvs: Sequence[ChunkKV], layout: KVLayout) -> list[ChunkKV]:
     """`to_position_free` of each chunk, as one rotation over all their tokens.
 
-    Why: one forward conditions a whole run of small chunks, and for a chunk of a few dozen
-    tokens the rotation's cost is its dozen kernel launches, not its arithmetic (on a GPU most
-    of an op's tensor work). Each result owns its own contiguous tensor, so storing or dropping
-    one chunk never keeps the others' bytes alive. Chunks whose bands differ in shape, dtype or
+    Why: one forward conditions a whole run of small chunks, and on a GPU a small chunk's
+    rotation costs its dozen kernel launches, not its arithmetic. Every rotation is per token,
+    so each result is the same bit for bit, and owns its own contiguous tensor: storing or
+    dropping one chunk never keeps the others' bytes alive. Chunks whose bands differ in shape, dtype or
     device, or in how their positions are given, are each unrotated on their own."""
     placed = [(kv, kv.positions) for kv in kvs if kv.positions is not None]
     slot = layout.rope_slot
