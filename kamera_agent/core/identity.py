@@ -197,6 +197,14 @@ class ChunkState:
         KV, filed under this digest), not as a patch on the chunk's canonical."""
         return self.rank == "full" and self.kind in ("patched", "orbit", "recomputed")
 
+    @property
+    def stored_as(self) -> str:
+        """The digest a full-rank state's KV is filed under: its own, except a one-member orbit's,
+        whose mean is its member's KV, filed once under the member (`fold_full_orbit`)."""
+        if self.kind == "orbit" and len(self.members) == 1:
+            return self.members[0]
+        return self.digest
+
     @classmethod
     def canonical(cls, chunk_key: str, root: Context) -> ChunkState:
         """``KV(B | ∅)``: the chunk prefilled behind the anchor alone."""

@@ -290,7 +290,7 @@ class KVCore:
     def stored_full(self, state: ChunkState, txn: Txn) -> ChunkKV | None:
         """The stored KV of full-rank ``state`` on the engine's device, or ``None``: form it (a mean
         KV of an orbit cannot be formed again from one ordering: `StaleLookup`)."""
-        kv = txn.store.get_full(state.chunk_key, state.digest)
+        kv = txn.store.get_full(state.chunk_key, state.stored_as)
         if kv is None and state.kind == "orbit":
             raise StaleLookup(f"the mean KV of orbit {state.digest[:8]} left the store")
         return None if kv is None else self.on_device(kv, txn)

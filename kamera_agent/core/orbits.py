@@ -7,7 +7,10 @@ an orbit that changed under an operation is never mistaken for the one planned.
 
 Rank-m orbits are a merged patch on the canonical; a full-rank orbit is the mean deficit, so
 canonical + orbit is the mean of the members' KVs: it is kept as that KV (no canonical needed),
-with its membership in a factor-free entry at the set's address (what planning peeks at).
+with its membership in a factor-free entry at the set's address (what planning peeks at). A
+one-member orbit's mean is its member's KV, already stored under the member: it is not stored
+again (`ChunkState.stored_as`). Why: every formation starts an orbit, so a second copy would
+double what each re-formed chunk stages, commits and counts against the memory budget.
 """
 
 from __future__ import annotations
@@ -54,14 +57,16 @@ def fold_full_orbit(store: StagedStore, root: Context, member: ChunkState, kv: C
     members = _members(info[1] if info is not None else None)
     if member.digest in members:
         return
-    previous = store.get_full(chunk_key, info[0]) if info is not None else None
-    if previous is None:  # a first member (or the old mean left the store): start again
-        members, mean = [], kv
+    filed = (members[0] if len(members) == 1 else info[0]) if info is not None else ""
+    previous = store.get_full(chunk_key, filed) if filed else None
+    if previous is None:  # a first member (or the old mean left the store): its KV is the mean
+        members = [member.digest]
+        state = ChunkState.orbit(chunk_key, member.rank, root, address, members)
     else:
         mean = running_mean(previous, len(members), kv)
-    members.append(member.digest)
-    state = ChunkState.orbit(chunk_key, member.rank, root, address, members)
-    store.put_full(mean, state.digest)
+        members.append(member.digest)
+        state = ChunkState.orbit(chunk_key, member.rank, root, address, members)
+        store.put_full(mean, state.digest)
     meta = {"members": json.dumps(members)}
     record = Patch({}, kv.num_tokens, chunk_key, state.digest, kv.model_fingerprint, "orbit", meta)
     store.put_patch(record, address)

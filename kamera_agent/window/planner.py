@@ -554,7 +554,7 @@ class Planner:
 
     def _check_recallable(self, entry: Entry, ref: ChunkRef) -> None:
         """An evicted chunk can come back unless it lost both its pixels and its stored KV."""
-        held = [entry.state.digest, *([entry.home.state.digest] if entry.home else [])]
+        held = [entry.state.stored_as, *([entry.home.state.stored_as] if entry.home else [])]
         if not any(can_form(entry.chunk, self.view, digest) for digest in held):
             raise ChunkLostError(
                 f"{ref} released its pixels at eviction and the store no longer holds its canonical or "

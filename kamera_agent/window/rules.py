@@ -364,7 +364,7 @@ class Rules:
         orbit = ChunkState.orbit(chunk_key, rank, self.root, address, members, keyset)
         if orbit.digest != info[0]:
             return None
-        if rank == "full" and not self.view.has_full(chunk_key, orbit.digest):
+        if rank == "full" and not self.view.has_full(chunk_key, orbit.stored_as):
             return None  # a full-rank orbit is its mean KV: gone, so is the orbit
         return orbit
 
@@ -373,7 +373,7 @@ class Rules:
     ) -> tuple[int, int] | None:
         """Forwards and tokens to have state ``s`` of ``chunk`` from the store (rebuilding what is not)."""
         full = s.is_full
-        if full and self.view.has_full(s.chunk_key, s.digest):
+        if full and self.view.has_full(s.chunk_key, s.stored_as):
             return (0, 0)
         if full and s.kind == "orbit":
             return None

@@ -9,6 +9,7 @@ the original context) report a KL that is asserted below a stated bound.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import pytest
@@ -124,6 +125,33 @@ def test_a_truncated_rank_serves_the_full_orbit_its_pushes_formed(make: Make) ->
     assert w.state_of(c).kind == "orbit" and w.state_of(c).rank == "full"
     assert chunk_errors(w)["c"] > EXACT  # the mean over orderings approximates this one
     assert answer_kl(w) < APPROX_KL
+
+
+def test_a_one_member_orbit_is_filed_once_under_its_member_and_a_second_member_files_the_mean(
+    make: Make,
+) -> None:
+    """An orbit of one ordering is that ordering's KV: stored once (under the member), not twice.
+    A second ordering folded in makes a real mean, filed under the two-member orbit's digest."""
+    w = make(rank=2)
+    a, b, c = three(w)
+
+    def fulls() -> set[str]:
+        listed = w.store.keys()
+        return {k.variant for k in listed if k.kind == "full" and k.key == c.key}
+
+    member = w.state_of(c)
+    assert fulls() == {member.digest}  # c's exact KV behind (a, b), and no copy for its orbit
+    w.reorder([b, a, c])
+    orbit = w.state_of(c)
+    assert orbit.kind == "orbit" and orbit.members == (member.digest,) and orbit.stored_as == member.digest
+    assert fulls() == {member.digest}
+    other = KameraWindow(w.backend, config=w.config, store=w.store)
+    for ref in (b, a, c):  # c formed behind (b, a): its second ordering joins the orbit
+        other.push(w.chunk(ref), label=ref.label)
+    second = other.state_of(other.refs[2])
+    info = w.store.patch_info(c.key, orbit.address)
+    assert info is not None and json.loads(info[1]["members"]) == [member.digest, second.digest]
+    assert fulls() == {member.digest, second.digest, info[0]}  # the mean, under the orbit's digest
 
 
 def test_an_ordering_with_stored_exact_kv_is_served_exactly_not_by_its_orbit(make: Make) -> None:
