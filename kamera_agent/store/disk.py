@@ -257,7 +257,7 @@ class DiskTier(Tier):
 
     def save_index(self) -> None:
         """Record addresses and use ticks (advisory: a scan on open repairs a stale index)."""
-        files = [asdict(record) for record in self._files.values()]  # the key nests as a dict
+        files = [{**asdict(record), "key": record.key._asdict()} for record in self._files.values()]
         blob = json.dumps({"format": _INDEX_FORMAT, "files": files}).encode()
         with contextlib.suppress(OSError):  # the files stay the truth; the next open rescans
             _atomic_write(self.directory, _INDEX, blob, durable=False)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from kamera_agent.store.audits import audit_variant
 
@@ -21,9 +20,9 @@ __all__ = ["EntryKey", "EntryKind"]
 EntryKind = Literal["canonical", "full", "vision", "patch", "audit"]
 
 
-@dataclass(frozen=True, order=True)
-class EntryKey:
-    """The address of one store entry.
+class EntryKey(NamedTuple):
+    """The address of one store entry (a named tuple: every store lookup hashes and compares one,
+    and a tuple does both in C, where a frozen dataclass ran Python for each).
 
     Attributes:
         kind: ``"canonical"`` (position-free `ChunkKV`), ``"full"`` (the position-free KV of one
