@@ -372,8 +372,10 @@ class Planner:
         refill = sum(step.tokens for step in left) + after
 
         def refilling(why: str, declined: bool = False) -> WindowPlan:
-            steps = left + [replace(s, detail=s.detail.replace(_WHY, why)) for s in refilled]
-            return replace(plan, steps=tuple(steps), declined=declined, prefix_bound=refill)
+            for step in refilled:  # made for this plan alone and in none yet: worded in place
+                step.detail = step.detail.replace(_WHY, why)
+            steps = (*left, *refilled)
+            return replace(plan, steps=steps, declined=declined, prefix_bound=refill)
 
         if budget is None:
             if refill >= planned:
