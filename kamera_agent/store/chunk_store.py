@@ -227,7 +227,7 @@ class ChunkStore:
             live = self._memory.value_of(key)
         if isinstance(live, Patch):  # memory answers first: what its header would say, unencoded
             return live.state, {str(k): str(v) for k, v in live.meta.items()}
-        header = self._stack.peek(key)
+        header = self._stack.peek(key, below_memory=True)  # memory was asked just above
         if header is None or "state" not in header:
             return None
         try:

@@ -133,9 +133,10 @@ class TierStack:
                 return True
         return False
 
-    def peek(self, key: EntryKey) -> Meta | None:
-        """The header metadata of the first tier holding ``key``, or ``None``."""
-        for tier in self.tiers:
+    def peek(self, key: EntryKey, *, below_memory: bool = False) -> Meta | None:
+        """The header metadata of the first tier holding ``key``, or ``None`` (``below_memory``:
+        the tiers after memory only, for a caller that has just looked there)."""
+        for tier in self.tiers[1:] if below_memory else self.tiers:
             with self._guard(tier):
                 answer = tier.peek(key)
             self._tally(tier, answer.status)

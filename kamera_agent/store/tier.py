@@ -75,7 +75,7 @@ class Lookup(Generic[T]):
 
     @classmethod
     def miss(cls, detail: str = "") -> Lookup[T]:
-        return cls(Status.MISS, None, detail)
+        return cls(Status.MISS, None, detail) if detail else _MISS  # frozen: one plain miss serves all
 
     @classmethod
     def unavailable(cls, detail: str) -> Lookup[T]:
@@ -84,6 +84,9 @@ class Lookup(Generic[T]):
     @classmethod
     def rejected(cls, detail: str) -> Lookup[T]:
         return cls(Status.REJECTED, None, detail)
+
+
+_MISS: Lookup[Any] = Lookup(Status.MISS)
 
 
 @dataclass(frozen=True)
