@@ -41,6 +41,7 @@ class Executor:
         self.state, self.core, self.txn, self.config = state, core, txn, config
         self.layout = core.backend.layout
         self._starts: dict[ChunkRef, int] = {}
+        self._slots: dict[ChunkRef, int] = {}
         self._free: dict[str, tuple[ChunkKV, Patch | None]] = {}
         self._full: dict[str, ChunkKV] = {}
         self._by_key: dict[str, Chunk] | None = None
@@ -56,7 +57,8 @@ class Executor:
         if _changes(state, plan):
             state.tick += 1
         sources = {step.source for step in plan.steps if step.source is not None}
-        self._held = {r: (e.state, e.patch, e.full) for r, e in state.entries.items() if r in sources}
+        held = [(ref, state.entries[ref]) for ref in sources if ref in state.entries]
+        self._held = {ref: (entry.state, entry.patch, entry.full) for ref, entry in held}
         # and what each such holder's KV encodes, edge by edge, before any step rewrites its edges
         self._held_edges = {r: _recorded_states(state, r) for r in self._held}
         for ref in plan.evicted:
@@ -113,7 +115,7 @@ class Executor:
         return not self.txn.store.has_canonical(self.state.entries[ref].chunk.key)
 
     def _slot(self, ref: ChunkRef) -> int:
-        return self.state.order.index(ref)
+        return self._slots[ref]
 
     def _collect_run(self, steps: Sequence[Step], index: int) -> tuple[list[Step], int]:
         """The in-window formation at ``index`` and the ones planned to share its forward (an
@@ -198,11 +200,11 @@ class Executor:
         order, members = self.state.order, {step.ref for step in run}
         chunks = [self.state.entries[step.ref].chunk for step in run]
         if lead is not None:  # slot 0, the members (if any) right after it
-            count, last = 0, order.index(run[-1].ref) if run else 0
+            count, last = 0, self._slots[run[-1].ref] if run else 0
             chunks = [self.state.entries[lead.ref].chunk, *chunks]
             members.add(lead.ref)
         else:
-            count, last = order.index(run[0].ref), order.index(run[-1].ref)
+            count, last = self._slots[run[0].ref], self._slots[run[-1].ref]
         between = [ref for ref in order[count:last] if ref not in members]
         placed = self._places(between)
         self.txn.meter.tokens_placed += sum(kv.num_tokens for kv in placed)
@@ -586,6 +588,7 @@ class Executor:
     # -- helpers -------------------------------------------------------------------------------------
     def _order_changed(self) -> None:
         self._starts, position = {}, self.core.anchor.advance
+        self._slots = {ref: i for i, ref in enumerate(self.state.order)}
         for ref in self.state.order:
             self._starts[ref] = position
             position += self.state.entries[ref].chunk.advance

@@ -34,11 +34,9 @@ def release_evicted(
             if chunk.has_pixels and (vision or store.has_canonical(chunk.key)):
                 entry.chunk = chunk.without_pixels()
     limit = config.max_evicted
-    if limit is None:
-        return
+    if limit is None or len(state.entries) - len(state.order) <= limit:
+        return  # most ops: nothing to forget, nothing to walk (an entry not in the order is evicted)
     gone = [(entry.evicted_at, ref) for ref, entry in state.entries.items() if not entry.in_window]
-    if len(gone) <= limit:
-        return  # most ops: nothing to forget, nothing to sort
     gone.sort(key=lambda item: (item[0], item[1].id, item[1].lineage))  # a ref orders by (id, lineage)
     for _, ref in gone[: len(gone) - limit]:
         state.remove(ref)

@@ -241,26 +241,24 @@ class WindowState:
         a new attribute dict filed where their attributes change (never changed in place: a
         snapshot shares them, `_copied`); only edges that leave or arrive are removed or added
         (removing and re-adding every edge was most of a reorder's bookkeeping)."""
-        graph = self._writable_graph()
+        graph = self._graph if self._owns_graph else self._writable_graph()
         entries = self.entries
         if states is not None:
-            digests = list(states)
+            digests = states
         else:
             chain = entries[ref].state.context.states() if antecedents else ()
             if len(chain) != len(antecedents):  # an orbit encodes a set: its members' states as they are
                 chain = tuple(entries[source].state for source in antecedents if source in entries)
             digests = [state.digest for state in chain]
-        wanted = {source: i for i, source in enumerate(antecedents) if source in entries}
         succ, current = graph._adj, graph._pred[ref]
-        leaving = [source for source in current if source not in wanted]
-        if leaving:
-            graph.remove_edges_from([(source, ref) for source in leaving])
+        wanted = {source: i for i, source in enumerate(antecedents) if source in entries}
+        for source in [source for source in current if source not in wanted]:  # edges that leave
+            del succ[source][ref], current[source]
         for source, i in wanted.items():
             data = current.get(source)
             digest = digests[i]
-            if data is None:
-                graph.add_edge(source, ref, index=i, state=digest)
-            elif data["index"] != i or data["state"] != digest:  # one dict for succ and pred, as networkx
+            if data is None or data["index"] != i or data["state"] != digest:
+                # one dict for succ and pred, as networkx files an edge's attributes
                 succ[source][ref] = current[source] = {"index": i, "state": digest}
 
     def dependents(self, ref: ChunkRef) -> list[ChunkRef]:
