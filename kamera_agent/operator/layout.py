@@ -198,7 +198,7 @@ def check_positions(positions: torch.Tensor, n: int) -> None:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize  # no tensor allocated (planning asks this several times an op)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -5,6 +5,7 @@ Costs come from what each primitive reports (`Txn.meter`), never from backend si
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -160,7 +161,7 @@ def test_qwen3_vl_deepstack_features_are_part_of_the_chunks_own_canonical() -> N
     assert any(name.startswith("deepstack.") for name in features)
     core = _core(backend)
     with_deepstack = core.canonical(chunk, core.txn())
-    backend.parts = backend.parts.__class__(**{**backend.parts.__dict__, "takes_deepstack": False})
+    backend.parts = dataclasses.replace(backend.parts, takes_deepstack=False)
     core = _core(backend)
     without = core.canonical(chunk, core.txn())
     assert not torch.allclose(with_deepstack.keys, without.keys, atol=1e-4)
