@@ -258,6 +258,8 @@ class KVCore:
         """``conditioned`` as stored: position-free, filed under its chunk's key and carrying the
         model's fingerprint (the store stamps an entry without one with a copy at commit)."""
         free = to_position_free(conditioned, self.backend.layout)
+        if free.chunk_key == chunk_key and free.model_fingerprint:
+            return free  # un-rotated with its forward's run (`position_free`), filed already
         fingerprint = free.model_fingerprint or self.backend.fingerprint
         return ChunkKV(free.keys, free.values, None, chunk_key, fingerprint)
 

@@ -100,8 +100,16 @@ class OpRunner:
         is one transaction; a fork has its own lock, sharing only the thread-safe store)."""
         self.dry: list[WindowPlan] | None = None
         """While a dry run is on (`dry_run`), the plans ops made instead of executing them."""
-        self.last_plan: Plan | None = None
-        """The edits the last op (or read) executed."""
+        self._last: WindowPlan | None = None
+        self._last_public: Plan | None = None
+
+    @property
+    def last_plan(self) -> Plan | None:
+        """The edits the last op (or read) executed: worded when asked (most ops are never shown)."""
+        last = self._last
+        if last is not None and self._last_public is None:
+            self._last_public = last.public()
+        return self._last_public
 
     def transact(self, op: str, build: Build) -> tuple[WindowPlan, OpCost]:
         """Plan and execute ``op`` as one transaction over window and store; record its cost.
@@ -220,7 +228,7 @@ class OpRunner:
                 self.state = _restored(snapshot)
                 raise
             txn.commit()
-            self.last_plan = plan.public()
+            self._last, self._last_public = plan, None
             release_evicted(self.state, core.store, config, plan.evicted, meter)
             cost = meter.finish()
             self.state.book.record(op, cost)
