@@ -171,20 +171,19 @@ def _apply_angles(keys: torch.Tensor, spec: RotarySpec, angles: torch.Tensor) ->
     cos = torch.cos(angles).to(device=keys.device, dtype=torch.float32)  # [n, F]
     sin = torch.sin(angles).to(device=keys.device, dtype=torch.float32)  # [n, F]
     x = keys.to(torch.float32)
-    out = torch.empty_like(x)  # written in place below: two passes per half, no temporaries
+    band = x[..., : 2 * f]
+    # each pair (a, b) becomes (a cos - b sin, b cos + a sin): one product over the whole band,
+    # one multiply-add with its pair-swapped copy. Why not a product per half and term: on a CPU
+    # those four strided half-width passes ran 2-2.5x slower (100 and 1,000 tokens of the demo).
     if spec.pairing == "half":
-        a, b, first, second = x[..., :f], x[..., f : 2 * f], out[..., :f], out[..., f : 2 * f]
-    else:
-        a, b, first, second = (
-            x[..., 0 : 2 * f : 2],
-            x[..., 1 : 2 * f : 2],
-            out[..., 0 : 2 * f : 2],
-            out[..., 1 : 2 * f : 2],
-        )
-    torch.mul(a, cos, out=first)
-    first.addcmul_(b, sin, value=-1.0)
-    torch.mul(a, sin, out=second)
-    second.addcmul_(b, cos)
-    if x.shape[-1] > 2 * f:
-        out[..., 2 * f :] = x[..., 2 * f :]
+        swapped = torch.cat((band[..., f:], band[..., :f]), dim=-1)
+        cos_band, sin_band = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+    else:  # interleaved: pairs at (2k, 2k + 1)
+        swapped = band.unflatten(-1, (f, 2)).flip(-1).flatten(-2)
+        cos_band = cos.repeat_interleave(2, dim=-1)
+        sin_band = torch.stack((-sin, sin), dim=-1).flatten(-2)
+    out = band * cos_band
+    out.addcmul_(swapped, sin_band)
+    if x.shape[-1] > 2 * f:  # features past the band pass through
+        out = torch.cat((out, x[..., 2 * f :]), dim=-1)
     return out.to(keys.dtype)
