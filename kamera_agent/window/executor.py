@@ -364,7 +364,10 @@ class Executor:
     def _same_edges(self, ref: ChunkRef, antecedents: Sequence[ChunkRef]) -> bool:
         """The graph already records exactly these antecedents for ``ref`` (its state unchanged,
         so each edge's state is too): rewriting its edges would change nothing."""
-        entries, recorded = self.state.entries, self.state.graph._pred[ref]
+        entries = self.state.entries
+        if entries[ref].set_from == tuple(antecedents):  # what they were set from (one compare)
+            return True  # (a source forgotten since left both the graph and the check below)
+        recorded = self.state.graph._pred[ref]
         last, count = -1, 0
         for source in antecedents:  # each known one recorded, in the recorded order, and no other
             if source not in entries:

@@ -82,6 +82,8 @@ class Entry:
         last_used: op counter of its last push, recall or reorder.
         evicted_at: op counter of its eviction (the oldest evicted are forgotten first).
         canonical_formed: its canonical has been computed at least once (a later miss is a re-form).
+        set_from: the antecedents its in-edges were last set from (`WindowState.set_antecedents`),
+            so an op asking for the same ones again knows its edges without reading the graph.
     """
 
     chunk: Chunk
@@ -94,6 +96,7 @@ class Entry:
     last_used: int = 0
     evicted_at: int = 0
     canonical_formed: bool = False
+    set_from: tuple[ChunkRef, ...] | None = None
 
     def copy(self) -> Entry:
         """A shallow copy (`WindowState.copy` takes one of every entry each op: `copy.copy`'s
@@ -250,6 +253,7 @@ class WindowState:
             if len(chain) != len(antecedents):  # an orbit encodes a set: its members' states as they are
                 chain = tuple(entries[source].state for source in antecedents if source in entries)
             digests = [state.digest for state in chain]
+        entries[ref].set_from = tuple(antecedents)
         succ, current = graph._adj, graph._pred[ref]
         wanted = {source: i for i, source in enumerate(antecedents) if source in entries}
         for source in [source for source in current if source not in wanted]:  # edges that leave
