@@ -23,6 +23,7 @@ slot        token            t               h                 w
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 from array import array
@@ -76,8 +77,8 @@ class Chunk:
         pixels = "" if not self.has_vision else (", pixels" if self.has_pixels else ", pixels released")
         return f"Chunk({self.kind}{name}, {self.num_tokens} tokens{pixels}, key {self.key[:12]}…)"
 
-    @property
-    def num_tokens(self) -> int:
+    @functools.cached_property
+    def num_tokens(self) -> int:  # read a few dozen times an op: once from the tensor
         return int(self.input_ids.shape[0])
 
     @property

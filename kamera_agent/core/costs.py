@@ -54,7 +54,7 @@ class CostMeter:
 
     def finish(self) -> OpCost:
         spent = self.spent
-        counted = {f.name: getattr(self, f.name) for f in fields(OpCost) if f.name in _COUNTED}
+        counted = {name: getattr(self, name) for name in _COUNTED}
         return OpCost(
             forwards=spent.forwards,
             tokens_prefilled=spent.tokens_prefilled,
@@ -64,5 +64,5 @@ class CostMeter:
         )
 
 
-_COUNTED = frozenset(f.name for f in fields(CostMeter)) & frozenset(f.name for f in fields(OpCost))
+_COUNTED = tuple(f.name for f in fields(OpCost) if f.name in {f.name for f in fields(CostMeter)})
 """What the meter counts itself, by the `OpCost` field's name (the rest comes from `Spent`)."""

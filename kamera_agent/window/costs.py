@@ -7,7 +7,7 @@ starts from its parent's record; a failed op records nothing).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kamera_agent.results import OpCost, WindowStats
 
@@ -26,11 +26,12 @@ class StatsBook:
     def record(self, op: str, cost: OpCost) -> None:
         self.last = cost
         self.total = self.total + cost
-        self.by_op[op] = self.by_op.get(op, OpCost()) + cost
+        known = self.by_op.get(op)
+        self.by_op[op] = cost if known is None else known + cost
         self.ops[op] = self.ops.get(op, 0) + 1
 
     def snapshot(self) -> WindowStats:
         return WindowStats(self.last, self.total, dict(self.by_op), dict(self.ops))
 
     def copy(self) -> StatsBook:
-        return replace(self, by_op=dict(self.by_op), ops=dict(self.ops))
+        return StatsBook(self.last, self.total, dict(self.by_op), dict(self.ops))  # every op: no replace()
