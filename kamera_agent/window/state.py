@@ -144,19 +144,22 @@ def _lineage() -> str:
 
 
 def _copied(graph: nx.DiGraph) -> nx.DiGraph:
-    """An independent copy of an antecedent graph: nodes and edges; edge attribute dicts shared.
+    """A graph that shares ``graph``'s adjacency until written: its outer dicts are copies, the
+    per-node dicts inside them are the original's until `WindowState` copies one to change it.
 
-    Why not ``graph.copy()``: it re-adds every edge through ``add_edges_from`` (checks and hashes
-    each one again), the largest bookkeeping cost of an op that writes the graph. This builds
-    networkx's documented dict-of-dicts directly; assigning ``_adj`` and ``_pred`` is what
-    networkx's own descriptors support (they reset the cached views). An edge's attribute dict
-    is shared with the original (``_pred`` shares it with ``_adj`` as networkx does): a
+    Why: every op that writes the graph snapshots it first, and copying every node's dicts was
+    O(nodes + edges), nodes that left the window included (up to ``max_evicted`` of them, each
+    with its edges): ops grew slower as an agent's session grew. An op writes the dicts of the
+    few nodes it re-forms. networkx's dict-of-dicts is documented; assigning ``_adj`` and
+    ``_pred`` is what its own descriptors support (they reset the cached views). Node attribute
+    dicts are shared outright (nodes carry none; `KameraWindow.graph` decorates a copy), and so
+    are edge attribute dicts (``_pred`` shares them with ``_adj``, as networkx does): a
     `WindowState` never changes one in place, it files a new dict (`set_antecedents`)."""
     copied = nx.DiGraph()
     copied.graph.update(graph.graph)
-    copied._node = {node: data.copy() for node, data in graph._node.items()}
-    copied._adj = {source: out.copy() for source, out in graph._adj.items()}
-    copied._pred = {target: into.copy() for target, into in graph._pred.items()}
+    copied._node = dict(graph._node)
+    copied._adj = dict(graph._adj)
+    copied._pred = dict(graph._pred)
     return copied
 
 
@@ -175,6 +178,10 @@ class WindowState:
     assembled: Assembled | None = None
     book: StatsBook = field(default_factory=StatsBook)
     _owns_graph: bool = field(default=True, repr=False)
+    _own_succ: set[ChunkRef] = field(default_factory=set, repr=False)
+    _own_pred: set[ChunkRef] = field(default_factory=set, repr=False)
+    """Nodes whose out- and in-edge dicts this state's graph holds as its own (copied from the
+    graph it was snapshotted from, or made here): only those are changed in place."""
 
     @property
     def graph(self) -> nx.DiGraph:
@@ -186,7 +193,22 @@ class WindowState:
         state, most ops never touch the graph, and copying it is O(edges))."""
         if not self._owns_graph:
             self._graph, self._owns_graph = _copied(self._graph), True
+            self._own_succ, self._own_pred = set(), set()
         return self._graph
+
+    def _succ_of(self, graph: nx.DiGraph, node: ChunkRef) -> dict[ChunkRef, Any]:
+        """``node``'s out-edge dict in ``graph`` (the writable graph), made this state's own first."""
+        if node not in self._own_succ:
+            graph._adj[node] = dict(graph._adj[node])
+            self._own_succ.add(node)
+        return graph._adj[node]  # type: ignore[no-any-return]
+
+    def _pred_of(self, graph: nx.DiGraph, node: ChunkRef) -> dict[ChunkRef, Any]:
+        """``node``'s in-edge dict in ``graph`` (the writable graph), made this state's own first."""
+        if node not in self._own_pred:
+            graph._pred[node] = dict(graph._pred[node])
+            self._own_pred.add(node)
+        return graph._pred[node]  # type: ignore[no-any-return]
 
     def copy(self) -> WindowState:
         """A snapshot: same lineage, independent entries, graph (shared until either writes),
@@ -221,13 +243,24 @@ class WindowState:
 
     def add(self, ref: ChunkRef, entry: Entry) -> None:
         self.entries[ref] = entry
-        self._writable_graph().add_node(ref)
+        graph = self._writable_graph()
+        if ref not in graph._node:
+            graph.add_node(ref)  # its edge dicts are new: this state's own
+            self._own_succ.add(ref)
+            self._own_pred.add(ref)
         self.next_id = max(self.next_id, ref.id + 1)
 
     def remove(self, ref: ChunkRef) -> None:
         """Forget a chunk for good: its entry, its node and every edge from or to it."""
         del self.entries[ref]
-        self._writable_graph().remove_node(ref)
+        graph = self._writable_graph()
+        for target in graph._adj[ref]:
+            del self._pred_of(graph, target)[ref]
+        for source in graph._pred[ref]:
+            del self._succ_of(graph, source)[ref]
+        del graph._adj[ref], graph._pred[ref], graph._node[ref]
+        self._own_succ.discard(ref)
+        self._own_pred.discard(ref)
 
     def antecedents_of(self, ref: ChunkRef) -> tuple[ChunkRef, ...]:
         """The antecedents ``ref``'s current KV encodes (those still known), in their order."""
@@ -244,7 +277,7 @@ class WindowState:
         a new attribute dict filed where their attributes change (never changed in place: a
         snapshot shares them, `_copied`); only edges that leave or arrive are removed or added
         (removing and re-adding every edge was most of a reorder's bookkeeping)."""
-        graph = self._graph if self._owns_graph else self._writable_graph()
+        graph = self._writable_graph()
         entries = self.entries
         if states is not None:
             digests = states
@@ -254,16 +287,16 @@ class WindowState:
                 chain = tuple(entries[source].state for source in antecedents if source in entries)
             digests = [state.digest for state in chain]
         entries[ref].set_from = tuple(antecedents)
-        succ, current = graph._adj, graph._pred[ref]
+        current = self._pred_of(graph, ref)
         wanted = {source: i for i, source in enumerate(antecedents) if source in entries}
         for source in [source for source in current if source not in wanted]:  # edges that leave
-            del succ[source][ref], current[source]
+            del self._succ_of(graph, source)[ref], current[source]
         for source, i in wanted.items():
             data = current.get(source)
             digest = digests[i]
             if data is None or data["index"] != i or data["state"] != digest:
                 # one dict for succ and pred, as networkx files an edge's attributes
-                succ[source][ref] = current[source] = {"index": i, "state": digest}
+                self._succ_of(graph, source)[ref] = current[source] = {"index": i, "state": digest}
 
     def dependents(self, ref: ChunkRef) -> list[ChunkRef]:
         """In-window chunks whose KV encodes ``ref``, left to right."""

@@ -65,3 +65,35 @@ def test_unchanged_antecedents_keep_their_edges() -> None:
     state.set_antecedents(ref, state.antecedents_of(ref))
     assert state.graph.pred[ref][state.order[0]] is kept
     assert state.graph.succ[state.order[0]][ref] is kept  # one attribute dict for both directions
+
+
+def test_forgetting_and_adding_chunks_in_a_snapshot_leaves_the_other_side_as_it_was() -> None:
+    live = _window(["a", "b", "c", "d"])
+    snapshot = live.copy()
+    before, nodes = _edges(snapshot), set(snapshot.graph)
+    gone = live.order.pop(1)
+    live.remove(gone)  # b: its node and its edges both ways
+    chunk = _chunk("e")
+    fresh = live.mint(chunk, None)
+    live.add(fresh, Entry(chunk, ChunkState.canonical("e", ROOT)))
+    live.order.append(fresh)
+    _chained(live, ["a", "c", "d", "e"])
+    assert gone not in live.graph and fresh in live.graph
+    assert not any("b" in pair for pair in _edges(live)) and ("a", "e") in _edges(live)
+    assert _edges(snapshot) == before and set(snapshot.graph) == nodes  # untouched
+    assert snapshot.graph.pred[gone] and snapshot.graph.succ[gone]
+
+
+def test_a_write_after_a_snapshot_copies_only_the_adjacency_of_the_nodes_it_changes() -> None:
+    """Why: a long session's graph keeps every evicted chunk (up to max_evicted) with its edges;
+    an op that copied all of them before its first write grew slower as the session grew."""
+    live = _window(["a", "b", "c", "d"])
+    snapshot = live.copy()
+    d = live.order[3]
+    live.set_antecedents(d, live.order[:2])  # d loses its edge from c
+    a, c = live.order[0], live.order[2]
+    assert live.graph._pred[d] is not snapshot.graph._pred[d]  # written: its own copy
+    assert live.graph._adj[c] is not snapshot.graph._adj[c]
+    assert live.graph._pred[c] is snapshot.graph._pred[c]  # untouched: still shared
+    assert live.graph._adj[a] is snapshot.graph._adj[a]  # a's edge to d kept as it was
+    assert (c, d) in snapshot.graph.edges and (c, d) not in live.graph.edges
