@@ -190,7 +190,8 @@ class WindowState:
 
     def _writable_graph(self) -> nx.DiGraph:
         """The graph, copied first if a snapshot shares it (copy on write: every op snapshots the
-        state, most ops never touch the graph, and copying it is O(edges))."""
+        state and most ops never touch the graph); `_copied` copies its outer dicts, a node's
+        edge dicts are copied when this state first changes them (`_succ_of`, `_pred_of`)."""
         if not self._owns_graph:
             self._graph, self._owns_graph = _copied(self._graph), True
             self._own_succ, self._own_pred = set(), set()
