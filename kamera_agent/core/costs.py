@@ -64,5 +64,6 @@ class CostMeter:
         )
 
 
-_COUNTED = tuple(f.name for f in fields(OpCost) if f.name in {f.name for f in fields(CostMeter)})
+_METERED = frozenset(f.name for f in fields(CostMeter))
+_COUNTED = tuple(f.name for f in fields(OpCost) if f.name in _METERED)
 """What the meter counts itself, by the `OpCost` field's name (the rest comes from `Spent`)."""
