@@ -310,11 +310,11 @@ class Executor:
         kv = self.core.keep_full(target, blended.kv, self.txn)
         self._full[target.digest] = kv
         # what it encoded before (a chunk that left, maybe recalled later) it still encodes in part
-        recorded = self.state.graph.pred[ref]
-        kept = self.state.antecedents_of(ref)
-        joined = [(r, s.digest) for r, s in zip(order[:i], ctx.states(), strict=True) if r not in recorded]
-        refs = (*kept, *(r for r, _ in joined))
-        digests = (*(recorded[r]["state"] for r in kept), *(d for _, d in joined))
+        recorded = self.state.recorded(ref)
+        kept = {source for source, _, _ in recorded}
+        joined = [(r, s.digest) for r, s in zip(order[:i], ctx.states(), strict=True) if r not in kept]
+        refs = (*(source for source, _, _ in recorded), *(r for r, _ in joined))
+        digests = (*(digest for _, _, digest in recorded), *(d for _, d in joined))
         self._settle(ref, target, None, None, full=kv)
         self.state.set_antecedents(ref, refs, digests)
         return target
@@ -364,19 +364,11 @@ class Executor:
     def _same_edges(self, ref: ChunkRef, antecedents: Sequence[ChunkRef]) -> bool:
         """The graph already records exactly these antecedents for ``ref`` (its state unchanged,
         so each edge's state is too): rewriting its edges would change nothing."""
-        entries = self.state.entries
-        if entries[ref].set_from == tuple(antecedents):  # what they were set from (one compare)
+        state = self.state
+        if state.entries[ref].set_from == tuple(antecedents):  # what they were set from (one compare)
             return True  # (a source forgotten since left both the graph and the check below)
-        recorded = self.state.graph._pred[ref]
-        last, count = -1, 0
-        for source in antecedents:  # each known one recorded, in the recorded order, and no other
-            if source not in entries:
-                continue
-            edge = recorded.get(source)
-            if edge is None or edge["index"] <= last:
-                return False
-            last, count = edge["index"], count + 1
-        return count == len(recorded)
+        entries = state.entries
+        return tuple(source for source in antecedents if source in entries) == state.antecedents_of(ref)
 
     # -- KV of chunks and states -------------------------------------------------------------------
     def canonical(self, ref: ChunkRef) -> ChunkKV:
@@ -637,5 +629,4 @@ def _changes(state: WindowState, plan: WindowPlan) -> bool:
 def _recorded_states(state: WindowState, ref: ChunkRef) -> tuple[str, ...]:
     """The states ``ref``'s in-edges record, in their recorded order (`Planner._taken` maps the
     same edges, in this order, onto the refs that hold those slots after the op)."""
-    edges = sorted(state.graph.in_edges(ref, data=True), key=lambda edge: edge[2]["index"])
-    return tuple(data["state"] for _, _, data in edges)
+    return tuple(digest for _, _, digest in state.recorded(ref))

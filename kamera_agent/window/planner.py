@@ -464,10 +464,9 @@ class Planner:
         entry = state.entries[holder]
         if holder == ref or entry.pending or before().get(holder) != ctx.digest:
             return None
-        edges = sorted(state.graph.in_edges(holder, data="index"), key=lambda edge: edge[2])
         old_index = {r: k for k, r in enumerate(state.order)}
         antecedents = []
-        for source, _, _ in edges:
+        for source in state.antecedents_of(holder):
             if source in old_index:
                 antecedents.append(order[old_index[source]])
             elif source in order:

@@ -19,7 +19,7 @@ import networkx as nx
 
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.core import Patch
-from kamera_agent.core.identity import ChunkState
+from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer
 from kamera_agent.window.costs import StatsBook
@@ -84,6 +84,8 @@ class Entry:
         canonical_formed: its canonical has been computed at least once (a later miss is a re-form).
         set_from: the antecedents its in-edges were last set from (`WindowState.set_antecedents`),
             so an op asking for the same ones again knows its edges without reading the graph.
+        set_states: the state of each of ``set_from`` that its KV encodes, one digest each, or
+            the context that says them (read when asked: most are never read).
     """
 
     chunk: Chunk
@@ -97,6 +99,7 @@ class Entry:
     evicted_at: int = 0
     canonical_formed: bool = False
     set_from: tuple[ChunkRef, ...] | None = None
+    set_states: tuple[str, ...] | Context = ()
 
     def copy(self) -> Entry:
         """A shallow copy (`WindowState.copy` takes one of every entry each op: `copy.copy`'s
@@ -151,10 +154,9 @@ def _copied(graph: nx.DiGraph) -> nx.DiGraph:
     O(nodes + edges), nodes that left the window included (up to ``max_evicted`` of them, each
     with its edges): ops grew slower as an agent's session grew. An op writes the dicts of the
     few nodes it re-forms. networkx's dict-of-dicts is documented; assigning ``_adj`` and
-    ``_pred`` is what its own descriptors support (they reset the cached views). Node attribute
-    dicts are shared outright (nodes carry none; `KameraWindow.graph` decorates a copy), and so
-    are edge attribute dicts (``_pred`` shares them with ``_adj``, as networkx does): a
-    `WindowState` never changes one in place, it files a new dict (`set_antecedents`)."""
+    ``_pred`` is what its own descriptors support (they reset the cached views). Node and edge
+    attribute dicts are shared outright: neither carries anything here (what an edge records
+    lives on its target's `Entry`; `KameraWindow.graph` decorates a copy)."""
     copied = nx.DiGraph()
     copied.graph.update(graph.graph)
     copied._node = dict(graph._node)
@@ -263,41 +265,56 @@ class WindowState:
         self._own_succ.discard(ref)
         self._own_pred.discard(ref)
 
+    def recorded(self, ref: ChunkRef) -> tuple[tuple[ChunkRef, int, str], ...]:
+        """What ``ref``'s in-edges record, left to right: each antecedent still known, its index
+        among those its edges were set from, and the digest of its state that ``ref`` encodes."""
+        entry = self.entries[ref]
+        sources = entry.set_from or ()
+        states = entry.set_states
+        digests = [state.digest for state in states.states()] if isinstance(states, Context) else states
+        known = self._graph._pred[ref]
+        return tuple((source, i, digests[i]) for i, source in enumerate(sources) if source in known)
+
     def antecedents_of(self, ref: ChunkRef) -> tuple[ChunkRef, ...]:
         """The antecedents ``ref``'s current KV encodes (those still known), in their order."""
-        edges = self.graph.in_edges(ref, data="index")
-        return tuple(source for source, _, _ in sorted(edges, key=lambda edge: edge[2]))
+        known = self._graph._pred[ref]
+        return tuple(source for source in self.entries[ref].set_from or () if source in known)
 
     def set_antecedents(
         self, ref: ChunkRef, antecedents: Sequence[ChunkRef], states: Sequence[str] | None = None
     ) -> None:
-        """Make ``ref``'s in-edges exactly ``antecedents``, each carrying the state ``ref`` encodes
-        (``states``: those digests, one per antecedent, where ``ref``'s context does not say them).
+        """Make ``ref``'s in-edges exactly ``antecedents``, each recording the state ``ref``
+        encodes (``states``: those digests, one per antecedent, where ``ref``'s context does not
+        say them).
 
-        Edges that stay (most of them when a chunk is re-formed over the same chunks) are kept,
-        a new attribute dict filed where their attributes change (never changed in place: a
-        snapshot shares them, `_copied`); only edges that leave or arrive are removed or added
-        (removing and re-adding every edge was most of a reorder's bookkeeping)."""
-        graph = self._writable_graph()
+        What an edge records (its index, its state) lives on ``ref``'s entry, not on the edge:
+        a slide moves every chunk one antecedent down, and rewriting each edge's attributes made
+        that O(chunks²) dict writes per op. Only edges that leave or arrive are removed or
+        added."""
         entries = self.entries
+        entry = entries[ref]
+        antecedents = tuple(antecedents)
+        recorded: tuple[str, ...] | Context = ()
         if states is not None:
-            digests = states
-        else:
-            chain = entries[ref].state.context.states() if antecedents else ()
-            if len(chain) != len(antecedents):  # an orbit encodes a set: its members' states as they are
-                chain = tuple(entries[source].state for source in antecedents if source in entries)
-            digests = [state.digest for state in chain]
-        entries[ref].set_from = tuple(antecedents)
+            recorded = tuple(states)
+        elif antecedents:
+            context = entry.state.context
+            if context.length == len(antecedents):
+                recorded = context  # read as digests only when asked (`recorded`)
+            else:  # an orbit encodes a set: its members' states as they are
+                recorded = tuple(entries[s].state.digest if s in entries else "" for s in antecedents)
+        entry.set_from, entry.set_states = antecedents, recorded
+        wanted = {source for source in antecedents if source in entries}
+        current = self._graph._pred[ref]
+        if current.keys() == wanted:
+            return
+        graph = self._writable_graph()
         current = self._pred_of(graph, ref)
-        wanted = {source: i for i, source in enumerate(antecedents) if source in entries}
-        for source in [source for source in current if source not in wanted]:  # edges that leave
+        for source in current.keys() - wanted:  # edges that leave
             del self._succ_of(graph, source)[ref], current[source]
-        for source, i in wanted.items():
-            data = current.get(source)
-            digest = digests[i]
-            if data is None or data["index"] != i or data["state"] != digest:
-                # one dict for succ and pred, as networkx files an edge's attributes
-                self._succ_of(graph, source)[ref] = current[source] = {"index": i, "state": digest}
+        for source in antecedents:  # edges that arrive, in order (the graph's order, run to run)
+            if source in wanted and source not in current:
+                self._succ_of(graph, source)[ref] = current[source] = {}
 
     def dependents(self, ref: ChunkRef) -> list[ChunkRef]:
         """In-window chunks whose KV encodes ``ref``, left to right."""

@@ -269,6 +269,8 @@ class KameraWindow:
             graph = state.graph.copy()
             for ref, entry in state.entries.items():
                 graph.nodes[ref].update(in_window=entry.in_window, label=ref.label, state=entry.state)
+                for source, index, digest in state.recorded(ref):
+                    graph.pred[ref][source].update(index=index, state=digest)
         return nx.freeze(graph)
 
     @property

@@ -18,7 +18,14 @@ def _chunk(key: str) -> Chunk:
 
 
 def _edges(state: WindowState) -> dict[tuple[str, str], dict[str, object]]:
-    return {(a.key, b.key): dict(data) for a, b, data in state.graph.edges(data=True)}
+    """What each edge records (kept on its target's entry), checked against the graph's edges."""
+    recorded = {
+        (source.key, ref.key): {"index": index, "state": digest}
+        for ref in state.entries
+        for source, index, digest in state.recorded(ref)
+    }
+    assert set(recorded) == {(a.key, b.key) for a, b in state.graph.edges}
+    return recorded
 
 
 def _chained(state: WindowState, keys: list[str]) -> None:
@@ -58,13 +65,28 @@ def test_a_snapshot_keeps_its_edges_while_the_live_state_rewrites_them() -> None
     assert _edges(live) == after
 
 
-def test_unchanged_antecedents_keep_their_edges() -> None:
+def test_unchanged_antecedents_leave_a_shared_graph_shared() -> None:
     state = _window(["a", "b", "c"])
+    snapshot = state.copy()
     ref = state.order[2]
-    kept = state.graph.pred[ref][state.order[0]]
     state.set_antecedents(ref, state.antecedents_of(ref))
-    assert state.graph.pred[ref][state.order[0]] is kept
-    assert state.graph.succ[state.order[0]][ref] is kept  # one attribute dict for both directions
+    assert state.graph is snapshot.graph  # nothing written: nothing copied
+
+
+def test_a_slide_removes_one_edge_per_chunk_and_re_records_the_rest() -> None:
+    """Why: a slide moves every chunk one antecedent down; each edge that stays records a new
+    index and state (on the entry), and only the edges from the chunk that left go."""
+    live = _window(["a", "b", "c", "d"])
+    snapshot = live.copy()
+    first = live.order.pop(0)
+    _chained(live, ["b", "c", "d"])
+    after = _edges(live)
+    assert set(after) == {("b", "c"), ("b", "d"), ("c", "d")}
+    assert after[("b", "d")]["index"] == 0 and after[("c", "d")]["index"] == 1
+    b, d = live.order[0], live.order[2]
+    assert after[("b", "d")]["state"] == live.entries[b].state.digest  # b's state as it is now
+    assert live.entries[d].state.context.states()[0] == live.entries[b].state
+    assert _edges(snapshot)[("b", "d")]["index"] == 1 and first in snapshot.graph.pred[d]
 
 
 def test_forgetting_and_adding_chunks_in_a_snapshot_leaves_the_other_side_as_it_was() -> None:
