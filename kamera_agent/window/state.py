@@ -303,18 +303,26 @@ class WindowState:
                 recorded = context  # read as digests only when asked (`recorded`)
             else:  # an orbit encodes a set: its members' states as they are
                 recorded = tuple(entries[s].state.digest if s in entries else "" for s in antecedents)
+        before = entry.set_from or ()
         entry.set_from, entry.set_states = antecedents, recorded
-        wanted = {source for source in antecedents if source in entries}
-        current = self._graph._pred[ref]
-        if current.keys() == wanted:
+        current = self._graph._pred[ref]  # the known ones of ``before``
+        cut = len(before) - len(antecedents)
+        arriving: list[ChunkRef] = []
+        if cut >= 0 and before[cut:] == antecedents:  # the same, the first ``cut`` gone (a slide)
+            leaving = [source for source in before[:cut] if source in current]
+        else:
+            wanted = {source for source in antecedents if source in entries}
+            leaving = [source for source in current if source not in wanted]
+            if len(wanted) > len(current) - len(leaving):
+                arriving = [source for source in antecedents if source in wanted and source not in current]
+        if not leaving and not arriving:
             return
         graph = self._writable_graph()
         current = self._pred_of(graph, ref)
-        for source in current.keys() - wanted:  # edges that leave
+        for source in leaving:
             del self._succ_of(graph, source)[ref], current[source]
-        for source in antecedents:  # edges that arrive, in order (the graph's order, run to run)
-            if source in wanted and source not in current:
-                self._succ_of(graph, source)[ref] = current[source] = {}
+        for source in arriving:  # in order: the graph's order is the same run to run
+            self._succ_of(graph, source)[ref] = current[source] = {}
 
     def dependents(self, ref: ChunkRef) -> list[ChunkRef]:
         """In-window chunks whose KV encodes ``ref``, left to right."""
