@@ -192,7 +192,7 @@ _CODECS: Mapping[EntryKind, _Codec] = MappingProxyType(
 
 def entry_nbytes(kind: EntryKind, value: StoredValue) -> int:
     """Bytes the entry holds: the sum of its tensors' ``nbytes`` (positions included)."""
-    return sum(t.numel() * t.element_size() for t in _CODECS[kind].tensors(value).values())
+    return sum([tensor.nbytes for tensor in _CODECS[kind].tensors(value).values()])
 
 
 def fingerprint_of(kind: EntryKind, value: StoredValue) -> str:

@@ -180,7 +180,7 @@ class DiskTier(Tier):
         written = header_of(blob).get("format", "")
         self._add(_File(key, name, len(blob), entry.fingerprint, tick, tick, format=written))
         self.save_index()
-        return Write(True)
+        return Write.done()
 
     def get(self, key: EntryKey) -> Lookup[Payload]:
         """The file's bytes once their sha256 matches its name; deleted (and reported) otherwise."""

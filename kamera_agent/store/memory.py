@@ -66,7 +66,7 @@ class MemoryTier(Tier):
     def put(self, entry: Entry) -> Write:
         """Hold the entry; the caller then evicts to the budget (`victim`, `pop`)."""
         self.add(entry.key, entry.value, entry.nbytes)
-        return Write(True)
+        return Write.done()
 
     def contains(self, key: EntryKey) -> Status:
         return Status.HIT if key in self._entries else Status.MISS

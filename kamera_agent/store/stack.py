@@ -104,6 +104,7 @@ class TierStack:
         """`put` of each entry in order: memory takes them all under one lock (each evicting to
         the budget as it arrives), then each tier that takes puts gets them, outside the lock."""
         with self.lock:
+            self._log.count("puts", len(entries))
             for entry in entries:
                 self._keep(entry)
         for tier in self.tiers[1:]:
@@ -115,7 +116,6 @@ class TierStack:
     def _keep(self, entry: Entry) -> None:
         """Hold ``entry`` in memory and evict to the budget (called under the lock)."""
         key = entry.key
-        self._log.count("puts")
         if self._disk is not None and key in self._disk:
             # the same entry again keeps its durable file; other bytes under the key make the
             # file stale, and a stale file must never be served
@@ -126,11 +126,15 @@ class TierStack:
     def contains(self, key: EntryKey) -> bool:
         """Whether a tier holds ``key``; a tier that does not answer counts as unavailable."""
         for tier in self.tiers:
-            with self._guard(tier):
+            if tier.locked:  # (`_guard`, spelled out: a planner asks this for most chunks of an op)
+                with self.lock:
+                    status = tier.contains(key)
+            else:
                 status = tier.contains(key)
-            self._tally(tier, status)
             if status is Status.HIT:
                 return True
+            if status is not Status.MISS:
+                self._tally(tier, status)
         return False
 
     def peek(self, key: EntryKey, *, below_memory: bool = False) -> Meta | None:

@@ -139,9 +139,9 @@ class EventLog:
         self.counts["lost"] += int(event.lost)
         self._events.append(event)
 
-    def count(self, name: str) -> None:
+    def count(self, name: str, times: int = 1) -> None:
         """Tally a non-event counter (puts, hits, misses)."""
-        self.counts[name] += 1
+        self.counts[name] += times
 
     def recent(self) -> list[StoreEvent]:
         return list(self._events)

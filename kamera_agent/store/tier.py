@@ -96,6 +96,14 @@ class Write:
     ok: bool
     detail: str = ""
 
+    @classmethod
+    def done(cls) -> Write:
+        """The entry was taken (one shared answer: frozen, and most puts give it)."""
+        return _DONE
+
+
+_DONE = Write(True)
+
 
 @dataclass(frozen=True)
 class Entry:

@@ -159,7 +159,7 @@ class RemoteTier(Tier):
             self._pending += entry.nbytes
             self._absent.pop(self._name(entry.key), None)
             self._lock.notify_all()
-        return Write(True)
+        return Write.done()
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every queued write is done (or failed), at most ``timeout`` seconds."""
