@@ -31,7 +31,16 @@ import hashlib
 from collections.abc import Sequence
 from typing import Literal
 
-__all__ = ["ChunkState", "Context", "StateKind", "StateRank", "effective_rank", "orbit_key"]
+__all__ = [
+    "ChunkState",
+    "Context",
+    "StateKind",
+    "StateRank",
+    "effective_rank",
+    "orbit_digest",
+    "orbit_key",
+    "patched_digest",
+]
 
 StateKind = Literal["canonical", "patched", "orbit", "spliced", "recomputed"]
 StateRank = int | Literal["full"]
@@ -215,9 +224,7 @@ class ChunkState:
         """The canonical plus a rank-``rank`` patch of the chunk's deficit over ``context``."""
         if context.length == 0:
             return cls.canonical(chunk_key, context)
-        return cls(
-            _hash("patched", chunk_key, str(rank), context.digest), chunk_key, "patched", rank, context
-        )
+        return cls(patched_digest(chunk_key, rank, context), chunk_key, "patched", rank, context)
 
     @classmethod
     def orbit(
@@ -231,7 +238,7 @@ class ChunkState:
     ) -> ChunkState:
         """The canonical plus the orbit patch at ``address`` merged from ``members`` in order
         (``keyset``: the fingerprint of the antecedent set it averages over)."""
-        digest = _hash("orbit", chunk_key, str(rank), root.digest, address, *members)
+        digest = orbit_digest(chunk_key, rank, root, address, members)
         return cls(digest, chunk_key, "orbit", rank, root, tuple(members), address, keyset)
 
     @classmethod
@@ -272,12 +279,26 @@ class ChunkState:
         return f"ChunkState({self.kind}, {rank}, {self.context.length} antecedents, {self.digest[:8]})"
 
 
+def patched_digest(chunk_key: str, rank: StateRank, context: Context) -> str:
+    """The digest of `ChunkState.patched`, without the state: what a store lookup needs
+    (planning asks for most chunks of an op, and most lookups miss)."""
+    if context.length == 0:
+        return _hash("canonical", chunk_key, context.digest)
+    return _hash("patched", chunk_key, str(rank), context.digest)
+
+
 def effective_rank(rank: StateRank, num_tokens: int, features: int) -> StateRank:
     """The rank a patch of an ``[num_tokens, features]`` deficit really has: ``"full"`` at or
     above ``min(num_tokens, features)`` (the SVD keeps every direction: the patch is lossless)."""
     if rank == "full" or rank >= min(num_tokens, features):
         return "full"
     return rank
+
+
+def orbit_digest(chunk_key: str, rank: StateRank, root: Context, address: str, members: Sequence[str]) -> str:
+    """The digest of `ChunkState.orbit`, without the state: what filing an orbit needs (every
+    formation folds into one)."""
+    return _hash("orbit", chunk_key, str(rank), root.digest, address, *members)
 
 
 def orbit_key(chunk_key: str, rank: StateRank, root: Context, context: Context) -> str:

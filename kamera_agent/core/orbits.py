@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from kamera_agent.core.identity import ChunkState, Context, orbit_key
+from kamera_agent.core.identity import ChunkState, Context, orbit_digest, orbit_key
 from kamera_agent.core.staging import StagedStore
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.operator.patch import Patch, merge_patches
@@ -41,11 +41,11 @@ def fold_orbit(store: StagedStore, root: Context, member: ChunkState, patch: Pat
     else:
         merged = merge_patches([orbit, patch], member.rank, weights=[len(members), 1])
     members.append(member.digest)
-    state = ChunkState.orbit(chunk_key, member.rank, root, address, members)
+    digest = orbit_digest(chunk_key, member.rank, root, address, members)
     meta = _members_meta(members)
     fingerprint = merged.model_fingerprint
     store.put_patch(
-        Patch(merged.factors, merged.num_tokens, chunk_key, state.digest, fingerprint, "orbit", meta), address
+        Patch(merged.factors, merged.num_tokens, chunk_key, digest, fingerprint, "orbit", meta), address
     )
 
 
@@ -61,14 +61,14 @@ def fold_full_orbit(store: StagedStore, root: Context, member: ChunkState, kv: C
     previous = store.get_full(chunk_key, filed) if filed else None
     if previous is None:  # a first member (or the old mean left the store): its KV is the mean
         members = [member.digest]
-        state = ChunkState.orbit(chunk_key, member.rank, root, address, members)
+        digest = orbit_digest(chunk_key, member.rank, root, address, members)
     else:
         mean = running_mean(previous, len(members), kv)
         members.append(member.digest)
-        state = ChunkState.orbit(chunk_key, member.rank, root, address, members)
-        store.put_full(mean, state.digest)
+        digest = orbit_digest(chunk_key, member.rank, root, address, members)
+        store.put_full(mean, digest)
     meta = _members_meta(members)
-    record = Patch({}, kv.num_tokens, chunk_key, state.digest, kv.model_fingerprint, "orbit", meta)
+    record = Patch({}, kv.num_tokens, chunk_key, digest, kv.model_fingerprint, "orbit", meta)
     store.put_patch(record, address)
 
 

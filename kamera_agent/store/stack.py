@@ -83,7 +83,16 @@ class TierStack:
 
     def get(self, key: EntryKey) -> StoredValue | None:
         """The first tier's verified copy of ``key`` (promoted into memory), or ``None``."""
-        for tier in self.tiers:
+        memory = self._memory
+        with self.lock:  # memory first, spelled out: a live value, checked when it was stored
+            answer = memory.get(key)
+            found = answer.found
+            if found is not None and not isinstance(found, bytes):  # (memory holds no bytes)
+                self._log.count("hits")
+                self._log.count("memory_hits")
+                return found
+            self._tally(memory, answer.status, get=True)
+        for tier in self.tiers[1:]:
             with self._guard(tier):  # a locked tier's read and promotion are one step
                 value = self._read(tier, key)
                 if value is not None:

@@ -613,13 +613,13 @@ def _causality(
     Before every op, in-window edges point left to right. An op that keeps the other chunks'
     relative order can only break that through the one chunk it moves; a reorder checks all.
     """
-    graph = state.graph
+    encodes = state.graph._pred  # each chunk's in-edge dict (networkx's own; a view per call cost more)
 
     def any_order(ref: ChunkRef, i: int) -> bool:
-        return all(index_of.get(p, -1) < i for p in graph.pred[ref])
+        return all(index_of.get(p, -1) < i for p in encodes[ref])
 
     def one_moved(ref: ChunkRef, i: int) -> bool:
-        return moved is None or moved not in graph.pred[ref] or index_of[moved] < i
+        return moved is None or moved not in encodes[ref] or index_of[moved] < i
 
     return one_moved if keeps_order else any_order
 

@@ -28,7 +28,14 @@ from dataclasses import dataclass
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.blend import selected_count
-from kamera_agent.core.identity import ChunkState, Context, StateRank, effective_rank, orbit_key
+from kamera_agent.core.identity import (
+    ChunkState,
+    Context,
+    StateRank,
+    effective_rank,
+    orbit_key,
+    patched_digest,
+)
 from kamera_agent.core.staging import StoreView, can_form
 from kamera_agent.policies import PATCH_TIMING, PatchAction
 from kamera_agent.results import EditKind
@@ -224,15 +231,13 @@ class Rules:
         self, ref: ChunkRef, chunk: Chunk, ctx: Context, left: Sequence[ChunkRef], why: str
     ) -> Step | None:
         """A stored KV for the chunk over ``ctx``: its full KV there (exact), else a stored patch."""
-        full = ChunkState.patched(ref.key, "full", ctx)
-        if self.view.has_full(ref.key, full.digest):
+        if self.view.has_full(ref.key, patched_digest(ref.key, "full", ctx)):
+            full = ChunkState.patched(ref.key, "full", ctx)
             return Step("apply_patch", ref, full, tuple(left), full.digest, detail=f"stored exact KV {why}")
         rank = self.rank_of(chunk)
-        if rank == "full":
+        if rank == "full" or not self.view.has_patch(ref.key, patched_digest(ref.key, rank, ctx)):
             return None
         target = ChunkState.patched(ref.key, rank, ctx)
-        if not self.view.has_patch(ref.key, target.digest):
-            return None
         step = Step("apply_patch", ref, target, tuple(left), target.digest, detail=f"stored patch {why}")
         return self.with_canonical(step)
 
