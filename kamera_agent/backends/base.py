@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -72,7 +72,12 @@ class Spent:
     decode_steps: int = 0
 
     def __add__(self, other: Spent) -> Spent:
-        return Spent(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+        return Spent(
+            self.forwards + other.forwards,
+            self.tokens_prefilled + other.tokens_prefilled,
+            self.vision_encodes + other.vision_encodes,
+            self.decode_steps + other.decode_steps,
+        )
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ predicted forwards are the executor's, step for step.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.core.identity import ChunkState
@@ -89,6 +90,16 @@ class WindowPlan:
     """A re-prefill planned instead of approximations the drift budget expects to fail
     (`DriftBudget.worth_trying`): the runner counts it once the op has run."""
 
+    def changed(self, **changes: Any) -> WindowPlan:
+        """This plan with ``changes`` to its fields: what ``dataclasses.replace`` makes, without
+        its walk over every field per call (an op's plan is remade two to four times)."""
+        unknown = changes.keys() - _PLAN_FIELDS
+        if unknown:
+            raise TypeError(f"WindowPlan has no field {sorted(unknown)[0]!r}")
+        twin = object.__new__(WindowPlan)
+        twin.__dict__.update(self.__dict__, **changes)
+        return twin
+
     def public(self) -> Plan:
         """The user-facing `Plan`: labelled edits with the forwards and tokens each will run."""
         edits = [
@@ -119,6 +130,9 @@ class WindowPlan:
             detail = step.detail + (" (in the forward of the chunk before it)" if step.in_run else "")
             edits.append(Edit(step.kind, step.ref.label, detail, step.forwards, step.tokens, step.ref))
         return Plan(self.op, tuple(edits))
+
+
+_PLAN_FIELDS = frozenset(f.name for f in fields(WindowPlan))
 
 
 def serves_canonical_first(steps: Sequence[Step], index: int, order: Sequence[ChunkRef]) -> bool:

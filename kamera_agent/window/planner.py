@@ -375,7 +375,7 @@ class Planner:
             for step in refilled:  # made for this plan alone and in none yet: worded in place
                 step.detail = step.detail.replace(_WHY, why)
             steps = (*left, *refilled)
-            return replace(plan, steps=steps, declined=declined, prefix_bound=refill)
+            return plan.changed(steps=steps, declined=declined, prefix_bound=refill)
 
         if budget is None:
             if refill >= planned:
@@ -389,7 +389,7 @@ class Planner:
         if fix and not budget.worth_trying(plan.op, planned, fix, refill, audits):
             why = f"re-prefill from slot {changed}: the drift budget expects to fix what the plan keeps"
             return refilling(why, declined=True)
-        return replace(plan, vouched_to=first, prefix_bound=refill)
+        return plan.changed(vouched_to=first, prefix_bound=refill)
 
     def refill(self, state: WindowState, start: int, why: str) -> WindowPlan:
         """Re-prefill the window's chunks from index ``start`` on over the chunks left of it as they
@@ -400,7 +400,7 @@ class Planner:
             ctx = ctx.extend(state.entries[ref].state)
         plan = WindowPlan("refill", order)
         return _lead_shares_forward(
-            replace(plan, steps=tuple(self._refill_steps(state, plan, start, ctx, why)))
+            plan.changed(steps=tuple(self._refill_steps(state, plan, start, ctx, why)))
         )
 
     def _refill_steps(
@@ -551,7 +551,7 @@ class Planner:
         assert state.last_answer is not None
         query = state.last_answer.query
         tokens = self.inputs.query_tokens(query)
-        return replace(plan, evicted=(), probes=probes, probe_query=query, probe_tokens=tokens)
+        return plan.changed(evicted=(), probes=probes, probe_query=query, probe_tokens=tokens)
 
     def _check_recallable(self, entry: Entry, ref: ChunkRef) -> None:
         """An evicted chunk can come back unless it lost both its pixels and its stored KV."""
@@ -597,7 +597,7 @@ def _lead_shares_forward(plan: WindowPlan) -> WindowPlan:
         if first.forwards and canonical_leads_run(steps, i, plan.order):
             detail = f"{first.detail} (in the forward of the chunk before it)"
             joined = replace(first, forwards=0, detail=detail)
-            return replace(plan, steps=(*steps[: i + 2], joined, *steps[i + 3 :]))
+            return plan.changed(steps=(*steps[: i + 2], joined, *steps[i + 3 :]))
     return plan
 
 

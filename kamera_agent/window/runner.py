@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import TypeVar
 
@@ -306,7 +306,7 @@ class OpRunner:
                     fix, first = earlier, vouched
             executor.run(fix)
             meter.drift_fixes += len(state.order) - first
-            plan = replace(plan, steps=plan.steps + fix.steps)
+            plan = plan.changed(steps=plan.steps + fix.steps)
             estimates = self.drift(store=txn.store)
         meter.drift = max((e for e in estimates if e is not None), default=0.0)
         return plan
