@@ -18,6 +18,7 @@ from kamera_agent.store.audits import audit_variant
 __all__ = ["EntryKey", "EntryKind"]
 
 EntryKind = Literal["canonical", "full", "vision", "patch", "audit"]
+_make = tuple.__new__
 
 
 class EntryKey(NamedTuple):
@@ -39,21 +40,23 @@ class EntryKey(NamedTuple):
     key: str
     variant: str = ""
 
+    # The typed makers build the tuple directly (what a named tuple's own ``__new__`` does, less
+    # its Python call): planning and committing make a key per chunk lookup and per entry.
     @classmethod
     def canonical(cls, key: str) -> EntryKey:
-        return cls("canonical", key)
+        return _make(cls, ("canonical", key, ""))
 
     @classmethod
     def full(cls, chunk_key: str, state: str) -> EntryKey:
-        return cls("full", chunk_key, state)
+        return _make(cls, ("full", chunk_key, state))
 
     @classmethod
     def vision(cls, key: str) -> EntryKey:
-        return cls("vision", key)
+        return _make(cls, ("vision", key, ""))
 
     @classmethod
     def patch(cls, chunk_key: str, variant: str) -> EntryKey:
-        return cls("patch", chunk_key, variant)
+        return _make(cls, ("patch", chunk_key, variant))
 
     @classmethod
     def audit(cls, chunk_key: str, state: str, left: str) -> EntryKey:
