@@ -81,12 +81,19 @@ def running_mean(mean: ChunkKV, count: int, kv: ChunkKV) -> ChunkKV:
     return replace(kv, keys=keys.to(kv.keys.dtype), values=values.to(kv.values.dtype))
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
 def _members_meta(members: list[str]) -> dict[str, str]:
     """An orbit entry's meta: its members' digests as a JSON list, the text ``json.dumps`` writes.
 
-    Spelled out because digests are hex (nothing to escape) and ``json.dumps`` cost as much as
-    the rest of a first member's fold, which every formation runs."""
-    return {"members": '["' + '", "'.join(members) + '"]' if members else "[]"}
+    Spelled out where every member is a hex digest (nothing to escape), because ``json.dumps``
+    cost as much as the rest of a first member's fold, which every formation runs. Members read
+    back from a store entry may hold anything (another process wrote it): those are encoded by
+    ``json.dumps``, so no string can add or split a member."""
+    if all(_HEX.issuperset(member) for member in members):
+        return {"members": '["' + '", "'.join(members) + '"]' if members else "[]"}
+    return {"members": json.dumps(members)}
 
 
 def _members(meta: dict[str, str] | None) -> list[str]:

@@ -14,3 +14,12 @@ def test_an_orbits_members_meta_is_what_json_dumps_writes_and_reads_back() -> No
         meta = _members_meta(members)
         assert meta == {"members": json.dumps(members)}
         assert _members(meta) == members
+
+
+def test_members_read_from_a_store_are_escaped_not_spliced() -> None:
+    """Why: a store entry's members come from whoever wrote it; text written by hand would let
+    ``x", "y`` become two members."""
+    members = [secrets.token_hex(16), 'x", "y', "back\\slash"]
+    meta = _members_meta(members)
+    assert meta == {"members": json.dumps(members)}
+    assert _members(meta) == members
