@@ -5,6 +5,7 @@ failed call never corrupts a window or a store.
 
     KameraError
     ├── UnsupportedModelError        model family we have no rotary spec / KV layout for
+    │   └── TokenizerNotFoundError   a model whose tokenizer is neither given nor found at its origin
     ├── CapabilityError              an operation this backend does not offer
     ├── SettingsError                a setting that cannot apply where it was given
     │   └── ConfigError              a WindowConfig value its validation refuses
@@ -70,6 +71,7 @@ __all__ = [
     "StoreDirectoryError",
     "StoreKeyError",
     "StoreURLError",
+    "TokenizerNotFoundError",
     "UncalibratedWarning",
     "UnknownChunkError",
     "UnreadableInputError",
@@ -85,6 +87,11 @@ class KameraError(Exception):
 
 class UnsupportedModelError(KameraError):
     """The model's family has no known rotary layout or KV layout."""
+
+
+class TokenizerNotFoundError(UnsupportedModelError):
+    """No tokenizer was passed and none is found where the model came from (its folder, or the
+    GGUF file it was read from carries none); the message says what to pass."""
 
 
 class CapabilityError(KameraError):

@@ -1,9 +1,16 @@
 """Model fingerprints: KV made by one model must never be served to another.
 
 Why: a canonical or patch is only valid for the exact weights, dtype and architecture that
-computed it. The fingerprint hashes the architecture and config, the dtype, and a strided
-sample of every parameter (hashing all of a 7B model's weights would take seconds; a sample
-of each tensor still changes when any tensor is retrained, re-initialised or re-quantised).
+computed it. The fingerprint hashes the model class, the config fields that shape its forward,
+and per parameter its name, shape, dtype and a strided sample of its values (hashing all of a 7B
+model's weights would take seconds; a sample of each tensor still changes when any tensor is
+retrained, re-initialised or re-quantised).
+
+One model has one fingerprint however it arrives: loaded from a GGUF file, from the folder it
+was converted to, or passed in loaded, the values are the same, and where it came from (its path,
+the GGUF marker, the transformers version, the attention kernel) is left out. So calibrations and
+store entries follow the weights, and an engine that holds the weights itself (SGLang, vLLM) names
+its checkpoint by the same digest (`checkpoint_fingerprint`).
 """
 
 from __future__ import annotations
@@ -16,22 +23,41 @@ from typing import Any
 
 import torch
 
+from kamera_agent.checkpoints import cache_dir, load_model, resolve_checkpoint, write_atomically
+from kamera_agent.errors import SettingsError
+
 __all__ = ["checkpoint_fingerprint", "model_fingerprint"]
 
+_SCHEME = b"kamera-fingerprint-2"
 _SAMPLES_PER_TENSOR = 64
-_SAMPLE_BYTES = 1 << 20
+_ORIGIN_FIELDS = frozenset(
+    {
+        "_name_or_path",
+        "_model_name_or_path",
+        "transformers_version",
+        "quantization_config",
+        "dtype",
+        "torch_dtype",
+        "_commit_hash",
+        "architectures",
+        "attn_implementation",
+        "_attn_implementation",
+        "_attn_implementation_autoset",
+        "use_cache",
+    }
+)
+"""Config fields that say where a model came from or how it runs, not what it computes (the
+dtype is hashed per parameter)."""
 
 
 def model_fingerprint(model: Any) -> str:
-    """A hex digest identifying the model's architecture, config, dtype and weights."""
-    digest = hashlib.sha256()
+    """A hex digest of the model's architecture, forward-shaping config, dtype and weights."""
+    digest = hashlib.sha256(_SCHEME)
     digest.update(type(model).__name__.encode())
     config = getattr(model, "config", None)
     if config is not None:
         as_dict = config.to_diff_dict() if hasattr(config, "to_diff_dict") else dict(vars(config))
-        as_dict.pop("_name_or_path", None)
-        as_dict.pop("transformers_version", None)
-        digest.update(json.dumps(as_dict, sort_keys=True, default=str).encode())
+        digest.update(json.dumps(_forward_fields(as_dict), sort_keys=True, default=str).encode())
     with torch.no_grad():
         for name, param in model.named_parameters():
             digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}".encode())
@@ -43,32 +69,53 @@ def model_fingerprint(model: Any) -> str:
 
 
 def checkpoint_fingerprint(path: str | os.PathLike[str], dtype: torch.dtype | str = "") -> str:
-    """A hex digest identifying a checkpoint directory without loading it, for engines that hold
-    the weights themselves (SGLang, vLLM) and windows that load it: its config and, per weights
-    file, name, size and a sample of its bytes (the first and last MiB: headers name every
-    tensor, data ends differ when any tensor was retrained); ``dtype`` is the one the model is
-    served in (a ``torch.dtype`` or its name: ``"float32"`` and ``torch.float32`` are one)."""
-    root = Path(path)
-    digest = hashlib.sha256(f"checkpoint\x1f{_dtype_name(dtype)}".encode())
-    config = root / "config.json"
-    if config.is_file():
-        as_dict = json.loads(config.read_text())
-        as_dict.pop("_name_or_path", None)
-        as_dict.pop("transformers_version", None)
-        digest.update(json.dumps(as_dict, sort_keys=True).encode())
-    for weights in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")):
-        size = weights.stat().st_size
-        digest.update(f"{weights.name}:{size}".encode())
-        with weights.open("rb") as handle:
-            digest.update(handle.read(_SAMPLE_BYTES))
-            handle.seek(max(0, size - _SAMPLE_BYTES))
-            digest.update(handle.read(_SAMPLE_BYTES))
-    return digest.hexdigest()
+    """`model_fingerprint` of the model at ``path`` (a folder or a GGUF file) loaded in
+    ``dtype`` (a ``torch.dtype`` or its name; ``""``: as stored), for engines that hold the
+    weights themselves and name their store by it.
+
+    The first call for a checkpoint loads it on the CPU once; the digest is then remembered in
+    kamera's cache by the files' paths, sizes and modification times.
+
+    Raises:
+        CheckpointError: the path cannot be loaded (see `kamera_agent.checkpoints.resolve_checkpoint`).
+    """
+    checkpoint = resolve_checkpoint(path)
+    wanted = _dtype(dtype)
+    memo = cache_dir() / "fingerprints" / _files_key(checkpoint.folder, wanted)
+    if memo.is_file():
+        return memo.read_text().strip()
+    value = model_fingerprint(load_model(checkpoint.folder, dtype=wanted))
+    write_atomically(memo, value)
+    return value
 
 
-def _dtype_name(dtype: torch.dtype | str) -> str:
-    """``"torch.float32"`` for ``torch.float32``, ``"float32"`` and ``"torch.float32"``."""
+def _forward_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` without `_ORIGIN_FIELDS`, at every depth (a VLM's text and vision configs)."""
+    return {
+        key: _forward_fields(value) if isinstance(value, dict) else value
+        for key, value in config.items()
+        if key not in _ORIGIN_FIELDS
+    }
+
+
+def _files_key(folder: Path, dtype: torch.dtype | None) -> str:
+    """A name for what ``folder`` holds now: its path, and each config and weights file's name,
+    size and modification time (a rewritten file is a new key)."""
+    digest = hashlib.sha256(_SCHEME + f"|{folder.resolve()}|{dtype}".encode())
+    for file in sorted(folder.iterdir()):
+        if file.suffix in (".json", ".safetensors", ".bin") and file.is_file():
+            stat = file.stat()
+            digest.update(f"|{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:40]
+
+
+def _dtype(dtype: torch.dtype | str) -> torch.dtype | None:
+    """``torch.float32`` for ``torch.float32``, ``"float32"`` and ``"torch.float32"``; ``None`` for ``""``."""
     if isinstance(dtype, torch.dtype):
-        return str(dtype)
-    named = getattr(torch, dtype.removeprefix("torch."), None) if dtype else None
-    return str(named) if isinstance(named, torch.dtype) else dtype
+        return dtype
+    if not dtype:
+        return None
+    named = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(named, torch.dtype):
+        raise SettingsError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'float32' or 'bfloat16'")
+    return named

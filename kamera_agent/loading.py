@@ -1,9 +1,11 @@
-"""Loading a backend from a local checkpoint or a loaded model, the way users load models.
+"""Loading a backend from what users have: a checkpoint folder, a GGUF file or a loaded model.
 
 Why: ``KameraWindow(model)`` must work whenever the processing pieces can be found. We go
-through the normal ``from_pretrained`` path: a full ``AutoProcessor`` where it can be built,
-else the tokenizer and image processor on their own (without torchvision, transformers cannot
-build the Qwen-VL processors, but their image processors load and work).
+through the normal ``from_pretrained`` path (a GGUF file through its converted folder, see
+`kamera_agent.checkpoints`): a full ``AutoProcessor`` where it can be built, else the tokenizer
+and image processor on their own (without torchvision, transformers cannot build the Qwen-VL
+processors, but their image processors load and work). A loaded model's pieces are found where it
+came from: the folder it was loaded from, or the GGUF file transformers read it from.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from typing import Any
 import torch
 
 from kamera_agent.backends.transformers import TransformersBackend
-from kamera_agent.errors import CheckpointError, SettingsError, UnsupportedModelError
-from kamera_agent.fingerprint import checkpoint_fingerprint
+from kamera_agent.checkpoints import SOURCE_FILE, gguf_folder, is_gguf, load_model, resolve_checkpoint
+from kamera_agent.errors import SettingsError, TokenizerNotFoundError
 
-__all__ = ["load_backend", "load_model", "load_processing"]
+__all__ = ["load_backend", "load_model", "load_processing", "model_origin"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_backend(
@@ -29,35 +33,51 @@ def load_backend(
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
 ) -> TransformersBackend:
-    """A `TransformersBackend` for a loaded model or a local checkpoint directory.
+    """A `TransformersBackend` for a loaded model, a checkpoint folder or a GGUF file.
 
-    Missing processing pieces are loaded from the checkpoint directory (or, for a loaded model,
-    from its ``name_or_path`` when that is a local directory). A model loaded here from a folder
-    is fingerprinted by that folder and dtype (`checkpoint_fingerprint`), as the SGLang and vLLM
-    adapters fingerprint what they serve, so windows and engines on one store share entries; a
-    model passed loaded is fingerprinted by its weights (it may have changed since loading).
+    Missing processing pieces are loaded from where the model came from (`model_origin`). Every
+    way of naming one model gives one fingerprint (`kamera_agent.model_fingerprint` hashes the
+    weights, not their origin), the one SGLang's and vLLM's adapters name their store by.
 
     Raises:
-        UnsupportedModelError: the tokenizer cannot be found; the message says what to pass.
+        CheckpointError: a path that is not a folder or GGUF file kamera can load.
+        TokenizerNotFoundError: no tokenizer passed, and none where the model came from.
     """
-    source: str | None
-    fingerprint: str | None = None
+    origin: Path | None
     if isinstance(model, str | Path):
-        source = str(model)
-        model = load_model(source, dtype=dtype, device=device)
-        fingerprint = checkpoint_fingerprint(source, model.dtype)  # as the engines' adapters name it
+        check_device(device)
+        folder = resolve_checkpoint(model).folder
+        model, origin = load_model(folder, dtype=dtype, device=device), folder
     else:
-        source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+        origin = model_origin(model)
     if processor is None and tokenizer is None:
-        if not source or not Path(source).is_dir():
-            raise UnsupportedModelError(
+        if origin is None:
+            raise TokenizerNotFoundError(
                 "cannot find the tokenizer/processor for this model: pass processor=, or tokenizer= and "
-                "image_processor=, or load the model from a local checkpoint directory that holds them"
+                "image_processor=, or pass the model's checkpoint folder or GGUF file instead of the "
+                "loaded model"
             )
-        processor, tokenizer, image_processor = load_processing(source, needs_images=_is_vlm(model))
-    return TransformersBackend(
-        model, processor, tokenizer=tokenizer, image_processor=image_processor, fingerprint=fingerprint
-    )
+        processor, tokenizer, image_processor = load_processing(origin, needs_images=_is_vlm(model))
+    return TransformersBackend(model, processor, tokenizer=tokenizer, image_processor=image_processor)
+
+
+def model_origin(model: Any) -> Path | None:
+    """The folder a loaded model's processing pieces load from: the checkpoint folder it was
+    loaded from, or the converted folder of the GGUF file transformers read it from; ``None``
+    where neither is known (a model built in memory)."""
+    source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+    if not source or not Path(source).exists():
+        return None
+    where = Path(source)
+    named = _gguf_file(model)
+    if named and (where / named).is_file():
+        return gguf_folder(where / named)
+    if where.is_file():
+        return gguf_folder(where) if is_gguf(where) else None
+    if any((where / name).is_file() for name in ("config.json", *_TOKENIZER_FILES)):
+        return where
+    ggufs = [p for p in where.glob("*.gguf") if is_gguf(p)]
+    return gguf_folder(ggufs[0]) if len(ggufs) == 1 else None
 
 
 def check_device(device: str | torch.device | None) -> None:
@@ -88,41 +108,6 @@ def check_device(device: str | torch.device | None) -> None:
         raise SettingsError(f"device={device!r}: MPS is not available here; use device='cpu'")
 
 
-def load_model(
-    path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None
-) -> Any:
-    """``from_pretrained`` a causal LM or an image-text-to-text model from a local directory.
-
-    Raises:
-        CheckpointError: no such directory, or one without a model config (machines here never
-            download: a hub id is not a checkpoint).
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(
-            f"no checkpoint folder at {folder}; pass a local directory holding config.json and the weights "
-            "(kamera never downloads models), or a loaded model"
-        )
-    if not (folder / "config.json").is_file():
-        raise CheckpointError(f"{folder} holds no config.json: it is not a Hugging Face checkpoint folder")
-    check_device(device)
-    config = AutoConfig.from_pretrained(path)
-    auto = (
-        AutoModelForImageTextToText
-        if getattr(config, "vision_config", None) is not None
-        else AutoModelForCausalLM
-    )
-    kwargs: dict[str, Any] = {}
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    model = auto.from_pretrained(path, **kwargs)
-    if device is not None:
-        model = model.to(torch.device(device))  # type: ignore[arg-type]  # transformers' stub types .to oddly
-    return model.eval()
-
-
 def load_processing(path: str | Path, *, needs_images: bool) -> tuple[Any | None, Any, Any | None]:
     """(processor, tokenizer, image_processor) from a checkpoint directory.
 
@@ -131,6 +116,12 @@ def load_processing(path: str | Path, *, needs_images: bool) -> tuple[Any | None
     """
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
+    if not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
+        raise TokenizerNotFoundError(
+            f"{path} holds no tokenizer ({', '.join(_TOKENIZER_FILES)}); pass tokenizer= (and "
+            "image_processor= for a vision model) with the model"
+            + (" — the GGUF file it was converted from carries none" if _converted(path) else "")
+        )
     if needs_images:
         try:
             processor = AutoProcessor.from_pretrained(path)
@@ -140,6 +131,20 @@ def load_processing(path: str | Path, *, needs_images: bool) -> tuple[Any | None
             return processor, processor.tokenizer, processor.image_processor
         return None, AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path)
     return None, AutoTokenizer.from_pretrained(path), None
+
+
+def _gguf_file(model: Any) -> str | None:
+    """The GGUF file name transformers records on a model it read from one."""
+    quantization = getattr(model.config, "quantization_config", None)
+    if isinstance(quantization, dict):
+        name = quantization.get("gguf_file")
+    else:
+        name = getattr(quantization, "gguf_file", None)
+    return name if isinstance(name, str) else None
+
+
+def _converted(path: str | Path) -> bool:
+    return (Path(path) / SOURCE_FILE).is_file()
 
 
 def _is_vlm(model: Any) -> bool:

@@ -57,9 +57,8 @@ class TransformersBackend(Backend):
         tokenizer: the tokenizer, when no processor is given.
         image_processor: the image processor, when no processor is given (VLMs).
         prompt: where chunks sit in the chat template (default: read from the tokenizer's template).
-        fingerprint: the model's identity in stores (default: `model_fingerprint` of its weights;
-            `load_backend` gives a model it loads from a checkpoint folder that folder's
-            `checkpoint_fingerprint`, the one SGLang's and vLLM's adapters use, so they share a store).
+        fingerprint: the model's identity in stores (default: `model_fingerprint` of its weights,
+            the digest SGLang's and vLLM's adapters give the same checkpoint, so they share a store).
     """
 
     def __init__(
