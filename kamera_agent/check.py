@@ -137,10 +137,12 @@ def _window_vs_generate(backend: TransformersBackend, chunks: list[Chunk]) -> Ve
 def _print(console: Console, report: CheckReport, backend: TransformersBackend) -> None:
     layout = backend.layout
     console.rule(f"[bold]kamera check[/bold] {report.model}")
+    bases = " · a rotary base per layer" if layout.rope.per_layer else ""
+    window = f" · sliding window {backend.sliding.window}" if backend.sliding is not None else ""
     console.print(
         f"family {layout.name} · {layout.kind.upper()} · {layout.num_layers} layers · rotary "
-        f"{layout.rope.pairing}{' M-RoPE' if layout.rope.is_mrope else ''} ({layout.rope.rope_type}) · "
-        f"{backend.parts.dtype}"
+        f"{layout.rope.pairing}{' M-RoPE' if layout.rope.is_mrope else ''} ({layout.rope.rope_type}){bases}"
+        f"{window} · {backend.parts.dtype}"
     )
     table = Table()
     for column in ("check", "measured", "bound", "verdict", "detail"):

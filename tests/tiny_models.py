@@ -19,6 +19,8 @@ from transformers import (
     DeepseekV2ForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GlmConfig,
     GlmForCausalLM,
     LlamaConfig,
@@ -142,6 +144,32 @@ def tiny_qwen2(seed: int = 0, **overrides: Any) -> Model:
     return _build(Qwen2ForCausalLM, config, seed)
 
 
+GEMMA3_WINDOW = 6
+"""The tiny Gemma 3's sliding window: a few tokens, so test windows reach past it."""
+
+
+def tiny_gemma3(seed: int = 0, **overrides: Any) -> Model:
+    """Gemma3ForCausalLM: sliding-window layers (window `GEMMA3_WINDOW`) rotating by 10,000
+    beside full-attention layers rotating by 1,000,000, alternating, as Gemma 3 does 5:1."""
+    layers = int(overrides.pop("num_hidden_layers", 2))
+    kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    rope = {"sliding_attention": _rope(), "full_attention": _rope(rope_theta=1e6)}
+    text = {**_TEXT, "attn_implementation": "sdpa"}
+    config = Gemma3TextConfig(
+        **{
+            **text,
+            "num_hidden_layers": layers,
+            "head_dim": 16,
+            "layer_types": kinds,
+            "sliding_window": GEMMA3_WINDOW,
+            "rope_parameters": rope,
+            "query_pre_attn_scalar": 16,
+            **overrides,
+        }
+    )
+    return _build(Gemma3ForCausalLM, config, seed)
+
+
 def tiny_phi(seed: int = 0, **overrides: Any) -> Model:
     """PhiForCausalLM, MHA head_dim 16, partial rotary 0.5 (first 8 dims, half-split layout)."""
     rope = _rope(partial_rotary_factor=0.5)
@@ -237,6 +265,7 @@ ALL_TEXT_FACTORIES: dict[str, Callable[[], Model]] = {
     "llama": tiny_llama,
     "mha_llama": tiny_mha_llama,
     "qwen2": tiny_qwen2,
+    "gemma3": tiny_gemma3,
     "phi": tiny_phi,
     "glm": tiny_glm,
     "deepseek_v2": tiny_deepseek_v2,

@@ -4,7 +4,10 @@ Why this module exists: a chunk's keys at two positions differ only by a RoPE ro
 rotations compose exactly (``R(q) R(-p) = R(q - p)``), so moving a cached chunk is arithmetic,
 not a forward pass. Every layout our models use reduces to one description, `RotarySpec`:
 
-- ``inv_freq`` ``[F]``: the model's own inverse frequencies (scaling already folded in);
+- ``inv_freq`` ``[F]``: the model's own inverse frequencies (scaling already folded in), or
+  ``[L, F]``, one row per decoder layer, where layers rotate by different bases (Gemma 3's
+  local layers by 10,000, its global ones by 1,000,000): each layer is then relocated with its
+  own frequencies, and the keys rotated must carry the layer axis first (``[L, ..., n, D]``);
 - ``pairing``: which two features a frequency rotates, ``"half"`` (``x[i]`` with ``x[i + F]``,
   Llama/Qwen/DeepSeek-V3) or ``"interleaved"`` (``x[2i]`` with ``x[2i + 1]``, DeepSeek-V2, GLM);
 - ``axes`` ``[F]``: for M-RoPE, the position row (0 = t, 1 = h, 2 = w) each frequency reads;
@@ -42,7 +45,8 @@ class RotarySpec:
     """Everything needed to rotate a key band exactly as the model does.
 
     Attributes:
-        inv_freq: ``[F]`` float32, the model's inverse frequencies, scaling included.
+        inv_freq: ``[F]`` float32, the model's inverse frequencies, scaling included; ``[L, F]``
+            where each of the ``L`` decoder layers has its own.
         pairing: ``"half"`` or ``"interleaved"``, how the rotary features form pairs.
         axes: ``[F]`` int64 position row per frequency for M-RoPE, or ``None`` for 1-D RoPE.
         rope_type: the model's rope type (``default``, ``linear``, ``llama3``, ``yarn`` ...).
@@ -57,18 +61,27 @@ class RotarySpec:
     attention_scaling: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.inv_freq.ndim != 1:
-            raise LayoutMismatchError(f"inv_freq must be 1-D [F], got shape {tuple(self.inv_freq.shape)}")
+        if self.inv_freq.ndim not in (1, 2):
+            raise LayoutMismatchError(
+                f"inv_freq must be [F] or, per layer, [L, F]; got shape {tuple(self.inv_freq.shape)}"
+            )
         if self.pairing not in ("half", "interleaved"):
             raise LayoutMismatchError(f"pairing must be 'half' or 'interleaved', got {self.pairing!r}")
-        if self.axes is not None and self.axes.shape != self.inv_freq.shape:
+        if self.axes is not None and self.axes.shape != self.inv_freq.shape[-1:]:
             raise LayoutMismatchError(
                 f"M-RoPE axes {tuple(self.axes.shape)} must match inv_freq {tuple(self.inv_freq.shape)}"
             )
+        if self.axes is not None and self.per_layer:
+            raise LayoutMismatchError("M-RoPE with a rotary base per layer is not supported")
 
     @property
     def num_freqs(self) -> int:
-        return int(self.inv_freq.shape[0])
+        return int(self.inv_freq.shape[-1])
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether each decoder layer rotates by frequencies of its own (``inv_freq`` ``[L, F]``)."""
+        return self.inv_freq.ndim == 2
 
     @property
     def rotary_dim(self) -> int:
@@ -89,11 +102,14 @@ def rotary_angles(spec: RotarySpec, positions: torch.Tensor) -> torch.Tensor:
             vector given to an M-RoPE spec means t = h = w (text tokens), as the model does.
 
     Returns:
-        ``[n, F]`` float64 angles, each equal to the model's float32 angle.
+        ``[n, F]`` float64 angles, each equal to the model's float32 angle; ``[L, n, F]`` for a
+        spec with frequencies per layer.
     """
     pos = _check_positions(spec, positions)  # [n] or [3, n]
-    inv_freq = spec.inv_freq.to(device=pos.device, dtype=torch.float32)  # [F]
-    if pos.ndim == 1:
+    inv_freq = spec.inv_freq.to(device=pos.device, dtype=torch.float32)  # [F] or [L, F]
+    if spec.per_layer:
+        angles32 = pos.to(torch.float32)[None, :, None] * inv_freq[:, None, :]  # [L, n, F]
+    elif pos.ndim == 1:
         angles32 = pos.to(torch.float32)[:, None] * inv_freq  # [n, F]
     else:
         assert spec.axes is not None
@@ -107,6 +123,7 @@ def rotate(keys: torch.Tensor, spec: RotarySpec, positions: torch.Tensor) -> tor
 
     Args:
         keys: ``[..., n, D]`` with ``D >= spec.rotary_dim``; features past the band pass through.
+            A spec with frequencies per layer needs the layer axis first: ``[L, ..., n, D]``.
         spec: the rotary description.
         positions: ``[n]`` or ``[3, n]``.
 
@@ -157,19 +174,27 @@ def _check_positions(spec: RotarySpec, positions: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_angles(keys: torch.Tensor, spec: RotarySpec, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate the rotary band of ``keys`` by ``angles`` ``[n, F]`` (float64)."""
-    n, f = angles.shape
+    """Rotate the rotary band of ``keys`` by ``angles`` ``[n, F]`` or, per layer, ``[L, n, F]``
+    (float64)."""
+    n, f = angles.shape[-2:]
     if keys.ndim < 2 or keys.shape[-2] != n:
         raise PositionShapeError(
             f"keys {tuple(keys.shape)} need one position per token along dim -2; got {n} positions"
         )
+    if angles.ndim == 3:  # [L, n, F] against keys [L, ..., n, D]
+        if keys.ndim < 3 or keys.shape[0] != angles.shape[0]:
+            raise LayoutMismatchError(
+                f"keys {tuple(keys.shape)} need the layer axis first with {angles.shape[0]} layers: this "
+                "model rotates each layer by its own frequencies"
+            )
+        angles = angles.reshape(angles.shape[0], *([1] * (keys.ndim - 3)), n, f)
     if keys.shape[-1] < 2 * f:
         raise LayoutMismatchError(
             f"keys have {keys.shape[-1]} features but the rotary band needs {2 * f}; "
             "were these keys made by a model with a different head_dim?"
         )
-    cos = torch.cos(angles).to(device=keys.device, dtype=torch.float32)  # [n, F]
-    sin = torch.sin(angles).to(device=keys.device, dtype=torch.float32)  # [n, F]
+    cos = torch.cos(angles).to(device=keys.device, dtype=torch.float32)  # [n, F] or [L, 1.., n, F]
+    sin = torch.sin(angles).to(device=keys.device, dtype=torch.float32)
     x = keys.to(torch.float32)
     band = x[..., : 2 * f]
     # each pair (a, b) becomes (a cos - b sin, b cos + a sin): one product over the whole band,

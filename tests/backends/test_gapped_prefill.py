@@ -27,7 +27,7 @@ def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen2_sdpa", "qwen2_vl", "tiny_torch"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_sdpa", "qwen2_vl", "tiny_torch", "gemma3"])
 def test_a_gapped_run_equals_separate_forwards(name: str) -> None:
     """Window order: anchor, x, p, y, q. p and q are formed in one forward over anchor, x, y
     (placed): p sees anchor and x only, q sees everything (y from the cache, p from the run)."""

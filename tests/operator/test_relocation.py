@@ -69,7 +69,9 @@ def test_relocate_moves_keys_backwards(name: str, src: int, dst: int) -> None:
 def _exact_rotate(x: torch.Tensor, spec: RotarySpec, positions: torch.Tensor) -> torch.Tensor:
     """Float64 rotation with float64 angles: the reference free of the model's float32 angles."""
     f = spec.num_freqs
-    angles = positions.double()[:, None] * spec.inv_freq.double()
+    angles = positions.double()[:, None] * spec.inv_freq.double()[..., None, :]  # [n, F] or [L, n, F]
+    if spec.per_layer:  # keys [L, H, n, D]: each layer by its own frequencies
+        angles = angles[:, None]
     phase = torch.polar(torch.ones_like(angles), angles)
     x = x.double()
     band = x[..., : 2 * f]
@@ -100,7 +102,7 @@ def test_large_offsets_are_no_worse_than_the_models_own_float32_angles(name: str
     assert rel_err(ours, theirs) <= 2 * model_error
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "glm", "deepseek_v2", "deepseek_v3", "yarn"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "glm", "deepseek_v2", "deepseek_v3", "yarn", "gemma3"])
 def test_bf16_relocation_stays_within_the_models_own_bf16_floor(name: str) -> None:
     model, _ = _model(name)
     low = as_bf16(model)

@@ -116,3 +116,28 @@ def test_bad_positions_raise_named_errors() -> None:
         rotate(keys, spec, torch.zeros(2, 2, 5, dtype=torch.long))
     with pytest.raises(LayoutMismatchError, match="head_dim"):
         rotate(torch.randn(2, 5, 8), spec, torch.arange(5))
+
+
+def test_a_spec_with_frequencies_per_layer_rotates_each_layer_by_its_own() -> None:
+    """Gemma 3's local layers rotate by base 10,000 and its global ones by 1,000,000: a per-layer
+    spec equals rotating each layer alone with its own 1-D spec, and round-trips."""
+    local = INV_FREQ
+    far = 1.0 / (1e6 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    spec = RotarySpec(torch.stack([local, far, local]), "half")  # [L=3, F]
+    assert spec.per_layer and spec.num_freqs == 8
+    keys = torch.randn(3, 2, 5, 16)  # [L, H, n, D]
+    pos = torch.tensor([0, 3, 17, 250, 4095])
+    got = rotate(keys, spec, pos)
+    for layer, freqs in enumerate((local, far, local)):
+        alone = rotate(keys[layer], RotarySpec(freqs, "half"), pos)
+        torch.testing.assert_close(got[layer], alone, rtol=0, atol=0)
+    torch.testing.assert_close(unrotate(got, spec, pos), keys, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[0], got[1])  # the bases differ: the test can fail
+
+
+def test_a_per_layer_spec_refuses_keys_without_the_layer_axis() -> None:
+    spec = RotarySpec(torch.stack([INV_FREQ, INV_FREQ * 0.5]), "half")
+    with pytest.raises(LayoutMismatchError, match="layer axis first"):
+        rotate(torch.randn(3, 5, 16), spec, torch.arange(5))  # 3 "layers" against 2
+    with pytest.raises(LayoutMismatchError, match="per layer"):
+        RotarySpec(torch.stack([INV_FREQ, INV_FREQ]), "half", axes=torch.zeros(8, dtype=torch.long))

@@ -14,6 +14,7 @@ from functools import cache
 from typing import Any
 
 from kamera_agent.backends.base import Backend
+from kamera_agent.models.real import RealModel
 from tests.backends.test_transformers_backend import text_backend, vl_backend
 
 
@@ -23,10 +24,19 @@ def _tiny_torch() -> Backend:
     return TinyTorchBackend(seed=0)
 
 
+def _real(name: RealModel) -> Backend:
+    from kamera_agent.loading import load_backend
+    from kamera_agent.models.real import real_model_gguf
+
+    return load_backend(real_model_gguf(name))
+
+
 BACKENDS: dict[str, Callable[[], Backend]] = {
     "qwen2": lambda: text_backend("qwen2", layers=4),
+    "gemma3": lambda: text_backend("gemma3", layers=4),
     "qwen2_vl": lambda: vl_backend("qwen2_vl", layers=4),
     "tiny_torch": _tiny_torch,
+    "smollm2": lambda: _real("smollm2"),  # a real model: SmolLM2-135M-Instruct, 30 layers
 }
 
 

@@ -54,6 +54,13 @@ def answer_kl(window: KameraWindow, query: str = "What is it?") -> float:
     return next_token_kl(reference, window.ask(query, max_new_tokens=1).first_logits)
 
 
+def answer_gap(window: KameraWindow, query: str = "What is it?") -> tuple[float, float]:
+    """Next-token KL(re-prefill ‖ window) and the largest next-token logit difference for ``query``."""
+    reference = reprefill(window, query).logits
+    got = window.ask(query, max_new_tokens=1).first_logits.to(reference.device)
+    return next_token_kl(reference, got), float((got - reference).abs().max())
+
+
 def calibrate_for_tests(fingerprint: str, directory: Path, **fields: Any) -> Calibration:
     """File a calibration for ``fingerprint`` in ``directory`` (point ``KAMERA_CALIBRATION_DIR``
     there): random test models have none, so a budgeted window on one would run exactly. The

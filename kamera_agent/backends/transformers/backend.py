@@ -12,6 +12,7 @@ forward (``reference_prefill``), positions computed by the model itself.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,10 +33,12 @@ from kamera_agent.backends.base import (
 from kamera_agent.backends.decoding import decode_loop
 from kamera_agent.backends.runs import hidden_slots, run_positions
 from kamera_agent.backends.transformers.cache import HEADROOM, BufferedLayer, buffered_cache
+from kamera_agent.backends.transformers.families import family_of
 from kamera_agent.backends.transformers.parts import ModelParts, model_parts
 from kamera_agent.backends.transformers.positions import position_scheme
 from kamera_agent.backends.transformers.reading import kv_layout, read_chunk, read_chunks
 from kamera_agent.backends.transformers.recompute import deviation, full_attention_only, recompute
+from kamera_agent.backends.transformers.windows import SlidingLayers, sliding_layers
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.chunks.positions import PositionScheme
@@ -75,6 +78,7 @@ class TransformersBackend(Backend):
         image_processor = image_processor or getattr(processor, "image_processor", None)
         if tokenizer is None:
             raise UnsupportedModelError("pass tokenizer= (or a processor that has one) with the model")
+        family_of(model.config)  # an unknown family is named before anything else is read
         self.model = model.eval()
         self.parts: ModelParts = model_parts(model)
         self.layout = kv_layout(model)
@@ -96,6 +100,10 @@ class TransformersBackend(Backend):
         self._eos = eos_token_ids(model, tokenizer)
         # Flash-style kernels take no custom 4-D mask: formations across gaps run apart.
         gaps = getattr(model.config, "_attn_implementation", None) in MASKED_ATTENTION
+        self.sliding: SlidingLayers | None = sliding_layers(model.config)
+        """Where layers attend within a window: the backend masks them by position (`windows`)."""
+        if self.sliding is not None:
+            _check_sliding(model, gaps, self.layout.rope.is_mrope or self.parts.has_vision)
         # Recompute masks too, and scatters into full-attention layers only (no sliding window).
         recomputes = gaps and full_attention_only(model.config)
         self.capabilities = Capabilities(
@@ -189,6 +197,9 @@ class TransformersBackend(Backend):
         cache = onto if onto is not None else self.empty_cache()
         if not placed:
             return cache
+        if self.sliding is not None:
+            for kv in placed:
+                cache.record(kv.positions)
         for kv in placed:
             if kv.positions is None:
                 raise LayoutMismatchError(
@@ -214,7 +225,7 @@ class TransformersBackend(Backend):
 
     def empty_cache(self) -> Any:
         """An empty cache for this model whose appends cost the new tokens only."""
-        return buffered_cache(self.model.config)
+        return buffered_cache(self.model.config, whole_history=self.sliding is not None)
 
     def decode(self, cache: Any, query_ids: torch.Tensor, start: int, config: DecodeConfig) -> Decoded:
         def forward(ids: torch.Tensor, positions: torch.Tensor, cache: Any) -> tuple[Any, torch.Tensor]:
@@ -237,6 +248,8 @@ class TransformersBackend(Backend):
         """The model's own top-level forward over ``anchor + chunks (+ query)``: it computes its
         own positions (``get_rope_index`` for M-RoPE) and runs its own vision path."""
         inputs = self.reference_inputs(chunks, query_ids, anchor=anchor)
+        if self.sliding is not None:  # every slot kept, to read chunks out (the model masks by slot)
+            inputs[_cache_keyword(self.model)] = self.empty_cache()
         with torch.no_grad():
             out = self.model(**inputs, use_cache=True)
         cache, kv, slot, start = output_cache(out), [], 0, 0
@@ -340,13 +353,8 @@ class TransformersBackend(Backend):
                 extra["visual_pos_masks"] = image_mask[None]
                 extra["deepstack_visual_embeds"] = [d.to(device, embeds.dtype) for d in deepstack]
         past = cache.get_seq_length() if cache is not None else 0
-        n = int(input_ids.shape[0])
         pos = positions[None] if positions.ndim == 1 else positions[:, None]  # [1, n] or [3, 1, n]
-        mask: torch.Tensor = torch.ones(1, past + n, dtype=torch.long, device=device)
-        if hidden is not None:
-            blocked = hidden | torch.ones(n, past + n, dtype=torch.bool).triu(past + 1)  # and the future
-            mask = torch.zeros(1, 1, n, past + n, dtype=embeds.dtype, device=device)
-            mask.masked_fill_(blocked.to(device)[None, None], torch.finfo(embeds.dtype).min)
+        mask = self._attention_mask(cache, positions, past, hidden, embeds.dtype)
         with torch.no_grad():
             out = parts.language_model(
                 inputs_embeds=embeds[None],
@@ -356,12 +364,58 @@ class TransformersBackend(Backend):
                 **{parts.cache_kwarg: cache},
                 **extra,
             )
-            last = parts.lm_head(out.last_hidden_state[:, -1]).float()[0] if logits else None
+            last = parts.logits(out.last_hidden_state[:, -1])[0] if logits else None
         return output_cache(out), last
+
+    def _attention_mask(
+        self,
+        cache: Any,
+        positions: torch.Tensor,
+        past: int,
+        hidden: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The ``attention_mask`` of a forward of ``n`` tokens at ``positions`` over ``past``
+        slots: all-ones (transformers then masks causally) unless slots are ``hidden`` or
+        layers slide; a sliding model's cache records the run's positions here."""
+        device, n = self.parts.device, int(positions.shape[-1])
+        if hidden is None and self.sliding is None:
+            return torch.ones(1, past + n, dtype=torch.long, device=device)
+        blocked = torch.ones(n, past + n, dtype=torch.bool).triu(past + 1)  # the future
+        blocked = (blocked if hidden is None else blocked | hidden).to(device)
+        if self.sliding is None:
+            mask = torch.zeros(1, 1, n, past + n, dtype=dtype, device=device)
+            return mask.masked_fill_(blocked[None, None], torch.finfo(dtype).min)
+        keys_at = torch.cat([cache.positions, positions.to("cpu")]).to(device)
+        cache.record(positions)
+        return self.sliding.masks(positions.to(device), keys_at, blocked, dtype)
 
 
 MASKED_ATTENTION = frozenset({"eager", "sdpa"})
 """Attention implementations that apply a custom 4-D additive mask as given (gapped prefills)."""
+
+
+def _check_sliding(model: Any, masked: bool, positional_vision: bool) -> None:
+    """Sliding-window layers are masked by position, with a 4-D mask per layer type.
+
+    Raises:
+        UnsupportedModelError: an attention kernel that takes no custom mask, or a vision model.
+    """
+    if not masked:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has sliding-window layers, which kamera masks by position: load it "
+            "with attn_implementation='sdpa' or 'eager'"
+        )
+    if positional_vision:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has sliding-window layers and images; kamera masks sliding layers "
+            "of text models only"
+        )
+
+
+def _cache_keyword(model: Any) -> str:
+    """The top-level forward's keyword for the cache (``cache`` or ``past_key_values``)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:

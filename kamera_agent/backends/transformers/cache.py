@@ -17,6 +17,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kamera_agent.backends.transformers.windows import PositionedCache
+
 __all__ = ["HEADROOM", "BufferedLayer", "buffered_cache"]
 
 HEADROOM = 1024
@@ -79,9 +81,13 @@ class BufferedLayer(DynamicLayer):  # type: ignore[misc]
         self._keys, self._values = keys, values
 
 
-def buffered_cache(config: Any) -> Any:
+def buffered_cache(config: Any, *, whole_history: bool = False) -> Any:
     """A ``DynamicCache`` for ``config`` whose full-attention layers are `BufferedLayer` s (sliding
-    window layers, which drop old tokens, are left as transformers makes them)."""
-    cache = DynamicCache(config=config)
-    cache.layers = [BufferedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    window layers, which drop old tokens, are left as transformers makes them). With
+    ``whole_history`` every layer keeps every slot, in a `PositionedCache` that records each
+    slot's position: the backend then masks sliding layers by position itself (`windows`)."""
+    cache = PositionedCache(config=config) if whole_history else DynamicCache(config=config)
+    cache.layers = [
+        BufferedLayer() if whole_history or type(layer) is DynamicLayer else layer for layer in cache.layers
+    ]
     return cache

@@ -62,6 +62,9 @@ FAMILIES: dict[str, Family] = {
     "qwen2_5_vl_text": Family("qwen2.5-vl", "half", mrope="blocked"),
     "qwen3_vl": Family("qwen3-vl", "half", mrope="interleaved"),
     "qwen3_vl_text": Family("qwen3-vl", "half", mrope="interleaved"),
+    # Gemma 3's text models: sliding-window layers rotating by one base, global ones by another
+    # (read per layer from the rotary module; the backend masks each layer type by position).
+    "gemma3_text": Family("gemma3", "half"),
     # DeepSeek-V2 rotates k_pe as complex pairs and caches it interleaved.
     "deepseek_v2": Family("deepseek-v2", "interleaved", attention="mla"),
     # DeepSeek-V3 caches k_pe half-split either way: with rope_interleave=True its attention
@@ -70,12 +73,22 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+_REFUSED: dict[str, str] = {
+    "gemma3": "Gemma 3's vision-language models attend bidirectionally among an image's tokens, which "
+    "kamera's causal chunks do not model; its text models (Gemma3ForCausalLM) are supported",
+}
+"""Model types whose language model is a known family but whose whole model is not supported."""
+
+
 def family_of(config: Any) -> Family:
     """The family of a transformers config (its text config first, for VLMs).
 
     Raises:
         UnsupportedModelError: naming the model type and the supported ones.
     """
+    refused = _REFUSED.get(getattr(config, "model_type", None) or "")
+    if refused is not None:
+        raise UnsupportedModelError(refused)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     for model_type in (getattr(text_config, "model_type", None), getattr(config, "model_type", None)):
         if model_type in FAMILIES:

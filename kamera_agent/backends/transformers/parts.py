@@ -65,6 +65,16 @@ class ModelParts:
         """``[n]`` ids → ``[n, hidden]`` input embeddings."""
         return self.language_model.get_input_embeddings()(input_ids.to(self.device))  # type: ignore[no-any-return]
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden]`` states → float32 logits, soft-capped where the model caps them
+        (``final_logit_softcapping``, as Gemma's top-level forward does after its head)."""
+        logits = self.lm_head(hidden).float()
+        text = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else None
+        cap = getattr(text or self.model.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits  # type: ignore[no-any-return]
+
     def image_features(
         self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None
     ) -> dict[str, torch.Tensor]:

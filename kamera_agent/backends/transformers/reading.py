@@ -28,29 +28,73 @@ _LENGTH_DEPENDENT = ("dynamic", "longrope")
 def rotary_spec(model: Any, family: Family | None = None) -> RotarySpec:
     """Read the rotary description from a loaded model's own language-model rotary module.
 
+    A module holding frequencies per layer type (Gemma 3's ``sliding_attention_inv_freq`` and
+    ``full_attention_inv_freq``) gives a spec with one row of frequencies per decoder layer, in
+    the order of the config's ``layer_types``.
+
     Raises:
         LengthDependentRopeError: dynamic NTK or longrope, whose frequencies change with length.
         UnsupportedModelError: the family is unknown or no rotary module is found.
     """
     family = family or family_of(model.config)
     module = _language_rotary_module(model)
-    rope_type = str(getattr(module, "rope_type", "default"))
-    if any(tag in rope_type for tag in _LENGTH_DEPENDENT):
-        raise LengthDependentRopeError(
-            f"rope_type {rope_type!r} recomputes its frequencies from the sequence length, so a stored "
-            "key has no fixed phase to relocate exactly. Use a static scaling (default, linear, llama3, "
-            "yarn) for reuse, or serve this model by re-prefill."
-        )
-    buffer: torch.Tensor = getattr(module, "inv_freq")  # noqa: B009  (a buffer, not a method)
-    inv_freq = buffer.detach().to("cpu", torch.float32).clone()  # [F]
-    axes = _mrope_axes(family, getattr(module, "mrope_section", None), inv_freq.shape[0], module)
+    kinds = _layer_kinds(model, module)
+    rope_types = _rope_types(module, kinds)
+    for rope_type in rope_types:
+        if any(tag in rope_type for tag in _LENGTH_DEPENDENT):
+            raise LengthDependentRopeError(
+                f"rope_type {rope_type!r} recomputes its frequencies from the sequence length, so a stored "
+                "key has no fixed phase to relocate exactly. Use a static scaling (default, linear, llama3, "
+                "yarn) for reuse, or serve this model by re-prefill."
+            )
+    if kinds is None:
+        inv_freq = _buffer(module, "inv_freq")  # [F]
+        scaling = float(getattr(module, "attention_scaling", 1.0))
+    else:
+        inv_freq = torch.stack([_buffer(module, f"{kind}_inv_freq") for kind in kinds])  # [L, F]
+        scalings = {float(getattr(module, f"{kind}_attention_scaling", 1.0)) for kind in set(kinds)}
+        if len(scalings) != 1:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} scales cos/sin differently per layer type ({sorted(scalings)}); "
+                "kamera relocates keys of one scaling"
+            )
+        (scaling,) = scalings
+        if bool((inv_freq == inv_freq[0]).all()):
+            inv_freq = inv_freq[0]  # one base after all: the shared form
+    axes = _mrope_axes(family, getattr(module, "mrope_section", None), int(inv_freq.shape[-1]), module)
     return RotarySpec(
         inv_freq=inv_freq,
         pairing=family.pairing,
         axes=axes,
-        rope_type=rope_type,
-        attention_scaling=float(getattr(module, "attention_scaling", 1.0)),
+        rope_type="+".join(sorted(set(rope_types))),
+        attention_scaling=scaling,
     )
+
+
+def _layer_kinds(model: Any, module: torch.nn.Module) -> list[str] | None:
+    """Each decoder layer's type where the rotary module keeps frequencies per type, else ``None``."""
+    if hasattr(module, "inv_freq"):
+        return None
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    kinds = [str(kind) for kind in getattr(text, "layer_types", None) or []]
+    missing = sorted({kind for kind in kinds if not hasattr(module, f"{kind}_inv_freq")})
+    if not kinds or missing:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s rotary module has no frequencies for layer types {missing or '?'}"
+        )
+    return kinds
+
+
+def _rope_types(module: torch.nn.Module, kinds: list[str] | None) -> list[str]:
+    named = getattr(module, "rope_type", "default")
+    if isinstance(named, dict):
+        return [str(named.get(kind, "default")) for kind in sorted(set(kinds or named))]
+    return [str(named)]
+
+
+def _buffer(module: torch.nn.Module, name: str) -> torch.Tensor:
+    buffer: torch.Tensor = getattr(module, name)  # a buffer, not a method
+    return buffer.detach().to("cpu", torch.float32).clone()
 
 
 def kv_layout(model: Any) -> KVLayout:
@@ -177,7 +221,7 @@ def _language_rotary_named(model: Any) -> tuple[str, torch.nn.Module]:
     candidates = [
         (name, module)
         for name, module in model.named_modules()
-        if hasattr(module, "inv_freq") and "visual" not in name and "vision" not in name
+        if _has_frequencies(module) and "visual" not in name and "vision" not in name
     ]
     if not candidates:
         raise UnsupportedModelError(
@@ -188,6 +232,14 @@ def _language_rotary_named(model: Any) -> tuple[str, torch.nn.Module]:
     candidates.sort(key=lambda item: item[0].count("."))
     name, module = candidates[0]
     return name, module
+
+
+def _has_frequencies(module: torch.nn.Module) -> bool:
+    """A rotary module: it holds ``inv_freq``, or ``<layer type>_inv_freq`` per layer type."""
+    if hasattr(module, "inv_freq"):
+        return True
+    own = module.named_buffers(recurse=False)
+    return any(name.endswith("_inv_freq") and "original" not in name for name, _ in own)
 
 
 def _mrope_axes(
