@@ -32,10 +32,12 @@ def load_backend(
     image_processor: Any | None = None,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
+    chat_template: str | None = None,
 ) -> TransformersBackend:
     """A `TransformersBackend` for a loaded model, a checkpoint folder or a GGUF file.
 
-    Missing processing pieces are loaded from where the model came from (`model_origin`). Every
+    Missing processing pieces are loaded from where the model came from (`model_origin`);
+    ``chat_template`` (Jinja text) replaces the tokenizer's own, or gives a base model one. Every
     way of naming one model gives one fingerprint (`kamera_agent.model_fingerprint` hashes the
     weights, not their origin), the one SGLang's and vLLM's adapters name their store by.
 
@@ -58,6 +60,10 @@ def load_backend(
                 "loaded model"
             )
         processor, tokenizer, image_processor = load_processing(origin, needs_images=_is_vlm(model))
+    if chat_template is not None:
+        for holder in (processor, tokenizer, getattr(processor, "tokenizer", None)):
+            if holder is not None:
+                holder.chat_template = chat_template
     return TransformersBackend(model, processor, tokenizer=tokenizer, image_processor=image_processor)
 
 

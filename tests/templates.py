@@ -40,3 +40,14 @@ SPECIALS: dict[str, int] = {
     "<|eot_id|>": 302,
     "<|python_tag|>": 303,
 }
+
+# SmolLM2's shape: plain ChatML that concatenates ``message['content']`` as a string (a list of
+# parts makes it raise), with a default system prompt where the conversation brings none.
+CHATML_STRING = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)

@@ -15,20 +15,26 @@ take from the system prompt. A different system prompt is a different anchor (an
 encoder signature: canonicals are not shared across system prompts, as their KV differs).
 
 Everything is derived by rendering the tokenizer's own template around sentinels, as
-`PromptFormat` does for one user turn.
+`PromptFormat` does for one user turn. Templates take a message's content in one of two forms:
+a list of typed parts (multimodal templates) or a plain string (ChatML as SmolLM2 ships it, and
+most text-only chat models). A string template is given text-only messages as strings, their
+parts joined by a newline (what vLLM does for such templates), so a template that concatenates
+``message['content']`` as a string works unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from kamera_agent.chunks.prompt import PromptFormat
 from kamera_agent.errors import UnsupportedModelError
 
-__all__ = ["ROLES", "ChatTemplate", "Role"]
+__all__ = ["ROLES", "ChatTemplate", "ContentFormat", "Role"]
 
 Role = Literal["user", "assistant", "tool"]
+ContentFormat = Literal["parts", "string"]
 ROLES: tuple[Role, ...] = ("user", "assistant", "tool")
 _A, _B, _SYS = "\u2063KAMERA_A\u2063", "\u2063KAMERA_B\u2063", "\u2063KAMERA_SYSTEM\u2063"
 
@@ -44,9 +50,12 @@ class ChatTemplate:
             conversation with one is ``system_open + prompt + system_close``.
         opens: each role's opening marker (``<|im_start|>user\\n``).
         closes: each role's closing marker (``<|im_end|>\\n``).
-        part_separator: text between two parts of one message (``""`` for ChatML).
+        part_separator: text between two parts of one message (``""`` for ChatML; a newline
+            where the template takes string content).
         generation: what opens the assistant's answer (``<|im_start|>assistant\\n``).
         prompt: the single-turn `PromptFormat` (image framing: ``image_open``/``image_close``).
+        content_format: how the template takes a message's content: ``"parts"`` (a list of
+            typed parts) or ``"string"`` (text only, parts joined by a newline).
     """
 
     default_anchor: str
@@ -57,6 +66,7 @@ class ChatTemplate:
     part_separator: str
     generation: str
     prompt: PromptFormat
+    content_format: ContentFormat = "parts"
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, prompt: PromptFormat) -> ChatTemplate:
@@ -68,9 +78,12 @@ class ChatTemplate:
         """
         if not getattr(tokenizer, "chat_template", None):
             raise UnsupportedModelError(
-                "the tokenizer has no chat template, so a conversation cannot be framed; use a model "
-                "with one, or a plain KameraWindow with a PromptFormat"
+                "the tokenizer has no chat template (a base model?), so a conversation cannot be framed; "
+                "give it one (tokenizer.chat_template = ..., or kamera serve --chat-template FILE), or use "
+                "a plain KameraWindow"
             )
+        form = _content_format(tokenizer)
+        _msg = functools.partial(_message, form=form)
         system = _render(tokenizer, [_msg("system", _SYS)], generation=False)
         system_open, found, system_close = system.partition(_SYS)
         if not found:
@@ -91,6 +104,12 @@ class ChatTemplate:
         default = _render(tokenizer, [_msg("user", _A)], generation=False).partition(_A)[0]
         if not default.endswith(opens["user"]):
             raise UnsupportedModelError("the chat template frames the first user message unlike later ones")
+        if not default[: len(default) - len(opens["user"])]:
+            raise UnsupportedModelError(
+                "the chat template renders nothing before the first message, and kamera starts every "
+                "conversation from the template's own start; begin it with the beginning-of-sequence token "
+                "({{ bos_token }}) or a default system block"
+            )
         two = _render(tokenizer, [_msg("system", _SYS), _msg("user", [_A, _B])], generation=False)
         separator = two.partition(_A)[2].partition(_B)[0]
         with_prompt = _render(tokenizer, [_msg("system", _SYS), _msg("user", _A)], generation=True)
@@ -106,6 +125,7 @@ class ChatTemplate:
             part_separator=separator,
             generation=with_prompt[len(plain) :],
             prompt=prompt,
+            content_format=form,
         )
         template._check(tokenizer)
         return template
@@ -123,6 +143,7 @@ class ChatTemplate:
 
     def _check(self, tokenizer: Any) -> None:
         """A whole conversation rendered by the template equals our pieces put together."""
+        _msg = functools.partial(_message, form=self.content_format)
         messages = [
             _msg("system", _SYS),
             _msg("user", [_A, _B]),
@@ -152,10 +173,24 @@ class ChatTemplate:
             )
 
 
-def _msg(role: str, content: str | list[str]) -> dict[str, Any]:
+def _message(role: str, content: str | list[str], form: ContentFormat) -> dict[str, Any]:
     if isinstance(content, str):
         return {"role": role, "content": content}
+    if form == "string":
+        return {"role": role, "content": "\n".join(content)}
     return {"role": role, "content": [{"type": "text", "text": text} for text in content]}
+
+
+def _content_format(tokenizer: Any) -> ContentFormat:
+    """``"parts"`` where the template renders a list of text parts as their text, else
+    ``"string"`` (it raises on a list, or prints the list itself)."""
+    messages = [_message("system", _SYS, "string"), _message("user", [_A, _B], "parts")]
+    try:
+        rendered = str(tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False))
+    except Exception:  # a template may raise on any shape it does not support
+        return "string"
+    shown = _A in rendered and _B in rendered and "'type'" not in rendered and '"type"' not in rendered
+    return "parts" if shown else "string"
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], generation: bool) -> str:

@@ -4,7 +4,9 @@ Why derived, not hard-coded: a window is one user turn whose content is the chun
 by the model's template. We render the tokenizer's own chat template around sentinels and cut
 it into the pieces a window needs: the **anchor** (system prompt and user-turn start, shared by
 every window and never relocated), the text that frames each image, and the **query suffix**
-that closes the turn and opens the assistant's.
+that closes the turn and opens the assistant's. A text model without a chat template (a base
+model, such as Gemma 3 270M) continues plain text: the anchor is its beginning-of-sequence token,
+the chunks and the query follow back to back.
 """
 
 from __future__ import annotations
@@ -44,9 +46,13 @@ class PromptFormat:
         """Cut the tokenizer's own chat template into window pieces.
 
         Raises:
-            UnsupportedModelError: the tokenizer has no chat template; pass a `PromptFormat`.
+            UnsupportedModelError: a vision model's tokenizer, or one without a beginning-of-sequence
+                token, has no chat template; pass a `PromptFormat`.
         """
         if not getattr(tokenizer, "chat_template", None):
+            bos = getattr(tokenizer, "bos_token", None)
+            if image_token is None and isinstance(bos, str) and bos:
+                return cls(anchor=bos)  # a base model: plain text after its start token
             raise UnsupportedModelError(
                 "the tokenizer has no chat template, so kamera-agent cannot tell where chunks go; pass "
                 "PromptFormat(anchor=..., query_suffix=...) explicitly"

@@ -15,7 +15,16 @@ __all__ = ["add_serve_parser", "run_serve_command"]
 def add_serve_parser(commands: Any) -> None:
     serve = commands.add_parser("serve", help="an OpenAI-compatible chat server over kamera windows")
     serve.add_argument(
-        "model", nargs="?", default=None, help="a local checkpoint (default: the shipped demo model)"
+        "model",
+        nargs="?",
+        default=None,
+        help="a checkpoint folder or GGUF file (default: the shipped demo model)",
+    )
+    serve.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template (a file, or the template itself) replacing the model's own; a base "
+        "model without one needs it",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -65,10 +74,16 @@ def add_serve_parser(commands: Any) -> None:
 
 def run_serve_command(args: argparse.Namespace, console: Console) -> int:
     import uvicorn
+    from rich.markup import escape
 
+    from kamera_agent.errors import KameraError
     from kamera_agent.serve.app import create_app
 
-    server = build_server(args)
+    try:
+        server = build_server(args)
+    except KameraError as exc:  # a model or settings it cannot serve: one line, not a traceback
+        console.print(f"[red]kamera serve: refused — {escape(str(exc))}[/red]")
+        return 2
     if server.settings.api_keys is None and args.host not in _LOOPBACK:
         console.print(
             f"[yellow]warning: listening on {args.host} with no API key: every client is one tenant and "
@@ -94,15 +109,19 @@ def build_server(args: argparse.Namespace) -> Any:
 
     config = WindowConfig(**json.loads(Path(args.config).read_text())) if args.config else WindowConfig()
     backend: Backend
+    template = _chat_template(args.chat_template)
     if args.model is None:
         from kamera_agent.demo.model import DEMO_MODEL_DIR, load_demo_model
 
         model, tokenizer, image_processor = load_demo_model()
+        if template is not None:
+            tokenizer.chat_template = template
         backend = TransformersBackend(model, tokenizer=tokenizer, image_processor=image_processor)
         name = args.model_name or DEMO_MODEL_DIR.name
     else:
-        backend = resolve_backend(args.model, None, None, None, config)
-        name = args.model_name or Path(args.model).name
+        backend = resolve_backend(args.model, None, None, None, config, chat_template=template)
+        path = Path(args.model)
+        name = args.model_name or (path.stem if path.suffix == ".gguf" else path.name)
     settings = ServeSettings(
         model_name=name,
         config=config,
@@ -121,6 +140,18 @@ def build_server(args: argparse.Namespace) -> Any:
 
 
 _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def _chat_template(given: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the template itself where it is Jinja."""
+    if given is None:
+        return None
+    path = Path(given)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in given or "{%" in given:
+        return given
+    raise SystemExit(f"--chat-template {given}: no such file, and not a Jinja template")
 
 
 def _api_keys(args: argparse.Namespace) -> dict[str, str] | None:

@@ -48,13 +48,16 @@ def resolve_backend(
     tokenizer: Any | None,
     image_processor: Any | None,
     config: WindowConfig,
+    *,
+    chat_template: str | None = None,
 ) -> Backend:
-    """The backend for ``model`` (a `Backend`, a loaded transformers model or a checkpoint path).
+    """The backend for ``model`` (a `Backend`, a loaded transformers model, or the path of a
+    checkpoint folder or GGUF file); ``chat_template`` replaces the tokenizer's own.
 
     Raises:
         SettingsError: ``device``/``dtype`` set for a `Backend` that runs elsewhere, or a device
             this torch cannot use.
-        CheckpointError: a path that is not a local checkpoint folder.
+        CheckpointError: a path that is not a checkpoint folder or GGUF file kamera can load.
     """
     from kamera_agent.loading import check_device, load_backend
 
@@ -62,6 +65,10 @@ def resolve_backend(
     dtype = getattr(torch, config.dtype) if config.dtype is not None else None
     if isinstance(model, Backend):
         _check_placement(model, config, dtype)
+        if chat_template is not None:
+            raise SettingsError(
+                "chat_template applies to a model kamera loads; set it on the tokenizer of this Backend"
+            )
         return model
     if not isinstance(model, str | Path):
         if config.device is not None:
@@ -75,6 +82,7 @@ def resolve_backend(
         image_processor=image_processor,
         dtype=dtype,
         device=config.device,
+        chat_template=chat_template,
     )
 
 

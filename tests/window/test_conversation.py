@@ -180,3 +180,43 @@ def test_a_template_whose_markers_depend_on_neighbours_is_refused() -> None:
 
     with pytest.raises(UnsupportedModelError, match=r"neighbouring messages|unlike"):
         ChatTemplate.from_tokenizer(Glued(), backend.encoder.prompt)
+
+
+def _string_template_backend() -> Any:
+    """The text test model with a tokenizer whose template takes string content only."""
+    from kamera_agent.backends.transformers import TransformersBackend
+    from tests.templates import CHATML_STRING
+    from tests.tiny_processors import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHATML_STRING
+    return TransformersBackend(backend_named("qwen2").model, tokenizer=tokenizer)
+
+
+def test_a_template_taking_string_content_gets_text_messages_as_strings() -> None:
+    """SmolLM2's template concatenates ``message['content']``: a list of parts would make it
+    raise. A message's parts are joined by a newline, as the template then renders them."""
+    backend = _string_template_backend()
+    window = KameraWindow(backend, config=WindowConfig.exact(), conversation=True, system_prompt="Be brief.")
+    assert window.conversation is not None and window.conversation.template.content_format == "string"
+    window.push_message("user", ["the red ball", "rolls left"])
+    window.ask("Where?", remember=True, max_new_tokens=2)
+    window.push_message("user", "and then?")
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "the red ball\nrolls left"},
+        {"role": "user", "content": "Where?"},
+    ]
+    rendered = backend.tokenizer.apply_chat_template(messages, tokenize=False)
+    assert _sequence_text(window).startswith(rendered)
+    _agrees(window, "Now?", in_message=True)
+
+
+def test_a_template_that_renders_nothing_before_the_first_message_is_refused() -> None:
+    backend = _string_template_backend()
+    backend.tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    with pytest.raises(UnsupportedModelError, match=r"bos_token"):
+        ChatTemplate.from_tokenizer(backend.tokenizer, backend.encoder.prompt)
