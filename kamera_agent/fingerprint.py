@@ -70,8 +70,8 @@ def model_fingerprint(model: Any) -> str:
 
 def checkpoint_fingerprint(path: str | os.PathLike[str], dtype: torch.dtype | str = "") -> str:
     """`model_fingerprint` of the model at ``path`` (a folder or a GGUF file) loaded in
-    ``dtype`` (a ``torch.dtype`` or its name; ``""``: as stored), for engines that hold the
-    weights themselves and name their store by it.
+    ``dtype`` (a ``torch.dtype`` or its name; ``""`` or ``"auto"``: as stored), for engines that
+    hold the weights themselves and name their store by it.
 
     The first call for a checkpoint loads it on the CPU once; the digest is then remembered in
     kamera's cache by the files' paths, sizes and modification times.
@@ -110,10 +110,11 @@ def _files_key(folder: Path, dtype: torch.dtype | None) -> str:
 
 
 def _dtype(dtype: torch.dtype | str) -> torch.dtype | None:
-    """``torch.float32`` for ``torch.float32``, ``"float32"`` and ``"torch.float32"``; ``None`` for ``""``."""
+    """``torch.float32`` for ``torch.float32``, ``"float32"`` and ``"torch.float32"``; ``None``
+    (as stored) for ``""`` and ``"auto"``."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if not dtype:
+    if not dtype or dtype == "auto":
         return None
     named = getattr(torch, dtype.removeprefix("torch."), None)
     if not isinstance(named, torch.dtype):

@@ -18,9 +18,8 @@ import os
 import random
 import statistics
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +27,7 @@ import torch
 from rich.progress import Progress
 
 from kamera_agent.backends.transformers import TransformersBackend
-from kamera_agent.bench.agents.contents import RandomContents
-from kamera_agent.bench.window_suite import _Episode, _items
-from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.bench.window_suite import _Episode, _items, text_frames
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.drift import (
     AGREES,
@@ -44,6 +41,7 @@ from kamera_agent.core.drift import (
     save_calibration,
 )
 from kamera_agent.core.identity import ChunkState, Context
+from kamera_agent.errors import SettingsError
 from kamera_agent.window import KameraWindow
 from kamera_agent.window.budget import DriftBudget, Measure, shared_budget
 
@@ -97,7 +95,7 @@ def drift_episode(
     measurer = DriftBudget(0.0, Calibration(backend.fingerprint, scale=1.0, inherit=0.0, audit_share=share))
     moves = _Episode(window_, backend.encoder, random.Random(seed), _items(ops))
     if backend.encoder.image_processor is None:  # a text model: random-token lines and pages instead
-        moves.frames = _text_frames(backend, seed, len(moves.frames))
+        moves.frames = text_frames(backend, seed, len(moves.frames))
     root = Context.root(backend.anchor.key)
     vision: dict[str, Any] = {}
     recorded: list[list[Slot]] = []
@@ -123,23 +121,6 @@ def drift_episode(
         progress.advance(task)
     window_.close()
     return recorded
-
-
-TEXT_TOKENS = {"line": 24, "page": 48}
-"""Tokens of a text model's calibration chunks (the demo task's legends and pages are 12 and 96
-image tokens; a text model's lines and pages sit between)."""
-
-
-def _text_frames(
-    backend: TransformersBackend, seed: int, count: int
-) -> list[tuple[str, Callable[[], Chunk]]]:
-    """``count`` random-token chunks, lines and pages alternating, for a model that reads no images."""
-    config = backend.model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = int(text.vocab_size)
-    contents = RandomContents(backend.encoder, TEXT_TOKENS, vocab, seed, first_id=min(512, vocab // 2))
-    kinds = ("line", "page")
-    return [(f"{kinds[k % 2]} {k}", partial(contents.make, kinds[k % 2], k)) for k in range(count)]
 
 
 def _measure(
@@ -196,7 +177,10 @@ def fit_calibration(
     chunks estimated within it were truly over `AGREES` (at least the smallest budget)."""
     pairs = _signals(ops, inherit)
     if not pairs:
-        raise ValueError("nothing was approximated in these episodes: there is nothing to calibrate on")
+        raise SettingsError(
+            "nothing was approximated in these episodes: there is nothing to calibrate on; run longer "
+            "episodes (--ops) or more of them (--seeds)"
+        )
     ratios = sorted(error / max(signal, 1e-12) for signal, error in pairs)
     scale = ratios[min(len(ratios) - 1, int(quantile * len(ratios)))]
     draft = Calibration(fingerprint, scale, inherit, share, quantile, samples=len(pairs), seeds=tuple(seeds))
@@ -302,7 +286,7 @@ def measure_fix_rates(
                 if window_.encoder.image_processor is None:
                     backend = window_.backend
                     assert isinstance(backend, TransformersBackend)
-                    moves.frames = _text_frames(backend, seed, len(moves.frames))
+                    moves.frames = text_frames(backend, seed, len(moves.frames))
                 task = progress.add_task(f"fix rates {seed}", total=ops)
                 for _ in range(ops):
                     moves.next().run()
@@ -360,7 +344,9 @@ def add_calibrate_parser(commands: Any) -> None:
     calibrate = commands.add_parser(
         "calibrate", help="fit a model's drift calibration once (what its drift budget is kept with)"
     )
-    calibrate.add_argument("model", help="'demo' (the shipped model) or a local VLM checkpoint directory")
+    calibrate.add_argument(
+        "model", help="'demo' (the shipped model), a checkpoint folder or a GGUF file (a text model or a VLM)"
+    )
     calibrate.add_argument("--seeds", type=int, nargs="+", default=list(FIT_SEEDS), help="fitting episodes")
     calibrate.add_argument("--ops", type=int, default=120, help="ops per episode (default 120)")
     calibrate.add_argument(
@@ -374,20 +360,21 @@ def add_calibrate_parser(commands: Any) -> None:
         "--dtype",
         choices=sorted(_DTYPES),
         default=None,
-        help="load a checkpoint directory in this dtype (default: its own): the dtype an engine serves "
-        "it in, since a calibration is filed by the fingerprint of the checkpoint and dtype",
+        help="load the checkpoint in this dtype (default: its own): the dtype an engine serves it in, "
+        "since a calibration is filed by the fingerprint of the weights and dtype",
     )
 
 
 def run_calibrate_command(args: Any, console: Any) -> int:
     """Fit and file the calibration; print where, its constants and how it stands on its episodes."""
+    from rich.markup import escape
     from rich.table import Table
 
     if not 0 < args.audit <= 1 or not 0 < args.quantile < 1 or args.ops < 1:
         console.print("[red]--audit must be in (0, 1], --quantile in (0, 1) and --ops at least 1[/red]")
         return 2
     if args.model == "demo" and args.dtype is not None:
-        console.print("[red]--dtype is for a checkpoint directory; the demo model runs in its own[/red]")
+        console.print("[red]--dtype is for a checkpoint folder or a GGUF file; the demo runs in its own")
         return 2
     if args.model == "demo":
         from kamera_agent.demo.model import load_demo_model
@@ -398,10 +385,14 @@ def run_calibrate_command(args: Any, console: Any) -> int:
         from kamera_agent.loading import load_backend
 
         model, window = load_backend(args.model, dtype=_DTYPES.get(args.dtype or "")), {}
-    with Progress(console=console, transient=True) as progress:
-        calibration, ops = calibrate(
-            model, args.seeds, args.ops, progress, args.audit, args.quantile, **window
-        )
+    try:
+        with Progress(console=console, transient=True) as progress:
+            calibration, ops = calibrate(
+                model, args.seeds, args.ops, progress, args.audit, args.quantile, **window
+            )
+    except SettingsError as exc:
+        console.print(f"[red]kamera calibrate: {escape(str(exc))}")
+        return 2
     path = save_calibration(calibration, Path(args.out) if args.out else None)
     judged = judge(calibration, ops)
     table = Table(

@@ -60,7 +60,7 @@ class BenchOptions(BaseModel):
 
     Attributes:
         suite: ``"fidelity"``, ``"cost"``, ``"window"``, ``"agents"`` or ``"all"``.
-        model: a kamera-tiny-vl checkpoint directory (default: the shipped one).
+        model: a checkpoint folder or GGUF file (default: the shipped demo model).
         out: where results.json, report.md and the plots go.
         quick: small sizes everywhere (a smoke run: about a minute on 2 CPU cores).
         items: held-out fidelity items (default 1000; quick 24).

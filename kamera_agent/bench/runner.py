@@ -57,7 +57,12 @@ def add_bench_parser(commands: Any) -> None:
         default="all",
         help="which suite to run (default: all; agents-replay, which drives kamera serve, runs alone)",
     )
-    bench.add_argument("--model", default=None, help="a kamera-tiny-vl checkpoint (default: shipped)")
+    bench.add_argument(
+        "--model",
+        default=None,
+        help="a checkpoint folder or GGUF file (default: the shipped demo model; a text model runs --suite "
+        "window and cost)",
+    )
     bench.add_argument("--out", default="bench-results", help="output directory (default: bench-results)")
     bench.add_argument("--quick", action="store_true", help="small sizes: a smoke run of about a minute")
     bench.add_argument("--items", type=_positive, default=None, help="fidelity items (default 1000)")
@@ -140,16 +145,16 @@ class _Context:
         return str(self.options.model or DEMO_MODEL_DIR)
 
     def demo_model(self, progress: Progress) -> tuple[Any, Any, Any]:
+        """``(model, tokenizer, image_processor)`` of ``--model`` (a folder or a GGUF file; the
+        shipped demo model by default), loaded once."""
         if self._model is None:
             from transformers.utils import logging as hf_logging
 
-            from kamera_agent.demo.model import load_demo_model
-
-            task = progress.add_task("loading the demo model", total=1)
+            task = progress.add_task("loading the model", total=1)
             shown = hf_logging.is_progress_bar_enabled()
             hf_logging.disable_progress_bar()  # ours shows the load; theirs would break the layout
             try:
-                self._model = load_demo_model(self.options.model)
+                self._model = _load(self.options.model)
             finally:
                 if shown:
                     hf_logging.enable_progress_bar()
@@ -157,16 +162,57 @@ class _Context:
         return self._model
 
 
+def _load(path: Path | str | None) -> tuple[Any, Any, Any]:
+    if path is None:
+        from kamera_agent.demo.model import load_demo_model
+
+        return load_demo_model()  # type: ignore[no-any-return]
+    from kamera_agent.loading import load_backend
+
+    backend = load_backend(path)
+    return backend.model, backend.tokenizer, backend.encoder.image_processor
+
+
+_IMAGE_SUITES = ("fidelity", "agents")
+"""Suites built on the demo task's images: they need a vision model (the demo model's kind)."""
+
+
 def _missing_model(context: _Context) -> str:
     """Why the chosen suites cannot run (before any of them starts), or ``""``."""
-    if not {"fidelity", "window", "agents"} & set(context.options.suites):
+    from kamera_agent.checkpoints import resolve_checkpoint
+    from kamera_agent.errors import CheckpointError
+
+    suites = set(context.options.suites)
+    if not {"fidelity", "window", "agents"} & suites:
         return ""
-    if (Path(context.model_name) / "config.json").is_file():
-        return ""
-    return (
-        f"no kamera-tiny-vl weights in {context.model_name}: train them with "
-        "`python training/train_demo_model.py`, pass --model DIR, or run --suite cost alone"
-    )
+    if context.options.model is None:
+        from kamera_agent.demo.model import DEMO_MODEL_DIR
+
+        if (DEMO_MODEL_DIR / "config.json").is_file():
+            return ""
+        return (
+            f"no kamera-tiny-vl weights in {DEMO_MODEL_DIR}: train them with "
+            "`python training/train_demo_model.py`, pass --model PATH, or run --suite cost alone"
+        )
+    try:
+        folder = resolve_checkpoint(context.options.model).folder
+    except CheckpointError as exc:
+        return f"--model: {exc}"
+    needs_images = sorted(suites & set(_IMAGE_SUITES))
+    if needs_images and not _reads_images(folder):
+        return (
+            f"--suite {' and '.join(needs_images)}: the demo task's images, and "
+            f"{context.options.model} reads text only; run --suite window (text lines and pages for "
+            "frames) or --suite cost"
+        )
+    return ""
+
+
+def _reads_images(folder: Path) -> bool:
+    import json
+
+    config = json.loads((folder / "config.json").read_text())
+    return isinstance(config, dict) and "vision_config" in config
 
 
 def _fidelity(context: _Context, progress: Progress) -> None:

@@ -39,6 +39,7 @@ import torch
 from rich.progress import Progress
 
 from kamera_agent.backends.transformers import TransformersBackend
+from kamera_agent.bench.agents.contents import RandomContents
 from kamera_agent.bench.blend_cache import BlendCache
 from kamera_agent.bench.common import finite, wall
 from kamera_agent.bench.prefix_cache import PrefixCache, Sync
@@ -56,11 +57,13 @@ __all__ = [
     "QUERY",
     "RECOMPUTE",
     "RECOMPUTE_PERCENTS",
+    "TEXT_TOKENS",
     "Follower",
     "OpRecord",
     "Spent",
     "WindowRun",
     "run_window",
+    "text_frames",
 ]
 
 _WEIGHTS = {"push": 0.35, "slide": 0.15, "reorder": 0.25, "recall": 0.25}
@@ -227,15 +230,20 @@ def run_window(
     """Run the episode on a fresh window under ``config`` (its own store: nothing carried over
     from other runs), the followers of ``run`` beside it, measuring every side after every op.
 
-    Mutates: ``run`` (a record per op, its config and seconds).
+    Mutates: ``run`` (a record per op, its config and seconds; its followers, less the token
+    recompute sweep where the model cannot recompute selected tokens).
     """
     began = time.perf_counter()
     run.config = config.model_dump(mode="json")
     window = KameraWindow(model, tokenizer=tokenizer, image_processor=image_processor, config=config)
     backend = window.backend
     assert isinstance(backend, TransformersBackend)
+    if not backend.supports_recompute:  # token recompute cannot mask this model (sliding windows)
+        run.followers = tuple(name for name in run.followers if name not in RECOMPUTE)
     followers = {name: FOLLOWERS[name](backend) for name in run.followers}
     episode = _Episode(window, backend.encoder, random.Random(run.seed), _items(run.ops_requested))
+    if backend.encoder.image_processor is None:  # a text model: text lines and pages for frames
+        episode.frames = text_frames(backend, run.seed, len(episode.frames))
     query_ids = window.query_ids(QUERY)
     lazy = config.patch_mode == "lazy"
     task = progress.add_task(f"window · {run.row} · {run.ops_requested} ops", total=run.ops_requested)
@@ -304,6 +312,21 @@ def _follower_answer(
     return Spent(
         synced.tokens, synced.forwards, synced.vision_runs, synced.seconds * 1e3, ask_ms, 1, kl, agrees, error
     )
+
+
+TEXT_TOKENS = {"line": 24, "page": 48}
+"""Tokens of a text model's calibration chunks (the demo task's legends and pages are 12 and 96
+image tokens; a text model's lines and pages sit between)."""
+
+
+def text_frames(backend: TransformersBackend, seed: int, count: int) -> list[tuple[str, Callable[[], Chunk]]]:
+    """``count`` random-token chunks, lines and pages alternating, for a model that reads no images."""
+    config = backend.model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = int(text.vocab_size)
+    contents = RandomContents(backend.encoder, TEXT_TOKENS, vocab, seed, first_id=min(512, vocab // 2))
+    kinds = ("line", "page")
+    return [(f"{kinds[k % 2]} {k}", partial(contents.make, kinds[k % 2], k)) for k in range(count)]
 
 
 def _items(ops: int) -> int:

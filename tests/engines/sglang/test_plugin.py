@@ -60,7 +60,9 @@ def test_the_flag_routes_create_tree_cache_to_kamera(monkeypatch: pytest.MonkeyP
 
     register()
     monkeypatch.setenv(CONFIG_VARIABLE, '{"rank": 16}')
-    server_args = ServerArgs(model_path=str(DEMO_MODEL_DIR), device="cpu", radix_cache_backend=BACKEND_NAME)
+    server_args = ServerArgs(
+        model_path=str(DEMO_MODEL_DIR), device="cpu", radix_cache_backend=BACKEND_NAME, dtype="bfloat16"
+    )
     publish(server_args, role="scheduler")
     context = TreeCacheBuildContext(
         server_args=server_args,
@@ -77,7 +79,7 @@ def test_the_flag_routes_create_tree_cache_to_kamera(monkeypatch: pytest.MonkeyP
     )
     monkeypatch.setenv(CALIBRATION_DIR_VARIABLE, str(tmp_path))
     monkeypatch.setattr(synthesis_module, "_warned", set())
-    with pytest.warns(UncalibratedWarning):  # the checkpoint at the served dtype: never calibrated
+    with pytest.warns(UncalibratedWarning):  # the checkpoint in bf16: never calibrated
         cache = create_tree_cache(context)
     assert isinstance(cache, KameraRadixCache) and cache.config.rank == 16
     assert cache.synthesis is not None and cache.synthesis.policy == "exact"  # kept states: unbounded
@@ -93,6 +95,48 @@ def test_the_flag_routes_create_tree_cache_to_kamera(monkeypatch: pytest.MonkeyP
     assert cache.layout is not None and cache.layout.num_layers == demo.num_hidden_layers
     assert cache.layout.rope.axes is not None  # Qwen2-VL: M-RoPE
     assert cache.rules.image_open is not None and cache.rules.message_starts
+
+
+def test_the_demo_model_served_in_its_own_dtype_finds_its_shipped_calibration(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """One fingerprint per model: SGLang's checkpoint in its stored dtype is the weights the demo
+    model's calibration was fitted on, so the plugin finds it (no warning, its ε)."""
+    import warnings
+
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import ServerArgs
+
+    from kamera_agent.core.drift import find_calibration
+    from kamera_agent.demo.model import load_demo_model
+    from kamera_agent.fingerprint import model_fingerprint
+
+    register()
+    monkeypatch.setenv(CONFIG_VARIABLE, '{"rank": 16}')
+    monkeypatch.setenv(CALIBRATION_DIR_VARIABLE, str(tmp_path))  # nothing of the user's
+    server_args = ServerArgs(model_path=str(DEMO_MODEL_DIR), device="cpu", radix_cache_backend=BACKEND_NAME)
+    publish(server_args, role="scheduler")
+    context = TreeCacheBuildContext(
+        server_args=server_args,
+        params=_params(),
+        is_hybrid_swa=False,
+        is_hybrid_ssm=False,
+        enable_hierarchical_cache=False,
+        disable_radix_cache=False,
+        tp_worker=None,
+        model_config=None,
+        tp_size=1,
+        tp_rank=0,
+        tp_group=None,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncalibratedWarning)
+        cache = create_tree_cache(context)
+    shipped = find_calibration(model_fingerprint(load_demo_model()[0]))
+    assert shipped is not None
+    assert cache.synthesis is not None and cache.synthesis.budget is not None
+    assert cache.synthesis.budget.epsilon == shipped.budget
 
 
 def test_settings_default_to_the_exact_ones(monkeypatch: pytest.MonkeyPatch) -> None:
