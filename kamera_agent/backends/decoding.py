@@ -17,7 +17,7 @@ import torch
 from kamera_agent.backends.base import DecodeConfig, Decoded, Spent
 from kamera_agent.results import Answer, TokenLogprob
 
-__all__ = ["Forward", "decode_loop", "decoded_tokens", "pick_token"]
+__all__ = ["Forward", "decode_loop", "decoded_tokens", "pick_token", "sampler"]
 
 Forward = Callable[[torch.Tensor, torch.Tensor, Any], tuple[Any, torch.Tensor]]
 """``(ids [n], positions [n] | [3, n], cache) -> (cache, logits [vocab] of the last token)``."""
@@ -39,9 +39,7 @@ def decode_loop(
     n_query = int(query_ids.shape[0])
     cache, logits = forward(query_ids, text_positions(start, n_query), cache)
     first_logits = logits.detach().to("cpu")
-    generator = torch.Generator(device=logits.device)
-    if config.seed is not None:
-        generator.manual_seed(config.seed)
+    generator = sampler(config.seed, logits.device)
     tokens: list[int] = []
     steps: list[torch.Tensor] = []
     logprobs: list[TokenLogprob] = []
@@ -168,6 +166,19 @@ class _Stream:
         if upto > self.sent:
             self.on_text(text[self.sent : upto])
             self.sent = upto
+
+
+def sampler(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator one answer samples from: seeded, the same draws every time (on the same
+    device); unseeded, fresh entropy (``Generator.seed``: the OS's random device), so two unseeded
+    answers, or two choices of one request, differ as samples should. A generator made and never
+    seeded would start every answer from the same fixed default seed."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
 
 
 def pick_token(logits: torch.Tensor, config: DecodeConfig, generator: torch.Generator) -> int:
