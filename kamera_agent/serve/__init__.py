@@ -4,7 +4,8 @@
 it behind HTTP; `sync_window` is the request-to-window diff; `read_turns` reads messages.
 """
 
-from kamera_agent.serve.media import ImageFetching, MediaPolicy
+from kamera_agent.serve.fetch import ImageFetching
+from kamera_agent.serve.media import MediaPolicy
 from kamera_agent.serve.server import Completion, KameraServer, ServeSettings
 from kamera_agent.serve.sync import SyncReport, sync_window
 from kamera_agent.serve.turns import Limits, read_turns

@@ -28,7 +28,8 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.errors import ConfigError, ContextOverflowError, KameraError
 from kamera_agent.results import Answer, OpCost
 from kamera_agent.serve.completion import Completion, called
-from kamera_agent.serve.media import ImageFetching, MediaPolicy
+from kamera_agent.serve.fetch import ImageFetching
+from kamera_agent.serve.media import MediaPolicy
 from kamera_agent.serve.messages import MessageChunks, Prepared
 from kamera_agent.serve.metrics import Metrics
 from kamera_agent.serve.protocol import ChatRequest, RequestError

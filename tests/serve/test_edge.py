@@ -190,7 +190,7 @@ def test_bad_fields_are_named_400s_never_plain_500s(serve: Serve) -> None:
 def test_fetching_never_reaches_private_addresses(serve: Serve, monkeypatch: pytest.MonkeyPatch) -> None:
     """A loopback server counts what it is asked; none of these URLs reaches it, a redirect from
     an address treated as public to a private one included."""
-    import kamera_agent.serve.media as media
+    import kamera_agent.serve.fetch as fetch
 
     seen: list[str] = []
     png = base64.b64decode(shot(3)["content"][0]["image_url"]["url"].split(",", 1)[1])
@@ -214,8 +214,8 @@ def test_fetching_never_reaches_private_addresses(serve: Serve, monkeypatch: pyt
     public = http.server.ThreadingHTTPServer(("127.0.0.2", 0), Handler)
     for host in (private, public):
         threading.Thread(target=host.serve_forever, daemon=True).start()
-    real = media._public
-    monkeypatch.setattr(media, "_public", lambda address: address == "127.0.0.2" or real(address))
+    real = fetch.public_address
+    monkeypatch.setattr(fetch, "public_address", lambda address: address == "127.0.0.2" or real(address))
     port = private.server_address[1]
     live = serve(fetching=ImageFetching(enabled=True, timeout=5))
     try:
