@@ -175,6 +175,21 @@ class WindowConfig(BaseModel):
             raise ValueError("drift_budget must be a finite number >= 0, 'calibrated' or None")
         return budget
 
+    @field_validator("store_secret", "store_previous_secrets")
+    @classmethod
+    def _secrets_are_not_empty(
+        cls, secret: SecretStr | tuple[SecretStr, ...] | None, info: Any
+    ) -> SecretStr | tuple[SecretStr, ...] | None:
+        """An empty secret would sign nothing and accept forged entries: refused by name."""
+        secrets = secret if isinstance(secret, tuple) else (secret,)
+        if any(each is not None and not each.get_secret_value() for each in secrets):
+            said = "holds an empty secret" if isinstance(secret, tuple) else "is empty"
+            raise ValueError(
+                f"{info.field_name} {said}: an empty secret would sign nothing and accept forged "
+                "entries; set a secret, or leave it unset for an unsigned store"
+            )
+        return secret
+
     @field_validator("store_url")
     @classmethod
     def _store_url_parses(cls, url: str | None) -> str | None:

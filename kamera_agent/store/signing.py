@@ -22,6 +22,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kamera_agent.errors import SettingsError
+
 __all__ = ["MAC_FIELD", "PREVIOUS_SECRETS_VARIABLE", "SECRET_VARIABLE", "Signer"]
 
 MAC_FIELD = "mac"
@@ -49,10 +51,26 @@ class Signer:
     @classmethod
     def from_settings(cls, secret: str | bytes | None, previous: Sequence[str | bytes] = ()) -> Signer | None:
         """A signer for ``secret`` (else ``$KAMERA_STORE_SECRET``), accepting ``previous`` (else
-        ``$KAMERA_STORE_PREVIOUS_SECRETS``, comma-separated); ``None`` when no secret is set."""
-        secret = secret or os.environ.get(SECRET_VARIABLE) or None
+        ``$KAMERA_STORE_PREVIOUS_SECRETS``, comma-separated); ``None`` when no secret is set.
+
+        Raises:
+            SettingsError: an empty secret, given or in the environment (it used to mean "no
+                signing", silently).
+        """
+        if secret is None:
+            secret = os.environ.get(SECRET_VARIABLE)
+            if secret is not None and not secret:
+                raise SettingsError(
+                    f"{SECRET_VARIABLE} is set but empty: an empty secret would sign nothing and "
+                    f"accept forged entries; set a secret, or unset {SECRET_VARIABLE} for an unsigned store"
+                )
         if secret is None:
             return None
+        if not secret:
+            raise SettingsError(
+                "store_secret is empty: an empty secret would sign nothing and accept forged entries; "
+                "set a secret, or pass None for an unsigned store"
+            )
         if not previous:
             previous = [s for s in os.environ.get(PREVIOUS_SECRETS_VARIABLE, "").split(",") if s]
         return cls(_bytes(secret), tuple(_bytes(s) for s in previous))
