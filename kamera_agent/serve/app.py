@@ -31,7 +31,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kamera_agent.serve.feed import Cancellation, Feed
-from kamera_agent.serve.protocol import ChatRequest, RequestError, error_body
+from kamera_agent.serve.protocol import (
+    ChatRequest,
+    RequestError,
+    error_body,
+    internal_error,
+    refuse_surrogates,
+)
 from kamera_agent.serve.response_events import response_events
 from kamera_agent.serve.responses import (
     ResponseRequest,
@@ -85,7 +91,7 @@ def create_app(server: KameraServer) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def fault(raw: Request, exc: Exception) -> JSONResponse:  # a bug: JSON, and the server goes on
-        return _refused(server, RequestError(500, f"internal error ({type(exc).__name__})"))
+        return _refused(server, internal_error(exc))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -180,7 +186,7 @@ async def _json(raw: Request, server: KameraServer) -> Any:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise RequestError(413, f"the body is over the limit of {limit} bytes", code="request_too_large")
 
-    async def read() -> bytes:
+    async def read() -> bytearray:
         body = bytearray()
         async for piece in raw.stream():
             body += piece
@@ -188,7 +194,7 @@ async def _json(raw: Request, server: KameraServer) -> Any:
                 raise RequestError(
                     413, f"the body is over the limit of {limit} bytes", code="request_too_large"
                 )
-        return bytes(body)
+        return body  # parsed as it is: a copy would double a large body's memory
 
     try:
         body = await asyncio.wait_for(read(), timeout=server.settings.read_timeout)
@@ -197,11 +203,13 @@ async def _json(raw: Request, server: KameraServer) -> Any:
     except ClientDisconnect as exc:  # nobody is left to answer; the status is for the metrics
         raise RequestError(400, "the client went away while sending", code="client_disconnected") from exc
     try:
-        return json.loads(body)
+        parsed = json.loads(body)
     except RecursionError as exc:
         raise RequestError(400, "the body is nested too deeply") from exc
     except ValueError as exc:
         raise RequestError(400, "the body is not JSON") from exc
+    refuse_surrogates(body, parsed)
+    return parsed
 
 
 def _refused(server: KameraServer, exc: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -244,7 +252,7 @@ async def _watched(server: KameraServer, raw: Request, request: ChatRequest, ten
     except RequestError:
         raise
     except Exception as exc:  # a bug: an OpenAI-style 500 for this request
-        raise RequestError(500, f"internal error ({type(exc).__name__})") from exc
+        raise internal_error(exc) from exc
     if cancellation.steps_at_cancel is not None:
         server.metrics.after_cancel(cancellation.after_cancel)
     return done

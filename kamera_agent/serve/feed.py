@@ -11,7 +11,7 @@ import asyncio
 import threading
 from typing import Any
 
-from kamera_agent.serve.protocol import ChatRequest, RequestError
+from kamera_agent.serve.protocol import ChatRequest, RequestError, internal_error
 from kamera_agent.serve.server import KameraServer
 
 __all__ = ["Cancellation", "Feed"]
@@ -79,4 +79,4 @@ class Feed:
         except RequestError as exc:
             self._put("refused", exc)
         except Exception as exc:  # reported to this client; the server keeps serving
-            self._put("refused", RequestError(500, f"internal error ({type(exc).__name__})"))
+            self._put("refused", internal_error(exc))

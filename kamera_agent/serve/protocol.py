@@ -8,11 +8,21 @@ accepted and not acted on are listed in `IGNORED`, each with the reason it chang
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["IGNORED", "MAX_CHOICES", "ChatRequest", "RequestError", "error_body"]
+__all__ = [
+    "IGNORED",
+    "MAX_CHOICES",
+    "ChatRequest",
+    "RequestError",
+    "error_body",
+    "internal_error",
+    "refuse_surrogates",
+]
 
 MAX_CHOICES = 8
 """The most choices one request may ask for (``n``): each is a decode under the model lock."""
@@ -26,6 +36,15 @@ IGNORED: dict[str, str] = {
 """Fields accepted and not acted on, with why that changes nothing (docs/serve.md lists them)."""
 
 
+_LOG = logging.getLogger("kamera_agent.serve")
+_TOKEN_ID = re.compile("[0-9]{1,10}")
+"""A ``logit_bias`` key: ASCII digits only (``"²"`` passes ``str.isdigit`` and fails ``int``)."""
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
+"""Where JSON can carry a surrogate: an escape, or UTF-8 bytes of one (``json`` lets both through;
+a pair of escapes is one character once parsed, and legal)."""
+
+
 class RequestError(Exception):
     """A request the server refuses: the HTTP status and an OpenAI-style error body."""
 
@@ -34,6 +53,44 @@ class RequestError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def internal_error(exc: BaseException) -> RequestError:
+    """A bug's 500, its traceback logged: the client is told the exception's type only, the
+    operator the whole of it (an unlogged 500 leaves nothing to mend)."""
+    _LOG.error("internal error while serving a request", exc_info=exc)
+    return RequestError(500, f"internal error ({type(exc).__name__})")
+
+
+def refuse_surrogates(raw: bytes | bytearray, body: Any) -> None:
+    """Refuse a body whose text holds a lone surrogate (``"\\ud800"``): it is not Unicode, and
+    the tokenizer, hashing and the chat template each fail on it differently.
+
+    Args:
+        raw: the body as sent (the walk runs only where it could hold one).
+        body: the body parsed.
+
+    Raises:
+        RequestError: 400 naming the field.
+    """
+    if not _MAYBE_SURROGATE.search(raw):
+        return
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
+            texts = list(value)
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+            texts = []
+        else:
+            texts = [value] if isinstance(value, str) else []
+        if any(_LONE_SURROGATE.search(text) for text in texts):
+            field = re.split(r"[.\[]", path, maxsplit=1)[0] or None
+            raise RequestError(
+                400, f"{path or 'a key'}: the text holds a lone surrogate; send valid Unicode", param=field
+            )
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -119,7 +176,7 @@ class ChatRequest(BaseModel):
             raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.logit_bias is not None:
             for token, bias in self.logit_bias.items():
-                if not token.isdigit() or not -100 <= bias <= 100:
+                if not _TOKEN_ID.fullmatch(token) or not -100 <= bias <= 100:
                     raise RequestError(
                         400,
                         f"logit_bias maps token ids to numbers in [-100, 100]; got {token[:20]!r}: {bias}",

@@ -63,21 +63,26 @@ class ToolFormat:
     arguments_key: str = "arguments"
     prefix: str = ""
 
-    def render(self, content: str | None, calls: Sequence[dict[str, Any]]) -> str:
-        """An assistant message's text: its content, then each call as the template writes it."""
+    def render(self, content: str | None, calls: Sequence[dict[str, Any]], where: str = "messages") -> str:
+        """An assistant message's text: its content, then each call as the template writes it.
+
+        Raises:
+            RequestError: a call's ``arguments`` that are not JSON, or nested past what the
+                parser takes (named ``<where>.tool_calls[i].function.arguments``).
+        """
         pieces = [content] if content else []
-        for call in calls:
+        for i, call in enumerate(calls):
             function = call.get("function", call)
             arguments = function.get("arguments", {})
+            here = f"{where}.tool_calls[{i}].function.arguments"
             if isinstance(arguments, str):  # OpenAI sends a JSON string; templates render an object
-                try:
-                    arguments = json.loads(arguments) if arguments.strip() else {}
-                except ValueError as exc:
-                    raise RequestError(
-                        400, f"tool call arguments are not JSON: {arguments[:60]!r}", param="messages"
-                    ) from exc
+                arguments = _arguments(arguments, here)
             body = '{"name": "' + str(function.get("name", "")) + f'", "{self.arguments_key}": '
-            pieces.append(self.open + body + json.dumps(arguments, ensure_ascii=False) + "}" + self.close)
+            try:
+                written = json.dumps(arguments, ensure_ascii=False)
+            except (RecursionError, ValueError, TypeError) as exc:
+                raise RequestError(400, f"{here}: not JSON the server can write", param="messages") from exc
+            pieces.append(self.open + body + written + "}" + self.close)
         return self.separator.join(pieces)
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -139,6 +144,16 @@ def tool_format_for(tokenizer: Any) -> ToolFormat:
     if "ipython" in template or "<|python_tag|>" in template:
         return LLAMA3_JSON
     return HERMES
+
+
+def _arguments(text: str, where: str) -> Any:
+    """A call's ``arguments`` string as the object the template renders."""
+    try:
+        return json.loads(text) if text.strip() else {}
+    except RecursionError as exc:
+        raise RequestError(400, f"{where}: nested too deeply", param="messages") from exc
+    except ValueError as exc:
+        raise RequestError(400, f"{where}: not JSON: {text[:60]!r}", param="messages") from exc
 
 
 def _call(raw: str) -> dict[str, Any] | None:
