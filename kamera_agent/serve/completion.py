@@ -17,7 +17,7 @@ from kamera_agent.serve.sync import SyncReport
 from kamera_agent.serve.tools import ToolFormat
 from kamera_agent.serve.usage import PromptSplit
 
-__all__ = ["Called", "Completion", "called"]
+__all__ = ["Called", "Completion", "called", "logprobs_of"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,8 @@ class Completion:
     drift: dict[str, float | None] = field(default_factory=dict)
     """The session's drift budget and the largest estimated drift of any chunk its answer read
     (`KameraWindow.drift_of`; ``None``: some chunk is approximated with no budget to estimate it)."""
+    waited: int = 0
+    """Decode steps of other requests that ran while this one waited for the model."""
 
     def message(self, index: int) -> dict[str, Any]:
         """Choice ``index``'s assistant message: its content, and its tool calls if it made any."""
@@ -108,7 +110,27 @@ class Completion:
             "tokens_prefilled": self.tokens_prefilled,
             "beyond_prompt": max(0, self.tokens_prefilled - self.prompt_tokens),
             "drift": self.drift,
+            "waited_decode_steps": self.waited,
         }
+
+
+def logprobs_of(answer: Answer, tokenizer: Any) -> dict[str, Any] | None:
+    """An answer's ``logprobs`` in OpenAI's shape (each token's text, logprob, UTF-8 bytes and
+    its step's most likely alternatives), or ``None`` when not asked for."""
+    if answer.logprobs is None:
+        return None
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**entry(step.token, step.logprob), "top_logprobs": [entry(t, lp) for t, lp in step.top]}
+            for step in answer.logprobs
+        ],
+        "refusal": None,
+    }
 
 
 def called(answer: Answer, parallel: bool, tool_format: ToolFormat) -> Called:

@@ -5,20 +5,22 @@ processor, tokenizing, hashing pixels into content keys) is most of a request's 
 a conversation re-sends every earlier message each turn. Chunks depend only on the system
 prompt (the anchor every canonical is computed behind), the message's role and parts, and how
 the message is framed (closed, or left open for the question), so they are kept by that key
-within a byte budget: a turn prepares only the messages it has not sent before, and none of it
-holds the model lock.
+within a byte budget (and each system prompt's framing within another: never by count, since a
+stranger decides how large each is): a turn prepares only the messages it has not sent before,
+and none of it holds the model lock.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
+import sys
 from dataclasses import dataclass, replace
 
 from kamera_agent.backends.base import Backend
 from kamera_agent.chunks.chat import ChatTemplate
 from kamera_agent.chunks.chunk import Chunk
-from kamera_agent.errors import InputError
+from kamera_agent.errors import KameraError
+from kamera_agent.serve.lru import ByteLRU
+from kamera_agent.serve.pixels import PixelLease
 from kamera_agent.serve.protocol import RequestError
 from kamera_agent.serve.turns import ImageReader, Turn
 from kamera_agent.window.conversation import Conversation
@@ -39,7 +41,7 @@ class Prepared:
 
 
 class MessageChunks:
-    """Chunks of messages for one backend, by system prompt and message, within a byte budget.
+    """Chunks of messages for one backend, by system prompt and message, within byte budgets.
 
     Thread-safe (requests are prepared concurrently).
 
@@ -48,52 +50,59 @@ class MessageChunks:
         images: reads and decodes image parts.
         budget: bytes of chunks (token ids and preprocessed pixels) kept.
         max_pixels: images larger than this are refused before decoding.
+        anchor_budget: bytes of conversation framings (each a system prompt's anchor) kept.
     """
 
     def __init__(
-        self, backend: Backend, images: ImageReader, budget: int = 128 << 20, max_pixels: int = 0
+        self,
+        backend: Backend,
+        images: ImageReader,
+        budget: int = 128 << 20,
+        max_pixels: int = 0,
+        anchor_budget: int = 16 << 20,
     ) -> None:
-        self.backend, self.images, self.budget = backend, images, budget
+        self.backend, self.images = backend, images
         self.max_pixels = max_pixels or images.max_pixels
         encoder = backend.encoder
         self.template = ChatTemplate.from_tokenizer(encoder.tokenizer, encoder.prompt)
-        self._conversations: OrderedDict[str | None, Conversation] = OrderedDict()
-        self._chunks: OrderedDict[tuple[str, str, bool, int], tuple[Chunk, ...]] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
+        self._conversations: ByteLRU[str | None, Conversation] = ByteLRU(anchor_budget, _conversation_bytes)
+        self._chunks: ByteLRU[tuple[str, str, bool, int], tuple[Chunk, ...]] = ByteLRU(budget, _chunks_bytes)
 
     @property
     def nbytes(self) -> int:
         """Bytes of chunks held now."""
-        return self._bytes
+        return self._chunks.nbytes
+
+    @property
+    def anchor_nbytes(self) -> int:
+        """Bytes of conversation framings held now."""
+        return self._conversations.nbytes
 
     def conversation(self, system: str | None) -> Conversation:
         """The framing of a conversation under ``system`` (its own encoder and anchor), as the
         window of that conversation frames it."""
-        with self._lock:
-            known = self._conversations.get(system)
-            if known is not None:
-                self._conversations.move_to_end(system)
-                return known
+        known = self._conversations.get(system)
+        if known is not None:
+            return known
         encoder = self.backend.encoder.with_prompt(self.template.prompt_format(system))
         made = Conversation(self.template, encoder, self.max_pixels)
-        with self._lock:
-            self._conversations[system] = made
-            while len(self._conversations) > 64:
-                self._conversations.popitem(last=False)
+        self._conversations.put(system, made)
         return made
 
-    def prepare(self, system: str | None, turns: list[Turn]) -> Prepared:
+    def prepare(self, system: str | None, turns: list[Turn], lease: PixelLease) -> Prepared:
         """Every message but the last as chunks, then the last (user or tool) message's leading
-        parts (images) as an open message, its trailing text as the question.
+        parts (images) as an open message, its trailing text as the question. Images decoded
+        here are charged to ``lease``.
 
         Raises:
-            RequestError: an image that cannot be read, or content that cannot become a chunk.
+            RequestError: an image that cannot be read (or not now: 429), or content that cannot
+                become a chunk.
         """
         conversation = self.conversation(system)
         chunks: list[Chunk] = []
         for i, turn in enumerate(turns[:-1]):
-            chunks += self._message(conversation, turn, f"messages[{i}]", len(turn.parts), closed=True)
+            where = f"messages[{i}]"
+            chunks += self._message(conversation, turn, where, len(turn.parts), lease, closed=True)
         last = list(turns[-1].parts)
         tail: list[str] = []
         while last and isinstance(last[-1], str):
@@ -101,44 +110,44 @@ class MessageChunks:
         query = conversation.template.part_separator.join(tail)
         if last:
             opened = Turn(turns[-1].role, tuple(last), turns[-1].digest)
-            chunks += self._message(
-                conversation, opened, f"messages[{len(turns) - 1}]", len(last), closed=False
-            )
+            where = f"messages[{len(turns) - 1}]"
+            chunks += self._message(conversation, opened, where, len(last), lease, closed=False)
         return Prepared(tuple(chunks), query, bool(last), turns[-1].role)
 
     def _message(
-        self, conversation: Conversation, turn: Turn, where: str, count: int, *, closed: bool
+        self,
+        conversation: Conversation,
+        turn: Turn,
+        where: str,
+        count: int,
+        lease: PixelLease,
+        *,
+        closed: bool,
     ) -> list[Chunk]:
         labels = [f"{where}.{j}" for j in range(count)]
         every = [f"{where}.open", *labels, *([f"{where}.close"] if closed else [])]  # markers apart
         key = (conversation.encoder.origin, turn.digest, closed, count)
-        with self._lock:
-            known = self._chunks.get(key)
-            if known is not None:
-                self._chunks.move_to_end(key)
-                return [replace(chunk, label=label) for chunk, label in zip(known, every, strict=True)]
-        parts = [part if isinstance(part, str) else self.images.read(part) for part in turn.parts]
+        known = self._chunks.get(key)
+        if known is not None:
+            return [replace(chunk, label=label) for chunk, label in zip(known, every, strict=True)]
+        parts = [part if isinstance(part, str) else self.images.read(part, lease) for part in turn.parts]
         try:
             made = conversation.message(turn.role, parts, closed=closed, labels=labels, markers_apart=True)
-        except InputError as exc:
+        except KameraError as exc:  # bad content, or an image the model cannot take
             raise RequestError(400, f"{where}: {exc}", param="messages") from exc
-        self._keep(key, tuple(made))
+        self._chunks.put(key, tuple(made))
         return made
 
-    def _keep(self, key: tuple[str, str, bool, int], chunks: tuple[Chunk, ...]) -> None:
-        size = sum(_nbytes(chunk) for chunk in chunks)
-        if size > self.budget:
-            return
-        with self._lock:
-            if key in self._chunks:
-                return
-            self._chunks[key] = chunks
-            self._bytes += size
-            while self._bytes > self.budget:
-                _, old = self._chunks.popitem(last=False)
-                self._bytes -= sum(_nbytes(chunk) for chunk in old)
 
-
-def _nbytes(chunk: Chunk) -> int:
-    tensors = [chunk.input_ids, chunk.relative_positions, chunk.mm_token_type_ids, chunk.pixel_values]
+def _chunks_bytes(chunks: tuple[Chunk, ...]) -> int:
+    tensors = [
+        tensor
+        for chunk in chunks
+        for tensor in (chunk.input_ids, chunk.relative_positions, chunk.mm_token_type_ids, chunk.pixel_values)
+    ]
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _conversation_bytes(conversation: Conversation) -> int:
+    """A framing's bytes: its anchor text, and the system prompt it is kept under (as large)."""
+    return 2 * sys.getsizeof(conversation.encoder.prompt.anchor) + 4096

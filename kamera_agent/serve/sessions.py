@@ -22,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kamera_agent.config import WindowConfig
+from kamera_agent.serve.fidelity import Fidelity
 from kamera_agent.window import KameraWindow
 
 __all__ = ["Session", "SessionPool"]
@@ -39,6 +41,9 @@ class Session:
     digests: list[str] = field(default_factory=list)
     last_used: float = field(default_factory=time.monotonic)
     pinned: bool = False
+    busy: bool = False
+    """A request is editing or reading its window (between decode steps it may not hold the
+    model): another request matched by content goes elsewhere, one pinned to it waits."""
 
 
 class SessionPool:
@@ -47,12 +52,12 @@ class SessionPool:
     server calls it under its model lock.
 
     Args:
-        make_window: builds a window for ``(system prompt, settings key)``.
+        make_window: builds a window for ``(system prompt, settings)``.
     """
 
     def __init__(
         self,
-        make_window: Callable[[str | None, str], KameraWindow],
+        make_window: Callable[[str | None, WindowConfig], KameraWindow],
         max_sessions: int = 16,
         idle_seconds: float = 1800.0,
     ) -> None:
@@ -66,19 +71,26 @@ class SessionPool:
         return len(self._sessions)
 
     def session_for(
-        self, tenant: str, pinned: str | None, system: str | None, settings: str, digests: list[str]
+        self,
+        tenant: str,
+        pinned: str | None,
+        system: str | None,
+        fidelity: Fidelity,
+        digests: list[str],
     ) -> Session:
-        """The session of ``tenant`` a request goes to (made if none fits)."""
+        """The session of ``tenant`` a request goes to (made if none fits; a pinned one may be
+        busy, and its request must wait until it is not)."""
         self._drop_idle()
+        settings = fidelity.key
         if pinned is not None:
             session = self._sessions.get((tenant, pinned))
             if session is None or session.system != system or session.settings != settings:
-                session = self._new(tenant, system, settings, pinned)
+                session = self._new(tenant, system, fidelity, pinned)
             return self._touch(session)
         best, score = None, (0, 0)
         wanted = set(digests)
         for session in self._sessions.values():
-            if session.tenant != tenant or session.pinned:
+            if session.tenant != tenant or session.pinned or session.busy:
                 continue
             if session.system != system or session.settings != settings:
                 continue
@@ -86,16 +98,16 @@ class SessionPool:
             found = (lead, len(wanted & set(session.digests)))
             if found > score:
                 best, score = session, found
-        return self._touch(best if best is not None else self._new(tenant, system, settings, None))
+        return self._touch(best if best is not None else self._new(tenant, system, fidelity, None))
 
-    def _new(self, tenant: str, system: str | None, settings: str, pinned: str | None) -> Session:
+    def _new(self, tenant: str, system: str | None, fidelity: Fidelity, pinned: str | None) -> Session:
         own = [key for key in self._sessions if key[0] == tenant]  # least recently used first
         for key in own[: max(0, len(own) - self.max_sessions + 1)]:  # a tenant evicts its own only
             del self._sessions[key]
             self.dropped += 1
         session_id = pinned or f"kam-{uuid.uuid4().hex}"
-        window = self._make(system, settings)
-        session = Session(session_id, tenant, window, system, settings, pinned=pinned is not None)
+        window = self._make(system, fidelity.config)
+        session = Session(session_id, tenant, window, system, fidelity.key, pinned=pinned is not None)
         self._sessions[(tenant, session_id)] = session
         self.created += 1
         return session

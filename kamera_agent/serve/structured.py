@@ -25,10 +25,11 @@ from typing import Any
 import torch
 
 from kamera_agent.backends.base import Constraint
-from kamera_agent.serve.protocol import RequestError
+from kamera_agent.serve.bounds import SchemaBound
+from kamera_agent.serve.protocol import ChatRequest, RequestError
 from kamera_agent.serve.tools import ToolFormat
 
-__all__ = ["Grammar", "json_constraint", "tool_call_constraint"]
+__all__ = ["Constraints", "Grammar", "json_constraint", "tool_call_constraint"]
 
 _RENDERED_JSON = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 """How a call's JSON is spaced: as the template renders calls (``json.dumps``), and no more."""
@@ -75,14 +76,58 @@ def _unpack(words: torch.Tensor, size: int) -> torch.Tensor:
     return unpacked.flatten()[:size].bool()
 
 
-def json_constraint(tokenizer: Any, response_format: dict[str, Any]) -> Callable[[], Constraint] | None:
+class Constraints:
+    """What a request's answer is held to, for one served model: a required tool call, a JSON
+    format, or nothing; every schema checked against ``bound`` before it is compiled.
+
+    Args:
+        tokenizer: the served model's (read by llguidance on the first structured request).
+        tool_format: how the model's template writes tool calls.
+        bound: how large a schema may be.
+    """
+
+    def __init__(self, tokenizer: Any, tool_format: ToolFormat, bound: SchemaBound) -> None:
+        self.tokenizer, self.tool_format, self.bound = tokenizer, tool_format, bound
+        self._llg: Any = None
+
+    def of(self, request: ChatRequest) -> Callable[[], Constraint] | None:
+        """The constraint ``request`` asks for (``None``: free text).
+
+        Raises:
+            RequestError: a schema over the bound, or one that does not compile.
+        """
+        forced = request.forced_tools
+        if forced is not None:
+            return tool_call_constraint(
+                self._grammar_tokenizer(),
+                forced,
+                self.tool_format,
+                parallel=request.parallel_tool_calls,
+                bound=self.bound,
+            )
+        if (request.response_format or {}).get("type", "text") != "text":
+            return json_constraint(self._grammar_tokenizer(), request.response_format or {}, self.bound)
+        return None
+
+    def _grammar_tokenizer(self) -> Any:
+        if self._llg is None:
+            import llguidance.hf
+
+            self._llg = llguidance.hf.from_tokenizer(self.tokenizer)
+        return self._llg
+
+
+def json_constraint(
+    tokenizer: Any, response_format: dict[str, Any], bound: SchemaBound
+) -> Callable[[], Constraint] | None:
     """The constraint ``response_format`` asks for (``None`` for text).
 
     Args:
         tokenizer: an ``llguidance.LLTokenizer`` of the served model.
+        bound: how large the schema may be (checked before it is compiled).
 
     Raises:
-        RequestError: a format or schema that is not served or does not compile.
+        RequestError: a format or schema that is not served, is over ``bound`` or does not compile.
     """
     import llguidance
 
@@ -98,6 +143,7 @@ def json_constraint(tokenizer: Any, response_format: dict[str, Any]) -> Callable
             raise RequestError(
                 400, "response_format json_schema needs json_schema.schema", param="response_format"
             )
+        bound.check(schema, "response_format.json_schema.schema", "response_format")
     else:
         raise RequestError(400, f"response_format {str(kind)[:40]!r} is not served", param="response_format")
     try:
@@ -110,16 +156,25 @@ def json_constraint(tokenizer: Any, response_format: dict[str, Any]) -> Callable
 
 
 def tool_call_constraint(
-    tokenizer: Any, functions: list[dict[str, Any]], tool_format: ToolFormat, *, parallel: bool
+    tokenizer: Any,
+    functions: list[dict[str, Any]],
+    tool_format: ToolFormat,
+    *,
+    parallel: bool,
+    bound: SchemaBound,
 ) -> Callable[[], Constraint]:
     """The constraint of a required tool call: one call (or, with ``parallel``, one or more) of
     one of ``functions`` (OpenAI function objects: ``name``, ``parameters``), in
     ``tool_format``'s text.
 
     Raises:
-        RequestError: a function whose parameter schema does not compile.
+        RequestError: parameter schemas over ``bound`` together, or one that does not compile.
     """
     import llguidance
+
+    bound.check(
+        [function.get("parameters") for function in functions], "tools[].function.parameters", "tools"
+    )
 
     rules = []
     for i, function in enumerate(functions):

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import hashlib
 import io
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
 from kamera_agent.chunks.sources import MAX_IMAGE_PIXELS
+from kamera_agent.serve.bounds import TextBound
+from kamera_agent.serve.lru import ByteLRU
 from kamera_agent.serve.media import MediaPolicy, read_url
+from kamera_agent.serve.pixels import PixelLease
 from kamera_agent.serve.protocol import RequestError
 from kamera_agent.serve.tools import HERMES, ToolFormat
 
@@ -71,28 +72,29 @@ class ImageReader:
     def __init__(
         self, policy: MediaPolicy, max_pixels: int = MAX_IMAGE_PIXELS, budget: int = 64 << 20
     ) -> None:
-        self.policy, self.max_pixels, self.budget = policy, max_pixels, budget
-        self._cache: OrderedDict[str, Image.Image] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
+        self.policy, self.max_pixels = policy, max_pixels
+        self._cache: ByteLRU[str, Image.Image] = ByteLRU(budget, _image_bytes)
 
     @property
     def nbytes(self) -> int:
         """Bytes of decoded pixels held now."""
-        return self._bytes
+        return self._cache.nbytes
 
-    def read(self, part: ImagePart) -> Image.Image:
-        """The part's image, RGB; `RequestError` (400) for anything unreadable or not allowed."""
-        with self._lock:
-            cached = self._cache.get(part.digest)
-            if cached is not None:
-                self._cache.move_to_end(part.digest)
-                return cached
-        image = self._decode(read_url(part.url, part.where, self.policy), part.where)
-        self._keep(part.digest, image)
+    def read(self, part: ImagePart, lease: PixelLease) -> Image.Image:
+        """The part's image, RGB, its decoding charged to ``lease`` first.
+
+        Raises:
+            RequestError: 400 for anything unreadable or not allowed; 429 when the pixel budgets
+                have no room for it now.
+        """
+        cached = self._cache.get(part.digest)
+        if cached is not None:
+            return cached
+        image = self._decode(read_url(part.url, part.where, self.policy), part.where, lease)
+        self._cache.put(part.digest, image)
         return image
 
-    def _decode(self, data: bytes, where: str) -> Image.Image:
+    def _decode(self, data: bytes, where: str, lease: PixelLease) -> Image.Image:
         try:
             opened = Image.open(io.BytesIO(data))
             width, height = opened.size  # from the header: checked before the pixels are decoded
@@ -101,77 +103,58 @@ class ImageReader:
                     400,
                     f"{where}: a {width}x{height} image is outside 1..{self.max_pixels:,} pixels; resize it",
                 )
+            lease.take(width, height, where)
             opened.load()
-            return opened.convert("RGB")
+            return opened if opened.mode == "RGB" else opened.convert("RGB")  # no copy of RGB
         except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
             raise RequestError(400, f"{where}: the image does not decode", param="messages") from exc
 
-    def _keep(self, digest: str, image: Image.Image) -> None:
-        size = image.width * image.height * 3
-        if size > self.budget:
-            return
-        with self._lock:
-            if digest in self._cache:
-                return
-            self._cache[digest] = image
-            self._bytes += size
-            while self._bytes > self.budget:
-                _, old = self._cache.popitem(last=False)
-                self._bytes -= old.width * old.height * 3
+
+def _image_bytes(image: Image.Image) -> int:
+    return image.width * image.height * 4  # PIL holds RGB in 4 bytes a pixel
 
 
 def read_turns(
-    messages: list[dict[str, Any]], limits: Limits = Limits(), tool_format: ToolFormat = HERMES
+    messages: list[dict[str, Any]],
+    limits: Limits = Limits(),
+    tool_format: ToolFormat = HERMES,
+    text: TextBound | None = None,
 ) -> tuple[str | None, list[Turn]]:
-    """``(system prompt, turns)`` from the request's messages (nothing fetched or decoded); an
-    assistant message's ``tool_calls`` become its text in ``tool_format``, a ``tool`` message is
-    a turn of role ``tool`` (the last message is the question: a user's, or a tool's output).
+    """``(system prompt, turns)`` from the request's messages (nothing fetched, decoded or
+    tokenized); an assistant message's ``tool_calls`` become its text in ``tool_format``, a
+    ``tool`` message is a turn of role ``tool`` (the last message is the question: a user's, or
+    a tool's output). ``text``: each text, and all of them together, must be short enough to fit
+    the model's context (`TextBound`).
 
     Raises:
-        RequestError: too many messages or parts, a system message after the first turn, an
-            unknown role or part type, or an empty message.
+        RequestError: too many messages or parts, a text too long for the context, a system
+            message after the first turn, an unknown role or part type, or an empty message.
     """
     if len(messages) > limits.max_messages:
         raise RequestError(
             400, f"{len(messages)} messages is over the limit of {limits.max_messages}", param="messages"
         )
+    bound = text or TextBound(None)
     system: str | None = None
     turns: list[Turn] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise RequestError(400, f"{where}: a message is an object with a role", param="messages")
-        role = message.get("role")
+        role = message.get("role") if isinstance(message, dict) else None
         if role in ("system", "developer"):
             if turns:
                 raise RequestError(400, f"{where}: a system message must come before every other message")
-            text = _text_only(message.get("content"), where)
-            system = text if system is None else system + "\n" + text
+            said = _text_only(message.get("content"), where)
+            bound.check(len(said), where)
+            system = said if system is None else system + "\n" + said
             continue
-        if role not in ("user", "assistant", "tool"):
-            raise RequestError(400, f"{where}: unknown role {role!r}"[:200], param="messages")
-        if message.get("function_call"):
-            raise RequestError(
-                400, f"{where}: function_call is the deprecated form; send tool_calls", param="messages"
-            )
-        calls = message.get("tool_calls")
-        if calls:
-            if (
-                role != "assistant"
-                or not isinstance(calls, list)
-                or not all(isinstance(c, dict) for c in calls)
-            ):
-                raise RequestError(
-                    400, f"{where}: tool_calls is a list of calls on an assistant message", param="messages"
-                )
-            content = message.get("content")
-            said = _text_only(content, where) if content else None
-            parts: list[str | ImagePart] = [tool_format.render(said, calls)]  # as the template renders them
-        else:
-            parts = _parts(message.get("content"), where, limits)
+        parts = _message_parts(message, where, limits, tool_format, bound)
         keys = [part if isinstance(part, str) else f"image:{part.digest}" for part in parts]
         digest = hashlib.sha256(repr((role, keys)).encode()).hexdigest()
-        turns.append(Turn(role, tuple(parts), digest))
+        turns.append(Turn(str(role), tuple(parts), digest))
+    every = len(system or "") + sum(
+        len(part) for turn in turns for part in turn.parts if isinstance(part, str)
+    )
+    bound.check(every, "messages (their text together)")
     if not turns or turns[-1].role not in ("user", "tool"):
         raise RequestError(
             400,
@@ -182,6 +165,37 @@ def read_turns(
     return system, turns
 
 
+def _message_parts(
+    message: Any, where: str, limits: Limits, tool_format: ToolFormat, bound: TextBound
+) -> list[str | ImagePart]:
+    """A user, assistant or tool message's parts, each text bounded by its length."""
+    if not isinstance(message, dict):
+        raise RequestError(400, f"{where}: a message is an object with a role", param="messages")
+    role = message.get("role")
+    if role not in ("user", "assistant", "tool"):
+        raise RequestError(400, f"{where}: unknown role {role!r}"[:200], param="messages")
+    if message.get("function_call"):
+        raise RequestError(
+            400, f"{where}: function_call is the deprecated form; send tool_calls", param="messages"
+        )
+    calls = message.get("tool_calls")
+    if calls:
+        if role != "assistant" or not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise RequestError(
+                400, f"{where}: tool_calls is a list of calls on an assistant message", param="messages"
+            )
+        for j, call in enumerate(calls):  # bounded before the arguments are parsed
+            arguments = (call.get("function") or call).get("arguments")
+            if isinstance(arguments, str):
+                bound.check(len(arguments), f"{where}.tool_calls[{j}].function.arguments")
+        content = message.get("content")
+        said = _text_only(content, where) if content else None
+        rendered = tool_format.render(said, calls, where)  # as the template renders them
+        bound.check(len(rendered), f"{where} (its calls written out)")
+        return [rendered]
+    return _parts(message.get("content"), where, limits, bound)
+
+
 def _text_only(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
@@ -190,11 +204,13 @@ def _text_only(content: Any, where: str) -> str:
     raise RequestError(400, f"{where}: this message takes text only", param="messages")
 
 
-def _parts(content: Any, where: str, limits: Limits) -> list[str | ImagePart]:
-    """The message's parts: text, and image parts identified by their URL's digest."""
+def _parts(content: Any, where: str, limits: Limits, bound: TextBound) -> list[str | ImagePart]:
+    """The message's parts: text (each bounded by its length), and image parts identified by
+    their URL's digest."""
     if isinstance(content, str):
         if not content:
             raise RequestError(400, f"{where}: empty content", param="messages")
+        bound.check(len(content), f"{where}.content")
         return [content]
     if not isinstance(content, list) or not content:
         raise RequestError(
@@ -212,6 +228,7 @@ def _parts(content: Any, where: str, limits: Limits) -> list[str | ImagePart]:
             text = part.get("text", "")
             if not isinstance(text, str):
                 raise RequestError(400, f"{here}: text must be a string", param="messages")
+            bound.check(len(text), here)
             if text:
                 parts.append(text)
         elif kind == "image_url":

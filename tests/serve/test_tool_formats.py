@@ -82,7 +82,7 @@ def test_a_llama_tool_conversation_is_framed_as_its_template_renders_it(backend:
     messages = _conversation()
     system, turns = read_turns(messages, tool_format=LLAMA3_JSON)
     framed = system_with_tools(tokenizer, server.messages.template, system, TOOLS)
-    prepared = server.messages.prepare(framed, turns)
+    prepared = server.messages.prepare(framed, turns, server.pixels.lease("default"))
     conversation = server.messages.conversation(framed)
     ids = [conversation.encoder.anchor().input_ids, *(chunk.input_ids for chunk in prepared.chunks)]
     ids.append(conversation.query_ids(prepared.query, opened=not prepared.in_message, role=prepared.role))

@@ -193,7 +193,7 @@ def test_a_tool_conversation_is_framed_as_the_template_renders_it(
     tokenizer = demo_backend.encoder.tokenizer
     system, turns = read_turns(messages, tool_format=HERMES)
     framed = system_with_tools(tokenizer, server.messages.template, system, TOOLS)
-    prepared = server.messages.prepare(framed, turns)
+    prepared = server.messages.prepare(framed, turns, server.pixels.lease("default"))
     conversation = server.messages.conversation(framed)
     ids = [conversation.encoder.anchor().input_ids, *(chunk.input_ids for chunk in prepared.chunks)]
     ids.append(conversation.query_ids(prepared.query, opened=not prepared.in_message, role=prepared.role))

@@ -1,0 +1,89 @@
+"""How ``kamera serve`` runs: one frozen settings object, every limit a stranger meets in it.
+
+Why one object: what the server refuses is decided here, in one place an operator reads (and the
+CLI fills from its flags): how much a request may carry, how long a peer may take, how much of
+the model and of memory one request or one tenant may hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kamera_agent.config import WindowConfig
+from kamera_agent.serve.bounds import SchemaBound
+from kamera_agent.serve.fetch import ImageFetching
+from kamera_agent.serve.turns import Limits
+
+__all__ = ["DEFAULT_TENANT", "ServeSettings"]
+
+DEFAULT_TENANT = "default"
+"""The one tenant every client is when the server has no API keys."""
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """How the server runs.
+
+    Attributes:
+        model_name: the id clients send as ``model``.
+        config: every session's `WindowConfig` (its store fields build the one shared store).
+        max_sessions: live windows of one tenant at most (its least recently used dropped first).
+        idle_seconds: a window unused this long is dropped.
+        fetching: whether and how ``http(s)`` image URLs are fetched.
+        local_media: the folder ``file://`` image URLs may name files under (``None``: no
+            ``file://`` URL is read).
+        max_tokens: answer length when a request gives none.
+        api_keys: API key → tenant name; ``None``: no key is asked and every client is one tenant.
+        limits: messages and parts one request may carry.
+        max_request_bytes: the largest request body read (larger: 413, not read whole).
+        read_timeout: seconds a client has to send its whole body once its headers are in
+            (slower: 408).
+        header_timeout: seconds a connection has to send a request's headers (slower: closed).
+        max_concurrent: requests in the server at once, every tenant's together (more: 503
+            with Retry-After; ``/health`` is never refused).
+        max_queued: requests of one tenant in the server at once (more: 429 with Retry-After).
+        max_decode_tokens: ``n × max_tokens`` one request may ask for (more: 400).
+        image_bytes_in_flight: working memory of images being decoded and preprocessed, every
+            tenant's together (`kamera_agent.serve.pixels`; more: 429).
+        tenant_image_bytes_in_flight: the same for one tenant.
+        image_cache_bytes: decoded images kept, in bytes.
+        chunk_cache_bytes: prepared messages (tokens, preprocessed pixels) kept, in bytes.
+        anchor_cache_bytes: conversation framings (each system prompt's anchor) kept, in bytes.
+        schema: how large a structured-output or forced-tool schema may be before compiling.
+        reuse: ``"kamera"`` (every edit the window can make) or ``"prefix"``: the same server
+            as a prefix cache (vLLM's and SGLang's reuse): each request keeps its window's
+            unchanged leading messages and prefills everything from the first change, exactly
+            (`WindowConfig.exact`); the baseline a comparison runs beside kamera.
+    """
+
+    model_name: str
+    config: WindowConfig
+    max_sessions: int = 16
+    idle_seconds: float = 1800.0
+    fetching: ImageFetching = field(default_factory=ImageFetching)
+    local_media: Path | None = None
+    max_tokens: int = 256
+    api_keys: Mapping[str, str] | None = None
+    limits: Limits = field(default_factory=Limits)
+    max_request_bytes: int = 32 << 20
+    read_timeout: float = 30.0
+    header_timeout: float = 10.0
+    max_concurrent: int = 256
+    max_queued: int = 8
+    max_decode_tokens: int = 16384
+    image_bytes_in_flight: int = 2 << 30
+    tenant_image_bytes_in_flight: int = 1 << 30
+    image_cache_bytes: int = 64 << 20
+    chunk_cache_bytes: int = 128 << 20
+    anchor_cache_bytes: int = 16 << 20
+    schema: SchemaBound = field(default_factory=SchemaBound)
+    reuse: str = "kamera"
+
+    def tenant_of(self, authorization: str | None) -> str | None:
+        """The tenant an ``Authorization`` header names (``None``: not a key of this server)."""
+        if self.api_keys is None:
+            return DEFAULT_TENANT
+        scheme, _, key = (authorization or "").partition(" ")
+        return self.api_keys.get(key.strip()) if scheme.lower() == "bearer" else None
