@@ -25,7 +25,7 @@ from kamera_agent.serve.protocol import RequestError
 from kamera_agent.serve.turns import ImageReader, Turn
 from kamera_agent.window.conversation import Conversation
 
-__all__ = ["MessageChunks", "Prepared"]
+__all__ = ["Framing", "MessageChunks", "Prepared"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,14 @@ class Prepared:
     query: str
     in_message: bool
     role: str = "user"
+
+
+@dataclass(frozen=True)
+class Framing:
+    """A conversation's framing under one system prompt, and its anchor's length in tokens."""
+
+    conversation: Conversation
+    anchor_tokens: int
 
 
 class MessageChunks:
@@ -65,7 +73,7 @@ class MessageChunks:
         self.max_pixels = max_pixels or images.max_pixels
         encoder = backend.encoder
         self.template = ChatTemplate.from_tokenizer(encoder.tokenizer, encoder.prompt)
-        self._conversations: ByteLRU[str | None, Conversation] = ByteLRU(anchor_budget, _conversation_bytes)
+        self._conversations: ByteLRU[str | None, Framing] = ByteLRU(anchor_budget, _framing_bytes)
         self._chunks: ByteLRU[tuple[str, str, bool, int], tuple[Chunk, ...]] = ByteLRU(budget, _chunks_bytes)
 
     @property
@@ -80,12 +88,28 @@ class MessageChunks:
 
     def conversation(self, system: str | None) -> Conversation:
         """The framing of a conversation under ``system`` (its own encoder and anchor), as the
-        window of that conversation frames it."""
+        window of that conversation frames it.
+
+        Raises:
+            RequestError: the system prompt alone does not fit the model's context.
+        """
+        return self.framing(system).conversation
+
+    def framing(self, system: str | None) -> Framing:
+        """`conversation`, and how many tokens its anchor takes (one kept only if it fits)."""
         known = self._conversations.get(system)
         if known is not None:
             return known
         encoder = self.backend.encoder.with_prompt(self.template.prompt_format(system))
-        made = Conversation(self.template, encoder, self.max_pixels)
+        made = Framing(Conversation(self.template, encoder, self.max_pixels), encoder.anchor().num_tokens)
+        limit = self.backend.context_limit
+        if limit is not None and made.anchor_tokens >= limit:
+            raise RequestError(
+                400,
+                f"the system prompt alone is {made.anchor_tokens} tokens; the model has {limit}: shorten it",
+                param="messages",
+                code="context_length_exceeded",
+            )
         self._conversations.put(system, made)
         return made
 
@@ -148,6 +172,6 @@ def _chunks_bytes(chunks: tuple[Chunk, ...]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _conversation_bytes(conversation: Conversation) -> int:
+def _framing_bytes(framing: Framing) -> int:
     """A framing's bytes: its anchor text, and the system prompt it is kept under (as large)."""
-    return 2 * sys.getsizeof(conversation.encoder.prompt.anchor) + 4096
+    return 2 * sys.getsizeof(framing.conversation.encoder.prompt.anchor) + 4096

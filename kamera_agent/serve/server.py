@@ -299,15 +299,16 @@ class KameraServer:
 
     def _query_tokens(self, system: str | None, prepared: Prepared) -> int:
         """The question's tokens (tokenized once, outside the model), refusing a question that
-        alone cannot fit the model's context."""
-        conversation = self.messages.conversation(system)
-        ids = conversation.query_ids(prepared.query, opened=not prepared.in_message, role=prepared.role)
-        tokens = int(ids.shape[0])
+        cannot fit the model's context behind the system prompt."""
+        framing = self.messages.framing(system)
+        role, opened = prepared.role, not prepared.in_message
+        tokens = int(framing.conversation.query_ids(prepared.query, opened=opened, role=role).shape[0])
         limit = self.backend.context_limit
-        if limit is not None and tokens >= limit:
+        if limit is not None and framing.anchor_tokens + tokens >= limit:
             raise RequestError(
                 400,
-                f"the question alone is {tokens} tokens; the model has {limit}: shorten it",
+                f"the question is {tokens} tokens behind a system prompt of {framing.anchor_tokens}; "
+                f"the model has {limit}: shorten them",
                 param="messages",
                 code="context_length_exceeded",
             )
