@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kamera_agent.serve.feed import Cancellation, Feed
+from kamera_agent.serve.listen import Concurrency
 from kamera_agent.serve.protocol import (
     ChatRequest,
     RequestError,
@@ -84,6 +85,7 @@ def create_app(server: KameraServer) -> FastAPI:
     name = server.settings.model_name
 
     app.add_middleware(_Tenants, server=server)
+    app.add_middleware(Concurrency, server=server)  # outermost: a request past the limit costs nothing
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(raw: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -63,6 +63,7 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument(
         "--max-queued", type=int, default=8, help="requests of one tenant in the server at once (429 past it)"
     )
+    _add_limit_arguments(serve)
     serve.add_argument(
         "--reuse",
         choices=["kamera", "prefix"],
@@ -78,6 +79,7 @@ def run_serve_command(args: argparse.Namespace, console: Console) -> int:
 
     from kamera_agent.errors import KameraError
     from kamera_agent.serve.app import create_app
+    from kamera_agent.serve.listen import uvicorn_config
 
     try:
         server = build_server(args)
@@ -93,7 +95,7 @@ def run_serve_command(args: argparse.Namespace, console: Console) -> int:
         f"kamera serve: {server.settings.model_name} on http://{args.host}:{args.port}/v1 "
         f"(store: {server.store.remote or 'this process'})"
     )
-    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
+    uvicorn.Server(uvicorn_config(create_app(server), server.settings, args.host, args.port)).run()
     return 0
 
 
@@ -135,6 +137,7 @@ def build_server(args: argparse.Namespace) -> Any:
         max_request_bytes=args.max_request_bytes,
         max_queued=args.max_queued,
         reuse=args.reuse,
+        **_limits(args),
     )
     return KameraServer(backend, settings)
 
@@ -152,6 +155,51 @@ def _chat_template(given: str | None) -> str | None:
     if "{{" in given or "{%" in given:
         return given
     raise SystemExit(f"--chat-template {given}: no such file, and not a Jinja template")
+
+
+def _add_limit_arguments(serve: Any) -> None:
+    """What one request or one peer may hold: time, the model, decoding memory."""
+    serve.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection has to send a request's headers (later: 408, closed)",
+    )
+    serve.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=256,
+        help="requests in the server at once, all tenants together (503 past it; /health never)",
+    )
+    serve.add_argument(
+        "--max-decode-tokens",
+        type=int,
+        default=16384,
+        help="n x max_tokens one request may ask for (400 past it)",
+    )
+    serve.add_argument(
+        "--image-bytes-in-flight",
+        type=int,
+        default=2 << 30,
+        help="memory of images being decoded at once, all tenants together (429 past it)",
+    )
+    serve.add_argument(
+        "--tenant-image-bytes-in-flight",
+        type=int,
+        default=1 << 30,
+        help="memory of one tenant's images being decoded at once (429 past it)",
+    )
+
+
+def _limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The `ServeSettings` fields `_add_limit_arguments` sets."""
+    return {
+        "header_timeout": args.header_timeout,
+        "max_concurrent": args.max_concurrent,
+        "max_decode_tokens": args.max_decode_tokens,
+        "image_bytes_in_flight": args.image_bytes_in_flight,
+        "tenant_image_bytes_in_flight": args.tenant_image_bytes_in_flight,
+    }
 
 
 def _api_keys(args: argparse.Namespace) -> dict[str, str] | None:
