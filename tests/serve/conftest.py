@@ -8,13 +8,22 @@ Each server is the real ASGI app under a real uvicorn server in a thread of the 
 from __future__ import annotations
 
 import base64
+import concurrent.futures
+import contextlib
+import ctypes
+import gc
+import http.client
 import io
+import json
 import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import uvicorn
 from openai import OpenAI
@@ -25,6 +34,7 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.demo.model import load_demo_model
 from kamera_agent.serve import KameraServer, ServeSettings
 from kamera_agent.serve.app import create_app
+from kamera_agent.serve.listen import uvicorn_config
 
 MODEL = "kamera-tiny-vl"
 
@@ -43,7 +53,9 @@ class LiveServer:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        config = uvicorn.Config(create_app(server), host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn_config(
+            create_app(server), server.settings, "127.0.0.1", self.port
+        )  # as kamera serve
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
         self._thread.start()
@@ -96,3 +108,62 @@ def shot(i: int, text: str | None = None) -> dict[str, Any]:
     if text:
         content.append({"type": "text", "text": text})
     return {"role": "user", "content": content}
+
+
+def post(live: LiveServer, body: bytes, chunked: bool = False) -> tuple[int, Any]:
+    """A raw POST to the chat route (``chunked``: with no Content-Length): (status, JSON body)."""
+    connection = http.client.HTTPConnection("127.0.0.1", live.port, timeout=60)
+    try:
+        pieces = iter([body[i : i + 65536] for i in range(0, len(body), 65536)])
+        connection.request(
+            "POST",
+            "/v1/chat/completions",
+            body=pieces if chunked else body,
+            headers={"Content-Type": "application/json"},
+            encode_chunked=chunked,
+        )
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def healthy(live: LiveServer) -> bool:
+    """Whether ``/health`` answers 200 within a generous 10 s (a bound, not a measurement)."""
+    with urllib.request.urlopen(live.url + "/health", timeout=10) as response:
+        return response.status == 200
+
+
+def while_healthy(live: LiveServer, attack: Callable[[], Any]) -> Any:
+    """Run ``attack`` while checking ``/health`` answers meanwhile; the attack's result."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = pool.submit(attack)
+        assert pool.submit(healthy, live).result(timeout=30)
+        return running.result(timeout=600)
+
+
+def error_of(call: Callable[[], Any]) -> tuple[int, dict[str, Any]]:
+    """The status and error body of a call the server refuses (the call must be refused)."""
+    try:
+        call()
+    except openai.APIStatusError as exc:
+        return exc.status_code, exc.body  # type: ignore[return-value]
+    raise AssertionError("the request was served")
+
+
+def metric(text: str, name: str) -> str:
+    """One sample of ``/metrics`` text: ``kamera_<name>``'s value."""
+    line = next(line for line in text.splitlines() if line.startswith(f"kamera_{name} "))
+    return line.split()[1]
+
+
+def rss() -> int:
+    """Resident bytes after a collection, with freed heap handed back where glibc can (what the
+    process holds, not what its allocator keeps for reuse)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")

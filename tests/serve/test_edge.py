@@ -7,8 +7,6 @@ health check, not a measurement).
 from __future__ import annotations
 
 import base64
-import concurrent.futures
-import contextlib
 import http.client
 import http.server
 import io
@@ -28,7 +26,7 @@ from PIL import Image
 
 from kamera_agent.config import WindowConfig
 from kamera_agent.serve import ImageFetching
-from tests.serve.conftest import MODEL, LiveServer, shot
+from tests.serve.conftest import MODEL, LiveServer, error_of, healthy, metric, post, rss, shot, while_healthy
 
 SYSTEM = {"role": "system", "content": "Answer briefly."}
 Serve = Callable[..., LiveServer]
@@ -39,45 +37,6 @@ def _image_message(url: str) -> dict[str, Any]:
         "role": "user",
         "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what?"}],
     }
-
-
-def _post(live: LiveServer, body: bytes, chunked: bool = False) -> tuple[int, Any]:
-    """A raw POST to the chat route (``chunked``: with no Content-Length): (status, JSON body)."""
-    connection = http.client.HTTPConnection("127.0.0.1", live.port, timeout=60)
-    try:
-        pieces = iter([body[i : i + 65536] for i in range(0, len(body), 65536)])
-        connection.request(
-            "POST",
-            "/v1/chat/completions",
-            body=pieces if chunked else body,
-            headers={"Content-Type": "application/json"},
-            encode_chunked=chunked,
-        )
-        response = connection.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        connection.close()
-
-
-def _healthy(live: LiveServer) -> bool:
-    with urllib.request.urlopen(live.url + "/health", timeout=10) as response:
-        return response.status == 200
-
-
-def _while_healthy(live: LiveServer, attack: Callable[[], Any]) -> Any:
-    """Run ``attack`` while checking ``/health`` answers meanwhile; the attack's result."""
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        running = pool.submit(attack)
-        assert pool.submit(_healthy, live).result(timeout=30)
-        return running.result(timeout=600)
-
-
-def _error(call: Callable[[], Any]) -> tuple[int, dict[str, Any]]:
-    try:
-        call()
-    except openai.APIStatusError as exc:
-        return exc.status_code, exc.body  # type: ignore[return-value]
-    raise AssertionError("the request was served")
 
 
 @pytest.fixture
@@ -113,14 +72,14 @@ def test_local_files_only_under_the_allowed_folder_and_every_refusal_reads_the_s
     bodies = []
     for name in ("zero", "fifo", "outside", "escape", "passwd", "missing", "dotdot"):
         messages = [SYSTEM, _image_message(media[name])]
-        status, body = _while_healthy(live, lambda m=messages: _error(lambda: ask(model=MODEL, messages=m)))
+        status, body = while_healthy(live, lambda m=messages: error_of(lambda: ask(model=MODEL, messages=m)))
         assert status == 400, name
         bodies.append(body)
     assert all(body == bodies[0] for body in bodies), bodies  # no existence oracle, no path
     assert "/" not in bodies[0]["message"].split(":", 1)[1] and "Errno" not in bodies[0]["message"]
     off = serve()  # no folder allowed: the good file is refused the same way
     assert (
-        _error(
+        error_of(
             lambda: off.client.chat.completions.create(
                 model=MODEL, messages=[SYSTEM, _image_message(media["ok"])]
             )
@@ -150,17 +109,17 @@ def test_bodies_too_large_too_many_or_too_deep_are_refused_before_they_cost(serv
         text = reply.decode("latin-1")
         return int(text.split(" ", 2)[1]), text
 
-    status, reply = _while_healthy(live, huge)
+    status, reply = while_healthy(live, huge)
     assert status == 413 and '"type":"invalid_request_error"' in reply.replace(" ", "")
     chunked = b'{"model": "' + b"x" * (2 << 20) + b'"}'  # no Content-Length: counted while read
-    status, body = _while_healthy(live, lambda: _post(live, chunked, chunked=True))
+    status, body = while_healthy(live, lambda: post(live, chunked, chunked=True))
     assert status == 413 and body["error"]["code"] == "request_too_large"
     many = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 10_000}).encode()
     plain = serve()
-    status, body = _while_healthy(plain, lambda: _post(plain, many))
+    status, body = while_healthy(plain, lambda: post(plain, many))
     assert status == 400 and "over the limit" in body["error"]["message"]
     deep = b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    status, body = _post(plain, deep)
+    status, body = post(plain, deep)
     assert status == 400 and body["error"]["message"] == "the body is nested too deeply"
 
 
@@ -173,11 +132,11 @@ def test_bad_fields_are_named_400s_never_plain_500s(serve: Serve) -> None:
         ({"extra_body": {"kamera": {"dtype": "float16"}}}, "kamera.dtype"),
         ({"extra_body": {"kamera": {"threads": 7}}}, "kamera.threads"),
     ):
-        status, body = _error(
+        status, body = error_of(
             lambda e=extra: live.client.chat.completions.create(model=MODEL, messages=good, **e)
         )
         assert status == 400 and words in body["message"], body
-    status, body = _post(live, b"not json at all")
+    status, body = post(live, b"not json at all")
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
     with urllib.request.urlopen(live.url + "/health") as response:
         assert response.status == 200
@@ -229,7 +188,7 @@ def test_fetching_never_reaches_private_addresses(serve: Serve, monkeypatch: pyt
             "http://127.0.0.1:1/closed.png",  # nothing listens: no port-scan oracle either
         ):
             messages = [SYSTEM, _image_message(url)]
-            status, body = _error(
+            status, body = error_of(
                 lambda m=messages: live.client.chat.completions.create(model=MODEL, messages=m)
             )
             assert status == 400, url
@@ -272,30 +231,10 @@ def test_a_client_that_disconnects_mid_stream_frees_the_model(
     )
     assert response.usage is not None  # served next (after the cancelled one stopped)
     metrics = urllib.request.urlopen(live.url + "/metrics").read().decode()
-    cancelled = float(_metric(metrics, "cancelled_total"))
-    after = float(_metric(metrics, "tokens_after_cancel_total"))
+    cancelled = float(metric(metrics, "cancelled_total"))
+    after = float(metric(metrics, "tokens_after_cancel_total"))
     assert cancelled == 1 and after <= 1, (cancelled, after)
-    assert float(_metric(metrics, "completion_tokens_total")) < 3000  # it did not run to max_tokens
-
-
-def _metric(text: str, name: str) -> str:
-    line = next(line for line in text.splitlines() if line.startswith(f"kamera_{name} "))
-    return line.split()[1]
-
-
-def _rss() -> int:
-    """Resident bytes after a collection, with freed heap handed back where glibc can (what the
-    process holds, not what its allocator keeps for reuse)."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    assert float(metric(metrics, "completion_tokens_total")) < 3000  # it did not run to max_tokens
 
 
 def test_large_images_are_served_within_the_cache_budgets(serve: Serve) -> None:
@@ -316,16 +255,16 @@ def test_large_images_are_served_within_the_cache_budgets(serve: Serve) -> None:
     live.client.chat.completions.create(
         model=MODEL, messages=[SYSTEM, _image_message(urls[12])], max_tokens=1
     )
-    baseline = _rss()  # warmed up: the model, the server and one image processed
+    baseline = rss()  # warmed up: the model, the server and one image processed
     for url in urls[:12]:
-        response = _while_healthy(
+        response = while_healthy(
             live,
             lambda u=url: live.client.chat.completions.create(
                 model=MODEL, messages=[SYSTEM, _image_message(u)], max_tokens=1
             ),
         )
         assert response.usage is not None
-    growth = _rss() - baseline
+    growth = rss() - baseline
     assert growth <= images + chunks + store + (64 << 20), growth / 2**20
     assert live.server.images.nbytes <= images and live.server.messages.nbytes <= chunks
 
@@ -359,7 +298,7 @@ def test_tenants_never_share_a_window(serve: Serve, tmp_path: Path) -> None:
         assert refused.value.code == 401 and "invalid_api_key" in refused.value.read().decode()
     with pytest.raises(openai.AuthenticationError):
         anonymous.chat.completions.create(model=MODEL, messages=[SYSTEM, shot(0, "x")])
-    assert _healthy(live)  # the one open route
+    assert healthy(live)  # the one open route
 
 
 def test_the_prompt_split_adds_up_and_a_re_sent_screenshot_costs_no_more_than_its_prompt(
@@ -460,4 +399,4 @@ def test_a_slow_sender_is_timed_out(serve: Serve) -> None:
         finally:
             sock.close()
 
-    assert " 408 " in _while_healthy(live, slow).split("\r\n", 1)[0]
+    assert " 408 " in while_healthy(live, slow).split("\r\n", 1)[0]
