@@ -128,6 +128,17 @@ def post(live: LiveServer, body: bytes, chunked: bool = False) -> tuple[int, Any
         connection.close()
 
 
+def sent(live: LiveServer, payload: dict[str, Any], key: str | None = None) -> socket.socket:
+    """A raw socket that has sent ``payload`` to the chat route (``key``: as that API key) and
+    reads nothing yet: a client the test can let go of (closing it is the client going away)."""
+    body = json.dumps(payload).encode()
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    sock = socket.create_connection(("127.0.0.1", live.port), timeout=60)
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+    sock.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
 def healthy(live: LiveServer) -> bool:
     """Whether ``/health`` answers 200 within a generous 10 s (a bound, not a measurement)."""
     with urllib.request.urlopen(live.url + "/health", timeout=10) as response:

@@ -33,7 +33,7 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.errors import ConfigError, SettingsError
 from kamera_agent.serve import ImageFetching, KameraServer, ServeSettings
 from kamera_agent.serve.pixels import BYTES_PER_PIXEL
-from tests.serve.conftest import MODEL, LiveServer, error_of, healthy, post, rss, shot
+from tests.serve.conftest import MODEL, LiveServer, error_of, healthy, post, rss, sent, shot
 
 SYSTEM = {"role": "system", "content": "Answer briefly."}
 Serve = Callable[..., LiveServer]
@@ -217,21 +217,8 @@ def test_a_long_request_gives_the_model_up_between_decode_steps(
 ) -> None:
     live = serve()
     banned = {str(token): -100 for token in demo_backend._eos}  # no end of answer: 8 × 500 tokens
-    hostile = json.dumps(
-        {
-            "model": MODEL,
-            "messages": [SYSTEM, shot(0, "go on")],
-            "n": 8,
-            "max_tokens": 500,
-            "logit_bias": banned,
-        }
-    ).encode()
-    sock = socket.create_connection(("127.0.0.1", live.port), timeout=60)
-    sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(hostile)}\r\n\r\n".encode()
-        + hostile
-    )
+    hostile = {"model": MODEL, "messages": [SYSTEM, shot(0, "go on")], "n": 8, "max_tokens": 500}
+    sock = sent(live, {**hostile, "logit_bias": banned})
     try:
         while live.server.turns.steps < 20:  # the hostile request is decoding
             time.sleep(0.01)
@@ -272,21 +259,8 @@ def test_past_the_concurrency_limit_requests_get_503_and_health_still_answers(
 ) -> None:
     live = serve(max_concurrent=1)
     banned = {str(token): -100 for token in demo_backend._eos}
-    long = json.dumps(
-        {
-            "model": MODEL,
-            "messages": [SYSTEM, shot(0, "go")],
-            "stream": True,
-            "max_tokens": 3000,
-            "logit_bias": banned,
-        }
-    ).encode()
-    sock = socket.create_connection(("127.0.0.1", live.port), timeout=60)
-    sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(long)}\r\n\r\n".encode()
-        + long
-    )
+    long = {"model": MODEL, "messages": [SYSTEM, shot(0, "go")], "stream": True, "max_tokens": 3000}
+    sock = sent(live, {**long, "logit_bias": banned})
     try:
         while b"data: " not in sock.recv(4096):  # the one place is taken
             pass

@@ -26,7 +26,18 @@ from PIL import Image
 
 from kamera_agent.config import WindowConfig
 from kamera_agent.serve import ImageFetching
-from tests.serve.conftest import MODEL, LiveServer, error_of, healthy, metric, post, rss, shot, while_healthy
+from tests.serve.conftest import (
+    MODEL,
+    LiveServer,
+    error_of,
+    healthy,
+    metric,
+    post,
+    rss,
+    sent,
+    shot,
+    while_healthy,
+)
 
 SYSTEM = {"role": "system", "content": "Answer briefly."}
 Serve = Callable[..., LiveServer]
@@ -207,20 +218,9 @@ def test_a_client_that_disconnects_mid_stream_frees_the_model(
 ) -> None:
     monkeypatch.setattr(demo_backend, "_eos", set())  # no end of answer: only max_tokens or a cancel stops it
     live = serve()
-    body = json.dumps(
-        {
-            "model": MODEL,
-            "messages": [SYSTEM, shot(0, "what?")],
-            "stream": True,
-            "max_tokens": 3000,
-            "temperature": 0,
-        }
-    ).encode()
-    sock = socket.create_connection(("127.0.0.1", live.port), timeout=60)
-    sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
+    asked = [SYSTEM, shot(0, "what?")]
+    sock = sent(
+        live, {"model": MODEL, "messages": asked, "stream": True, "max_tokens": 3000, "temperature": 0}
     )
     received = b""
     while received.count(b"data: ") < 4:  # the stream is under way
@@ -332,16 +332,8 @@ def test_a_tenant_past_its_queue_gets_429_and_others_are_served(
 ) -> None:
     monkeypatch.setattr(demo_backend, "_eos", set())  # the first request runs until told to stop
     live = serve(api_keys={"key-a": "a", "key-b": "b"}, max_queued=1)
-    long = json.dumps(
-        {"model": MODEL, "messages": [SYSTEM, shot(0, "go")], "stream": True, "max_tokens": 3000}
-    ).encode()
-    sock = socket.create_connection(("127.0.0.1", live.port), timeout=60)
-    sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-a\r\n"
-        + b"Content-Type: application/json\r\n"
-        + f"Content-Length: {len(long)}\r\n\r\n".encode()
-        + long
-    )
+    long = {"model": MODEL, "messages": [SYSTEM, shot(0, "go")], "stream": True, "max_tokens": 3000}
+    sock = sent(live, long, key="key-a")
     while b"data: " not in sock.recv(4096):  # tenant a's one place is taken
         pass
     a = openai.OpenAI(base_url=live.url + "/v1", api_key="key-a", max_retries=0)
