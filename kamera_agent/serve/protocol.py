@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 MAX_CHOICES = 8
-"""The most choices one request may ask for (``n``): each is a decode under the model lock."""
+"""The most choices one request may ask for (``n``): each is a decode in the request's turns."""
 
 IGNORED: dict[str, str] = {
     "metadata": "tags for OpenAI's stored completions; nothing is stored, the answer is the same",

@@ -122,15 +122,14 @@ class KameraServer:
                 room in the pixel budgets now.
         """
         self._refuse_unserved(request)
-        fidelity = fidelity_for(
-            self.settings.config, request.kamera, prefix_only=self.settings.reuse == "prefix"
-        )
-        system, turns = read_turns(request.messages, self.settings.limits, self.tool_format, self.text)
-        self._refuse_images(turns)
-        if request.tools:  # the definitions belong to the system block: the conversation's anchor
-            system = self._with_tools(system, request.tools)
-        constraint = self.constraints.of(request)
-        with self._admitted(tenant):
+        with self._admitted(tenant):  # before any work a tenant past its place would only queue
+            prefix_only = self.settings.reuse == "prefix"
+            fidelity = fidelity_for(self.settings.config, request.kamera, prefix_only=prefix_only)
+            system, turns = read_turns(request.messages, self.settings.limits, self.tool_format, self.text)
+            self._refuse_images(turns)
+            if request.tools:  # the definitions belong to the system block: the conversation's anchor
+                system = self._with_tools(system, request.tools)
+            constraint = self.constraints.of(request)
             with self.pixels.lease(tenant) as lease:  # images, tokens, keys: outside the model
                 prepared = self.messages.prepare(system, turns, lease)
             query_tokens = self._query_tokens(system, prepared)
@@ -317,7 +316,7 @@ class KameraServer:
     @contextmanager
     def _admitted(self, tenant: str) -> Iterator[None]:
         """A place for one more request of ``tenant`` while it runs, or 429 when it has
-        ``max_queued`` already (taken before its images are read: they would only wait)."""
+        ``max_queued`` already (taken before its texts are read and its images decoded)."""
         with self._queue_lock:
             if self._queued[tenant] >= self.settings.max_queued:
                 raise RequestError(

@@ -73,6 +73,8 @@ class ToolFormat:
         pieces = [content] if content else []
         for i, call in enumerate(calls):
             function = call.get("function", call)
+            if not isinstance(function, dict):
+                raise RequestError(400, f"{where}.tool_calls[{i}].function: an object", param="messages")
             arguments = function.get("arguments", {})
             here = f"{where}.tool_calls[{i}].function.arguments"
             if isinstance(arguments, str):  # OpenAI sends a JSON string; templates render an object

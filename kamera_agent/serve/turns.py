@@ -89,6 +89,7 @@ class ImageReader:
         """
         cached = self._cache.get(part.digest)
         if cached is not None:
+            lease.take(cached.width, cached.height, part.where)  # preprocessing it costs as much
             return cached
         image = self._decode(read_url(part.url, part.where, self.policy), part.where, lease)
         self._cache.put(part.digest, image)
@@ -185,7 +186,8 @@ def _message_parts(
                 400, f"{where}: tool_calls is a list of calls on an assistant message", param="messages"
             )
         for j, call in enumerate(calls):  # bounded before the arguments are parsed
-            arguments = (call.get("function") or call).get("arguments")
+            function = call.get("function", call)
+            arguments = function.get("arguments") if isinstance(function, dict) else None
             if isinstance(arguments, str):
                 bound.check(len(arguments), f"{where}.tool_calls[{j}].function.arguments")
         content = message.get("content")

@@ -219,9 +219,11 @@ def test_a_long_request_gives_the_model_up_between_decode_steps(
     banned = {str(token): -100 for token in demo_backend._eos}  # no end of answer: 8 × 500 tokens
     hostile = {"model": MODEL, "messages": [SYSTEM, shot(0, "go on")], "n": 8, "max_tokens": 500}
     sock = sent(live, {**hostile, "logit_bias": banned})
+    began = time.monotonic()
     try:
         while live.server.turns.steps < 20:  # the hostile request is decoding
             time.sleep(0.01)
+        time.sleep(max(0.0, began + 1.0 - time.monotonic()))  # sent 1 s later, as in the trial
         short = _ask(live, [SYSTEM, shot(1, "quick")], max_tokens=1)
         waited = short.model_extra["kamera"]["waited_decode_steps"]  # counted by the server
         assert waited <= 8, waited
@@ -306,9 +308,15 @@ def test_a_drip_fed_image_fetch_fails_at_its_deadline(serve: Serve) -> None:
     assert sent and sent[0] < 1000, sent  # cut off at the deadline, not read to its end
 
 
-def test_seventy_distinct_settings_racing_a_waiting_request_get_no_5xx(serve: Serve) -> None:
+def test_seventy_distinct_settings_racing_a_waiting_request_get_no_5xx(
+    serve: Serve, demo_backend: TransformersBackend
+) -> None:
+    """A request with its own settings waits behind a long answer while 70 others with settings
+    of their own arrive: a table of recent settings used to drop the waiting one's (a 500)."""
     live = serve(max_queued=100)
-    settings = [{"drift_budget": 0.123}] + [{"drift_budget": 0.001 * (i + 1)} for i in range(70)]
+    banned = {str(token): -100 for token in demo_backend._eos}
+    long = {"model": MODEL, "messages": [SYSTEM, shot(9, "go")], "stream": True, "max_tokens": 3000}
+    sock = sent(live, {**long, "logit_bias": banned})
 
     def one(kamera: dict[str, Any]) -> int:
         try:
@@ -317,8 +325,15 @@ def test_seventy_distinct_settings_racing_a_waiting_request_get_no_5xx(serve: Se
             return exc.status_code
         return 200
 
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        statuses = list(pool.map(one, settings))
+    try:
+        while b"data: " not in sock.recv(4096):  # the long answer holds its turns
+            pass
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            waiting = pool.submit(one, {"drift_budget": 0.123})
+            statuses = list(pool.map(one, [{"drift_budget": 0.001 * (i + 1)} for i in range(70)]))
+            statuses.insert(0, waiting.result())
+    finally:
+        sock.close()
     assert all(status < 500 for status in statuses), statuses
     assert statuses[0] == 200
 
