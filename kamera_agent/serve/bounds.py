@@ -32,7 +32,11 @@ def longest_token_bytes(tokenizer: Any) -> int:
     vocabulary spells bytes with wider characters (byte-level BPE's ``Ġ``, SentencePiece's
     ``▁``): an over-count only loosens the bound, never refuses a text that fits."""
     vocabulary = tokenizer.get_vocab()
-    return max((len(token.encode("utf-8", "surrogatepass")) for token in vocabulary), default=1)
+    return max((_nbytes(token) for token in vocabulary), default=1)
+
+
+def _nbytes(token: str | bytes) -> int:
+    return len(token) if isinstance(token, bytes) else len(token.encode("utf-8", "surrogatepass"))
 
 
 @dataclass(frozen=True)
@@ -121,14 +125,14 @@ class _Expansion:
     def size(self, node: Any, depth: int) -> int:
         if depth > _MAX_DEPTH:
             return self.limit + 1
-        if isinstance(node, list):
-            return self._capped(1 + sum(self.size(item, depth + 1) for item in node))
-        if not isinstance(node, dict):
+        if not isinstance(node, (dict, list)):
             return 1
         total = 1
-        for value in node.values():
+        for value in node.values() if isinstance(node, dict) else node:
             total = self._capped(total + self.size(value, depth + 1))
-        parts = node.get("allOf")
+            if total > self.limit:
+                return total  # over: no need to count the rest
+        parts = node.get("allOf") if isinstance(node, dict) else None
         if isinstance(parts, list) and parts:
             total += self._product(self.alternatives(part, depth + 1, frozenset()) for part in parts)
         return self._capped(total)

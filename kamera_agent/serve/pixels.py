@@ -47,13 +47,14 @@ class PixelBudget:
         """A request's account: images charged to it as they are opened, all released at its end."""
         return PixelLease(self, tenant)
 
-    def _take(self, tenant: str, nbytes: int, where: str) -> None:
+    def _take(self, tenant: str, nbytes: int, before: int, where: str) -> None:
+        """Charge ``nbytes`` more to a request that holds ``before`` already."""
         limit = min(self.total, self.per_tenant)
-        if nbytes > limit:
+        if before + nbytes > limit:
             raise RequestError(
                 400,
-                f"{where}: decoding this image takes {nbytes:,} bytes, more than the server decodes "
-                f"at once ({limit:,}); send it smaller",
+                f"{where}: decoding this request's images takes {before + nbytes:,} bytes, more than "
+                f"the server decodes at once ({limit:,}); send them smaller or fewer",
                 param="messages",
             )
         with self._lock:
@@ -84,10 +85,11 @@ class PixelLease:
         """Charge an image of ``width × height`` before it is decoded.
 
         Raises:
-            RequestError: 429 when the budgets have no room now, 400 when they never would.
+            RequestError: 429 when the budgets have no room now, 400 when they never would
+                (this image and the request's others together).
         """
         nbytes = width * height * BYTES_PER_PIXEL
-        self.budget._take(self.tenant, nbytes, where)
+        self.budget._take(self.tenant, nbytes, self.nbytes, where)
         self.nbytes += nbytes
 
     def release(self) -> None:

@@ -60,8 +60,10 @@ class ModelTurns:
             ticket = object()
             self._queue.append((ticket, ready))
             start = self.steps
-            self._cond.wait_for(lambda: self._first_ready() is ticket)
-            self._queue = [entry for entry in self._queue if entry[0] is not ticket]
+            try:
+                self._cond.wait_for(lambda: self._first_ready() is ticket)
+            finally:  # served, or interrupted: either way no longer waiting
+                self._queue = [entry for entry in self._queue if entry[0] is not ticket]
             self._held = True
             return self.steps - start
 
