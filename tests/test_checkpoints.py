@@ -16,13 +16,16 @@ from kamera_agent.errors import CheckpointError, TokenizerNotFoundError, Unsuppo
 from kamera_agent.fingerprint import checkpoint_fingerprint, model_fingerprint
 from kamera_agent.loading import load_backend
 from tests.gguf_files import write_llama_gguf
+from tests.real_env import ensure_real_models
 from tests.tiny_models import tiny_llama
 from tests.tiny_processors import tiny_tokenizer
 
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A cache of the test's own: conversions and fingerprints start from nothing."""
+    """A cache of the test's own: conversions and fingerprints start from nothing; the GGUF
+    reader installed (with the real models) where it is missing."""
+    ensure_real_models()
     monkeypatch.setenv(CACHE_DIR_VARIABLE, str(tmp_path / "cache"))
     return tmp_path / "cache"
 

@@ -32,6 +32,7 @@ from kamera_agent.errors import UncalibratedWarning
 from kamera_agent.fingerprint import checkpoint_fingerprint
 from kamera_agent.loading import load_backend
 from kamera_agent.models.real import REAL_MODELS, RealModel, real_model_gguf
+from tests.real_env import ensure_real_models
 from tests.window.helpers import answer_gap, chunk_errors
 
 PROSE = (
@@ -44,6 +45,7 @@ PROSE = (
 
 @pytest.fixture(scope="module")
 def files() -> dict[RealModel, Path]:
+    ensure_real_models()
     return {name: real_model_gguf(name) for name in REAL_MODELS}
 
 

@@ -27,7 +27,9 @@ def _tiny_torch() -> Backend:
 def _real(name: RealModel) -> Backend:
     from kamera_agent.loading import load_backend
     from kamera_agent.models.real import real_model_gguf
+    from tests.real_env import ensure_real_models
 
+    ensure_real_models()
     return load_backend(real_model_gguf(name))
 
 
