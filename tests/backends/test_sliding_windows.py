@@ -74,3 +74,16 @@ def test_a_kernel_without_custom_masks_is_refused_by_name() -> None:
 def test_gemma3_vision_models_are_refused_by_name() -> None:
     with pytest.raises(UnsupportedModelError, match="bidirectionally"):
         family_of(Gemma3Config())
+
+
+def test_an_engine_reads_the_per_layer_rotary_bases_from_the_config_alone() -> None:
+    """SGLang's and vLLM's adapters read the layout without the weights: the same bases, per layer."""
+    import torch
+
+    from kamera_agent.backends.transformers.reading import kv_layout, kv_layout_of_config
+
+    model = tiny_gemma3(num_hidden_layers=4)
+    from_config, from_model = kv_layout_of_config(model.config), kv_layout(model)
+    assert from_config.rope.per_layer and from_config.rope.inv_freq.shape == (4, 8)
+    assert torch.equal(from_config.rope.inv_freq, from_model.rope.inv_freq)
+    assert not torch.equal(from_config.rope.inv_freq[0], from_config.rope.inv_freq[1])  # two bases
