@@ -184,7 +184,7 @@ CASES: dict[str, tuple[Callable[[KameraWindow, Path], Any], type[KameraError], s
     "missing model folder": (
         lambda w, d: KameraWindow(str(d / "no-such-model")),
         CheckpointError,
-        "no checkpoint folder",
+        "no checkpoint at",
     ),
     "folder without config": (lambda w, d: KameraWindow(str(d)), CheckpointError, "config.json"),
     "cuda on a CPU torch": (
@@ -272,7 +272,7 @@ def test_the_cli_takes_threads_after_the_command_and_names_a_refused_model(
     assert main(["store", "stats", "--threads", "1", "--url", "http://nowhere"]) == 2  # parsed, then refused
     assert main(["check", str(tmp_path / "missing")]) == 2
     out = capsys.readouterr().out
-    assert "refused" in out and "no checkpoint folder" in out and "Traceback" not in out
+    assert "refused" in out and "no checkpoint at" in out and "Traceback" not in out
 
 
 # Every public op, each argument replaced by values of the wrong type or out of range.
