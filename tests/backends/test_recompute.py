@@ -46,6 +46,7 @@ BACKENDS: dict[str, Callable[[], Backend]] = {
     "llama": lambda: text_backend("llama", layers=4),
     "deepseek_v2": lambda: text_backend("deepseek_v2", layers=4),  # MLA: latent and k_pe
     "qwen2_vl": lambda: vl_backend("qwen2_vl", layers=4),  # M-RoPE, an image chunk
+    "gemma3": lambda: text_backend("gemma3", layers=4),  # sliding windows of 6, two rotary bases
     "tiny_torch": lambda: TinyTorchBackend(seed=0),
 }
 LONG_TEXT = "Bob took the box and walked away with it to the garden shed behind the old house."
@@ -105,7 +106,7 @@ def test_recomputing_every_token_is_the_prefill(name: str) -> None:
 
 
 # -- (b) only the selected rows change, and they see only what they should ----------------------
-@pytest.mark.parametrize("name", ["qwen2", "deepseek_v2", "qwen2_vl", "tiny_torch"])
+@pytest.mark.parametrize("name", ["qwen2", "deepseek_v2", "qwen2_vl", "tiny_torch", "gemma3"])
 def test_a_prefix_recomputed_is_exact_and_the_rest_untouched(name: str) -> None:
     """A recomputed prefix sees only fresh rows (its own and earlier ones), so it equals the
     prefill's; a mask that leaked later (reused) slots to it would not."""
@@ -126,7 +127,7 @@ def test_no_token_recomputed_returns_the_kv_and_costs_nothing(name: str) -> None
     assert done.kv[0] is s.reused and done.spent == Spent()
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2_vl", "tiny_torch"])
+@pytest.mark.parametrize("name", ["llama", "qwen2_vl", "tiny_torch", "gemma3"])
 def test_a_subset_changes_only_its_rows(name: str) -> None:
     s = scene(name)
     n = s.chunk.num_tokens
@@ -142,7 +143,7 @@ def test_a_subset_changes_only_its_rows(name: str) -> None:
 
 
 # -- (c) the selection rule ---------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["qwen2", "deepseek_v2", "tiny_torch"])
+@pytest.mark.parametrize("name", ["qwen2", "deepseek_v2", "tiny_torch", "gemma3"])
 def test_error_falls_as_the_fraction_grows_and_deviation_beats_random(name: str) -> None:
     s = scene(name)
     n = s.chunk.num_tokens
@@ -161,7 +162,7 @@ def test_error_falls_as_the_fraction_grows_and_deviation_beats_random(name: str)
     assert errors[2] < sum(randoms) / len(randoms), (errors[2], randoms)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "deepseek_v2", "qwen2_vl", "tiny_torch"])
+@pytest.mark.parametrize("name", ["qwen2", "deepseek_v2", "qwen2_vl", "tiny_torch", "gemma3"])
 def test_deviation_is_zero_against_the_exact_kv_and_not_against_reuse(name: str) -> None:
     s = scene(name)
     exact = s.backend.deviation(s.chunk, s.exact, s.context, s.start, s.vision, layers=2)

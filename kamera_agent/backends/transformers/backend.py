@@ -37,7 +37,7 @@ from kamera_agent.backends.transformers.families import family_of
 from kamera_agent.backends.transformers.parts import ModelParts, model_parts
 from kamera_agent.backends.transformers.positions import position_scheme
 from kamera_agent.backends.transformers.reading import kv_layout, read_chunk, read_chunks
-from kamera_agent.backends.transformers.recompute import deviation, full_attention_only, recompute
+from kamera_agent.backends.transformers.recompute import deviation, recompute
 from kamera_agent.backends.transformers.windows import SlidingLayers, sliding_layers
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
@@ -104,10 +104,9 @@ class TransformersBackend(Backend):
         """Where layers attend within a window: the backend masks them by position (`windows`)."""
         if self.sliding is not None:
             _check_sliding(model, gaps, self.layout.rope.is_mrope or self.parts.has_vision)
-        # Recompute masks too, and scatters into full-attention layers only (no sliding window).
-        recomputes = gaps and full_attention_only(model.config)
+        # Recompute masks too (sliding layers by position, as every forward here).
         self.capabilities = Capabilities(
-            vision=self.parts.has_vision, mla=True, extend=True, gaps=gaps, recompute=recomputes
+            vision=self.parts.has_vision, mla=True, extend=True, gaps=gaps, recompute=gaps
         )
         self.anchor: Chunk = self.encoder.anchor()
         """The anchor chunk every window starts with (the one the encoder gives)."""
@@ -332,13 +331,17 @@ class TransformersBackend(Backend):
         *,
         logits: bool = True,
         hidden: torch.Tensor | None = None,
+        keys_at: torch.Tensor | None = None,
     ) -> tuple[Any, torch.Tensor | None]:
         """The model's own forward over ``cache`` for tokens ``[n]`` at ``positions``: embed, the
         vision tower's outputs over the image tokens (``mm_types == 1``; Qwen3-VL's deepstack
         features passed on), the decoder, the LM head on the last token (``logits``).
 
         ``hidden`` ``[n, cached + n]`` (bool): slots the tokens must not attend to besides the
-        causal ones; passed to the model as a 4-D additive mask, which transformers uses as is."""
+        causal ones; passed to the model as a 4-D additive mask, which transformers uses as is.
+        ``keys_at`` ``[cached + n]``: the position of every slot the tokens attend over, for a
+        cache that does not append them in order (selective recompute writes rows in place);
+        by default the cache's recorded positions, then the tokens'."""
         parts, device = self.parts, self.parts.device
         embeds = parts.embed(input_ids)  # [n, hidden]
         extra: dict[str, Any] = {}
@@ -354,7 +357,7 @@ class TransformersBackend(Backend):
                 extra["deepstack_visual_embeds"] = [d.to(device, embeds.dtype) for d in deepstack]
         past = cache.get_seq_length() if cache is not None else 0
         pos = positions[None] if positions.ndim == 1 else positions[:, None]  # [1, n] or [3, 1, n]
-        mask = self._attention_mask(cache, positions, past, hidden, embeds.dtype)
+        mask = self._attention_mask(cache, positions, past, hidden, embeds.dtype, keys_at)
         with torch.no_grad():
             out = parts.language_model(
                 inputs_embeds=embeds[None],
@@ -374,10 +377,12 @@ class TransformersBackend(Backend):
         past: int,
         hidden: torch.Tensor | None,
         dtype: torch.dtype,
+        keys_at: torch.Tensor | None = None,
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         """The ``attention_mask`` of a forward of ``n`` tokens at ``positions`` over ``past``
         slots: all-ones (transformers then masks causally) unless slots are ``hidden`` or
-        layers slide; a sliding model's cache records the run's positions here."""
+        layers slide; a sliding model's cache records the run's positions here (unless the
+        slots' positions are given: ``keys_at``)."""
         device, n = self.parts.device, int(positions.shape[-1])
         if hidden is None and self.sliding is None:
             return torch.ones(1, past + n, dtype=torch.long, device=device)
@@ -386,9 +391,10 @@ class TransformersBackend(Backend):
         if self.sliding is None:
             mask = torch.zeros(1, 1, n, past + n, dtype=dtype, device=device)
             return mask.masked_fill_(blocked[None, None], torch.finfo(dtype).min)
-        keys_at = torch.cat([cache.positions, positions.to("cpu")]).to(device)
-        cache.record(positions)
-        return self.sliding.masks(positions.to(device), keys_at, blocked, dtype)
+        if keys_at is None:
+            keys_at = torch.cat([cache.positions, positions.to("cpu")])
+            cache.record(positions)
+        return self.sliding.masks(positions.to(device), keys_at.to(device), blocked, dtype)
 
 
 MASKED_ATTENTION = frozenset({"eager", "sdpa"})

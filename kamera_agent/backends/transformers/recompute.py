@@ -36,7 +36,7 @@ from kamera_agent.operator.layout import ChunkKV
 if TYPE_CHECKING:
     from kamera_agent.backends.transformers.backend import TransformersBackend
 
-__all__ = ["Halted", "HaltingLayer", "ScatterLayer", "deviation", "full_attention_only", "recompute"]
+__all__ = ["Halted", "HaltingLayer", "ScatterLayer", "deviation", "recompute"]
 
 
 class ScatterLayer(DynamicLayer):  # type: ignore[misc]
@@ -89,12 +89,6 @@ class HaltingLayer(DynamicLayer):  # type: ignore[misc]
         raise Halted
 
 
-def full_attention_only(config: Any) -> bool:
-    """Whether every layer of ``config``'s cache is plain full attention (a sliding-window layer
-    drops old slots, which a scatter into the chunk's own slots cannot follow)."""
-    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
-
-
 def recompute(
     backend: TransformersBackend,
     chunk: Chunk,
@@ -122,7 +116,10 @@ def recompute(
     selected = vision_rows(vision, chunk.mm_token_type_ids, indices)
     positions = chunk.positions_at(start)[..., indices]
     hidden = recompute_hidden(cached, n, indices)
-    backend.forward(chunk.input_ids[indices], mm, positions, cache, selected, logits=False, hidden=hidden)
+    keys_at = _slot_positions(placed) if backend.sliding is not None else None
+    backend.forward(
+        chunk.input_ids[indices], mm, positions, cache, selected, logits=False, hidden=hidden, keys_at=keys_at
+    )
     keys, values = (torch.stack(rows) for rows in zip(*(layer.fresh() for layer in layers), strict=True))
     return Prefilled(
         (replace_rows(kv, indices, keys, values),), Spent(forwards=1, tokens_prefilled=len(indices))
@@ -155,12 +152,20 @@ def deviation(
     return Deviation(scores, layers, deviation_spent(chunk.num_tokens, layers, backend.layout.num_layers))
 
 
+def _slot_positions(placed: Sequence[ChunkKV]) -> torch.Tensor:
+    """``[S]``: where each slot of ``placed`` (context, then the chunk) sits."""
+    positions = [kv.positions for kv in placed]
+    if any(where is None for where in positions):
+        raise ValueError("recompute needs placed KV (positions set) for a sliding-window model")
+    return torch.cat([where for where in positions if where is not None], dim=-1)
+
+
 def _check_supported(backend: TransformersBackend) -> None:
     if not backend.supports_recompute:
         raise CapabilityError(
-            f"{type(backend.model).__name__} runs {backend.model.config._attn_implementation!r} attention or "
-            "sliding-window layers, which selective recompute cannot mask; load it with "
-            "attn_implementation='sdpa' or 'eager' and full attention, or re-prefill the chunk"
+            f"{type(backend.model).__name__} runs {backend.model.config._attn_implementation!r} attention, "
+            "which selective recompute cannot mask; load it with attn_implementation='sdpa' or 'eager', "
+            "or re-prefill the chunk"
         )
 
 
