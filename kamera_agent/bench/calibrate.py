@@ -18,6 +18,7 @@ import os
 import random
 import statistics
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -81,10 +82,18 @@ class Slot:
 
 
 def drift_episode(
-    model: Any, seed: int, ops: int, progress: Progress, share: float = 0.1, **window: Any
+    model: Any,
+    seed: int,
+    ops: int,
+    progress: Progress,
+    share: float = 0.1,
+    *,
+    texts: Sequence[Path] = (),
+    **window: Any,
 ) -> list[list[Slot]]:
     """The window suite's episode (``seed``, ``ops``) with the policies unbounded; every op's
-    chunks as `Slot`s. ``model`` and ``window`` are what `KameraWindow` takes."""
+    chunks as `Slot`s. ``model`` and ``window`` are what `KameraWindow` takes; a text model's
+    frames are passages of the corpus's calibration half, or of ``texts``."""
     config = WindowConfig(
         capacity_chunks=CAPACITY, max_new_tokens=1, evicted_pixels="keep", drift_budget=None
     )
@@ -95,7 +104,7 @@ def drift_episode(
     measurer = DriftBudget(0.0, Calibration(backend.fingerprint, scale=1.0, inherit=0.0, audit_share=share))
     moves = _Episode(window_, backend.encoder, random.Random(seed), _items(ops))
     if backend.encoder.image_processor is None:  # a text model: random-token lines and pages instead
-        moves.frames = text_frames(backend, seed, len(moves.frames))
+        moves.frames = text_frames(backend, seed, len(moves.frames), "calibration", texts)
     root = Context.root(backend.anchor.key)
     vision: dict[str, Any] = {}
     recorded: list[list[Slot]] = []
@@ -247,13 +256,20 @@ def _spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def episodes(
-    model: Any, seeds: Sequence[int], ops: int, progress: Progress, share: float, **window: Any
+    model: Any,
+    seeds: Sequence[int],
+    ops: int,
+    progress: Progress,
+    share: float,
+    *,
+    texts: Sequence[Path] = (),
+    **window: Any,
 ) -> list[list[Slot]]:
     """`drift_episode` for each seed, one after another, their ops together."""
     torch.manual_seed(0)
     out: list[list[Slot]] = []
     for seed in seeds:
-        out += drift_episode(model, seed, ops, progress, share, **window)
+        out += drift_episode(model, seed, ops, progress, share, texts=texts, **window)
     return out
 
 
@@ -263,6 +279,8 @@ def measure_fix_rates(
     seeds: Sequence[int],
     ops: int,
     progress: Progress,
+    *,
+    texts: Sequence[Path] = (),
     **window: Any,
 ) -> dict[str, tuple[int, int]]:
     """Per op name, ``(ops audited, ops that needed a fix)`` when the episodes of ``seeds`` run
@@ -286,7 +304,7 @@ def measure_fix_rates(
                 if window_.encoder.image_processor is None:
                     backend = window_.backend
                     assert isinstance(backend, TransformersBackend)
-                    moves.frames = text_frames(backend, seed, len(moves.frames))
+                    moves.frames = text_frames(backend, seed, len(moves.frames), "calibration", texts)
                 task = progress.add_task(f"fix rates {seed}", total=ops)
                 for _ in range(ops):
                     moves.next().run()
@@ -313,14 +331,17 @@ def calibrate(
     progress: Progress,
     share: float = 0.1,
     quantile: float = 0.99,
+    *,
+    texts: Sequence[Path] = (),
     **window: Any,
 ) -> tuple[Calibration, list[list[Slot]]]:
     """Fit a model's calibration on the episodes of ``seeds`` (`fit_calibration`), then measure
-    its fix rates at its default budget (`measure_fix_rates`); the calibration and its episodes."""
-    fitted = episodes(model, seeds, ops, progress, share, **window)
+    its fix rates at its default budget (`measure_fix_rates`); the calibration and its episodes.
+    A text model reads passages of the corpus's calibration half, or of ``texts``."""
+    fitted = episodes(model, seeds, ops, progress, share, texts=texts, **window)
     fingerprint = KameraWindow(model, config=WindowConfig(drift_budget=None), **window).backend.fingerprint
     calibration = fit_calibration(fingerprint, fitted, seeds, share, quantile=quantile)
-    rates = measure_fix_rates(model, calibration, seeds, ops, progress, **window)
+    rates = measure_fix_rates(model, calibration, seeds, ops, progress, texts=texts, **window)
     return replace(calibration, fix_rates=rates), fitted
 
 
@@ -355,6 +376,15 @@ def add_calibrate_parser(commands: Any) -> None:
     calibrate.add_argument(
         "--quantile", type=float, default=0.99, help="share of fitting chunks the scale bounds"
     )
+    calibrate.add_argument(
+        "--texts",
+        nargs="+",
+        type=Path,
+        default=[],
+        metavar="FILE",
+        help="a text model's episodes read passages of these files (default: the shipped corpus's "
+        "calibration half)",
+    )
     calibrate.add_argument("--out", default=None, help="where to file it (default: $KAMERA_CALIBRATION_DIR)")
     calibrate.add_argument(
         "--dtype",
@@ -385,14 +415,20 @@ def run_calibrate_command(args: Any, console: Any) -> int:
         from kamera_agent.loading import load_backend
 
         model, window = load_backend(args.model, dtype=_DTYPES.get(args.dtype or "")), {}
+    unreadable = [str(file) for file in args.texts if not Path(file).is_file()]
+    if unreadable:
+        console.print(f"[red]--texts: no such file: {escape(', '.join(unreadable))}")
+        return 2
+    began = time.perf_counter()
     try:
         with Progress(console=console, transient=True) as progress:
             calibration, ops = calibrate(
-                model, args.seeds, args.ops, progress, args.audit, args.quantile, **window
+                model, args.seeds, args.ops, progress, args.audit, args.quantile, texts=args.texts, **window
             )
     except SettingsError as exc:
         console.print(f"[red]kamera calibrate: {escape(str(exc))}")
         return 2
+    elapsed = time.perf_counter() - began
     path = save_calibration(calibration, Path(args.out) if args.out else None)
     judged = judge(calibration, ops)
     table = Table(
@@ -410,4 +446,8 @@ def run_calibrate_command(args: Any, console: Any) -> int:
     )
     rates = ", ".join(f"{op} {f}/{a}" for op, (a, f) in sorted(calibration.fix_rates.items()))
     console.print(f"at ε = {calibration.budget:g}, audited ops that needed a fix: {rates or 'none audited'}")
+    console.print(
+        f"calibrated in {int(elapsed // 60)} min {elapsed % 60:.0f} s ({len(args.seeds)} episodes of "
+        f"{args.ops} ops, then as many at the chosen ε; {torch.get_num_threads()} torch thread(s))"
+    )
     return 0

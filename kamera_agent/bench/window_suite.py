@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -39,9 +40,9 @@ import torch
 from rich.progress import Progress
 
 from kamera_agent.backends.transformers import TransformersBackend
-from kamera_agent.bench.agents.contents import RandomContents
 from kamera_agent.bench.blend_cache import BlendCache
 from kamera_agent.bench.common import finite, wall
+from kamera_agent.bench.corpus import Half, passages
 from kamera_agent.bench.prefix_cache import PrefixCache, Sync
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
@@ -57,7 +58,7 @@ __all__ = [
     "QUERY",
     "RECOMPUTE",
     "RECOMPUTE_PERCENTS",
-    "TEXT_TOKENS",
+    "TEXT_QUERY",
     "Follower",
     "OpRecord",
     "Spent",
@@ -69,6 +70,8 @@ __all__ = [
 _WEIGHTS = {"push": 0.35, "slide": 0.15, "reorder": 0.25, "recall": 0.25}
 QUERY = QUESTIONS["colour"]
 """The question every side answers after every op (its first token is what is compared)."""
+TEXT_QUERY = "What does the last passage say, in one sentence?"
+"""The question of a text model's episode (passages of real text for frames)."""
 KAMERA = "kamera"
 PREFIX = "prefix cache"
 
@@ -242,9 +245,10 @@ def run_window(
         run.followers = tuple(name for name in run.followers if name not in RECOMPUTE)
     followers = {name: FOLLOWERS[name](backend) for name in run.followers}
     episode = _Episode(window, backend.encoder, random.Random(run.seed), _items(run.ops_requested))
-    if backend.encoder.image_processor is None:  # a text model: text lines and pages for frames
-        episode.frames = text_frames(backend, run.seed, len(episode.frames))
-    query_ids = window.query_ids(QUERY)
+    query = QUERY
+    if backend.encoder.image_processor is None:  # a text model: passages of real text for frames
+        episode.frames, query = text_frames(backend, run.seed, len(episode.frames)), TEXT_QUERY
+    query_ids = window.query_ids(query)
     lazy = config.patch_mode == "lazy"
     task = progress.add_task(f"window · {run.row} · {run.ops_requested} ops", total=run.ops_requested)
     for _ in range(run.ops_requested):
@@ -257,8 +261,8 @@ def run_window(
         kamera_ms, kamera = (wall() - started) * 1e3, _spent(window.stats.total, before)
         chunks = [window.chunk(ref) for ref in window.refs]
         synced = {name: follower.sync(chunks) for name, follower in followers.items()}
-        reference = _reference(backend, window)
-        sides = {KAMERA: _kamera_answer(window, kamera, kamera_ms, reference)}
+        reference = _reference(backend, window, query)
+        sides = {KAMERA: _kamera_answer(window, kamera, kamera_ms, reference, query)}
         for name, follower in followers.items():
             sides[name] = _follower_answer(follower, synced[name], query_ids, reference)
         run.records.append(
@@ -276,10 +280,10 @@ def _spent(after: OpCost, before: OpCost) -> OpCost:
     )
 
 
-def _reference(backend: TransformersBackend, window: KameraWindow) -> torch.Tensor:
+def _reference(backend: TransformersBackend, window: KameraWindow, query: str) -> torch.Tensor:
     """The model's own forward over the window's sequence and the question: its next-token logits."""
     with torch.no_grad():
-        logits: torch.Tensor = backend.model(**window.as_model_inputs(QUERY)).logits
+        logits: torch.Tensor = backend.model(**window.as_model_inputs(query)).logits
     return logits[0, -1].float().cpu()
 
 
@@ -291,10 +295,10 @@ def _compare(reference: torch.Tensor, logits: torch.Tensor) -> tuple[float, bool
     return kl, agrees, float((logits - reference).abs().max())
 
 
-def _kamera_answer(window: KameraWindow, op: OpCost, ms: float, reference: torch.Tensor) -> Spent:
+def _kamera_answer(window: KameraWindow, op: OpCost, ms: float, reference: torch.Tensor, query: str) -> Spent:
     before = window.stats.total
     started = wall()
-    logits = window.ask(QUERY, max_new_tokens=1).first_logits
+    logits = window.ask(query, max_new_tokens=1).first_logits
     ask_ms, asked = (wall() - started) * 1e3, _spent(window.stats.total, before)
     kl, agrees, error = _compare(reference, logits)
     return Spent(
@@ -314,19 +318,13 @@ def _follower_answer(
     )
 
 
-TEXT_TOKENS = {"line": 24, "page": 48}
-"""Tokens of a text model's calibration chunks (the demo task's legends and pages are 12 and 96
-image tokens; a text model's lines and pages sit between)."""
-
-
-def text_frames(backend: TransformersBackend, seed: int, count: int) -> list[tuple[str, Callable[[], Chunk]]]:
-    """``count`` random-token chunks, lines and pages alternating, for a model that reads no images."""
-    config = backend.model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = int(text.vocab_size)
-    contents = RandomContents(backend.encoder, TEXT_TOKENS, vocab, seed, first_id=min(512, vocab // 2))
-    kinds = ("line", "page")
-    return [(f"{kinds[k % 2]} {k}", partial(contents.make, kinds[k % 2], k)) for k in range(count)]
+def text_frames(
+    backend: TransformersBackend, seed: int, count: int, half: Half = "benchmark", files: Sequence[Path] = ()
+) -> list[tuple[str, Callable[[], Chunk]]]:
+    """``count`` passages of real text for a model that reads no images: ``half`` of the shipped
+    corpus (`kamera_agent.bench.corpus`), or the passages of ``files``."""
+    texts = passages(half, seed, count, files)
+    return [(f"passage {k}", partial(backend.encoder.text, text)) for k, text in enumerate(texts)]
 
 
 def _items(ops: int) -> int:
