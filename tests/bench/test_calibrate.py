@@ -16,7 +16,9 @@ from kamera_agent.window import KameraWindow
 from tests.window.backends import backend_named
 
 
-def test_a_text_models_calibration_bounds_its_quantile_of_fitting_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_text_models_calibration_bounds_its_quantile_of_fitting_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A text-only model calibrates on passages of real text (its half of the corpus); the fitted
     scale bounds 99 % of the approximated chunks it was fitted on; exact chunks are never fitted.
     A window of 4 (the byte tokenizer makes a passage ~350 tokens)."""
