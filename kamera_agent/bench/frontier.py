@@ -28,6 +28,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kamera_agent.bench.common import finite, p90
+from kamera_agent.bench.floor import FLOORS
 from kamera_agent.bench.window_suite import KAMERA, PREFIX, RECOMPUTE, WindowRun
 from kamera_agent.config import WindowConfig
 
@@ -84,7 +85,7 @@ def _rows(*rows: Row) -> Mapping[str, Row]:
 _UNBOUNDED = {"drift_budget": None}
 
 ROWS: Mapping[str, Row] = _rows(
-    Row("exact", exact=True, followers=(PREFIX, *RECOMPUTE)),
+    Row("exact", exact=True, followers=(PREFIX, *RECOMPUTE, *FLOORS)),
     Row("defaults"),
     Row("budget-1e-3", {"drift_budget": 1e-3}),
     Row("budget-1e-2", {"drift_budget": 1e-2}),
@@ -103,9 +104,10 @@ ROWS: Mapping[str, Row] = _rows(
     Row("lazy", {"patch_mode": "lazy", **_UNBOUNDED}),
 )
 """The frontier's window rows, in the order they run: exact (which hosts the token-recompute
-sweep, `RECOMPUTE`), the defaults (the calibrated drift budget), the budget at three ε, the
-policies unbounded (the defaults before the budget: ``drift_budget=None``), blind, then each
-single-knob change of the unbounded policies."""
+sweep, `RECOMPUTE`, and the numerical floor, the same re-prefill in bf16 and fp16: `FLOORS`), the
+defaults (the calibrated drift budget), the budget at three ε, the policies unbounded (the
+defaults before the budget: ``drift_budget=None``), blind, then each single-knob change of the
+unbounded policies."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,8 @@ class FrontierRun:
     rows: tuple[str, ...] = tuple(ROWS)
     runs: list[WindowRun] = field(default_factory=list)
     seconds: float = 0.0
+    content: str = "the demo task's legend frames and pages"
+    """What the episode pushes (a text model: passages of real text)."""
 
     def figures(self) -> list[RowFigures]:
         """The table's rows: the prefix cache first (pooled over every run beside which it ran:
@@ -209,7 +213,7 @@ class FrontierRun:
         out = [RowFigures.of(PREFIX, "crop at the first change, re-prefill the rest", runs, PREFIX)]
         out += [RowFigures.of(run.row, run.changed, [run], KAMERA) for run in runs]
         out += [
-            RowFigures.of(name, f"beside {run.row}", [run], name)
+            RowFigures.of(name, _follower_says(name, run.row), [run], name)
             for run in runs
             for name in run.followers
             if name != PREFIX
@@ -225,7 +229,17 @@ class FrontierRun:
             "ops_requested": self.ops_requested,
             "capacity_chunks": self.capacity,
             "rows_requested": list(self.rows),
+            "content": self.content,
             "seconds": self.seconds,
             "frontier": [row.to_json() for row in self.figures()],
             "runs": [run.to_json() for run in self.runs],
         }
+
+
+def _follower_says(name: str, row: str) -> str:
+    if name in FLOORS:
+        return (
+            f"the same re-prefill in {str(FLOORS[name]).removeprefix('torch.')}, beside {row}: its KL and "
+            "top-1 are the model's numerical floor; its wall is not a cost"
+        )
+    return f"beside {row}"

@@ -167,8 +167,8 @@ def frontier_grid(run: FrontierRun) -> Grid:
         )
     note = (
         f"{len(run.runs)} runs of one {run.ops_requested}-op episode (seed {run.seed}; {ops} ops done "
-        f"per row), capacity {run.capacity} chunks, push / slide / reorder / recall over the demo "
-        f"task's legend frames and pages, {run.seconds:.0f} s. After every op, outside every clock, "
+        f"per row), capacity {run.capacity} chunks, push / slide / reorder / recall over "
+        f"{run.content}, {run.seconds:.0f} s. After every op, outside every clock, "
         "each side's first answer token to one question is compared with the model's own re-prefill "
         "of the window's sequence: KL = next-token KL(re-prefill ‖ side), mean / 90th percentile / "
         "max over the ops; top-1 = share of ops whose first token agrees. tokens, fwd: prefilled "

@@ -243,6 +243,8 @@ def _window(context: _Context, progress: Progress) -> None:
     options = context.options
     model, tokenizer, image_processor = context.demo_model(progress)
     frontier = FrontierRun(seed=options.seeds["episode"], ops_requested=options.op_count)
+    if image_processor is None:
+        frontier.content = "passages of real text (the benchmark half of kamera's corpus)"
     if options.rows:
         frontier.rows = tuple(name for name in ROWS if name in options.rows)
     context.results.window = frontier

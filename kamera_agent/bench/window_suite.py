@@ -43,6 +43,7 @@ from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.blend_cache import BlendCache
 from kamera_agent.bench.common import finite, wall
 from kamera_agent.bench.corpus import Half, passages
+from kamera_agent.bench.floor import FLOORS, Floor
 from kamera_agent.bench.prefix_cache import PrefixCache, Sync
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
@@ -101,6 +102,7 @@ FOLLOWERS: Mapping[str, Callable[[TransformersBackend], Follower]] = MappingProx
             name: partial(BlendCache, fraction=percent / 100)
             for name, percent in zip(RECOMPUTE, RECOMPUTE_PERCENTS, strict=True)
         },
+        **{name: partial(Floor, dtype=dtype) for name, dtype in FLOORS.items()},
     }
 )
 """Every follower a run can host, by name. A run's `WindowRun.followers` names those it runs;

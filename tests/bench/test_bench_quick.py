@@ -19,6 +19,7 @@ from kamera_agent.bench import runner
 from kamera_agent.bench.common import BenchOptions
 from kamera_agent.bench.cost import CostRun, CostShape
 from kamera_agent.bench.fidelity import FIDELITY_ARMS
+from kamera_agent.bench.floor import FLOORS
 from kamera_agent.bench.frontier import ROWS
 from kamera_agent.bench.window_suite import RECOMPUTE
 
@@ -90,9 +91,11 @@ def test_window_frontier_runs_every_row_on_the_same_episode(quick_run: tuple[int
     window = _results(quick_run[1])["suites"]["window"]
     assert window["ops_requested"] == BenchOptions(quick=True).op_count
     assert [run["row"] for run in window["runs"]] == list(ROWS)
-    assert [row["row"] for row in window["frontier"]] == ["prefix cache", *ROWS, *RECOMPUTE]
+    assert [row["row"] for row in window["frontier"]] == ["prefix cache", *ROWS, *RECOMPUTE, *FLOORS]
     episodes = {tuple(r["op"] for r in run["records"]) for run in window["runs"]}
     assert len(episodes) == 1  # every row on the same ops (the frontier's own test checks the figures)
+    floors = {row["row"]: row for row in window["frontier"] if row["row"] in FLOORS}
+    assert all(0 < row["kl_mean"] < 1e-1 for row in floors.values())  # bf16 and fp16 are not fp32
 
 
 def test_ctrl_c_leaves_partial_results(

@@ -18,6 +18,7 @@ import pytest
 from rich.console import Console
 
 from kamera_agent.bench import runner
+from kamera_agent.bench.floor import FLOORS
 from kamera_agent.bench.frontier import ROWS
 from kamera_agent.bench.window_suite import KAMERA, PREFIX, RECOMPUTE
 
@@ -68,7 +69,7 @@ def test_every_row_runs_the_same_episode_and_is_measured_after_every_op(frontier
             for spent in record["sides"].values():
                 assert spent["kl"] is not None and spent["kl"] >= 0
                 assert spent["ask_forwards"] == 1  # the question formed nothing the op deferred
-    assert list(_rows(frontier)) == [PREFIX, *ROWS, *RECOMPUTE]
+    assert list(_rows(frontier)) == [PREFIX, *ROWS, *RECOMPUTE, *FLOORS]
     assert "## Window frontier" in frontier["report"]
 
 
