@@ -85,7 +85,8 @@ class ChunkEncoder:
 
     def in_namespace(self, namespace: str) -> ChunkEncoder:
         """An encoder for the same model, processing and prompt whose chunks are keyed in
-        ``namespace`` (through the anchor's key): an engine request with a ``cache_salt`` keys its
+        ``namespace`` (text through the anchor's key, images and their vision outputs by the
+        namespace itself): an engine request with a ``cache_salt`` keys its
         chunks in ``"|<salt>"`` (`kamera_agent.engines.chunking`), so a window in that namespace
         shares their entries, and the drift audits it files vouch for the engine's kept states."""
         return ChunkEncoder(
@@ -173,7 +174,8 @@ class ChunkEncoder:
         input_ids = torch.cat([before, pad, after])
         mm_types = torch.cat([torch.zeros_like(before), torch.ones_like(pad), torch.zeros_like(after)])
         relative, advance = self.positions.relative(input_ids, mm_types, grid)
-        vision_key = content_key("vision", self.model_fingerprint, self.settings, pixel_values, grid)
+        scope = (self.namespace,) if self.namespace else ()  # a salted window's images: its own
+        vision_key = content_key("vision", self.model_fingerprint, self.settings, pixel_values, grid, *scope)
         key = content_key("chunk", self.model_fingerprint, self.settings, input_ids, vision_key)
         return Chunk(
             kind,

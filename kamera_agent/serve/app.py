@@ -8,7 +8,11 @@ we do not have to write. What faces strangers is here:
   otherwise), and the key names the request's tenant;
 - a body is read with a byte limit (413, never read whole) within ``read_timeout`` (408), and
   parsed with nesting that cannot exhaust the parser (400);
-- every error is an OpenAI-style JSON body, unknown routes and unexpected faults included;
+- every error is an OpenAI-style JSON body, unknown routes and unexpected faults included (a
+  5xx names the error id its log line has), and every request writes one access-log line
+  (`kamera_agent.serve.access`);
+- ``/health`` says only that the server is alive to a caller without a key; ``/metrics``, which
+  reports every tenant's traffic, is the operator's once there are several tenants;
 - the model runs one forward at a time, in a worker thread; a streamed answer is handed to the
   client through a queue, and a client that goes away (mid-stream, or while waiting for a
   plain answer) stops its generation at the next decode step, freeing the model.
@@ -30,14 +34,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from kamera_agent.serve.access import AccessLog
 from kamera_agent.serve.feed import Cancellation, Feed
-from kamera_agent.serve.listen import Concurrency
+from kamera_agent.serve.listen import Concurrency, HttpMiddleware
 from kamera_agent.serve.protocol import (
     ChatRequest,
     RequestError,
-    error_body,
     internal_error,
     refuse_surrogates,
+    server_error,
 )
 from kamera_agent.serve.response_events import response_events
 from kamera_agent.serve.responses import (
@@ -50,32 +55,19 @@ from kamera_agent.serve.server import Completion, KameraServer
 
 __all__ = ["Cancellation", "create_app"]
 
-_OPEN = frozenset({"/health"})
-"""Routes that answer without a key (a load balancer's liveness probe)."""
 
+class _Tenants(HttpMiddleware):
+    """Names each request's tenant by its API key (``scope["state"]["tenant"]``), refusing what
+    the key may not ask (`ServeSettings.refusal`: 401, or 403 for ``/metrics``)."""
 
-class _Tenants:
-    """Names each request's tenant by its API key (``scope["state"]["tenant"]``), refusing with a
-    401 every route but the open ones when the key is not the server's (a plain ASGI middleware:
-    it wraps no response, so streaming and disconnects pass through untouched)."""
-
-    def __init__(self, app: Any, server: KameraServer) -> None:
-        self.app, self.server = app, server
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
+    async def http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
+        refused = self.server.settings.refusal(scope["path"], header)
+        if refused is not None:
+            challenge = {"WWW-Authenticate": "Bearer"} if refused.status == 401 else None
+            await _refused(self.server, refused, headers=challenge)(scope, receive, send)
             return
-        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        tenant = self.server.settings.tenant_of(header.decode("latin-1"))
-        if tenant is None and scope["path"] not in _OPEN:
-            refused = RequestError(
-                401, "a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key"
-            )
-            response = _refused(self.server, refused, headers={"WWW-Authenticate": "Bearer"})
-            await response(scope, receive, send)
-            return
-        scope.setdefault("state", {})["tenant"] = tenant
+        scope.setdefault("state", {})["tenant"] = self.server.settings.tenant_of(header)
         await self.app(scope, receive, send)
 
 
@@ -85,19 +77,23 @@ def create_app(server: KameraServer) -> FastAPI:
     name = server.settings.model_name
 
     app.add_middleware(_Tenants, server=server)
-    app.add_middleware(Concurrency, server=server)  # outermost: a request past the limit costs nothing
+    app.add_middleware(Concurrency, server=server)  # a request past the limit costs nothing more
+    app.add_middleware(AccessLog, server=server)  # outermost: every request's line; a fault's 500
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(raw: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code >= 500:
+            return _refused(server, server_error(exc.status_code, str(exc.detail), "server_error"))
         return _refused(server, RequestError(exc.status_code, str(exc.detail)))
 
-    @app.exception_handler(Exception)
-    async def fault(raw: Request, exc: Exception) -> JSONResponse:  # a bug: JSON, and the server goes on
-        return _refused(server, internal_error(exc))
-
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": name, "sessions": len(server.sessions)}
+    async def health(raw: Request) -> dict[str, Any]:
+        """Liveness for anyone; the model and the caller's own sessions for a tenant (no count
+        of another tenant's sessions: that would say how busy it is)."""
+        tenant = raw.state.tenant
+        if tenant is None:
+            return {"status": "ok"}
+        return {"status": "ok", "model": name, "sessions": server.sessions.count(tenant)}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -129,11 +125,12 @@ def create_app(server: KameraServer) -> FastAPI:
         response_id = f"resp_{uuid.uuid4().hex}"
 
         def keep(done: Completion, body: dict[str, Any], message: dict[str, Any]) -> None:
+            raw.state.served = done  # for the access log
             if request.store:
                 server.responses.put(response_id, StoredResponse(tenant, [*history, message], body))
 
         if request.stream:
-            feed = Feed(server, chat, tenant)
+            feed = Feed(server, chat, tenant, raw.state.arrived)
             first = await feed.next()
             if first[0] == "refused":
                 feed.cancel()
@@ -175,7 +172,7 @@ def create_app(server: KameraServer) -> FastAPI:
             return _refused(server, _invalid(exc))
         tenant = raw.state.tenant
         if request.stream:
-            return await _streamed(server, request, tenant)
+            return await _streamed(server, raw, request, tenant)
         return await _plain(server, raw, request, tenant)
 
     return app
@@ -216,12 +213,7 @@ async def _json(raw: Request, server: KameraServer) -> Any:
 
 def _refused(server: KameraServer, exc: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
     server.metrics.request(exc.status)
-    kind = "invalid_request_error" if exc.status < 500 else "server_error"
-    if exc.status == 429:
-        headers = {**(headers or {}), "Retry-After": "1"}
-    return JSONResponse(
-        error_body(exc.message, kind, exc.param, exc.code), status_code=exc.status, headers=headers
-    )
+    return JSONResponse(exc.body(), status_code=exc.status, headers={**exc.headers, **(headers or {})})
 
 
 async def _plain(server: KameraServer, raw: Request, request: ChatRequest, tenant: str) -> Response:
@@ -231,6 +223,7 @@ async def _plain(server: KameraServer, raw: Request, request: ChatRequest, tenan
     except RequestError as exc:
         return _refused(server, exc)
     server.metrics.request(200)
+    raw.state.served = done  # for the access log
     return JSONResponse(_completion(done))
 
 
@@ -243,7 +236,13 @@ async def _watched(server: KameraServer, raw: Request, request: ChatRequest, ten
     """
     cancellation = Cancellation()
     task = asyncio.ensure_future(
-        run_in_threadpool(server.complete, request, tenant=tenant, keep_going=cancellation.keep_going)
+        run_in_threadpool(
+            server.complete,
+            request,
+            tenant=tenant,
+            keep_going=cancellation.keep_going,
+            arrived=raw.state.arrived,
+        )
     )
     while not task.done():
         await asyncio.wait([task], timeout=0.25)
@@ -289,10 +288,10 @@ def _completion(done: Completion) -> dict[str, Any]:
     }
 
 
-async def _streamed(server: KameraServer, request: ChatRequest, tenant: str) -> Response:
+async def _streamed(server: KameraServer, raw: Request, request: ChatRequest, tenant: str) -> Response:
     """Runs the request in a thread, streaming its text; a request refused before its first
     token gets a plain 4xx, as a non-streamed one would. A client gone mid-stream stops it."""
-    feed = Feed(server, request, tenant)
+    feed = Feed(server, request, tenant, raw.state.arrived)
     first = await feed.next()
     if first[0] == "refused":
         feed.cancel()
@@ -313,6 +312,7 @@ async def _streamed(server: KameraServer, request: ChatRequest, tenant: str) -> 
                 if kind == "text":
                     yield _event(stamp, {"content": value})
                 elif kind == "done":
+                    raw.state.served = value  # for the access log
                     if value.logprobs[0] is not None:  # every token's, at the end of the text
                         yield _event(stamp, {}, logprobs=value.logprobs[0])
                     calls = value.message(0).get("tool_calls")
@@ -332,7 +332,8 @@ async def _streamed(server: KameraServer, request: ChatRequest, tenant: str) -> 
                         )
                     break
                 else:  # refused after streaming began: say so in the stream and end it
-                    yield _data(error_body(value.message, "server_error", value.param, value.code))
+                    raw.state.error_id = value.error_id
+                    yield _data(value.body("server_error"))
                     break
                 kind, value = await feed.next()
             yield b"data: [DONE]\n\n"

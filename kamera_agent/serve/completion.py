@@ -14,6 +14,7 @@ from typing import Any
 
 from kamera_agent.results import Answer, OpCost, Plan
 from kamera_agent.serve.sync import SyncReport
+from kamera_agent.serve.timing import Clock
 from kamera_agent.serve.tools import ToolFormat
 from kamera_agent.serve.usage import PromptSplit
 
@@ -51,6 +52,8 @@ class Completion:
     (`KameraWindow.drift_of`; ``None``: some chunk is approximated with no budget to estimate it)."""
     waited: int = 0
     """Decode steps of other requests that ran while this one waited for the model."""
+    clock: Clock = field(default_factory=Clock)
+    """When the request arrived, waited, began answering and ended (the latency histograms')."""
 
     def message(self, index: int) -> dict[str, Any]:
         """Choice ``index``'s assistant message: its content, and its tool calls if it made any."""

@@ -47,12 +47,14 @@ class Feed:
     """Starts ``request`` in a thread; `next` gives ``("text", piece)``, then ``("done",
     Completion)`` or ``("refused", RequestError)``. Must be created on the event loop."""
 
-    def __init__(self, server: KameraServer, request: ChatRequest, tenant: str) -> None:
+    def __init__(
+        self, server: KameraServer, request: ChatRequest, tenant: str, arrived: float | None = None
+    ) -> None:
         self.server, self.cancellation = server, Cancellation()
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         threading.Thread(
-            target=self._work, args=(request, tenant), name="kamera-request", daemon=True
+            target=self._work, args=(request, tenant, arrived), name="kamera-request", daemon=True
         ).start()
 
     async def next(self) -> tuple[str, Any]:
@@ -65,13 +67,14 @@ class Feed:
     def _put(self, kind: str, value: Any) -> None:
         self._loop.call_soon_threadsafe(self._events.put_nowait, (kind, value))
 
-    def _work(self, request: ChatRequest, tenant: str) -> None:
+    def _work(self, request: ChatRequest, tenant: str, arrived: float | None) -> None:
         try:
             done = self.server.complete(
                 request,
                 tenant=tenant,
                 on_text=lambda text: self._put("text", text),
                 keep_going=self.cancellation.keep_going,
+                arrived=arrived,
             )
             if self.cancellation.steps_at_cancel is not None:
                 self.server.metrics.after_cancel(self.cancellation.after_cancel)

@@ -27,23 +27,28 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kamera_agent.serve.protocol import error_body
+from kamera_agent.serve.protocol import server_error
 from kamera_agent.serve.server import KameraServer
 from kamera_agent.serve.settings import ServeSettings
 
-__all__ = ["Concurrency", "guarded_protocol", "uvicorn_config"]
+__all__ = ["Concurrency", "HttpMiddleware", "guarded_protocol", "uvicorn_config"]
 
 _LATE = b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 _UNLIMITED = frozenset({"/health"})
 
 
-def uvicorn_config(app: Any, settings: ServeSettings, host: str, port: int) -> uvicorn.Config:
-    """uvicorn's settings for ``app`` under ``settings``' deadlines (the h11 protocol, guarded)."""
+def uvicorn_config(
+    app: Any, settings: ServeSettings, host: str, port: int, log_level: str = "warning"
+) -> uvicorn.Config:
+    """uvicorn's settings for ``app`` under ``settings``' deadlines (the h11 protocol, guarded);
+    its own access log off (the app writes one line a request with what uvicorn cannot know:
+    `kamera_agent.serve.access`)."""
     return uvicorn.Config(
         app,
         host=host,
         port=port,
-        log_level="warning",
+        log_level=log_level,
+        access_log=False,
         http=guarded_protocol(settings.header_timeout),
     )
 
@@ -92,15 +97,34 @@ class _Guarded(H11Protocol):
             self._header_timer = None
 
 
-class Concurrency:
+class HttpMiddleware:
+    """A plain ASGI middleware of ``server`` (no response wrapped in a class of its own, so
+    streaming and disconnects pass through): it acts on HTTP requests (`http`) and passes
+    anything else (lifespan events) through untouched."""
+
+    def __init__(self, app: Any, server: KameraServer) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        await self.http(scope, receive, send)
+
+    async def http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        raise NotImplementedError
+
+
+class Concurrency(HttpMiddleware):
     """An ASGI middleware admitting at most ``max_concurrent`` requests at once (``/health``
     always): each may hold a worker thread, a place in the model's queue and its body's memory."""
 
     def __init__(self, app: Any, server: KameraServer) -> None:
-        self.app, self.server, self.active = app, server, 0
+        super().__init__(app, server)
+        self.active = 0
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in _UNLIMITED:
+    async def http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["path"] in _UNLIMITED:
             await self.app(scope, receive, send)
             return
         limit = self.server.settings.max_concurrent
@@ -116,12 +140,15 @@ class Concurrency:
 
 
 async def _busy(send: Any, limit: int) -> None:
-    message = f"the server has {limit} requests in progress, its limit; retry shortly"
-    payload = json.dumps(error_body(message, "server_error", None, "server_busy")).encode()
+    busy = server_error(
+        503, f"the server has {limit} requests in progress, its limit; retry shortly", "server_busy"
+    )
+    payload = json.dumps(busy.body()).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(payload)).encode()),
         (b"retry-after", b"1"),
+        *((name.encode(), value.encode()) for name, value in busy.headers.items()),
     ]
     await send({"type": "http.response.start", "status": 503, "headers": headers})
     await send({"type": "http.response.body", "body": payload})

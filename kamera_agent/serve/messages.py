@@ -8,6 +8,10 @@ the message is framed (closed, or left open for the question), so they are kept 
 within a byte budget (and each system prompt's framing within another: never by count, since a
 stranger decides how large each is): a turn prepares only the messages it has not sent before,
 and none of it holds the model lock.
+
+Each tenant's chunks are keyed in its namespace (the ``cache_salt`` its windows have), so
+everything here is kept per namespace too: framings, chunks, and the decoded images behind them
+(a tenant never gets another's image faster because that tenant sent it).
 """
 
 from __future__ import annotations
@@ -73,7 +77,9 @@ class MessageChunks:
         self.max_pixels = max_pixels or images.max_pixels
         encoder = backend.encoder
         self.template = ChatTemplate.from_tokenizer(encoder.tokenizer, encoder.prompt)
-        self._conversations: ByteLRU[str | None, Framing] = ByteLRU(anchor_budget, _framing_bytes)
+        self._conversations: ByteLRU[tuple[str | None, str | None], Framing] = ByteLRU(
+            anchor_budget, _framing_bytes
+        )
         self._chunks: ByteLRU[tuple[str, str, bool, int], tuple[Chunk, ...]] = ByteLRU(budget, _chunks_bytes)
 
     @property
@@ -86,21 +92,25 @@ class MessageChunks:
         """Bytes of conversation framings held now."""
         return self._conversations.nbytes
 
-    def conversation(self, system: str | None) -> Conversation:
+    def conversation(self, system: str | None, salt: str | None = None) -> Conversation:
+        """The framing of a conversation under ``system`` (`framing`), without its anchor's length."""
+        return self.framing(system, salt).conversation
+
+    def framing(self, system: str | None, salt: str | None = None) -> Framing:
         """The framing of a conversation under ``system`` (its own encoder and anchor), as the
-        window of that conversation frames it.
+        window of that conversation frames it (`KameraWindow` with ``cache_salt=salt``), and how
+        many tokens its anchor takes (one kept only if it fits).
 
         Raises:
             RequestError: the system prompt alone does not fit the model's context.
         """
-        return self.framing(system).conversation
-
-    def framing(self, system: str | None) -> Framing:
-        """`conversation`, and how many tokens its anchor takes (one kept only if it fits)."""
-        known = self._conversations.get(system)
+        known = self._conversations.get((salt, system))
         if known is not None:
             return known
-        encoder = self.backend.encoder.with_prompt(self.template.prompt_format(system))
+        encoder = self.backend.encoder
+        if salt is not None:  # as KameraWindow keys a salted window's chunks: in "|<salt>"
+            encoder = encoder.in_namespace(f"|{salt}")
+        encoder = encoder.with_prompt(self.template.prompt_format(system))
         made = Framing(Conversation(self.template, encoder, self.max_pixels), encoder.anchor().num_tokens)
         limit = self.backend.context_limit
         if limit is not None and made.anchor_tokens >= limit:
@@ -110,19 +120,21 @@ class MessageChunks:
                 param="messages",
                 code="context_length_exceeded",
             )
-        self._conversations.put(system, made)
+        self._conversations.put((salt, system), made)
         return made
 
-    def prepare(self, system: str | None, turns: list[Turn], lease: PixelLease) -> Prepared:
+    def prepare(
+        self, system: str | None, turns: list[Turn], lease: PixelLease, salt: str | None = None
+    ) -> Prepared:
         """Every message but the last as chunks, then the last (user or tool) message's leading
-        parts (images) as an open message, its trailing text as the question. Images decoded
-        here are charged to ``lease``.
+        parts (images) as an open message, its trailing text as the question, keyed in the
+        namespace of ``salt``. Images decoded here are charged to ``lease``.
 
         Raises:
             RequestError: an image that cannot be read (or not now: 429), or content that cannot
                 become a chunk.
         """
-        conversation = self.conversation(system)
+        conversation = self.conversation(system, salt)
         chunks: list[Chunk] = []
         for i, turn in enumerate(turns[:-1]):
             where = f"messages[{i}]"
@@ -154,7 +166,10 @@ class MessageChunks:
         known = self._chunks.get(key)
         if known is not None:
             return [replace(chunk, label=label) for chunk, label in zip(known, every, strict=True)]
-        parts = [part if isinstance(part, str) else self.images.read(part, lease) for part in turn.parts]
+        scope = conversation.encoder.namespace
+        parts = [
+            part if isinstance(part, str) else self.images.read(part, lease, scope) for part in turn.parts
+        ]
         try:
             made = conversation.message(turn.role, parts, closed=closed, labels=labels, markers_apart=True)
         except KameraError as exc:  # bad content, or an image the model cannot take

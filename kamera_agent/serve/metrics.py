@@ -1,8 +1,10 @@
 """``GET /metrics``: the server's counters in Prometheus' text format.
 
 Why these: an operator wants to see that reuse happens (tokens prefilled against served from
-reuse, forwards, ops by kind) and what it costs (store bytes, sessions). The usage counters are
-sums of what each response's ``usage`` said, so the two can be reconciled.
+reuse, forwards, ops by kind), what it costs (store bytes, sessions) and how long requests take.
+The usage counters are sums of what each response's ``usage`` said, so the two can be
+reconciled; the latency histograms carry vLLM's names after a ``kamera:`` prefix
+(`kamera_agent.serve.histogram`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kamera_agent.results import OpCost
+from kamera_agent.serve.histogram import LATENCY, TIME_PER_TOKEN, TIME_TO_FIRST_TOKEN, Histogram
+from kamera_agent.serve.timing import Clock
 from kamera_agent.serve.usage import PromptSplit
 
 __all__ = ["Metrics"]
@@ -28,6 +32,27 @@ class Metrics:
         self.ops: Counter[str] = Counter()
         self.statuses: Counter[int] = Counter()
         self.sources: Counter[str] = Counter()
+        self.ttft = Histogram(
+            "kamera:time_to_first_token_seconds",
+            "seconds from a request's arrival to its first answer token",
+            TIME_TO_FIRST_TOKEN,
+        )
+        self.per_token = Histogram(
+            "kamera:request_time_per_output_token_seconds",
+            "a request's mean seconds per answer token after its first (vLLM's per-request series; its "
+            "per-token vllm:time_per_output_token_seconds is deprecated)",
+            TIME_PER_TOKEN,
+        )
+        self.e2e = Histogram(
+            "kamera:e2e_request_latency_seconds",
+            "seconds from a request's arrival to its last token",
+            LATENCY,
+        )
+        self.queue = Histogram(
+            "kamera:request_queue_time_seconds",
+            "seconds a request, its messages prepared, waited for its first turn at the model",
+            LATENCY,
+        )
 
     def request(self, status: int) -> None:
         with self._lock:
@@ -59,6 +84,14 @@ class Metrics:
                 self.counts["forwards"] += cost.forwards
                 self.counts["vision_encodes"] += cost.vision_encodes
 
+    def timed(self, clock: Clock, tokens: int) -> None:
+        """A served request's latencies (``tokens``: the answer tokens of all its choices)."""
+        with self._lock:
+            self.ttft.observe(clock.to_first_token)
+            self.per_token.observe(clock.per_output_token(tokens))
+            self.e2e.observe(clock.total)
+            self.queue.observe(clock.queue)
+
     def after_cancel(self, tokens: int) -> None:
         """Answer tokens decoded after a request's client was seen to go away."""
         with self._lock:
@@ -68,6 +101,9 @@ class Metrics:
         with self._lock:
             counts, ops, statuses = dict(self.counts), dict(self.ops), dict(self.statuses)
             sources = dict(self.sources)
+            histograms = [
+                line for h in (self.ttft, self.per_token, self.e2e, self.queue) for line in h.render()
+            ]
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
@@ -109,4 +145,4 @@ class Metrics:
         )
         for name, value in sorted(self._gauges().items()):
             metric(name, "gauge", name.replace("_", " "), [("", value)])
-        return "\n".join(lines) + "\n"
+        return "\n".join([*lines, *histograms]) + "\n"

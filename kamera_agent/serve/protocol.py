@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "ERROR_ID_HEADER",
     "IGNORED",
     "MAX_CHOICES",
     "ChatRequest",
@@ -22,6 +24,7 @@ __all__ = [
     "error_body",
     "internal_error",
     "refuse_surrogates",
+    "server_error",
 ]
 
 MAX_CHOICES = 8
@@ -36,6 +39,9 @@ IGNORED: dict[str, str] = {
 """Fields accepted and not acted on, with why that changes nothing (docs/serve.md lists them)."""
 
 
+ERROR_ID_HEADER = "x-kamera-error-id"
+"""The response header a 5xx names its error id in (the body's ``error.error_id``, the log's)."""
+
 _LOG = logging.getLogger("kamera_agent.serve")
 _TOKEN_ID = re.compile("[0-9]{1,10}")
 """A ``logit_bias`` key: ASCII digits only (``"²"`` passes ``str.isdigit`` and fails ``int``)."""
@@ -46,20 +52,55 @@ a pair of escapes is one character once parsed, and legal)."""
 
 
 class RequestError(Exception):
-    """A request the server refuses: the HTTP status and an OpenAI-style error body."""
+    """A request the server refuses: the HTTP status and an OpenAI-style error body (a 5xx's
+    carries the ``error_id`` its log line has: `internal_error`, `server_error`)."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        error_id: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.error_id = error_id
+
+    def body(self, kind: str | None = None) -> dict[str, Any]:
+        """The error as OpenAI's body (``kind``: its ``type``, by default from the status)."""
+        kind = kind or ("invalid_request_error" if self.status < 500 else "server_error")
+        return error_body(self.message, kind, self.param, self.code, self.error_id)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Response headers the refusal brings: when to retry (429), the error id (5xx)."""
+        headers = {"Retry-After": "1"} if self.status == 429 else {}
+        if self.error_id is not None:
+            headers[ERROR_ID_HEADER] = self.error_id
+        return headers
 
 
 def internal_error(exc: BaseException) -> RequestError:
-    """A bug's 500, its traceback logged: the client is told the exception's type only, the
-    operator the whole of it (an unlogged 500 leaves nothing to mend)."""
-    _LOG.error("internal error while serving a request", exc_info=exc)
-    return RequestError(500, f"internal error ({type(exc).__name__})")
+    """A bug's 500, its traceback logged under an error id the response carries: the client is
+    told the exception's type and the id, the operator the whole of it (an unlogged 500 leaves
+    nothing to mend, and one the client cannot name cannot be found in the log)."""
+    error_id = _error_id()
+    _LOG.error("%s: internal error while serving a request", error_id, exc_info=exc)
+    message = f"internal error ({type(exc).__name__}); error id {error_id}"
+    return RequestError(500, message, code="internal_error", error_id=error_id)
+
+
+def server_error(status: int, message: str, code: str) -> RequestError:
+    """A 5xx that is no fault (the server busy): logged under an error id, as a fault's is."""
+    error_id = _error_id()
+    _LOG.warning("%s: %d %s", error_id, status, message)
+    return RequestError(status, f"{message}; error id {error_id}", code=code, error_id=error_id)
+
+
+def _error_id() -> str:
+    return f"err-{secrets.token_hex(8)}"
 
 
 def refuse_surrogates(raw: bytes | bytearray, body: Any) -> None:
@@ -93,8 +134,14 @@ def refuse_surrogates(raw: bytes | bytearray, body: Any) -> None:
             )
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+def error_body(
+    message: str, kind: str, param: str | None = None, code: str | None = None, error_id: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error object (and a 5xx's ``error_id``, the key to its log line)."""
+    body: dict[str, Any] = {"message": message, "type": kind, "param": param, "code": code}
+    if error_id is not None:
+        body["error_id"] = error_id
+    return {"error": body}
 
 
 class ChatRequest(BaseModel):

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kamera_agent.serve.feed import Feed
-from kamera_agent.serve.protocol import error_body
 from kamera_agent.serve.responses import ResponseRequest, to_response
 
 __all__ = ["response_events"]
@@ -54,9 +53,7 @@ async def response_events(
             yield event("response.output_text.delta", delta=value, logprobs=[], **where)
             kind, value = await feed.next()
         if kind == "refused":
-            yield event(
-                "error", **error_body(value.message, "server_error", value.param, value.code)["error"]
-            )
+            yield event("error", **value.body("server_error")["error"])
             return
         body, message = to_response(value, request, response_id, message_id=message_id)
         finished(value, body, message)

@@ -14,6 +14,10 @@ No single request can hold or kill it:
   (`ModelTurns`): a request hands the model on between decode steps to those waiting, so a
   short request waits for steps, not for another's whole answer;
 - a request's settings travel with it from admission to its window (`Fidelity`).
+
+Tenants learn nothing of each other: besides their sessions, every store entry a tenant's
+requests make or read (canonicals, vision outputs, full states, patches, audits) is keyed in its
+own namespace (`ServeSettings.cache_salt`), unless the server shares content on purpose.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from kamera_agent.serve.sessions import Session, SessionPool
 from kamera_agent.serve.settings import DEFAULT_TENANT, ServeSettings
 from kamera_agent.serve.structured import Constraints
 from kamera_agent.serve.sync import SyncReport, sync_window
+from kamera_agent.serve.timing import Clock
 from kamera_agent.serve.tools import CallFilter, ToolFormat, system_with_tools, tool_format_for
 from kamera_agent.serve.turns import ImagePart, ImageReader, read_turns
 from kamera_agent.serve.turns import Turn as Message
@@ -71,6 +76,7 @@ class _Asked:
     digests: list[str]
     prepared: Prepared
     query_tokens: int
+    clock: Clock
     constraint: Callable[[], Constraint] | None = None
 
 
@@ -112,15 +118,18 @@ class KameraServer:
         tenant: str = DEFAULT_TENANT,
         on_text: Streamed = None,
         keep_going: KeepGoing = None,
+        arrived: float | None = None,
     ) -> Completion:
         """Serve one request of ``tenant`` (streaming through ``on_text`` when given; ended
-        early when ``keep_going`` says so: the client went away).
+        early when ``keep_going`` says so: the client went away), timed from ``arrived``
+        (``time.perf_counter()`` when the request reached the server; default: now).
 
         Raises:
             RequestError: anything the request asks that cannot be served (4xx), or 429 when the
                 tenant already has ``max_queued`` requests in the server or its images find no
                 room in the pixel budgets now.
         """
+        clock = Clock() if arrived is None else Clock(arrived)
         self._refuse_unserved(request)
         with self._admitted(tenant):  # before any work a tenant past its place would only queue
             prefix_only = self.settings.reuse == "prefix"
@@ -130,11 +139,15 @@ class KameraServer:
             if request.tools:  # the definitions belong to the system block: the conversation's anchor
                 system = self._with_tools(system, request.tools)
             constraint = self.constraints.of(request)
+            salt = self.settings.cache_salt(tenant)
             with self.pixels.lease(tenant) as lease:  # images, tokens, keys: outside the model
-                prepared = self.messages.prepare(system, turns, lease)
-            query_tokens = self._query_tokens(system, prepared)
+                prepared = self.messages.prepare(system, turns, lease, salt)
+            query_tokens = self._query_tokens(system, prepared, salt)
             digests = [turn.digest for turn in turns]
-            asked = _Asked(request, tenant, fidelity, system, digests, prepared, query_tokens, constraint)
+            clock.stamp_ready()
+            asked = _Asked(
+                request, tenant, fidelity, system, digests, prepared, query_tokens, clock, constraint
+            )
             return self._answer(asked, on_text, keep_going)
 
     def _refuse_unserved(self, request: ChatRequest) -> None:
@@ -186,17 +199,21 @@ class KameraServer:
         if calls is not None:
             on_text = calls  # a call is sent as tool_calls, never as text
         with self.turns.turn() as turn:
+            asked.clock.stamp_started()
             session = self._claim(turn, asked)
             try:
                 done = self._serve(session, asked, turn, on_text, keep_going)
             finally:
                 session.busy = False
+        asked.clock.stamp_finished()
         if calls is not None:
             calls.flush(done.calls[0].content)
         asks = [("ask", each.cost or OpCost()) for each in done.answers]
         ops = [(op, cost) for op, _, cost in done.report.ops] + asks
         cancelled = done.answer.finish_reason == "cancelled"
-        self.metrics.served(done.usage(), done.split, done.tokens_prefilled, ops, cancelled=cancelled)
+        usage = done.usage()
+        self.metrics.served(usage, done.split, done.tokens_prefilled, ops, cancelled=cancelled)
+        self.metrics.timed(asked.clock, usage["completion_tokens"])
         return done
 
     def _claim(self, turn: Turn, asked: _Asked) -> Session:
@@ -218,7 +235,8 @@ class KameraServer:
         window = session.window
         try:
             report = sync_window(window, asked.prepared, prefix_only=self.settings.reuse == "prefix")
-            answers = self._decode(window, report, asked, _turn_taking(turn, keep_going), on_text)
+            stepping = _turn_taking(turn, asked.clock, keep_going)
+            answers = self._decode(window, report, asked, stepping, on_text)
         except ContextOverflowError as exc:
             raise RequestError(400, str(exc), param="messages", code="context_length_exceeded") from exc
         except KameraError as exc:
@@ -294,12 +312,13 @@ class KameraServer:
             else (),
             drift,
             waited,
+            asked.clock,
         )
 
-    def _query_tokens(self, system: str | None, prepared: Prepared) -> int:
+    def _query_tokens(self, system: str | None, prepared: Prepared, salt: str | None) -> int:
         """The question's tokens (tokenized once, outside the model), refusing a question that
         cannot fit the model's context behind the system prompt."""
-        framing = self.messages.framing(system)
+        framing = self.messages.framing(system, salt)
         role, opened = prepared.role, not prepared.in_message
         tokens = int(framing.conversation.query_ids(prepared.query, opened=opened, role=role).shape[0])
         limit = self.backend.context_limit
@@ -333,9 +352,15 @@ class KameraServer:
                 if self._queued[tenant] <= 0:
                     del self._queued[tenant]
 
-    def _window(self, system: str | None, config: WindowConfig) -> KameraWindow:
+    def _window(self, tenant: str, system: str | None, config: WindowConfig) -> KameraWindow:
+        """A conversation window of ``tenant``, its chunks keyed in the tenant's namespace."""
         return KameraWindow(
-            self.backend, config=config, store=self.store, conversation=True, system_prompt=system
+            self.backend,
+            config=config,
+            store=self.store,
+            conversation=True,
+            system_prompt=system,
+            cache_salt=self.settings.cache_salt(tenant),
         )
 
     def _gauges(self) -> dict[str, float]:
@@ -361,12 +386,13 @@ def _freed(session: Session) -> Callable[[], bool]:
     return lambda: not session.busy
 
 
-def _turn_taking(turn: Turn, keep_going: KeepGoing) -> Callable[[], bool]:
-    """Asked before each decode step: the model handed to whoever waits, then whether the
-    client still wants the answer."""
+def _turn_taking(turn: Turn, clock: Clock, keep_going: KeepGoing) -> Callable[[], bool]:
+    """Asked before each decode step: the model handed to whoever waits (the step's token is then
+    picked: the first one's time is stamped), then whether the client still wants the answer."""
 
     def step() -> bool:
         turn.step()
+        clock.stepped()
         return keep_going() if keep_going is not None else True
 
     return step

@@ -9,9 +9,10 @@ settings; an explicit name (``session_id``, ``prompt_cache_key`` or ``user``) pi
 
 Tenants never meet: every lookup, by content or by name, is within the request's tenant (its
 API key), so another tenant's first message or session id finds nothing of this one's, and a
-session id the server hands out is 128 random bits. Windows share one store, so a new session
-still reuses the KV of identical content (canonicals, vision outputs, patches) any window made:
-content, not state.
+session id the server hands out is 128 random bits. Windows share one store, keyed by tenant
+(each tenant's windows key their chunks in its namespace: `ServeSettings.cache_salt`), so a new
+session reuses the KV its tenant's other windows made, and another tenant's only where the server
+shares content on purpose.
 """
 
 from __future__ import annotations
@@ -52,12 +53,12 @@ class SessionPool:
     server calls it under its model lock.
 
     Args:
-        make_window: builds a window for ``(system prompt, settings)``.
+        make_window: builds a window for ``(tenant, system prompt, settings)``.
     """
 
     def __init__(
         self,
-        make_window: Callable[[str | None, WindowConfig], KameraWindow],
+        make_window: Callable[[str, str | None, WindowConfig], KameraWindow],
         max_sessions: int = 16,
         idle_seconds: float = 1800.0,
     ) -> None:
@@ -69,6 +70,10 @@ class SessionPool:
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    def count(self, tenant: str) -> int:
+        """Live sessions of ``tenant`` (read from another thread: over a copy of the keys)."""
+        return sum(1 for key in list(self._sessions) if key[0] == tenant)
 
     def session_for(
         self,
@@ -106,7 +111,7 @@ class SessionPool:
             del self._sessions[key]
             self.dropped += 1
         session_id = pinned or f"kam-{uuid.uuid4().hex}"
-        window = self._make(system, fidelity.config)
+        window = self._make(tenant, system, fidelity.config)
         session = Session(session_id, tenant, window, system, fidelity.key, pinned=pinned is not None)
         self._sessions[(tenant, session_id)] = session
         self.created += 1

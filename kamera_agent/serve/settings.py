@@ -7,13 +7,16 @@ the model and of memory one request or one tenant may hold.
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kamera_agent.config import WindowConfig
+from kamera_agent.errors import SettingsError
 from kamera_agent.serve.bounds import SchemaBound
 from kamera_agent.serve.fetch import ImageFetching
+from kamera_agent.serve.protocol import RequestError
 from kamera_agent.serve.turns import Limits
 
 __all__ = ["DEFAULT_TENANT", "ServeSettings"]
@@ -36,6 +39,12 @@ class ServeSettings:
             ``file://`` URL is read).
         max_tokens: answer length when a request gives none.
         api_keys: API key → tenant name; ``None``: no key is asked and every client is one tenant.
+        share_content: key every tenant's store entries in one namespace, so a tenant's request
+            reuses KV another tenant's requests made. Off (the default), each tenant's entries
+            are its own: sharing is a membership side channel (a request's ``cached_tokens`` tell
+            whether another tenant sent the same system prompt, messages or image).
+        metrics_key: the key ``/metrics`` answers to (it reports every tenant's traffic).
+            ``None``: a tenant's key, while the server has one tenant; with several, none.
         limits: messages and parts one request may carry.
         max_request_bytes: the largest request body read (larger: 413, not read whole).
         read_timeout: seconds a client has to send its whole body once its headers are in
@@ -66,6 +75,8 @@ class ServeSettings:
     local_media: Path | None = None
     max_tokens: int = 256
     api_keys: Mapping[str, str] | None = None
+    share_content: bool = False
+    metrics_key: str | None = None
     limits: Limits = field(default_factory=Limits)
     max_request_bytes: int = 32 << 20
     read_timeout: float = 30.0
@@ -81,9 +92,56 @@ class ServeSettings:
     schema: SchemaBound = field(default_factory=SchemaBound)
     reuse: str = "kamera"
 
+    def __post_init__(self) -> None:
+        """An empty key would let in whoever sends ``Authorization: Bearer`` with none."""
+        if self.metrics_key == "" or (self.api_keys is not None and "" in self.api_keys):
+            raise SettingsError(
+                "an API key or metrics key is empty: it would admit anyone; give each a value"
+            )
+
     def tenant_of(self, authorization: str | None) -> str | None:
         """The tenant an ``Authorization`` header names (``None``: not a key of this server)."""
         if self.api_keys is None:
             return DEFAULT_TENANT
-        scheme, _, key = (authorization or "").partition(" ")
-        return self.api_keys.get(key.strip()) if scheme.lower() == "bearer" else None
+        key = _bearer(authorization)
+        return None if key is None else self.api_keys.get(key)
+
+    def cache_salt(self, tenant: str) -> str | None:
+        """The namespace ``tenant``'s windows key their chunks in (`KameraWindow`'s ``cache_salt``):
+        its own when the server has tenants and shares no content; ``None`` (unsalted) when every
+        client is one tenant, or content is shared."""
+        if self.api_keys is None or self.share_content:
+            return None
+        return f"kamera-serve/{tenant}"
+
+    def refusal(self, path: str, authorization: str | None) -> RequestError | None:
+        """Why a request for ``path`` with this ``Authorization`` header is refused (``None``: it
+        is not). ``/health`` is open (a load balancer's probe); ``/metrics`` reports every
+        tenant's traffic, so with several tenants it is the operator's (``metrics_key``)."""
+        if path == "/metrics" and self.metrics_key is not None:
+            given = _bearer(authorization) or ""
+            if hmac.compare_digest(given.encode(), self.metrics_key.encode()):
+                return None
+            return _key_required("the metrics key")
+        if path == "/health":
+            return None
+        if self.tenant_of(authorization) is None:
+            return _key_required("a valid API key")
+        if path == "/metrics" and self.api_keys is not None and len(set(self.api_keys.values())) > 1:
+            return RequestError(
+                403,
+                "/metrics reports every tenant's traffic: the operator starts the server with "
+                "--metrics-key KEY and scrapes with that key",
+                code="metrics_key_required",
+            )
+        return None
+
+
+def _bearer(authorization: str | None) -> str | None:
+    """The key of an ``Authorization: Bearer <key>`` header (``None``: no bearer key)."""
+    scheme, _, key = (authorization or "").partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else None
+
+
+def _key_required(what: str) -> RequestError:
+    return RequestError(401, f"{what} is required: Authorization: Bearer <key>", code="invalid_api_key")

@@ -73,26 +73,27 @@ class ImageReader:
         self, policy: MediaPolicy, max_pixels: int = MAX_IMAGE_PIXELS, budget: int = 64 << 20
     ) -> None:
         self.policy, self.max_pixels = policy, max_pixels
-        self._cache: ByteLRU[str, Image.Image] = ByteLRU(budget, _image_bytes)
+        self._cache: ByteLRU[tuple[str, str], Image.Image] = ByteLRU(budget, _image_bytes)
 
     @property
     def nbytes(self) -> int:
         """Bytes of decoded pixels held now."""
         return self._cache.nbytes
 
-    def read(self, part: ImagePart, lease: PixelLease) -> Image.Image:
-        """The part's image, RGB, its decoding charged to ``lease`` first.
+    def read(self, part: ImagePart, lease: PixelLease, scope: str = "") -> Image.Image:
+        """The part's image, RGB, its decoding charged to ``lease`` first; kept under ``scope``
+        (a tenant's namespace: another tenant's copy is never served, nor its decoding spared).
 
         Raises:
             RequestError: 400 for anything unreadable or not allowed; 429 when the pixel budgets
                 have no room for it now.
         """
-        cached = self._cache.get(part.digest)
+        cached = self._cache.get((scope, part.digest))
         if cached is not None:
             lease.take(cached.width, cached.height, part.where)  # preprocessing it costs as much
             return cached
         image = self._decode(read_url(part.url, part.where, self.policy), part.where, lease)
-        self._cache.put(part.digest, image)
+        self._cache.put((scope, part.digest), image)
         return image
 
     def _decode(self, data: bytes, where: str, lease: PixelLease) -> Image.Image:
