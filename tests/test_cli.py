@@ -1,14 +1,18 @@
-"""The ``kamera`` command: ``check`` on checkpoints the tests save, ``demo`` on the shipped model."""
+"""The ``kamera`` command: ``check`` on checkpoints the tests save, ``demo`` on the shipped model,
+help and version without torch, and every refusal in one line."""
 
 from __future__ import annotations
 
+import argparse
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from kamera_agent.check import run_check
-from kamera_agent.cli import main
-from tests.tiny_processors import save_tiny_text, save_tiny_vl
+from kamera_agent.cli import build_parser, main
+from tests.tiny_processors import save_tiny_text, save_tiny_vl, tiny_tokenizer
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
@@ -66,3 +70,88 @@ def test_episode_recall_runs_no_forward(untrained_demo_model: Path) -> None:
     recall = next(step for step in result.steps if step.op == "recall #1")
     assert recall.cost.forwards == 0 and recall.cost.vision_encodes == 0
     assert recall.prefix_cache_tokens > 0
+
+
+def test_version_and_every_commands_help_answer_without_importing_torch() -> None:
+    """The console script imports the package and the command's parser only: ``kamera --help``
+    used to wait ~10 s for torch."""
+    commands = ["demo", "check", "bench", "calibrate", "store", "serve"]
+    script = (
+        "import sys\n"
+        "from kamera_agent.cli import main\n"
+        f"for argv in [['--version'], ['--help'], *[[c, '--help'] for c in {commands!r}]]:\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('torch' in sys.modules, 'transformers' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "kamera 0.1.0" in done.stdout and "an OpenAI-compatible chat server" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "False False", done.stdout[-500:]
+    version = subprocess.run(
+        [sys.executable, "-m", "kamera_agent", "--version"], capture_output=True, text=True
+    )
+    assert version.returncode == 0 and version.stdout.strip() == "kamera 0.1.0"
+
+
+def test_every_command_has_a_description_and_shows_its_defaults() -> None:
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in commands.choices.items():
+        assert parser.description, name
+        shown = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if action.default in (None, False, argparse.SUPPRESS) or not action.help:
+                continue
+            assert "default" in action.help or f"(default: {action.default})" in shown, (name, action.dest)
+
+
+def test_the_parsers_offer_what_the_commands_run() -> None:
+    """The parsers list their choices without importing the commands: held to the real lists."""
+    from kamera_agent.bench import calibrate, common, frontier
+    from kamera_agent.parsers import bench, model
+    from kamera_agent.store.remote import command
+
+    assert tuple(frontier.ROWS) == bench.FRONTIER_ROWS and bench.AGENTS == common.AGENT_NAMES
+    assert bench.HELD_OUT_SEED == common.HELD_OUT_SEED and bench.FIT_SEEDS == calibrate.FIT_SEEDS
+    assert set(bench.DTYPES) == set(calibrate._DTYPES) and model.STORE_URL_VARIABLE == command._VARIABLE
+    assert set(bench.SUITES) == {
+        *common.BenchOptions.model_fields["suite"].annotation.__args__,
+        "agents-replay",
+    }
+
+
+def _refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """The one line ``kamera argv`` prints as it refuses (exit status 2, no traceback)."""
+    assert main(list(argv)) == 2
+    out, err = capsys.readouterr()
+    assert len(out.strip().splitlines()) == 1 and "Traceback" not in out + err, out + err
+    return out
+
+
+def test_every_refusal_at_the_command_line_is_one_line_with_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")  # a narrow terminal wraps nothing either
+    assert "--config" in _refusal(capsys, "serve", "--config", str(tmp_path / "window.json"))
+    (tmp_path / "window.json").write_text("{rank: 3")
+    assert "not JSON" in _refusal(capsys, "serve", "--config", str(tmp_path / "window.json"))
+    (tmp_path / "window.json").write_text('{"rank": -3}')
+    assert "rank" in _refusal(capsys, "serve", "--config", str(tmp_path / "window.json"))
+    assert "--api-keys" in _refusal(capsys, "serve", "--api-keys", str(tmp_path / "keys.json"))
+    assert "Jinja" in _refusal(capsys, "serve", "--chat-template", "nope.jinja")
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    (weightless / "config.json").write_text('{"model_type": "qwen2"}')
+    for command in ("serve", "check", "calibrate"):
+        assert "no weights" in _refusal(capsys, command, str(weightless)), command
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=512)).save_pretrained(gpt2)
+    tiny_tokenizer().save_pretrained(gpt2)
+    said = _refusal(capsys, "serve", str(gpt2))  # what docs/models.md says of it
+    assert "model type 'gpt2' is not supported" in said and "Family entry" in said
+    with pytest.raises(Exception, match="gpt2"):  # --debug: the traceback instead
+        main(["serve", str(gpt2), "--debug"])

@@ -43,6 +43,7 @@ from kamera_agent.core.drift import (
 )
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.errors import SettingsError
+from kamera_agent.parsers.bench import add_calibrate_parser  # declared without torch: `kamera --help`
 from kamera_agent.window import KameraWindow
 from kamera_agent.window.budget import DriftBudget, Measure, shared_budget
 
@@ -358,41 +359,6 @@ def ensure_calibrated(backend: TransformersBackend, progress: Progress, ops: int
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def add_calibrate_parser(commands: Any) -> None:
-    """Register ``calibrate`` on the ``kamera`` command's subparsers."""
-    calibrate = commands.add_parser(
-        "calibrate", help="fit a model's drift calibration once (what its drift budget is kept with)"
-    )
-    calibrate.add_argument(
-        "model", help="'demo' (the shipped model), a checkpoint folder or a GGUF file (a text model or a VLM)"
-    )
-    calibrate.add_argument("--seeds", type=int, nargs="+", default=list(FIT_SEEDS), help="fitting episodes")
-    calibrate.add_argument("--ops", type=int, default=120, help="ops per episode (default 120)")
-    calibrate.add_argument(
-        "--audit", type=float, default=0.1, help="share of a chunk's tokens one audit recomputes"
-    )
-    calibrate.add_argument(
-        "--quantile", type=float, default=0.99, help="share of fitting chunks the scale bounds"
-    )
-    calibrate.add_argument(
-        "--texts",
-        nargs="+",
-        type=Path,
-        default=[],
-        metavar="FILE",
-        help="a text model's episodes read passages of these files (default: the shipped corpus's "
-        "calibration half)",
-    )
-    calibrate.add_argument("--out", default=None, help="where to file it (default: $KAMERA_CALIBRATION_DIR)")
-    calibrate.add_argument(
-        "--dtype",
-        choices=sorted(_DTYPES),
-        default=None,
-        help="load the checkpoint in this dtype (default: its own): the dtype an engine serves it in, "
-        "since a calibration is filed by the fingerprint of the weights and dtype",
-    )
 
 
 def run_calibrate_command(args: Any, console: Any) -> int:

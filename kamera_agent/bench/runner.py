@@ -22,7 +22,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from kamera_agent.bench.common import AGENT_NAMES, HELD_OUT_SEED, BenchOptions, make_progress
+from kamera_agent.bench.common import BenchOptions, make_progress
 from kamera_agent.bench.cost import CostRun, CostShape, run_cost
 from kamera_agent.bench.fidelity import FidelityRun, run_fidelity
 from kamera_agent.bench.frontier import ROWS, FrontierRun
@@ -30,6 +30,7 @@ from kamera_agent.bench.plots import plots_available, write_plots
 from kamera_agent.bench.report import grids, print_report, write_markdown
 from kamera_agent.bench.results import BenchResults
 from kamera_agent.bench.window_suite import WindowRun, run_window
+from kamera_agent.parsers.bench import add_bench_parser  # declared without torch: `kamera --help`
 
 __all__ = ["BenchOutcome", "add_bench_parser", "run_bench", "run_bench_command"]
 
@@ -46,45 +47,6 @@ class BenchOutcome:
     exit_code: int
     results: BenchResults
     files: list[Path]
-
-
-def add_bench_parser(commands: Any) -> None:
-    """Register ``bench`` on the ``kamera`` command's subparsers."""
-    bench = commands.add_parser("bench", help="fidelity, cost, window and agent benchmarks, with a report")
-    bench.add_argument(
-        "--suite",
-        choices=["fidelity", "cost", "window", "agents", "agents-replay", "all"],
-        default="all",
-        help="which suite to run (default: all; agents-replay, which drives kamera serve, runs alone)",
-    )
-    bench.add_argument(
-        "--model",
-        default=None,
-        help="a checkpoint folder or GGUF file (default: the shipped demo model; a text model runs --suite "
-        "window and cost)",
-    )
-    bench.add_argument("--out", default="bench-results", help="output directory (default: bench-results)")
-    bench.add_argument("--quick", action="store_true", help="small sizes: a smoke run of about a minute")
-    bench.add_argument("--items", type=_positive, default=None, help="fidelity items (default 1000)")
-    bench.add_argument(
-        "--ops", type=_positive, default=None, help="window suite: episode ops per frontier row (default 960)"
-    )
-    bench.add_argument(
-        "--rows",
-        nargs="+",
-        choices=list(ROWS),
-        default=[],
-        metavar="ROW",
-        help=f"window suite: which frontier rows (default: all: {', '.join(ROWS)})",
-    )
-    bench.add_argument(
-        "--agents",
-        nargs="+",
-        choices=AGENT_NAMES,
-        default=list(AGENT_NAMES),
-        help="agents suite: which agents",
-    )
-    bench.add_argument("--seed", type=int, default=HELD_OUT_SEED, help="held-out item seed")
 
 
 def run_bench_command(args: argparse.Namespace, console: Console) -> int:
@@ -307,11 +269,4 @@ def _strict(value: Any) -> Any:
         return {str(key): _strict(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
         return [_strict(item) for item in value]
-    return value
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value

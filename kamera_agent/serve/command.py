@@ -1,91 +1,41 @@
-"""``kamera serve [MODEL] [--host 127.0.0.1 --port 8000 --config FILE]``: run the server."""
+"""``kamera serve [MODEL] [--host 127.0.0.1 --port 8000 --config FILE]``: run the server.
+
+Its arguments are declared in `kamera_agent.parsers.serve` (``kamera serve --help`` needs no
+torch); this builds the server from them. Everything it cannot take (a ``--config`` file that
+is missing, not JSON or not a `WindowConfig`; a key file or chat template it cannot read; a
+model it cannot serve) is a `KameraError` the ``kamera`` command prints in one line (exit 2).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-__all__ = ["add_serve_parser", "run_serve_command"]
+from kamera_agent.errors import SettingsError
+from kamera_agent.parsers.serve import add_serve_parser
 
+__all__ = ["add_serve_parser", "build_server", "run_serve_command"]
 
-def add_serve_parser(commands: Any) -> None:
-    serve = commands.add_parser("serve", help="an OpenAI-compatible chat server over kamera windows")
-    serve.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="a checkpoint folder or GGUF file (default: the shipped demo model)",
-    )
-    serve.add_argument(
-        "--chat-template",
-        default=None,
-        help="a Jinja chat template (a file, or the template itself) replacing the model's own; a base "
-        "model without one needs it",
-    )
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
-    serve.add_argument("--config", default=None, help='a WindowConfig as a JSON file (e.g. {"rank": "full"})')
-    serve.add_argument(
-        "--model-name", default=None, help="the id clients send as model (default: the folder name)"
-    )
-    serve.add_argument("--max-sessions", type=int, default=16, help="live conversation windows at most")
-    serve.add_argument(
-        "--idle-timeout", type=float, default=1800.0, help="seconds before an idle session is dropped"
-    )
-    serve.add_argument("--max-tokens", type=int, default=256, help="answer length when a request gives none")
-    serve.add_argument(
-        "--fetch-images", action="store_true", help="fetch http(s) image URLs (off: data: URLs only)"
-    )
-    serve.add_argument(
-        "--fetch-private-images",
-        action="store_true",
-        help="with --fetch-images: also fetch from private, loopback and link-local addresses",
-    )
-    serve.add_argument(
-        "--allowed-local-media-path",
-        default=None,
-        help="read file:// image URLs of regular files under this folder (off: none)",
-    )
-    serve.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY)")
-    serve.add_argument(
-        "--api-keys",
-        default=None,
-        help='a JSON file of keys to tenant names ({"KEY": "tenant"}); each key a tenant',
-    )
-    serve.add_argument(
-        "--max-request-bytes", type=int, default=32 << 20, help="the largest request body read (413 past it)"
-    )
-    serve.add_argument("--max-messages", type=int, default=1024, help="messages one request may carry")
-    serve.add_argument(
-        "--max-queued", type=int, default=8, help="requests of one tenant in the server at once (429 past it)"
-    )
-    _add_limit_arguments(serve)
-    serve.add_argument(
-        "--reuse",
-        choices=["kamera", "prefix"],
-        default="kamera",
-        help="kamera: every edit the window can make; prefix: serve as a prefix cache would (keep the "
-        "unchanged leading messages, prefill the rest exactly): the baseline to compare against",
-    )
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 def run_serve_command(args: argparse.Namespace, console: Console) -> int:
-    import uvicorn
-    from rich.markup import escape
+    """Build the server, then listen until interrupted.
 
-    from kamera_agent.errors import KameraError
+    Raises:
+        KameraError: a model or setting it cannot serve (before anything listens).
+    """
+    import uvicorn
+
     from kamera_agent.serve.app import create_app
     from kamera_agent.serve.listen import uvicorn_config
 
-    try:
-        server = build_server(args)
-    except KameraError as exc:  # a model or settings it cannot serve: one line, not a traceback
-        console.print(f"[red]kamera serve: refused — {escape(str(exc))}[/red]")
-        return 2
+    server = build_server(args)
     if server.settings.api_keys is None and args.host not in _LOOPBACK:
         console.print(
             f"[yellow]warning: listening on {args.host} with no API key: every client is one tenant and "
@@ -95,21 +45,37 @@ def run_serve_command(args: argparse.Namespace, console: Console) -> int:
         f"kamera serve: {server.settings.model_name} on http://{args.host}:{args.port}/v1 "
         f"(store: {server.store.remote or 'this process'})"
     )
-    uvicorn.Server(uvicorn_config(create_app(server), server.settings, args.host, args.port)).run()
+    configure_logging(args.log_level)
+    config = uvicorn_config(create_app(server), server.settings, args.host, args.port, args.log_level)
+    uvicorn.Server(config).run()
     return 0
 
 
+def configure_logging(level: str) -> None:
+    """kamera's log lines (the access log at ``info``, faults with their tracebacks at
+    ``error``) to stderr, each with its time, level and logger."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("kamera_agent")
+    logger.handlers = [handler]
+    logger.setLevel(level.upper())
+
+
 def build_server(args: argparse.Namespace) -> Any:
-    """The `KameraServer` the arguments describe (the model loaded, nothing listening yet)."""
+    """The `KameraServer` the arguments describe (the model loaded, nothing listening yet).
+
+    Raises:
+        SettingsError: a ``--config``, ``--api-keys`` or ``--chat-template`` it cannot read.
+        KameraError: a model it cannot serve (`CheckpointError`, `UnsupportedModelError`, ...).
+    """
     from kamera_agent.backends.base import Backend
     from kamera_agent.backends.transformers import TransformersBackend
-    from kamera_agent.config import WindowConfig
     from kamera_agent.serve.media import ImageFetching
     from kamera_agent.serve.server import KameraServer, ServeSettings
     from kamera_agent.serve.turns import Limits
     from kamera_agent.window.setup import resolve_backend
 
-    config = WindowConfig(**json.loads(Path(args.config).read_text())) if args.config else WindowConfig()
+    config = window_config(args.config)
     backend: Backend
     template = _chat_template(args.chat_template)
     if args.model is None:
@@ -133,6 +99,8 @@ def build_server(args: argparse.Namespace) -> Any:
         local_media=Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
         max_tokens=args.max_tokens,
         api_keys=_api_keys(args),
+        share_content=args.share_content_across_tenants,
+        metrics_key=args.metrics_key,
         limits=Limits(max_messages=args.max_messages),
         max_request_bytes=args.max_request_bytes,
         max_queued=args.max_queued,
@@ -142,7 +110,37 @@ def build_server(args: argparse.Namespace) -> Any:
     return KameraServer(backend, settings)
 
 
-_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+def window_config(path: str | None) -> Any:
+    """``--config``: the `WindowConfig` a JSON file holds (the defaults without one).
+
+    Raises:
+        SettingsError: the file is missing or unreadable, or not a JSON object.
+        ConfigError: a value `WindowConfig` refuses (it names the field).
+    """
+    from kamera_agent.config import WindowConfig
+
+    if path is None:
+        return WindowConfig()
+    fields = _json_file(path, "--config", 'a WindowConfig as a JSON object, e.g. {"rank": "full"}')
+    if not isinstance(fields, dict):
+        raise SettingsError(
+            f'--config {path}: expected a JSON object of WindowConfig fields, e.g. {{"rank": 32}}'
+        )
+    return WindowConfig(**fields)
+
+
+def _json_file(path: str, flag: str, what: str) -> Any:
+    """The JSON a file given to ``flag`` holds, or a `SettingsError` naming the file and the fix."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError as exc:
+        raise SettingsError(f"{flag} {path}: no such file; pass {what}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"{flag} {path}: cannot be read ({type(exc).__name__}); pass {what}") from exc
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise SettingsError(f"{flag} {path}: not JSON ({exc}); pass {what}") from exc
 
 
 def _chat_template(given: str | None) -> str | None:
@@ -154,45 +152,11 @@ def _chat_template(given: str | None) -> str | None:
         return path.read_text()
     if "{{" in given or "{%" in given:
         return given
-    raise SystemExit(f"--chat-template {given}: no such file, and not a Jinja template")
-
-
-def _add_limit_arguments(serve: Any) -> None:
-    """What one request or one peer may hold: time, the model, decoding memory."""
-    serve.add_argument(
-        "--header-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a connection has to send a request's headers (later: 408, closed)",
-    )
-    serve.add_argument(
-        "--max-concurrent",
-        type=int,
-        default=256,
-        help="requests in the server at once, all tenants together (503 past it; /health never)",
-    )
-    serve.add_argument(
-        "--max-decode-tokens",
-        type=int,
-        default=16384,
-        help="n x max_tokens one request may ask for (400 past it)",
-    )
-    serve.add_argument(
-        "--image-bytes-in-flight",
-        type=int,
-        default=2 << 30,
-        help="memory of images being decoded at once, all tenants together (429 past it)",
-    )
-    serve.add_argument(
-        "--tenant-image-bytes-in-flight",
-        type=int,
-        default=1 << 30,
-        help="memory of one tenant's images being decoded at once (429 past it)",
-    )
+    raise SettingsError(f"--chat-template {given}: no such file, and not a Jinja template; pass either")
 
 
 def _limits(args: argparse.Namespace) -> dict[str, Any]:
-    """The `ServeSettings` fields `_add_limit_arguments` sets."""
+    """The `ServeSettings` fields of the limit arguments (`kamera_agent.parsers.serve`)."""
     return {
         "header_timeout": args.header_timeout,
         "max_concurrent": args.max_concurrent,
@@ -203,12 +167,17 @@ def _limits(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _api_keys(args: argparse.Namespace) -> dict[str, str] | None:
-    """Key → tenant from ``--api-key`` (the tenant ``"default"``) and ``--api-keys FILE``."""
+    """Key → tenant from ``--api-key`` (the tenant ``"default"``) and ``--api-keys FILE``.
+
+    Raises:
+        SettingsError: a key file that is missing, not JSON or not ``{"KEY": "tenant", ...}``.
+    """
     keys: dict[str, str] = {}
     if args.api_keys:
-        loaded = json.loads(Path(args.api_keys).read_text())
+        shape = 'a JSON object {"KEY": "tenant", ...}'
+        loaded = _json_file(args.api_keys, "--api-keys", shape)
         if not isinstance(loaded, dict) or not all(isinstance(v, str) for v in loaded.values()):
-            raise SystemExit(f'--api-keys {args.api_keys}: expected a JSON object {{"KEY": "tenant", ...}}')
+            raise SettingsError(f"--api-keys {args.api_keys}: expected {shape}")
         keys.update(loaded)
     if args.api_key:
         keys[args.api_key] = "default"

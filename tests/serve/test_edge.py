@@ -348,6 +348,7 @@ def test_a_tenant_past_its_queue_gets_429_and_others_are_served(
 def test_the_key_file_names_tenants(tmp_path: Path) -> None:
     import argparse
 
+    from kamera_agent.errors import SettingsError
     from kamera_agent.serve.command import _api_keys
 
     keys = tmp_path / "keys.json"
@@ -359,8 +360,10 @@ def test_the_key_file_names_tenants(tmp_path: Path) -> None:
     }
     assert _api_keys(argparse.Namespace(api_keys=None, api_key=None)) is None
     keys.write_text('["not", "a", "map"]')
-    with pytest.raises(SystemExit, match="expected a JSON object"):
+    with pytest.raises(SettingsError, match="expected a JSON object"):
         _api_keys(argparse.Namespace(api_keys=str(keys), api_key=None))
+    with pytest.raises(SettingsError, match="no such file"):
+        _api_keys(argparse.Namespace(api_keys=str(tmp_path / "missing.json"), api_key=None))
 
 
 def test_a_tenant_cannot_evict_another_tenants_sessions(serve: Serve) -> None:

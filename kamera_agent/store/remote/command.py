@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from kamera_agent.errors import StoreURLError
+from kamera_agent.parsers.model import add_store_parser  # declared without torch: `kamera --help`
 from kamera_agent.store.remote.address import parse_store_url
 from kamera_agent.store.remote.admin import clear, usage
 from kamera_agent.store.remote.connection import RemoteUnavailable
@@ -21,16 +21,6 @@ from kamera_agent.store.remote.connection import RemoteUnavailable
 __all__ = ["add_store_parser", "run_store_command"]
 
 _VARIABLE = "KAMERA_STORE_URL"
-
-
-def add_store_parser(commands: Any) -> None:
-    store = commands.add_parser("store", help="a shared Valkey/Redis store: what it holds, or empty it")
-    store.add_argument(
-        "action", choices=("stats", "clear"), help="stats: count kamera's entries; clear: delete them"
-    )
-    store.add_argument("--url", default=None, help=f"the store's URL (default: ${_VARIABLE})")
-    store.add_argument("--model", default=None, help="only this model fingerprint's entries")
-    store.add_argument("--yes", action="store_true", help="clear without asking")
 
 
 def run_store_command(args: argparse.Namespace, console: Console) -> int:
