@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from kamera_agent import __version__
-from kamera_agent.errors import KameraError
+from kamera_agent.errors import KameraError, SettingsError
 from kamera_agent.parsers import DefaultsShown, positive
 from kamera_agent.parsers.bench import add_bench_parser, add_calibrate_parser
 from kamera_agent.parsers.model import add_check_parser, add_demo_parser, add_store_parser
@@ -67,9 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", "160")))
     try:
-        from kamera_agent.settings import configure_threads
-
-        configure_threads(args.threads)
+        _threads(args.threads)
         return _run(args, console)
     except KameraError as exc:  # a model, file or setting the command cannot take
         if args.debug:
@@ -79,6 +77,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             soft_wrap=True,  # one line however long: a log or a test reads it whole
         )
         return USAGE_ERROR
+
+
+def _threads(count: int | None) -> None:
+    """torch's thread count (``--threads``, else ``$KAMERA_NUM_THREADS``, else 1).
+
+    Raises:
+        SettingsError: ``$KAMERA_NUM_THREADS`` that is not a count.
+    """
+    from kamera_agent.settings import configure_threads
+
+    try:
+        configure_threads(count)
+    except ValueError as exc:
+        raise SettingsError(f"{exc}: set it to a whole number of at least 1, or pass --threads") from exc
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
