@@ -24,6 +24,7 @@ from rich.table import Table
 
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.compat import last_logits_only
 from kamera_agent.config import WindowConfig
 from kamera_agent.core import KVCore
 from kamera_agent.loading import load_backend
@@ -125,7 +126,7 @@ def _window_vs_generate(backend: TransformersBackend, chunks: list[Chunk]) -> Ve
     inputs = window.as_model_inputs(question)
     with torch.no_grad():
         generated = backend.model.generate(**inputs, max_new_tokens=8, do_sample=False)
-        reference = backend.model(**inputs).logits[0, -1].float()
+        reference = backend.model(**inputs, **last_logits_only(backend.model)).logits[0, -1].float()
     answer = window.ask(question, max_new_tokens=8)
     expected = generated[0, inputs["input_ids"].shape[1] :].tolist()
     mismatch = 0.0 if expected[: len(answer.tokens)] == answer.tokens else 1.0

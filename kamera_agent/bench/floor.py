@@ -19,6 +19,7 @@ import torch
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.prefix_cache import Sync
 from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.compat import last_logits_only
 
 __all__ = ["FLOORS", "Floor"]
 
@@ -49,5 +50,5 @@ class Floor:
             if name in inputs:
                 inputs[name] = inputs[name].to(self.dtype)
         with torch.no_grad():
-            logits: torch.Tensor = self.model(**inputs).logits
+            logits: torch.Tensor = self.model(**inputs, **last_logits_only(self.model)).logits
         return logits[0, -1].float().cpu()

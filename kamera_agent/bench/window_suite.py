@@ -47,6 +47,7 @@ from kamera_agent.bench.floor import FLOORS, Floor
 from kamera_agent.bench.prefix_cache import PrefixCache, Sync
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
+from kamera_agent.compat import last_logits_only
 from kamera_agent.config import WindowConfig
 from kamera_agent.demo.task import QUESTIONS, Page, make_items, render_legend, render_page
 from kamera_agent.results import OpCost
@@ -285,7 +286,8 @@ def _spent(after: OpCost, before: OpCost) -> OpCost:
 def _reference(backend: TransformersBackend, window: KameraWindow, query: str) -> torch.Tensor:
     """The model's own forward over the window's sequence and the question: its next-token logits."""
     with torch.no_grad():
-        logits: torch.Tensor = backend.model(**window.as_model_inputs(query)).logits
+        inputs = window.as_model_inputs(query)
+        logits: torch.Tensor = backend.model(**inputs, **last_logits_only(backend.model)).logits
     return logits[0, -1].float().cpu()
 
 

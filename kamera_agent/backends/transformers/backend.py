@@ -12,7 +12,6 @@ forward (``reference_prefill``), positions computed by the model itself.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,7 +42,7 @@ from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.chunks.positions import PositionScheme
 from kamera_agent.chunks.prompt import PromptFormat
-from kamera_agent.compat import output_cache
+from kamera_agent.compat import cache_kwarg, last_logits_only, output_cache
 from kamera_agent.errors import CapabilityError, LayoutMismatchError, UnsupportedModelError
 from kamera_agent.fingerprint import model_fingerprint
 from kamera_agent.operator.layout import ChunkKV
@@ -248,9 +247,9 @@ class TransformersBackend(Backend):
         own positions (``get_rope_index`` for M-RoPE) and runs its own vision path."""
         inputs = self.reference_inputs(chunks, query_ids, anchor=anchor)
         if self.sliding is not None:  # every slot kept, to read chunks out (the model masks by slot)
-            inputs[_cache_keyword(self.model)] = self.empty_cache()
+            inputs[cache_kwarg(self.model)] = self.empty_cache()
         with torch.no_grad():
-            out = self.model(**inputs, use_cache=True)
+            out = self.model(**inputs, use_cache=True, **last_logits_only(self.model))
         cache, kv, slot, start = output_cache(out), [], 0, 0
         for chunk in [anchor or self.anchor, *chunks]:
             where = chunk.positions_at(start)
@@ -417,11 +416,6 @@ def _check_sliding(model: Any, masked: bool, positional_vision: bool) -> None:
             f"{type(model).__name__} has sliding-window layers and images; kamera masks sliding layers "
             "of text models only"
         )
-
-
-def _cache_keyword(model: Any) -> str:
-    """The top-level forward's keyword for the cache (``cache`` or ``past_key_values``)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
