@@ -19,7 +19,7 @@ failed call never corrupts a window or a store.
     ├── StoreBudgetError             a store budget too small for one entry, or not a budget
     ├── StoreKeyError                an entry without the content key it must be stored under
     ├── StoreURLError                a store_url kamera cannot connect by (scheme, host, option)
-    ├── StoreDirectoryError          a disk_dir kamera cannot use (not a directory, no access, in use)
+    ├── StoreDirectoryError          a disk_dir kamera cannot use (not a directory, no access)
     ├── WindowError                  a window op that cannot be done as asked
     │   ├── UnknownChunkError        a ref this window does not know
     │   ├── DuplicateChunkError      a ref named twice in a reorder
@@ -163,8 +163,8 @@ class StoreKeyError(KameraError, ValueError):
 
 
 class StoreDirectoryError(KameraError, OSError):
-    """A disk tier directory kamera cannot use: not a directory, not writable, or held by
-    another process (one process writes a ``disk_dir`` at a time)."""
+    """A disk tier directory kamera cannot use: not a directory, not writable, or its index
+    unreadable (any number of processes may share one ``disk_dir``)."""
 
 
 class StoreURLError(KameraError, ValueError):

@@ -95,6 +95,10 @@ class ChunkStore:
         disk_dir: directory of the disk tier; ``None`` for memory only (evicted entries are
             then dropped, and counted).
         disk_budget: most file bytes kept in ``disk_dir`` (required with it).
+        disk_shared: every put is written to ``disk_dir`` at once (not only what memory
+            evicts), so the other processes of this machine that open it read it: an engine's
+            scheduler and workers, several servers. Any number of processes may open one
+            ``disk_dir`` at a time either way (`kamera_agent.store.disk`).
         policy: memory eviction policy, a name in `EVICTION_POLICIES` or a scoring function.
         disk_policy: which file leaves the disk tier first.
         event_capacity: how many recent `StoreEvent` are kept (counters keep counting).
@@ -131,6 +135,7 @@ class ChunkStore:
         tiers: Sequence[Tier] = (),
         secret: str | bytes | None = None,
         previous_secrets: Sequence[str | bytes] = (),
+        disk_shared: bool = False,
     ) -> None:
         if not fingerprint:
             raise StoreKeyError(
@@ -151,7 +156,12 @@ class ChunkStore:
             check_budget("disk_budget", disk_budget)
             in_memory = self._memory.__contains__
             self._disk = DiskTier(
-                Path(disk_dir), disk_budget, resolve_policy(disk_policy), self._log, in_memory
+                Path(disk_dir),
+                disk_budget,
+                resolve_policy(disk_policy),
+                self._log,
+                in_memory,
+                shared=disk_shared,
             )
             atexit.register(_flush_at_exit, weakref.ref(self))  # durable without an explicit flush
         self._remote: RemoteTier | None = None

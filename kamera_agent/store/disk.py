@@ -1,48 +1,49 @@
-"""The disk tier: entries spilled from memory, one checksummed safetensors file each.
+"""The disk tier: entries in one checksummed safetensors file each, shared by the processes of a machine.
 
 Why: a canonical pushed out of memory should cost a file read, not a vision encode and a
-prefill, and should survive the process. Files are written atomically (temp file in the same
-directory, fsync, ``os.replace``), so a crash leaves either the old state or the new file,
-never half a file under a real name.
+prefill, and should survive the process; and the processes of one machine (an engine's
+scheduler and workers, several servers, windows) should read what each of them wrote. Files are
+written atomically (temp file in the same directory, fsync, ``os.replace``), so a crash or a
+reader in another process sees either no file or the whole one, never half a file under a real
+name.
 
 Where the checksum lives: in the file *name*, ``{kind}-{address digest}.{sha256}.safetensors``.
 The sha256 covers every byte of the file (header included), so it cannot sit inside the file's
 own metadata; a sidecar would be a second file to write atomically and could disagree with
 its data after a crash. The name is renamed into place together with the bytes it describes,
-so the two can never disagree, and a re-index needs no hashing. The digest is verified on
-every read; a mismatch (bit rot, truncation, a foreign write) deletes the file and is
-reported, never served. A file of another entry format (`codec.FORMAT`: written by an older
-kamera-agent, whose keys and states meant something else) is dropped when the directory is
-opened, with an ``outdated`` event naming both formats, and its entry is recomputed.
+so the two can never disagree. The digest is verified on every read; a mismatch (bit rot,
+truncation, a foreign write) deletes the file and is reported, never served. A file of another
+entry format (`codec.FORMAT`: written by an older kamera-agent, whose keys and states meant
+something else) is dropped when the directory is opened, with an ``outdated`` event naming both
+formats, and its entry is recomputed.
 
-``index.json`` keeps each file's address, entry format and use ticks so a reopened store keeps
-its LRU order without reading headers (a record of another format is not trusted: its header is
-read again). It is advisory: written atomically but not fsynced, and reconciled
-with a directory scan on open (files it misses are re-indexed from their headers, entries
-whose file is gone are forgotten, a missing or unreadable index is rebuilt). One process
-writes a directory at a time, enforced by an exclusive lock on ``.kamera.lock`` (a second
-process gets `StoreDirectoryError`; processes share entries through ``store_url`` instead).
+The index (``index.sqlite``, `kamera_agent.store.disk_index`) keeps each file's address, entry
+format and use ticks for every process at once: a lookup in one process finds a file another
+wrote a moment ago, and the budget counts every process's files (a put and its evictions are one
+transaction). It is reconciled with a directory scan when a process opens the folder (files it
+misses are recorded from their headers, records whose file is gone are forgotten). A file that
+vanishes under a reader (another process evicted or replaced it) is a miss, not damage.
+
+By default the tier holds what memory evicts (a spill tier); ``shared`` makes every put a file
+at once (``written_on_put``), which is what processes sharing entries through the folder need.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
-import itertools
-import json
 import logging
 import os
 import re
+import sqlite3
 import tempfile
-import weakref
+import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kamera_agent.errors import StoreDirectoryError
 from kamera_agent.store import codec
-from kamera_agent.store.budget import EvictionPolicy, pick_victim
+from kamera_agent.store.budget import EvictionPolicy
 from kamera_agent.store.codec import (
     CorruptEntry,
     OutdatedEntry,
@@ -52,6 +53,7 @@ from kamera_agent.store.codec import (
     header_of,
     read_address,
 )
+from kamera_agent.store.disk_index import DiskIndex, Record
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.stats import EventKind, EventLog, StoreEvent
 from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, Write
@@ -59,43 +61,27 @@ from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, 
 __all__ = ["DiskTier"]
 
 _LOG = logging.getLogger(__name__)
-_INDEX = "index.json"
-_LOCK = ".kamera.lock"
-_INDEX_FORMAT = "kamera-store-index/1"
 _NAME = re.compile(r"^(canonical|full|vision|patch|audit)-([0-9a-f]{32})\.([0-9a-f]{64})\.safetensors$")
 _TEMP_PREFIX = ".kamera-"
-
-
-@dataclass
-class _File:
-    """One file of the tier (fields double as the `EntryInfo` a policy scores)."""
-
-    key: EntryKey
-    name: str
-    nbytes: int  # file size
-    fingerprint: str
-    inserted: int
-    last_used: int
-    hits: int = 0
-    format: str = ""  # the entry format of the file (`codec.FORMAT` when it was written)
-
-    @property
-    def sha256(self) -> str:
-        return self.name.split(".")[1]
+STALE_TEMP = 3600.0
+"""Seconds after which a temp file is a crash's leftover (younger ones may be another process's
+write in flight)."""
 
 
 class DiskTier(Tier):
-    """Files under ``directory`` within ``budget`` bytes, evicted by ``policy``.
+    """Files under ``directory`` within ``budget`` bytes, evicted by ``policy``, shared by every
+    process that opens ``directory``.
 
-    Not thread-safe on its own (``locked``): the `ChunkStore` calls it under its lock. Its
-    files are filled by memory's spills, not by every put (``written_on_put`` is off).
+    Called under the `ChunkStore`'s lock (``locked``) in a process; processes share the folder
+    through its index's transactions.
 
     Args:
         directory: where the files live (created if missing).
-        budget: the most file bytes kept.
+        budget: the most file bytes kept (by every process's files together).
         policy: which file leaves first when over budget.
         log: where spills, evictions and corrupt files are reported.
         in_memory: whether the memory tier still holds an entry (a file evicted then is no loss).
+        shared: every put is written here at once (``written_on_put``), not only memory's spills.
     """
 
     name = "disk"
@@ -107,57 +93,61 @@ class DiskTier(Tier):
         policy: EvictionPolicy,
         log: EventLog,
         in_memory: Callable[[EntryKey], bool],
+        *,
+        shared: bool = False,
     ) -> None:
         self.directory = directory
         self.budget: int = budget
         self.location = str(directory)
+        self.written_on_put = shared  # type: ignore[misc]  # an instance chooses this flag
         self._policy = policy
         self._log = log
         self._in_memory = in_memory
-        self._files: dict[EntryKey, _File] = {}
-        self._bytes = 0
-        self._clock = itertools.count()
+        self._index: DiskIndex | None = None
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = _lock(directory)
-            self._release = weakref.finalize(self, os.close, self._lock_fd)
+            self._index = DiskIndex(directory)
             self._open()
-        except StoreDirectoryError:
-            raise
-        except OSError as exc:
-            if hasattr(self, "_release"):
-                self._release()
+        except (OSError, sqlite3.Error) as exc:
+            self.close()
+            why = getattr(exc, "strerror", None) or exc
             raise StoreDirectoryError(
-                f"disk_dir {directory} cannot be used: {exc.strerror or exc}; pass a directory this "
-                "process can create, read and write"
+                f"disk_dir {directory} cannot be used: {why}; pass a directory this process can "
+                "create, read and write"
             ) from exc
 
     @property
     def closed(self) -> bool:
         """Whether `close` released the directory (nothing is written to it any more)."""
-        return not self._release.alive
+        return self._index is None
 
     def close(self) -> None:
-        """Save the index and let another process open the directory (idempotent)."""
-        if self._release.alive:
-            self.save_index()
-            self._release()
+        """Release the index (idempotent); the files stay for the next process."""
+        index, self._index = self._index, None
+        if index is not None:
+            index.close()
+
+    @property
+    def index(self) -> DiskIndex:
+        if self._index is None:
+            raise StoreDirectoryError(f"the disk tier in {self.directory} is closed")
+        return self._index
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
+        return self.index.totals()[1]
 
     def __len__(self) -> int:
-        return len(self._files)
+        return self.index.totals()[0]
 
     def __contains__(self, key: EntryKey) -> bool:
-        return key in self._files
+        return self.index.get(key) is not None
 
     def keys(self) -> list[EntryKey]:
-        return list(self._files)
+        return list(self.index.records())
 
     def touch(self, key: EntryKey) -> None:
-        self._files[key].last_used = next(self._clock)
+        self.index.used(key, hit=False)
 
     def put(self, entry: Entry) -> Write:
         """Write the entry's file; older files are evicted first to make room (the new file is
@@ -168,55 +158,58 @@ class DiskTier(Tier):
                 False, f"its file of {len(blob)} bytes exceeds the disk budget of {self.budget} bytes"
             )
         key = entry.key
-        self.remove(key)
-        while self._bytes + len(blob) > self.budget:
-            self._evict_one()
         name = f"{key.kind}-{key.digest}.{hashlib.sha256(blob).hexdigest()}.safetensors"
         try:
             _atomic_write(self.directory, name, blob)
         except OSError as exc:
             return Write(False, f"writing {name} failed: {exc}")
-        tick = next(self._clock)
-        written = header_of(blob).get("format", "")
-        self._add(_File(key, name, len(blob), entry.fingerprint, tick, tick, format=written))
-        self.save_index()
+        record = Record(key, name, len(blob), entry.fingerprint, format=header_of(blob).get("format", ""))
+        old, evicted = self.index.file(record, self.budget, self._policy)
+        if old is not None and old.name != name:
+            self._delete(old.name)
+        for victim in evicted:
+            self._evicted(victim)
         return Write.done()
 
     def get(self, key: EntryKey) -> Lookup[Payload]:
         """The file's bytes once their sha256 matches its name; deleted (and reported) otherwise."""
-        record = self._files.get(key)
+        record = self.index.get(key)
         if record is None:
             return Lookup.miss()
         try:
             blob = (self.directory / record.name).read_bytes()
+        except FileNotFoundError:  # another process evicted or replaced it a moment ago
+            self.index.forget(key, record.name)
+            return Lookup.miss("its file went away")
         except OSError as exc:
             return self._rejected(key, CorruptEntry(f"unreadable: {exc}"))
         if hashlib.sha256(blob).hexdigest() != record.sha256:
             return self._rejected(
                 key, CorruptEntry(f"sha256 mismatch ({len(blob)} of {record.nbytes} bytes read)")
             )
-        record.hits += 1
-        self.touch(key)
+        self.index.used(key, hit=True)
         return Lookup.hit(blob)
 
     def contains(self, key: EntryKey) -> Status:
-        return Status.HIT if key in self._files else Status.MISS
+        return Status.HIT if key in self else Status.MISS
 
     def peek(self, key: EntryKey) -> Lookup[Meta]:
         """The file's header metadata, read without counting a hit (planning peeks at it);
         unavailable when it cannot be read (a later `get` verifies and reports the file), and
         dropped (``outdated``) when it is of another entry format."""
-        if key not in self._files:
+        record = self.index.get(key)
+        if record is None:
             return Lookup.miss()
         try:
-            with (self.directory / self._files[key].name).open("rb") as handle:
-                prefix = handle.read(8)
-                prefix += handle.read(header_length(prefix) - len(prefix))
+            prefix = _header_bytes(self.directory / record.name)
             read_address(prefix)  # refuses another entry format by name
             return Lookup.hit(header_of(prefix))
         except OutdatedEntry as exc:
             self.reject(key, exc)
             return Lookup.rejected(str(exc))
+        except FileNotFoundError:
+            self.index.forget(key, record.name)
+            return Lookup.miss("its file went away")
         except (OSError, CorruptEntry) as exc:
             return Lookup.unavailable(f"header unreadable: {exc}")
 
@@ -227,11 +220,13 @@ class DiskTier(Tier):
     def reject(self, key: EntryKey, why: CorruptEntry) -> None:
         """Delete a file that failed verification or is of another entry format, and report it
         (a ``corrupt`` or ``outdated`` event); it is never served."""
-        record = self._forget(key)
+        record = self.index.forget(key)
+        if record is None:
+            return
+        self._delete(record.name)
         kind: EventKind = "outdated" if isinstance(why, OutdatedEntry) else "corrupt"
         _LOG.warning("store: dropped %s file %s for %s: %s", kind, record.name, key, why)
         self._log.record(StoreEvent(kind, key, record.nbytes, not self._in_memory(key), str(why)))
-        self.save_index()
 
     def _rejected(self, key: EntryKey, why: CorruptEntry) -> Lookup[Payload]:
         self.reject(key, why)
@@ -240,7 +235,7 @@ class DiskTier(Tier):
     def keep_if_same(self, key: EntryKey, digest: str) -> None:
         """Keep ``key``'s file when it holds the entry whose `content_digest` is ``digest`` (a
         re-put of the same entry), else delete it (it is stale)."""
-        if key not in self._files:
+        if key not in self:
             return
         blob = self.get(key).found  # verified; a damaged file is dropped and reported by the get
         try:
@@ -252,124 +247,83 @@ class DiskTier(Tier):
 
     def remove(self, key: EntryKey) -> None:
         """Delete the file of ``key`` if any (a re-put made it stale: not a loss, no event)."""
-        if key in self._files:
-            self._forget(key)
+        record = self.index.forget(key)
+        if record is not None:
+            self._delete(record.name)
 
-    def save_index(self) -> None:
-        """Record addresses and use ticks (advisory: a scan on open repairs a stale index)."""
-        files = [{**asdict(record), "key": record.key._asdict()} for record in self._files.values()]
-        blob = json.dumps({"format": _INDEX_FORMAT, "files": files}).encode()
-        with contextlib.suppress(OSError):  # the files stay the truth; the next open rescans
-            _atomic_write(self.directory, _INDEX, blob, durable=False)
+    def _evicted(self, record: Record) -> None:
+        self._delete(record.name)
+        lost = not self._in_memory(record.key)
+        self._log.record(StoreEvent("disk_evict", record.key, record.nbytes, lost, "over the disk budget"))
 
-    def _evict_one(self) -> None:
-        victim = pick_victim(self._files, self._policy)
-        if victim is None:
-            return
-        record = self._forget(victim)
-        lost = not self._in_memory(victim)
-        self._log.record(StoreEvent("disk_evict", victim, record.nbytes, lost, "over the disk budget"))
-
-    def _add(self, record: _File) -> None:
-        self._files[record.key] = record
-        self._bytes += record.nbytes
-
-    def _forget(self, key: EntryKey) -> _File:
-        record = self._files.pop(key)
-        self._bytes -= record.nbytes
+    def _delete(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            (self.directory / record.name).unlink()
-        return record
+            (self.directory / name).unlink()
 
     def _open(self) -> None:
-        """Rebuild the index from the directory: the index file only supplies ticks and addresses."""
-        for leftover in self.directory.glob(f"{_TEMP_PREFIX}*.tmp"):  # a crash mid-write
-            leftover.unlink(missing_ok=True)
-        indexed = _read_index(self.directory / _INDEX)
-        found: list[_File] = []
-        written_at: dict[str, int] = {}
-        for path in sorted(self.directory.iterdir()):
-            match = _NAME.match(path.name)
-            record = None if match is None else indexed.get(path.name) or self._from_header(path, match)
-            if record is not None:
-                stat = path.stat()
-                record.nbytes, written_at[record.name] = stat.st_size, stat.st_mtime_ns
-                found.append(record)
-        unindexed = sorted(  # written after the last index save: newest of all, in write order
-            (r for r in found if r.name not in indexed), key=lambda r: written_at[r.name]
-        )
-        start = 1 + max((r.last_used for r in found if r.name in indexed), default=-1)
-        for offset, record in enumerate(unindexed):
-            record.inserted = record.last_used = start + offset
-        for record in sorted(found, key=lambda r: r.last_used):
-            if record.key in self._files:  # two files for one address: keep the newer one
-                self._forget(record.key)
-            self._add(record)
-        self._clock = itertools.count(1 + max((r.last_used for r in found), default=-1))
-        while self._bytes > self.budget:
-            self._evict_one()
-        self.save_index()
+        """Reconcile the index with the folder: leftover temp files of a crash deleted, every
+        entry file recorded (from its header where the index missed it), records of another
+        entry format checked against their files, the budget kept."""
+        now = time.time()
+        names = []
+        for path in self.directory.iterdir():
+            if path.name.startswith(_TEMP_PREFIX) and path.name.endswith(".tmp"):
+                with contextlib.suppress(OSError):
+                    if now - path.stat().st_mtime > STALE_TEMP:
+                        path.unlink()
+            elif _NAME.match(path.name):
+                names.append(path.name)
+        for record in self.index.reconcile(names, self._from_header):
+            with contextlib.suppress(CorruptEntry):
+                self._check_format(record)
+        for victim in self.index.evict_to(self.budget, self._policy):
+            self._evicted(victim)
 
-    def _from_header(self, path: Path, match: re.Match[str]) -> _File | None:
-        """Re-index a file from its header; an unreadable one (``corrupt``) or one of another
-        entry format (``outdated``) is deleted and reported under the address its name gives
-        (kind and digest: the content key itself is not read)."""
+    def _check_format(self, record: Record) -> None:
+        """A record that names another entry format (or none): its file's own header decides."""
         try:
-            with path.open("rb") as handle:
-                prefix = handle.read(8)
-                prefix += handle.read(header_length(prefix) - len(prefix))
-            key, fingerprint = read_address(prefix)
+            read_address(_header_bytes(self.directory / record.name))
+        except OutdatedEntry as exc:
+            self.reject(record.key, exc)
+            raise
+        except (OSError, CorruptEntry):
+            return  # the first get verifies it, and reports it
+        with self.index.writing() as db:
+            db.execute(
+                "UPDATE files SET format=? WHERE kind=? AND key=? AND variant=?", (codec.FORMAT, *record.key)
+            )
+
+    def _from_header(self, name: str) -> Record | None:
+        """Record a file the index misses from its header; an unreadable one (``corrupt``) or one
+        of another entry format (``outdated``) is deleted and reported under the address its name
+        gives (kind and digest: the content key itself is not read)."""
+        path = self.directory / name
+        match = _NAME.match(name)
+        assert match is not None
+        try:
+            key, fingerprint = read_address(_header_bytes(path))
             if key.kind != match.group(1) or key.digest != match.group(2):
                 raise CorruptEntry(f"header says {key}, the name another address")
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return None  # another process removed it meanwhile
         except (OSError, ValueError, CorruptEntry) as exc:
             size = path.stat().st_size if path.exists() else 0
             path.unlink(missing_ok=True)
-            detail = f"{path.name}: {exc}"
+            detail = f"{name}: {exc}"
             kind: EventKind = "outdated" if isinstance(exc, OutdatedEntry) else "corrupt"
             _LOG.warning("store: dropped %s file %s", "unreadable" if kind == "corrupt" else kind, detail)
             unknown = EntryKey(match.group(1), match.group(2))  # type: ignore[arg-type]
             self._log.record(StoreEvent(kind, unknown, size, True, detail))
             return None
-        return _File(key, path.name, 0, fingerprint, 0, 0, format=codec.FORMAT)
+        return Record(key, name, size, fingerprint, format=codec.FORMAT)
 
 
-def _lock(directory: Path) -> int:
-    """An exclusive lock on ``directory``'s lock file, held while the tier is open: two
-    processes writing one directory would each evict by a budget that counts only its own
-    files, and delete each other's writes in flight."""
-    fd = os.open(directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise StoreDirectoryError(
-            f"disk_dir {directory} is in use by {holder}: one process writes a disk_dir at a time. Give "
-            "each process its own disk_dir, or share entries between processes with store_url "
-            "(a Valkey/Redis server)"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"process {os.getpid()}".encode())
-    return fd
-
-
-def _read_index(path: Path) -> dict[str, _File]:
-    """Records by file name from ``index.json``; empty when missing or unreadable (then rescan).
-    Records of another entry format are left out: their files' headers are read (and refused)."""
-    try:
-        data = json.loads(path.read_text())
-        if data.get("format") != _INDEX_FORMAT:
-            return {}
-        records = [_File(**(item | {"key": EntryKey(**item["key"])})) for item in data["files"]]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return {}
-    return {r.name: r for r in records if _names_itself(r) and r.format == codec.FORMAT}
-
-
-def _names_itself(record: _File) -> bool:
-    """The record's file name holds its own address (else the index is stale or edited)."""
-    match = _NAME.match(record.name)
-    return match is not None and (match.group(1), match.group(2)) == (record.key.kind, record.key.digest)
+def _header_bytes(path: Path) -> bytes:
+    """The first bytes of an entry file, through its safetensors header."""
+    with path.open("rb") as handle:
+        prefix = handle.read(8)
+        return prefix + handle.read(header_length(prefix) - len(prefix))
 
 
 def _atomic_write(directory: Path, name: str, blob: bytes, *, durable: bool = True) -> None:

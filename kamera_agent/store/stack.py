@@ -124,11 +124,11 @@ class TierStack:
 
     def _keep(self, entry: Entry) -> None:
         """Hold ``entry`` in memory and evict to the budget (called under the lock)."""
-        key = entry.key
-        if self._disk is not None and key in self._disk:
+        key, disk = entry.key, self._disk
+        if disk is not None and not disk.written_on_put and key in disk:
             # the same entry again keeps its durable file; other bytes under the key make the
-            # file stale, and a stale file must never be served
-            self._disk.keep_if_same(key, content_digest(key, entry.value, self._fingerprint))
+            # file stale, and a stale file must never be served (a shared disk is rewritten now)
+            disk.keep_if_same(key, content_digest(key, entry.value, self._fingerprint))
         self._memory.put(entry)
         self._evict(keep=key)
 

@@ -8,8 +8,8 @@ the reason names the format found and the one expected, and the entry can be com
 
 from __future__ import annotations
 
-import json
 import logging
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -56,17 +56,16 @@ def _write_old(directory: Path) -> None:
 
 
 def _edit_index(directory: Path, index: str) -> None:
-    path = directory / "index.json"
     if index == "deleted":
-        path.unlink()
+        for path in directory.glob("index.sqlite*"):
+            path.unlink()
         return
-    data = json.loads(path.read_text())
-    for record in data["files"]:
-        if index == "older":  # an index written before records named their format
-            del record["format"]
-        elif index == "claims current":  # a lying index: the file itself is read at the first use
-            record["format"] = FORMAT
-    path.write_text(json.dumps(data))
+    if index == "as written":
+        return
+    # "older": an index whose records name no format; "claims current": a lying index (the file
+    # itself is read at the first use)
+    with sqlite3.connect(directory / "index.sqlite") as db:
+        db.execute("UPDATE files SET format=?", ("" if index == "older" else FORMAT,))
 
 
 @pytest.mark.parametrize("index", ["as written", "deleted", "older", "claims current"])
