@@ -74,6 +74,13 @@ class WindowConfig(BaseModel):
             (write access to the store is then full trust). Never printed.
         store_previous_secrets: secrets still accepted on read while a new ``store_secret``
             rolls out (``()``: ``KAMERA_STORE_PREVIOUS_SECRETS``, comma-separated).
+        store_deadline_factor: a shared-store hit may take at most this many times what
+            recomputing its tokens takes (the measured prefill time per token): one that would
+            take longer is abandoned, counted, and computed locally (`kamera_agent.store.deadlines`).
+        store_deadline_floor: seconds every shared-store lookup may take at least (a round trip
+            and an entry's header), and all that one reading no payload may take.
+        store_deadline_ceiling: seconds no shared-store lookup or write may take, and what one
+            may take before any prefill was measured.
         max_evicted: most evicted chunks a window keeps recallable (the oldest evicted are
             forgotten first, counted in ``stats``); ``None``: unbounded.
         max_image_pixels: images larger than this (width × height) are refused before decoding.
@@ -130,6 +137,9 @@ class WindowConfig(BaseModel):
     store_url: str | None = None
     store_secret: SecretStr | None = None
     store_previous_secrets: tuple[SecretStr, ...] = ()
+    store_deadline_factor: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    store_deadline_floor: float = Field(default=0.5, gt=0.0, allow_inf_nan=False)
+    store_deadline_ceiling: float = Field(default=5.0, gt=0.0, allow_inf_nan=False)
     max_evicted: int | None = Field(default=1024, ge=0)
     evicted_pixels: Literal["drop", "keep"] = "drop"
     max_image_pixels: int = Field(default=50_000_000, ge=1)
@@ -205,30 +215,58 @@ class WindowConfig(BaseModel):
             raise ValueError("set disk_dir and disk_budget together (or neither)")
         return self
 
+    @model_validator(mode="after")
+    def _deadline_floor_below_ceiling(self) -> WindowConfig:
+        if self.store_deadline_floor > self.store_deadline_ceiling:
+            raise ValueError(
+                f"store_deadline_floor ({self.store_deadline_floor} s) is above store_deadline_ceiling "
+                f"({self.store_deadline_ceiling} s): the floor must not exceed the ceiling"
+            )
+        return self
+
     @property
     def effective_rank(self) -> int | Literal["full"]:
         """The rank patches are formed at: 0 whenever patching is off."""
         return 0 if self.patch_mode == "none" else self.rank
 
-    def open_store(self, fingerprint: str) -> ChunkStore:
+    @property
+    def shared_store_url(self) -> str | None:
+        """The shared tier's URL: ``store_url``, else ``KAMERA_STORE_URL``, else ``None``."""
+        return self.store_url or os.environ.get(STORE_URL_VARIABLE) or None
+
+    def open_store(
+        self, fingerprint: str, *, disk: tuple[Path, int] | None = None, disk_shared: bool = False
+    ) -> ChunkStore:
         """The store these settings describe for a model: memory, the disk tier, and the shared
-        tier from ``store_url``, else from ``KAMERA_STORE_URL`` (windows and engine adapters
-        alike build their stores here).
+        tier from `shared_store_url` (windows and engine adapters alike build their stores here).
+
+        Args:
+            fingerprint: the model's.
+            disk: ``(directory, budget)`` of the disk tier in place of ``disk_dir`` and
+                ``disk_budget`` (an engine's default store).
+            disk_shared: every put is written to the disk tier at once, for the other processes
+                of the machine (`ChunkStore`'s ``disk_shared``).
 
         Raises:
             StoreURLError: a store URL kamera cannot use.
             StoreDirectoryError: a disk directory kamera cannot use.
         """
         from kamera_agent.store import ChunkStore
+        from kamera_agent.store.deadlines import DeadlinePolicy
 
+        disk_dir, disk_budget = disk if disk is not None else (self.disk_dir, self.disk_budget)
         return ChunkStore(
             fingerprint=fingerprint,
             memory_budget=self.memory_budget,
-            disk_dir=self.disk_dir,
-            disk_budget=self.disk_budget,
-            remote=self.store_url or os.environ.get(STORE_URL_VARIABLE) or None,
+            disk_dir=disk_dir,
+            disk_budget=disk_budget,
+            disk_shared=disk_shared,
+            remote=self.shared_store_url,
             secret=None if self.store_secret is None else self.store_secret.get_secret_value(),
             previous_secrets=[secret.get_secret_value() for secret in self.store_previous_secrets],
+            deadlines=DeadlinePolicy(
+                self.store_deadline_factor, self.store_deadline_floor, self.store_deadline_ceiling
+            ),
         )
 
     @classmethod

@@ -18,6 +18,7 @@ A backend below only prefills, runs its vision tower, assembles and decodes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from types import TracebackType
@@ -120,6 +121,13 @@ class KVCore:
         """A fresh transaction over the store."""
         return Txn(StagedStore(self.store))
 
+    def _prefill(self, *args: Any, **kwargs: Any) -> Prefilled:
+        """``backend.prefill``, timed: the store's lookup deadlines scale with its time per token."""
+        began = time.perf_counter()
+        done = self.backend.prefill(*args, **kwargs)
+        self.store.deadlines.observe(done.spent.tokens_prefilled, time.perf_counter() - began)
+        return done
+
     # -- the anchor ---------------------------------------------------------------------------
     @property
     def anchor_ready(self) -> bool:
@@ -129,7 +137,7 @@ class KVCore:
     def anchor_kv(self, meter: CostMeter) -> ChunkKV:
         """The anchor's KV at positions ``[0, anchor.advance)``: one forward, the first time."""
         if self._anchor_kv is None:
-            done = self.backend.prefill([self.anchor], [], 0)
+            done = self._prefill([self.anchor], [], 0)
             meter.spend(done.spent)
             self._anchor_kv = done.kv[0]
         return self._anchor_kv
@@ -145,7 +153,7 @@ class KVCore:
             done = self.condition([chunk], [], self.anchor.advance, txn)
             return self.keep_canonical(chunk, done.kv[0], txn)
         vision = [self.vision(chunk, txn)] if chunk.has_vision else []
-        done = self.backend.prefill([chunk], [self.anchor_kv(txn.meter)], self.anchor.advance, vision)
+        done = self._prefill([chunk], [self.anchor_kv(txn.meter)], self.anchor.advance, vision)
         txn.meter.spend(done.spent)
         return self.keep_canonical(chunk, done.kv[0], txn)
 
@@ -201,11 +209,11 @@ class KVCore:
         vision = [self.vision(chunk, txn) for chunk in chunks if chunk.has_vision]
         lead = not self.anchor_ready and not context and onto is None and starts is None
         if lead and start == self.anchor.advance:
-            done = self.backend.prefill([self.anchor, *chunks], [], 0, vision)
+            done = self._prefill([self.anchor, *chunks], [], 0, vision)
             txn.meter.spend(done.spent)
             self._anchor_kv = done.kv[0]
             return replace(done, kv=done.kv[1:])
-        done = self.backend.prefill(chunks, context, start, vision, onto, starts=starts, sees=sees)
+        done = self._prefill(chunks, context, start, vision, onto, starts=starts, sees=sees)
         txn.meter.spend(done.spent)
         return done
 

@@ -48,6 +48,7 @@ from kamera_agent.operator.patch import Patch
 from kamera_agent.store.audits import DriftAudit
 from kamera_agent.store.budget import EvictionPolicy, check_budget, check_fits, resolve_policy
 from kamera_agent.store.codec import StoredValue, entry_nbytes, fingerprint_of
+from kamera_agent.store.deadlines import DeadlinePolicy, Deadlines
 from kamera_agent.store.disk import DiskTier
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.memory import MemoryTier
@@ -112,6 +113,9 @@ class ChunkStore:
             or a ``previous_secrets`` one (else ``$KAMERA_STORE_PREVIOUS_SECRETS``): a forged
             entry is refused (`kamera_agent.store.signing`). Without one, anyone who can write
             to the disk directory or the server is trusted fully.
+        deadlines: how long a shared-tier lookup or write may take in all (factor, floor and
+            ceiling); the prefill time per token it scales with is what the store's users report
+            to `deadlines` (`Deadlines.observe`).
 
     Raises:
         StoreBudgetError: a budget that is not a positive byte count, or a disk directory
@@ -136,6 +140,7 @@ class ChunkStore:
         secret: str | bytes | None = None,
         previous_secrets: Sequence[str | bytes] = (),
         disk_shared: bool = False,
+        deadlines: DeadlinePolicy | None = None,
     ) -> None:
         if not fingerprint:
             raise StoreKeyError(
@@ -150,6 +155,8 @@ class ChunkStore:
         self._fingerprint = fingerprint
         self._log = EventLog(event_capacity)
         self._closed = False
+        self.deadlines = Deadlines(deadlines)
+        """How long a shared-tier lookup or write may take; report prefill times to it (`observe`)."""
         self._memory = MemoryTier(memory_budget, resolve_policy(policy))
         self._disk: DiskTier | None = None
         if disk_dir is not None and disk_budget is not None:
@@ -167,7 +174,7 @@ class ChunkStore:
         self._remote: RemoteTier | None = None
         if remote is not None:
             address = parse_store_url(remote) if isinstance(remote, str) else remote
-            self._remote = RemoteTier(address, fingerprint)
+            self._remote = RemoteTier(address, fingerprint, self.deadlines)
         below = [tier for tier in (self._disk, self._remote) if tier is not None]
         signer = Signer.from_settings(secret, previous_secrets)
         self._stack = TierStack(fingerprint, self._memory, self._disk, [*below, *tiers], self._log, signer)
@@ -351,9 +358,18 @@ class ChunkStore:
             return {}
         r, c = self._remote.snapshot(), self._log.counts
         return {
-            "remote_state": r["state"],
+            "remote_state": "slow" if r["slow"] and r["state"] == "up" else r["state"],
             **{f"remote_{name}": c[f"remote_{name}"] for name in ("hits", "misses", "errors", "rejected")},
-            **{f"remote_{name}": r[name] for name in ("writes", "bytes_written", "writes_skipped")},
+            **{
+                f"remote_{name}": r[name]
+                for name in (
+                    "writes",
+                    "bytes_written",
+                    "writes_skipped",
+                    "deadline_misses",
+                    "deadline_writes",
+                )
+            },
             "remote_writes_failed": r["writes_failed"],
             "remote_outages": r["outages"],
             "remote_timeout": r["timeout"],

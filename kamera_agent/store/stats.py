@@ -69,8 +69,9 @@ class StoreStats:
         lost: entries no tier holds any more, over all the causes above.
         unavailable: lookups (gets, ``has_*``, peeks) that a tier did not answer (a server
             down or timing out), over every tier: never taken as the entry's absence.
-        remote_state: the shared tier: ``"off"`` (none), ``"up"``, or ``"down"`` (working
-            locally, retrying with backoff).
+        remote_state: the shared tier: ``"off"`` (none), ``"up"``, ``"down"`` (working
+            locally, retrying with backoff) or ``"slow"`` (up, but its calls outlived their
+            deadlines: skipped for a while, then asked again).
         remote_hits: gets served from the shared tier (verified, then promoted to memory).
         remote_misses: shared-tier gets that found no entry (``remote_errors`` of them because
             the server did not answer).
@@ -85,6 +86,11 @@ class StoreStats:
             healthy server answers slowly, up to the URL's ``max_timeout``, and decays back).
         remote_slow_calls: calls that timed out on an answering server and raised the timeout
             instead of counting an outage.
+        remote_deadline_misses: shared-tier lookups abandoned at their total deadline (what
+            recomputing the entry costs, `kamera_agent.store.deadlines`): each a miss, among
+            ``remote_errors`` (gets) and ``unavailable``; the entry is computed locally.
+        remote_deadline_writes: shared-tier writes abandoned at their deadline (among
+            ``remote_writes_failed``; the entry stays local).
         unsigned_refused: entries a tier held that were unsigned or whose MAC did not verify
             under the store's secret (forged, or written without it): never served, left in
             place (another deployment's secret may sign them); 0 without a secret.
@@ -121,6 +127,8 @@ class StoreStats:
     remote_outages: int = 0
     remote_timeout: float = 0.0
     remote_slow_calls: int = 0
+    remote_deadline_misses: int = 0
+    remote_deadline_writes: int = 0
     unsigned_refused: int = 0
 
 

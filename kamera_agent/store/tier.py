@@ -122,6 +122,13 @@ class Entry:
         the store has a secret."""
         return serialize(self.key, self.value, self.fingerprint, self.signer)
 
+    @property
+    def tokens(self) -> int | None:
+        """The tokens the entry holds (a chunk's KV, a patch), ``None`` for other kinds: what
+        recomputing it costs is per token (`kamera_agent.store.deadlines`)."""
+        tokens = getattr(self.value, "num_tokens", None)
+        return tokens if isinstance(tokens, int) else None
+
 
 class Tier(ABC):
     """A place that holds store entries of one model, asked by the `ChunkStore` in order.

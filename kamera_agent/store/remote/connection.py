@@ -13,6 +13,12 @@ values): the call fails, but instead of declaring an outage the timeout doubles,
 ``max_timeout`` (2 s); only a timeout at that ceiling, or a refused or broken connection, opens
 the breaker. While calls answer well within it, the timeout decays back toward the URL's.
 
+A call may also carry a total deadline (`kamera_agent.store.deadlines`): its sockets wait at most
+until then (`bounded`), and a call cut there fails with `DeadlineMissed`, which is no outage and
+no slowness of the timeout's kind (the server may be fine, only too slow for this entry). Three
+in a row are a server too slow to be worth asking: it is skipped for a while (0.25 s, doubling
+to 30 s while it stays that slow), so that ops run at local speed, and tried again after.
+
 Client: valkey-py (``valkey`` on PyPI), the Valkey project's own fork of redis-py: the same
 API for Valkey and Redis servers, a cluster client that routes by hash slot, and pipelines.
 """
@@ -26,17 +32,24 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kamera_agent.errors import SettingsError
+from kamera_agent.store.remote import bounded
 from kamera_agent.store.remote.address import RemoteAddress
 
-__all__ = ["Connection", "RemoteUnavailable"]
+__all__ = ["Connection", "DeadlineMissed", "RemoteUnavailable"]
 
 _LOG = logging.getLogger("kamera_agent.store.remote")
 _QUICK_CALLS = 64  # calls within a quarter of the timeout before it steps back down
+SLOW_AFTER = 3
+"""Calls in a row cut at their deadline before the server is skipped for a while."""
 T = TypeVar("T")
 
 
 class RemoteUnavailable(Exception):
     """The server did not answer (internal to the remote tier: never leaves the store)."""
+
+
+class DeadlineMissed(RemoteUnavailable):
+    """The call was abandoned at its total deadline (internal: the lookup counts a deadline miss)."""
 
 
 class Connection:
@@ -74,21 +87,40 @@ class Connection:
         """Calls that timed out on an answering server and raised the timeout (no outage)."""
         self._answered = False
         self._quick = 0
+        self.deadline_misses = 0
+        """Calls abandoned at their total deadline."""
+        self._late = 0  # such calls in a row
+        self._slow_until = 0.0
+        self._slow_pause = backoff
 
-    def call(self, work: Callable[[Any], T]) -> T:
-        """``work(client)`` within the timeout, or `RemoteUnavailable` (at once while backing off)."""
+    @property
+    def slow(self) -> bool:
+        """The server is skipped for now: its last calls all outlived their deadlines."""
+        with self._lock:
+            return time.monotonic() < self._slow_until
+
+    def call(self, work: Callable[[Any], T], until: float | None = None) -> T:
+        """``work(client)`` within the timeout and by ``until`` (``time.monotonic()`` seconds),
+        or `RemoteUnavailable` (`DeadlineMissed` past ``until``; at once while backing off)."""
         from valkey.exceptions import ResponseError, ValkeyError
         from valkey.exceptions import TimeoutError as CallTimeout
 
         with self._lock:
-            if self.down and time.monotonic() < self._retry_at:
+            now = time.monotonic()
+            if self.down and now < self._retry_at:
                 raise RemoteUnavailable("backing off")
+            if now < self._slow_until:
+                raise RemoteUnavailable("slower than its deadlines: skipped for now")
         began = time.monotonic()
         try:
-            result = work(self._connected())
+            with bounded.until(until):
+                result = work(self._connected())
         except ResponseError as exc:  # it answered but refused (OOM under noeviction, WRONGTYPE):
             raise RemoteUnavailable(f"refused: {exc}") from exc  # this call fails; no outage
         except (CallTimeout, TimeoutError) as exc:
+            if until is not None and (bounded.expired() or time.monotonic() >= until):
+                self._late_call()
+                raise DeadlineMissed(f"abandoned at its deadline ({until - began:.3g} s)") from exc
             if not self._slower():
                 self._failed(exc)
             raise RemoteUnavailable(f"timed out after {self.timeout:g} s: {exc}") from exc
@@ -116,21 +148,43 @@ class Connection:
         from valkey.retry import Retry
 
         a = self.address
-        common: dict[str, Any] = {
+        common: dict[str, Any] = {  # (TLS by the connection class: as ssl=True, with its defaults)
             "socket_timeout": self.timeout,
             "socket_connect_timeout": self.timeout,
             "retry": Retry(NoBackoff(), 0),
             "username": a.username,
             "password": a.password,
-            "ssl": a.tls,
+            "connection_class": bounded.connection_class(a.tls),
         }
         if not a.cluster:
             host, port = a.nodes[0]
-            return valkey.Valkey(host=host, port=port, db=a.db, **common)
+            pool = valkey.ConnectionPool(host=host, port=port, db=a.db, **common)
+            return valkey.Valkey(connection_pool=pool)
         from valkey.cluster import ClusterNode, ValkeyCluster
 
-        nodes = [ClusterNode(host, port) for host, port in a.nodes]
-        return ValkeyCluster(startup_nodes=nodes, cluster_error_retry_attempts=1, **common)
+        host, port = a.nodes[0]  # given as a URL, the nodes' pools take the connection class
+        nodes = [ClusterNode(host, port) for host, port in a.nodes[1:]]
+        return ValkeyCluster(
+            url=f"redis://{host}:{port}", startup_nodes=nodes, cluster_error_retry_attempts=1, **common
+        )
+
+    def _late_call(self) -> None:
+        """A call cut at its deadline; the third in a row skips the server for a while."""
+        with self._lock:
+            self.deadline_misses += 1
+            self._late += 1
+            if self._late < SLOW_AFTER:
+                return
+            pause, self._late = self._slow_pause, 0
+            self._slow_until = time.monotonic() + pause
+            first = pause == self._backoff
+            self._slow_pause = min(self._max_backoff, pause * 2)
+        if first:
+            _LOG.warning(
+                "shared store %s answers slower than its deadlines: working locally, asking it again "
+                "with backoff",
+                self.address,
+            )
 
     def _failed(self, exc: BaseException) -> None:
         with self._lock:
@@ -168,6 +222,7 @@ class Connection:
     def _succeeded(self, seconds: float) -> None:
         with self._lock:
             was_down, self.down = self.down, False
+            self._late, self._slow_pause = 0, self._backoff
             self._pause = self._backoff
             self._answered = True
             # well within the timeout for a while: step back toward the URL's own

@@ -51,8 +51,9 @@ class Head:
         sha256: the payload's digest (hex).
         nbytes: the payload's length.
         parts: how many part values hold the payload (0: it follows the header inline).
-        info: the codec metadata a planner peeks at (a patch's state and meta) and the payload's
-            entry format (absent from heads an older kamera-agent wrote).
+        info: the codec metadata a planner peeks at (a patch's state and meta), the payload's
+            entry format and the tokens it holds (each absent from heads an older kamera-agent
+            wrote).
     """
 
     address: EntryKey
@@ -78,17 +79,18 @@ def part_names(name: str, head: Head) -> list[str]:
 
 
 def frame(
-    key: EntryKey, fingerprint: str, payload: bytes, part_bytes: int
+    key: EntryKey, fingerprint: str, payload: bytes, part_bytes: int, tokens: int | None = None
 ) -> tuple[Head, bytes, list[bytes]]:
     """``(header, head value, parts)`` for a serialized entry: the payload rides inline when it
-    fits ``part_bytes``, else it is cut into parts of at most that size."""
+    fits ``part_bytes``, else it is cut into parts of at most that size. ``tokens``: how many
+    the entry holds, in its head (a reader's deadline: what recomputing them costs)."""
     digest = hashlib.sha256(payload).hexdigest()
     parts = (
         []
         if len(payload) <= part_bytes
         else [payload[i : i + part_bytes] for i in range(0, len(payload), part_bytes)]
     )
-    info = _info(payload)
+    info = _info(payload) | ({} if tokens is None else {"tokens": str(tokens)})
     header = {
         "format": FORMAT,
         "address": [key.kind, key.key, key.variant],

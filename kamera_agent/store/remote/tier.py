@@ -5,8 +5,8 @@ vision output or a patch one process computed should cost the others a fetch, no
 The tier moves serialized entries (the store's safetensors bytes) and knows nothing of tensors.
 
     put ──► queue (bounded bytes) ──writer thread──► parts, then head (SET ... EX ttl)
-    get ──► GET head ──► format, model, address ok? ──► parts (one round trip) ──► sha256 ok? ──► payload
-                              └ no: DEL, rejected                                   └ no: DEL, rejected
+    get ──► GETRANGE head (64 KiB) ──► format, model, address ok? ──► rest or parts ──► sha256 ok? ──► payload
+                                         └ no: DEL, rejected                             └ no: DEL, rejected
 
 A `Tier` (``locked`` off: thread-safe, called outside the store's lock; ``written_on_put``:
 every put is queued here). Writes are write-behind: an op never waits for the network; `flush`
@@ -14,6 +14,11 @@ waits for the queue. A miss is remembered for a second, so a planner asking "is 
 many absent entries does not pay a round trip each. A server that does not answer is
 `Status.UNAVAILABLE` (the store counts it as an error, never as the entry's absence), never an
 exception and never a wait beyond the URL's timeout (`Connection`).
+
+Every lookup and write has a total deadline (`Deadlines`): a lookup's head within the floor, the
+whole entry within what recomputing its tokens costs (the head says how many); one cut there is
+`UNAVAILABLE`, counted in ``deadline_misses`` (``deadline_writes`` for a write), and the caller
+computes the entry.
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ from typing import Any
 
 from kamera_agent.store import codec
 from kamera_agent.store.codec import CorruptEntry, OutdatedEntry, outdated
+from kamera_agent.store.deadlines import Deadlines
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.remote.address import RemoteAddress
-from kamera_agent.store.remote.connection import Connection, RemoteUnavailable
+from kamera_agent.store.remote.connection import Connection, DeadlineMissed, RemoteUnavailable
 from kamera_agent.store.remote.framing import (
     HEAD_PEEK,
     Head,
@@ -57,6 +63,8 @@ class RemoteTier(Tier):
     Args:
         address: where the server is (`parse_store_url`).
         fingerprint: the model fingerprint every key and payload carries.
+        deadlines: how long each lookup and write may take in all (`Deadlines`; default: its
+            policy's ceiling until a prefill is measured).
     """
 
     name = "remote"
@@ -64,9 +72,10 @@ class RemoteTier(Tier):
     keyed_by_model = True
     written_on_put = True
 
-    def __init__(self, address: RemoteAddress, fingerprint: str) -> None:
+    def __init__(self, address: RemoteAddress, fingerprint: str, deadlines: Deadlines | None = None) -> None:
         self.address = address
         self.location = str(address)
+        self.deadlines = deadlines or Deadlines()
         self._fingerprint = fingerprint
         self._connection = Connection(address)
         self._lock = threading.Condition()
@@ -82,19 +91,28 @@ class RemoteTier(Tier):
 
     # -- reads -----------------------------------------------------------------------------------
     def get(self, key: EntryKey) -> Lookup[Payload]:
-        """The entry's payload once its sha256 matches its head (the store deserializes it)."""
+        """The entry's payload once its sha256 matches its head (the store deserializes it), all
+        of it by the deadline its head's token count gives (`Deadlines.for_tokens`)."""
         name = self._name(key)
         if self._known_absent(name):
             return Lookup.miss("absent a moment ago")
+        began = time.monotonic()
         try:
-            value = self._connection.call(lambda client: client.get(name))
-            if value is None:
+            prefix = self._call(lambda c: c.getrange(name, 0, HEAD_PEEK - 1), began + self.deadlines.header)
+            if not prefix:
                 self._remember_absent(name)
                 return Lookup.miss()
-            head, inline = read_head(value)
+            head, inline = read_head(prefix)
             self._check(head, key)
+            until = began + self.deadlines.for_tokens(_tokens(head))
+            if not head.parts and len(inline) < head.nbytes:  # the rest of an inline value
+                whole = self._call(lambda c: c.get(name), until)
+                if whole is None:  # deleted since its head was read
+                    return Lookup.miss()
+                head, inline = read_head(whole)
+                self._check(head, key)
             parts = part_names(name, head)
-            fetched = self._connection.call(lambda client: _get_all(client, parts)) if parts else []
+            fetched = self._call(lambda c: _get_all(c, parts), until) if parts else []
             return Lookup.hit(assemble(head, inline, fetched))
         except RemoteUnavailable as exc:
             return Lookup.unavailable(str(exc))
@@ -107,8 +125,9 @@ class RemoteTier(Tier):
         name = self._name(key)
         if self._known_absent(name):
             return Lookup.miss("absent a moment ago")
+        until = time.monotonic() + self.deadlines.header
         try:
-            prefix = self._connection.call(lambda client: client.getrange(name, 0, HEAD_PEEK - 1))
+            prefix = self._call(lambda client: client.getrange(name, 0, HEAD_PEEK - 1), until)
             if not prefix:
                 self._remember_absent(name)
                 return Lookup.miss()
@@ -126,8 +145,9 @@ class RemoteTier(Tier):
         name = self._name(key)
         if self._known_absent(name):
             return Status.MISS
+        until = time.monotonic() + self.deadlines.header
         try:
-            found = bool(self._connection.call(lambda client: client.exists(name)))
+            found = bool(self._call(lambda client: client.exists(name), until))
         except RemoteUnavailable:
             return Status.UNAVAILABLE
         if not found:
@@ -191,6 +211,7 @@ class RemoteTier(Tier):
             "outages": self._connection.outages,
             "timeout": self._connection.timeout,
             "slow_calls": self._connection.slow_calls,
+            "slow": self._connection.slow,
         }
 
     # -- internals -------------------------------------------------------------------------------
@@ -215,6 +236,14 @@ class RemoteTier(Tier):
             )
         if head.address != key:
             raise CorruptEntry(f"holds {head.address}, not {key}")
+
+    def _call(self, work: Any, until: float) -> Any:
+        """A lookup's call by ``until``; one cut there is counted (``deadline_misses``)."""
+        try:
+            return self._connection.call(work, until)
+        except DeadlineMissed:
+            self._count("deadline_misses")
+            raise
 
     def _probe(self) -> None:
         with contextlib.suppress(RemoteUnavailable):
@@ -251,11 +280,12 @@ class RemoteTier(Tier):
                 entry = self._queue.popleft()
             key, nbytes = entry.key, entry.nbytes
             try:
-                written = self._write(key, entry.serialize())
+                written = self._write(key, entry.serialize(), entry.tokens)
                 self._count("writes")
                 self._count("bytes_written", written)
-            except RemoteUnavailable:
+            except RemoteUnavailable as exc:
                 self._count("writes_failed")
+                self._count("deadline_writes", int(isinstance(exc, DeadlineMissed)))
             except Exception:  # a bug must not kill the writer; the entry stays local
                 _LOG.exception("shared store: writing %s failed", key)
                 self._count("writes_failed")
@@ -264,9 +294,12 @@ class RemoteTier(Tier):
                     self._pending -= nbytes
                     self._lock.notify_all()
 
-    def _write(self, key: EntryKey, payload: bytes) -> int:
+    def _write(self, key: EntryKey, payload: bytes, tokens: int | None) -> int:
+        """Parts, then the head, all by the deadline the entry's tokens give (a write cut there
+        leaves parts no head points at: they expire with their TTL)."""
+        until = time.monotonic() + self.deadlines.for_tokens(tokens)
         name = self._name(key)
-        head, value, parts = frame(key, self._fingerprint, payload, self.address.part_bytes)
+        head, value, parts = frame(key, self._fingerprint, payload, self.address.part_bytes, tokens)
         expiry = self.address.ttl or None
 
         def write(client: Any) -> None:
@@ -277,13 +310,26 @@ class RemoteTier(Tier):
                 pipe.execute()
             client.set(name, value, ex=expiry)
 
-        self._connection.call(write)
+        self._connection.call(write, until)
         with self._lock:
             self._absent.pop(name, None)
         return len(value) + sum(len(part) for part in parts)
 
 
-_COUNTERS = ("writes", "bytes_written", "writes_skipped", "writes_failed")
+_COUNTERS = (
+    "writes",
+    "bytes_written",
+    "writes_skipped",
+    "writes_failed",
+    "deadline_misses",
+    "deadline_writes",
+)
+
+
+def _tokens(head: Head) -> int | None:
+    """The tokens an entry holds, as its head says (``None``: a head written before it said)."""
+    tokens = head.info.get("tokens", "")
+    return int(tokens) if tokens.isdigit() else None
 
 
 def _get_all(client: Any, names: list[str]) -> list[bytes | None]:
