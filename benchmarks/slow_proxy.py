@@ -63,6 +63,8 @@ class SlowProxy:
         ]
         try:
             await asyncio.gather(*pumps)
+        except asyncio.CancelledError:  # the proxy is closing: the connection ends here
+            pass
         finally:
             for pump in pumps:
                 pump.cancel()

@@ -16,8 +16,9 @@ the breaker. While calls answer well within it, the timeout decays back toward t
 A call may also carry a total deadline (`kamera_agent.store.deadlines`): its sockets wait at most
 until then (`bounded`), and a call cut there fails with `DeadlineMissed`, which is no outage and
 no slowness of the timeout's kind (the server may be fine, only too slow for this entry). Three
-in a row are a server too slow to be worth asking: it is skipped for a while (0.25 s, doubling
-to 30 s while it stays that slow), so that ops run at local speed, and tried again after.
+in a row are a server too slow to be worth asking: it is skipped for a while (2 s), then asked
+again; each call cut after that skips it again for twice as long (to 60 s) until one is on
+time, so that ops run at local speed.
 
 Client: valkey-py (``valkey`` on PyPI), the Valkey project's own fork of redis-py: the same
 API for Valkey and Redis servers, a cluster client that routes by hash slot, and pipelines.
@@ -41,6 +42,10 @@ _LOG = logging.getLogger("kamera_agent.store.remote")
 _QUICK_CALLS = 64  # calls within a quarter of the timeout before it steps back down
 SLOW_AFTER = 3
 """Calls in a row cut at their deadline before the server is skipped for a while."""
+SLOW_PAUSE = (2.0, 60.0)
+"""Seconds a server too slow for its deadlines is skipped: the first pause, and the longest
+(doubling while each call after a pause is cut again). A slow link heals slower than a
+restarted server, and every call that tries it costs an op its deadline."""
 T = TypeVar("T")
 
 
@@ -91,7 +96,7 @@ class Connection:
         """Calls abandoned at their total deadline."""
         self._late = 0  # such calls in a row
         self._slow_until = 0.0
-        self._slow_pause = backoff
+        self._slow_pause = SLOW_PAUSE[0]
 
     @property
     def slow(self) -> bool:
@@ -169,16 +174,17 @@ class Connection:
         )
 
     def _late_call(self) -> None:
-        """A call cut at its deadline; the third in a row skips the server for a while."""
+        """A call cut at its deadline; the third in a row skips the server for a while, and so
+        does each one after that until a call is on time (the pause doubling)."""
         with self._lock:
             self.deadline_misses += 1
             self._late += 1
             if self._late < SLOW_AFTER:
                 return
-            pause, self._late = self._slow_pause, 0
+            pause = self._slow_pause
             self._slow_until = time.monotonic() + pause
-            first = pause == self._backoff
-            self._slow_pause = min(self._max_backoff, pause * 2)
+            first = pause == SLOW_PAUSE[0]
+            self._slow_pause = min(SLOW_PAUSE[1], pause * 2)
         if first:
             _LOG.warning(
                 "shared store %s answers slower than its deadlines: working locally, asking it again "
@@ -222,7 +228,7 @@ class Connection:
     def _succeeded(self, seconds: float) -> None:
         with self._lock:
             was_down, self.down = self.down, False
-            self._late, self._slow_pause = 0, self._backoff
+            self._late, self._slow_pause = 0, SLOW_PAUSE[0]
             self._pause = self._backoff
             self._answered = True
             # well within the timeout for a while: step back toward the URL's own
