@@ -3,18 +3,68 @@
 Why a registry: an engine builds kamera's adapter more than once in one process (vLLM builds a
 scheduler-side and a worker-side connector; SGLang a cache per scheduler), and every instance for
 one model and settings must see one store, or a capture would never be served. The registry
-opens each store once (`WindowConfig.open_store`) and `close` finishes them all: the disk tier
-flushed and released, the shared tier's queued writes sent (a server's shutdown, a test's end).
+opens each store once (`engine_store`) and `close` finishes them all: the disk tier released,
+the shared tier's queued writes sent (a server's shutdown, a test's end).
+
+Where no store is named (no ``store_url``, no ``KAMERA_STORE_URL``) an engine still runs in
+several processes (``vllm serve``'s scheduler and worker, several servers of one machine), and a
+memory store of each would serve a capture only to the process that made it. So the engine's
+store is then a disk store in a per-user cache folder (`default_store_dir`; ``disk_dir`` when
+the settings name one),
+every put written there at once and every process of the machine reading it: bounded by
+``disk_budget`` (`DEFAULT_DISK_BUDGET` without one), one folder per model, named in one log line.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
+from pathlib import Path
 
+from kamera_agent.checkpoints import cache_dir
 from kamera_agent.config import WindowConfig
 from kamera_agent.store import ChunkStore
 
-__all__ = ["STORES", "StoreRegistry"]
+__all__ = [
+    "DEFAULT_DISK_BUDGET",
+    "STORES",
+    "STORE_DIR_VARIABLE",
+    "StoreRegistry",
+    "default_store_dir",
+    "engine_store",
+]
+
+_LOG = logging.getLogger(__name__)
+DEFAULT_DISK_BUDGET = 20 << 30
+"""Bytes the default store keeps per model (the oldest-used entries leave first)."""
+STORE_DIR_VARIABLE = "KAMERA_STORE_DIR"
+"""The environment variable naming the default stores' folder (else ``<cache>/store``)."""
+
+
+def default_store_dir(fingerprint: str) -> Path:
+    """Where an engine with no store named keeps a model's entries: ``$KAMERA_STORE_DIR/<model>``,
+    else ``<cache>/store/<model>`` (`kamera_agent.checkpoints.cache_dir`: ``$KAMERA_CACHE_DIR``
+    or ``~/.cache/kamera``)."""
+    root = os.environ.get(STORE_DIR_VARIABLE)
+    return (Path(root) if root else cache_dir() / "store") / fingerprint[:32]
+
+
+def engine_store(fingerprint: str, config: WindowConfig) -> ChunkStore:
+    """The store an engine's processes share under ``config``: the settings' own where they name
+    a shared tier, else a disk store every process of this machine reads and writes at once."""
+    if config.shared_store_url is not None:
+        return config.open_store(fingerprint)
+    directory = config.disk_dir or default_store_dir(fingerprint)
+    budget = config.disk_budget or DEFAULT_DISK_BUDGET
+    store = config.open_store(fingerprint, disk=(directory, budget), disk_shared=True)
+    _LOG.warning(  # a warning: the one line an engine's default logging shows
+        "kamera: no store URL (store_url or KAMERA_STORE_URL), so this engine's processes share the "
+        "disk store in %s (at most %.1f GiB); set KAMERA_STORE_URL to share captures across machines",
+        directory,
+        budget / (1 << 30),
+    )
+    return store
 
 
 class StoreRegistry:
@@ -25,11 +75,11 @@ class StoreRegistry:
         self._lock = threading.Lock()
 
     def open(self, fingerprint: str, config: WindowConfig) -> ChunkStore:
-        """The store of this model under ``config``'s store settings (opened once)."""
-        key = f"{fingerprint}|{config.model_dump_json()}"
+        """The store of this model under ``config``'s store settings (opened once, `engine_store`)."""
+        key = f"{fingerprint}|{config.model_dump_json()}|{config.shared_store_url}"
         with self._lock:
             if key not in self._stores:
-                self._stores[key] = config.open_store(fingerprint)
+                self._stores[key] = engine_store(fingerprint, config)
             return self._stores[key]
 
     def close(self) -> None:

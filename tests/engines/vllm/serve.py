@@ -115,6 +115,7 @@ def vllm_serve(
         command += ["--kv-transfer-config", json.dumps(transfer)]
     environment = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KAMERA_STORE_URL")}
     environment |= {
+        "PYTHONPATH": str(ROOT),  # this checkout's kamera_agent, whatever the environment installed
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
