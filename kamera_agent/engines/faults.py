@@ -41,6 +41,22 @@ class HookFaults:
                 exc_info=exc,
             )
 
+    def count(self, hook: str, kind: str, detail: str) -> None:
+        """Record a fault that is no exception (a load that found its entry gone), as ``hook:kind``,
+        logged the first time."""
+        key = f"{hook}:{kind}"
+        with self._lock:
+            first = key not in self.counts
+            self.counts[key] += 1
+        if first:
+            self._logger.warning(
+                "kamera: %s: %s (%s); the engine computes those tokens (logged once per kind, counted "
+                "in the adapter's stats)",
+                hook,
+                kind,
+                detail,
+            )
+
     def as_dict(self) -> dict[str, int]:
         with self._lock:
             return dict(self.counts)

@@ -17,10 +17,12 @@ grids it knows hold pieces (its own, the whole, and any found since): one lookup
 one in all for a single-rank engine. The other even splits are scanned on the first miss and
 then on every ``scan_every``-th, and a grid found so is known from then on (a TP=1 server
 reading a TP=2 server's captures learns their split from its first hit). Without one (`Splits`
-``None``) every miss scans every grid. Entries the engine's own workers report filed
-(`Splits.filed`) count as present for `FILED_FOR` seconds: the scheduler side learns of its
-workers' captures before the store it reads does (a shared tier's writes are behind, and it
-remembers a miss for a second).
+``None``) every miss scans every grid. The store is asked first; an entry the engine's own
+workers report filed (`Splits.filed`) that it does not show yet counts as present for
+`FILED_FOR` seconds: the scheduler side learns of its workers' captures before the store it
+reads does (a shared tier's writes are behind, and it remembers a miss for a second). Such an
+offer may still fail (the entry evicted meanwhile): the load then fails once, the request is
+computed and the entry is not offered again until filed anew (`kamera_agent.engines.offers`).
 
     writer rank (heads a:b, layers c:d) ──put──► entry#kv:h{a}-{b}/{H}:l{c}-{d}/{L}
     reader rank (heads a':b', layers c':d') ◄──get── whole entry | covering shards, sliced and joined
@@ -53,15 +55,17 @@ __all__ = [
     "Splits",
     "even_stages",
     "shard_entry",
+    "unsharded",
 ]
 
 Range = tuple[int, int]
 Split = tuple[tuple[Range, ...], tuple[Range, ...]]
 """A grid as the ranges it cuts: (head ranges, layer ranges), each tiling in order."""
-FILED_FOR = 30.0
-"""Seconds an entry the engine's workers report filed counts as present without asking the
-store: long enough to outlast a shared tier's write-behind and its remembered miss (a second),
-short enough that an entry evicted since is soon asked for again."""
+FILED_FOR = 5.0
+"""Seconds an entry the engine's workers report filed counts as present where the store does not
+show it yet: long enough to outlast a shared tier's write-behind and its remembered miss (a
+second); what the store says decides after that."""
+_TAG = "#kv:"
 
 
 class ShardError(KameraError):
@@ -152,7 +156,7 @@ class Splits:
     Attributes:
         scan_every: a miss in every known grid scans the other even splits on the first such miss
             and every ``scan_every``-th after it.
-        filed_for: seconds a reported entry counts as present.
+        filed_for: seconds a reported entry counts as present where the store does not show it.
     """
 
     scan_every: int = 64
@@ -203,8 +207,14 @@ class Splits:
 def shard_entry(entry: EntryKey, heads: Range, layers: Range, grid: tuple[int, int]) -> EntryKey:
     """The entry of ``entry``'s piece over ``heads`` and ``layers`` of a model with ``grid`` =
     (heads, layers)."""
-    tag = f"#kv:h{heads[0]}-{heads[1]}/{grid[0]}:l{layers[0]}-{layers[1]}/{grid[1]}"
+    tag = f"{_TAG}h{heads[0]}-{heads[1]}/{grid[0]}:l{layers[0]}-{layers[1]}/{grid[1]}"
     return EntryKey(entry.kind, entry.key, entry.variant + tag)
+
+
+def unsharded(entry: EntryKey) -> EntryKey:
+    """The chunk's entry a piece (`shard_entry`) belongs to; a whole entry itself."""
+    variant, tag, _ = entry.variant.partition(_TAG)
+    return EntryKey(entry.kind, entry.key, variant) if tag else entry
 
 
 class ShardedStore:
@@ -317,7 +327,8 @@ class ShardedStore:
         return cover if all(self._has(entry) for entry, _, _ in cover) else None
 
     def _has(self, entry: EntryKey) -> bool:
-        return (self.splits is not None and self.splits.was_filed(entry)) or self.store.contains(entry)
+        """The store holds ``entry``, or this side's workers filed it a moment ago."""
+        return self.store.contains(entry) or (self.splits is not None and self.splits.was_filed(entry))
 
     def _own(self) -> Split:
         return tuple(sorted({self.grid.head_range(r) for r in range(self.grid.tp)})), self.grid.stages

@@ -46,6 +46,7 @@ from typing import Literal, TypeVar
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.drift import AuditSource, Calibration, filed_in, find_calibration
 from kamera_agent.core.identity import ChunkState, Context
+from kamera_agent.engines.offers import FailedEntries
 from kamera_agent.engines.shards import EntryStore
 from kamera_agent.errors import UncalibratedWarning
 from kamera_agent.operator.layout import ChunkKV
@@ -56,6 +57,7 @@ __all__ = [
     "KeptBudget",
     "KeptLoad",
     "LoadPlan",
+    "Loaded",
     "PrefixSynthesis",
     "RequestChunk",
     "ServePolicy",
@@ -235,6 +237,19 @@ class LoadPlan:
 
 
 @dataclass(frozen=True)
+class Loaded:
+    """What `PrefixSynthesis.load` read: every served chunk's whole position-free KV, or nothing
+    and the entries that could not be read (gone, or unreadable: the engine computes the tokens)."""
+
+    kvs: tuple[ChunkKV, ...] = ()
+    failed: tuple[EntryKey, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+@dataclass(frozen=True)
 class KeptLoad:
     """A chunk a load left in the engine's cache in a state a forward would not give it (a kept
     state, or a splice): what a later request finding it in the engine's own prefix must chain.
@@ -278,7 +293,9 @@ class PrefixSynthesis:
     for weeks. A forgotten load makes a later request take that chunk's state for a computed one,
     which only ``"keep"`` ever stores (an approximation filed under a slightly wrong name). An
     engine that evicts a loaded chunk's tokens says so (`lost`): its tokens computed again are
-    what a forward gives.
+    what a forward gives. A third memory, `failed`, holds the entries whose load failed: neither
+    offered nor taken as stored (a capture files them anew) until the store has them afresh
+    (`kamera_agent.engines.offers`).
 
     Args:
         store: where position-free chunk KV is kept (shared by every process that names it): a
@@ -291,6 +308,7 @@ class PrefixSynthesis:
     store: EntryStore
     policy: ServePolicy = "exact"
     budget: KeptBudget | None = None
+    failed: FailedEntries = field(default_factory=FailedEntries)
     _latest: OrderedDict[str, Served] = field(default_factory=OrderedDict, repr=False)
     _loaded: OrderedDict[str, KeptLoad] = field(default_factory=OrderedDict, repr=False)
 
@@ -348,16 +366,22 @@ class PrefixSynthesis:
             device_len, end if served else device_len, tuple(served), held_kept, held_drift, refused
         )
 
-    def load(self, plan: LoadPlan) -> list[ChunkKV] | None:
-        """The served chunks' whole position-free KV, or ``None`` when any entry is gone (a load
-        is all or nothing: the engine then computes the tokens)."""
+    def load(self, plan: LoadPlan) -> Loaded:
+        """The served chunks' whole position-free KV, or none and every entry that could not be
+        read (a load is all or nothing: the engine then computes the tokens; each entry is read,
+        so that one failed load finds every entry the store lost). Those are not offered again
+        until filed anew (`failed`); the others are fine."""
         out: list[ChunkKV] = []
+        failed: list[EntryKey] = []
         for item in plan.served:
             kv = self.read(item.entry)
             if kv is None or kv.num_tokens != len(item.chunk):
-                return None
-            out.append(kv)
-        return out
+                failed.append(item.entry)
+            else:
+                out.append(kv)
+        self.failed.failed(failed)
+        self.failed.loaded(item.entry for item in plan.served if item.entry not in failed)
+        return Loaded(() if failed else tuple(out), tuple(failed))
 
     def loaded(self, namespace: str, chunks: Sequence[RequestChunk], plan: LoadPlan) -> list[KeptLoad]:
         """Record what a load put into the engine's cache, so later requests that find these
@@ -419,8 +443,8 @@ class PrefixSynthesis:
             entry = _entry(chunk, state)
             if self.policy == "keep":
                 _remember(self._latest, _latest_key(namespace, chunk), Served(chunk, state, entry))
-            if not self.store.contains(entry):
-                out.append((chunk, state, entry))
+            if self.failed.blocked(entry) or not self.store.contains(entry):
+                out.append((chunk, state, entry))  # (a blocked entry's load failed: filed anew)
         return out
 
     def capture(
@@ -444,8 +468,15 @@ class PrefixSynthesis:
         return kv if isinstance(kv, ChunkKV) else None
 
     def write(self, entry: EntryKey, kv: ChunkKV) -> None:
-        """File position-free ``kv`` (read from the engine's cache) at ``entry``."""
+        """File position-free ``kv`` (read from the engine's cache) at ``entry`` (anew, where its
+        load had failed)."""
         self.store.put(entry, replace(kv, chunk_key=entry.key))
+        self.failed.refiled([entry])
+
+    def _stored(self, entry: EntryKey) -> bool:
+        """Whether ``entry`` may be offered: the store holds it and no load of it failed since
+        it was last filed."""
+        return not self.failed.blocked(entry) and self.store.contains(entry)
 
     def _behind(self, worst: float | None) -> float | None:
         """The drift of a forward's state behind chunks whose largest drift is ``worst``: what it
@@ -482,11 +513,11 @@ class PrefixSynthesis:
         ``worst``, the largest drift to its left. With it, whether a kept state was refused."""
         skip = max(0, device_len - chunk.start)
         entry = _entry(chunk, held)
-        if self.store.contains(entry):
+        if self._stored(entry):
             return Served(chunk, held, entry, skip, computed, self._behind(worst)), False
         if self.policy == "keep" and approximate:
             kept = self._latest.get(_latest_key(namespace, chunk))
-            if kept is not None and self.store.contains(kept.entry):
+            if kept is not None and self._stored(kept.entry):
                 drift = None
                 if self.budget is not None:
                     left = chain.context or Context.root("")

@@ -92,8 +92,8 @@ def test_exact_serves_what_a_re_prefill_computes_and_nothing_else() -> None:
     request = _request([s, a, b, c, d])
     plan = synthesis.plan(NS, request, 0, request[-1].end)
     assert [item.chunk for item in plan.served] == request[:5] and plan.end == request[4].end
-    kvs = synthesis.load(plan)
-    assert kvs is not None
+    kvs = synthesis.load(plan).kvs
+    assert kvs
     truth = _forward([s, a, b, c, d])
     layout = _backend().layout
     for kv, want in zip(kvs, truth, strict=False):
@@ -121,8 +121,8 @@ def test_keep_serves_a_moved_chunk_in_the_state_it_was_captured_in() -> None:
     plan = synthesis.plan(NS, slid, anchor_len, slid[-1].end)
     assert [item.chunk for item in plan.served] == slid[1:5]
     assert [item.computed for item in plan.served] == [True, True, False, False]
-    kvs = synthesis.load(plan)
-    assert kvs is not None
+    kvs = synthesis.load(plan).kvs
+    assert kvs
     layout = _backend().layout
     # b and c hold what they absorbed behind s and a: the model's own KV of that forward, moved
     old = _request([s, a, b, c])
@@ -181,10 +181,11 @@ def test_plans_are_page_aligned_and_a_load_with_an_entry_gone_is_declined() -> N
     assert first.chunk.start < device and first.skip == device - first.chunk.start
     assert synthesis.plan(NS, request, device, request[-1].end - 1, page_size=page) == plan  # no side effects
     loaded = synthesis.load(plan)
-    assert loaded is not None and [kv.num_tokens for kv in loaded] == [len(i.chunk) for i in plan.served]
+    assert loaded.ok and [kv.num_tokens for kv in loaded.kvs] == [len(i.chunk) for i in plan.served]
     partial = PrefixSynthesis(_store(), "exact")  # a store that lost the last chunk's entry
     _capture(partial, [s, a])
-    assert partial.load(plan) is None
+    declined = partial.load(plan)
+    assert not declined.ok and not declined.kvs and declined.failed == (plan.served[-1].entry,)
 
 
 def _fake_kv(n: int) -> ChunkKV:
@@ -237,8 +238,8 @@ def test_an_engine_serves_what_a_window_stored_and_a_window_what_an_engine_captu
     anchor_len = request[0].end  # the engine holds the anchor (its own prefix cache)
     plan = synthesis.plan("", request, anchor_len, request[-1].end)
     assert [item.chunk for item in plan.served] == request[1:]
-    kvs = synthesis.load(plan)
-    assert kvs is not None
+    kvs = synthesis.load(plan).kvs
+    assert kvs
     layout, truth = _backend().layout, _forward([s, a, b])
     for kv, want in zip(kvs, truth[1:], strict=True):
         assert want.positions is not None
@@ -282,8 +283,8 @@ def test_kept_states_are_served_only_where_a_filed_audit_puts_them_within_the_bu
     free = replace(synthesis, budget=None).plan(NS, slid, start, end)  # unbounded: b and c kept
     assert [item.computed for item in free.served] == [True, True, False, False]
     assert free.drift is None and free.kept_tokens == len(slid[3]) + len(slid[4])
-    kvs = synthesis.load(free)
-    assert kvs is not None
+    kvs = synthesis.load(free).kvs
+    assert kvs
     layout, truth = _backend().layout, _forward([x, y, b, c, d])
     left = Context.root(slid[0].key)
     errors = []

@@ -24,6 +24,7 @@ where the settings name one); built without a store or layout it is SGLang's own
 from __future__ import annotations
 
 import logging
+import time
 from array import array
 from collections import OrderedDict
 from dataclasses import replace
@@ -35,11 +36,19 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from kamera_agent.config import WindowConfig
 from kamera_agent.engines.faults import HookFaults
+from kamera_agent.engines.prefill_clock import MIN_TOKENS
 from kamera_agent.engines.sglang.kept import KeptSlots
 from kamera_agent.engines.sglang.pool import SGLangSlots
 from kamera_agent.engines.sglang.segments import ChunkRules, request_chunks
 from kamera_agent.engines.slots import request_positions
-from kamera_agent.engines.synthesis import EngineStats, LoadPlan, PrefixSynthesis, RequestChunk, serving
+from kamera_agent.engines.synthesis import (
+    EngineStats,
+    Loaded,
+    LoadPlan,
+    PrefixSynthesis,
+    RequestChunk,
+    serving,
+)
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.operator.rope import Pairing
 from kamera_agent.store import ChunkStore
@@ -88,6 +97,10 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         self.faults = HookFaults(_LOG)
         """Runtime faults caught at this cache's hooks (``hook:ExceptionType`` -> count)."""
         self._cut: OrderedDict[str, tuple[int, list[RequestChunk]]] = OrderedDict()
+        self.deadlines = None if store is None else store.deadlines
+        """The store's deadlines, told each request's first prefill time per token (timed from
+        its admission's match to its first publish: `kamera_agent.store.deadlines`)."""
+        self._admitted: OrderedDict[str, tuple[float, int]] = OrderedDict()
 
     @property
     def kv_pool(self) -> Any:
@@ -106,7 +119,16 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         self.stats.kept_refused += int(plan.refused)
         if plan.refused and plan.tokens == 0:  # no load follows: the refusal is the request's report
             _report(params.req, plan)
+        self._matched(params.req.rid, plan.end)
         return result if plan.tokens == 0 else result._replace(host_hit_length=plan.tokens)
+
+    def _matched(self, rid: str, prefix: int) -> None:
+        """The request may be admitted now, its prefill to start past ``prefix`` (the last match
+        before its first publish is its admission's)."""
+        self._admitted[rid] = (time.perf_counter(), prefix)
+        self._admitted.move_to_end(rid)
+        while len(self._admitted) > _CUT_REQUESTS:
+            self._admitted.popitem(last=False)
 
     def init_load_back(self, params: Any) -> tuple[int, Any]:
         """Write the planned chunks into new slots and add them to the tree: all or nothing."""
@@ -118,12 +140,18 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
             key = _request_key(req)
             device = self.path_device_indices(node)[: req.prefix_len].to(torch.int64)
             plan = self._plan(key, req, len(device), limit=len(device) + params.host_hit_length)
-            kvs = self.synthesis.load(plan) if plan.tokens == params.host_hit_length else None
-            slots = None if kvs is None else self._alloc(plan.tokens)
-            if kvs is None or slots is None:
+            if plan.tokens != params.host_hit_length:  # the store changed since the match
                 self.stats.failed += 1
                 return 0, node
-            self._write(req, plan, kvs, slots)
+            loaded = self.synthesis.load(plan)
+            if not loaded.ok:  # gone or unreadable: counted, not offered again until filed anew
+                self._lost(req, loaded)
+                return 0, node
+            slots = self._alloc(plan.tokens)
+            if slots is None:
+                self.stats.failed += 1
+                return 0, node
+            self._write(req, plan, list(loaded.kvs), slots)
         except Exception as exc:  # never fail SGLang's admission over a cache: decline the load
             self.faults.caught("init_load_back", exc)
             if slots is not None:
@@ -150,14 +178,30 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         _report(req, plan)
         return plan.tokens, match.last_device_node
 
+    def _lost(self, req: Any, loaded: Loaded) -> None:
+        """A load that found offered entries gone or unreadable: a fault of its own kind each,
+        counted and logged (once per kind) like any caught at a hook; SGLang computes the tokens."""
+        assert self.synthesis is not None
+        self.stats.failed += 1
+        for entry in loaded.failed:
+            kind = "UnreadableEntry" if self.synthesis.store.contains(entry) else "LostEntry"
+            self.faults.count("init_load_back", kind, f"request {req.rid}: {entry} could not be read")
+
     def checkpoint(self, req: Any, *, up_to: int) -> None:
         """Capture the chunks' KV from the request's slots, then publish them as SGLang does."""
         if self.synthesis is not None and not self.disable:
             try:
+                self._timed(req.rid, up_to)
                 self._capture(req, up_to)
             except Exception as exc:  # a capture missed costs a later forward, no more
                 self.faults.caught("checkpoint", exc)
         super().checkpoint(req, up_to=up_to)
+
+    def _timed(self, rid: str, up_to: int) -> None:
+        """The request's first publish: its prefill since admission, per token, for the deadlines."""
+        admitted = self._admitted.pop(rid, None)
+        if admitted is not None and self.deadlines is not None and up_to - admitted[1] >= MIN_TOKENS:
+            self.deadlines.observe(up_to - admitted[1], time.perf_counter() - admitted[0])
 
     def _delete_leaf(self, node: Any) -> None:
         """SGLang evicts ``node`` (its slots are being freed): loads that held them lose those tokens."""
@@ -218,6 +262,7 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         super().on_release(req, checkpointed=checkpointed)
         try:
             self._cut.pop(req.rid, None)
+            self._admitted.pop(req.rid, None)
         except Exception as exc:
             self.faults.caught("on_release", exc)
 

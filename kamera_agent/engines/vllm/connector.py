@@ -25,8 +25,14 @@ that request the reuse, never the request or the engine (the scheduler side offe
 the blocks it offered are reported as load failures and vLLM computes them). Startup errors
 (a layout or a setting kamera cannot use) raise where vLLM builds the connector.
 
-The scheduler and the worker must see one store: in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
-they share it; across processes give the settings a ``store_url`` (docs/vllm.md).
+A load that finds its entry gone or unreadable is a fault of its own (``LostEntry``,
+``UnreadableEntry``, counted on ``vllm:kamera_faults_total``): its request is not offered again
+(vLLM's ``recompute`` policy computes it at once) and the entry is not offered to any request
+until filed anew (`kamera_agent.engines.offers`).
+
+The scheduler and the worker see one store: in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+they share it; across processes (``vllm serve``) the settings' ``store_url``, or without one the
+engines' default disk store of the machine (`kamera_agent.engines.stores`, docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kamera_agent.config import WindowConfig
 from kamera_agent.engines.chunking import ChunkRules, ImageSpan, request_chunks
 from kamera_agent.engines.faults import HookFaults
-from kamera_agent.engines.shards import Grid, ShardedStore, Splits
+from kamera_agent.engines.prefill_clock import PrefillClock
+from kamera_agent.engines.shards import Grid, ShardedStore, Splits, unsharded
 from kamera_agent.engines.slots import request_positions
 from kamera_agent.engines.stores import STORES
 from kamera_agent.engines.synthesis import LoadPlan, PrefixSynthesis, RequestChunk, serving
@@ -100,6 +107,8 @@ class KameraMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """Nothing is scheduled this step (every request waits, e.g. for its loads): the workers may
     wait for their background threads instead of returning to a step loop that would only spin
     (`get_finished`)."""
+    tokens: int = 0
+    """Tokens the step's forward computes (its prefill time per token sets the store's deadlines)."""
 
 
 Filed = tuple[str, str, str]
@@ -141,7 +150,8 @@ class _Offered:
     namespace: str
     chunks: list[RequestChunk]
     plan: LoadPlan
-    loads: frozenset[LoadId]
+    loads: dict[LoadId, EntryKey]
+    """Each load and the entry it reads."""
 
 
 @dataclass
@@ -164,7 +174,8 @@ class _Track:
     copied: int = 0
     """Copies the workers reported made, summed over them."""
     load_failed: bool = False
-    """A load of its offer failed on some worker: vLLM computed those tokens (`served_report`)."""
+    """A load of its offer failed on some worker: vLLM computes those tokens (`served_report`),
+    and the request is not offered again."""
 
 
 def served_report(plan: LoadPlan | None, failed: bool = False) -> dict[str, Any]:
@@ -265,6 +276,8 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """The worker side's background writer: captures are filed off the step."""
         self._filed: set[Filed] = set()
         self._filed_lock = threading.Lock()
+        self.clock = PrefillClock(self.store.deadlines)
+        """The worker side's forwards, timed: the store's deadlines scale with their time per token."""
 
     # -- scheduler side ---------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -279,7 +292,7 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         track = self._track(request)
-        if not track.servable:
+        if not track.servable or track.load_failed:  # a failed load: vLLM computes it at once
             return 0, False
         limit = track.prompt_len - 1  # the last prompt token is always computed (its logits)
         # vLLM's prefix cache hashes loaded blocks as computed ones: approximations only under a salt
@@ -327,16 +340,16 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 track.namespace, track.chunks, plan.device_len, end, self.block_size, approximate=track.salted
             )
         track.block_ids = list(blocks.get_block_ids()[0])
-        loads: set[LoadId] = set()
+        loads: dict[LoadId, EntryKey] = {}
         for item in plan.served:
             start = max(item.chunk.start, plan.device_len)
             end = min(item.chunk.end, plan.end)
             slots = self._slots(track, start, end)
             a, b = start - item.chunk.start, end - item.chunk.start
             self._loads.append(Load(request.request_id, item.entry, a, b, start, slots))
-            loads.add((request.request_id, start))
+            loads[(request.request_id, start)] = item.entry
         # recorded once the worker side reports every load written (`update_connector_output`)
-        self._offered[request.request_id] = _Offered(track.namespace, track.chunks, plan, frozenset(loads))
+        self._offered[request.request_id] = _Offered(track.namespace, track.chunks, plan, loads)
         track.plan = plan
         self.stats.offered += 1
         self.stats.tokens_offered += plan.tokens
@@ -355,7 +368,8 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._requests[save.req_id].copies += 1
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         meta.unheld, self._unheld = self._unheld, set()
-        meta.idle = getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0
+        tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+        meta.idle, meta.tokens = tokens == 0, int(tokens or 0)
         return meta
 
     def _disown(self, scheduler_output: Any) -> None:
@@ -393,27 +407,38 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' report of a step (`KameraWorkerMeta`): an offer whose loads were all
-        written is recorded as loaded; one with a failed load is dropped, never recorded."""
+        written is recorded as loaded; one with a failed load is dropped, never recorded, its
+        request not offered again and the entries that failed not offered to any until filed
+        anew (`PrefixSynthesis.failed`)."""
         try:
             report = getattr(connector_output, "kv_connector_worker_meta", None)
             if not isinstance(report, KameraWorkerMeta):
                 return
-            self.splits.filed(EntryKey(*filed) for filed in report.filed)  # type: ignore[arg-type]
+            filed = [EntryKey(*entry) for entry in report.filed]  # type: ignore[arg-type]
+            self.splits.filed(filed)
+            self.synthesis.failed.refiled({unsharded(entry) for entry in filed})
             for req_id, n in report.copies.items():
                 track = self._requests.get(req_id)
                 if track is not None:
                     track.copied += n
             for req_id, offer in list(self._offered.items()):
-                if offer.loads & report.failed:
-                    del self._offered[req_id]
-                    failed = self._requests.get(req_id)
-                    if failed is not None:
-                        failed.load_failed = True
-                elif offer.loads <= report.written:
-                    del self._offered[req_id]
-                    self.synthesis.loaded(offer.namespace, offer.chunks, offer.plan)
+                self._settle(req_id, offer, report)
         except Exception as exc:  # a load not recorded: a later request recomputes, no more
             self.faults.caught("update_connector_output", exc)
+
+    def _settle(self, req_id: str, offer: _Offered, report: KameraWorkerMeta) -> None:
+        """An offer whose loads the workers reported: failed (some) or written (all)."""
+        failed = offer.loads.keys() & report.failed
+        if failed:
+            del self._offered[req_id]
+            self.synthesis.failed.failed(offer.loads[load] for load in failed)
+            track = self._requests.get(req_id)
+            if track is not None:
+                track.load_failed = True
+        elif offer.loads.keys() <= report.written:
+            del self._offered[req_id]
+            self.synthesis.failed.loaded(offer.loads.values())
+            self.synthesis.loaded(offer.namespace, offer.chunks, offer.plan)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request, and report what kamera served it (`served_report`: vLLM returns
@@ -519,6 +544,16 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # no `Splits` memory here: the scheduler side found the entry, this side must find it too
         self.synthesis.store = ShardedStore(self.store, self.grid, tp_rank, stage)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """vLLM hands the worker this step's metadata before the forward runs: the forward's
+        clock starts (`PrefillClock`)."""
+        super().bind_connector_metadata(connector_metadata)
+        try:
+            caches = self._pool.caches
+            self.clock.began(caches[0].device if caches else None)
+        except Exception as exc:  # an unmeasured step: the deadlines keep their last estimate
+            self.faults.caught("bind_connector_metadata", exc)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Hand this step's loads to the background thread (`loads`): vLLM calls this after the
         step's forward is launched (no load feeds it) and schedules each request once
@@ -558,11 +593,14 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self.captures.copy_now(preempted)
 
     def _load(self, load: Load) -> bool:
-        """On the loader's thread: one load into vLLM's blocks (``False``: not written)."""
+        """On the loader's thread: one load into vLLM's blocks (``False``: not written; an entry
+        gone or unreadable is a fault of its own kind, counted)."""
         if load.entry is None:
             return False
         kv = self.synthesis.read(load.entry)
         if kv is None or kv.num_tokens < load.b:
+            kind = "UnreadableEntry" if self.synthesis.store.contains(load.entry) else "LostEntry"
+            self.faults.count("start_load_kv", kind, f"request {load.req_id}: {load.entry} could not be read")
             return False
         a, b = load.a, load.b
         part = ChunkKV(kv.keys[:, :, a:b], kv.values[:, :, a:b], None, kv.chunk_key)
@@ -588,6 +626,7 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         I/O, no device sync."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KameraMetadata)
+        self.clock.ended(meta.tokens)  # the forward is done: its time per token, for the deadlines
         if self.copies_off_step:  # every request the scheduler side holds, whatever fails below
             self.held.hold(save.req_id for save in meta.saves)
         for save in meta.saves:
