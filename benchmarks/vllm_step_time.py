@@ -135,7 +135,9 @@ def _child(args: argparse.Namespace, name: str, model: Path, out: Path) -> dict[
     env["OMP_NUM_THREADS"] = str(os.cpu_count() or 2)  # vLLM's CPU worker would drop to one
     source = args.before if name == "kamera-before" else None
     env["PYTHONPATH"] = os.pathsep.join(p for p in (source, str(ROOT)) if p)
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    with tempfile.TemporaryDirectory(prefix="kamera-step-time-") as stores:
+        env["KAMERA_STORE_DIR"] = stores  # each run's own default store: none reuses another's
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"the {name} run failed:\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}")
     row: dict[str, Any] = json.loads(out.read_text())

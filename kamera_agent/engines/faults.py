@@ -27,34 +27,22 @@ class HookFaults:
 
     def caught(self, hook: str, exc: BaseException) -> None:
         """Record ``exc`` raised inside ``hook`` (logged with its traceback the first time)."""
-        key = f"{hook}:{type(exc).__name__}"
-        with self._lock:
-            first = key not in self.counts
-            self.counts[key] += 1
-        if first:
-            self._logger.warning(
-                "kamera: %s failed (%s: %s); the engine goes on without kamera for it "
-                "(logged once per kind, counted in the adapter's stats)",
-                hook,
-                type(exc).__name__,
-                exc,
-                exc_info=exc,
-            )
+        name = type(exc).__name__
+        why = "the engine goes on without kamera for it"
+        self._record(f"{hook}:{name}", f"{hook} failed ({name}: {exc}); {why}", exc)
 
     def count(self, hook: str, kind: str, detail: str) -> None:
         """Record a fault that is no exception (a load that found its entry gone), as ``hook:kind``,
         logged the first time."""
-        key = f"{hook}:{kind}"
+        self._record(f"{hook}:{kind}", f"{hook}: {kind} ({detail}); the engine computes those tokens")
+
+    def _record(self, key: str, message: str, exc: BaseException | None = None) -> None:
         with self._lock:
             first = key not in self.counts
             self.counts[key] += 1
         if first:
             self._logger.warning(
-                "kamera: %s: %s (%s); the engine computes those tokens (logged once per kind, counted "
-                "in the adapter's stats)",
-                hook,
-                kind,
-                detail,
+                "kamera: %s (logged once per kind, counted in the adapter's stats)", message, exc_info=exc
             )
 
     def as_dict(self) -> dict[str, int]:

@@ -73,11 +73,15 @@ class StoreRegistry:
     def __init__(self) -> None:
         self._stores: dict[str, ChunkStore] = {}
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     def open(self, fingerprint: str, config: WindowConfig) -> ChunkStore:
-        """The store of this model under ``config``'s store settings (opened once, `engine_store`)."""
+        """The store of this model under ``config``'s store settings (opened once per process,
+        `engine_store`: a forked worker opens its own, never its parent's connections)."""
         key = f"{fingerprint}|{config.model_dump_json()}|{config.shared_store_url}"
         with self._lock:
+            if self._pid != os.getpid():  # forked: the parent's stores are the parent's
+                self._stores, self._pid = {}, os.getpid()
             if key not in self._stores:
                 self._stores[key] = engine_store(fingerprint, config)
             return self._stores[key]

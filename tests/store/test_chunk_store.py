@@ -552,6 +552,34 @@ def test_a_second_process_shares_one_directory_while_the_first_holds_it(tmp_path
     assert holder.returncode == 0
 
 
+def test_stores_sharing_a_directory_keep_one_budget_and_never_serve_a_replaced_file(tmp_path: Path) -> None:
+    """Two stores on one folder (each its own index connection, as two processes have): the
+    budget counts both's files, the least recently used leave first whoever wrote them, and an
+    entry one replaces is what the other reads from then on."""
+
+    def store() -> ChunkStore:
+        return ChunkStore(
+            fingerprint=FP, memory_budget=4_000, disk_dir=tmp_path, disk_budget=8_000, disk_shared=True
+        )
+
+    a, b = store(), store()
+    size = file_of(a, a.put_canonical(make_kv("a0", 4))).stat().st_size  # ~2.4 KB a file
+    assert 8_000 // size == 3  # three fit
+    b.put_canonical(make_kv("b0", 4))
+    a.put_canonical(make_kv("a1", 4))  # (a0 leaves a's memory: one entry fits it)
+    b.put_canonical(make_kv("b1", 4))  # over the budget: a0, the least recently used, leaves
+    assert a.stats().disk_entries == b.stats().disk_entries == 3
+    assert a.stats().disk_bytes == b.stats().disk_bytes <= 8_000
+    assert not a.contains(EntryKey.canonical("a0")) and a.get_canonical("b0") is not None
+    assert a.stats().disk_entries == 3  # (a read b0: promoted into its memory, still one file)
+    b.put_canonical(make_kv("b1", 4, seed=9))  # b replaces b1's file: a reads the new one
+    got = a.get_canonical("b1")
+    assert got is not None and torch.equal(got.keys, make_kv("b1", 4, seed=9).keys)
+    assert len(list(tmp_path.glob("canonical-*"))) == 3  # the replaced file deleted
+    a.close()
+    b.close()
+
+
 def test_a_directory_that_cannot_be_used_is_a_store_error(tmp_path: Path) -> None:
     a_file = tmp_path / "not-a-dir"
     a_file.write_text("x")

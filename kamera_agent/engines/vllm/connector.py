@@ -626,7 +626,10 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         I/O, no device sync."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KameraMetadata)
-        self.clock.ended(meta.tokens)  # the forward is done: its time per token, for the deadlines
+        try:
+            self.clock.ended(meta.tokens)  # the forward is done: its time per token, for the deadlines
+        except Exception as exc:  # an unmeasured step: the deadlines keep their last estimate
+            self.faults.caught("wait_for_save.clock", exc)
         if self.copies_off_step:  # every request the scheduler side holds, whatever fails below
             self.held.hold(save.req_id for save in meta.saves)
         for save in meta.saves:

@@ -26,19 +26,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from tests.engines.vllm.scenario import (
-    EXACT,
     NOTES,
     _connectors,
     _drained,
+    _llm,
     _prompt,
     _sources,
-    connector,
     flush,
+    in_process,
 )
 
 QUESTIONS = ("what did the fox do?", "which came first?", "what did the owl do?")
@@ -49,27 +48,13 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    in_process()
     from transformers import AutoTokenizer
-    from vllm import LLM
 
     import kamera_agent
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    llm = LLM(
-        model=args.model,
-        dtype="float32",
-        enable_prefix_caching=True,
-        max_model_len=2048,
-        block_size=32,
-        max_num_seqs=4,
-        enforce_eager=True,
-        kv_transfer_config=connector(dict(EXACT)),
-        seed=0,
-        disable_log_stats=False,
-    )
+    llm = _llm(args.model, "exact", corrupt=False)
     prompts = [_prompt(tokenizer, NOTES[:4], question) for question in QUESTIONS]
     report: dict[str, Any] = {
         "kamera": str(Path(kamera_agent.__file__).parent),

@@ -72,9 +72,7 @@ def main() -> None:
     )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    in_process()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -104,6 +102,7 @@ def main() -> None:
         if args.corrupt:
             _damage_store()
         prompt = _prompt(tokenizer, NOTES[6 : 6 + i], "which came last?")
+        _forget_loads(llm)  # the KV check reads this request's loads alone
         growing.append(_ask(llm, prompt) | {"kv_check": _kv_check(llm, args.model, prompt)})
     report["growing"] = growing
     if args.settings == "exact":
@@ -117,6 +116,14 @@ def main() -> None:
         scheduler, worker = _connectors(llm)
         report["faults"] = {**scheduler.faults.as_dict(), **worker.faults.as_dict()}
     Path(args.out).write_text(json.dumps(report))
+
+
+def in_process() -> None:
+    """vLLM's CPU build with the scheduler and the worker in this process (one store, the
+    connector objects at hand), a small KV cache, no thread pinning on a shared machine."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 FAULTS = (IndexError, AttributeError, ValueError, KeyError, TimeoutError)
@@ -203,8 +210,8 @@ _STORE_DIR = tempfile.mkdtemp(prefix="kamera-vllm-store-")
 
 
 def _damage_store() -> None:
-    for path in Path(_STORE_DIR).rglob("*"):
-        if path.is_file() and path.suffix != ".lock" and path.stat().st_size > 64:
+    for path in Path(_STORE_DIR).rglob("*.safetensors"):  # the entries (not the index)
+        if path.stat().st_size > 64:
             data = bytearray(path.read_bytes())
             data[len(data) // 2] ^= 0xFF
             path.write_bytes(bytes(data))
@@ -372,6 +379,15 @@ def _connector_stats(llm: Any) -> dict[str, Any]:
         "recorded": len(scheduler.synthesis._loaded),
         "unconfirmed": len(scheduler._offered),
     }
+
+
+def _forget_loads(llm: Any) -> None:
+    """The worker's record of its latest loads emptied (vLLM alone has none)."""
+    try:
+        _, worker = _connectors(llm)
+    except (AttributeError, AssertionError):
+        return
+    worker.recent_loads.clear()
 
 
 def _kv_check(llm: Any, model_dir: str, prompt: list[int]) -> dict[str, Any]:

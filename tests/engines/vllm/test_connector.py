@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kamera_agent.engines.stores import STORE_DIR_VARIABLE
 from tests.engines.vllm.scenario import kl
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -74,6 +75,7 @@ def _run(model: str, settings: str, corrupt: bool = False, inject: str = "") -> 
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env[STORE_DIR_VARIABLE] = str(Path(model) / f"stores-{settings}-{corrupt}-{inject}")  # a run's own
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return json.loads(out.read_text())

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from kamera_agent.engines.stores import STORE_DIR_VARIABLE
 from tests.engines.vllm.test_connector import model_dir  # noqa: F401  (the tiny checkpoint fixture)
 
 pytestmark = pytest.mark.vllm
@@ -31,6 +32,7 @@ def report(model_dir: Path) -> dict[str, Any]:  # noqa: F811
     out = model_dir / "lost.json"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # this checkout: `-m` from ROOT
     env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env[STORE_DIR_VARIABLE] = str(model_dir / "stores-lost")  # the run's own default store
     command = [sys.executable, "-m", "tests.engines.vllm.lost_scenario", "--model", str(model_dir)]
     done = subprocess.run(
         [*command, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600

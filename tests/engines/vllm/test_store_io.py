@@ -24,6 +24,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kamera_agent.config import WindowConfig
 from kamera_agent.engines.faults import HookFaults
+from kamera_agent.engines.prefill_clock import PrefillClock
 from kamera_agent.engines.shards import Grid, ShardedStore, Splits, even_stages
 from kamera_agent.engines.synthesis import PrefixSynthesis, policy_of
 from kamera_agent.engines.vllm.blocks import VLLMSlots
@@ -85,6 +86,7 @@ def _worker(
     worker._filed, worker._filed_lock = set(), threading.Lock()
     worker._written, worker._failed, worker._load_errors = set(), set(), set()
     worker.loads = BackgroundLoads(lambda load: False, worker.faults, 32)
+    worker.clock = PrefillClock(store.deadlines)
     return worker
 
 
