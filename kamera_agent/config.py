@@ -27,7 +27,18 @@ from kamera_agent.errors import ConfigError
 if TYPE_CHECKING:
     from kamera_agent.store import ChunkStore
 
-__all__ = ["STORE_URL_VARIABLE", "WindowConfig"]
+__all__ = ["STORE_FIELDS", "STORE_URL_VARIABLE", "WindowConfig"]
+
+STORE_FIELDS = (
+    "memory_budget",
+    "disk_dir",
+    "disk_budget",
+    "store_url",
+    "store_secret",
+    "store_previous_secrets",
+)
+"""The `WindowConfig` fields that describe the store a window builds (`WindowConfig.open_store`):
+they apply to no window given a store of its own, and a server's one shared store is its own."""
 
 STORE_URL_VARIABLE = "KAMERA_STORE_URL"
 """The environment variable a store's shared tier URL is read from when the settings name none."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kamera_agent.config import WindowConfig
+from kamera_agent.config import STORE_FIELDS, WindowConfig
 from kamera_agent.errors import ConfigError
 from kamera_agent.serve.protocol import RequestError
 
@@ -24,14 +24,6 @@ FIDELITY_FIELDS = frozenset(
 )
 """The `WindowConfig` fields a request may set for its own session (``kamera``): how faithful
 its window is. Anything process-wide (threads, device, dtype, store, budgets) is the server's."""
-_STORE_FIELDS = {
-    "memory_budget",
-    "disk_dir",
-    "disk_budget",
-    "store_url",
-    "store_secret",
-    "store_previous_secrets",
-}  # the one shared store's
 
 
 @dataclass(frozen=True)
@@ -80,7 +72,7 @@ def fidelity_for(base: WindowConfig, overrides: dict[str, Any] | None, *, prefix
 
 
 def _config(base: WindowConfig, fields: dict[str, Any], *, exact: bool) -> WindowConfig:
-    given = base.model_dump(exclude=_STORE_FIELDS, exclude_unset=True)
+    given = base.model_dump(exclude=set(STORE_FIELDS), exclude_unset=True)
     try:
         if exact:
             kept = {k: v for k, v in given.items() if k not in FIDELITY_FIELDS}

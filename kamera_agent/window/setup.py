@@ -24,7 +24,7 @@ from kamera_agent.chunks.sources import (
     VideoFrame,
     looks_like_media_path,
 )
-from kamera_agent.config import WindowConfig
+from kamera_agent.config import STORE_FIELDS, WindowConfig
 from kamera_agent.errors import InputError, MediaPathAsTextError, SettingsError, UnreadableInputError
 from kamera_agent.store import ChunkStore
 
@@ -32,14 +32,6 @@ __all__ = ["Item", "chunk_of", "resolve_backend", "resolve_store"]
 
 Item = Chunk | str | Text | Image.Image | np.ndarray | Path | VideoFrame
 
-_STORE_FIELDS = (
-    "memory_budget",
-    "disk_dir",
-    "disk_budget",
-    "store_url",
-    "store_secret",
-    "store_previous_secrets",
-)
 
 
 def resolve_backend(
@@ -96,7 +88,7 @@ def resolve_store(backend: Backend, config: WindowConfig, store: ChunkStore | No
     """
     if store is None:
         return config.open_store(backend.fingerprint)
-    given = sorted(name for name in _STORE_FIELDS if name in config.model_fields_set)
+    given = sorted(name for name in STORE_FIELDS if name in config.model_fields_set)
     if given:
         raise SettingsError(
             f"{', '.join(given)} configure the store a window builds, but store= was passed too; set "

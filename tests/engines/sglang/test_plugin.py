@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def test_the_entry_point_registers_the_backend() -> None:
 
 
 def test_the_flag_routes_create_tree_cache_to_kamera(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+    from sglang.srt.mem_cache.registry import create_tree_cache
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
 
@@ -64,19 +65,7 @@ def test_the_flag_routes_create_tree_cache_to_kamera(monkeypatch: pytest.MonkeyP
         model_path=str(DEMO_MODEL_DIR), device="cpu", radix_cache_backend=BACKEND_NAME, dtype="bfloat16"
     )
     publish(server_args, role="scheduler")
-    context = TreeCacheBuildContext(
-        server_args=server_args,
-        params=_params(),
-        is_hybrid_swa=False,
-        is_hybrid_ssm=False,
-        enable_hierarchical_cache=False,
-        disable_radix_cache=False,
-        tp_worker=None,
-        model_config=None,
-        tp_size=1,
-        tp_rank=0,
-        tp_group=None,
-    )
+    context = _build_context(server_args)
     monkeypatch.setenv(CALIBRATION_DIR_VARIABLE, str(tmp_path))
     monkeypatch.setattr(synthesis_module, "_warned", set())
     with pytest.warns(UncalibratedWarning):  # the checkpoint in bf16: never calibrated
@@ -104,7 +93,7 @@ def test_the_demo_model_served_in_its_own_dtype_finds_its_shipped_calibration(
     model's calibration was fitted on, so the plugin finds it (no warning, its ε)."""
     import warnings
 
-    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+    from sglang.srt.mem_cache.registry import create_tree_cache
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
 
@@ -117,7 +106,21 @@ def test_the_demo_model_served_in_its_own_dtype_finds_its_shipped_calibration(
     monkeypatch.setenv(CALIBRATION_DIR_VARIABLE, str(tmp_path))  # nothing of the user's
     server_args = ServerArgs(model_path=str(DEMO_MODEL_DIR), device="cpu", radix_cache_backend=BACKEND_NAME)
     publish(server_args, role="scheduler")
-    context = TreeCacheBuildContext(
+    context = _build_context(server_args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncalibratedWarning)
+        cache = create_tree_cache(context)
+    shipped = find_calibration(model_fingerprint(load_demo_model()[0]))
+    assert shipped is not None
+    assert cache.synthesis is not None and cache.synthesis.budget is not None
+    assert cache.synthesis.budget.epsilon == shipped.budget
+
+
+def _build_context(server_args: Any) -> Any:
+    """What SGLang's scheduler hands a tree-cache factory, for a scheduler with no worker yet."""
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+    return TreeCacheBuildContext(
         server_args=server_args,
         params=_params(),
         is_hybrid_swa=False,
@@ -130,13 +133,6 @@ def test_the_demo_model_served_in_its_own_dtype_finds_its_shipped_calibration(
         tp_rank=0,
         tp_group=None,
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UncalibratedWarning)
-        cache = create_tree_cache(context)
-    shipped = find_calibration(model_fingerprint(load_demo_model()[0]))
-    assert shipped is not None
-    assert cache.synthesis is not None and cache.synthesis.budget is not None
-    assert cache.synthesis.budget.epsilon == shipped.budget
 
 
 def test_settings_default_to_the_exact_ones(monkeypatch: pytest.MonkeyPatch) -> None:
