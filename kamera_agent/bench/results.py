@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from kamera_agent.bench.agents.records import AgentsRun
@@ -47,6 +48,8 @@ class BenchResults:
     interrupted: str | None = None
     seconds: float = 0.0
     machine: dict[str, Any] = field(default_factory=machine_info)
+    date: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y-%m-%d"))
+    """The day (UTC) the run started: published tables carry it."""
 
     def to_json(self) -> dict[str, Any]:
         suites = {
@@ -64,6 +67,7 @@ class BenchResults:
             "partial": self.partial,
             "interrupted_in": self.interrupted,
             "seconds": self.seconds,
+            "date": self.date,
             "machine": self.machine,
             "seeds": self.options.seeds,
             "args": self.options.model_dump(mode="json"),

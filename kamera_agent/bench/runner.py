@@ -51,6 +51,15 @@ class BenchOutcome:
 
 def run_bench_command(args: argparse.Namespace, console: Console) -> int:
     """Run ``kamera bench`` from parsed arguments; returns the exit status."""
+    if args.report:
+        from kamera_agent.bench.published import RESULTS, publish
+
+        if not RESULTS.is_dir():
+            console.print(f"[red]--report: no {RESULTS}/ here; run it from the repository root")
+            return USAGE_ERROR
+        written = publish(Path.cwd())
+        console.print(f"wrote {', '.join(str(path) for path in written)}")
+        return 0
     options = BenchOptions(
         suite=args.suite,
         model=args.model,

@@ -90,6 +90,12 @@ def add_bench_parser(commands: Any) -> None:
         "--agents", nargs="+", choices=AGENTS, default=list(AGENTS), help="agents suite: which agents"
     )
     bench.add_argument("--seed", type=int, default=HELD_OUT_SEED, help="held-out item seed")
+    bench.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: write docs/results.md and the README's headline table from the runs stored "
+        "in docs/results/ (run from the repository root)",
+    )
 
 
 def add_calibrate_parser(commands: Any) -> None:
