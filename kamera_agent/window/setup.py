@@ -33,7 +33,6 @@ __all__ = ["Item", "chunk_of", "resolve_backend", "resolve_store"]
 Item = Chunk | str | Text | Image.Image | np.ndarray | Path | VideoFrame
 
 
-
 def resolve_backend(
     model: Any,
     processor: Any | None,

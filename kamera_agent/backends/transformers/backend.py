@@ -195,14 +195,14 @@ class TransformersBackend(Backend):
         cache = onto if onto is not None else self.empty_cache()
         if not placed:
             return cache
-        if self.sliding is not None:
-            for kv in placed:
-                cache.record(kv.positions)
-        for kv in placed:
-            if kv.positions is None:
-                raise LayoutMismatchError(
-                    "assemble needs placed KV (positions set); place canonicals with apply_patch"
-                )
+        positions = [kv.positions for kv in placed]
+        if any(where is None for where in positions):
+            raise LayoutMismatchError(
+                "assemble needs placed KV (positions set); place canonicals with apply_patch"
+            )
+        if self.sliding is not None:  # the slots' positions, for the window masks
+            for where in positions:
+                cache.record(where)
         total = cache.get_seq_length() + sum(kv.num_tokens for kv in placed) + HEADROOM
         device = self.device
         for layer in range(self.layout.num_layers):
