@@ -2,10 +2,10 @@
 
 Why: users name a model three ways: a Hugging Face folder, a GGUF file (how llama.cpp and many
 small models ship), or a model already loaded. transformers reads a GGUF file by dequantizing
-every tensor (tens of seconds for a 270M model) and cannot save what it read, so kamera converts
+every tensor, at every load, and cannot save what it read, so kamera converts
 a GGUF file once into a folder in its cache (safetensors, config and the tokenizer the file
 carries, keyed by the file's content) and loads that folder from then on: the same weights, bit
-for bit, in a fraction of a second. Every entry point (windows, ``kamera check``, ``calibrate``,
+for bit, without dequantizing again. Every entry point (windows, ``kamera check``, ``calibrate``,
 ``bench``, ``serve`` and the engine adapters) resolves a path here, so each refuses the same
 paths with the same named error.
 """

@@ -129,7 +129,7 @@ def test_kamera_serve_answers_a_conversation_on_smollm2_like_a_fresh_prefill(
     """``kamera serve`` on the GGUF file, SmolLM2's own chat template unmodified (it takes string
     content only): each turn's greedy answer is ``generate``'s over the whole conversation."""
     backend = load_backend(files["smollm2"])
-    with _serving(tmp_path, str(files["smollm2"])) as client:
+    with _Serving(tmp_path, str(files["smollm2"])) as client:
         messages: list[dict[str, Any]] = [{"role": "system", "content": "You answer in one short sentence."}]
         for question in (
             "Where do rivers flood?",
@@ -199,7 +199,7 @@ def _generated(backend: Any, messages: list[dict[str, Any]], tokens: int) -> str
     return text
 
 
-class _serving:
+class _Serving:
     """``kamera serve MODEL`` as a process of its own on a free loopback port; the official client."""
 
     def __init__(self, tmp_path: Path, model: str) -> None:

@@ -18,6 +18,8 @@ from functools import cache
 from pathlib import Path
 from typing import Literal
 
+from kamera_agent.errors import SettingsError
+
 __all__ = ["CORPUS", "Half", "passages", "read_passages"]
 
 CORPUS = Path(__file__).resolve().parent / "texts" / "python-reference.txt"
@@ -35,7 +37,7 @@ def passages(half: Half, seed: int, count: int, files: Sequence[Path] = ()) -> l
     seeded order (repeating once all are used)."""
     pool = read_passages(tuple(files)) if files else _half(half)
     if not pool:
-        raise ValueError("the texts hold no passage of text")
+        raise SettingsError("the texts hold no passage of text; pass files of prose (--texts FILE ...)")
     order = list(pool)
     random.Random(seed).shuffle(order)
     return [order[i % len(order)] for i in range(count)]

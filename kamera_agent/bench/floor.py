@@ -46,9 +46,8 @@ class Floor:
     def first_logits(self, query_ids: torch.Tensor) -> torch.Tensor:
         """The model's own forward at ``dtype`` over anchor, chunks and query: its next-token logits."""
         inputs = self.backend.reference_inputs(self.chunks, query_ids)
-        for name in ("pixel_values",):
-            if name in inputs:
-                inputs[name] = inputs[name].to(self.dtype)
+        if "pixel_values" in inputs:  # the vision tower runs at the floor's precision too
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
         with torch.no_grad():
             logits: torch.Tensor = self.model(**inputs, **last_logits_only(self.model)).logits
         return logits[0, -1].float().cpu()

@@ -4,7 +4,7 @@ Why: an engine offers what its store says it holds, and the load runs later (vLL
 the step; SGLang's admission). An entry can leave the store in between (evicted, expired), or
 be held but unreadable (damaged, unsigned under a secret, too slow for its deadline: the store
 says "present" while every read fails). Offered again, such an entry fails again: vLLM then
-re-offered the same tokens every step until the request gave up (~30 s), or forever. So a
+re-offers the same tokens every step until the request gives up, or forever. So a
 failed load blocks its entry here: the planner skips it (the engine computes those tokens at
 once, and its capture files the entry anew), until the store has it afresh:
 

@@ -1,8 +1,8 @@
 """What a request may hold, checked before it costs: text by its length, schemas by their size.
 
 Why characters: a tokenizer needs about 200 bytes of memory per byte of text, and a token count
-exists only after it has run, so a 30 MB message was tokenized whole (minutes, gigabytes) to be
-refused. No token covers more bytes than the tokenizer's longest token, and no character is
+exists only after it has run, so counting tokens first means tokenizing a message of any size
+whole just to refuse it. No token covers more bytes than the tokenizer's longest token, and no character is
 less than a byte, so a text longer than the context × that many characters cannot fit the
 context whatever it says: `TextBound` refuses it by its length before any tokenizer sees it
 (each message, the question, the system prompt, rendered tools; the whole conversation too).

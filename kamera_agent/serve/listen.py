@@ -1,8 +1,8 @@
 """The listening side of ``kamera serve``: uvicorn, with deadlines and a limit for slow peers.
 
 Why not uvicorn as it comes: it never times out a request's headers (its keep-alive timer runs
-only between requests), so 1,100 sockets sending a header byte every 2 s used up the process's
-file descriptors and ``/health`` stopped answering. Here:
+only between requests), so sockets that drip their headers a byte at a time hold the process's
+file descriptors until none is left and ``/health`` stops answering. Here:
 
 - **header deadline**: a connection has ``header_timeout`` seconds to send each request's
   headers (from when it opens, or when its last response ended); late, it gets 408 and is

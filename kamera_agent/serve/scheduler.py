@@ -1,8 +1,8 @@
 """Turns at the model: one request at a time, handed on between decode steps to whoever waits.
 
 Why: the model runs one forward at a time, and a plain lock let one request keep it for its whole
-answer: ``n=8, max_tokens=500`` with the end token banned held it 105 s while a 1-token request
-waited behind it. Here a request takes a turn (`ModelTurns.turn`), and before each decode step
+answer (several choices of a long answer whose end token is banned), while a one-token request
+waited behind all of it. Here a request takes a turn (`ModelTurns.turn`), and before each decode step
 (`Turn.step`) it hands the model to the requests waiting, first come first served, and queues
 again behind them. A request waits for at most the step in flight and one turn of each request
 ahead of it; what is not a decode step (a window edit, bounded by the context) is not cut.

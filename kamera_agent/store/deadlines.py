@@ -2,14 +2,14 @@
 
 Why: a hit is only worth taking while it is faster than computing the entry again. A shared
 tier's per-call timeout bounds each round trip, not a lookup's total: through a slow link a
-16 MiB entry arrives in a hundred slow pieces, each within the timeout, and the op waits for
-all of them (window ops took a median 18.1 s through a proxy adding 300 ms per forwarded chunk,
-against 0.34 s direct). So every lookup and every write of the shared tier has one total
-deadline, from what the entry saves: the measured prefill time per token of the engine (a
-window's backend, an engine's forward) times the entry's tokens, times a set ``factor``,
-within a ``floor`` and a ``ceiling``. A lookup that outlives it is abandoned, counted
-(``remote_deadline_misses``) and the entry is computed locally: a hit is never slower than
-recomputing it by more than ``factor`` (or the floor, for a small one).
+large entry arrives in a hundred slow pieces, each within the timeout, and the op waits for
+all of them: a slow store makes every op slower than computing its entries. So every lookup
+and every write of the shared tier has one total deadline, from what the entry saves: the
+measured prefill time per token of the engine (a window's backend, an engine's forward) times
+the entry's tokens, times a set ``factor``, within a ``floor`` and a ``ceiling``. A lookup that
+outlives it is abandoned, counted (``remote_deadline_misses``) and the entry is computed
+locally: a hit is never slower than recomputing it by more than ``factor`` (or the floor, for a
+small one).
 
     deadline(tokens) = clamp(factor × seconds_per_token × tokens, floor, ceiling)
     a header-only lookup (contains, peek, an entry's head) = floor
