@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         table.add_row(
             f"{row['ε']:g}", str(row["estimated within ε"]), *(f"{row[k]:.1%}" for k in list(row)[2:])
         )
-    reprefill = sum(slot_count for slot_count in (len(op) for op in held))
+    reprefill = sum(len(step.slots) for step in held)
     table.caption = (
         f"calibration: scale {calibration.scale:.3g}, inherit {calibration.inherit:g}, audit "
         f"{calibration.audit_share:.0%} of a chunk's tokens, fitted on seeds {list(calibration.seeds)}; "

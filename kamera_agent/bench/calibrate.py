@@ -7,17 +7,24 @@ window suite's episode runs with the policies unbounded (``drift_budget=None``),
 op each chunk the window does not hold exactly gets its true error (the re-prefill) and its
 sampled audit, exactly as a budgeted window would audit it (same rows, same context).
 
+Why the answer too: an error in KV units says nothing by itself about what a model answers, and
+models differ in how much of it they shrug off. So after every op the window also answers the
+suite's question, and its first answer token is compared with the re-prefill's (the same forward,
+the question appended). The default ε is then picked from that measured frontier (`pick_budget`):
+the largest at which the ops the budget would let stand answered like a re-prefill. Nothing is
+carried over from another model. The fix rates a new window starts from come from the same
+episodes, so one pass over them is the whole calibration.
+
 A calibration is fitted on its own seeds (`FIT_SEEDS`) and judged on others (`HELD_SEEDS`,
-``benchmarks/drift_estimator.py``); the window suite's episodes use neither.
+``benchmarks/drift_estimator.py``); the window suite's episodes use neither, and a text model's
+passages come from the corpus's calibration half, disjoint from the benchmark half.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import random
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -25,15 +32,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.progress import Progress
+from rich.progress import Progress, TaskID
 
 from kamera_agent.backends.transformers import TransformersBackend
-from kamera_agent.bench.window_suite import _Episode, _items, text_frames
+from kamera_agent.bench.window_suite import QUERY, TEXT_QUERY, _Episode, _items, text_frames
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.drift import (
-    AGREES,
+    AGREEMENT,
     BUDGETS,
-    CALIBRATION_DIR_VARIABLE,
+    MEAN_KL,
     Calibration,
     audit_indices,
     find_calibration,
@@ -43,22 +50,26 @@ from kamera_agent.core.drift import (
 )
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.errors import SettingsError
+from kamera_agent.metrics import next_token_kl
 from kamera_agent.parsers.bench import add_calibrate_parser  # declared without torch: `kamera --help`
 from kamera_agent.window import KameraWindow
-from kamera_agent.window.budget import DriftBudget, Measure, shared_budget
+from kamera_agent.window.budget import DriftBudget, Measure
 
 __all__ = [
     "FIT_SEEDS",
     "HELD_SEEDS",
     "Judged",
+    "Point",
     "Slot",
+    "Step",
     "add_calibrate_parser",
     "calibrate",
     "drift_episode",
     "ensure_calibrated",
     "fit_calibration",
+    "frontier",
     "judge",
-    "measure_fix_rates",
+    "pick_budget",
     "run_calibrate_command",
 ]
 
@@ -69,6 +80,10 @@ HELD_SEEDS = (7101, 7102)
 """Episodes a calibration is judged on by default (disjoint from `FIT_SEEDS`)."""
 
 CAPACITY = 12
+
+_SETTLED = "push"
+"""The op that moves no chunk: under a budget it adds to a window already held within ε, so its
+fix rate on an unbounded episode (drift piled up by every earlier op) would misstate it."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +97,17 @@ class Slot:
     exact: bool
 
 
+@dataclass(frozen=True)
+class Step:
+    """One op of an episode: its name, the window's chunks after it, and how the window's first
+    answer token to the suite's question compared with the re-prefill's."""
+
+    op: str
+    slots: tuple[Slot, ...]
+    kl: float
+    agrees: bool
+
+
 def drift_episode(
     model: Any,
     seed: int,
@@ -89,12 +115,14 @@ def drift_episode(
     progress: Progress,
     share: float = 0.1,
     *,
+    task: TaskID | None = None,
     texts: Sequence[Path] = (),
     **window: Any,
-) -> list[list[Slot]]:
-    """The window suite's episode (``seed``, ``ops``) with the policies unbounded; every op's
-    chunks as `Slot`s. ``model`` and ``window`` are what `KameraWindow` takes; a text model's
-    frames are passages of the corpus's calibration half, or of ``texts``."""
+) -> list[Step]:
+    """The window suite's episode (``seed``, ``ops``) with the policies unbounded; every op as a
+    `Step`. ``model`` and ``window`` are what `KameraWindow` takes; a text model's frames are
+    passages of the corpus's calibration half, or of ``texts``. ``task`` (else one of its own)
+    advances once per op."""
     config = WindowConfig(
         capacity_chunks=CAPACITY, max_new_tokens=1, evicted_pixels="keep", drift_budget=None
     )
@@ -104,17 +132,23 @@ def drift_episode(
         raise TypeError("calibration runs on a transformers model (it needs the model's own re-prefill)")
     measurer = DriftBudget(0.0, Calibration(backend.fingerprint, scale=1.0, inherit=0.0, audit_share=share))
     moves = _Episode(window_, backend.encoder, random.Random(seed), _items(ops))
-    if backend.encoder.image_processor is None:  # a text model: random-token lines and pages instead
+    query = QUERY
+    if backend.encoder.image_processor is None:  # a text model: passages of real text for frames
         moves.frames = text_frames(backend, seed, len(moves.frames), "calibration", texts)
+        query = TEXT_QUERY
+    query_ids = window_.query_ids(query)
     root = Context.root(backend.anchor.key)
     vision: dict[str, Any] = {}
-    recorded: list[list[Slot]] = []
-    task = progress.add_task(f"episode {seed}", total=ops)
+    recorded: list[Step] = []
+    if task is None:
+        task = progress.add_task(f"episode {seed}", total=ops)
     for _ in range(ops):
-        moves.next().run()
+        move = moves.next()
+        move.run()
         refs = window_.refs
         chunks = [window_.chunk(ref) for ref in refs]
-        truth = backend.reference_prefill(chunks)
+        truth = backend.reference_prefill(chunks, query_ids)
+        answer = window_.ask(query, max_new_tokens=1).first_logits.float().cpu()
         kvs = [window_.chunk_kv(ref) for ref in refs]
         starts = [backend.anchor.advance]
         for chunk in chunks:
@@ -127,7 +161,8 @@ def drift_episode(
         for state, own, kv, exact in zip(states, owns, kvs, truth.kv[1:], strict=True):
             ctx = ctx.extend(state)
             slots.append(Slot(relative_error(kv, exact), float(own or 0.0), ctx.exact))
-        recorded.append(slots)
+        agrees = int(answer.argmax()) == int(truth.logits.argmax())
+        recorded.append(Step(move.op, tuple(slots), next_token_kl(truth.logits, answer), agrees))
         progress.advance(task)
     window_.close()
     return recorded
@@ -160,32 +195,97 @@ def _measure(
     return measure
 
 
-def _signals(ops: Sequence[Sequence[Slot]], inherit: float) -> list[tuple[float, float]]:
-    """``(own + inherit × largest signal to its left, true error)`` of every approximated chunk
-    (an exact one's signal is 0, as a window's estimate of it)."""
+def _signals(steps: Sequence[Step], inherit: float) -> list[list[tuple[float, float]]]:
+    """Per op, ``(own + inherit × largest signal to its left, true error)`` of each approximated
+    chunk (an exact one's signal is 0, as a window's estimate of it)."""
     out = []
-    for slots in ops:
-        before = 0.0
-        for slot in slots:
+    for step in steps:
+        before, pairs = 0.0, []
+        for slot in step.slots:
             signal = 0.0 if slot.exact else slot.own + inherit * before
             if not slot.exact:
-                out.append((signal, slot.error))
+                pairs.append((signal, slot.error))
             before = max(before, signal)
+        out.append(pairs)
     return out
+
+
+@dataclass(frozen=True)
+class Point:
+    """The ops of some episodes at one ε (of those that approximated anything): the share the
+    budget would let stand (every approximated chunk estimated within ε), and of those, the share
+    whose first answer token was re-prefill's and their mean next-token KL (1 and 0 where none
+    stands: nothing approximated is served)."""
+
+    epsilon: float
+    standing: float
+    agreement: float
+    kl_mean: float
+
+    @property
+    def answers_like_reprefill(self) -> bool:
+        return self.agreement >= AGREEMENT and self.kl_mean <= MEAN_KL
+
+
+def frontier(calibration: Calibration, steps: Sequence[Step]) -> list[Point]:
+    """Per ε of `BUDGETS`, how the approximating ops of ``steps`` would stand under ``calibration``.
+    Each op is judged on the window it left: an op whose every approximated chunk is estimated
+    within ε is what a budgeted window serves as it is; one over ε is re-prefilled from there."""
+    risks = _risks(calibration, steps)
+    points = []
+    for eps in BUDGETS:
+        standing = [step for risk, step in risks if risk <= eps]
+        agreement = statistics.fmean(s.agrees for s in standing) if standing else 1.0
+        kl_mean = statistics.fmean(s.kl for s in standing) if standing else 0.0
+        points.append(Point(eps, len(standing) / max(1, len(risks)), agreement, kl_mean))
+    return points
+
+
+def pick_budget(points: Sequence[Point]) -> float:
+    """The default ε: the largest up to which every point's standing ops answered like a re-prefill
+    (first answer token equal on at least `AGREEMENT` of them, mean KL at most `MEAN_KL`), else the
+    smallest of `BUDGETS`. A larger ε lets more ops stand, so it is the cheapest point that
+    passes; it stops at the first that fails, because ops let stand further out could dilute a
+    failure into a passing mean."""
+    picked = BUDGETS[0]
+    for point in sorted(points, key=lambda point: point.epsilon):
+        if not point.answers_like_reprefill:
+            break
+        picked = point.epsilon
+    return picked
+
+
+def _risks(calibration: Calibration, steps: Sequence[Step]) -> list[tuple[float, Step]]:
+    """``(largest estimate among its approximated chunks, op)`` of every op that approximated."""
+    out = []
+    for step, pairs in zip(steps, _signals(steps, calibration.inherit), strict=True):
+        if pairs:
+            out.append((calibration.scale * max(signal for signal, _ in pairs), step))
+    return out
+
+
+def _fix_rates(calibration: Calibration, steps: Sequence[Step]) -> dict[str, tuple[int, int]]:
+    """Per op name that moves chunks: ``(ops that approximated, those estimated over the budget)``."""
+    rates: dict[str, tuple[int, int]] = {}
+    for risk, step in _risks(calibration, steps):
+        if step.op != _SETTLED:
+            seen, over = rates.get(step.op, (0, 0))
+            rates[step.op] = (seen + 1, over + int(risk > calibration.budget))
+    return rates
 
 
 def fit_calibration(
     fingerprint: str,
-    ops: Sequence[Sequence[Slot]],
+    steps: Sequence[Step],
     seeds: Sequence[int],
     share: float,
     inherit: float = 0.5,
     quantile: float = 0.99,
 ) -> Calibration:
     """The calibration of these episodes: the scale at which ``quantile`` of the approximated
-    chunks have ``error ≤ scale × signal``, and the largest of `BUDGETS` at which at most 1 % of the
-    chunks estimated within it were truly over `AGREES` (at least the smallest budget)."""
-    pairs = _signals(ops, inherit)
+    chunks have ``error ≤ scale × signal``; its frontier; the default ε `pick_budget` reads off
+    it; and each moving op's fix rate at that ε."""
+    pairs = [pair for op in _signals(steps, inherit) for pair in op]
     if not pairs:
         raise SettingsError(
             "nothing was approximated in these episodes: there is nothing to calibrate on; run longer "
@@ -194,23 +294,24 @@ def fit_calibration(
     ratios = sorted(error / max(signal, 1e-12) for signal, error in pairs)
     scale = ratios[min(len(ratios) - 1, int(quantile * len(ratios)))]
     draft = Calibration(fingerprint, scale, inherit, share, quantile, samples=len(pairs), seeds=tuple(seeds))
-    judged = judge(draft, ops)
-    budget = BUDGETS[0]
-    for eps in BUDGETS:
-        kept = [error for estimate, error in judged.pairs if estimate <= eps]
-        if kept and sum(error > AGREES for error in kept) / len(kept) <= 0.01:
-            budget = eps
-    return Calibration(
+    points = frontier(draft, steps)
+    judged = judge(draft, steps)
+    picked = Calibration(
         fingerprint,
         scale,
         inherit,
         share,
         quantile,
-        budget,
+        pick_budget(points),
         len(pairs),
         tuple(seeds),
         {f"{eps:g}": judged.over[eps] for eps in BUDGETS},
+        frontier={
+            f"{p.epsilon:g}": {"standing": p.standing, "agreement": p.agreement, "kl_mean": p.kl_mean}
+            for p in points
+        },
     )
+    return replace(picked, fix_rates=_fix_rates(picked, steps))
 
 
 @dataclass(frozen=True)
@@ -225,9 +326,10 @@ class Judged:
     over: dict[float, float]
 
 
-def judge(calibration: Calibration, ops: Sequence[Sequence[Slot]]) -> Judged:
+def judge(calibration: Calibration, steps: Sequence[Step]) -> Judged:
     """How ``calibration``'s estimates stand against the true errors of these episodes."""
-    pairs = [(calibration.scale * s, e) for s, e in _signals(ops, calibration.inherit)]
+    signals = [pair for op in _signals(steps, calibration.inherit) for pair in op]
+    pairs = [(calibration.scale * s, e) for s, e in signals]
     within: dict[float, int] = {}
     over: dict[float, float] = {}
     for eps in (*BUDGETS, calibration.budget):
@@ -265,64 +367,16 @@ def episodes(
     *,
     texts: Sequence[Path] = (),
     **window: Any,
-) -> list[list[Slot]]:
-    """`drift_episode` for each seed, one after another, their ops together."""
+) -> list[Step]:
+    """`drift_episode` for each seed, one after another, their ops together (one progress bar
+    over all of them, with the time left)."""
     torch.manual_seed(0)
-    out: list[list[Slot]] = []
-    for seed in seeds:
-        out += drift_episode(model, seed, ops, progress, share, texts=texts, **window)
+    task = progress.add_task("calibrating", total=len(seeds) * ops)
+    out: list[Step] = []
+    for n, seed in enumerate(seeds, start=1):
+        progress.update(task, description=f"calibrating · episode {n} of {len(seeds)}")
+        out += drift_episode(model, seed, ops, progress, share, task=task, texts=texts, **window)
     return out
-
-
-def measure_fix_rates(
-    model: Any,
-    calibration: Calibration,
-    seeds: Sequence[int],
-    ops: int,
-    progress: Progress,
-    *,
-    texts: Sequence[Path] = (),
-    **window: Any,
-) -> dict[str, tuple[int, int]]:
-    """Per op name, ``(ops audited, ops that needed a fix)`` when the episodes of ``seeds`` run
-    at the calibration's default budget with it: what a new window of this model starts from
-    (`Calibration.fix_rates`), so it does not pay an audit and a fix to learn, op by op, what
-    the fitting episodes already showed. Run on a budget of its own (the calibration filed in a
-    scratch directory, found as any window finds it), never on a user's budget; every op's
-    approximations tried (`DriftBudget.always_try`), so each rate is measured on all its ops."""
-    config = WindowConfig(capacity_chunks=CAPACITY, max_new_tokens=1, evicted_pixels="keep")
-    budget = shared_budget(calibration.fingerprint, calibration.budget, calibration)  # the windows' below
-    before, budget.always_try = budget.outcomes(), True  # every op tried: its rate measured on all
-    with tempfile.TemporaryDirectory(prefix="kamera-calibration-") as scratch:
-        save_calibration(calibration, Path(scratch))
-        user = os.environ.get(CALIBRATION_DIR_VARIABLE)
-        os.environ[CALIBRATION_DIR_VARIABLE] = scratch
-        try:
-            for seed in seeds:
-                window_ = KameraWindow(model, config=config, **window)
-                assert window_.budget == calibration.budget  # found the scratch calibration
-                moves = _Episode(window_, window_.encoder, random.Random(seed), _items(ops))
-                if window_.encoder.image_processor is None:
-                    backend = window_.backend
-                    assert isinstance(backend, TransformersBackend)
-                    moves.frames = text_frames(backend, seed, len(moves.frames), "calibration", texts)
-                task = progress.add_task(f"fix rates {seed}", total=ops)
-                for _ in range(ops):
-                    moves.next().run()
-                    progress.advance(task)
-                window_.close()
-        finally:
-            budget.always_try = False
-            if user is None:
-                del os.environ[CALIBRATION_DIR_VARIABLE]
-            else:
-                os.environ[CALIBRATION_DIR_VARIABLE] = user
-    after = budget.outcomes()
-    return {
-        op: (audited - before.get(op, (0, 0))[0], fixed - before.get(op, (0, 0))[1])
-        for op, (audited, fixed) in after.items()
-        if audited > before.get(op, (0, 0))[0]
-    }
 
 
 def calibrate(
@@ -335,15 +389,12 @@ def calibrate(
     *,
     texts: Sequence[Path] = (),
     **window: Any,
-) -> tuple[Calibration, list[list[Slot]]]:
-    """Fit a model's calibration on the episodes of ``seeds`` (`fit_calibration`), then measure
-    its fix rates at its default budget (`measure_fix_rates`); the calibration and its episodes.
-    A text model reads passages of the corpus's calibration half, or of ``texts``."""
+) -> tuple[Calibration, list[Step]]:
+    """Fit a model's calibration on the episodes of ``seeds`` (`fit_calibration`); the calibration
+    and its episodes. A text model reads passages of the corpus's calibration half, or of ``texts``."""
     fitted = episodes(model, seeds, ops, progress, share, texts=texts, **window)
     fingerprint = KameraWindow(model, config=WindowConfig(drift_budget=None), **window).backend.fingerprint
-    calibration = fit_calibration(fingerprint, fitted, seeds, share, quantile=quantile)
-    rates = measure_fix_rates(model, calibration, seeds, ops, progress, texts=texts, **window)
-    return replace(calibration, fix_rates=rates), fitted
+    return fit_calibration(fingerprint, fitted, seeds, share, quantile=quantile), fitted
 
 
 def ensure_calibrated(backend: TransformersBackend, progress: Progress, ops: int = 40) -> Calibration:
@@ -394,26 +445,45 @@ def run_calibrate_command(args: Any, console: Any) -> int:
     except SettingsError as exc:
         console.print(f"[red]kamera calibrate: {escape(str(exc))}")
         return 2
-    elapsed = time.perf_counter() - began
+    elapsed = round(time.perf_counter() - began)
     path = save_calibration(calibration, Path(args.out) if args.out else None)
     judged = judge(calibration, ops)
     table = Table(
-        title=f"drift calibration on {calibration.samples} approximated chunk-states (fitting episodes)"
+        title=f"drift calibration on {len(ops)} ops, {calibration.samples} approximated chunk-states "
+        "(fitting episodes)"
     )
-    for column in ("ε", "estimated within ε", "of those truly over 3ε"):
+    columns = (
+        "ε",
+        "ops let stand",
+        "first token as re-prefill",
+        "mean KL",
+        "chunks estimated within ε",
+        "of those truly over 3ε",
+    )
+    for column in columns:
         table.add_column(column, justify="right")
     for eps in BUDGETS:
-        table.add_row(f"{eps:g}", str(judged.within[eps]), f"{judged.over[eps]:.1%}")
+        point = calibration.frontier[f"{eps:g}"]
+        mark = " ←" if eps == calibration.budget else ""
+        table.add_row(
+            f"{eps:g}{mark}",
+            f"{point['standing']:.0%}",
+            f"{point['agreement']:.1%}",
+            f"{point['kl_mean']:.2g}",
+            str(judged.within[eps]),
+            f"{judged.over[eps]:.1%}",
+        )
     console.print(table)
     console.print(
         f"scale {calibration.scale:.3g}, inherit {calibration.inherit:g}, "
-        f"audit {calibration.audit_share:.0%}; "
-        f"Spearman {judged.spearman:.2f}; default budget ε = {calibration.budget:g}; filed at {path}"
+        f"audit {calibration.audit_share:.0%}; Spearman {judged.spearman:.2f}; default budget "
+        f"ε = {calibration.budget:g} (the largest whose ops let stand kept the first token on "
+        f"≥ {AGREEMENT:.0%} at mean KL ≤ {MEAN_KL:g}); filed at {path}"
     )
     rates = ", ".join(f"{op} {f}/{a}" for op, (a, f) in sorted(calibration.fix_rates.items()))
-    console.print(f"at ε = {calibration.budget:g}, audited ops that needed a fix: {rates or 'none audited'}")
+    console.print(f"at ε = {calibration.budget:g}, ops that approximated and needed a fix: {rates or 'none'}")
     console.print(
-        f"calibrated in {int(elapsed // 60)} min {elapsed % 60:.0f} s ({len(args.seeds)} episodes of "
-        f"{args.ops} ops, then as many at the chosen ε; {torch.get_num_threads()} torch thread(s))"
+        f"calibrated in {elapsed // 60} min {elapsed % 60} s ({len(args.seeds)} episodes of "
+        f"{args.ops} ops; {torch.get_num_threads()} torch thread(s))"
     )
     return 0

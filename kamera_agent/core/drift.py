@@ -38,9 +38,10 @@ if TYPE_CHECKING:
     from kamera_agent.core.kv_core import KVCore, Txn
 
 __all__ = [
-    "AGREES",
+    "AGREEMENT",
     "BUDGETS",
     "CALIBRATION_DIR_VARIABLE",
+    "MEAN_KL",
     "AuditSource",
     "Calibration",
     "audit",
@@ -72,8 +73,10 @@ class Calibration:
         inherit: the share of the largest estimate to a chunk's left that it inherits.
         audit_share: the share of a chunk's tokens one audit recomputes (at least two tokens).
         quantile: the share of fitting chunks the scale bounds.
-        budget: the ε a window uses by default: the largest of `BUDGETS` at which, on the fitting
-            episodes, at most 1 % of the chunks estimated within ε were truly over `AGREES`.
+        budget: the ε a window uses by default, picked from ``frontier``: the largest of `BUDGETS`
+            at which the fitting episodes' ops the budget would let stand answered like a
+            re-prefill (first answer token equal on at least `AGREEMENT` of them, mean next-token
+            KL at most `MEAN_KL`); the smallest where none does.
         samples: approximated chunk-states it was fitted on.
         seeds: the fitting episodes' seeds (benchmarks judge on other seeds).
         within: per ε of `BUDGETS`, the share of fitting chunks estimated within ε that were
@@ -81,11 +84,14 @@ class Calibration:
         recompute_share: the share of an over-budget chunk's tokens the budget's cheapest fix
             recomputes (its most deviating ones, CacheBlend's 15 % by default) before it
             re-prefills the chunk and what follows.
-        fix_rates: per op name, ``[ops audited, ops that needed a fix]`` when the fitting
-            episodes ran again at ``budget`` with this calibration: where a model's
-            approximations of an op rarely stay within ε, a new window knows it from its first
-            op (a `DriftBudget` starts from these counts, capped) instead of paying an audit
-            and a fix to learn it.
+        fix_rates: per op name that moves chunks, ``[ops that approximated, those estimated over
+            budget]`` on the fitting episodes: where a model's approximations of an op rarely
+            stay within ε, a new window knows it from its first op (a `DriftBudget` starts from
+            these counts, capped) instead of paying an audit and a fix to learn it.
+        frontier: per ε of `BUDGETS`, what the fitting episodes' approximating ops measured at
+            it: ``standing`` (the share of them estimated within ε: served as they are),
+            ``agreement`` (of those, the share whose first answer token was re-prefill's) and
+            ``kl_mean`` (their mean next-token KL against re-prefill).
     """
 
     fingerprint: str
@@ -99,6 +105,7 @@ class Calibration:
     within: dict[str, float] = field(default_factory=dict)
     fix_rates: dict[str, tuple[int, int]] = field(default_factory=dict)
     recompute_share: float = 0.15
+    frontier: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def estimate(self, audit: float, inherited: float) -> float:
         """A chunk's estimated drift from its audit and the largest estimate to its left."""
@@ -119,12 +126,15 @@ class Calibration:
         return cls(**known)
 
 
-BUDGETS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
-"""The budgets a calibration chooses its default from."""
+BUDGETS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 2e-1, 3e-1, 5e-1)
+"""The budgets a calibration chooses its default from (relative KV error estimates)."""
 
-AGREES = 3e-2
-"""Relative KV error under which every chunk of a window kept re-prefill's first answer token on
-the window suite (KL ≤ 7.4e-4 over 826 op-states): a default budget keeps chunks below it."""
+AGREEMENT = 0.99
+"""The share of the ops a default budget lets stand whose first answer token must be re-prefill's
+on the fitting episodes (a bf16 deployment's own disagreement with fp32 is of this order)."""
+
+MEAN_KL = 1e-2
+"""The mean next-token KL against re-prefill the ops a default budget lets stand may reach."""
 
 
 def calibration_dirs() -> list[Path]:

@@ -112,7 +112,7 @@ def add_calibrate_parser(commands: Any) -> None:
         "model", help="'demo' (the shipped model), a checkpoint folder or a GGUF file (a text model or a VLM)"
     )
     calibrate.add_argument("--seeds", type=int, nargs="+", default=list(FIT_SEEDS), help="fitting episodes")
-    calibrate.add_argument("--ops", type=int, default=120, help="ops per episode")
+    calibrate.add_argument("--ops", type=int, default=60, help="ops per episode")
     calibrate.add_argument(
         "--audit", type=float, default=0.1, help="share of a chunk's tokens one audit recomputes"
     )

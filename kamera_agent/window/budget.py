@@ -62,8 +62,8 @@ class DriftBudget:
         self._skipped: dict[str, int] = {}
         self._lock = threading.Lock()
         self.always_try = False
-        """Try every op's approximations whatever its fix rate (a calibration's run measuring the
-        rates: a name ruled out after two fixes would be measured on two ops)."""
+        """Try every op's approximations whatever its fix rate (a measurement that must see each
+        op's outcome: a name ruled out after two fixes would be measured on two ops)."""
 
     def record(self, op: str, fixed: bool) -> None:
         """Remember whether an op whose approximations were audited had to be fixed."""
@@ -85,8 +85,8 @@ class DriftBudget:
             self._skipped[kind] = self._skipped.get(kind, 0) + 1
 
     def fix_rate(self, op: str) -> float:
-        """How often audited ops of this name needed a fix (counted from the calibration's run of
-        its fitting episodes, else 0 before any: the first is tried; one more op counted as
+        """How often audited ops of this name needed a fix (counted from the calibration's fitting
+        episodes, else 0 before any: the first is tried; one more op counted as
         passing, so one failure does not rule the name out for good)."""
         with self._lock:
             audited, fixed = self._outcomes.get(_KIND.get(op, op), (0, 0))

@@ -9,9 +9,27 @@ import pytest
 from rich.progress import Progress
 
 from kamera_agent.bench import calibrate as calibrate_module
-from kamera_agent.bench.calibrate import _signals, episodes, fit_calibration, judge
+from kamera_agent.bench.calibrate import (
+    Point,
+    Slot,
+    Step,
+    _signals,
+    episodes,
+    fit_calibration,
+    frontier,
+    judge,
+    pick_budget,
+)
 from kamera_agent.cli import main
-from kamera_agent.core.drift import CALIBRATION_DIR_VARIABLE, find_calibration
+from kamera_agent.core.drift import (
+    AGREEMENT,
+    BUDGETS,
+    CALIBRATION_DIR_VARIABLE,
+    MEAN_KL,
+    Calibration,
+    calibration_dirs,
+    find_calibration,
+)
 from kamera_agent.window import KameraWindow
 from tests.window.backends import backend_named
 
@@ -26,14 +44,87 @@ def test_a_text_models_calibration_bounds_its_quantile_of_fitting_chunks(
     backend = backend_named("qwen2")
     with Progress(disable=True) as progress:
         ops = episodes(backend, [1, 2], 16, progress, 0.2)
-    assert any(not slot.exact for op in ops for slot in op)  # the unbounded policies approximated
-    assert all(slot.own == 0.0 for op in ops for slot in op if slot.exact)
+    assert any(not slot.exact for op in ops for slot in op.slots)  # the unbounded policies approximated
+    assert all(slot.own == 0.0 for op in ops for slot in op.slots if slot.exact)
+    # every op answered the question: an exact window as re-prefill does, to float noise
+    exact_ops = [op for op in ops if all(slot.exact for slot in op.slots)]
+    assert exact_ops and all(op.agrees and op.kl < 1e-6 for op in exact_ops)
+    assert any(op.kl > 1e-6 for op in ops)  # and an approximated one measurably otherwise
     calibration = fit_calibration(backend.fingerprint, ops, [1, 2], 0.2)
-    pairs = _signals(ops, calibration.inherit)
+    pairs = [pair for op in _signals(ops, calibration.inherit) for pair in op]
     bounded = sum(error <= calibration.scale * signal + 1e-12 for signal, error in pairs)
     assert bounded >= 0.99 * len(pairs) and calibration.samples == len(pairs)
     judged = judge(calibration, ops)
     assert -1 <= judged.spearman <= 1 and judged.within[0.1] >= judged.within[0.01] >= judged.within[0.001]
+    # the default ε is the one its own frontier picks, and the frontier is recorded with it
+    points = frontier(calibration, ops)
+    assert calibration.budget == pick_budget(points)
+    assert set(calibration.frontier) == {f"{eps:g}" for eps in BUDGETS}
+    standing = [p.standing for p in points]
+    assert standing == sorted(standing)  # a larger ε lets at least as many ops stand
+
+
+def _step(op: str, error: float, own: float, kl: float, agrees: bool = True) -> Step:
+    """An op whose window holds one exact chunk and one approximated one."""
+    return Step(op, (Slot(0.0, 0.0, True), Slot(error, own, False)), kl, agrees)
+
+
+def test_the_default_budget_is_the_largest_whose_standing_ops_answer_like_a_reprefill() -> None:
+    """Ops estimated small answered well, one estimated large flipped its first token: the pick
+    stops below the flip; an op with nothing approximated is not an op of the frontier."""
+    calibration = Calibration("f", scale=1.0, inherit=0.5)
+    steps = [
+        _step("slide", 0.004, 0.005, 1e-3),
+        _step("reorder", 0.02, 0.025, 2e-3),
+        _step("recall", 0.15, 0.15, 0.4, agrees=False),
+        Step("push", (Slot(0.0, 0.0, True),), 0.0, True),
+    ]
+    points = {p.epsilon: p for p in frontier(calibration, steps)}
+    assert points[3e-3].standing == 0 and points[3e-3].agreement == 1.0
+    assert points[1e-2].standing == 1 / 3 and points[3e-2].standing == 2 / 3
+    assert points[0.2].standing == 1.0 and points[0.2].agreement == 2 / 3
+    assert pick_budget(list(points.values())) == 0.1
+    # a mean KL over the target rules a point out even where every first token agreed
+    loud = [_step("slide", 0.004, 0.005, 2 * MEAN_KL)]
+    assert pick_budget(frontier(calibration, loud)) == 3e-3
+    # nothing passes: the smallest budget (what is approximated is re-prefilled at once)
+    assert pick_budget([Point(eps, 1.0, AGREEMENT - 0.01, 0.0) for eps in BUDGETS]) == BUDGETS[0]
+    # a failing point is not skipped over: wider points that pass again (diluted) are not picked
+    diluted = [Point(eps, 1.0, 1.0 if eps != 3e-2 else AGREEMENT - 0.01, 0.0) for eps in BUDGETS]
+    assert pick_budget(diluted) == 1e-2
+
+
+def test_fix_rates_count_the_ops_that_move_chunks_estimated_over_the_budget() -> None:
+    steps = [
+        _step("slide", 0.004, 0.005, 1e-3),
+        _step("slide", 0.2, 0.2, 1e-3),
+        _step("push", 0.2, 0.2, 1e-3),
+        _step("reorder", 0.004, 0.005, 1e-3),
+    ]
+    fitted = fit_calibration("f", steps, [1], 0.1, quantile=0.5)
+    rates = fitted.fix_rates
+    assert "push" not in rates  # a push moves nothing: its rate on an unbounded episode misleads
+    over = sum(fitted.scale * s > fitted.budget for s in (0.005, 0.2))
+    assert rates["slide"] == (2, over) and rates["reorder"][0] == 1
+
+
+def test_shipped_calibrations_record_the_frontier_their_budget_was_picked_from() -> None:
+    """A calibration that ships with a frontier has the budget the rule picks from it: the pick is
+    recomputed here from the stored numbers, not taken on trust."""
+    shipped = sorted(calibration_dirs()[-1].glob("*.json"))
+    with_frontier = 0
+    for path in shipped:
+        calibration = Calibration.from_json(path.read_text())
+        if not calibration.frontier:
+            continue
+        with_frontier += 1
+        points = [
+            Point(eps, *(calibration.frontier[f"{eps:g}"][k] for k in ("standing", "agreement", "kl_mean")))
+            for eps in BUDGETS
+        ]
+        assert calibration.budget == pick_budget(points), path.name
+        assert calibration.seeds and calibration.samples > 0 and calibration.fix_rates
+    assert with_frontier >= 1
 
 
 def test_kamera_calibrate_files_the_demo_models_calibration(
@@ -44,7 +135,7 @@ def test_kamera_calibrate_files_the_demo_models_calibration(
     (filed,) = tmp_path.glob("*.json")
     data = json.loads(filed.read_text())
     assert data["seeds"] == [5] and data["samples"] > 0 and data["scale"] > 0
-    # the episode ran again at the default budget: its ops' fix counts ship with the calibration
+    # the fitting episodes' moving ops, counted at the picked budget, ship with the calibration
     rates = data["fix_rates"]
     assert rates and all(0 <= fixed <= audited for audited, fixed in rates.values())
     assert sum(audited for audited, _ in rates.values()) > 0
