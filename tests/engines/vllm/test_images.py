@@ -78,9 +78,14 @@ def test_image_conversations_move_between_engines_and_a_window_through_the_store
         assert report["loaded_tokens"] > 0 and moved["image_tokens_loaded"] > 0, moved
         assert report["kept_tokens"] > 0 and report["drift"] is None, report  # unbounded: unknown drift
         assert moved["positions_as_vllm"] is True
+    gap = max(
+        _largest_gap(o["first_logprobs"], t["first_logprobs"]) for o, t in zip(served, alone, strict=True)
+    )
+    computed, alone_computed = sum(r["computed"] for r in served), sum(r["computed"] for r in alone)
     print(
         f"images on vLLM's CPU build (demo model): {len(served)} requests over two engines as vLLM alone "
-        f"(first tokens equal, log-probabilities within {LOGPROB_TOLERANCE}); the second engine loaded "
+        f"(first tokens equal, largest first-token log-probability gap {gap:.1e}); {computed:.0f} prompt "
+        f"tokens computed where vLLM alone computed {alone_computed:.0f}; the second engine loaded "
         f"{sum(r['served']['loaded_tokens'] for r in continued)} tokens, "
         f"{sum(r['image_tokens_loaded'] for r in continued)} of them image tokens; the window reused "
         f"{window['tokens_reused']} tokens with no forward; kept: "
