@@ -495,10 +495,10 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             # images only; on M-RoPE each with the data vLLM computes its positions from
             mrope = self.mrope if features else None
             servable = self.one_group and images_only(features, with_data=mrope is not None)
-            images = self.images.spans(features) if servable else []
-            chunks = request_chunks(tokens, images, self.rules, namespace)
-            track = _Track(namespace, chunks, len(tokens), False, bool(salt))
+            track = _Track(namespace, [], len(tokens), False, bool(salt))
             self._requests[request.request_id] = track  # a fault below leaves it unserved
+            images = self.images.spans(features) if servable else []
+            track.chunks = request_chunks(tokens, images, self.rules, namespace)
             if servable and mrope is not None:
                 track.positions = mrope.of(tokens, features)
             track.servable = servable
