@@ -33,7 +33,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Chunk", "ChunkKind", "content_key", "token_key"]
+__all__ = ["Chunk", "ChunkKind", "content_key", "image_identity", "token_key"]
 
 ChunkKind = Literal["image", "frame", "screenshot", "page", "text", "anchor"]
 
@@ -142,6 +142,22 @@ def token_key(scope: str, kind: str, tokens: Sequence[int] | torch.Tensor) -> st
     digest = hashlib.sha256(f"tokens\x1f{scope}\x1f{kind}\x1f".encode())
     digest.update(packed)
     return digest.hexdigest()
+
+
+def image_identity(pixel_values: torch.Tensor, grid: Sequence[int] | torch.Tensor | None) -> str:
+    """What names an image's content wherever it is prepared: the patches the model's image
+    processor cuts it into (``[patches, dim]``, hashed as float32; before rescaling and
+    normalizing where the processor can leave those out) and its patch grid ``(t, h, w)``.
+
+    Why patches and not the file or an engine's hash: a window and an engine decode and
+    preprocess the same image with the same processor, so they agree on these values without
+    sharing any engine's own hash (vLLM hands its model the patches un-normalized and normalizes
+    on the device); an image chunk's key is `token_key` with kind ``"image:<identity>"`` on both
+    sides.
+    """
+    rows = [int(n) for n in torch.as_tensor(grid).flatten().tolist()] if grid is not None else []
+    pixels = pixel_values.detach().to("cpu", torch.float32).contiguous()
+    return content_key("image", pixels, str(rows))
 
 
 def _swapped(tokens: Sequence[int]) -> bytes:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from kamera_agent.chunks.chunk import Chunk, ChunkKind, content_key, token_key
+from kamera_agent.chunks.chunk import Chunk, ChunkKind, content_key, image_identity, token_key
 from kamera_agent.chunks.positions import PositionScheme
 from kamera_agent.chunks.prompt import PromptFormat
 from kamera_agent.chunks.sources import MAX_IMAGE_PIXELS, ChannelOrder, ImageLike, to_rgb_image
@@ -176,7 +176,9 @@ class ChunkEncoder:
         relative, advance = self.positions.relative(input_ids, mm_types, grid)
         scope = (self.namespace,) if self.namespace else ()  # a salted window's images: its own
         vision_key = content_key("vision", self.model_fingerprint, self.settings, pixel_values, grid, *scope)
-        key = content_key("chunk", self.model_fingerprint, self.settings, input_ids, vision_key)
+        # keyed as an engine keys the same image's span (`kamera_agent.engines.chunking`), so a
+        # window and a serving engine on one store share its KV
+        key = token_key(self.anchor_key, f"image:{self._identity(image, pixel_values, grid)}", input_ids)
         return Chunk(
             kind,
             key,
@@ -214,6 +216,19 @@ class ChunkEncoder:
         grid = out.get("image_grid_thw")  # [1, 3] for Qwen-VL; absent for fixed-size towers
         pixels = out["pixel_values"].to(torch.float32)
         return pixels, None if grid is None else grid[:1].to(torch.long)
+
+    def _identity(self, image: Image.Image, pixels: torch.Tensor, grid: torch.Tensor | None) -> str:
+        """The image's content identity (`image_identity`) from the processor's output before it
+        rescales and normalizes: what an engine that normalizes on its device (vLLM) is handed,
+        so both name the image alike. A processor without those switches: its output as is."""
+        assert self.image_processor is not None
+        try:
+            raw = self.image_processor(
+                images=[image], return_tensors="pt", do_rescale=False, do_normalize=False
+            )
+            return image_identity(raw["pixel_values"], grid)
+        except (ValueError, TypeError, RuntimeError, KeyError):
+            return image_identity(pixels, grid)
 
     def _image_tokens(self, grid: torch.Tensor | None) -> int:
         if grid is not None:

@@ -67,6 +67,7 @@ class Copied:
             by the writer while vLLM holds the request's blocks (`HeldBlocks`).
         size: the bytes ``copy`` will take (the queue's bound counts them from the start).
         req_id: the request whose blocks ``copy`` reads.
+        positions: the tokens' M-RoPE positions ``[3, end - start]``; ``None``: their indices.
     """
 
     entry: EntryKey
@@ -78,6 +79,7 @@ class Copied:
     copy: Callable[[], tuple[torch.Tensor, ...]] | None = None
     size: int = 0
     req_id: str = ""
+    positions: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:

@@ -5,9 +5,12 @@ vLLM's own cached prefix it can load (``get_num_new_matched_tokens``), vLLM allo
 them (``update_state_after_alloc``), and the worker side fills them before the forward
 (``start_load_kv``); after each forward the worker may read what was computed (``wait_for_save``).
 Here the loadable tokens are the longest run of the request's chunks (messages, images by
-``mm_features``) whose states kamera's store holds (`kamera_agent.engines.synthesis`, the same
-planning SGLang's plugin uses), each written rotated to its positions in this request; and every
-prompt chunk a forward computes is captured into the store under the state it has.
+``mm_features``, named by their content: `kamera_agent.engines.vllm.images`) whose states
+kamera's store holds (`kamera_agent.engines.synthesis`, the same planning SGLang's plugin uses),
+each written rotated to its positions in this request; and every prompt chunk a forward computes
+is captured into the store under the state it has. On an M-RoPE model a request with images has
+the positions vLLM's own model code computes for it (`kamera_agent.engines.vllm.mrope`): the
+scheduler side computes them once and sends each load's and capture's rows to the worker side.
 
 The store's I/O stays off vLLM's engine step: loads use vLLM's asynchronous-load contract and
 run on a thread (`kamera_agent.engines.vllm.loads`), captures are copied out in the cache's
@@ -54,7 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kamera_agent.config import WindowConfig
-from kamera_agent.engines.chunking import ChunkRules, ImageSpan, request_chunks
+from kamera_agent.engines.chunking import ChunkRules, request_chunks
 from kamera_agent.engines.faults import HookFaults
 from kamera_agent.engines.prefill_clock import PrefillClock
 from kamera_agent.engines.shards import Grid, ShardedStore, Splits, unsharded
@@ -63,8 +66,10 @@ from kamera_agent.engines.stores import STORES
 from kamera_agent.engines.synthesis import LoadPlan, PrefixSynthesis, RequestChunk, serving
 from kamera_agent.engines.vllm.blocks import BlockLayoutError, VLLMSlots, place_layers
 from kamera_agent.engines.vllm.captures import CaptureWriter, Copied, HeldBlocks, copy_out
+from kamera_agent.engines.vllm.images import ImageIdentities, images_only
 from kamera_agent.engines.vllm.loads import BackgroundLoads, Load, LoadId
 from kamera_agent.engines.vllm.metrics import ConnectorStats, KameraConnectorStats, KameraPromMetrics, Reports
+from kamera_agent.engines.vllm.mrope import MRopePositions
 from kamera_agent.operator.layout import ChunkKV, KVLayout, to_position_free
 from kamera_agent.store import EntryKey
 
@@ -90,6 +95,8 @@ class Save:
     slots: tuple[int, ...] = ()
     blocks: tuple[int, ...] = ()
     offset: int = 0
+    positions: torch.Tensor | None = field(default=None, compare=False)
+    """The tokens' M-RoPE positions ``[3, end - start]``; ``None``: their indices."""
 
 
 @dataclass
@@ -163,6 +170,9 @@ class _Track:
     prompt_len: int
     servable: bool
     salted: bool
+    positions: torch.Tensor | None = None
+    """Its prompt's M-RoPE positions ``[3, prompt_len]`` (a request with images on an M-RoPE
+    model); ``None``: every token at its index."""
     plan: LoadPlan | None = None
     block_ids: list[int] = field(default_factory=list)
     saved: set[int] = field(default_factory=set)
@@ -252,6 +262,9 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         )
         tokenizer = AutoTokenizer.from_pretrained(model.tokenizer) if model.tokenizer else None
         self.rules = ChunkRules.for_model(model.hf_config, tokenizer)
+        self.images = ImageIdentities()
+        self.mrope = MRopePositions.of_model(model) if self.layout.rope.axes is not None else None
+        """vLLM's M-RoPE positions of a request with images (``None``: 1-D RoPE, positions are indices)."""
         self._requests: dict[str, _Track] = {}
         self._loads: list[Load] = []
         self._pool = VLLMSlots([], self.layout)
@@ -346,7 +359,8 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             end = min(item.chunk.end, plan.end)
             slots = self._slots(track, start, end)
             a, b = start - item.chunk.start, end - item.chunk.start
-            self._loads.append(Load(request.request_id, item.entry, a, b, start, slots))
+            rows = _rows(track.positions, start, end)
+            self._loads.append(Load(request.request_id, item.entry, a, b, start, slots, rows))
             loads[(request.request_id, start)] = item.entry
         # recorded once the worker side reports every load written (`update_connector_output`)
         self._offered[request.request_id] = _Offered(track.namespace, track.chunks, plan, loads)
@@ -475,20 +489,19 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if track is None:
             tokens = list(request.prompt_token_ids or [])
             features = list(getattr(request, "mm_features", None) or [])
-            images = [
-                ImageSpan(
-                    f.mm_position.offset, f.mm_position.offset + f.mm_position.length, str(f.identifier)
-                )
-                for f in features
-            ]
             lora = getattr(getattr(request, "lora_request", None), "lora_name", "") or ""
             salt = getattr(request, "cache_salt", None) or ""
             namespace = f"{lora}|{salt}" if lora or salt else ""  # "": a window's chunks' namespace
-            # M-RoPE positions of a request with images are the engine's to compute: not served
-            servable = self.one_group and not (images and self.layout.rope.axes is not None)
-            chunks = request_chunks(tokens, images, self.rules, namespace)
-            track = _Track(namespace, chunks, len(tokens), servable, bool(salt))
-            self._requests[request.request_id] = track
+            # images only; on M-RoPE each with the data vLLM computes its positions from
+            mrope = self.mrope if features else None
+            servable = self.one_group and images_only(features, with_data=mrope is not None)
+            track = _Track(namespace, [], len(tokens), False, bool(salt))
+            self._requests[request.request_id] = track  # a fault below leaves it unserved
+            images = self.images.spans(features) if servable else []
+            track.chunks = request_chunks(tokens, images, self.rules, namespace)
+            if servable and mrope is not None:
+                track.positions = mrope.of(tokens, features)
+            track.servable = servable
         return track
 
     def _saves(self, req_id: str, track: _Track, upto: int) -> list[Save]:
@@ -506,7 +519,10 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 first, last = chunk.start // self.block_size, (chunk.end - 1) // self.block_size
                 blocks = tuple(track.block_ids[first : last + 1])
                 offset = chunk.start - first * self.block_size
-                out.append(Save(req_id, entry, chunk.start, chunk.end, blocks=blocks, offset=offset))
+                rows = _rows(track.positions, chunk.start, chunk.end)
+                out.append(
+                    Save(req_id, entry, chunk.start, chunk.end, blocks=blocks, offset=offset, positions=rows)
+                )
         return out
 
     def _slots(self, track: _Track, start: int, end: int) -> tuple[int, ...]:
@@ -604,7 +620,9 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return False
         a, b = load.a, load.b
         part = ChunkKV(kv.keys[:, :, a:b], kv.values[:, :, a:b], None, kv.chunk_key)
-        positions = request_positions(self.layout, load.start, load.start + b - a)
+        positions = load.positions
+        if positions is None:
+            positions = request_positions(self.layout, load.start, load.start + b - a)
         self._pool.write(part, positions, torch.tensor(load.slots, dtype=torch.long))
         self.stats.loads += 1
         self.stats.chunks_loaded += 1
@@ -644,7 +662,15 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             size = blocks.numel() * self._pool.block_bytes
             copy = partial(self._pool.copy, blocks)
             deferred = Copied(
-                save.entry, save.start, save.end, (), rows, copy=copy, size=size, req_id=save.req_id
+                save.entry,
+                save.start,
+                save.end,
+                (),
+                rows,
+                copy=copy,
+                size=size,
+                req_id=save.req_id,
+                positions=save.positions,
             )
             self.held.queued(save.req_id)
             if not self.captures.submit(deferred):
@@ -652,7 +678,8 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 self.stats.captures_dropped += 1
             return
         copies, ready = copy_out(self._pool.copy(blocks))
-        if not self.captures.submit(Copied(save.entry, save.start, save.end, copies, rows, ready)):
+        copied = Copied(save.entry, save.start, save.end, copies, rows, ready, positions=save.positions)
+        if not self.captures.submit(copied):
             self.stats.captures_dropped += 1
 
     def _located(self, save: Save) -> tuple[torch.Tensor, torch.Tensor]:
@@ -668,7 +695,9 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def _file(self, copied: Copied) -> None:
         """On the writer's thread: what the step copied, position-free in float32, into the store."""
-        positions = request_positions(self.layout, copied.start, copied.end)
+        positions = copied.positions
+        if positions is None:
+            positions = request_positions(self.layout, copied.start, copied.end)
         keys, values = self._pool.unpack(copied.blocks, copied.rows)
         kv = ChunkKV(keys.float(), values.float(), positions, copied.entry.key)
         self.synthesis.write(copied.entry, to_position_free(kv, self.layout))
@@ -734,6 +763,11 @@ class KameraConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KameraPromMetrics:
         return KameraPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _rows(positions: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    """Tokens ``start..end``'s M-RoPE positions (their own copy: it crosses to the worker side)."""
+    return None if positions is None else positions[:, start:end].clone()
 
 
 def _copies_off_step(vllm_config: Any) -> bool:

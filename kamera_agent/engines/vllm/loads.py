@@ -48,6 +48,9 @@ class Load:
     b: int
     start: int
     slots: tuple[int, ...]
+    positions: torch.Tensor | None = field(default=None, compare=False)
+    """The tokens' M-RoPE positions ``[3, b - a]`` (`kamera_agent.engines.vllm.mrope`); ``None``:
+    their indices ``start..``."""
 
 
 @dataclass
