@@ -2,8 +2,11 @@
 
 Each row of the table is one window operation: the language-model forwards it ran (``fwd``),
 the vision encodes, the tokens it prefilled and the chunk tokens it reused from the store, and,
-for comparison, the tokens a full re-prefill of the window (anchor, every chunk, the query)
-would have prefilled at that point.
+for comparison, two token counts (counted, not run): what a **prefix cache** would prefill for
+the same op (a radix cache at its best, shared by every window of the run and never evicting,
+synced at every op as `kamera bench` runs one: everything from the first chunk whose leading
+sequence it has not seen, plus the query), and what a **full re-prefill** of the window (anchor,
+every chunk, the query) would prefill, which no serving engine pays at every op.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kamera_agent import KameraWindow, OpCost, WindowConfig, configure_threads
+from kamera_agent import ChunkRef, KameraWindow, OpCost, WindowConfig, configure_threads
 from kamera_agent.demo.model import load_demo_model
 
-__all__ = ["CostLog", "CostRow", "example_parser", "open_window", "reprefill_tokens"]
+__all__ = ["CostLog", "CostRow", "PrefixCacheCount", "example_parser", "open_window", "reprefill_tokens"]
 
 
 def example_parser(doc: str | None) -> argparse.ArgumentParser:
@@ -51,15 +54,35 @@ def reprefill_tokens(window: KameraWindow, query: str | None = None) -> int:
     return tokens + (0 if query is None else int(encoder.query_ids(query).shape[0]))
 
 
+@dataclass
+class PrefixCacheCount:
+    """The tokens a radix prefix cache would prefill: every leading chunk sequence it has seen is
+    cached (keyed by the chunks' content keys, the anchor first), and a request prefills from
+    the first chunk whose leading sequence is new, then its query."""
+
+    seen: set[tuple[str, ...]] = field(default_factory=set)
+
+    def prefill(self, window: KameraWindow, refs: list[ChunkRef], query: str | None = None) -> int:
+        path: tuple[str, ...] = ()
+        tokens = 0
+        for chunk in [window.encoder.anchor(), *(window.chunk(ref) for ref in refs)]:
+            path = (*path, chunk.key)
+            if path not in self.seen:
+                self.seen.add(path)
+                tokens += chunk.num_tokens
+        return tokens + (0 if query is None else int(window.encoder.query_ids(query).shape[0]))
+
+
 @dataclass(frozen=True)
 class CostRow:
-    """One operation's cost beside what a re-prefill of the window would have prefilled."""
+    """One operation's cost beside what a prefix cache and a full re-prefill would have prefilled."""
 
     step: int
     op: str
     what: str
     cost: OpCost
     reprefill: int
+    prefix: int
 
 
 @dataclass
@@ -67,12 +90,24 @@ class CostLog:
     """The cost rows of a run, printed as one table."""
 
     rows: list[CostRow] = field(default_factory=list)
+    prefix_cache: PrefixCacheCount = field(default_factory=PrefixCacheCount)
 
     def record(
-        self, step: int, op: str, what: str, window: KameraWindow, query: str | None = None
+        self,
+        step: int,
+        op: str,
+        what: str,
+        window: KameraWindow,
+        query: str | None = None,
+        without: ChunkRef | None = None,
     ) -> CostRow:
-        """Log ``window``'s last operation (``query``: the question an ``ask`` answered)."""
-        row = CostRow(step, op, what, window.stats.last, reprefill_tokens(window, query))
+        """Log ``window``'s last operation (``query``: the question an ``ask`` or a probe answered;
+        ``without``: the chunk a ``probe_without`` left out, which a prefix cache answers twice)."""
+        refs = list(window.refs)
+        prefix = self.prefix_cache.prefill(window, refs, query)
+        if without is not None:
+            prefix += self.prefix_cache.prefill(window, [ref for ref in refs if ref != without], query)
+        row = CostRow(step, op, what, window.stats.last, reprefill_tokens(window, query), prefix)
         self.rows.append(row)
         return row
 
@@ -81,16 +116,30 @@ class CostLog:
         table.add_column("step", justify="right")
         table.add_column("op")
         table.add_column("chunk", no_wrap=True)
-        for name in ("fwd", "vision", "prefill", "reused", "re-prefill"):
+        for name in ("fwd", "vision", "prefill", "reused", "prefix cache", "full re-prefill"):
             table.add_column(name, justify="right")
         for row in self.rows:
             cost = row.cost
             numbers = (cost.forwards, cost.vision_encodes, cost.tokens_prefilled, cost.tokens_reused)
-            table.add_row(str(row.step), row.op, escape(row.what), *map(str, numbers), str(row.reprefill))
+            table.add_row(
+                str(row.step),
+                row.op,
+                escape(row.what),
+                *map(str, numbers),
+                str(row.prefix),
+                str(row.reprefill),
+            )
         spent = sum(row.cost.tokens_prefilled for row in self.rows)
-        table.caption = f"tokens prefilled: {spent}; re-prefilling at every op: {self.reprefill_total}"
+        table.caption = (
+            f"tokens prefilled: kamera {spent}, a prefix cache {self.prefix_total}, "
+            f"a full re-prefill at every op {self.reprefill_total}"
+        )
         Console(width=max(Console().width, 100)).print(table)  # a pipe gets 80 columns: too few
 
     @property
     def reprefill_total(self) -> int:
         return sum(row.reprefill for row in self.rows)
+
+    @property
+    def prefix_total(self) -> int:
+        return sum(row.prefix for row in self.rows)

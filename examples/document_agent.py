@@ -3,9 +3,11 @@
 The document is a short manual the example ships, rendered to page images with Pillow. Every
 page is pushed and a coarse question is asked over the whole document. A simple reranker
 (keyword overlap between the question and each page's text) then reorders the window best
-page first: pages relocate by rotation, and only pages whose earlier pages changed get a new
-patch. Before dropping a page, `probe_without` decodes with and without it (no re-prefill);
-only pages the probe calls disposable are evicted. The fine question reads what is left.
+page first: pages relocate, and pages whose earlier pages changed are re-formed where the drift
+budget asks (on the demo model, all of them: what a prefix cache prefills too). Before dropping
+a page, `probe_without` decodes with and without it; only pages the probe calls disposable are
+evicted. The fine question reads what is left. The table shows every op's cost beside what a
+prefix cache and a full re-prefill would prefill.
 
     python examples/document_agent.py                 # the shipped demo model, six pages
     python examples/document_agent.py --model path/to/Qwen2.5-VL-3B-Instruct --size 448
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> DocumentRun:
     probes, evicted = {}, []
     for ref in reversed(ranked[1:]):  # the reranker's best page stays; probe the rest, worst first
         probes[ref.label] = probe = window.probe_without(ref, FINE, max_new_tokens=args.max_new_tokens)
-        log.record(3, "probe", f"{ref.label} (KL {probe.kl:.0e})", window, FINE)
+        log.record(3, "probe", f"{ref.label} (KL {probe.kl:.0e})", window, FINE, without=ref)
         if probe.disposable:
             window.evict(ref)
             evicted.append(ref.label)

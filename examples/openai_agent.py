@@ -2,10 +2,13 @@
 
 The agent does what agent frameworks do: every step it resends the whole conversation, now
 with a new screenshot, and keeps only the newest three screenshots (the oldest exchange is
-dropped). A prefix cache misses from the first changed byte of such a request; kamera serve
-turns the change into window edits (the dropped exchange evicted, the new screenshot one
-forward, in one `arrange`) and says so: each turn prints ``usage.prompt_tokens_details.cached_tokens`` and the
-ops the server ran. The answer streams.
+dropped). A prefix cache misses from the first changed byte of such a request: once an exchange
+is dropped, everything after it. kamera serve turns the change into window edits in one
+`arrange` (the dropped exchange evicted, the new screenshot admitted) and says so: each turn
+prints ``usage.prompt_tokens_details.cached_tokens`` and the ops the server ran. At the
+defaults on the demo model, whose chunks bind to what precedes them, the drift budget re-forms
+the survivors of each drop, so from the first drop on a request costs what a prefix cache's
+does; with the policies unbounded it would reuse them. The answer streams.
 
     kamera serve &                                   # the shipped demo model on 127.0.0.1:8000
     .venv/bin/python examples/openai_agent.py --base-url http://127.0.0.1:8000/v1

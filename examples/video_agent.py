@@ -2,13 +2,15 @@
 
 Frames are read with OpenCV (`kamera_agent.chunks.read_video`); without ``--video`` the example
 writes its own clip of the demo task's glyph frames. Each frame is pushed into a window of
-``capacity_chunks=k`` (the oldest slides out; survivors only rotate) and a question is asked at
-every step. When a question refers back to a frame that has slid out ("frame #2"), that frame
-is recalled from the store: no vision encode and no re-prefill of the window (the recall row's
-forward re-forms the frames after it whose KV had absorbed it before it slid out). The table
-shows what every op cost against re-prefilling the window; each answer is printed beside the
-model's own re-prefill's first token, so a wrong answer of the tiny demo model is not mistaken
-for kamera's.
+``capacity_chunks=k`` (the oldest slides out) and a question is asked at every step. When a
+question refers back to a frame that has slid out ("frame #2"), that frame is recalled from the
+store: no vision encode. Survivors and the recalled frame are relocated, and at the defaults
+whatever the drift budget expects past the model's ε is re-formed by a forward over its left
+context: on the demo model, whose frames bind to what precedes them, that is every slide and
+recall, so those rows cost what a prefix cache's do. The table shows every op's cost beside what
+a prefix cache and a full re-prefill would prefill (`_shared.py`); each answer is printed beside
+the model's own re-prefill's first token, so a wrong answer of the tiny demo model is not
+mistaken for kamera's.
 
     .venv/bin/python examples/video_agent.py                          # demo model, its own 8-frame clip
     .venv/bin/python examples/video_agent.py --video clip.mp4 --model path/to/Qwen2.5-VL-3B-Instruct
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> VideoRun:
             query = question(n, args.back, args.capacity)
             k = int(re.findall(r"#(\d+)", query)[0])
             ref = frames[k]
-            if ref in window.evicted:  # slid out: bring it back from the store, no vision encode
+            if ref in window.evicted:  # slid out: back from the store, with no vision encode
                 recalls[ref.label] = window.plan.recall(ref)
                 window.recall(ref)
                 log.record(n, "recall", ref.label, window)

@@ -5,8 +5,11 @@ a few lines of text, buttons); nothing is fetched. Each page change pushes the n
 and the window slides. The planner (which button next?) and the grounder (where is that
 button?) are two branches of one window (`fork`) sharing its store: the planner's push encodes
 a screenshot once, the grounder's push of the same screenshot is a store hit with zero
-forwards (same pixels, same pages before it: canonical and patch both stored). "Go back" to a
-page that has slid out recalls it in both windows: no vision encode, no re-prefill.
+forwards (same pixels, same pages before it: its KV in that context is stored). "Go back" to a
+page that has slid out recalls it in both windows with no vision encode; the planner re-forms it
+over its new left context (a prefix cache prefills it too), the grounder then finds that in the
+store. The table shows every op's cost beside what a prefix cache (one radix cache serving both
+branches) and a full re-prefill would prefill.
 
     python examples/web_agent.py                  # the shipped demo model
     python examples/web_agent.py --model path/to/Qwen2.5-VL-3B-Instruct --size 224

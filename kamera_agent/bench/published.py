@@ -5,7 +5,8 @@ document cites is kept as the ``results.json`` its ``kamera bench`` wrote (``doc
 ``kamera bench --report`` renders every table from those files, each with the command, the
 machine and the date of its run, and the README's one headline table (the defaults on a real
 model, beside a prefix cache and the model's own numerical floor) from the run named
-`HEADLINE`. ``tests/bench/test_published.py`` regenerates both and fails where they differ.
+`HEADLINE`; the README's table names no date (the README carries none: docs/results.md does).
+``tests/bench/test_published.py`` regenerates both and fails where they differ.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def headline_table(run: dict[str, Any]) -> str:
     rows = {row["row"]: row for row in window["frontier"]}
     lines = [
         f"On {_model(run)}: {window['ops_requested']} ops of push / slide / reorder / recall over "
-        f"{window.get('content', 'the demo task')}. `{_command(run)}`; {_when(run)}.",
+        f"{window.get('content', 'the demo task')}. `{_command(run)}`, {_minutes(run)} (the machine and the "
+        "date of the run: docs/results.md).",
         "",
         "| side | prompt tokens prefilled | wall vs prefix cache | first token = re-prefill | KL mean |",
         "|---|---:|---:|---:|---:|",
@@ -171,7 +173,11 @@ def _machine(run: dict[str, Any]) -> str:
 
 
 def _when(run: dict[str, Any]) -> str:
-    return f"{run.get('date', 'undated')}, {run['seconds'] / 60:.0f} min"
+    return f"{run.get('date', 'undated')}, {_minutes(run)}"
+
+
+def _minutes(run: dict[str, Any]) -> str:
+    return f"{run['seconds'] / 60:.0f} min"
 
 
 def _replace_block(text: str, table: str) -> str:

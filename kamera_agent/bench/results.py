@@ -106,7 +106,7 @@ def _fidelity_targets(run: FidelityRun | None) -> list[Target]:
 
 
 def measurement_targets(run: FidelityRun | None) -> list[Target]:
-    """Whether the demo model *measures* the paper's mechanism rather than staging it (issue 16):
+    """Whether the demo model *measures* the paper's mechanism rather than staging it:
     binding solved by re-prefill and lost by blind reuse (readout kept), a graded rank knee at a
     small patch, a deficit that grows with depth, an orbit patch that serves orderings it did
     not average over, and token recompute that succeeds where binding is sparse (the control)

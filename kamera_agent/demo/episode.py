@@ -407,8 +407,8 @@ def _print(console: Console, result: EpisodeResult) -> None:
     console.print(punchline(result))
     console.print(
         "[dim]On this 6.6 MB model a forward takes a few milliseconds, so wall time here measures "
-        "bookkeeping; on a realistic shape the saved tokens are saved seconds (README, Measured "
-        "results).[/dim]"
+        "bookkeeping; on a realistic shape the saved tokens are saved seconds "
+        "(docs/benchmarks.md).[/dim]"
     )
 
 

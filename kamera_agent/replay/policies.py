@@ -1,6 +1,6 @@
 """Real agents' context policies: what each sends the model at every step.
 
-Each is read from the agent's own code (issue 33 names them); the replay renders one agent
+Each is read from the agent's own code (`Policy.source` names whose); the replay renders one agent
 loop under each: a task, then per step the agent's action (scripted, so every side of a
 comparison sees the same conversation) and the new screen or tool output.
 

@@ -370,7 +370,8 @@ class KameraWindow:
         self._runner.transact("reorder", lambda planner: planner.reorder(self._runner.state, order))
 
     def slide(self, n: int = 1) -> list[ChunkRef]:
-        """Evict the ``n`` leftmost chunks; returns them. Survivors only rotate (by default).
+        """Evict the ``n`` leftmost chunks; returns them. Survivors relocate, re-formed where the
+        drift budget expects them past ε.
 
         Mutates: the window.
         """
