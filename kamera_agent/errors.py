@@ -19,6 +19,7 @@ failed call never corrupts a window or a store.
     ├── StoreBudgetError             a store budget too small for one entry, or not a budget
     ├── StoreKeyError                an entry without the content key it must be stored under
     ├── StoreURLError                a store_url kamera cannot connect by (scheme, host, option)
+    │   └── UnknownTierSchemeError   a store_url whose scheme no tier is registered for
     ├── StoreDirectoryError          a disk_dir kamera cannot use (not a directory, no access)
     ├── WindowError                  a window op that cannot be done as asked
     │   ├── UnknownChunkError        a ref this window does not know
@@ -74,6 +75,7 @@ __all__ = [
     "TokenizerNotFoundError",
     "UncalibratedWarning",
     "UnknownChunkError",
+    "UnknownTierSchemeError",
     "UnreadableInputError",
     "UnsupportedModelError",
     "WindowClosedError",
@@ -169,6 +171,11 @@ class StoreDirectoryError(KameraError, OSError):
 
 class StoreURLError(KameraError, ValueError):
     """A shared-store URL that names no server kamera can use (scheme, host list, option)."""
+
+
+class UnknownTierSchemeError(StoreURLError):
+    """A store URL whose scheme names no registered tier; the message lists the registered ones
+    and how to register another (`kamera_agent.store.registry`)."""
 
 
 class InputError(KameraError, ValueError):

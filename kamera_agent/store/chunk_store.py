@@ -34,6 +34,7 @@ import contextlib
 import json
 import os
 import weakref
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,13 +51,15 @@ from kamera_agent.store.budget import EvictionPolicy, check_budget, check_fits, 
 from kamera_agent.store.codec import StoredValue, entry_nbytes, fingerprint_of
 from kamera_agent.store.deadlines import DeadlinePolicy, Deadlines
 from kamera_agent.store.disk import DiskTier
+from kamera_agent.store.instrumented import InstrumentedTier
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.memory import MemoryTier
-from kamera_agent.store.remote import RemoteAddress, RemoteTier, parse_store_url
+from kamera_agent.store.registry import TIERS, TierRegistry
+from kamera_agent.store.remote import RemoteAddress, RemoteTier
 from kamera_agent.store.signing import Signer
 from kamera_agent.store.stack import TierStack, own
 from kamera_agent.store.stats import EventLog, StoreEvent, StoreStats
-from kamera_agent.store.tier import Entry, Tier
+from kamera_agent.store.tier import Entry, Tier, TierContext
 
 __all__ = ["ChunkStore", "Written"]
 
@@ -106,8 +109,12 @@ class ChunkStore:
         remote: a shared Valkey/Redis tier: its URL (``redis://host:6379/0``, ``valkey://``,
             ``redis+cluster://h1:p1,h2:p2``; options in `kamera_agent.store.remote.address`)
             or a parsed `RemoteAddress`; ``None`` for a store of this process alone.
-        tiers: further `Tier` s asked after memory, disk and remote, fastest first (e.g. a
-            cache of another kind); the store closes them with itself.
+        urls: further tiers by URL, asked after ``remote`` in order (``s3://bucket/prefix``, a
+            second ``redis://``): each URL's scheme names its tier (`kamera_agent.store.registry`).
+        tiers: further `Tier` s asked after memory, disk and the URLs' tiers, fastest first (e.g.
+            a cache of another kind); the store closes them with itself.
+        registry: the schemes URLs are opened by (default: `kamera_agent.store.registry.TIERS`,
+            where a third party registers its tiers).
         secret: a shared secret (else ``$KAMERA_STORE_SECRET``): every entry written to disk or
             to the shared tier is signed with it, and one read from them must verify under it
             or a ``previous_secrets`` one (else ``$KAMERA_STORE_PREVIOUS_SECRETS``): a forged
@@ -121,8 +128,9 @@ class ChunkStore:
         StoreBudgetError: a budget that is not a positive byte count, or a disk directory
             without a disk budget (or the reverse).
         StoreKeyError: an empty fingerprint.
-        StoreURLError: a remote URL kamera cannot use.
-        SettingsError: a remote URL without the ``valkey`` client installed.
+        StoreURLError: a remote URL kamera cannot use (`UnknownTierSchemeError`: a scheme no
+            tier is registered for).
+        SettingsError: a URL whose tier's client library is not installed (``valkey``, ``boto3``).
     """
 
     def __init__(
@@ -136,7 +144,9 @@ class ChunkStore:
         disk_policy: str | EvictionPolicy = "lru",
         event_capacity: int = 1024,
         remote: str | RemoteAddress | None = None,
+        urls: Sequence[str] = (),
         tiers: Sequence[Tier] = (),
+        registry: TierRegistry | None = None,
         secret: str | bytes | None = None,
         previous_secrets: Sequence[str | bytes] = (),
         disk_shared: bool = False,
@@ -158,26 +168,28 @@ class ChunkStore:
         self.deadlines = Deadlines(deadlines)
         """How long a shared-tier lookup or write may take; report prefill times to it (`observe`)."""
         self._memory = MemoryTier(memory_budget, resolve_policy(policy))
+        signer = Signer.from_settings(secret, previous_secrets)
+        if disk_budget is not None:
+            check_budget("disk_budget", disk_budget)
+        spill_policy = resolve_policy(disk_policy)
+        # every setting checked above: a URL's tier may start threads and connections now
+        opened = _open_urls(remote, urls, TierContext(fingerprint, self.deadlines), registry or TIERS)
         self._disk: DiskTier | None = None
         if disk_dir is not None and disk_budget is not None:
-            check_budget("disk_budget", disk_budget)
-            in_memory = self._memory.__contains__
-            self._disk = DiskTier(
-                Path(disk_dir),
-                disk_budget,
-                resolve_policy(disk_policy),
-                self._log,
-                in_memory,
-                shared=disk_shared,
-            )
+            try:
+                in_memory = self._memory.__contains__
+                self._disk = DiskTier(
+                    Path(disk_dir), disk_budget, spill_policy, self._log, in_memory, shared=disk_shared
+                )
+            except BaseException:
+                for tier in opened:  # a failed build leaves nothing running
+                    tier.close()
+                raise
             atexit.register(_flush_at_exit, weakref.ref(self))  # durable without an explicit flush
-        self._remote: RemoteTier | None = None
-        if remote is not None:
-            address = parse_store_url(remote) if isinstance(remote, str) else remote
-            self._remote = RemoteTier(address, fingerprint, self.deadlines)
-        below = [tier for tier in (self._disk, self._remote) if tier is not None]
-        signer = Signer.from_settings(secret, previous_secrets)
-        self._stack = TierStack(fingerprint, self._memory, self._disk, [*below, *tiers], self._log, signer)
+        self._remote = next((tier for tier in opened if isinstance(tier, RemoteTier)), None)
+        local = [self._disk] if self._disk is not None else []
+        self._below = _instrumented([*local, *opened, *tiers])
+        self._stack = TierStack(fingerprint, self._memory, self._disk, self._below, self._log, signer)
         self._lock = self._stack.lock
 
     @property
@@ -350,6 +362,7 @@ class ChunkStore:
                 outdated_dropped=c["outdated"],
                 unavailable=c["unavailable"],
                 unsigned_refused=c["unsigned"],
+                tiers={tier.name: tier.stats() for tier in self._below},
                 **self._remote_stats(),
             )
 
@@ -446,6 +459,27 @@ class ChunkStore:
 
     def _get(self, key: EntryKey) -> StoredValue | None:
         return self._stack.get(key)
+
+
+def _open_urls(
+    remote: str | RemoteAddress | None, urls: Sequence[str], context: TierContext, registry: TierRegistry
+) -> list[Tier]:
+    """The tiers ``remote`` and ``urls`` name, in order, opened by their schemes (all checked
+    before any is opened: a bad URL opens nothing)."""
+    if isinstance(remote, RemoteAddress):
+        return [RemoteTier(remote, context.fingerprint, context.deadlines), *registry.open_all(urls, context)]
+    return registry.open_all([*([remote] if remote is not None else []), *urls], context)
+
+
+def _instrumented(tiers: Sequence[Tier]) -> list[InstrumentedTier]:
+    """Each tier counted under its name, made unique (a second ``remote`` is ``remote_2``)."""
+    seen: Counter[str] = Counter()
+    wrapped = []
+    for tier in tiers:
+        seen[tier.name] += 1
+        count = seen[tier.name]
+        wrapped.append(InstrumentedTier(tier, tier.name if count == 1 else f"{tier.name}_{count}"))
+    return wrapped
 
 
 def _check_vision(outputs: Mapping[str, torch.Tensor]) -> None:

@@ -80,6 +80,8 @@ class TierStack:
         self.tiers: list[Tier] = [memory, *below]
         self._fingerprint = fingerprint
         self._memory, self._disk, self._log = memory, disk, log
+        # the disk's writes go through its place in ``below`` (an `InstrumentedTier` counts them)
+        self._disk_writes: Tier | None = next((t for t in below if getattr(t, "inner", t) is disk), disk)
 
     def get(self, key: EntryKey) -> StoredValue | None:
         """The first tier's verified copy of ``key`` (promoted into memory), or ``None``."""
@@ -170,7 +172,8 @@ class TierStack:
             for key, resident in self._memory.residents():  # oldest first: the newest files last
                 if key not in self._disk:
                     entry = Entry(key, resident.value, resident.nbytes, self._fingerprint, self.signer)
-                    written += self._disk.put(entry).ok  # else it stays in memory only, as before
+                    assert self._disk_writes is not None
+                    written += self._disk_writes.put(entry).ok  # else it stays in memory only, as before
             return written
 
     def _read(self, tier: Tier, key: EntryKey) -> StoredValue | None:
@@ -256,7 +259,8 @@ class TierStack:
         if key in self._disk:
             self._disk.touch(key)
             return StoreEvent("spill", key, nbytes, False, "already on disk")
-        write = self._disk.put(Entry(key, value, nbytes, self._fingerprint, self.signer))
+        assert self._disk_writes is not None
+        write = self._disk_writes.put(Entry(key, value, nbytes, self._fingerprint, self.signer))
         if not write.ok:
             return StoreEvent("drop", key, nbytes, True, write.detail)
         return StoreEvent("spill", key, nbytes, False, "written")

@@ -9,9 +9,10 @@ counters in `StoreStats` are tallies of the same events, so the two can never di
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+from kamera_agent.store.instrumented import TierStats
 from kamera_agent.store.keys import EntryKey
 
 __all__ = ["EventKind", "EventLog", "StoreEvent", "StoreStats"]
@@ -94,6 +95,10 @@ class StoreStats:
         unsigned_refused: entries a tier held that were unsigned or whose MAC did not verify
             under the store's secret (forged, or written without it): never served, left in
             place (another deployment's secret may sign them); 0 without a secret.
+        tiers: every tier below memory by name (``"disk"``, ``"remote"``, ``"s3"``, a second
+            one of a kind ``"remote_2"``): what it was asked and answered, its bytes, seconds and
+            errors (`TierStats`, counted by `kamera_agent.store.instrumented.InstrumentedTier`).
+            The ``remote_*`` fields above are the first Valkey/Redis tier's, kept by name.
     """
 
     puts: int
@@ -130,6 +135,7 @@ class StoreStats:
     remote_deadline_misses: int = 0
     remote_deadline_writes: int = 0
     unsigned_refused: int = 0
+    tiers: dict[str, TierStats] = field(default_factory=dict)
 
 
 class EventLog:

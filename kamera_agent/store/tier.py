@@ -26,13 +26,14 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from kamera_agent.store.codec import CorruptEntry, StoredValue, serialize
+from kamera_agent.store.deadlines import Deadlines
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.signing import Signer
 
-__all__ = ["Entry", "Lookup", "Meta", "Payload", "Status", "Tier", "Write"]
+__all__ = ["Entry", "Lookup", "Meta", "Payload", "Status", "Tier", "TierContext", "Write"]
 
 Payload = StoredValue | bytes
 """What a tier's get returns: a live value (memory) or the serialized bytes (disk, remote) that the
@@ -106,6 +107,15 @@ _DONE = Write(True)
 
 
 @dataclass(frozen=True)
+class TierContext:
+    """What a tier opened from a URL is told by its store: the model every entry must carry
+    and the store's deadlines (how long a lookup may take: what recomputing the entry costs)."""
+
+    fingerprint: str
+    deadlines: Deadlines
+
+
+@dataclass(frozen=True)
 class Entry:
     """One entry on its way into a tier: the value as the store keeps it (stamped with the
     model fingerprint), its tensor bytes, and its encoding, made only when a tier asks for it
@@ -136,7 +146,8 @@ class Tier(ABC):
     Capability flags (class attributes) tell the store how to call a tier:
 
     Attributes:
-        name: the tier's name in counters and messages (``"memory"``, ``"disk"``, ``"remote"``).
+        name: the tier's name in counters and messages (``"memory"``, ``"disk"``, ``"remote"``);
+            the store makes it unique per store (``"remote_2"`` for a second one).
         locked: ``True``: not thread-safe and fast (local), called under the store's lock;
             ``False``: thread-safe and perhaps slow (a network), called outside it so that it
             never blocks other threads' local hits.
@@ -150,10 +161,10 @@ class Tier(ABC):
         location: where it is, for messages (``""`` when there is nothing to say).
     """
 
-    name: ClassVar[str]
-    locked: ClassVar[bool] = True
-    keyed_by_model: ClassVar[bool] = False
-    written_on_put: ClassVar[bool] = False
+    name: str
+    locked: bool = True
+    keyed_by_model: bool = False
+    written_on_put: bool = False
     budget: int | None = None
     location: str = ""
 
@@ -198,6 +209,24 @@ class Tier(ABC):
     def keys(self) -> list[EntryKey]:
         """The keys the tier can list cheaply; a shared tier lists none (it holds every process's)."""
         return []
+
+    @classmethod
+    def from_url(cls, url: str, context: TierContext) -> Tier:
+        """The tier ``url`` names, for the model and deadlines of ``context``: how a store's
+        ``store_url`` becomes a tier (`kamera_agent.store.registry`). A tier opened only by
+        hand (memory, disk, a test's fake) keeps this refusal."""
+        raise TypeError(f"{cls.__name__} cannot be opened from a URL: give it a from_url classmethod")
+
+    @classmethod  # noqa: B027  (an optional hook: nothing to check by default)
+    def check_url(cls, url: str) -> None:
+        """Refuse a URL this tier could never open (`StoreURLError`, naming the fix) before any
+        store is built: settings are checked when they are made, not at the first lookup. It
+        connects to nothing."""
+
+    def report(self) -> dict[str, float]:
+        """What only this tier knows, as numbers (``up``, queued bytes, writes failed behind the
+        caller's back): exported beside the counters `InstrumentedTier` keeps, by name."""
+        return {}
 
     def flush(self) -> None:  # noqa: B027  (an optional hook: a no-op unless overridden)
         """Finish queued writes (a write-behind tier); nothing to do by default."""

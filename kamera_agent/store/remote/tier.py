@@ -35,7 +35,7 @@ from kamera_agent.store import codec
 from kamera_agent.store.codec import CorruptEntry, OutdatedEntry, outdated
 from kamera_agent.store.deadlines import Deadlines
 from kamera_agent.store.keys import EntryKey
-from kamera_agent.store.remote.address import RemoteAddress
+from kamera_agent.store.remote.address import RemoteAddress, parse_store_url
 from kamera_agent.store.remote.connection import Connection, DeadlineMissed, RemoteUnavailable
 from kamera_agent.store.remote.framing import (
     HEAD_PEEK,
@@ -46,7 +46,7 @@ from kamera_agent.store.remote.framing import (
     part_names,
     read_head,
 )
-from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, Write
+from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, TierContext, Write
 
 __all__ = ["ABSENT_FOR", "RemoteTier"]
 
@@ -88,6 +88,16 @@ class RemoteTier(Tier):
         self._writer.start()
         atexit.register(self._finish_at_exit)  # a process that never closes its store still shares
         self._probe()  # says so at once (one warning) when the server is not there
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        """Refuse a URL `parse_store_url` refuses (scheme, hosts, options), connecting to nothing."""
+        parse_store_url(url)
+
+    @classmethod
+    def from_url(cls, url: str, context: TierContext) -> RemoteTier:
+        """The tier of the server ``url`` names (`parse_store_url`), under ``context``'s deadlines."""
+        return cls(parse_store_url(url), context.fingerprint, context.deadlines)
 
     # -- reads -----------------------------------------------------------------------------------
     def get(self, key: EntryKey) -> Lookup[Payload]:
@@ -197,6 +207,13 @@ class RemoteTier(Tier):
         self._connection.close()
 
     # -- accounting ------------------------------------------------------------------------------
+    def report(self) -> dict[str, float]:
+        """``up`` (1, 0 down, 0.5 slow), ``pending_bytes`` and the writes done behind the caller."""
+        r = self.snapshot()
+        up = 0.0 if r["state"] == "down" else 0.5 if r["slow"] else 1.0
+        names = ("pending_bytes", "writes_failed", "writes_skipped", "deadline_writes", "outages", "timeout")
+        return {"up": up, **{name: float(r[name]) for name in names}}
+
     def snapshot(self) -> dict[str, Any]:
         """Write counters and state: writes, bytes_written, writes_skipped, writes_failed,
         pending_bytes, state (``"up"`` or ``"down"``), outages, the current per-call timeout and
