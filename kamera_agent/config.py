@@ -74,10 +74,14 @@ class WindowConfig(BaseModel):
         memory_budget: bytes the chunk store keeps in memory.
         disk_dir: a directory for the store's disk tier (``None``: memory only).
         disk_budget: bytes the disk tier may hold.
-        store_url: a Valkey/Redis server or cluster shared by every process that names it
-            (``redis://host:6379/0``, ``valkey://…``, ``redis+cluster://h1:p1,h2:p2``; options
-            in `kamera_agent.store.remote.address`); ``None``: the ``KAMERA_STORE_URL``
-            environment variable, else a store of this process alone.
+        store_url: a shared tier every process that names it reads and writes, or a list of
+            them asked in order: a Valkey/Redis server or cluster (``redis://host:6379/0``,
+            ``valkey://…``, ``redis+cluster://h1:p1,h2:p2``; options in
+            `kamera_agent.store.remote.address`), an S3-compatible bucket
+            (``s3://bucket/prefix?endpoint=…``, `kamera_agent.store.s3.address`), or any scheme
+            registered in `kamera_agent.store.registry`; ``None``: the ``KAMERA_STORE_URL``
+            environment variable (several URLs separated by spaces), else a store of this
+            process alone.
         store_secret: a secret shared by every process of one deployment: entries written to
             disk or the shared tier are signed (a keyed MAC over address, model and payload) and
             entries read must verify, so a writer without it cannot plant a forged entry
@@ -145,7 +149,7 @@ class WindowConfig(BaseModel):
     memory_budget: int = Field(default=2 << 30, ge=1)
     disk_dir: Path | None = None
     disk_budget: int | None = Field(default=None, ge=1)
-    store_url: str | None = None
+    store_url: str | tuple[str, ...] | None = None
     store_secret: SecretStr | None = None
     store_previous_secrets: tuple[SecretStr, ...] = ()
     store_deadline_factor: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
@@ -213,11 +217,15 @@ class WindowConfig(BaseModel):
 
     @field_validator("store_url")
     @classmethod
-    def _store_url_parses(cls, url: str | None) -> str | None:
+    def _store_url_parses(cls, url: str | tuple[str, ...] | None) -> str | tuple[str, ...] | None:
+        """Each URL's scheme names a registered tier, which checks the rest (connecting to nothing)."""
         if url is not None:
-            from kamera_agent.store.remote import parse_store_url
+            from kamera_agent.store.registry import TIERS
 
-            parse_store_url(url)  # StoreURLError (a ValueError) names what is wrong
+            if isinstance(url, tuple) and not url:
+                raise ValueError("store_url is an empty list: name at least one URL, or leave it unset")
+            for each in (url,) if isinstance(url, str) else url:
+                TIERS.check(each)  # StoreURLError (a ValueError) names what is wrong
         return url
 
     @model_validator(mode="after")
@@ -241,9 +249,17 @@ class WindowConfig(BaseModel):
         return 0 if self.patch_mode == "none" else self.rank
 
     @property
+    def store_urls(self) -> tuple[str, ...]:
+        """The shared tiers' URLs in the order a lookup asks them: ``store_url``, else
+        ``KAMERA_STORE_URL`` (several separated by spaces), else none."""
+        if self.store_url is not None:
+            return (self.store_url,) if isinstance(self.store_url, str) else self.store_url
+        return tuple(os.environ.get(STORE_URL_VARIABLE, "").split())
+
+    @property
     def shared_store_url(self) -> str | None:
-        """The shared tier's URL: ``store_url``, else ``KAMERA_STORE_URL``, else ``None``."""
-        return self.store_url or os.environ.get(STORE_URL_VARIABLE) or None
+        """The shared tiers' URLs as one line (`store_urls`, space-separated), else ``None``."""
+        return " ".join(self.store_urls) or None
 
     def open_store(
         self, fingerprint: str, *, disk: tuple[Path, int] | None = None, disk_shared: bool = False
@@ -272,7 +288,7 @@ class WindowConfig(BaseModel):
             disk_dir=disk_dir,
             disk_budget=disk_budget,
             disk_shared=disk_shared,
-            remote=self.shared_store_url,
+            urls=self.store_urls,
             secret=None if self.store_secret is None else self.store_secret.get_secret_value(),
             previous_secrets=[secret.get_secret_value() for secret in self.store_previous_secrets],
             deadlines=DeadlinePolicy(

@@ -43,7 +43,7 @@ def run_serve_command(args: argparse.Namespace, console: Console) -> int:
         )
     console.print(
         f"kamera serve: {server.settings.model_name} on http://{args.host}:{args.port}/v1 "
-        f"(store: {server.store.remote or 'this process'})"
+        f"(store: {', '.join(server.store.shared) or 'this process'})"
     )
     configure_logging(args.log_level)
     config = uvicorn_config(create_app(server), server.settings, args.host, args.port, args.log_level)

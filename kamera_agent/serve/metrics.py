@@ -11,23 +11,30 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kamera_agent.results import OpCost
 from kamera_agent.serve.histogram import LATENCY, TIME_PER_TOKEN, TIME_TO_FIRST_TOKEN, Histogram
 from kamera_agent.serve.timing import Clock
 from kamera_agent.serve.usage import PromptSplit
+from kamera_agent.store.instrumented import TierStats, tier_series
 
 __all__ = ["Metrics"]
 
 
 class Metrics:
-    """Thread-safe counters; ``render`` adds the gauges ``gauges()`` reports at scrape time."""
+    """Thread-safe counters; ``render`` adds the gauges ``gauges()`` reports at scrape time and
+    every store tier's series (``kamera_store_tier_hits_total{tier="s3"}``, from ``tiers()``)."""
 
-    def __init__(self, gauges: Callable[[], dict[str, float]]) -> None:
+    def __init__(
+        self,
+        gauges: Callable[[], dict[str, float]],
+        tiers: Callable[[], Mapping[str, TierStats]] = dict,
+    ) -> None:
         self._lock = threading.Lock()
         self._gauges = gauges
+        self._tiers = tiers
         self.counts: Counter[str] = Counter()
         self.ops: Counter[str] = Counter()
         self.statuses: Counter[int] = Counter()
@@ -145,4 +152,10 @@ class Metrics:
         )
         for name, value in sorted(self._gauges().items()):
             metric(name, "gauge", name.replace("_", " "), [("", value)])
+        for series in tier_series(self._tiers()):  # every tier below memory, by name: no tier known here
+            if not series.values:
+                continue
+            total = "_total" if series.kind == "counter" else ""
+            samples = [(f'{{tier="{tier}"}}', value) for tier, value in sorted(series.values.items())]
+            metric(f"{series.name}{total}", series.kind, series.help, samples)
         return "\n".join([*lines, *histograms]) + "\n"

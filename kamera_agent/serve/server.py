@@ -95,7 +95,7 @@ class KameraServer:
             backend, self.images, settings.chunk_cache_bytes, max_pixels, settings.anchor_cache_bytes
         )
         self.sessions = SessionPool(self._window, settings.max_sessions, settings.idle_seconds)
-        self.metrics = Metrics(self._gauges)
+        self.metrics = Metrics(self._gauges, lambda: self.store.stats().tiers)
         self.turns = ModelTurns()
         """The model's turns: one request at a time, handed on between decode steps."""
         self.pixels = PixelBudget(settings.image_bytes_in_flight, settings.tenant_image_bytes_in_flight)
@@ -365,7 +365,7 @@ class KameraServer:
 
     def _gauges(self) -> dict[str, float]:
         stats = self.store.stats()
-        remote = {"off": -1.0, "down": 0.0, "up": 1.0}[stats.remote_state]
+        remote = {"off": -1.0, "down": 0.0, "slow": 0.5, "up": 1.0}[stats.remote_state]
         return {
             "sessions": float(len(self.sessions)),
             "store_memory_bytes": float(stats.memory_bytes),

@@ -206,6 +206,22 @@ class ChunkStore:
         """The shared tier's address (no password), or ``None``."""
         return None if self._remote is None else self._remote.address
 
+    @property
+    def tiers(self) -> dict[str, str]:
+        """Every tier below memory, by name, with where it is (no password): ``{"disk":
+        "/cache", "remote": "redis://host:6379/0", "s3": "s3://bucket/prefix"}``."""
+        return {tier.name: tier.location for tier in self._below}
+
+    @property
+    def shared(self) -> list[str]:
+        """Where the tiers every process shares are (those written on each put, the disk
+        excepted): what a log line names as this store's reach."""
+        return [
+            tier.location or tier.name
+            for tier in self._below
+            if tier.written_on_put and tier.inner is not self._disk
+        ]
+
     # --- typed entry points -------------------------------------------------------------
 
     def put_canonical(self, kv: ChunkKV) -> EntryKey:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -27,7 +27,7 @@ from kamera_agent.store.codec import CorruptEntry
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, Write
 
-__all__ = ["InstrumentedTier", "TierStats"]
+__all__ = ["InstrumentedTier", "TierSeries", "TierStats", "tier_series"]
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -200,4 +200,58 @@ _GET_COUNTER = {
     Status.MISS: "misses",
     Status.UNAVAILABLE: "unavailable",
     Status.REJECTED: "rejected",
+}
+
+
+def tier_series(tiers: Mapping[str, TierStats]) -> list[TierSeries]:
+    """Every tier's numbers as exporter series, one per `TierStats` field and `Tier.report` entry,
+    each with a value per tier name: an exporter (serve's ``/metrics``, an engine's stats) walks
+    these and knows no tier. Counts and seconds only grow (counters); reported numbers are gauges."""
+    series = [
+        TierSeries(
+            f"store_tier_{name}",
+            "counter",
+            _HELP[name],
+            {tier: float(getattr(s, name)) for tier, s in tiers.items()},
+        )
+        for name in _HELP
+    ]
+    reported = sorted({name for s in tiers.values() for name in s.report} - set(_HELP))
+    series += [
+        TierSeries(
+            f"store_tier_{name}",
+            "gauge",
+            f"{name.replace('_', ' ')}, as the tier reports it",
+            {tier: s.report[name] for tier, s in tiers.items() if name in s.report},
+        )
+        for name in reported
+    ]
+    return series
+
+
+@dataclass(frozen=True)
+class TierSeries:
+    """One exported series: its name, ``"counter"`` or ``"gauge"``, help text and value per tier."""
+
+    name: str
+    kind: str
+    help: str
+    values: dict[str, float]
+
+
+_HELP = {
+    "gets": "entries asked of the tier",
+    "hits": "gets the tier answered with an entry",
+    "misses": "gets the tier answered without one",
+    "unavailable": "lookups the tier did not answer (down, slow, past a deadline)",
+    "rejected": "entries the tier held that failed a check (deleted, never served)",
+    "lookups": "contains and peeks asked of the tier",
+    "puts": "entries handed to the tier",
+    "puts_refused": "puts the tier did not take",
+    "bytes_read": "serialized bytes the tier's hits returned",
+    "bytes_written": "tensor bytes of the entries the tier took",
+    "errors": "tier calls that raised",
+    "get_seconds": "seconds spent in the tier's gets",
+    "put_seconds": "seconds spent in the tier's puts",
+    "lookup_seconds": "seconds spent in the tier's contains and peeks",
 }

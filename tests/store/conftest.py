@@ -74,3 +74,30 @@ def _cluster_ok(client: object) -> bool:
     info = client.execute_command("CLUSTER", "INFO")  # type: ignore[attr-defined]
     text = info.decode() if isinstance(info, bytes) else str(info)
     return "cluster_state:ok" in text and "cluster_known_nodes:3" in text
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """A local S3 server (moto in server mode, a dev dependency) on a free loopback port, for
+    the session: its endpoint URL. Credentials are moto's test ones, set for the session."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing")):
+            env.setenv(name, value)
+        yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_url(s3_server: str, request: pytest.FixtureRequest) -> str:
+    """An ``s3://`` URL of a bucket of this test's own on the session server."""
+    import boto3
+
+    bucket = "kam-" + "".join(c for c in request.node.name.lower() if c.isalnum())[:40]
+    client = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    client.create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/cache?endpoint={s3_server}&timeout=2"

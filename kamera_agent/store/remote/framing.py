@@ -28,10 +28,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from kamera_agent.store import codec
 from kamera_agent.store.codec import CorruptEntry, header_of
 from kamera_agent.store.keys import EntryKey, EntryKind
 
-__all__ = ["Head", "assemble", "entry_name", "frame", "part_names", "read_head"]
+__all__ = ["Head", "assemble", "check_head", "entry_name", "frame", "part_names", "read_head"]
 
 MAGIC = b"KAMR"
 FORMAT = "kamera-remote/1"
@@ -133,6 +134,26 @@ def read_head(value: bytes) -> tuple[Head, bytes]:
     if header.get("format") != FORMAT or kind not in ("canonical", "full", "vision", "patch", "audit"):
         raise CorruptEntry(f"not a {FORMAT} entry")
     return head, value[8 + size :]
+
+
+def check_head(head: Head, key: EntryKey, fingerprint: str, *, peek: bool = False) -> None:
+    """Refuse a head of another entry format, model or address before reading any part. A
+    head an older kamera-agent wrote names no format: a get reads on (the payload names its
+    format when it is deserialized), a peek, which reads no payload, refuses it here.
+
+    Raises:
+        CorruptEntry: (`OutdatedEntry` for another format) the head is not ``key``'s of this model.
+    """
+    written = head.info.get("format")
+    if written is None and peek:
+        written = f"one before {codec.FORMAT}: its head names none"
+    if written is not None and written != codec.FORMAT:
+        raise codec.outdated(written)
+    if head.fingerprint != fingerprint:
+        theirs, ours = head.fingerprint[:16], fingerprint[:16]
+        raise CorruptEntry(f"written by model {theirs}…, this store serves {ours}…")
+    if head.address != key:
+        raise CorruptEntry(f"holds {head.address}, not {key}")
 
 
 def assemble(head: Head, inline: bytes, parts: list[bytes | None]) -> bytes:

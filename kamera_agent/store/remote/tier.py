@@ -31,8 +31,7 @@ import time
 from collections import Counter, deque
 from typing import Any
 
-from kamera_agent.store import codec
-from kamera_agent.store.codec import CorruptEntry, OutdatedEntry, outdated
+from kamera_agent.store.codec import CorruptEntry, OutdatedEntry
 from kamera_agent.store.deadlines import Deadlines
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.remote.address import RemoteAddress, parse_store_url
@@ -41,6 +40,7 @@ from kamera_agent.store.remote.framing import (
     HEAD_PEEK,
     Head,
     assemble,
+    check_head,
     entry_name,
     frame,
     part_names,
@@ -239,20 +239,7 @@ class RemoteTier(Tier):
         return entry_name(self.address.prefix, self._fingerprint, key)
 
     def _check(self, head: Head, key: EntryKey, *, peek: bool = False) -> None:
-        """Refuse a head of another entry format, model or address before reading any part. A
-        head an older kamera-agent wrote names no format: a get reads on (the payload names its
-        format when it is deserialized), a peek, which reads no payload, refuses it here."""
-        written = head.info.get("format")
-        if written is None and peek:
-            written = f"one before {codec.FORMAT}: its head names none"
-        if written is not None and written != codec.FORMAT:
-            raise outdated(written)
-        if head.fingerprint != self._fingerprint:
-            raise CorruptEntry(
-                f"written by model {head.fingerprint[:16]}…, this store serves {self._fingerprint[:16]}…"
-            )
-        if head.address != key:
-            raise CorruptEntry(f"holds {head.address}, not {key}")
+        check_head(head, key, self._fingerprint, peek=peek)
 
     def _call(self, work: Any, until: float) -> Any:
         """A lookup's call by ``until``; one cut there is counted (``deadline_misses``)."""
