@@ -178,6 +178,7 @@ PYTHON_SNIPPETS = {
         'window = KameraWindow("/path/to/checkpoint", config=WindowCo',
     ): "exec",
     ("docs/engines.md", "config = KVTransferConfig("): "vllm",
+    ("docs/store.md", "class DictTier(Tier):"): "exec",
     (
         "docs/vllm.md",
         'os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # schedu',

@@ -14,9 +14,11 @@ from rich.table import Table
 
 from kamera_agent.errors import StoreURLError
 from kamera_agent.parsers.model import add_store_parser  # declared without torch: `kamera --help`
+from kamera_agent.store.registry import TIERS, scheme_of
 from kamera_agent.store.remote.address import parse_store_url
 from kamera_agent.store.remote.admin import clear, usage
 from kamera_agent.store.remote.connection import RemoteUnavailable
+from kamera_agent.store.remote.tier import RemoteTier
 
 __all__ = ["add_store_parser", "run_store_command"]
 
@@ -29,6 +31,11 @@ def run_store_command(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]no store URL: pass --url redis://host:6379/0 or set ${_VARIABLE}[/red]")
         return 2
     try:
+        if TIERS.tier_class(url) is not RemoteTier:  # a URL of another registered tier
+            raise StoreURLError(
+                f"kamera store counts and clears Valkey/Redis stores; {scheme_of(url)}:// is another "
+                "tier's: use its own tools (an S3 bucket: aws s3 ls / aws s3 rm on its prefix)"
+            )
         address = parse_store_url(url)
     except StoreURLError as exc:
         console.print(f"[red]{exc}[/red]")
