@@ -131,3 +131,12 @@ def test_every_tier_reaches_metrics_without_code_of_its_own(tmp_path: object) ->
     assert 'kamera_store_tier_unavailable_total{tier="fake"} 1' in text
     assert 'kamera_store_tier_misses_total{tier="disk"} 1' in text
     assert "# TYPE kamera_store_tier_get_seconds_total counter" in text
+
+
+def test_kamera_store_names_a_url_of_another_tier_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from kamera_agent.cli import main
+
+    for url, said in (("s3://bucket/p", "aws s3"), ("ftp://host", "registered: ")):
+        assert main(["store", "stats", "--url", url]) == 2
+        out = capsys.readouterr().out
+        assert said in out and "Traceback" not in out
