@@ -120,8 +120,10 @@ def _frontier(window: dict[str, Any]) -> list[str]:
 
 
 def _by_op(window: dict[str, Any]) -> list[str]:
-    """Per op kind, each window row's first-token agreement and mean KL (and the prefix cache's)."""
-    lines = ["By op kind (top-1 / KL mean after ops of that kind):", ""]
+    """Per op kind, each window row's first-token agreement, mean KL and prompt tokens prefilled
+    (and the exact row's followers': the prefix cache first), so where a setting saves, and where
+    its budget re-prefilled instead, reads off one table."""
+    lines = ["By op kind (top-1 / KL mean / prompt tokens prefilled over ops of that kind):", ""]
     lines += ["| row | " + " | ".join(_OPS) + " |", "|---|" + "---:|" * len(_OPS)]
     for run in window["runs"]:
         sides = [("kamera", run["row"])] + [
@@ -136,7 +138,9 @@ def _by_op(window: dict[str, Any]) -> list[str]:
                     continue
                 kl = [s["kl"] for s in spent if s["kl"] is not None]
                 agree = sum(bool(s["agrees"]) for s in spent) / len(spent)
-                cells.append(f"{_pct(agree)} / {_num(sum(kl) / len(kl) if kl else math.nan, '.1e')}")
+                tokens = sum(s["tokens"] for s in spent)
+                mean = _num(sum(kl) / len(kl) if kl else math.nan, ".1e")
+                cells.append(f"{_pct(agree)} / {mean} / {_num(tokens, ',.0f')}")
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
