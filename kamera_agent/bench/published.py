@@ -111,6 +111,11 @@ def _frontier(window: dict[str, Any]) -> list[str]:
     ]
     for row in window["frontier"]:
         wall = "—" if row["row"].startswith("floor") else f"{_num(row['wall_ratio'], '.2f')}×"
+        broken, ops = _non_finite(window, row["row"])
+        if broken:  # a side whose logits overflowed answers nothing: no KL to report
+            what = f"non-finite logits after {broken} of {ops} ops"
+            lines.append(f"| {row['row']} | {row['changed']} | {_num(row['tokens'], ',.0f')} | {wall} | {what} ||||")
+            continue
         lines.append(
             f"| {row['row']} | {row['changed']} | {_num(row['tokens'], ',.0f')} | {wall} | "
             f"{_pct(row['agreement'])} | {_num(row['kl_mean'], '.1e')} | {_num(row['kl_p90'], '.1e')} | "
@@ -130,6 +135,8 @@ def _by_op(window: dict[str, Any]) -> list[str]:
             (name, name) for name in run["followers"] if run["row"] == "exact"
         ]
         for side, label in sides:
+            if _non_finite(window, label)[0]:
+                continue  # overflowed: the frontier table says so
             cells = []
             for op in _OPS:
                 spent = [r["sides"][side] for r in run["records"] if r["op"] == op]
@@ -143,6 +150,17 @@ def _by_op(window: dict[str, Any]) -> list[str]:
                 cells.append(f"{_pct(agree)} / {mean} / {_num(tokens, ',.0f')}")
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _non_finite(window: dict[str, Any], row: str) -> tuple[int, int]:
+    """``(ops after which the side named ``row`` answered with non-finite logits, its ops)``: a
+    stored record keeps a non-finite largest logit difference as null."""
+    for run in window["runs"]:
+        side = "kamera" if run["row"] == row else row if row in run["followers"] else None
+        if side is not None:
+            records = [record["sides"][side] for record in run["records"]]
+            return sum(record["logit_error"] is None for record in records), len(records)
+    return 0, 0
 
 
 def _load(folder: Path) -> dict[str, dict[str, Any]]:

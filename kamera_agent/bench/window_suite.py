@@ -27,6 +27,7 @@ re-runs the vision tower for pixels it has seen; what differs is the language mo
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -292,7 +293,11 @@ def _reference(backend: TransformersBackend, window: KameraWindow, query: str) -
 
 
 def _compare(reference: torch.Tensor, logits: torch.Tensor) -> tuple[float, bool, float]:
+    """KL, top-1 agreement and largest logit difference; a side whose logits are not finite (a
+    model overflowing in fp16) agrees on nothing and is infinitely far, never "KL 0"."""
     logits = logits.float().cpu()
+    if not bool(torch.isfinite(logits).all()):
+        return math.inf, False, math.inf
     p, q = torch.log_softmax(reference.double(), -1), torch.log_softmax(logits.double(), -1)
     kl = max(0.0, float((p.exp() * (p - q)).sum()))
     agrees = int(reference.argmax()) == int(logits.argmax())
