@@ -38,19 +38,10 @@ SIDES = {"kamera", "kamera-exact", "prefix"}
 
 
 @pytest.fixture(scope="module")
-def text_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 4-layer random Llama and the byte tokenizer, saved as a checkpoint folder."""
-    path = tmp_path_factory.mktemp("tiny-llama-text")
-    sharpen(tiny_llama(num_hidden_layers=4)).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def agents(text_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def agents(tiny_text_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One quick agents run on the text model through the bench runner."""
     out = tmp_path_factory.mktemp("agents-text")
-    options = BenchOptions(suite="agents", quick=True, model=text_model_dir, out=out)
+    options = BenchOptions(suite="agents", quick=True, model=tiny_text_model_dir, out=out)
     outcome = runner.run_bench(options, Console(width=200, record=True))
     assert outcome.exit_code == 0
     results: dict[str, Any] = json.loads((out / "results.json").read_text())
@@ -82,12 +73,12 @@ def test_each_sides_tokens_are_what_its_ops_prefilled(agents: dict[str, Any]) ->
 
 
 @pytest.fixture(scope="module")
-def scripts(text_model_dir: Path) -> dict[str, Any]:
+def scripts(tiny_text_model_dir: Path) -> dict[str, Any]:
     """The scripts the quick run ran, rebuilt from the same contents (no forward), and the
     anchor's tokens."""
     from kamera_agent.loading import load_backend
 
-    backend = load_backend(text_model_dir)
+    backend = load_backend(tiny_text_model_dir)
     contents = TextContents(backend.encoder, QUICK_TEXT_LENGTHS, BenchOptions().seeds["agents"])
     return {
         "anchor": backend.anchor.num_tokens,

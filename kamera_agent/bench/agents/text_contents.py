@@ -80,11 +80,15 @@ class TextContents:
     seed: int
 
     def make(self, kind: str, index: int) -> Chunk:
+        return self.encoder.text(self.text(kind, index), label=f"{kind} {index}")
+
+    def text(self, kind: str, index: int) -> str:
+        """The ``index``-th chunk of ``kind`` as text, of a length drawn from its range and
+        counted in the model's own tokens (ending in a newline: chunks follow one another)."""
         lo, hi = self.lengths[kind]
         target = random.Random(f"length:{self.seed}:{kind}:{index}").randint(lo, hi - 1)
         units, separator = self._units(kind, index), _SEPARATORS.get(kind, " ")
-        text = fit(units, separator, target, hi - 1, self._count) + "\n"  # a chunk ends its line
-        return self.encoder.text(text, label=f"{kind} {index}")
+        return fit(units, separator, target, hi - 1, self._count) + "\n"
 
     def question(self, index: int) -> str:
         return TEXT_QUESTIONS[index % len(TEXT_QUESTIONS)]
