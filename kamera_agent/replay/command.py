@@ -16,12 +16,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kamera_agent.bench.agents.text_contents import (
-    QUICK_TEXT_LENGTHS,
-    TEXT_LENGTHS,
-    TextContents,
-    TextLengths,
-)
+from kamera_agent.bench.agents.text_contents import TEXT_LENGTHS, TextContents, TextLengths
 from kamera_agent.replay.policies import POLICIES
 from kamera_agent.replay.run import ReplayRun, ScreensFor, run_replay, summary_rows
 from kamera_agent.replay.screens import TreeScreens
@@ -102,8 +97,8 @@ def _models(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Screens
 
         backend = load_backend(args.model)
         if backend.encoder.image_processor is None:  # a text model: accessibility-tree screens
-            name, lengths = Path(args.model).name, QUICK_TEXT_LENGTHS if args.quick else TEXT_LENGTHS
-            return {name: backend}, {name: partial(_tree_screens, backend, lengths)}
+            name = Path(args.model).name  # at agents' lengths, quick or not (quick: fewer steps)
+            return {name: backend}, {name: partial(_tree_screens, backend, TEXT_LENGTHS)}
     demo, tokenizer, image_processor = load_demo_model(args.model)
     backends = {
         "demo": TransformersBackend(demo, tokenizer=tokenizer, image_processor=image_processor),
