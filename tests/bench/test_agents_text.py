@@ -203,3 +203,21 @@ def test_fit_reaches_its_target_and_never_passes_its_top() -> None:
     assert fit(["aaaa", "bbbb", "cccc"], " ", 6, 20, count) == "aaaa bbbb"
     assert fit(["aaaa bbbb cccc"], " ", 6, 10, count) == "aaaa bbbb"  # cut at a word
     assert fit(["a" * 30], " ", 6, 10, count) == "a" * 10  # one word past the top: cut within it
+
+
+def test_gemma3s_sliding_window_layers_run_the_text_agents_exactly() -> None:
+    """Gemma 3's architecture (sliding-window layers beside global ones, two rotary bases), tiny:
+    the exact side answers like the model's own re-prefill after every step of every agent."""
+    from kamera_agent.bench.agents.run import new_run, run_text_suite
+    from kamera_agent.bench.common import make_progress
+    from tests.backends.test_transformers_backend import text_backend
+
+    run = new_run(True, AGENT_NAMES, "tiny-gemma3", text=True)
+    with make_progress(Console(quiet=True)) as progress:
+        run_text_suite(run, text_backend("gemma3", layers=4), 5, progress)
+    assert [record.agent for record in run.runs] == list(AGENT_NAMES)
+    for record in run.runs:
+        assert record.complete and len(record.checks) == record.steps_requested
+        assert record.agreement("kamera-exact") == 1.0, record.agent
+        assert max(check.kl["kamera-exact"] for check in record.checks) < 1e-6, record.agent
+        assert record.max_baseline_error() < 1e-4, record.agent
