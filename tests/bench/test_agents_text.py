@@ -221,3 +221,19 @@ def test_gemma3s_sliding_window_layers_run_the_text_agents_exactly() -> None:
         assert record.agreement("kamera-exact") == 1.0, record.agent
         assert max(check.kl["kamera-exact"] for check in record.checks) < 1e-6, record.agent
         assert record.max_baseline_error() < 1e-4, record.agent
+
+
+def test_an_agent_whose_window_passes_the_models_context_is_refused_before_it_runs() -> None:
+    from kamera_agent.backends.transformers import TransformersBackend
+    from kamera_agent.bench.agents.run import new_run, run_text_suite
+    from kamera_agent.bench.common import make_progress
+    from kamera_agent.errors import SettingsError
+
+    backend = TransformersBackend(
+        sharpen(tiny_llama(max_position_embeddings=256)), tokenizer=tiny_tokenizer()
+    )
+    assert backend.context_limit == 256
+    run = new_run(True, ("stream",), "tiny", text=True)
+    with make_progress(Console(quiet=True)) as progress, pytest.raises(SettingsError, match="context of 256"):
+        run_text_suite(run, backend, 5, progress)
+    assert run.runs == []  # refused before its first step
