@@ -237,3 +237,13 @@ def test_an_agent_whose_window_passes_the_models_context_is_refused_before_it_ru
     with make_progress(Console(quiet=True)) as progress, pytest.raises(SettingsError, match="context of 256"):
         run_text_suite(run, backend, 5, progress)
     assert run.runs == []  # refused before its first step
+
+
+def test_a_text_model_is_refused_only_where_the_demo_tasks_images_are_needed(
+    tiny_text_model_dir: Path, tmp_path: Path
+) -> None:
+    console = Console(width=200, record=True)
+    options = BenchOptions(suite="fidelity", model=tiny_text_model_dir, out=tmp_path / "out")
+    assert runner.run_bench(options, console).exit_code == runner.USAGE_ERROR
+    assert "run --suite window or agents" in console.export_text()
+    assert not (tmp_path / "out").exists()
