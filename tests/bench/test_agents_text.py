@@ -72,7 +72,8 @@ def test_each_sides_tokens_are_what_its_ops_prefilled(agents: dict[str, Any]) ->
             per_op = sum(op["tokens"] for record in run["records"] for op in record["ops"][side])
             per_step = sum(record["sides"][side]["tokens"] for record in run["records"])
             by_kind = sum(entry["tokens"] for entry in run["sides"][side]["by_kind"].values())
-            assert per_op == per_step == by_kind == run["sides"][side]["totals"]["tokens"] > 0
+            by_op = sum(run["sides"][side]["totals"]["by_op_tokens"].values())
+            assert per_op == per_step == by_kind == by_op == run["sides"][side]["totals"]["tokens"] > 0
 
 
 @pytest.fixture(scope="module")

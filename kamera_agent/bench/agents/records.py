@@ -147,10 +147,17 @@ class AgentRun:
 
     def op_ms(self, side: str) -> dict[str, float]:
         """A side's wall milliseconds by op kind (push, evict, reorder, recall, sync, ask)."""
+        return self._by_op(side, "ms")
+
+    def op_tokens(self, side: str) -> dict[str, float]:
+        """A side's tokens prefilled by op kind (push, evict, reorder, recall, sync, ask)."""
+        return self._by_op(side, "tokens")
+
+    def _by_op(self, side: str, name: str) -> dict[str, float]:
         out: dict[str, float] = {}
         for record in self.records:
             for op in record.ops.get(side, ()):
-                out[op.op] = out.get(op.op, 0.0) + op.ms
+                out[op.op] = out.get(op.op, 0.0) + getattr(op, name)
         return out
 
     def agreement(self, side: str) -> float:
@@ -198,6 +205,7 @@ class AgentRun:
         for side in self.sides:
             totals: dict[str, Any] = {key: self.total(side, key) for key in keys}
             totals["by_op_ms"] = self.op_ms(side)
+            totals["by_op_tokens"] = self.op_tokens(side)
             entry: dict[str, Any] = {"settings": self.settings.get(side, {}), "totals": totals}
             entry["by_kind"] = self.by_kind(side)
             if side != PREFIX:
