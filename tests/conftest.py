@@ -44,3 +44,17 @@ def untrained_demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     demo_tokenizer().save_pretrained(path)
     demo_image_processor().save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer random Llama (SmolLM2's architecture) with the byte tokenizer, saved as a
+    checkpoint folder: what ``--model`` names when a suite runs on a text model."""
+    from tests.backends.test_transformers_backend import sharpen
+    from tests.tiny_models import tiny_llama
+    from tests.tiny_processors import tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llama-text")
+    sharpen(tiny_llama(num_hidden_layers=4)).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path

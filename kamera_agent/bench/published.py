@@ -14,8 +14,11 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from kamera_agent.bench.published_agents import agents_tables, replay_table
 
 __all__ = [
     "HEADLINE",
@@ -92,12 +95,30 @@ def headline_table(run: dict[str, Any]) -> str:
 
 
 def _section(name: str, run: dict[str, Any]) -> list[str]:
+    """A stored run's section: its command, machine and date, then every suite it holds.
+
+    Raises:
+        ValueError: the run holds a suite this report cannot render (never dropped silently).
+    """
     out = [f"## {_model(run)}: {', '.join(run['suites'])} (`{name}`)", ""]
-    out += [f"Command: `{_command(run)}`. Machine: {_machine(run)}. Run: {_when(run)}.", ""]
-    window = run["suites"].get("window")
-    if window:
-        out += [*_frontier(window), "", *_by_op(window)]
+    out += [f"Command: `{_command(run)}`. Machine: {_machine(run)}. Run: {_when(run)}."]
+    if run.get("partial"):
+        out += ["", f"Partial run: interrupted in the {run.get('interrupted_in')} suite."]
+    for suite, figures in run["suites"].items():
+        render = _SUITES.get(suite)
+        if render is None:
+            raise ValueError(
+                f"{name}: the report cannot render the {suite!r} suite (it renders "
+                f"{', '.join(_SUITES)}): store that suite's run elsewhere, or give it a table here"
+            )
+        out += ["", *render(figures, run)]
+    if {"fidelity", "cost"} & set(run["suites"]):
+        out += ["", *_claims(run)]
     return out
+
+
+def _window(window: dict[str, Any], run: dict[str, Any]) -> list[str]:
+    return [*_frontier(window), "", *_by_op(window)]
 
 
 def _frontier(window: dict[str, Any]) -> list[str]:
@@ -114,7 +135,8 @@ def _frontier(window: dict[str, Any]) -> list[str]:
         broken, ops = _non_finite(window, row["row"])
         if broken:  # a side whose logits overflowed answers nothing: no KL to report
             what = f"non-finite logits after {broken} of {ops} ops"
-            lines.append(f"| {row['row']} | {row['changed']} | {_num(row['tokens'], ',.0f')} | {wall} | {what} ||||")
+            tokens = _num(row["tokens"], ",.0f")
+            lines.append(f"| {row['row']} | {row['changed']} | {tokens} | {wall} | {what} ||||")
             continue
         lines.append(
             f"| {row['row']} | {row['changed']} | {_num(row['tokens'], ',.0f')} | {wall} | "
@@ -161,6 +183,34 @@ def _non_finite(window: dict[str, Any], row: str) -> tuple[int, int]:
             records = [record["sides"][side] for record in run["records"]]
             return sum(record["logit_error"] is None for record in records), len(records)
     return 0, 0
+
+
+def _judged(suite: str) -> Callable[[dict[str, Any], dict[str, Any]], list[str]]:
+    """A suite whose figures are judged as claims (fidelity, cost): rendered in `_claims`."""
+
+    def render(figures: dict[str, Any], run: dict[str, Any]) -> list[str]:
+        return [f"The {suite} suite's figures are judged in the claims below."]
+
+    return render
+
+
+def _claims(run: dict[str, Any]) -> list[str]:
+    """The claims judged on the run (`kamera_agent.bench.results.targets`)."""
+    lines = ["Claims judged on this run:", "", "| claim | measured | met |", "|---|---|---|"]
+    for target in run.get("targets", []):
+        met = {True: "yes", False: "no", None: "—"}[target.get("met")]
+        lines.append(f"| {target['claim']} | {target['measured']} | {met} |")
+    return lines
+
+
+_SUITES: dict[str, Callable[[dict[str, Any], dict[str, Any]], list[str]]] = {
+    "window": _window,
+    "agents": agents_tables,
+    "agents-replay": replay_table,
+    "fidelity": _judged("fidelity"),
+    "cost": _judged("cost"),
+}
+"""Each suite a stored run may hold, and how its section renders it."""
 
 
 def _load(folder: Path) -> dict[str, dict[str, Any]]:

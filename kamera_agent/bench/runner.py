@@ -144,8 +144,9 @@ def _load(path: Path | str | None) -> tuple[Any, Any, Any]:
     return backend.model, backend.tokenizer, backend.encoder.image_processor
 
 
-_IMAGE_SUITES = ("fidelity", "agents")
-"""Suites built on the demo task's images: they need a vision model (the demo model's kind)."""
+_IMAGE_SUITES = ("fidelity",)
+"""Suites built on the demo task's images: they need a vision model (the demo model's kind).
+The window and agents suites give a text model real text instead."""
 
 
 def _missing_model(context: _Context) -> str:
@@ -173,8 +174,8 @@ def _missing_model(context: _Context) -> str:
     if needs_images and not _reads_images(folder):
         return (
             f"--suite {' and '.join(needs_images)}: the demo task's images, and "
-            f"{context.options.model} reads text only; run --suite window (text lines and pages for "
-            "frames) or --suite cost"
+            f"{context.options.model} reads text only; run --suite window or agents (real text for "
+            "frames and pages) or --suite cost"
         )
     return ""
 
@@ -238,12 +239,20 @@ def _window(context: _Context, progress: Progress) -> None:
 
 
 def _agents(context: _Context, progress: Progress) -> None:
-    from kamera_agent.bench.agents.run import new_run, run_suite
+    """The agents on the demo model and the realistic shape; on a text model given by
+    ``--model``, on that model alone, over real text (`run_text_suite`)."""
+    from kamera_agent.bench.agents.run import new_run, run_suite, run_text_suite
+    from kamera_agent.loading import load_backend
 
     options = context.options
-    run = new_run(options.quick, options.agents, context.model_name)
-    context.results.agents = run
-    run_suite(run, context.demo_model(progress), options.seeds["agents"], progress)
+    model, tokenizer, image_processor = parts = context.demo_model(progress)
+    if image_processor is not None:
+        context.results.agents = run = new_run(options.quick, options.agents, context.model_name)
+        run_suite(run, parts, options.seeds["agents"], progress)
+        return
+    name = Path(context.model_name).name
+    context.results.agents = run = new_run(options.quick, options.agents, name, text=True)
+    run_text_suite(run, load_backend(model, tokenizer=tokenizer), options.seeds["agents"], progress)
 
 
 SUITES: Mapping[str, Callable[[_Context, Progress], None]] = MappingProxyType(

@@ -70,7 +70,7 @@ def add_bench_parser(commands: Any) -> None:
         "--model",
         default=None,
         help="a checkpoint folder or GGUF file (default: the shipped demo model; a text model runs --suite "
-        "window and cost)",
+        "window, agents, agents-replay and cost over real text)",
     )
     bench.add_argument("--out", default="bench-results", help="output directory")
     bench.add_argument("--quick", action="store_true", help="small sizes: a smoke run of about a minute")

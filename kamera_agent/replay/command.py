@@ -6,16 +6,22 @@ import argparse
 import importlib.util
 import json
 import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from kamera_agent.bench.agents.text_contents import TEXT_LENGTHS, TextContents, TextLengths
 from kamera_agent.replay.policies import POLICIES
-from kamera_agent.replay.run import ReplayRun, run_replay, summary_rows
+from kamera_agent.replay.run import ReplayRun, ScreensFor, run_replay, summary_rows
+from kamera_agent.replay.screens import TreeScreens
 
-__all__ = ["COLUMNS", "run_replay_command"]
+__all__ = ["COLUMNS", "replay_results", "run_replay_command"]
 
 COLUMNS = (
     "model",
@@ -33,12 +39,12 @@ STEPS, QUICK_STEPS = 24, 4
 
 
 def run_replay_command(args: argparse.Namespace, console: Console) -> int:
-    """Run the replay (``args``: ``bench``'s: ``--quick``, ``--model``, ``--out``, ``--seed``)."""
-    from kamera_agent.backends.transformers import TransformersBackend
-    from kamera_agent.bench.agents.run import QUICK_SHAPE, realistic_backend
+    """Run the replay (``args``: ``bench``'s: ``--quick``, ``--model``, ``--out``, ``--seed``).
+
+    A text model given by ``--model`` is replayed alone, its screens accessibility trees
+    (`TreeScreens`); otherwise the demo model (or the VLM given) beside the realistic shape.
+    """
     from kamera_agent.bench.common import make_progress
-    from kamera_agent.demo.model import load_demo_model
-    from kamera_agent.models.random_qwen2 import QWEN2_1_5B_SLICE
 
     missing = [name for name in ("openai", "fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
     if missing:
@@ -48,11 +54,7 @@ def run_replay_command(args: argparse.Namespace, console: Console) -> int:
         )
         return 2
     began = time.perf_counter()
-    demo, tokenizer, image_processor = load_demo_model(args.model)
-    backends = {
-        "demo": TransformersBackend(demo, tokenizer=tokenizer, image_processor=image_processor),
-        "realistic": realistic_backend(QUICK_SHAPE if args.quick else QWEN2_1_5B_SLICE, args.seed),
-    }
+    backends, screens = _models(args)
     run = ReplayRun(
         steps=QUICK_STEPS if args.quick else STEPS,
         quick=args.quick,
@@ -62,29 +64,81 @@ def run_replay_command(args: argparse.Namespace, console: Console) -> int:
     )
     console.print(
         f"[bold]kamera bench[/bold] · agents-replay · {run.steps} steps × {len(run.policies)} policies × "
-        f"{len(run.models)} models · {run.threads} thread(s)"
+        f"{len(run.models)} model(s) · {run.threads} thread(s)"
     )
     interrupted = False
     with make_progress(console) as progress:
         try:
-            run_replay(run, backends, progress, args.seed)
+            run_replay(run, backends, progress, args.seed, screens)
         except KeyboardInterrupt:
             interrupted = True
-    table = Table(
-        title=f"Agents replay: kamera (defaults) vs the same server as a prefix cache, {run.seconds:.0f} s"
-    )
-    for column in COLUMNS:
-        table.add_column(column, justify="left" if column in ("model", "policy") else "right")
     rows = summary_rows(run)
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
+    console.print(_table(run, rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    payload = {"partial": interrupted, "wall_seconds": time.perf_counter() - began, **run.to_json()}
+    payload = replay_results(run, args, interrupted, time.perf_counter() - began)
     (out / "agents-replay.json").write_text(json.dumps(payload, indent=2) + "\n")
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * 2 + "---:|" * (len(COLUMNS) - 2)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     (out / "agents-replay.md").write_text("\n".join(lines) + "\n")
     console.print(f"wrote {out / 'agents-replay.json'}, {out / 'agents-replay.md'}")
     return 130 if interrupted else 0
+
+
+def _models(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, ScreensFor]]:
+    """The backends replayed, by model name, and a text model's screens."""
+    from kamera_agent.backends.transformers import TransformersBackend
+    from kamera_agent.bench.agents.run import QUICK_SHAPE, realistic_backend
+    from kamera_agent.demo.model import load_demo_model
+    from kamera_agent.models.random_qwen2 import QWEN2_1_5B_SLICE
+
+    if args.model is not None:
+        from kamera_agent.loading import load_backend
+
+        backend = load_backend(args.model)
+        if backend.encoder.image_processor is None:  # a text model: accessibility-tree screens
+            name = Path(args.model).name  # at agents' lengths, quick or not (quick: fewer steps)
+            return {name: backend}, {name: partial(_tree_screens, backend, TEXT_LENGTHS)}
+    demo, tokenizer, image_processor = load_demo_model(args.model)
+    backends = {
+        "demo": TransformersBackend(demo, tokenizer=tokenizer, image_processor=image_processor),
+        "realistic": realistic_backend(QUICK_SHAPE if args.quick else QWEN2_1_5B_SLICE, args.seed),
+    }
+    return backends, {}
+
+
+def _tree_screens(backend: Any, lengths: TextLengths, seed: int) -> TreeScreens:
+    return TreeScreens(TextContents(backend.encoder, lengths, seed))
+
+
+def _table(run: ReplayRun, rows: Sequence[tuple[str, ...]]) -> Table:
+    table = Table(
+        title=f"Agents replay: kamera (defaults) vs the same server as a prefix cache, {run.seconds:.0f} s"
+    )
+    for column in COLUMNS:
+        table.add_column(column, justify="left" if column in ("model", "policy") else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def replay_results(
+    run: ReplayRun, args: argparse.Namespace, interrupted: bool, seconds: float
+) -> dict[str, Any]:
+    """The replay as a ``kamera bench`` results.json holds a suite (the command's arguments, the
+    machine, the date), so `kamera_agent.bench.published` renders it beside the other suites."""
+    from kamera_agent.bench.common import machine_info
+
+    model = None if args.model is None else str(args.model)
+    return {
+        "schema": 1,
+        "partial": interrupted,
+        "interrupted_in": "agents-replay" if interrupted else None,
+        "seconds": seconds,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "machine": machine_info(),
+        "seeds": {"replay": args.seed},
+        "args": {"suite": "agents-replay", "model": model, "quick": bool(args.quick), "seed": args.seed},
+        "suites": {"agents-replay": run.to_json()},
+        "targets": [],
+    }

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -21,7 +21,7 @@ from rich.progress import Progress
 from kamera_agent.replay.policies import POLICIES, Messages
 from kamera_agent.replay.screens import DemoScreens, Screens, TextScreens
 
-__all__ = ["SIDES", "ReplayRun", "ReplaySummary", "SideStep", "StepRecord", "run_replay"]
+__all__ = ["SIDES", "ReplayRun", "ReplaySummary", "ScreensFor", "SideStep", "StepRecord", "run_replay"]
 
 SIDES = ("kamera", "prefix")
 """kamera at its defaults, and the same server as a prefix cache (``--reuse prefix``)."""
@@ -119,8 +119,22 @@ class ReplayRun:
         }
 
 
-def run_replay(run: ReplayRun, backends: dict[str, Any], progress: Progress, seed: int) -> None:
+ScreensFor = Callable[[int], Screens]
+"""Makes a policy's screens from its seed."""
+
+
+def run_replay(
+    run: ReplayRun,
+    backends: dict[str, Any],
+    progress: Progress,
+    seed: int,
+    screens: Mapping[str, ScreensFor] | None = None,
+) -> None:
     """Every policy of ``run`` on every backend (by model name), both sides at every step.
+
+    Args:
+        screens: each model's screens (default: the demo task's rendered pages for ``"demo"``,
+            random letters for any other).
 
     Mutates: ``run.records`` (a `StepRecord` per step, appended as each finishes).
     """
@@ -146,8 +160,8 @@ def run_replay(run: ReplayRun, backends: dict[str, Any], progress: Progress, see
                     _ask(live[side].client, model, [{"role": "user", "content": "hello"}], "warm-up")
                 for index, policy in enumerate(run.policies):  # each its own screens: nothing shared
                     own = seed + 1000 * index
-                    screens: Screens = DemoScreens(own) if model == "demo" else TextScreens(own)
-                    requests = POLICIES[policy].requests(screens, run.steps)
+                    make = (screens or {}).get(model, DemoScreens if model == "demo" else TextScreens)
+                    requests = POLICIES[policy].requests(make(own), run.steps)
                     task = progress.add_task(f"replay · {model} · {policy}", total=len(requests))
                     for step, messages in enumerate(requests):
                         order = SIDES if step % 2 == 0 else SIDES[::-1]

@@ -1,10 +1,12 @@
 """What a replayed agent sees each step: a screen, the action it took, the tool's output.
 
-Why two kinds: the shipped demo VLM reads real screens (the demo task's rendered pages, sent
+Why three kinds: the shipped demo VLM reads real screens (the demo task's rendered pages, sent
 as PNG data URLs, 96 image tokens each), and its answers mean something; the 1.5B-class random
 shape is text-only, so a screen is a line of random letters of a screenshot's token count (its
 byte tokenizer makes a character a token): wall time on a shape depends on token counts only.
-Both are deterministic in the step index, so every side sees the same conversation.
+A real text model reads screens as an agent serving it sends them, accessibility trees of
+300-800 tokens, and tool outputs of 200-2,000 tokens of real text (`TreeScreens`). All are
+deterministic in the step index, so every side sees the same conversation.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import random
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kamera_agent.bench.agents.text_contents import TextContents
 from kamera_agent.demo.task import BLANK, make_items, render_page
 
-__all__ = ["DemoScreens", "Screens", "TextScreens"]
+__all__ = ["DemoScreens", "Screens", "TextScreens", "TreeScreens"]
 
 _ACTIONS = ("click", "type", "scroll", "open", "read", "back", "search", "select")
 
@@ -77,3 +80,24 @@ class TextScreens:
 
     def output(self, step: int) -> str:
         return self._letters("output", step, self.output_tokens)
+
+
+@dataclass
+class TreeScreens:
+    """A real text model's screens: accessibility-tree text (the agents suite's screenshots),
+    transcript actions, and tool outputs of real text, at their lengths in the model's tokens.
+
+    Args:
+        contents: the agents suite's text contents over the served model's encoder.
+    """
+
+    contents: TextContents
+
+    def screen(self, step: int) -> dict[str, Any]:
+        return {"type": "text", "text": self.contents.text("screenshot", step)}
+
+    def action(self, step: int) -> str:
+        return self.contents.text("line", step).strip()
+
+    def output(self, step: int) -> str:
+        return self.contents.text("item", step)

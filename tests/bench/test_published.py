@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,3 +53,54 @@ def test_the_report_command_writes_both_from_the_stored_runs(
     assert headline_block((tmp_path / "README.md").read_text()) == headline_table(run)
     assert (tmp_path / "README.md").read_text().endswith("after\n")
     assert publish(tmp_path) == [tmp_path / "docs" / "results.md"]  # nothing left to change in the README
+
+
+# -- every suite a stored run may hold is rendered, never dropped -------------------------------
+
+
+@pytest.fixture(scope="module")
+def agent_runs(tiny_text_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A quick agents run and a quick agents-replay run on a text model, as their commands store them."""
+    out = tmp_path_factory.mktemp("published-agents")
+    model = str(tiny_text_model_dir)
+    assert main(["bench", "--suite", "agents", "--quick", "--model", model, "--out", str(out)]) == 0
+    assert main(["bench", "--suite", "agents-replay", "--quick", "--model", model, "--out", str(out)]) == 0
+    return {
+        "text-agents.json": json.loads((out / "results.json").read_text()),
+        "text-agents-replay.json": json.loads((out / "agents-replay.json").read_text()),
+    }
+
+
+def test_the_agents_suites_runs_are_rendered_with_every_agent_side_and_step_kind(
+    agent_runs: dict[str, Any],
+) -> None:
+    text = render_results(agent_runs)
+    agents = agent_runs["text-agents.json"]["suites"]["agents"]
+    section = text.split("(`text-agents.json`)")[1].split("\n## ")[0]
+    assert "--suite agents --model tiny-llama-text" in section and "--quick" in section
+    for run in agents["runs"]:
+        for side in ("kamera", "kamera-exact", "prefix"):
+            tokens = f"{run['sides'][side]['totals']['tokens']:,.0f}"
+            assert f"| {run['agent']} | {run['model']} | {side} | {run['steps_done']} | {tokens} |" in section
+        for kind in {record["kind"] for record in run["records"]}:
+            assert f"| {run['agent']} | {run['model']} | {kind} |" in section
+    replay = agent_runs["text-agents-replay.json"]["suites"]["agents-replay"]
+    section = text.split("(`text-agents-replay.json`)")[1]
+    for row in replay["summaries"]:
+        assert (
+            f"| {row['model']} | {row['policy']} | {row['steps']} | {row['tokens']['prefix']:,} |" in section
+        )
+
+
+def test_a_suite_the_report_cannot_render_fails_loudly(agent_runs: dict[str, Any]) -> None:
+    run = json.loads(json.dumps(agent_runs["text-agents.json"]))
+    run["suites"]["another"] = {}
+    with pytest.raises(ValueError, match="cannot render the 'another' suite"):
+        render_results({"x.json": run})
+
+
+def test_every_suite_kamera_bench_runs_has_a_section() -> None:
+    from kamera_agent.bench.published import _SUITES
+    from kamera_agent.parsers.bench import SUITES
+
+    assert set(_SUITES) == set(SUITES) - {"all"}

@@ -59,8 +59,9 @@ def test_tool_truncated_ends_in_the_newest_output_and_stubs_old_ones() -> None:
 def test_a_quick_replay_drives_both_servers_and_writes_its_table(tmp_path: Path) -> None:
     args = argparse.Namespace(quick=True, model=None, out=str(tmp_path), seed=7)
     assert run_replay_command(args, Console(file=None, width=200, quiet=True)) == 0
-    payload = json.loads((tmp_path / "agents-replay.json").read_text())
-    assert not payload["partial"]
+    stored = json.loads((tmp_path / "agents-replay.json").read_text())
+    assert not stored["partial"] and stored["args"]["suite"] == "agents-replay" and stored["machine"]
+    payload = stored["suites"]["agents-replay"]
     assert {(s["model"], s["policy"]) for s in payload["summaries"]} == {
         (model, policy) for model in ("demo", "realistic") for policy in POLICIES
     }
@@ -68,3 +69,38 @@ def test_a_quick_replay_drives_both_servers_and_writes_its_table(tmp_path: Path)
         assert record["kamera"]["prompt_tokens"] == record["prefix"]["prompt_tokens"]  # the same request
         assert 0 < record["prefix"]["prefilled"] <= record["prefix"]["prompt_tokens"]
     assert (tmp_path / "agents-replay.md").read_text().count("\n") == 2 + 2 * len(POLICIES)
+
+
+def test_a_text_model_is_replayed_alone_with_accessibility_tree_screens(
+    tiny_text_model_dir: Path, tmp_path: Path
+) -> None:
+    args = argparse.Namespace(quick=True, model=str(tiny_text_model_dir), out=str(tmp_path), seed=7)
+    assert run_replay_command(args, Console(file=None, width=200, quiet=True)) == 0
+    stored = json.loads((tmp_path / "agents-replay.json").read_text())
+    payload = stored["suites"]["agents-replay"]
+    assert {s["model"] for s in payload["summaries"]} == {tiny_text_model_dir.name}
+    assert {s["policy"] for s in payload["summaries"]} == set(POLICIES)
+    for record in payload["records"]:
+        assert record["kamera"]["prompt_tokens"] == record["prefix"]["prompt_tokens"]
+        assert 0 < record["prefix"]["prefilled"] <= record["prefix"]["prompt_tokens"]
+        assert (
+            record["kamera"]["prefilled"] <= record["prefix"]["prefilled"]
+        )  # never more than a prefix cache
+
+
+def test_a_text_models_screens_are_accessibility_trees_at_their_lengths() -> None:
+    from kamera_agent.backends.transformers import TransformersBackend
+    from kamera_agent.bench.agents.text_contents import TEXT_LENGTHS, TextContents
+    from kamera_agent.replay.screens import TreeScreens
+    from tests.backends.test_transformers_backend import sharpen
+    from tests.tiny_models import tiny_llama
+    from tests.tiny_processors import tiny_tokenizer
+
+    encoder = TransformersBackend(sharpen(tiny_llama()), tokenizer=tiny_tokenizer()).encoder
+    screens = TreeScreens(TextContents(encoder, TEXT_LENGTHS, 3))
+    for step in range(4):
+        screen = screens.screen(step)["text"]
+        assert screen.startswith("window ") and "  banner" in screen
+        assert 300 <= len(encoder.tokens(screen)) <= 800  # a character a token
+        assert 200 <= len(encoder.tokens(screens.output(step))) <= 2000
+        assert len(encoder.tokens(screens.action(step))) <= 24

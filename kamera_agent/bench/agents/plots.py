@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kamera_agent.bench.agents.records import MODELS, AgentsRun
+from kamera_agent.bench.agents.records import AgentsRun
 
 __all__ = ["write_agent_plots"]
 
@@ -21,7 +21,7 @@ def write_agent_plots(suite: AgentsRun, out: Path, plt: Any) -> list[Path]:
     """``agent_<name>.png`` per agent with records: rows per model, columns wall time and tokens."""
     written = []
     for agent in suite.agents:
-        runs = [run for model in MODELS if (run := suite.find(agent, model)) is not None and run.records]
+        runs = [run for run in suite.of_agent(agent) if run.records]
         if not runs:
             continue
         figure, axes = plt.subplots(len(runs), 2, figsize=(9.6, 3.4 * len(runs)), squeeze=False)

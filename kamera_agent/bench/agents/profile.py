@@ -51,6 +51,7 @@ def profile_agent(
         backend = TransformersBackend(demo, tokenizer=tokenizer, image_processor=image_processor)
         contents = DemoContents(backend.encoder, seed)
     else:
+        assert suite.shape is not None, "the vision path's run has the realistic shape"
         backend = realistic_backend(suite.shape, seed)
         contents = RandomContents(backend.encoder, suite.tokens, suite.shape.vocab, seed)
     script = AGENTS[agent](contents, suite.counts)

@@ -25,7 +25,6 @@ __all__ = ["PREFIX", "SIDES", "AgentRun", "AgentsRun", "AskRecord", "StepRecord"
 PREFIX = "prefix"
 SIDES: tuple[str, ...] = ("kamera", "kamera-exact", PREFIX)
 """The sides every agent runs on: kamera at its defaults, under `WindowConfig.exact`, the prefix cache."""
-MODELS: tuple[str, ...] = ("realistic", "demo")
 
 
 @dataclass(frozen=True)
@@ -148,10 +147,17 @@ class AgentRun:
 
     def op_ms(self, side: str) -> dict[str, float]:
         """A side's wall milliseconds by op kind (push, evict, reorder, recall, sync, ask)."""
+        return self._by_op(side, "ms")
+
+    def op_tokens(self, side: str) -> dict[str, float]:
+        """A side's tokens prefilled by op kind (push, evict, reorder, recall, sync, ask)."""
+        return self._by_op(side, "tokens")
+
+    def _by_op(self, side: str, name: str) -> dict[str, float]:
         out: dict[str, float] = {}
         for record in self.records:
             for op in record.ops.get(side, ()):
-                out[op.op] = out.get(op.op, 0.0) + op.ms
+                out[op.op] = out.get(op.op, 0.0) + getattr(op, name)
         return out
 
     def agreement(self, side: str) -> float:
@@ -166,6 +172,26 @@ class AgentRun:
             return math.nan, math.nan, math.nan
         return statistics.fmean(values), p90(values), max(values)
 
+    def by_kind(self, side: str) -> dict[str, dict[str, Any]]:
+        """Per step kind (what the agent did: "push", "frame", "replace+append", "go back" ...):
+        steps, ``side``'s tokens prefilled and wall ms over them, and (a kamera side) the share
+        of the checks after them whose first token is the reference's, and their mean KL."""
+        kinds = {record.index: record.kind for record in self.records}
+        out: dict[str, dict[str, Any]] = {}
+        for record in self.records:
+            entry = out.setdefault(record.kind, {"steps": 0, "tokens": 0, "ms": 0.0})
+            entry["steps"] += 1
+            entry["tokens"] += record.sides[side].tokens if side in record.sides else 0
+            entry["ms"] += record.sides[side].ms if side in record.sides else 0.0
+        if side == PREFIX:
+            return out
+        for kind, entry in out.items():
+            checks = [c for c in self.checks if kinds.get(c.step) == kind and side in c.top1]
+            entry["checks"] = len(checks)
+            entry["agreement"] = finite(sum(c.top1[side] for c in checks) / len(checks)) if checks else None
+            entry["kl_mean"] = finite(statistics.fmean(c.kl[side] for c in checks)) if checks else None
+        return out
+
     def max_baseline_error(self) -> float:
         """The prefix cache's largest |logit difference| to the model's own forward, over every
         check made (after every step on the demo model, the final window on both)."""
@@ -179,7 +205,9 @@ class AgentRun:
         for side in self.sides:
             totals: dict[str, Any] = {key: self.total(side, key) for key in keys}
             totals["by_op_ms"] = self.op_ms(side)
+            totals["by_op_tokens"] = self.op_tokens(side)
             entry: dict[str, Any] = {"settings": self.settings.get(side, {}), "totals": totals}
+            entry["by_kind"] = self.by_kind(side)
             if side != PREFIX:
                 entry["ratios"] = {key: finite(self.ratio(key, side)) for key in ("ms", "tokens", "forwards")}
                 mean, high, worst = self.kl(side)
@@ -232,17 +260,23 @@ class AgentsRun:
 
     Attributes:
         quick: smoke sizes (a tiny model shape too): timings say nothing about the targets.
-        shape: the realistic model's shape (random init, float32, text-only).
+        shape: the realistic model's shape (random init, float32, text-only); ``None`` on a real
+            text model, where the agents run on that model alone.
         tokens: tokens per chunk of each content kind on the realistic shape.
+        text_lengths: on a real text model, each content kind's token range
+            (`kamera_agent.bench.agents.text_contents`).
+        content: what the chunks are, in words.
     """
 
     quick: bool
     threads: int
-    shape: Qwen2Shape
+    shape: Qwen2Shape | None
     demo_model: str
     counts: AgentCounts
     tokens: Mapping[str, int]
     agents: tuple[str, ...]
+    text_lengths: Mapping[str, tuple[int, int]] | None = None
+    content: str = "the demo task's frames and pages (demo); random-token chunks (realistic shape)"
     runs: list[AgentRun] = field(default_factory=list)
     ttft: TTFTRun | None = None
     """Time to first token after window ops against its floor (`kamera_agent.bench.agents.ttft`)."""
@@ -250,14 +284,21 @@ class AgentsRun:
     def find(self, agent: str, model: str) -> AgentRun | None:
         return next((r for r in self.runs if r.agent == agent and r.model == model), None)
 
+    def of_agent(self, agent: str) -> list[AgentRun]:
+        """``agent``'s runs, one per model, in the order they ran."""
+        return [run for run in self.runs if run.agent == agent]
+
     def to_json(self) -> dict[str, Any]:
+        lengths = None if self.text_lengths is None else {k: list(v) for k, v in self.text_lengths.items()}
         return {
             "quick": self.quick,
             "threads": self.threads,
-            "realistic_shape": asdict(self.shape),
+            "realistic_shape": None if self.shape is None else asdict(self.shape),
             "demo_model": self.demo_model,
+            "content": self.content,
             "counts": asdict(self.counts),
             "realistic_tokens_per_chunk": dict(self.tokens),
+            "text_lengths": lengths,
             "agents": list(self.agents),
             "runs": [run.to_json() for run in self.runs],
             "ttft": self.ttft.to_json() if self.ttft is not None else None,

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 
-from kamera_agent.bench.agents.records import MODELS, PREFIX, SIDES, AgentRun, AgentsRun
+from kamera_agent.bench.agents.records import PREFIX, SIDES, AgentRun, AgentsRun
 from kamera_agent.bench.tables import Grid, Target
 
-__all__ = ["agent_grids", "agent_targets", "ttft_grid"]
+__all__ = ["agent_grids", "agent_targets", "kind_grid", "ttft_grid"]
 
 _OPS = ("push", "extend", "replace", "evict", "reorder", "recall", "sync", "ask")
 
@@ -43,7 +43,7 @@ def _side_row(run: AgentRun, side: str) -> tuple[str, ...]:
 
 def agent_grid(suite: AgentsRun, agent: str) -> Grid | None:
     """One agent on every model and side: totals, prefix/side ratios, answer fidelity."""
-    runs = [run for model in MODELS if (run := suite.find(agent, model)) is not None]
+    runs = suite.of_agent(agent)
     if not runs:
         return None
     columns: tuple[str, ...] = ("model", "side", "ms", "tokens", "fwd", "vision")
@@ -54,7 +54,7 @@ def agent_grid(suite: AgentsRun, agent: str) -> Grid | None:
         sizes = ", ".join(f"{kind} {tokens}" for kind, tokens in run.sizes.items())
         reference = (
             "the model's own re-prefill"
-            if run.model == "demo"
+            if run.model != "realistic"
             else "the prefix cache's logits; random weights leave small top-1 margins, read KL"
         )
         final = ", ".join(f"{side} {_sci(kl)}" for side, kl in run.final_kl.items())
@@ -79,12 +79,12 @@ def agent_grid(suite: AgentsRun, agent: str) -> Grid | None:
 
 
 def time_grid(suite: AgentsRun) -> Grid | None:
-    """Where each side's wall time goes on the realistic shape, by op kind."""
+    """Where each side's wall time goes on the realistic shape (or the real text model), by op kind."""
     rows = []
-    for agent in suite.agents:
-        run = suite.find(agent, "realistic")
-        if run is None:
+    for run in suite.runs:
+        if run.model == "demo":
             continue
+        agent = run.agent
         for side in run.sides:
             spent = run.op_ms(side)
             cells = [f"{spent[op]:.0f}" if op in spent else "–" for op in _OPS]
@@ -96,9 +96,40 @@ def time_grid(suite: AgentsRun) -> Grid | None:
         "includes the line and screenshot it appends) and questions; the prefix cache: one sync per "
         "step (crop at the first change, prefill the rest) and its questions."
     )
-    return Grid(
-        "Agents: wall time by op (realistic shape)", ("agent", "side", *_OPS, "total"), tuple(rows), note
+    where = "realistic shape" if suite.shape is not None else suite.demo_model
+    return Grid(f"Agents: wall time by op ({where})", ("agent", "side", *_OPS, "total"), tuple(rows), note)
+
+
+def kind_grid(suite: AgentsRun) -> Grid | None:
+    """Per agent and step kind: each side's tokens and wall time, each kamera side's first-token
+    agreement and mean KL against the reference after steps of that kind."""
+    rows = []
+    for run in suite.runs:
+        kinds = {side: run.by_kind(side) for side in run.sides}
+        for kind, prefix in kinds[PREFIX].items():
+            cells = [run.model, run.agent, kind, str(prefix["steps"]), f"{prefix['tokens']:,}"]
+            for side in run.sides:
+                if side == PREFIX:
+                    continue
+                entry = kinds[side][kind]
+                agree, kl = entry["agreement"], entry["kl_mean"]
+                cells += [
+                    f"{entry['tokens']:,}",
+                    "–" if agree is None else f"{agree:.0%}",
+                    "–" if kl is None else f"{kl:.1e}",
+                ]
+            rows.append(tuple(cells))
+    if not rows:
+        return None
+    kamera = [side for side in SIDES if side != PREFIX]
+    columns: tuple[str, ...] = ("model", "agent", "step kind", "steps", "prefix tok")
+    for side in kamera:
+        columns += (f"{side} tok", f"{side} top-1", f"{side} KL")
+    note = (
+        "Tokens prefilled by each side over the steps of each kind, and each kamera side's first-token "
+        "agreement and mean next-token KL against the reference after them (checked after every step)."
     )
+    return Grid("Agents: by step kind", columns, tuple(rows), note)
 
 
 def ttft_grid(suite: AgentsRun) -> Grid | None:
@@ -134,7 +165,8 @@ def ttft_grid(suite: AgentsRun) -> Grid | None:
 def agent_grids(suite: AgentsRun) -> list[Grid]:
     """A table per agent, the by-op breakdown, then time to first token against its floor."""
     grids = [agent_grid(suite, agent) for agent in suite.agents]
-    return [grid for grid in (*grids, time_grid(suite), ttft_grid(suite)) if grid is not None]
+    extra = (kind_grid(suite), time_grid(suite), ttft_grid(suite))
+    return [grid for grid in (*grids, *extra) if grid is not None]
 
 
 _REALISTIC = "realistic shape, defaults vs prefix cache"

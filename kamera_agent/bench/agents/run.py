@@ -1,5 +1,8 @@
 """Running the agents: every script on every side, step by step, timed side by side.
 
+On a real text model (`run_text_suite`) the agents run on that model alone, over real text
+and accessibility-tree screens at agents' lengths, every step checked against its re-prefill.
+
 Why one loop for all sides: the ratios are only meaningful when both sides of a comparison see
 the same machine state, so each step runs on the kamera window (defaults), the kamera window
 (`WindowConfig.exact`) and the prefix cache one after the other, the order rotating from step
@@ -28,20 +31,47 @@ from kamera_agent.bench.agents.records import PREFIX, AgentRun, AgentsRun, AskRe
 from kamera_agent.bench.agents.script import Script, Step
 from kamera_agent.bench.agents.scripts import AGENTS, QUICK_TOKENS, REALISTIC_TOKENS, AgentCounts
 from kamera_agent.bench.agents.sides import KameraSide, Outcome, PrefixSide
+from kamera_agent.bench.agents.text_contents import QUICK_TEXT_LENGTHS, TEXT_LENGTHS, TextContents
 from kamera_agent.bench.agents.ttft import TTFTShape, run_ttft
 from kamera_agent.config import WindowConfig
+from kamera_agent.errors import SettingsError
 from kamera_agent.metrics import next_token_kl
 from kamera_agent.models.random_qwen2 import QWEN2_1_5B_SLICE, Qwen2Shape, random_qwen2
 
-__all__ = ["QUICK_SHAPE", "new_run", "realistic_backend", "run_agent", "run_suite", "side_configs", "warm"]
+__all__ = [
+    "QUICK_SHAPE",
+    "new_run",
+    "realistic_backend",
+    "run_agent",
+    "run_suite",
+    "run_text_suite",
+    "side_configs",
+    "warm",
+]
 
 QUICK_SHAPE = Qwen2Shape(layers=2, hidden=64, heads=4, kv_heads=2, mlp=128, vocab=1024)
 """The realistic model's stand-in for smoke runs: the same architecture at toy widths."""
 Side = KameraSide | PrefixSide
 
 
-def new_run(quick: bool, agents: Sequence[str], demo_model: str) -> AgentsRun:
-    """The suite's record, sized for a full or a quick run (set up before anything runs)."""
+def new_run(quick: bool, agents: Sequence[str], demo_model: str, *, text: bool = False) -> AgentsRun:
+    """The suite's record, sized for a full or a quick run (set up before anything runs); with
+    ``text``, for a real text model (`run_text_suite`)."""
+    if text:
+        return AgentsRun(
+            quick=quick,
+            threads=torch.get_num_threads(),
+            shape=None,
+            demo_model=demo_model,
+            counts=AgentCounts.quick() if quick else AgentCounts.text(),
+            tokens={},
+            agents=tuple(agents),
+            text_lengths=QUICK_TEXT_LENGTHS if quick else TEXT_LENGTHS,
+            content=(
+                "real text: tool outputs and pages from the benchmark half of kamera's corpus, screens as "
+                "accessibility trees, short transcript lines"
+            ),
+        )
     return AgentsRun(
         quick=quick,
         threads=torch.get_num_threads(),
@@ -76,6 +106,7 @@ def run_suite(run: AgentsRun, demo_parts: tuple[Any, Any, Any], seed: int, progr
     Mutates: ``run.runs`` (an `AgentRun` per agent × model, appended as each starts), ``run.ttft``.
     """
     model, tokenizer, image_processor = demo_parts
+    assert run.shape is not None, "the vision path runs the realistic shape beside the demo model"
     demo = TransformersBackend(model, tokenizer=tokenizer, image_processor=image_processor)
     realistic = realistic_backend(run.shape, seed)
     if not run.quick:  # its defaults keep a drift budget: calibrated once per shape and seed
@@ -97,6 +128,40 @@ def run_suite(run: AgentsRun, demo_parts: tuple[Any, Any, Any], seed: int, progr
             run_agent(script, backend, record, progress, reference="re-prefill" if name == "demo" else PREFIX)
     shape = TTFTShape.quick() if run.quick else TTFTShape()
     run.ttft = run_ttft(realistic, shape, seed, progress)
+
+
+def run_text_suite(run: AgentsRun, backend: TransformersBackend, seed: int, progress: Progress) -> None:
+    """Every agent of ``run`` on a real text model, with text at agents' lengths
+    (`TextContents`), each side checked against the model's own re-prefill after every step.
+
+    Mutates: ``run.runs`` (an `AgentRun` per agent, appended as each starts).
+
+    Raises:
+        SettingsError: a script's window would pass the model's context (before any step runs).
+    """
+    assert run.text_lengths is not None, "a text run has its lengths (new_run(..., text=True))"
+    contents = TextContents(backend.encoder, run.text_lengths, seed)
+    warm(backend)
+    for agent in run.agents:
+        script = AGENTS[agent](contents, run.counts)
+        _fits(script, backend)
+        record = AgentRun.of(script, run.demo_model)
+        run.runs.append(record)
+        run_agent(script, backend, record, progress, reference="re-prefill")
+
+
+def _fits(script: Script, backend: TransformersBackend) -> None:
+    limit = backend.context_limit
+    if limit is None:
+        return
+    longest = max(sum(script.chunks[label].num_tokens for label in step.lineup) for step in script.steps)
+    query = max(len(backend.encoder.query_ids(step.ask or "")) for step in script.steps)
+    needed = backend.anchor.num_tokens + longest + query
+    if needed > limit:
+        raise SettingsError(
+            f"the {script.agent} agent's window reaches {needed} tokens with its question, past the "
+            f"model's context of {limit}: run it with --quick, or on a model with a longer context"
+        )
 
 
 def run_agent(

@@ -1,0 +1,117 @@
+"""docs/results.md's tables for the agents and agents-replay suites, from a stored run's JSON.
+
+Why apart from `kamera_agent.bench.published`: that module decides what a document holds and
+where (sections, the README's block); this one only turns the two agent suites' figures into
+tables, from the JSON alone, so a figure in the document is always one the run recorded.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["agents_tables", "replay_table"]
+
+_PREFIX = "prefix"
+
+
+def agents_tables(agents: dict[str, Any], run: dict[str, Any]) -> list[str]:
+    """Each agent's sides (tokens, wall, first-token agreement and KL against the reference),
+    then the same by step kind."""
+    model = "the realistic shape and the demo model" if agents.get("realistic_shape") else "this model"
+    lines = [
+        f"Agents on {model}: kamera at its defaults and exact beside a prefix cache, every step run on "
+        f"each side in rotating order, over {agents.get('content', 'the demo task')}; after every step "
+        "each kamera side's first answer token and next-token KL are checked against the reference "
+        "(the model's own re-prefill unless the row says otherwise).",
+        "",
+        "| agent | model | side | steps | tokens | wall s | tokens / prefix | wall / prefix | top-1 | "
+        "KL mean | KL max |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for agent in agents["runs"]:
+        prefix = agent["sides"][_PREFIX]["totals"]
+        for side, entry in agent["sides"].items():
+            totals, fidelity = entry["totals"], entry.get("fidelity", {})
+            lines.append(
+                f"| {agent['agent']} | {agent['model']} | {side} | {agent['steps_done']} | "
+                f"{_num(totals['tokens'], ',.0f')} | {_num(totals['ms'] / 1e3, '.1f')} | "
+                f"{_ratio(totals['tokens'], prefix['tokens'])} | {_ratio(totals['ms'], prefix['ms'])} | "
+                f"{_pct(fidelity.get('agreement'))} | {_num(fidelity.get('kl_mean'), '.1e')} | "
+                f"{_num(fidelity.get('kl_max'), '.1e')} |"
+            )
+    sizes = "; ".join(
+        f"{agent['agent']}: " + ", ".join(f"{kind} {n}" for kind, n in agent["tokens_per_chunk"].items())
+        for agent in agents["runs"]
+        if agent["model"] != "demo"
+    )
+    lines += ["", f"Tokens per chunk: {sizes}.", "", *_by_kind(agents)]
+    return lines
+
+
+def _by_kind(agents: dict[str, Any]) -> list[str]:
+    kamera = [side for side in agents["runs"][0]["sides"] if side != _PREFIX] if agents["runs"] else []
+    head = "| agent | model | step kind | steps | prefix tokens | " + " | ".join(
+        f"{side} tokens | {side} top-1 / KL mean" for side in kamera
+    )
+    lines = [
+        "By step kind (tokens prefilled over the steps of that kind; top-1 and mean KL of the checks "
+        "after them):",
+        "",
+        head + " |",
+        "|---|---|---|---:|---:|" + "---:|---:|" * len(kamera),
+    ]
+    for agent in agents["runs"]:
+        kinds = {side: agent["sides"][side]["by_kind"] for side in agent["sides"]}
+        for kind, prefix in kinds[_PREFIX].items():
+            cells = [
+                agent["agent"],
+                agent["model"],
+                kind,
+                str(prefix["steps"]),
+                _num(prefix["tokens"], ",.0f"),
+            ]
+            for side in kamera:
+                entry = kinds[side][kind]
+                cells += [
+                    _num(entry["tokens"], ",.0f"),
+                    f"{_pct(entry['agreement'])} / {_num(entry['kl_mean'], '.1e')}",
+                ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def replay_table(replay: dict[str, Any], run: dict[str, Any]) -> list[str]:
+    """Per model and policy: both servers' prefilled tokens and wall time, first-token agreement."""
+    lines = [
+        f"Agents replay: {replay['steps']} steps per policy sent through `kamera serve` with the openai "
+        "client, kamera at its defaults beside the same server as a prefix cache (`--reuse prefix`), "
+        "the two alternating; top-1: the share of steps whose one greedy answer token is the prefix "
+        "server's (a re-prefill's).",
+        "",
+        "| model | policy | steps | prefix tokens | kamera tokens | tokens / prefix | wall / prefix | "
+        "top-1 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in replay["summaries"]:
+        tokens, seconds = row["tokens"], row["seconds"]
+        lines.append(
+            f"| {row['model']} | {row['policy']} | {row['steps']} | {_num(tokens['prefix'], ',.0f')} | "
+            f"{_num(tokens['kamera'], ',.0f')} | {_ratio(tokens['kamera'], tokens['prefix'])} | "
+            f"{_ratio(seconds['kamera'], seconds['prefix'])} | {_pct(row['agreement'])} |"
+        )
+    return lines
+
+
+def _ratio(ours: float, theirs: float) -> str:
+    return f"{ours / theirs:.2f}×" if theirs else "—"
+
+
+def _num(value: float | None, spec: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    return format(value, spec)
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f} %"
