@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kamera_agent.bench.published_agents import agents_tables, replay_table
+from kamera_agent.bench.tables import num_cell, percent_cell
 
 __all__ = [
     "HEADLINE",
@@ -86,10 +87,10 @@ def headline_table(run: dict[str, Any]) -> str:
         row = rows.get(name)
         if row is None:
             continue
-        wall = "—" if name.startswith("floor") else f"{_num(row['wall_ratio'], '.2f')}×"
+        wall = "—" if name.startswith("floor") else f"{num_cell(row['wall_ratio'], '.2f')}×"
         lines.append(
-            f"| {name} | {_num(row['tokens'], ',.0f')} | {wall} | {_pct(row['agreement'])} | "
-            f"{_num(row['kl_mean'], '.1e')} |"
+            f"| {name} | {num_cell(row['tokens'], ',.0f')} | {wall} | {percent_cell(row['agreement'])} | "
+            f"{num_cell(row['kl_mean'], '.1e')} |"
         )
     return "\n".join(lines)
 
@@ -131,17 +132,17 @@ def _frontier(window: dict[str, Any]) -> list[str]:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in window["frontier"]:
-        wall = "—" if row["row"].startswith("floor") else f"{_num(row['wall_ratio'], '.2f')}×"
+        wall = "—" if row["row"].startswith("floor") else f"{num_cell(row['wall_ratio'], '.2f')}×"
         broken, ops = _non_finite(window, row["row"])
         if broken:  # a side whose logits overflowed answers nothing: no KL to report
             what = f"non-finite logits after {broken} of {ops} ops"
-            tokens = _num(row["tokens"], ",.0f")
+            tokens = num_cell(row["tokens"], ",.0f")
             lines.append(f"| {row['row']} | {row['changed']} | {tokens} | {wall} | {what} ||||")
             continue
         lines.append(
-            f"| {row['row']} | {row['changed']} | {_num(row['tokens'], ',.0f')} | {wall} | "
-            f"{_pct(row['agreement'])} | {_num(row['kl_mean'], '.1e')} | {_num(row['kl_p90'], '.1e')} | "
-            f"{_num(row['kl_max'], '.1e')} |"
+            f"| {row['row']} | {row['changed']} | {num_cell(row['tokens'], ',.0f')} | {wall} | "
+            f"{percent_cell(row['agreement'])} | {num_cell(row['kl_mean'], '.1e')} | "
+            f"{num_cell(row['kl_p90'], '.1e')} | {num_cell(row['kl_max'], '.1e')} |"
         )
     return lines
 
@@ -168,8 +169,8 @@ def _by_op(window: dict[str, Any]) -> list[str]:
                 kl = [s["kl"] for s in spent if s["kl"] is not None]
                 agree = sum(bool(s["agrees"]) for s in spent) / len(spent)
                 tokens = sum(s["tokens"] for s in spent)
-                mean = _num(sum(kl) / len(kl) if kl else math.nan, ".1e")
-                cells.append(f"{_pct(agree)} / {mean} / {_num(tokens, ',.0f')}")
+                mean = num_cell(sum(kl) / len(kl) if kl else math.nan, ".1e")
+                cells.append(f"{percent_cell(agree)} / {mean} / {num_cell(tokens, ',.0f')}")
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
@@ -258,16 +259,6 @@ def _replace_block(text: str, table: str) -> str:
     if not re.search(pattern, text, flags=re.DOTALL):
         return text
     return re.sub(pattern, lambda _: block, text, flags=re.DOTALL)
-
-
-def _num(value: float | None, spec: str) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "—"
-    return format(value, spec)
-
-
-def _pct(value: float | None) -> str:
-    return "—" if value is None else f"{100 * value:.1f} %"
 
 
 def headline_block(readme: str) -> str | None:

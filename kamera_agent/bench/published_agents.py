@@ -7,8 +7,9 @@ tables, from the JSON alone, so a figure in the document is always one the run r
 
 from __future__ import annotations
 
-import math
 from typing import Any
+
+from kamera_agent.bench.tables import num_cell, percent_cell
 
 __all__ = ["agents_tables", "replay_table"]
 
@@ -35,10 +36,10 @@ def agents_tables(agents: dict[str, Any], run: dict[str, Any]) -> list[str]:
             totals, fidelity = entry["totals"], entry.get("fidelity", {})
             lines.append(
                 f"| {agent['agent']} | {agent['model']} | {side} | {agent['steps_done']} | "
-                f"{_num(totals['tokens'], ',.0f')} | {_num(totals['ms'] / 1e3, '.1f')} | "
+                f"{num_cell(totals['tokens'], ',.0f')} | {num_cell(totals['ms'] / 1e3, '.1f')} | "
                 f"{_ratio(totals['tokens'], prefix['tokens'])} | {_ratio(totals['ms'], prefix['ms'])} | "
-                f"{_pct(fidelity.get('agreement'))} | {_num(fidelity.get('kl_mean'), '.1e')} | "
-                f"{_num(fidelity.get('kl_max'), '.1e')} |"
+                f"{percent_cell(fidelity.get('agreement'))} | {num_cell(fidelity.get('kl_mean'), '.1e')} | "
+                f"{num_cell(fidelity.get('kl_max'), '.1e')} |"
             )
     sizes = "; ".join(
         f"{agent['agent']}: " + ", ".join(f"{kind} {n}" for kind, n in agent["tokens_per_chunk"].items())
@@ -69,13 +70,13 @@ def _by_kind(agents: dict[str, Any]) -> list[str]:
                 agent["model"],
                 kind,
                 str(prefix["steps"]),
-                _num(prefix["tokens"], ",.0f"),
+                num_cell(prefix["tokens"], ",.0f"),
             ]
             for side in kamera:
                 entry = kinds[side][kind]
                 cells += [
-                    _num(entry["tokens"], ",.0f"),
-                    f"{_pct(entry['agreement'])} / {_num(entry['kl_mean'], '.1e')}",
+                    num_cell(entry["tokens"], ",.0f"),
+                    f"{percent_cell(entry['agreement'])} / {num_cell(entry['kl_mean'], '.1e')}",
                 ]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -96,22 +97,12 @@ def replay_table(replay: dict[str, Any], run: dict[str, Any]) -> list[str]:
     for row in replay["summaries"]:
         tokens, seconds = row["tokens"], row["seconds"]
         lines.append(
-            f"| {row['model']} | {row['policy']} | {row['steps']} | {_num(tokens['prefix'], ',.0f')} | "
-            f"{_num(tokens['kamera'], ',.0f')} | {_ratio(tokens['kamera'], tokens['prefix'])} | "
-            f"{_ratio(seconds['kamera'], seconds['prefix'])} | {_pct(row['agreement'])} |"
+            f"| {row['model']} | {row['policy']} | {row['steps']} | {num_cell(tokens['prefix'], ',.0f')} | "
+            f"{num_cell(tokens['kamera'], ',.0f')} | {_ratio(tokens['kamera'], tokens['prefix'])} | "
+            f"{_ratio(seconds['kamera'], seconds['prefix'])} | {percent_cell(row['agreement'])} |"
         )
     return lines
 
 
 def _ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}×" if theirs else "—"
-
-
-def _num(value: float | None, spec: str) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "—"
-    return format(value, spec)
-
-
-def _pct(value: float | None) -> str:
-    return "—" if value is None else f"{100 * value:.1f} %"

@@ -7,9 +7,22 @@ them all; keeping the shapes here lets both sides import them without importing 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-__all__ = ["Grid", "Target"]
+__all__ = ["Grid", "Target", "num_cell", "percent_cell"]
+
+
+def num_cell(value: float | None, spec: str) -> str:
+    """``value`` formatted by ``spec``, or "—" where it was not measured or is not finite."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    return format(value, spec)
+
+
+def percent_cell(value: float | None) -> str:
+    """A share as a percentage with one decimal, or "—" where it was not measured."""
+    return "—" if value is None else f"{100 * value:.1f} %"
 
 
 @dataclass(frozen=True)
