@@ -74,9 +74,9 @@ class Calibration:
         audit_share: the share of a chunk's tokens one audit recomputes (at least two tokens).
         quantile: the share of fitting chunks the scale bounds.
         budget: the ε a window uses by default, picked from ``frontier``: the largest of `BUDGETS`
-            at which the fitting episodes' ops the budget would let stand answered like a
-            re-prefill (first answer token equal on at least `AGREEMENT` of them, mean next-token
-            KL at most `MEAN_KL`); the smallest where none does.
+            up to which, at every ε, the fitting episodes' ops the budget would let stand answered
+            like a re-prefill (first answer token equal on at least `AGREEMENT` of them, mean
+            next-token KL at most `MEAN_KL`); the smallest where none does.
         samples: approximated chunk-states it was fitted on.
         seeds: the fitting episodes' seeds (benchmarks judge on other seeds).
         within: per ε of `BUDGETS`, the share of fitting chunks estimated within ε that were
@@ -131,7 +131,7 @@ BUDGETS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 2e-1, 3e-1, 5e-1)
 
 AGREEMENT = 0.99
 """The share of the ops a default budget lets stand whose first answer token must be re-prefill's
-on the fitting episodes (a bf16 deployment's own disagreement with fp32 is of this order)."""
+on the fitting episodes (the bench reports the model's own bf16 re-prefill beside it)."""
 
 MEAN_KL = 1e-2
 """The mean next-token KL against re-prefill the ops a default budget lets stand may reach."""
