@@ -1,6 +1,6 @@
 """Does the drift estimate calibrate on episodes it was not fitted on?
 
-Why: a drift budget keeps every chunk's *estimated* drift within ε (`kamera_agent.window.budget`);
+Why: a drift budget keeps every chunk's *estimated* drift within ε (`kamera_agent.fidelity`);
 that is only worth something if, among chunks the estimate puts within ε, almost none truly
 exceed it. This runs the window suite's episode on the shipped demo model with the policies
 unbounded (what a budget would audit), and after every op measures, for every chunk the window
@@ -30,8 +30,8 @@ from rich.table import Table
 
 from kamera_agent.bench.calibrate import HELD_SEEDS, episodes, fit_calibration, judge
 from kamera_agent.bench.common import show_and_save
-from kamera_agent.core.drift import find_calibration
 from kamera_agent.demo.model import load_demo_model
+from kamera_agent.fidelity import find_calibration
 from kamera_agent.settings import configure_threads
 from kamera_agent.window import KameraWindow
 

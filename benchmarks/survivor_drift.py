@@ -28,9 +28,9 @@ from rich.table import Table
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.common import show_and_save
 from kamera_agent.config import WindowConfig
-from kamera_agent.core.drift import relative_error
 from kamera_agent.demo.model import load_demo_model
 from kamera_agent.demo.task import make_items, render_legend, render_page
+from kamera_agent.fidelity import relative_error
 from kamera_agent.settings import configure_threads
 from kamera_agent.window import KameraWindow
 

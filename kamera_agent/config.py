@@ -102,7 +102,7 @@ class WindowConfig(BaseModel):
         large_chunk_tokens: pushing a chunk longer than this warns (`LargeChunkWarning`);
             ``None``: never. A chunk the model's context cannot hold is always refused.
         drift_budget: the largest estimated drift (relative KV error against a re-prefill of
-            the same arrangement, `kamera_agent.core.drift`) any chunk may carry after an op: the
+            the same arrangement, `kamera_agent.fidelity`) any chunk may carry after an op: the
             window audits what it approximates and re-prefills from the first chunk over it.
             ``"calibrated"``: the budget the model's calibration chose (``kamera calibrate``); a
             number ε ≥ 0 (0: exact, the default of `exact`); ``None``: no budget (the policies'

@@ -30,8 +30,11 @@ MOVED = {
     "kamera_agent.backends.vllm.connector": "kamera_agent.engines.vllm.connector",
     "kamera_agent.core.synthesis": "kamera_agent.engines.synthesis",
     "kamera_agent.core.chunking": "kamera_agent.engines.chunking",
+    "kamera_agent.core.drift": "kamera_agent.fidelity",
+    "kamera_agent.window.budget": "kamera_agent.fidelity",
 }
-"""Old module path → where the module lives now (moved in 0.2: engine adapters left `backends`)."""
+"""Old module path → where the module lives now (engine adapters left `backends`; the drift
+budget and its estimator gathered in `fidelity`)."""
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -50,7 +50,7 @@ class OpCost:
         uncached: entries too large for the store's budget, used for this op without being stored.
         forgotten: evicted chunks dropped for good (``max_evicted`` or ``forget``).
         probes: chunks scored by a probe decode (probe-driven eviction).
-        audits: chunks the drift budget audited (`kamera_agent.window.budget`).
+        audits: chunks the drift budget audited (`kamera_agent.fidelity`).
         audit_tokens: tokens those audits recomputed (in ``tokens_prefilled`` too).
         drift_fixes: chunks re-prefilled to keep the drift budget (their tokens are in
             ``tokens_prefilled``).

@@ -33,7 +33,9 @@ print(moved[0].message)
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("old", ["kamera_agent.core.synthesis", "kamera_agent.backends.sglang.segments"])
+@pytest.mark.parametrize(
+    "old", ["kamera_agent.core.synthesis", "kamera_agent.backends.sglang.segments", "kamera_agent.core.drift"]
+)
 def test_an_old_path_is_the_new_module_with_a_warning(old: str) -> None:
     done = import_in_fresh_interpreter(old)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -45,4 +47,4 @@ def test_every_old_path_names_a_module_that_exists() -> None:
 
     for old, new in MOVED.items():
         assert importlib.util.find_spec(new) is not None, new
-        assert old.startswith(("kamera_agent.backends.", "kamera_agent.core.")), old
+        assert old.startswith(("kamera_agent.backends.", "kamera_agent.core.", "kamera_agent.window.")), old

@@ -1,6 +1,6 @@
 """Fitting a model's drift calibration (``kamera calibrate``) and judging one on other episodes.
 
-Why from episodes of the window suite: the estimate a drift budget keeps (`kamera_agent.core.drift`)
+Why from episodes of the window suite: the estimate a drift budget keeps (`kamera_agent.fidelity`)
 must calibrate against what it stands for, each approximated chunk's relative KV error against
 the model's own re-prefill of the window, on the approximations a window really makes. So the
 window suite's episode runs with the policies unbounded (``drift_budget=None``), and after every
@@ -22,6 +22,7 @@ passages come from the corpus's calibration half, disjoint from the benchmark ha
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import statistics
@@ -37,23 +38,24 @@ from rich.progress import Progress, TaskID
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.window_suite import QUERY, TEXT_QUERY, _Episode, _items, text_frames
 from kamera_agent.config import WindowConfig
-from kamera_agent.core.drift import (
+from kamera_agent.core.identity import ChunkState, Context
+from kamera_agent.errors import SettingsError
+from kamera_agent.fidelity import (
     AGREEMENT,
     BUDGETS,
     MEAN_KL,
     Calibration,
+    DriftBudget,
+    Measure,
     audit_indices,
     find_calibration,
     relative_error,
     sampled_error,
     save_calibration,
 )
-from kamera_agent.core.identity import ChunkState, Context
-from kamera_agent.errors import SettingsError
 from kamera_agent.metrics import next_token_kl
 from kamera_agent.parsers.bench import add_calibrate_parser  # declared without torch: `kamera --help`
 from kamera_agent.window import KameraWindow
-from kamera_agent.window.budget import DriftBudget, Measure
 
 __all__ = [
     "FIT_SEEDS",
@@ -69,8 +71,10 @@ __all__ = [
     "fit_calibration",
     "frontier",
     "judge",
+    "load_steps",
     "pick_budget",
     "run_calibrate_command",
+    "save_steps",
 ]
 
 FIT_SEEDS = (7001, 7002)
@@ -176,7 +180,7 @@ def _measure(
     share: float,
     vision: dict[str, Any],
 ) -> Measure:
-    """The audit a budgeted window runs (`kamera_agent.core.drift.audit`: the same rows, over the
+    """The audit a budgeted window runs (`kamera_agent.fidelity.audit`: the same rows, over the
     same context), on one op's window: ``placed`` is the anchor's KV, then each chunk's."""
 
     def measure(i: int, state: ChunkState, ctx: Context) -> float:
@@ -397,6 +401,27 @@ def calibrate(
     return fit_calibration(fingerprint, fitted, seeds, share, quantile=quantile), fitted
 
 
+def save_steps(
+    steps: Sequence[Step], path: Path, fingerprint: str, seeds: Sequence[int], share: float
+) -> None:
+    """Write what episodes measured, so a calibration can be fitted again (``--refit``) or checked
+    against them without running the model."""
+    rows = [[s.op, s.kl, s.agrees, [[x.error, x.own, x.exact] for x in s.slots]] for s in steps]
+    data = {"fingerprint": fingerprint, "seeds": list(seeds), "audit_share": share, "steps": rows}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, separators=(",", ":")))
+
+
+def load_steps(path: Path) -> tuple[list[Step], dict[str, Any]]:
+    """The steps `save_steps` wrote, and its other fields (fingerprint, seeds, audit share)."""
+    data: dict[str, Any] = json.loads(path.read_text())
+    steps = [
+        Step(op, tuple(Slot(float(e), float(o), bool(x)) for e, o, x in slots), float(kl), bool(agrees))
+        for op, kl, agrees, slots in data.pop("steps")
+    ]
+    return steps, data
+
+
 def ensure_calibrated(backend: TransformersBackend, progress: Progress, ops: int = 40) -> Calibration:
     """The model's calibration, fitted now on `FIT_SEEDS` (text or image episodes as it reads) and
     filed in the user's calibration directory where it has none: a benchmark's random-weight
@@ -438,14 +463,35 @@ def run_calibrate_command(args: Any, console: Any) -> int:
         return 2
     began = time.perf_counter()
     try:
-        with Progress(console=console, transient=True) as progress:
-            calibration, ops = calibrate(
-                model, args.seeds, args.ops, progress, args.audit, args.quantile, texts=args.texts, **window
+        if args.refit is not None:
+            ops, measured = load_steps(args.refit)
+            fingerprint = KameraWindow(
+                model, config=WindowConfig(drift_budget=None), **window
+            ).backend.fingerprint
+            if measured["fingerprint"] != fingerprint:
+                console.print(f"[red]--refit: {escape(str(args.refit))} was measured on another model")
+                return 2
+            calibration = fit_calibration(
+                fingerprint, ops, measured["seeds"], measured["audit_share"], quantile=args.quantile
             )
+        else:
+            with Progress(console=console, transient=True) as progress:
+                calibration, ops = calibrate(
+                    model,
+                    args.seeds,
+                    args.ops,
+                    progress,
+                    args.audit,
+                    args.quantile,
+                    texts=args.texts,
+                    **window,
+                )
     except SettingsError as exc:
         console.print(f"[red]kamera calibrate: {escape(str(exc))}")
         return 2
     elapsed = round(time.perf_counter() - began)
+    if args.steps is not None:
+        save_steps(ops, args.steps, calibration.fingerprint, calibration.seeds, calibration.audit_share)
     path = save_calibration(calibration, Path(args.out) if args.out else None)
     judged = judge(calibration, ops)
     table = Table(

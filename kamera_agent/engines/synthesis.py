@@ -37,18 +37,24 @@ tenant is never served another's KV, approximate or not. A request's first chunk
 from __future__ import annotations
 
 import hashlib
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 from kamera_agent.config import WindowConfig
-from kamera_agent.core.drift import AuditSource, Calibration, filed_in, find_calibration
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.engines.offers import FailedEntries
 from kamera_agent.engines.shards import EntryStore
-from kamera_agent.errors import UncalibratedWarning
+from kamera_agent.fidelity import (
+    AuditSource,
+    Calibration,
+    DriftBudget,
+    ServePolicy,
+    engine_budget,
+    filed_in,
+    policy_of,
+)
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.store import EntryKey
 
@@ -66,60 +72,37 @@ __all__ = [
     "serving",
 ]
 
-ServePolicy = Literal["exact", "keep"]
-
-
-def policy_of(config: WindowConfig) -> ServePolicy:
-    """What an engine may serve under ``config``: kept states only where survivors keep them."""
-    return "keep" if config.survivors == "keep" else "exact"
-
 
 @dataclass(frozen=True)
 class KeptBudget:
-    """The drift budget an engine serves kept states within: ε, the model's calibration, and
-    where audits are filed (the store every window sharing it files its audits in)."""
+    """The drift budget an engine serves kept states within (`DriftBudget`: ε, the model's
+    calibration, the verdict) and where audits are filed (the store every window sharing it
+    files its audits in)."""
 
-    epsilon: float
-    calibration: Calibration
+    budget: DriftBudget
     audits: AuditSource
 
+    @property
+    def epsilon(self) -> float:
+        return self.budget.epsilon
+
+    @property
+    def calibration(self) -> Calibration:
+        return self.budget.calibration
+
     def estimate(self, state: ChunkState, left: Context, inherited: float) -> float | None:
-        """``state``'s estimated drift behind ``left`` from the audit filed for the pair and the
-        largest estimate to its left, or ``None``: nobody measured it."""
-        own = filed_in(self.audits)(state, left)
-        return None if own is None else self.calibration.estimate(own, inherited)
-
-
-_warned: set[str] = set()  # fingerprints warned about in this process
+        """``state``'s estimated drift behind ``left`` (`DriftBudget.vouch`: from what is known
+        without measuring), or ``None``: nobody measured it."""
+        return self.budget.vouch(state, left, inherited, filed_in(self.audits))
 
 
 def serving(
     config: WindowConfig, audits: AuditSource, fingerprint: str
 ) -> tuple[ServePolicy, KeptBudget | None]:
-    """The policy an engine serves under ``config`` and the budget its kept states must keep.
-
-    ``drift_budget=None``: kept states unbounded (their drift unknown); 0: exact; a number or
-    ``"calibrated"``: the model's calibration (`find_calibration`) bounds them, and a model
-    without one serves exactly, with one `UncalibratedWarning` per model and process."""
-    policy = policy_of(config)
-    if policy == "exact" or config.drift_budget is None:
-        return policy, None
-    calibration = find_calibration(fingerprint) if config.drift_budget != 0 else None
-    if calibration is None:
-        if config.drift_budget != 0 and fingerprint not in _warned:
-            _warned.add(fingerprint)
-            warnings.warn(
-                "this model has no drift calibration, so the engine serves exactly (kept states are "
-                "approximations nothing bounds without it): calibrate the model once with `kamera "
-                "calibrate MODEL`, or set drift_budget None in the connector's config to keep unbounded",
-                UncalibratedWarning,
-                stacklevel=2,
-            )
-        return "exact", None
-    epsilon = calibration.budget if config.drift_budget == "calibrated" else float(config.drift_budget)
-    if epsilon == 0:
-        return "exact", None
-    return policy, KeptBudget(epsilon, calibration, audits)
+    """The policy an engine serves under ``config`` and the budget its kept states must keep
+    (`kamera_agent.fidelity.engine_budget`), with where audits are filed."""
+    policy, budget = engine_budget(config, fingerprint)
+    return policy, None if budget is None else KeptBudget(budget, audits)
 
 
 @dataclass

@@ -130,6 +130,21 @@ def add_calibrate_parser(commands: Any) -> None:
     )
     calibrate.add_argument("--out", default=None, help="where to file it (default: $KAMERA_CALIBRATION_DIR)")
     calibrate.add_argument(
+        "--steps",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write what the episodes measured (each op's chunks and answer) to this JSON file",
+    )
+    calibrate.add_argument(
+        "--refit",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="fit again from a --steps file instead of running episodes (the model is loaded only "
+        "for its fingerprint)",
+    )
+    calibrate.add_argument(
         "--dtype",
         choices=DTYPES,
         default=None,

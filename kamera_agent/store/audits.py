@@ -1,6 +1,6 @@
 """A measured drift, filed in the store: what a chunk's reused KV was found to be off by.
 
-Why stored: an audit (`kamera_agent.core.drift`) costs a partial forward and depends only on what
+Why stored: an audit (`kamera_agent.fidelity`) costs a partial forward and depends only on what
 the chunk's KV encodes and what its left context encodes (two chained digests), so it is a fact
 every reader of the store can use: a window in another process or node does not audit that pair
 again, and an engine adapter, which cannot recompute tokens to audit, serves a kept state only

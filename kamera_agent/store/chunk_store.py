@@ -35,11 +35,11 @@ import json
 import os
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -62,6 +62,8 @@ from kamera_agent.store.stats import EventLog, StoreEvent, StoreStats
 from kamera_agent.store.tier import Entry, Tier, TierContext
 
 __all__ = ["ChunkStore", "Written"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,7 @@ class ChunkStore:
         self._below = _instrumented([*local, *opened, *tiers])
         self._stack = TierStack(fingerprint, self._memory, self._disk, self._below, self._log, signer)
         self._lock = self._stack.lock
+        self._companions: dict[str, Any] = {}
 
     @property
     def fingerprint(self) -> str:
@@ -223,6 +226,15 @@ class ChunkStore:
         ]
 
     # --- typed entry points -------------------------------------------------------------
+
+    def companion(self, key: str, make: Callable[[], T]) -> T:
+        """The object filed under ``key`` beside this store, made by ``make`` on first use: what
+        the users of one store share besides its entries (a drift budget's learned fix rates)."""
+        with self._lock:
+            if key not in self._companions:
+                self._companions[key] = make()
+            found: T = self._companions[key]
+            return found
 
     def put_canonical(self, kv: ChunkKV) -> EntryKey:
         """Store a chunk's canonical KV under ``kv.chunk_key``; returns its address."""

@@ -21,7 +21,6 @@ from dataclasses import replace
 from functools import partial
 
 from kamera_agent.chunks.chunk import Chunk
-from kamera_agent.core.drift import audit_count
 from kamera_agent.core.identity import Context
 from kamera_agent.core.staging import can_form
 from kamera_agent.errors import (
@@ -33,6 +32,7 @@ from kamera_agent.errors import (
     UnknownChunkError,
     WindowError,
 )
+from kamera_agent.fidelity import audit_count
 from kamera_agent.policies import EVICTION, REORDER, SURVIVORS, EvictionContext, PatchAction
 from kamera_agent.window.plan import Step, WindowPlan, canonical_leads_run
 from kamera_agent.window.rules import Once, PlanInputs, Rules

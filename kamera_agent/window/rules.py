@@ -37,9 +37,9 @@ from kamera_agent.core.identity import (
     patched_digest,
 )
 from kamera_agent.core.staging import StoreView, can_form
+from kamera_agent.fidelity import DriftBudget
 from kamera_agent.policies import PATCH_TIMING, PatchAction
 from kamera_agent.results import EditKind
-from kamera_agent.window.budget import DriftBudget
 from kamera_agent.window.plan import Step
 from kamera_agent.window.state import ChunkRef, WindowState
 

@@ -24,16 +24,15 @@ from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.blend import selected_count
 from kamera_agent.core.costs import CostMeter
-from kamera_agent.core.drift import AuditSource, audit, audit_count, filed_in
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
 from kamera_agent.core.staging import StagedStore, StoreView
 from kamera_agent.errors import ContextOverflowError, WindowClosedError, WindowError
+from kamera_agent.fidelity import AuditSource, DriftBudget, Measure, audit, audit_count, filed_in
 from kamera_agent.metrics import next_token_kl
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer, OpCost, Plan
 from kamera_agent.store.audits import DriftAudit
-from kamera_agent.window.budget import DriftBudget, Measure
 from kamera_agent.window.conversation import Conversation
 from kamera_agent.window.executor import Executor
 from kamera_agent.window.memory import release_evicted
@@ -256,7 +255,7 @@ class OpRunner:
 
     def _keep_budget(self, plan: WindowPlan, executor: Executor, txn: Txn) -> WindowPlan:
         """Audit what ``plan`` left approximate, then re-prefill from the first chunk over the
-        budget (`kamera_agent.window.budget`); ``plan`` with those steps added."""
+        budget (`kamera_agent.fidelity`); ``plan`` with those steps added."""
         budget, state, core = self.parts.budget, self.state, self.parts.core
         if budget is None or any(state.entries[ref].pending for ref in state.order):
             return plan  # lazy patches are due: the read that forms them keeps the budget

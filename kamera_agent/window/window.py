@@ -41,6 +41,7 @@ from kamera_agent.errors import (
     SettingsError,
     UnknownChunkError,
 )
+from kamera_agent.fidelity import window_budget
 from kamera_agent.metrics import next_token_kl
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer, Plan, Probe, WindowStats
@@ -61,7 +62,6 @@ from kamera_agent.window.arguments import (
     check_stop,
     check_text,
 )
-from kamera_agent.window.budget import resolve_budget
 from kamera_agent.window.conversation import Conversation, MessagePart
 from kamera_agent.window.dry_run import PlanView
 from kamera_agent.window.executor import Executor
@@ -144,7 +144,7 @@ class KameraWindow:
             encoder = encoder.with_prompt(template.prompt_format(system_prompt))
             framing = Conversation(template, encoder, config.max_image_pixels)
         store = resolve_store(backend, config, store)
-        config, budget = resolve_budget(config, backend.fingerprint, backend.supports_recompute)
+        config, budget = window_budget(config, backend.fingerprint, store, backend.supports_recompute)
         core = KVCore(backend, store, encoder)
         self._setup(WindowParts(config, backend, core, framing, budget), WindowState())
 
@@ -240,7 +240,7 @@ class KameraWindow:
 
     def drift_of(self, ref: ChunkRef) -> float | None:
         """``ref``'s estimated drift: its relative KV error against a re-prefill of the window as
-        it is, as the drift budget estimates it (`kamera_agent.window.budget`); 0 where the window
+        it is, as the drift budget estimates it (`kamera_agent.fidelity`); 0 where the window
         holds it exactly, ``None`` where nothing estimates it (``drift_budget=None``)."""
         with self._runner.lock:
             entry = self._inputs.entry(ref)

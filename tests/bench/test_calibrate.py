@@ -21,7 +21,7 @@ from kamera_agent.bench.calibrate import (
     pick_budget,
 )
 from kamera_agent.cli import main
-from kamera_agent.core.drift import (
+from kamera_agent.fidelity import (
     AGREEMENT,
     BUDGETS,
     CALIBRATION_DIR_VARIABLE,

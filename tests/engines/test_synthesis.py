@@ -18,14 +18,19 @@ import torch
 import kamera_agent.engines.synthesis as synthesis_module
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
-from kamera_agent.core.drift import CALIBRATION_DIR_VARIABLE, Calibration, relative_error, save_calibration
 from kamera_agent.core.identity import Context
 from kamera_agent.engines.chunking import keyed
 from kamera_agent.engines.synthesis import KeptBudget, PrefixSynthesis, RequestChunk, policy_of, serving
 from kamera_agent.errors import UncalibratedWarning
+from kamera_agent.fidelity import (
+    CALIBRATION_DIR_VARIABLE,
+    Calibration,
+    DriftBudget,
+    relative_error,
+    save_calibration,
+)
 from kamera_agent.operator.layout import ChunkKV, relocate, to_position_free
 from kamera_agent.store import ChunkStore, DriftAudit
-from kamera_agent.window import budget as budget_module
 from tests.backends.test_transformers_backend import text_backend
 
 EXACT = 2e-5
@@ -214,7 +219,6 @@ def test_a_kept_state_finishing_a_chunk_the_engine_began_is_a_named_splice() -> 
 
 
 def test_what_a_synthesis_remembers_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kamera_agent.engines.synthesis as synthesis_module
 
     monkeypatch.setattr(synthesis_module, "MEMORY", 3)
     synthesis = PrefixSynthesis(_store(), "keep")
@@ -271,7 +275,7 @@ def test_kept_states_are_served_only_where_a_filed_audit_puts_them_within_the_bu
     x, y = _long("yak"), _long("emu")
     store = _store()
     calibration = _calibration()
-    synthesis = PrefixSynthesis(store, "keep", KeptBudget(1.0, calibration, store))
+    synthesis = PrefixSynthesis(store, "keep", KeptBudget(DriftBudget(1.0, calibration), store))
     _capture(synthesis, [s, a, b, c])
     _capture(synthesis, [x, y])
     slid = _request([x, y, b, c, d])
@@ -301,7 +305,7 @@ def test_kept_states_are_served_only_where_a_filed_audit_puts_them_within_the_bu
     b_drift = 2.0 * b_error
     c_drift = 2.0 * c_error + 0.5 * b_drift  # c inherits a share of what b carries
     for epsilon, served in ((0.99 * b_drift, 2), (1.01 * b_drift, 3), (1.01 * max(b_drift, c_drift), 4)):
-        bounded = replace(synthesis, budget=KeptBudget(epsilon, calibration, store))
+        bounded = replace(synthesis, budget=KeptBudget(DriftBudget(epsilon, calibration), store))
         plan = bounded.plan(NS, slid, start, end)
         assert len(plan.served) == served and plan.refused == (served < 4), (epsilon, b_drift, c_drift)
         drifts = [item.drift for item in plan.served]
@@ -323,7 +327,6 @@ def test_engines_serve_kept_states_within_the_models_calibrated_budget(
     assert serving(WindowConfig.exact(), store, fingerprint) == ("exact", None)
     assert serving(keep.model_copy(update={"drift_budget": None}), store, fingerprint) == ("keep", None)
     assert serving(keep.model_copy(update={"drift_budget": 0.0}), store, fingerprint) == ("exact", None)
-    monkeypatch.setattr(synthesis_module, "_warned", set())
     with pytest.warns(UncalibratedWarning, match="kamera calibrate"):
         assert serving(keep, store, fingerprint) == ("exact", None)
     save_calibration(_calibration(0.03), tmp_path)
@@ -346,13 +349,12 @@ def test_a_windows_audits_let_an_engine_serve_its_kept_states_within_the_budget(
     from tests.window.helpers import calibrate_for_tests
 
     monkeypatch.setenv(CALIBRATION_DIR_VARIABLE, str(tmp_path))
-    monkeypatch.setattr(budget_module, "_shared", {})
     calibration = calibrate_for_tests(_backend().fingerprint, tmp_path, budget=10.0)  # wide: kept
     notes = [f"the {w} was seen near the window at noon" for w in ("cat", "dog", "owl", "fox", "elk")]
     s, a, b, c, d = (_backend().encoder.text(note) for note in notes)
     salted = "|agent-1"
     store = _store()
-    engine = PrefixSynthesis(store, "keep", KeptBudget(10.0, calibration, store))
+    engine = PrefixSynthesis(store, "keep", KeptBudget(DriftBudget(10.0, calibration), store))
     _capture(engine, [s, a, b, c], namespace=salted)
     slid = _request([a, b, c, d], namespace=salted)
     unaudited = engine.plan(salted, slid, slid[0].end, slid[-1].end)

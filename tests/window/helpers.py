@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from kamera_agent.backends.base import Reference
-from kamera_agent.core.drift import Calibration, save_calibration
+from kamera_agent.fidelity import Calibration, save_calibration
 from kamera_agent.window import KameraWindow
 from tests.kv_helpers import next_token_kl, rel_err
 

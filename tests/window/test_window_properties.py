@@ -46,9 +46,9 @@ from hypothesis.stateful import (
 
 from kamera_agent.backends.decoding import decoded_tokens
 from kamera_agent.config import WindowConfig
-from kamera_agent.core.drift import CALIBRATION_DIR_VARIABLE
 from kamera_agent.core.identity import ChunkState
 from kamera_agent.errors import KameraError
+from kamera_agent.fidelity import CALIBRATION_DIR_VARIABLE
 from kamera_agent.results import Answer
 from kamera_agent.store import ChunkStore
 from kamera_agent.window import ChunkRef, KameraWindow

@@ -14,15 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-import kamera_agent.engines.synthesis as synthesis_module
 from kamera_agent.config import WindowConfig
-from kamera_agent.core.drift import CALIBRATION_DIR_VARIABLE, Calibration, save_calibration
 from kamera_agent.demo.model import DEMO_MODEL_DIR
 from kamera_agent.engines.sglang import Segment, segment_key
 from kamera_agent.engines.sglang.plugin import BACKEND_NAME, CONFIG_VARIABLE, register, settings
 from kamera_agent.engines.sglang.radix import KameraRadixCache
 from kamera_agent.engines.sglang.segments import MM_PAD_SHIFT_VALUE
 from kamera_agent.errors import UncalibratedWarning
+from kamera_agent.fidelity import CALIBRATION_DIR_VARIABLE, Calibration, save_calibration
 
 LAYERS, HEADS, HEAD_DIM, SIZE = 4, 2, 32, 512
 
@@ -67,7 +66,6 @@ def test_the_flag_routes_create_tree_cache_to_kamera(monkeypatch: pytest.MonkeyP
     publish(server_args, role="scheduler")
     context = _build_context(server_args)
     monkeypatch.setenv(CALIBRATION_DIR_VARIABLE, str(tmp_path))
-    monkeypatch.setattr(synthesis_module, "_warned", set())
     with pytest.warns(UncalibratedWarning):  # the checkpoint in bf16: never calibrated
         cache = create_tree_cache(context)
     assert isinstance(cache, KameraRadixCache) and cache.config.rank == 16
@@ -97,8 +95,8 @@ def test_the_demo_model_served_in_its_own_dtype_finds_its_shipped_calibration(
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
 
-    from kamera_agent.core.drift import find_calibration
     from kamera_agent.demo.model import load_demo_model
+    from kamera_agent.fidelity import find_calibration
     from kamera_agent.fingerprint import model_fingerprint
 
     register()

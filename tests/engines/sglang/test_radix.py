@@ -21,14 +21,13 @@ from typing import Any
 import pytest
 import torch
 
-import kamera_agent.engines.synthesis as synthesis_module
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
-from kamera_agent.core.drift import CALIBRATION_DIR_VARIABLE, Calibration, save_calibration
 from kamera_agent.engines.sglang.pool import SGLangSlots
 from kamera_agent.engines.sglang.radix import KameraRadixCache
 from kamera_agent.engines.sglang.segments import ChunkRules
 from kamera_agent.errors import UncalibratedWarning
+from kamera_agent.fidelity import CALIBRATION_DIR_VARIABLE, Calibration, save_calibration
 from kamera_agent.operator.layout import ChunkKV, to_position_free
 from kamera_agent.store import ChunkStore
 from tests.backends.test_transformers_backend import images, text_backend, vl_backend
@@ -485,7 +484,6 @@ def test_at_the_default_budget_a_kept_state_nobody_audited_is_computed(
     without a calibration the plugin serves exactly, with one warning."""
     backend = _backend("qwen2")
     monkeypatch.setenv(CALIBRATION_DIR_VARIABLE, str(tmp_path))
-    monkeypatch.setattr(synthesis_module, "_warned", set())
     with pytest.warns(UncalibratedWarning):
         harness, _ = _setup(backend, 1, WindowConfig())
     assert harness.tree_cache.synthesis.policy == "exact"

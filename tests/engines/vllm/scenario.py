@@ -313,7 +313,7 @@ def _calibrate(model_dir: str) -> None:
     """File a calibration for the model (as ``kamera calibrate`` would) where the connector finds it."""
     import torch
 
-    from kamera_agent.core.drift import CALIBRATION_DIR_VARIABLE, Calibration, save_calibration
+    from kamera_agent.fidelity import CALIBRATION_DIR_VARIABLE, Calibration, save_calibration
     from kamera_agent.fingerprint import checkpoint_fingerprint
 
     directory = tempfile.mkdtemp(prefix="kamera-calibration-")
@@ -330,9 +330,9 @@ def _audit_kept(llm: Any, model_dir: str, prompt: list[int], salt: str | None) -
 
     import torch
 
-    from kamera_agent.core.drift import relative_error
     from kamera_agent.core.identity import Context
     from kamera_agent.engines.chunking import request_chunks
+    from kamera_agent.fidelity import relative_error
     from kamera_agent.operator.layout import ChunkKV, relocate
     from kamera_agent.store import DriftAudit
 

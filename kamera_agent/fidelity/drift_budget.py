@@ -1,9 +1,9 @@
-"""A window's drift budget: every chunk's estimated drift kept within ε after each op.
+"""The drift budget: every chunk's estimated drift kept within ε, by windows and engines alike.
 
 Why here and in this shape: the planner approximates where the window's policies say (kept
 survivors, orbit patches, recalls in their original context, rank-m patches); the budget bounds
 what those approximations may cost in fidelity. After an op runs, each chunk the window does not
-hold exactly is given an estimate (`kamera_agent.core.drift`: a sampled audit, scaled by the
+hold exactly is given an estimate (`kamera_agent.fidelity`: a sampled audit, scaled by the
 model's calibration, plus a share of the largest estimate to its left); the first chunk over ε
 and every chunk after it are re-prefilled over their left context (`Planner.refill`), which
 makes them exact there. An audit is remembered by what the chunk's KV and its left context
@@ -20,32 +20,21 @@ first changed slot, it plans that re-prefill instead.
 from __future__ import annotations
 
 import threading
-import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from kamera_agent.config import WindowConfig
-from kamera_agent.core.drift import Calibration, find_calibration
 from kamera_agent.core.identity import ChunkState, Context
-from kamera_agent.errors import UncalibratedWarning
+from kamera_agent.fidelity.audits import Filed, Measure
+from kamera_agent.fidelity.calibration import Calibration
 
-__all__ = ["DriftBudget", "Filed", "Measure", "resolve_budget", "shared_budget"]
+__all__ = ["DriftBudget"]
 
-_AUDITS = 1 << 14  # audits remembered per window family
+_AUDITS = 1 << 14  # audits remembered per budget
 _RETRY = 16  # an op name whose approximations keep failing is still tried once in this many
 _KIND = {"evict": "slide"}
 """Op names counted as another's: an eviction leaves what a slide leaves (survivors keeping what
 they absorbed from the chunks that left), so how often one needed a fix tells about the other."""
 _PRIOR = 8  # a calibration's fix rates count as at most this many ops (the window's own outweigh them)
-_warned: set[str] = set()  # fingerprints warned about in this process (one warning each)
-_shared: dict[tuple[str, float, str], DriftBudget] = {}
-_shared_lock = threading.Lock()
-
-Measure = Callable[[int, ChunkState, Context], float]
-"""Audit the chunk at index ``i`` in ``state`` behind left context ``ctx``: its sampled error."""
-
-Filed = Callable[[ChunkState, Context], float | None]
-"""The error an audit filed in the store measured for ``state`` behind ``ctx``, or ``None``."""
 
 
 class DriftBudget:
@@ -162,6 +151,13 @@ class DriftBudget:
             worst, ctx = max(worst, estimate), following
         return out
 
+    def vouch(self, state: ChunkState, left: Context, inherited: float, filed: Filed) -> float | None:
+        """The estimated drift of ``state`` served behind ``left``, where the largest estimate to
+        its left is ``inherited``, from what is known without measuring (`own`): how an engine,
+        which cannot audit, decides whether a kept state may be served. ``None``: nobody measured it."""
+        own = self.own(state, left, filed)
+        return None if own is None else self.calibration.estimate(own, inherited)
+
     def first_over(self, estimates: Sequence[float | None]) -> int | None:
         """The first index not known to be within ε (over it, or not estimated)."""
         return next((i for i, e in enumerate(estimates) if e is None or not e <= self.epsilon), None)
@@ -172,53 +168,3 @@ def _prior(audited: int, fixed: int) -> list[int]:
     if audited <= _PRIOR:
         return [audited, fixed]
     return [_PRIOR, round(fixed * _PRIOR / audited)]
-
-
-def resolve_budget(
-    config: WindowConfig, fingerprint: str, can_audit: bool = True
-) -> tuple[WindowConfig, DriftBudget | None]:
-    """The settings a window runs with and its budget.
-
-    ``drift_budget=None``: the settings as given, no budget. A budget of 0, or any budget on a
-    model with no calibration or an engine that cannot audit (`Backend.supports_recompute`): the
-    settings with every approximation off (`WindowConfig.exactly`), the latter two with one
-    `UncalibratedWarning` per model and process.
-    """
-    if config.drift_budget is None:
-        return config, None
-    if config.drift_budget == 0:
-        return config.exactly(), None
-    calibration = find_calibration(fingerprint) if can_audit else None
-    if calibration is None:
-        if fingerprint not in _warned:
-            _warned.add(fingerprint)
-            why = (
-                "this model has no drift calibration"
-                if can_audit
-                else "this engine cannot recompute sampled tokens to audit drift (supports_recompute)"
-            )
-            warnings.warn(
-                f"{why}, so the window runs exactly (no approximation is bounded without it): calibrate "
-                "the model once with `kamera calibrate MODEL` (or set WindowConfig(drift_budget=None) to "
-                "approximate unbounded, or use WindowConfig.exact())",
-                UncalibratedWarning,
-                stacklevel=4,
-            )
-        return config.exactly(), None
-    epsilon = calibration.budget if config.drift_budget == "calibrated" else float(config.drift_budget)
-    if epsilon == 0:
-        return config.exactly(), None
-    return config, shared_budget(fingerprint, epsilon, calibration)
-
-
-def shared_budget(fingerprint: str, epsilon: float, calibration: Calibration) -> DriftBudget:
-    """The process's one budget for this model, ε and calibration: windows of one model share
-    what was audited (filed by digests that name model, anchor and content, so a pair is the
-    same pair in every window) and how often each op name needed a fix, so a new window, or a
-    new `kamera serve` session, does not try again what the others found over ε."""
-    key = (fingerprint, epsilon, calibration.to_json())
-    with _shared_lock:
-        budget = _shared.get(key)
-        if budget is None:
-            budget = _shared[key] = DriftBudget(epsilon, calibration)
-        return budget

@@ -1,0 +1,70 @@
+"""Fidelity: whether an approximated chunk's KV may stand, decided in one place.
+
+Why one package: a window's planner forecasts with the drift budget, its runner enforces it,
+an engine adapter serves kept states within it and ``kamera calibrate`` fits it; each reads the
+same object (`DriftBudget`: ε, the model's `Calibration`, the audits measured and how often each
+op needed a fix), so a window and an engine on the same model reach the same verdict. Code
+outside this package imports from here only (an import contract holds it), so the estimator and
+the budget's internals change in one place.
+
+- `calibration`: a model's fitted constants and default ε, filed by fingerprint.
+- `audits`: the sampled audit (a chunk's KV against a few of its rows recomputed) and errors.
+- `drift_budget`: the estimate chained left to right, the verdict per chunk, the fix rates.
+- `resolve`: which budget a window or an engine runs with, from its settings.
+"""
+
+from kamera_agent.fidelity.audits import (
+    AuditSource,
+    Filed,
+    Measure,
+    audit,
+    audit_count,
+    audit_indices,
+    filed_in,
+    relative_error,
+    sampled_error,
+)
+from kamera_agent.fidelity.calibration import (
+    AGREEMENT,
+    BUDGETS,
+    CALIBRATION_DIR_VARIABLE,
+    MEAN_KL,
+    Calibration,
+    calibration_dirs,
+    find_calibration,
+    save_calibration,
+)
+from kamera_agent.fidelity.drift_budget import DriftBudget
+from kamera_agent.fidelity.resolve import (
+    ServePolicy,
+    engine_budget,
+    policy_of,
+    shared_budget,
+    window_budget,
+)
+
+__all__ = [
+    "AGREEMENT",
+    "BUDGETS",
+    "CALIBRATION_DIR_VARIABLE",
+    "MEAN_KL",
+    "AuditSource",
+    "Calibration",
+    "DriftBudget",
+    "Filed",
+    "Measure",
+    "ServePolicy",
+    "audit",
+    "audit_count",
+    "audit_indices",
+    "calibration_dirs",
+    "engine_budget",
+    "filed_in",
+    "find_calibration",
+    "policy_of",
+    "relative_error",
+    "sampled_error",
+    "save_calibration",
+    "shared_budget",
+    "window_budget",
+]
