@@ -391,27 +391,29 @@ class Planner:
             return refilling(why, declined=True)
         return plan.changed(vouched_to=first, prefix_bound=refill)
 
-    def refill(self, state: WindowState, start: int, why: str) -> WindowPlan:
-        """Re-prefill the window's chunks from index ``start`` on over the chunks left of it as they
-        are (each then exact over its left context): how a drift budget is kept."""
+    def refill(self, state: WindowState, start: int, why: str, end: int | None = None) -> WindowPlan:
+        """Re-prefill the window's chunks from index ``start`` on (to ``end``, else to the last)
+        over the chunks left of it as they are (each then exact over its left context): how a
+        drift budget is kept."""
         order = tuple(state.order)
         ctx = self.root
         for ref in order[:start]:
             ctx = ctx.extend(state.entries[ref].state)
         plan = WindowPlan("refill", order)
         return _lead_shares_forward(
-            plan.changed(steps=tuple(self._refill_steps(state, plan, start, ctx, why)))
+            plan.changed(steps=tuple(self._refill_steps(state, plan, start, ctx, why, end)))
         )
 
     def _refill_steps(
-        self, state: WindowState, plan: WindowPlan, start: int, ctx: Context, why: str
+        self, state: WindowState, plan: WindowPlan, start: int, ctx: Context, why: str, end: int | None = None
     ) -> list[Step]:
-        """The steps re-prefilling ``plan.order`` from ``start`` over ``ctx`` (formations share forwards)."""
+        """The steps re-prefilling ``plan.order`` from ``start`` (to ``end``) over ``ctx``
+        (formations share forwards)."""
         steps: list[Step] = []
         previous: Step | None = None
         group: list[Step] = []
         order = plan.order
-        for i in range(start, len(order)):
+        for i in range(start, len(order) if end is None else end):
             ref = order[i]
             chunk = plan.chunks[ref] if ref in plan.chunks else state.entries[ref].chunk
             step = self.rules.refilled(ref, chunk, ctx, order[:i], why)

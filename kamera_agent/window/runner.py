@@ -13,27 +13,22 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import TypeVar
 
 import torch
 
 from kamera_agent.backends.base import Backend, DecodeConfig
-from kamera_agent.backends.recompute import deviation_spent
 from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.config import WindowConfig
-from kamera_agent.core.blend import selected_count
 from kamera_agent.core.costs import CostMeter
-from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
 from kamera_agent.core.staging import StagedStore, StoreView
 from kamera_agent.errors import ContextOverflowError, WindowClosedError, WindowError
-from kamera_agent.fidelity import AuditSource, DriftBudget, Measure, audit, audit_count, filed_in
+from kamera_agent.fidelity import AuditSource, DriftBudget, Measure, filed_in
 from kamera_agent.metrics import next_token_kl
-from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer, OpCost, Plan
-from kamera_agent.store.audits import DriftAudit
 from kamera_agent.window.conversation import Conversation
+from kamera_agent.window.drift_fixes import DriftFixes
 from kamera_agent.window.executor import Executor
 from kamera_agent.window.memory import release_evicted
 from kamera_agent.window.plan import WindowPlan
@@ -47,9 +42,6 @@ Build = Callable[[Planner], WindowPlan]
 """One op's planner call, its arguments parsed and checked already (`Inputs`, `arguments`)."""
 _ATTEMPTS = 3  # plans re-made when another window changed an orbit patch under an op
 _QUERIES = 64  # query token ids remembered per window family
-RECOMPUTE = "recompute"
-"""The drift budget's outcome name for token recomputes (`DriftBudget.record`): how often one
-left its chunk over ε."""
 
 
 @dataclass(frozen=True)
@@ -218,7 +210,10 @@ class OpRunner:
                 self.check_context(plan)
                 executor = Executor(self.state, core, txn, config)
                 executor.run(plan)
-                plan = self._keep_budget(plan, executor, txn)
+                budget, entries = self.parts.budget, self.state.entries
+                if budget is not None and not any(entries[ref].pending for ref in self.state.order):
+                    # lazy patches are due otherwise: the read that forms them holds the budget
+                    plan = DriftFixes(self, budget, executor, txn).run(plan)
                 value = read(executor) if read is not None else None
             except StaleLookup:
                 self.state = _restored(snapshot)
@@ -252,95 +247,6 @@ class OpRunner:
             ctx = ctx.extend(state)
             out.append(0.0 if ctx.exact else None)
         return out
-
-    def _keep_budget(self, plan: WindowPlan, executor: Executor, txn: Txn) -> WindowPlan:
-        """Audit what ``plan`` left approximate, then re-prefill from the first chunk over the
-        budget (`kamera_agent.fidelity`); ``plan`` with those steps added."""
-        budget, state, core = self.parts.budget, self.state, self.parts.core
-        if budget is None or any(state.entries[ref].pending for ref in state.order):
-            return plan  # lazy patches are due: the read that forms them keeps the budget
-        placed: list[ChunkKV] = []
-        advances = (state.entries[ref].chunk.advance for ref in state.order)
-        starts = list(accumulate(advances, initial=core.anchor.advance))
-        meter = txn.meter
-
-        def measure(i: int, chunk_state: ChunkState, ctx: Context) -> float:
-            if not placed:
-                placed.extend(executor.placements())
-            chunk = state.entries[state.order[i]].chunk
-            seed = f"{chunk_state.digest}:{ctx.digest}"
-            share = budget.calibration.audit_share
-            error, tokens = audit(core, chunk, placed[i + 1], placed[: i + 1], starts[i], share, seed, txn)
-            meter.audits += 1
-            meter.audit_tokens += tokens
-            # filed with the op's writes: readers of the store (other windows, engines) use it too
-            txn.store.put_audit(DriftAudit(chunk.key, chunk_state.digest, ctx.digest, error, tokens))
-            return error
-
-        estimates = self.drift(measure, until_over=True, store=txn.store)
-        first = budget.first_over(estimates)
-        if meter.audits:
-            budget.record(plan.op, first is not None)
-        elif plan.declined:
-            budget.declined(plan.op)
-        recomputed: set[int] = set()
-        while first is not None and first not in recomputed and self._recompute_pays(plan, first, txn):
-            executor.recompute(state.order[first], budget.calibration.recompute_share)
-            recomputed.add(first)
-            meter.drift_recomputes += 1
-            placed.clear()  # the chunk's KV changed: placed again for the audits that follow
-            estimates = self.drift(measure, until_over=True, store=txn.store)
-            still = budget.first_over(estimates)
-            budget.record(RECOMPUTE, still is not None and still <= first)
-            first = still
-        if first is not None:
-            over = estimates[first]
-            why = f"drift budget {budget.epsilon:g}: estimated {over:.3g} here; re-prefilled from it"
-            planner = self.planner(txn.store)
-            fix = planner.refill(state, first, why)
-            vouched = plan.vouched_to
-            if vouched is not None and vouched < first:  # what the plan was bounded with, if cheaper
-                earlier = planner.refill(state, vouched, why)
-                if sum(s.tokens for s in earlier.steps) < sum(s.tokens for s in fix.steps):
-                    fix, first = earlier, vouched
-            executor.run(fix)
-            meter.drift_fixes += len(state.order) - first
-            plan = plan.changed(steps=plan.steps + fix.steps)
-            estimates = self.drift(store=txn.store)
-        meter.drift = max((e for e in estimates if e is not None), default=0.0)
-        return plan
-
-    def _recompute_pays(self, plan: WindowPlan, first: int, txn: Txn) -> bool:
-        """Whether to try the drift budget's cheapest fix for the chunk at ``first``: recompute its
-        most deviating tokens over the chunks to its left (`Executor.recompute`) before
-        re-prefilling it and everything after it.
-
-        Tried where it cannot break the never-costlier rule (what the op prefilled so far, the
-        recompute, and the re-prefill from ``first`` should it fail, within the prefix cache's
-        cost of the op, `WindowPlan.prefix_bound`), and where the budget expects it to pay at the
-        rate recomputes have kept chunks within ε so far (`DriftBudget.worth_trying`)."""
-        budget, state, core = self.parts.budget, self.state, self.parts.core
-        entry = state.entries[state.order[first]]
-        if budget is None or plan.prefix_bound is None or entry.state.kind == "recomputed":
-            return False
-        n, layers = entry.chunk.num_tokens, core.backend.layout.num_layers
-        share = budget.calibration.recompute_share
-        probe = deviation_spent(n, 1, layers).tokens_prefilled
-        cost = selected_count(share, n) + probe  # the recompute and the one-layer probe picking its tokens
-        if cost >= n:
-            return False  # as dear as re-prefilling the chunk itself
-        fix = sum(step.tokens for step in self.planner(txn.store).refill(state, first, "fix").steps)
-        spent = txn.meter.spent.tokens_prefilled - txn.meter.audit_tokens
-        if spent + cost + fix > plan.prefix_bound:
-            return False
-        share_audited = budget.calibration.audit_share
-        audits = sum(
-            audit_count(state.entries[ref].chunk.num_tokens, share_audited) for ref in state.order[first:]
-        )
-        if budget.worth_trying(RECOMPUTE, cost, fix, fix, audits):
-            return True
-        budget.declined(RECOMPUTE)
-        return False
 
     def _score(self, plan: WindowPlan, txn: Txn) -> None:
         """Run the probes a probe-driven eviction asked for; remember their KLs for the re-plan."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kamera_agent.backends.base import Spent
+from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.identity import ChunkState, Context
@@ -32,6 +33,7 @@ from kamera_agent.operator.layout import to_position_free
 from kamera_agent.results import OpCost
 from kamera_agent.store import DriftAudit
 from kamera_agent.window import KameraWindow
+from kamera_agent.window import drift_fixes as drift_fixes_module
 from kamera_agent.window.executor import Executor
 from tests.kv_helpers import rel_err
 from tests.window.backends import backend_named
@@ -314,17 +316,16 @@ def test_a_failed_op_files_no_audit(calibrations: Path, monkeypatch: pytest.Monk
     for text in TEXTS[:4]:
         window.push(text, label=text)
     before = set(window.store.keys())
-    runner = window._runner
-    original = runner._keep_budget
+    original = drift_fixes_module.DriftFixes.run
 
-    def fails_after_auditing(*args: object) -> object:
-        original(*args)  # type: ignore[arg-type]
+    def fails_after_auditing(self: drift_fixes_module.DriftFixes, plan: object) -> object:
+        original(self, plan)  # type: ignore[arg-type]
         raise RuntimeError("the op fails after its audits")
 
-    runner._keep_budget = fails_after_auditing  # type: ignore[method-assign]
+    monkeypatch.setattr(drift_fixes_module.DriftFixes, "run", fails_after_auditing)
     with pytest.raises(RuntimeError):
         window.slide(1)
-    runner._keep_budget = original  # type: ignore[method-assign]
+    monkeypatch.setattr(drift_fixes_module.DriftFixes, "run", original)
     assert staged  # the op audited before it failed
     assert set(window.store.keys()) == before
 
@@ -450,6 +451,43 @@ def test_a_recompute_is_never_tried_where_its_failure_would_cost_more_than_a_pre
     window = _evict_behind_a_vouched_chunk(1e-3, 0.3, calibrations)
     window.evict(window.refs[1])  # nothing vouched now: the chunk after it is the first over
     assert window.stats.last.drift_fixes > 0 and window.stats.last.drift_recomputes == 0
+
+
+def test_a_chunk_over_budget_is_formed_over_its_left_and_the_chunks_after_it_are_kept(
+    calibrations: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a slide the first survivor behind the new lead is over ε and the one after it is
+    not (audits scripted by chunk: the model's own errors are the benchmark's to measure): the
+    budget forms only that survivor over its left and keeps the next one as it is, where the
+    re-prefill from it would have formed both; what it learned is counted as a re-form."""
+    calibrate_for_tests(
+        backend_named("qwen2").fingerprint, calibrations, audit_share=0.1, inherit=0.0, recompute_share=1.0
+    )
+    scripted = {"note-c": 0.5}
+
+    def audit(core: object, chunk: Chunk, *rest: object) -> tuple[float, int]:
+        return scripted.get(chunk.label or "", 0.01), 2
+
+    monkeypatch.setattr(drift_fixes_module, "audit", audit)
+    window = _window(0.05)
+    for name, note in zip("abcd", NOTES, strict=True):
+        window.push(note, label=f"note-{name}")
+    kept = window.refs[-1]
+    window.slide(1)
+    cost = window.stats.last
+    lead, formed, after = window.refs
+    assert cost.drift_fixes == 1 and cost.drift_recomputes == 0, window.last_plan
+    left = window._parts.core.root.extend(window.state_of(lead))
+    state = window.state_of(formed)
+    assert state.kind == "patched" and state.rank == "full" and state.context == left
+    assert after == kept and window.state_of(after).context != left.extend(state)  # kept as it was
+    drift = window.drift_of(after)
+    assert drift is not None and 0 < drift <= 0.05
+    prefilled = cost.tokens_prefilled  # the scripted audits run no forward
+    assert prefilled == window.chunk(formed).num_tokens  # the lead's canonical is stored already
+    assert prefilled < sum(window.chunk(ref).num_tokens for ref in window.refs)  # a prefix cache's
+    budget = window._parts.budget
+    assert budget is not None and budget.outcomes()["reform"] == (1, 0)
 
 
 def test_a_recomputed_state_is_named_by_its_source_context_and_share() -> None:
