@@ -108,6 +108,19 @@ def test_fix_rates_count_the_ops_that_move_chunks_estimated_over_the_budget() ->
     assert rates["slide"] == (2, over) and rates["reorder"][0] == 1
 
 
+def test_the_inherited_share_is_the_one_whose_default_lets_the_most_ops_stand() -> None:
+    """Two approximated chunks per good op, the second no worse than the first: a share that
+    passes the first's estimate on pushes the good ops over the ε the bad op caps the pick at,
+    so the fit keeps the smaller share, and its default lets the good ops stand."""
+    good = Step("slide", (Slot(0.0, 0.0, True), Slot(0.02, 0.02, False), Slot(0.02, 0.02, False)), 1e-3, True)
+    bad = Step("recall", (Slot(0.0, 0.0, True), Slot(0.05, 0.05, False)), 0.5, False)
+    steps = [good] * 4 + [bad]
+    fitted = fit_calibration("f", steps, [1], 0.1)
+    forced = fit_calibration("f", steps, [1], 0.1, inherit=1.0)
+    assert fitted.inherit == 0.0 and fitted.budget == forced.budget == 3e-2
+    assert fitted.frontier["0.03"]["standing"] == 0.8 and forced.frontier["0.03"]["standing"] == 0.0
+
+
 def test_shipped_calibrations_record_the_frontier_their_budget_was_picked_from() -> None:
     """A calibration that ships with a frontier has the budget the rule picks from it: the pick is
     recomputed here from the stored numbers, not taken on trust."""
@@ -131,9 +144,30 @@ def test_kamera_calibrate_files_the_demo_models_calibration(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv(CALIBRATION_DIR_VARIABLE, str(tmp_path))
-    assert main(["calibrate", "demo", "--ops", "24", "--seeds", "5", "--out", str(tmp_path)]) == 0
+    steps = tmp_path / "steps" / "demo.json"
+    assert (
+        main(
+            [
+                "calibrate",
+                "demo",
+                "--ops",
+                "24",
+                "--seeds",
+                "5",
+                "--out",
+                str(tmp_path),
+                "--steps",
+                str(steps),
+            ]
+        )
+        == 0
+    )
     (filed,) = tmp_path.glob("*.json")
     data = json.loads(filed.read_text())
+    # fitted again from what the episodes measured, without running them: the same calibration
+    again = tmp_path / "again"
+    assert main(["calibrate", "demo", "--refit", str(steps), "--out", str(again)]) == 0
+    assert (again / filed.name).read_text() == filed.read_text()
     assert data["seeds"] == [5] and data["samples"] > 0 and data["scale"] > 0
     # the fitting episodes' moving ops, counted at the picked budget, ship with the calibration
     rates = data["fix_rates"]
