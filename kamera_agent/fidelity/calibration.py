@@ -40,7 +40,8 @@ class Calibration:
         fingerprint: the model it was fitted on (`Backend.fingerprint`); used for no other.
         scale: the audit's multiplier: on the fitting episodes, ``quantile`` of the approximated
             chunks have a true error at most ``scale × audit + inherit × inherited``.
-        inherit: the share of the largest estimate to a chunk's left that it inherits.
+        inherit: the share of the largest estimate to a chunk's left that it inherits (fitted
+            with the scale: the share whose default ε lets the most ops stand).
         audit_share: the share of a chunk's tokens one audit recomputes (at least two tokens).
         quantile: the share of fitting chunks the scale bounds.
         budget: the ε a window uses by default, picked from ``frontier``: the largest of `BUDGETS`

@@ -6,7 +6,7 @@ estimated left to right (`DriftBudget.estimates`, audits filed with the op's wri
 first chunk over ε gets the cheapest fix that can bring the window within it:
 
 1. **recompute** its most deviating tokens over the chunks to its left (`Executor.recompute`);
-2. **re-form** it alone over its left (exact there) and keep the chunks after it where their
+2. **re-prefill it alone** over its left (exact there) and keep the chunks after it where their
    audits, taken again, stay within ε: a kept chunk's drift falls with its distance from what
    changed, so on a real model the first survivor or two after a slide are over ε and the rest
    are not;
@@ -35,14 +35,14 @@ from kamera_agent.window.plan import WindowPlan
 if TYPE_CHECKING:
     from kamera_agent.window.runner import OpRunner
 
-__all__ = ["RECOMPUTE", "REFORM", "DriftFixes"]
+__all__ = ["RECOMPUTE", "REFILL_ONE", "DriftFixes"]
 
 RECOMPUTE = "recompute"
 """The drift budget's outcome name for token recomputes (`DriftBudget.record`): how often one
 left its chunk over ε."""
-REFORM = "reform"
-"""The drift budget's outcome name for forming one chunk over its left and keeping the chunks
-after it: how often one of those was still over ε."""
+REFILL_ONE = "refill_one"
+"""The drift budget's outcome name for re-prefilling one chunk over its left and keeping the
+chunks after it: how often one of those was still over ε."""
 
 
 class DriftFixes:
@@ -73,16 +73,16 @@ class DriftFixes:
             still = self._estimate()
             budget.record(RECOMPUTE, still is not None and still <= first)
             first = still
-        while first is not None and self._reform_pays(plan, first):
-            why = f"{self._over(first)}; formed over its left"
+        while first is not None and self._refill_one_pays(plan, first):
+            why = f"{self._over(first)}; re-prefilled alone over its left"
             plan = self._fix(
                 plan, self.runner.planner(self.txn.store).refill(self.state, first, why, first + 1)
             )
             meter.drift_fixes += 1
             still = self._estimate()
-            budget.record(REFORM, still is not None)
+            budget.record(REFILL_ONE, still is not None)
             if still is not None and still <= first:
-                break  # not within ε even formed over its left: re-prefilled from there below
+                break  # not within ε even re-prefilled over its left: re-prefilled from there below
             first = still
         if first is not None:
             plan = self._refill(plan, first)
@@ -162,9 +162,10 @@ class DriftFixes:
         budget.declined(RECOMPUTE)
         return False
 
-    def _reform_pays(self, plan: WindowPlan, first: int) -> bool:
-        """Whether to form only the chunk at ``first`` over its left and audit the chunks after it
-        again, before re-prefilling from ``first`` (never costlier, expected to pay)."""
+    def _refill_one_pays(self, plan: WindowPlan, first: int) -> bool:
+        """Whether to re-prefill only the chunk at ``first`` over its left and audit the chunks
+        after it again, before re-prefilling from ``first`` to the end (never costlier, expected
+        to pay)."""
         if plan.prefix_bound is None or first + 1 >= len(self.state.order):
             return False
         planner = self.runner.planner(self.txn.store)
@@ -172,9 +173,9 @@ class DriftFixes:
         rest = _tokens(planner.refill(self.state, first + 1, "fix"))
         if self._spent() + cost + rest > plan.prefix_bound:
             return False
-        if self.budget.worth_trying(REFORM, cost, rest, cost + rest, self._audits_from(first + 1)):
+        if self.budget.worth_trying(REFILL_ONE, cost, rest, cost + rest, self._audits_from(first + 1)):
             return True
-        self.budget.declined(REFORM)
+        self.budget.declined(REFILL_ONE)
         return False
 
 

@@ -453,13 +453,13 @@ def test_a_recompute_is_never_tried_where_its_failure_would_cost_more_than_a_pre
     assert window.stats.last.drift_fixes > 0 and window.stats.last.drift_recomputes == 0
 
 
-def test_a_chunk_over_budget_is_formed_over_its_left_and_the_chunks_after_it_are_kept(
+def test_a_chunk_over_budget_is_re_prefilled_alone_and_the_chunks_after_it_are_kept(
     calibrations: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After a slide the first survivor behind the new lead is over ε and the one after it is
     not (audits scripted by chunk: the model's own errors are the benchmark's to measure): the
     budget forms only that survivor over its left and keeps the next one as it is, where the
-    re-prefill from it would have formed both; what it learned is counted as a re-form."""
+    re-prefill from it would have formed both; what it learned is counted under its own name."""
     calibrate_for_tests(
         backend_named("qwen2").fingerprint, calibrations, audit_share=0.1, inherit=0.0, recompute_share=1.0
     )
@@ -487,7 +487,7 @@ def test_a_chunk_over_budget_is_formed_over_its_left_and_the_chunks_after_it_are
     assert prefilled == window.chunk(formed).num_tokens  # the lead's canonical is stored already
     assert prefilled < sum(window.chunk(ref).num_tokens for ref in window.refs)  # a prefix cache's
     budget = window._parts.budget
-    assert budget is not None and budget.outcomes()["reform"] == (1, 0)
+    assert budget is not None and budget.outcomes()["refill_one"] == (1, 0)
 
 
 def test_a_recomputed_state_is_named_by_its_source_context_and_share() -> None:
