@@ -21,7 +21,9 @@ def agents_tables(agents: dict[str, Any], run: dict[str, Any]) -> list[str]:
     then the same by step kind."""
     model = "the realistic shape and the demo model" if agents.get("realistic_shape") else "this model"
     lines = [
-        f"Agents on {model}: kamera at its defaults and exact beside a prefix cache, every step run on "
+        f"Agents on {model}: kamera at its defaults and exact (and, on a real text model, "
+        "`kamera-unbounded`: the defaults' policies with no drift budget, **unbounded**) beside a "
+        "prefix cache, every step run on "
         f"each side in rotating order, over {agents.get('content', 'the demo task')}; after every step "
         "each kamera side's first answer token and next-token KL are checked against the reference "
         "(the model's own re-prefill unless the row says otherwise).",

@@ -19,6 +19,7 @@ from rich.console import Console
 
 from kamera_agent.bench import runner
 from kamera_agent.bench.agents.a11y import screen_title
+from kamera_agent.bench.agents.records import TEXT_SIDES, UNBOUNDED
 from kamera_agent.bench.agents.script import Script
 from kamera_agent.bench.agents.scripts import AGENTS, AgentCounts
 from kamera_agent.bench.agents.text_contents import (
@@ -33,8 +34,6 @@ from kamera_agent.chunks.encoder import ChunkEncoder
 from tests.backends.test_transformers_backend import sharpen
 from tests.tiny_models import tiny_llama
 from tests.tiny_processors import tiny_tokenizer
-
-SIDES = {"kamera", "kamera-exact", "prefix"}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +54,7 @@ def test_a_text_model_runs_every_agent_on_itself_over_real_text(agents: dict[str
     for run in suite["runs"]:
         name = name or run["model"]
         assert run["model"] == name and name.startswith("tiny-llama-text")
-        assert set(run["sides"]) == SIDES
+        assert set(run["sides"]) == set(TEXT_SIDES)
         assert run["steps_done"] == run["steps_requested"] == len(run["records"]) == len(run["checks"])
         assert {check["reference"] for check in run["checks"]} == {"re-prefill"}
         assert run["baseline_max_error"] < 1e-4  # the prefix cache is the model's own forward
@@ -68,7 +67,7 @@ def test_a_text_model_runs_every_agent_on_itself_over_real_text(agents: dict[str
 
 def test_each_sides_tokens_are_what_its_ops_prefilled(agents: dict[str, Any]) -> None:
     for run in agents["suite"]["runs"]:
-        for side in SIDES:
+        for side in TEXT_SIDES:
             per_op = sum(op["tokens"] for record in run["records"] for op in record["ops"][side])
             per_step = sum(record["sides"][side]["tokens"] for record in run["records"])
             by_kind = sum(entry["tokens"] for entry in run["sides"][side]["by_kind"].values())
@@ -112,6 +111,17 @@ def test_the_prefix_cache_prefills_every_token_from_the_first_change(
             before = step.lineup
 
 
+def test_the_unbounded_side_runs_the_defaults_policies_with_no_budget(agents: dict[str, Any]) -> None:
+    """No audits and no fixes (none of its ops is counted as one), every step still checked
+    against re-prefill."""
+    for run in agents["suite"]["runs"]:
+        settings = {side: run["sides"][side]["settings"] for side in (UNBOUNDED, "kamera")}
+        assert settings[UNBOUNDED]["drift_budget"] is None
+        assert settings[UNBOUNDED]["survivors"] == settings["kamera"]["survivors"]
+        checked = run["sides"][UNBOUNDED]["fidelity"]
+        assert checked["agreement"] is not None and len(run["checks"]) == run["steps_done"]
+
+
 def test_exact_settings_answer_like_re_prefill_after_every_step(agents: dict[str, Any]) -> None:
     for run in agents["suite"]["runs"]:
         fidelity = run["sides"]["kamera-exact"]["fidelity"]
@@ -133,7 +143,7 @@ def test_a_push_only_stream_prefills_each_chunk_once_and_each_question_alone(
     stream = next(run for run in agents["suite"]["runs"] if run["agent"] == "stream")
     script: Script = scripts["stream"]
     pushed = scripts["anchor"] + sum(chunk.num_tokens for chunk in script.chunks.values())
-    for side in SIDES:
+    for side in TEXT_SIDES:
         window = sum(
             op["tokens"] for record in stream["records"] for op in record["ops"][side] if op["op"] != "ask"
         )

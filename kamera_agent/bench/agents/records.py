@@ -20,11 +20,16 @@ from kamera_agent.bench.agents.ttft import TTFTRun
 from kamera_agent.bench.common import finite, p90
 from kamera_agent.models.random_qwen2 import Qwen2Shape
 
-__all__ = ["PREFIX", "SIDES", "AgentRun", "AgentsRun", "AskRecord", "StepRecord"]
+__all__ = ["PREFIX", "SIDES", "TEXT_SIDES", "UNBOUNDED", "AgentRun", "AgentsRun", "AskRecord", "StepRecord"]
 
 PREFIX = "prefix"
 SIDES: tuple[str, ...] = ("kamera", "kamera-exact", PREFIX)
 """The sides every agent runs on: kamera at its defaults, under `WindowConfig.exact`, the prefix cache."""
+UNBOUNDED = "kamera-unbounded"
+"""The side a real text model's agents also run on: the defaults' policies with no drift budget,
+what their approximations save and cost when nothing bounds them (labelled so in every table)."""
+TEXT_SIDES: tuple[str, ...] = ("kamera", "kamera-exact", UNBOUNDED, PREFIX)
+"""The sides a real text model's agents run on."""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,15 @@ from rich.progress import Progress
 
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.agents.contents import Contents, DemoContents, RandomContents
-from kamera_agent.bench.agents.records import PREFIX, AgentRun, AgentsRun, AskRecord, StepRecord
+from kamera_agent.bench.agents.records import (
+    PREFIX,
+    TEXT_SIDES,
+    UNBOUNDED,
+    AgentRun,
+    AgentsRun,
+    AskRecord,
+    StepRecord,
+)
 from kamera_agent.bench.agents.script import Script, Step
 from kamera_agent.bench.agents.scripts import AGENTS, QUICK_TOKENS, REALISTIC_TOKENS, AgentCounts
 from kamera_agent.bench.agents.sides import KameraSide, Outcome, PrefixSide
@@ -92,10 +100,12 @@ def realistic_backend(shape: Qwen2Shape, seed: int) -> TransformersBackend:
 
 
 def side_configs(capacity: int | None) -> dict[str, WindowConfig]:
-    """The two kamera sides' settings: the defaults, and the exact ones (one token answers)."""
+    """The kamera sides' settings: the defaults, the exact ones, and the defaults' policies with
+    no drift budget (one token answers)."""
     return {
         "kamera": WindowConfig(capacity_chunks=capacity, max_new_tokens=1),
         "kamera-exact": WindowConfig.exact(capacity_chunks=capacity, max_new_tokens=1),
+        UNBOUNDED: WindowConfig(capacity_chunks=capacity, max_new_tokens=1, drift_budget=None),
     }
 
 
@@ -145,7 +155,7 @@ def run_text_suite(run: AgentsRun, backend: TransformersBackend, seed: int, prog
     for agent in run.agents:
         script = AGENTS[agent](contents, run.counts)
         _fits(script, backend)
-        record = AgentRun.of(script, run.demo_model)
+        record = AgentRun.of(script, run.demo_model, sides=TEXT_SIDES)
         run.runs.append(record)
         run_agent(script, backend, record, progress, reference="re-prefill")
 
@@ -195,7 +205,7 @@ def run_agent(
         else KameraSide(backend, configs[name], script.chunks)
         for name in record.sides
     }
-    record.settings = {name: config.model_dump(mode="json") for name, config in configs.items()}
+    record.settings = {name: configs[name].model_dump(mode="json") for name in record.sides if name != PREFIX}
     record.settings[PREFIX] = {"cache_vision": True, "syncs": "once per step, before its question"}
     names = list(record.sides)
     task = progress.add_task(
