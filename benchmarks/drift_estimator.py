@@ -2,21 +2,23 @@
 
 Why: a drift budget keeps every chunk's *estimated* drift within ε (`kamera_agent.fidelity`);
 that is only worth something if, among chunks the estimate puts within ε, almost none truly
-exceed it. This runs the window suite's episode on the shipped demo model with the policies
-unbounded (what a budget would audit), and after every op measures, for every chunk the window
+exceed it. This runs the window suite's episode on the shipped demo model (or ``--model``: a checkpoint
+folder or GGUF file, whose episodes read passages of real text) with the policies unbounded
+(what a budget would audit), and after every op measures, for every chunk the window
 does not hold exactly, its true relative KV error against the model's own re-prefill and the
-estimate the budget computes (a sampled audit over the window's own context, scaled, plus half
-the largest estimate to its left). The calibration is the model's own (``kamera calibrate``,
-fitted on other seeds: `kamera_agent.bench.calibrate.FIT_SEEDS`), or fitted here on
-``--fit-seeds``; it is judged on ``--seeds``, disjoint from both.
+estimate the budget computes (a sampled audit over the window's own context, scaled, plus the
+calibration's share of the largest estimate to its left). The calibration is the model's own
+(``kamera calibrate``, fitted on other seeds: `kamera_agent.bench.calibrate.FIT_SEEDS`), or
+fitted here on ``--fit-seeds``; it is judged on ``--seeds``, disjoint from both.
 
-Reported per ε in 1e-3, 1e-2, 1e-1 (and the calibration's default): how many approximated
+Reported per ε of the calibration's frontier (`kamera_agent.fidelity.BUDGETS`): how many approximated
 chunk-states the estimate puts within ε and the share of those truly over 3ε (target ≤ 1 %);
 the Spearman correlation of estimate and true error (target ≥ 0.8); the audits' tokens beside
 re-prefilling the window after every op.
 
     .venv/bin/python benchmarks/drift_estimator.py                 # the shipped calibration, seeds 7101 7102
     .venv/bin/python benchmarks/drift_estimator.py --fit-seeds 11 12 --seeds 21 --ops 40
+    .venv/bin/python benchmarks/drift_estimator.py --model SmolLM2-135M-Instruct.Q4_1.gguf --ops 60
 """
 
 from __future__ import annotations
@@ -31,11 +33,10 @@ from rich.table import Table
 from kamera_agent.bench.calibrate import HELD_SEEDS, episodes, fit_calibration, judge
 from kamera_agent.bench.common import show_and_save
 from kamera_agent.demo.model import load_demo_model
-from kamera_agent.fidelity import find_calibration
+from kamera_agent.fidelity import BUDGETS, find_calibration
+from kamera_agent.loading import load_backend
 from kamera_agent.settings import configure_threads
 from kamera_agent.window import KameraWindow
-
-EPSILONS = (1e-3, 1e-2, 1e-1)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -43,12 +44,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--ops", type=int, default=120)
     parser.add_argument("--seeds", type=int, nargs="+", default=list(HELD_SEEDS))
     parser.add_argument("--fit-seeds", type=int, nargs="+", default=None, help="fit here instead")
+    parser.add_argument("--model", default=None, help="a checkpoint folder or GGUF file (default: the demo)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     configure_threads(None)
-    model, tokenizer, image_processor = load_demo_model()
-    window = {"tokenizer": tokenizer, "image_processor": image_processor}
-    fingerprint = KameraWindow(model, **window).backend.fingerprint  # type: ignore[arg-type]
+    window: dict[str, Any] = {}
+    if args.model is None:
+        model, tokenizer, image_processor = load_demo_model()
+        window = {"tokenizer": tokenizer, "image_processor": image_processor}
+    else:
+        model = load_backend(args.model)
+    fingerprint = KameraWindow(model, **window).backend.fingerprint
     with Progress() as progress:
         if args.fit_seeds is not None:
             if set(args.fit_seeds) & set(args.seeds):
@@ -58,15 +64,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             found = find_calibration(fingerprint)
             if found is None:
-                parser.error(
-                    "the demo model has no calibration: run `kamera calibrate demo` or pass --fit-seeds"
-                )
+                parser.error("the model has no calibration: run `kamera calibrate MODEL` or pass --fit-seeds")
             calibration = found
         if set(calibration.seeds) & set(args.seeds):
             parser.error(f"--seeds overlap the calibration's fitting seeds {calibration.seeds}")
         held = episodes(model, args.seeds, args.ops, progress, calibration.audit_share, **window)
     judged = judge(calibration, held)
-    epsilons = sorted({*EPSILONS, calibration.budget})
+    epsilons = sorted({*BUDGETS, calibration.budget})
     rows = [
         {
             "ε": eps,
