@@ -25,7 +25,7 @@ from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer
 from kamera_agent.window.plan import Step, WindowPlan, canonical_leads_run, serves_canonical_first
-from kamera_agent.window.state import Assembled, ChunkRef, Entry, Home, WindowState
+from kamera_agent.window.state import Assembled, ChunkRef, Entry, OriginalContext, WindowState
 
 __all__ = ["Executor", "StaleLookup"]
 
@@ -358,8 +358,8 @@ class Executor:
         kept = same_state and target.kind == "recomputed"
         if antecedents is not None and not kept and not (same_state and self._same_edges(ref, antecedents)):
             self.state.set_antecedents(ref, antecedents, states)
-        if entry.home is None and not pending:
-            entry.home = Home(tuple(antecedents or ()), target)
+        if entry.original is None and not pending:
+            entry.original = OriginalContext(tuple(antecedents or ()), target)
 
     def _same_edges(self, ref: ChunkRef, antecedents: Sequence[ChunkRef]) -> bool:
         """The graph already records exactly these antecedents for ``ref`` (its state unchanged,

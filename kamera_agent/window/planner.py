@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from functools import partial
+from functools import cache, partial
 
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.core.identity import Context
@@ -35,13 +35,11 @@ from kamera_agent.errors import (
 from kamera_agent.fidelity import audit_count
 from kamera_agent.policies import EVICTION, REORDER, SURVIVORS, EvictionContext, PatchAction
 from kamera_agent.window.plan import Step, WindowPlan, canonical_leads_run
-from kamera_agent.window.rules import Once, PlanInputs, Rules
+from kamera_agent.window.rules import LeftContexts, PlanInputs, Rules
 from kamera_agent.window.state import ChunkRef, Entry, WindowState
 
 __all__ = ["PlanInputs", "Planner"]
 
-_WHY = "\x00why\x00"
-"""Stands for a re-prefill's reason in steps planned before the reason is known (`_bounded`)."""
 
 Special = Callable[[int, Context], Step]
 """A step decided by the op itself (the pushed chunk, the recalled one) at index ``i`` over ``ctx``."""
@@ -297,7 +295,7 @@ class Planner:
         slide, evict and recall do), so a chunk can only come to encode a chunk to its right by
         encoding that one; a reorder (``False``) checks every antecedent.
         """
-        before = Once(lambda: self._left_contexts(state))
+        before: LeftContexts = cache(lambda: self._left_contexts(state))
         index_of = {ref: i for i, ref in enumerate(order)}
         causal = _causality(state, index_of, keeps_order, moved_one)
         same = _same_content(state, order)
@@ -366,15 +364,12 @@ class Planner:
         for step in left:
             if step.kind != "form_canonical":
                 ctx = ctx.extend(step.state)
-        # planned once, worded once the reason is known (a plan is a few steps per chunk)
-        refilled = self._refill_steps(state, plan, changed, ctx, _WHY)
-        after = sum(step.tokens for step in refilled)
+        after = sum(step.tokens for step in self._refill_steps(state, plan, changed, ctx, "costed"))
         refill = sum(step.tokens for step in left) + after
 
         def refilling(why: str, declined: bool = False) -> WindowPlan:
-            for step in refilled:  # made for this plan alone and in none yet: worded in place
-                step.detail = step.detail.replace(_WHY, why)
-            steps = (*left, *refilled)
+            # planned again with its reason: planning reads no tensor, and a plan is a few steps a chunk
+            steps = (*left, *self._refill_steps(state, plan, changed, ctx, why))
             return plan.changed(steps=steps, declined=declined, prefix_bound=refill)
 
         if budget is None:
@@ -457,7 +452,13 @@ class Planner:
         return first, fix, audits
 
     def _taken(
-        self, state: WindowState, ref: ChunkRef, i: int, order: Sequence[ChunkRef], ctx: Context, before: Once
+        self,
+        state: WindowState,
+        ref: ChunkRef,
+        i: int,
+        order: Sequence[ChunkRef],
+        ctx: Context,
+        before: LeftContexts,
     ) -> Step | None:
         """Another chunk of the same content held slot ``i`` before the op, behind the same
         content: ``ref`` takes its KV as it was (what a prefix cache reuses), where that KV
@@ -557,7 +558,7 @@ class Planner:
 
     def _check_recallable(self, entry: Entry, ref: ChunkRef) -> None:
         """An evicted chunk can come back unless it lost both its pixels and its stored KV."""
-        held = [entry.state.stored_as, *([entry.home.state.stored_as] if entry.home else [])]
+        held = [entry.state.stored_as, *([entry.original.state.stored_as] if entry.original else [])]
         if not any(can_form(entry.chunk, self.view, digest) for digest in held):
             raise ChunkLostError(
                 f"{ref} released its pixels at eviction and the store no longer holds its canonical or "

@@ -43,7 +43,7 @@ from kamera_agent.results import EditKind
 from kamera_agent.window.plan import Step
 from kamera_agent.window.state import ChunkRef, WindowState
 
-__all__ = ["Causality", "Once", "PlanInputs", "Rules"]
+__all__ = ["Causality", "LeftContexts", "PlanInputs", "Rules"]
 
 
 @dataclass(frozen=True)
@@ -77,18 +77,9 @@ Causality = Callable[[ChunkRef, int], bool]
 """Whether the chunk at index ``i`` encodes nothing now at or right of it."""
 
 
-class Once:
-    """A value computed the first time it is asked for (the pre-op left contexts: only some
-    chunks' rules need them)."""
-
-    def __init__(self, make: Callable[[], dict[ChunkRef, str]]) -> None:
-        self._make = make
-        self._value: dict[ChunkRef, str] | None = None
-
-    def __call__(self) -> dict[ChunkRef, str]:
-        if self._value is None:
-            self._value = self._make()
-        return self._value
+LeftContexts = Callable[[], dict[ChunkRef, str]]
+"""Each chunk's left context before the op, by digest: computed the first time a rule asks
+(only some chunks' rules need them)."""
 
 
 class Rules:
@@ -106,7 +97,7 @@ class Rules:
         order: Sequence[ChunkRef],
         causal: Causality,
         ctx: Context,
-        before: Once,
+        before: LeftContexts,
         action: PatchAction,
     ) -> Step:
         """The edit an in-window chunk needs at index ``i`` behind ``ctx`` (the module's rules)."""
@@ -179,27 +170,29 @@ class Rules:
         entry = state.entries[ref]
         if self.rank == 0:
             return self.canonical_step("revert", ref, "blind reuse")
-        home, why = entry.home, "patch on the chunks now to its left"
-        if self.config.recall_context == "original" and home is not None:
-            if home.state.kind == "canonical":
+        original, why = entry.original, "patch on the chunks now to its left"
+        if self.config.recall_context == "original" and original is not None:
+            if original.state.kind == "canonical":
                 return self.canonical_step("revert", ref, "its context was empty: served as its canonical")
             later = set(order[i + 1 :])
-            if any(r in later for r in home.refs):
+            if any(r in later for r in original.refs):
                 why = "its earlier context is now to its right: patch on its new left"
-            elif self.has(ref, home.state):
+            elif self.has(ref, original.state):
                 detail = "its stored KV over its original earlier context"
-                step = Step("apply_patch", ref, home.state, home.refs, home.state.digest, detail=detail)
+                step = Step(
+                    "apply_patch", ref, original.state, original.refs, original.state.digest, detail=detail
+                )
                 return self.with_canonical(step)
             else:
-                cost = self.rebuild_cost(state, home.state.context)
+                cost = self.rebuild_cost(state, original.state.context)
                 if cost is not None:
                     forwards, tokens = cost[0] + 1, cost[1] + entry.chunk.num_tokens
                     detail = "patch on its original earlier context"
                     step = Step(
                         "form_patch",
                         ref,
-                        home.state,
-                        home.refs,
+                        original.state,
+                        original.refs,
                         off_window=True,
                         forwards=forwards,
                         tokens=tokens,

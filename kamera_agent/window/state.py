@@ -24,7 +24,7 @@ from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer
 from kamera_agent.window.costs import StatsBook
 
-__all__ = ["Assembled", "ChunkRef", "Entry", "Home", "LastAnswer", "Scores", "WindowState"]
+__all__ = ["Assembled", "ChunkRef", "Entry", "LastAnswer", "OriginalContext", "Scores", "WindowState"]
 
 
 @dataclass(frozen=True, order=True)
@@ -58,7 +58,7 @@ class ChunkRef:
 
 
 @dataclass(frozen=True)
-class Home:
+class OriginalContext:
     """A chunk's first settled KV: its antecedents then and the state it had (recall's context)."""
 
     refs: tuple[ChunkRef, ...]
@@ -78,7 +78,7 @@ class Entry:
             holds, kept alive here: rebuilding one the store dropped would need every antecedent's
             chunk, and a full-rank orbit's mean cannot be rebuilt at all).
         pending: its patch is due (lazy timing) and is formed before the next read.
-        home: its first settled state and antecedents: the fixed earlier context recall uses.
+        original: its first settled state and antecedents: the fixed earlier context recall uses.
         last_used: op counter of its last push, recall or reorder.
         evicted_at: op counter of its eviction (the oldest evicted are forgotten first).
         canonical_formed: its canonical has been computed at least once (a later miss is a re-form).
@@ -94,7 +94,7 @@ class Entry:
     patch: Patch | None = None
     full: ChunkKV | None = None
     pending: bool = False
-    home: Home | None = None
+    original: OriginalContext | None = None
     last_used: int = 0
     evicted_at: int = 0
     canonical_formed: bool = False
