@@ -11,17 +11,10 @@ import logging
 import torch
 
 from kamera_agent.core.identity import ChunkState, Context
+from kamera_agent.engines import lifecycle
 from kamera_agent.engines.chunking import keyed
 from kamera_agent.engines.faults import HookFaults
-from kamera_agent.engines.lifecycle import (
-    EngineRequest,
-    ServedReport,
-    count_offer,
-    count_unloadable,
-    count_written,
-    load_pieces,
-    namespace_of,
-)
+from kamera_agent.engines.lifecycle import EngineRequest, ServedReport
 from kamera_agent.engines.synthesis import EngineStats, LoadPlan, PrefixSynthesis, RequestChunk, Served
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.store import ChunkStore, EntryKey
@@ -43,14 +36,14 @@ def _plan() -> LoadPlan:
 
 
 def test_a_namespace_joins_the_engines_scope_and_the_salt_and_is_empty_for_neither() -> None:
-    assert namespace_of("", "") == ""  # a window's chunks' namespace: engine and window share entries
-    assert namespace_of("lora", "") == "lora|"
-    assert namespace_of("", "salt") == "|salt"
-    assert namespace_of("lora", "salt") != namespace_of("salt", "lora")
+    assert lifecycle.namespace_of("", "") == ""  # a window's chunks' namespace: shared entries
+    assert lifecycle.namespace_of("lora", "") == "lora|"
+    assert lifecycle.namespace_of("", "salt") == "|salt"
+    assert lifecycle.namespace_of("lora", "salt") != lifecycle.namespace_of("salt", "lora")
 
 
 def test_the_pieces_of_a_plan_cover_its_tokens_exactly() -> None:
-    pieces = load_pieces(_plan())
+    pieces = lifecycle.load_pieces(_plan())
     assert [(p.start, p.end, p.a, p.b) for p in pieces] == [(40, 64, 8, 32), (64, 96, 0, 32)]
     assert sum(p.end - p.start for p in pieces) == _plan().tokens
 
@@ -69,9 +62,9 @@ def test_the_report_counts_loaded_and_kept_tokens_and_a_failed_load_loaded_nothi
 
 def test_offers_and_writes_are_counted_where_each_adapter_makes_them() -> None:
     stats = EngineStats()
-    count_offer(stats, _plan())
-    count_written(stats, 24)
-    count_written(stats, 32, chunks=2)
+    lifecycle.count_offer(stats, _plan())
+    lifecycle.count_written(stats, 24)
+    lifecycle.count_written(stats, 32, chunks=2)
     assert (stats.offered, stats.tokens_offered, stats.tokens_kept) == (1, 56, 32)
     assert (stats.loads, stats.chunks_loaded, stats.tokens_loaded) == (2, 3, 56)
 
@@ -81,7 +74,7 @@ def test_an_entry_the_store_lost_and_one_it_cannot_read_are_faults_of_their_own_
     held, gone = EntryKey.canonical("held"), EntryKey.canonical("gone")
     store.put(held, ChunkKV(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), None, "held"))
     faults = HookFaults(logging.getLogger("t"))
-    count_unloadable(faults, store, "hook", "r", [held, gone, gone])
+    lifecycle.count_unloadable(faults, store, "hook", "r", [held, gone, gone])
     assert faults.as_dict() == {"hook:UnreadableEntry": 1, "hook:LostEntry": 2}
 
 
