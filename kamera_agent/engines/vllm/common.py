@@ -28,9 +28,9 @@ from kamera_agent.engines.vllm.metrics import ConnectorStats, KameraConnectorSta
 from kamera_agent.operator.layout import KVLayout
 from kamera_agent.store import EntryKey
 
-__all__ = ["ConnectorSide", "Filed", "KameraMetadata", "KameraWorkerMeta", "Save"]
+__all__ = ["LOG", "ConnectorSide", "Filed", "KameraMetadata", "KameraWorkerMeta", "Save"]
 
-_LOG = logging.getLogger("kamera_agent.engines.vllm.connector")
+LOG = logging.getLogger("kamera_agent.engines.vllm.connector")
 """One logger for both halves: operators filter kamera's connector by one name."""
 
 
@@ -128,7 +128,7 @@ class ConnectorSide:
         self.fingerprint = checkpoint_fingerprint(model.model, model.dtype)
         self.store = STORES.open(self.fingerprint, self.config)
         self.stats = ConnectorStats()
-        self.faults = HookFaults(_LOG)
+        self.faults = HookFaults(LOG)
         """Runtime faults caught at this side's hooks (``hook:ExceptionType`` -> count)."""
         self._reports = Reports()
         self.grid = _grid(self.layout, vllm_config)

@@ -49,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kamera_agent.engines.vllm.common import KameraMetadata, KameraWorkerMeta, Save
 from kamera_agent.engines.vllm.loads import Load
 from kamera_agent.engines.vllm.metrics import KameraConnectorStats, KameraPromMetrics
-from kamera_agent.engines.vllm.scheduler import _Track, served_report
+from kamera_agent.engines.vllm.scheduler import served_report
 from kamera_agent.engines.vllm.sides import Sides
 from kamera_agent.engines.vllm.worker import IDLE_WAIT
 
@@ -60,7 +60,6 @@ __all__ = [
     "KameraWorkerMeta",
     "Load",
     "Save",
-    "_Track",
     "served_report",
 ]
 

@@ -17,7 +17,6 @@ offered; blocks offered reported as load failures, which vLLM computes), never t
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,15 +32,13 @@ from kamera_agent.engines.lifecycle import (
 )
 from kamera_agent.engines.shards import ShardedStore, Splits, unsharded
 from kamera_agent.engines.synthesis import LoadPlan, RequestChunk
-from kamera_agent.engines.vllm.common import ConnectorSide, KameraMetadata, KameraWorkerMeta, Save
+from kamera_agent.engines.vllm.common import LOG, ConnectorSide, KameraMetadata, KameraWorkerMeta, Save
 from kamera_agent.engines.vllm.images import ImageIdentities, images_only
 from kamera_agent.engines.vllm.loads import Load, LoadId
 from kamera_agent.engines.vllm.mrope import MRopePositions
 from kamera_agent.store import EntryKey
 
 __all__ = ["ConnectorScheduler", "served_report"]
-
-_LOG = logging.getLogger("kamera_agent.engines.vllm.connector")
 
 
 @dataclass(frozen=True)
@@ -108,7 +105,7 @@ class ConnectorScheduler(ConnectorSide):
         from transformers import AutoTokenizer
 
         if not self.one_group:
-            _LOG.warning(
+            LOG.warning(
                 "kamera: this model's KV is split into %d cache groups (hybrid attention); the "
                 "connector serves and captures nothing, vLLM runs as without it",
                 len(kv_cache_config.kv_cache_groups),

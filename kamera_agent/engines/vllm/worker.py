@@ -16,7 +16,6 @@ Every hook catches at its boundary (`HookFaults`): a failed load is reported to 
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import deque
 from functools import partial
@@ -30,13 +29,11 @@ from kamera_agent.engines.shards import ShardedStore
 from kamera_agent.engines.slots import request_positions
 from kamera_agent.engines.vllm.blocks import BlockLayoutError, VLLMSlots, place_layers
 from kamera_agent.engines.vllm.captures import CaptureWriter, Copied, HeldBlocks, copy_out
-from kamera_agent.engines.vllm.common import ConnectorSide, Filed, KameraMetadata, KameraWorkerMeta, Save
+from kamera_agent.engines.vllm.common import LOG, ConnectorSide, Filed, KameraMetadata, KameraWorkerMeta, Save
 from kamera_agent.engines.vllm.loads import BackgroundLoads, Load, LoadId
 from kamera_agent.operator.layout import ChunkKV, KVLayout, to_position_free
 
 __all__ = ["IDLE_WAIT", "ConnectorWorker"]
-
-_LOG = logging.getLogger("kamera_agent.engines.vllm.connector")
 
 IDLE_WAIT = 0.01
 """Seconds a worker waits for its loads and copies in a step with nothing scheduled: long enough
@@ -83,7 +80,7 @@ class ConnectorWorker(ConnectorSide):
             kv_caches, backends, self.layout, heads[1] - heads[0], extract_layer_index
         )
         if self.skipped_layers:
-            _LOG.warning(
+            LOG.warning(
                 "kamera: %d KV cache layers are no layer of the model and are skipped by name "
                 "(draft or unknown layers: %s)",
                 len(self.skipped_layers),
