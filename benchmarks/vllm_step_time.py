@@ -209,20 +209,8 @@ class _Clock:
 def _engine_run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams, TokensPrompt
-    from vllm.config import KVTransferConfig
 
-    transfer = None
-    if args.one != "vllm":
-        null = args.one == "null-connector"
-        transfer = KVTransferConfig(
-            kv_connector="NullConnector" if null else "KameraConnector",
-            kv_connector_module_path="benchmarks.vllm_step_time"
-            if null
-            else "kamera_agent.engines.vllm.connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"config": EXACT},
-        )
+    transfer = _transfer(args)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = _prompts(tokenizer, args)
     llm = LLM(
@@ -250,25 +238,7 @@ def _engine_run(args: argparse.Namespace) -> dict[str, Any]:
             steps.append(time.perf_counter() - began)
 
     core.step_fn = step
-    lookups = [0]
-    worker = scheduler = None
-    if transfer is not None:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        scheduler, worker = core.scheduler.connector, get_kv_transfer_group()
-        if not hasattr(scheduler, "store"):  # the null connector: a store that is never asked
-            scheduler.store = SimpleNamespace(contains=lambda key: False)
-        for side, connector in (("scheduler", scheduler), ("worker", worker)):
-            for hook in HOOKS[side]:
-                clock.wrap(connector, hook, f"{side}.{hook}")
-        store, contains = scheduler.store, scheduler.store.contains
-
-        def counted(key: Any) -> bool:
-            if threading.get_ident() == clock.thread:
-                lookups[0] += 1
-            return bool(contains(key))
-
-        store.contains = counted
+    worker, lookups = _watch(core, clock) if transfer is not None else (None, [0])
     params = SamplingParams(temperature=0.0, max_tokens=4)
     answers, wall = [], []
     for prompt in prompts:
@@ -296,6 +266,53 @@ def _engine_run(args: argparse.Namespace) -> dict[str, Any]:
         "lookups_per_request": lookups[0] / n,
         "captured_chunks": captured,
     }
+
+
+def _transfer(args: argparse.Namespace) -> Any:
+    """vLLM's transfer config of the setting (``None``: vLLM alone)."""
+    from vllm.config import KVTransferConfig
+
+    if args.one == "vllm":
+        return None
+    null = args.one == "null-connector"
+    module = "benchmarks.vllm_step_time" if null else "kamera_agent.engines.vllm.connector"
+    return KVTransferConfig(
+        kv_connector="NullConnector" if null else "KameraConnector",
+        kv_connector_module_path=module,
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"config": EXACT},
+    )
+
+
+def _watch(core: Any, clock: _Clock) -> tuple[Any, list[int]]:
+    """Time the connector's hooks on the step's thread and count the store lookups made there;
+    the worker half (what flushes and counts captures) and the lookups counted."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    scheduler, worker = core.scheduler.connector, get_kv_transfer_group()
+    for side, connector in (("scheduler", scheduler), ("worker", worker)):
+        for hook in HOOKS[side]:
+            clock.wrap(connector, hook, f"{side}.{hook}")
+    planner = _half(scheduler, "scheduler")
+    if not hasattr(planner, "store"):  # the null connector: a store that is never asked
+        planner.store = SimpleNamespace(contains=lambda key: False)
+    store, contains, lookups = planner.store, planner.store.contains, [0]
+
+    def counted(key: Any) -> bool:
+        if threading.get_ident() == clock.thread:
+            lookups[0] += 1
+        return bool(contains(key))
+
+    store.contains = counted
+    return _half(worker, "worker"), lookups
+
+
+def _half(connector: Any, role: str) -> Any:
+    """The half of kamera's connector that holds the store and the counters (``connector.sides``);
+    a connector without halves (an older source tree's, the null one) is its own."""
+    sides = getattr(connector, "sides", None)
+    return connector if sides is None else getattr(sides, role)
 
 
 def _null_connector() -> type:

@@ -36,6 +36,15 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from kamera_agent.config import WindowConfig
 from kamera_agent.engines.faults import HookFaults
+from kamera_agent.engines.lifecycle import (
+    EngineRequest,
+    ServedReport,
+    count_offer,
+    count_unloadable,
+    count_written,
+    load_pieces,
+    namespace_of,
+)
 from kamera_agent.engines.prefill_clock import MIN_TOKENS
 from kamera_agent.engines.sglang.kept import KeptSlots
 from kamera_agent.engines.sglang.pool import SGLangSlots
@@ -169,12 +178,8 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
             self._loaded(key, req, plan, self.path_device_indices(match.last_device_node))
         except Exception as exc:
             self.faults.caught("init_load_back.loaded", exc)
-        self.stats.offered += 1
-        self.stats.tokens_offered += plan.tokens
-        self.stats.loads += 1
-        self.stats.tokens_loaded += plan.tokens
-        self.stats.chunks_loaded += len(plan.served)
-        self.stats.tokens_kept += plan.kept_tokens
+        count_offer(self.stats, plan)
+        count_written(self.stats, plan.tokens, len(plan.served))
         _report(req, plan)
         return plan.tokens, match.last_device_node
 
@@ -183,9 +188,7 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         counted and logged (once per kind) like any caught at a hook; SGLang computes the tokens."""
         assert self.synthesis is not None
         self.stats.failed += 1
-        for entry in loaded.failed:
-            kind = "UnreadableEntry" if self.synthesis.store.contains(entry) else "LostEntry"
-            self.faults.count("init_load_back", kind, f"request {req.rid}: {entry} could not be read")
+        count_unloadable(self.faults, self.synthesis.store, "init_load_back", req.rid, loaded.failed)
 
     def checkpoint(self, req: Any, *, up_to: int) -> None:
         """Capture the chunks' KV from the request's slots, then publish them as SGLang does."""
@@ -225,19 +228,20 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         """What the store can serve after ``device_len`` within ``limit`` tokens (the match's key
         length: SGLang never matches a prompt's last token)."""
         assert self.synthesis is not None
-        chunks = self._chunks(key, req)
         end = len(key) if limit is None else limit
-        # what a load writes enters SGLang's tree under the request's tokens, which every later
-        # request of the same namespace may match: approximations only under a client's salt
-        salted = bool(key.cache_salt)
-        namespace = _namespace(key)
-        return self.synthesis.plan(namespace, chunks, device_len, end, self.page_size, approximate=salted)
+        # a load enters SGLang's tree under the request's tokens: `EngineRequest.plan` says why
+        # approximations are served only under the client's salt
+        return self._request(key, req).plan(self.synthesis, device_len, end, self.page_size)
+
+    def _request(self, key: Any, req: Any | None) -> EngineRequest:
+        """The request as kamera plans it: its namespace, chunks and salt (SGLang's tree key)."""
+        return EngineRequest(_namespace(key), self._chunks(key, req), bool(key.cache_salt))
 
     def _loaded(self, key: Any, req: Any, plan: LoadPlan, path: torch.Tensor) -> None:
         """Remember the loads ``plan`` made that a forward would not compute, with the slots of
         ``path`` (the tree's slots of ``tokens[:plan.end]``) that hold them."""
         assert self.synthesis is not None
-        for load in self.synthesis.loaded(_namespace(key), self._chunks(key, req), plan):
+        for load in self._request(key, req).loaded(self.synthesis, plan):
             start = load.chunk.start
             self.kept.record(load.prefix, path[start : start + load.tokens].tolist())
 
@@ -279,13 +283,11 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
 
     def _write(self, req: Any, plan: LoadPlan, kvs: list[ChunkKV], slots: torch.Tensor) -> None:
         pool = self._slots()
-        for item, kv in zip(plan.served, kvs, strict=True):
-            start = max(item.chunk.start, plan.device_len)
-            end = min(item.chunk.end, plan.end)
-            a, b = start - item.chunk.start, end - item.chunk.start
+        for piece, kv in zip(load_pieces(plan), kvs, strict=True):
+            a, b = piece.a, piece.b
             part = replace(kv, keys=kv.keys[:, :, a:b], values=kv.values[:, :, a:b])
-            where = slots[start - plan.device_len : end - plan.device_len]
-            pool.write(part, self._positions(req, start, end), where)
+            where = slots[piece.start - plan.device_len : piece.end - plan.device_len]
+            pool.write(part, self._positions(req, piece.start, piece.end), where)
 
     def _capture(self, req: Any, up_to: int) -> None:
         assert self.synthesis is not None
@@ -298,9 +300,7 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
             return pool.read(slots, self._positions(req, chunk.start, chunk.end), chunk.key)
 
         upto = min(up_to, len(req.origin_input_ids))
-        self.stats.chunks_captured += self.synthesis.capture(
-            _namespace(key), self._chunks(key, req), upto, read
-        )
+        self.stats.chunks_captured += self._request(key, req).capture(self.synthesis, upto, read)
 
     def _positions(self, req: Any, start: int, end: int) -> torch.Tensor:
         """SGLang's positions for ``tokens[start:end]`` of the request: its precomputed M-RoPE
@@ -314,16 +314,9 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
 
 
 def _report(req: Any, plan: LoadPlan) -> None:
-    """One log line per request kamera planned for: SGLang's outputs carry no per-request field
-    for what was loaded, kept (approximate) and refused."""
-    _LOG.info(
-        "kamera: request %s loaded %d prompt tokens, %d kept (approximate), largest drift %s%s",
-        req.rid,
-        plan.tokens,
-        plan.kept_tokens + plan.held_kept,
-        "unknown" if plan.drift is None else f"{plan.drift:.3g}",
-        "; a kept state was refused (no audit within the drift budget)" if plan.refused else "",
-    )
+    """One log line per request kamera planned for (`ServedReport`): SGLang's outputs carry no
+    per-request field for what was loaded, kept (approximate) and refused."""
+    _LOG.info("kamera: request %s %s", req.rid, ServedReport.of(plan).describe())
 
 
 def _request_key(req: Any) -> Any:
@@ -332,5 +325,4 @@ def _request_key(req: Any) -> Any:
 
 def _namespace(key: Any) -> str:
     """One tenant's chunks: SGLang's ``extra_key`` and ``cache_salt`` namespace its tree too."""
-    extra, salt = key.extra_key or "", key.cache_salt or ""
-    return f"{extra}|{salt}" if extra or salt else ""  # "": the namespace a window's chunks are in
+    return namespace_of(key.extra_key or "", key.cache_salt or "")

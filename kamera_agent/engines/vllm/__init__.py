@@ -3,5 +3,6 @@
 Load it with ``KVTransferConfig(kv_connector="KameraConnector",
 kv_connector_module_path="kamera_agent.engines.vllm.connector", kv_role="kv_both",
 kv_connector_extra_config={"config": {...WindowConfig fields...}})``; docs/vllm.md says what is
-served and what was verified. Importing `connector` needs vLLM (the ``vllm`` extra).
+served and what was verified. The connector is a facade over a scheduler half (`scheduler`) and
+a worker half (`worker`). Importing them needs vLLM (the ``vllm`` extra).
 """

@@ -86,6 +86,11 @@ class KameraConnectorStats(KVConnectorStats):  # type: ignore[misc]
         self.data.setdefault(_COUNTS, {})
         self.data.setdefault(_FAULTS, {})
 
+    @classmethod
+    def of(cls, data: dict[str, Any] | None = None) -> KameraConnectorStats:
+        """A report of ``data`` as vLLM passes it back (``None``: an empty one), copied."""
+        return cls(data=dict(data or {}))
+
     def reset(self) -> None:
         self.data: dict[str, Any] = {_COUNTS: {}, _FAULTS: {}}
 

@@ -364,7 +364,7 @@ def _connectors(llm: Any) -> tuple[Any, Any]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    return scheduler, get_kv_transfer_group()
+    return scheduler.sides.scheduler, get_kv_transfer_group().sides.worker  # the facade's halves
 
 
 def _connector_stats(llm: Any) -> dict[str, Any]:

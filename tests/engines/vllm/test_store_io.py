@@ -29,15 +29,11 @@ from kamera_agent.engines.shards import Grid, ShardedStore, Splits, even_stages
 from kamera_agent.engines.synthesis import PrefixSynthesis, policy_of
 from kamera_agent.engines.vllm.blocks import VLLMSlots
 from kamera_agent.engines.vllm.captures import CaptureWriter, Copied, HeldBlocks
-from kamera_agent.engines.vllm.connector import (
-    KameraConnector,
-    KameraMetadata,
-    KameraWorkerMeta,
-    Save,
-    _Track,
-)
+from kamera_agent.engines.vllm.connector import KameraMetadata, KameraWorkerMeta, Save
 from kamera_agent.engines.vllm.loads import BackgroundLoads, Load
 from kamera_agent.engines.vllm.metrics import ConnectorStats
+from kamera_agent.engines.vllm.scheduler import ConnectorScheduler, _Track
+from kamera_agent.engines.vllm.worker import ConnectorWorker
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.store import ChunkStore, EntryKey
 from tests.engines.vllm.test_layouts import GQA, HEAD, HEADS, LAYERS, _views
@@ -69,10 +65,10 @@ class _Counting:
 
 def _worker(
     dtype: torch.dtype = torch.float32, store: ChunkStore | None = None, off_step: bool = False
-) -> KameraConnector:
+) -> ConnectorWorker:
     """A worker-side connector over FlashAttention-layout views on the CPU, without an engine
     (the attributes `_capture` and `_file` use; `__init__` needs a vLLM config)."""
-    worker = object.__new__(KameraConnector)
+    worker = object.__new__(ConnectorWorker)
     worker.layout, worker.faults, worker.stats = GQA, HookFaults(logging.getLogger("t")), ConnectorStats()
     caches = _views(KVCacheLayout.LBHNC, dtype=dtype)
     worker._pool = VLLMSlots.of(caches, ["FLASH_ATTN"] * LAYERS, GQA, HEADS)
@@ -456,7 +452,7 @@ def test_a_request_whose_offer_could_not_be_filled_is_not_offered_again() -> Non
     """A fault filling an offer reports its blocks failed (vLLM recomputes them) and the request
     is never offered again: offering it again would meet the same fault, and vLLM would
     reschedule it without end."""
-    scheduler = object.__new__(KameraConnector)
+    scheduler = object.__new__(ConnectorScheduler)
     scheduler.faults, scheduler._loads, scheduler.block_size = HookFaults(logging.getLogger("t")), [], 4
     track = _Track("", [], 16, servable=True, salted=False)  # offered, but its plan is gone
     scheduler._requests = {"r": track}
