@@ -28,6 +28,7 @@ from kamera_agent.core.drift import AuditSource, audit, audit_count, filed_in
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
 from kamera_agent.core.staging import StagedStore, StoreView
+from kamera_agent.critical_path import books, critical_path
 from kamera_agent.errors import ContextOverflowError, WindowClosedError, WindowError
 from kamera_agent.metrics import next_token_kl
 from kamera_agent.operator.layout import ChunkKV
@@ -218,9 +219,10 @@ class OpRunner:
                     plan = build(self.planner(txn.store))
                 self.check_context(plan)
                 executor = Executor(self.state, core, txn, config)
-                executor.run(plan)
-                plan = self._keep_budget(plan, executor, txn)
-                value = read(executor) if read is not None else None
+                with critical_path():  # from the op's first forward to its answer: no host round trip
+                    executor.run(plan)
+                    plan = self._keep_budget(plan, executor, txn)
+                    value = read(executor) if read is not None else None
             except StaleLookup:
                 self.state = _restored(snapshot)
                 continue
@@ -270,8 +272,9 @@ class OpRunner:
                 placed.extend(executor.placements())
             chunk = state.entries[state.order[i]].chunk
             seed = f"{chunk_state.digest}:{ctx.digest}"
-            share = budget.calibration.audit_share
-            error, tokens = audit(core, chunk, placed[i + 1], placed[: i + 1], starts[i], share, seed, txn)
+            share, left = budget.calibration.audit_share, placed[: i + 1]
+            with books("the drift budget compares the audited error with its epsilon"):
+                error, tokens = audit(core, chunk, placed[i + 1], left, starts[i], share, seed, txn)
             meter.audits += 1
             meter.audit_tokens += tokens
             # filed with the op's writes: readers of the store (other windows, engines) use it too
