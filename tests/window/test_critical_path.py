@@ -86,7 +86,7 @@ def calibrations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _episode(window: KameraWindow, items: list[Any]) -> None:
-    """Every op kind, each followed by a greedy answer of several tokens."""
+    """Every op kind, each followed by a greedy answer of several tokens; then a probe and a read."""
     for i, item in enumerate(items[:4]):
         window.push(item, label=str(i))
     steps: list[Callable[[KameraWindow], object]] = [
@@ -102,6 +102,8 @@ def _episode(window: KameraWindow, items: list[Any]) -> None:
         step(window)
         answer = window.ask("What is it?", max_new_tokens=3)
         assert answer.tokens or answer.finish_reason == "eos"
+    window.probe_without(window.refs[1], "What is it?")  # the other reads: a probe, the placed KV
+    assert window.kv() is not None
 
 
 def _items(backend: str) -> list[Any]:
