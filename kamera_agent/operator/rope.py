@@ -167,10 +167,8 @@ def rerotate(
     result equals ``rotate(unrotate(keys, from), to)`` without the intermediate rounding.
     Per-token positions are arbitrary (not only a uniform shift); negative shifts are fine.
     """
-    delta = rotary_angles(spec, _beside(keys, to_positions)) - rotary_angles(
-        spec, _beside(keys, from_positions)
-    )
-    return _apply_angles(keys, spec, delta)
+    to_angles = rotary_angles(spec, _beside(keys, to_positions))
+    return _apply_angles(keys, spec, to_angles - rotary_angles(spec, _beside(keys, from_positions)))
 
 
 def _beside(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -222,7 +220,7 @@ def _apply_angles(keys: torch.Tensor, spec: RotarySpec, angles: torch.Tensor) ->
             "were these keys made by a model with a different head_dim?"
         )
     cos = torch.cos(angles).to(device=keys.device, dtype=torch.float32)  # [n, F] or [L, 1.., n, F]
-    sin = torch.sin(angles).to(device=keys.device, dtype=torch.float32)  # (built there: a cast only)
+    sin = torch.sin(angles).to(device=keys.device, dtype=torch.float32)  # on the keys' device: a cast
     x = keys.to(torch.float32)
     band = x[..., : 2 * f]
     # each pair (a, b) becomes (a cos - b sin, b cos + a sin): one product over the whole band,
