@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kamera_agent.backends.base import DecodeConfig, Decoded, Spent
+from kamera_agent.critical_path import answered
 from kamera_agent.results import Answer, TokenLogprob
 
 __all__ = ["Forward", "decode_loop", "decoded_tokens", "pick_token", "sampler"]
@@ -38,6 +39,7 @@ def decode_loop(
         raise ValueError("the query tokenizes to no tokens")
     n_query = int(query_ids.shape[0])
     cache, logits = forward(query_ids, text_positions(start, n_query), cache)
+    answered()  # the answer boundary: choosing a token brings its id (and these logits) to the host
     first_logits = logits.detach().to("cpu")
     generator = sampler(config.seed, logits.device)
     tokens: list[int] = []

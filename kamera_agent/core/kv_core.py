@@ -34,6 +34,7 @@ from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.core.orbits import fold_full_orbit, fold_orbit
 from kamera_agent.core.staging import Committed, StagedStore
+from kamera_agent.critical_path import books, to_device
 from kamera_agent.errors import ChunkLostError, ContextOverflowError, ForeignChunkError, UnsupportedModelError
 from kamera_agent.operator.layout import ChunkKV, to_position_free, to_position_free_many
 from kamera_agent.operator.patch import Patch, apply_patch, form_patch, place_many
@@ -173,7 +174,7 @@ class KVCore:
         hit = txn.store.get_vision(chunk.vision_key)
         if hit is not None:
             device = self.device(txn)
-            return {name: t if t.device == device else t.to(device) for name, t in hit.items()}
+            return {name: to_device(t, device) for name, t in hit.items()}
         if not chunk.has_pixels:
             raise ChunkLostError(
                 f"chunk {chunk.label or chunk.key[:12]} released its pixels and the store no longer holds "
@@ -236,14 +237,15 @@ class KVCore:
         vision = self.vision(chunk, txn) if chunk.has_vision else None
         n = chunk.num_tokens
         scores = None
-        if selected_count(fraction, n) < n:
-            probe = self.backend.deviation(chunk, kv, context, start, vision, layers)
-            txn.meter.spend(probe.spent)
-            scores = probe.scores
-            indices = select_tokens(scores, fraction)
-        else:
-            indices = torch.arange(n)
-        done = self.backend.recompute(chunk, kv, indices, context, start, vision)
+        with books("the tokens a recompute runs are chosen by their deviation, and checked, on the host"):
+            if selected_count(fraction, n) < n:
+                probe = self.backend.deviation(chunk, kv, context, start, vision, layers)
+                txn.meter.spend(probe.spent)
+                scores = probe.scores
+                indices = select_tokens(scores, fraction)
+            else:
+                indices = torch.arange(n)
+            done = self.backend.recompute(chunk, kv, indices, context, start, vision)
         txn.meter.spend(done.spent)
         return Blended(done.kv[0], indices, scores)
 
@@ -355,4 +357,4 @@ class KVCore:
         device = self.device(txn)
         if kv.keys.device == device:
             return kv
-        return replace(kv, keys=kv.keys.to(device), values=kv.values.to(device))
+        return replace(kv, keys=to_device(kv.keys, device), values=to_device(kv.values, device))

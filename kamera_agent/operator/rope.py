@@ -17,15 +17,21 @@ Angles are formed exactly as the model forms them (``float32(position) * float32
 rounded to float32), so relocated keys match the model's own keys to rounding; differences
 of angles and the cos/sin are taken in float64, where float32 would lose the phase at large
 positions. Keys are rotated in float32 whatever their storage dtype.
+
+The cos/sin tables are built on the keys' device: positions come from the host (a few bytes per
+token, copied without a wait, `kamera_agent.critical_path.to_device`) and the spec's frequencies
+are copied to each device once. A table built on the host and copied from pageable memory
+would make the host wait for the engine's queue on every rotation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
+from kamera_agent.critical_path import to_device
 from kamera_agent.errors import LayoutMismatchError, PositionShapeError
 
 __all__ = [
@@ -59,6 +65,10 @@ class RotarySpec:
     axes: torch.Tensor | None = None
     rope_type: str = "default"
     attention_scaling: float = 1.0
+    _on: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = field(
+        default_factory=dict, init=False, repr=False
+    )
+    """``inv_freq`` (float32) and ``axes`` per device they were asked on (`tables_on`)."""
 
     def __post_init__(self) -> None:
         if self.inv_freq.ndim not in (1, 2):
@@ -92,6 +102,15 @@ class RotarySpec:
     def is_mrope(self) -> bool:
         return self.axes is not None
 
+    def tables_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``inv_freq`` as float32 and ``axes`` on ``device``, copied there once per device."""
+        tables = self._on.get(device)
+        if tables is None:
+            inv_freq = to_device(self.inv_freq.to(torch.float32), device)
+            axes = None if self.axes is None else to_device(self.axes, device)
+            tables = self._on[device] = (inv_freq, axes)
+        return tables
+
 
 def rotary_angles(spec: RotarySpec, positions: torch.Tensor) -> torch.Tensor:
     """Per-token, per-frequency angles, formed as the model forms them.
@@ -106,14 +125,14 @@ def rotary_angles(spec: RotarySpec, positions: torch.Tensor) -> torch.Tensor:
         spec with frequencies per layer.
     """
     pos = _check_positions(spec, positions)  # [n] or [3, n]
-    inv_freq = spec.inv_freq.to(device=pos.device, dtype=torch.float32)  # [F] or [L, F]
+    inv_freq, axes = spec.tables_on(pos.device)  # [F] or [L, F] float32; [F]
     if spec.per_layer:
         angles32 = pos.to(torch.float32)[None, :, None] * inv_freq[:, None, :]  # [L, n, F]
     elif pos.ndim == 1:
         angles32 = pos.to(torch.float32)[:, None] * inv_freq  # [n, F]
     else:
-        assert spec.axes is not None
-        rows = pos.to(torch.float32)[spec.axes.to(pos.device)]  # [F, n]: each frequency's row
+        assert axes is not None
+        rows = pos.to(torch.float32)[axes]  # [F, n]: each frequency's row
         angles32 = rows.T * inv_freq  # [n, F]
     return angles32.to(torch.float64)
 
@@ -130,12 +149,12 @@ def rotate(keys: torch.Tensor, spec: RotarySpec, positions: torch.Tensor) -> tor
     Returns:
         Rotated keys, same shape and dtype as ``keys``.
     """
-    return _apply_angles(keys, spec, rotary_angles(spec, positions))
+    return _apply_angles(keys, spec, rotary_angles(spec, _beside(keys, positions)))
 
 
 def unrotate(keys: torch.Tensor, spec: RotarySpec, positions: torch.Tensor) -> torch.Tensor:
     """Remove the rotary phase keys received at ``positions``: this is how a chunk is stored."""
-    return _apply_angles(keys, spec, -rotary_angles(spec, positions))
+    return _apply_angles(keys, spec, -rotary_angles(spec, _beside(keys, positions)))
 
 
 def rerotate(
@@ -148,8 +167,15 @@ def rerotate(
     result equals ``rotate(unrotate(keys, from), to)`` without the intermediate rounding.
     Per-token positions are arbitrary (not only a uniform shift); negative shifts are fine.
     """
-    delta = rotary_angles(spec, to_positions) - rotary_angles(spec, from_positions)
-    return _apply_angles(keys, spec, delta)
+    to_angles = rotary_angles(spec, _beside(keys, to_positions))
+    return _apply_angles(keys, spec, to_angles - rotary_angles(spec, _beside(keys, from_positions)))
+
+
+def _beside(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``positions`` on the keys' device, where their cos/sin tables are then built."""
+    if not isinstance(positions, torch.Tensor):
+        positions = torch.as_tensor(positions)
+    return to_device(positions, keys.device)
 
 
 def _check_positions(spec: RotarySpec, positions: torch.Tensor) -> torch.Tensor:
@@ -194,7 +220,7 @@ def _apply_angles(keys: torch.Tensor, spec: RotarySpec, angles: torch.Tensor) ->
             "were these keys made by a model with a different head_dim?"
         )
     cos = torch.cos(angles).to(device=keys.device, dtype=torch.float32)  # [n, F] or [L, 1.., n, F]
-    sin = torch.sin(angles).to(device=keys.device, dtype=torch.float32)
+    sin = torch.sin(angles).to(device=keys.device, dtype=torch.float32)  # on the keys' device: a cast
     x = keys.to(torch.float32)
     band = x[..., : 2 * f]
     # each pair (a, b) becomes (a cos - b sin, b cos + a sin): one product over the whole band,

@@ -26,6 +26,7 @@ from kamera_agent.backends.recompute import deviation_spent
 from kamera_agent.core.blend import selected_count
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.core.kv_core import Txn
+from kamera_agent.critical_path import books
 from kamera_agent.fidelity import DriftBudget, audit, audit_count
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.store.audits import DriftAudit
@@ -105,7 +106,10 @@ class DriftFixes:
             self._placed,
         )
         core, txn = self.runner.parts.core, self.txn
-        error, tokens = audit(core, chunk, placed[i + 1], placed[: i + 1], self._starts[i], share, seed, txn)
+        with books("the drift budget compares the audited error with its epsilon"):
+            error, tokens = audit(
+                core, chunk, placed[i + 1], placed[: i + 1], self._starts[i], share, seed, txn
+            )
         txn.meter.audits += 1
         txn.meter.audit_tokens += tokens
         # filed with the op's writes: readers of the store (other windows, engines) use it too

@@ -23,6 +23,7 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
 from kamera_agent.core.staging import StagedStore, StoreView
+from kamera_agent.critical_path import critical_path
 from kamera_agent.errors import ContextOverflowError, WindowClosedError, WindowError
 from kamera_agent.fidelity import AuditSource, DriftBudget, Measure, filed_in
 from kamera_agent.metrics import next_token_kl
@@ -209,12 +210,13 @@ class OpRunner:
                     plan = build(self.planner(txn.store))
                 self.check_context(plan)
                 executor = Executor(self.state, core, txn, config)
-                executor.run(plan)
-                budget, entries = self.parts.budget, self.state.entries
-                if budget is not None and not any(entries[ref].pending for ref in self.state.order):
-                    # lazy patches are due otherwise: the read that forms them holds the budget
-                    plan = DriftFixes(self, budget, executor, txn).run(plan)
-                value = read(executor) if read is not None else None
+                with critical_path():  # from the op's first forward to its answer: no host round trip
+                    executor.run(plan)
+                    budget, entries = self.parts.budget, self.state.entries
+                    if budget is not None and not any(entries[ref].pending for ref in self.state.order):
+                        # lazy patches are due otherwise: the read that forms them holds the budget
+                        plan = DriftFixes(self, budget, executor, txn).run(plan)
+                    value = read(executor) if read is not None else None
             except StaleLookup:
                 self.state = _restored(snapshot)
                 continue

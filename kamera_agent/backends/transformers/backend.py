@@ -43,6 +43,7 @@ from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.chunks.positions import PositionScheme
 from kamera_agent.chunks.prompt import PromptFormat
 from kamera_agent.compat import cache_kwarg, last_logits_only, output_cache
+from kamera_agent.critical_path import to_device
 from kamera_agent.errors import CapabilityError, LayoutMismatchError, UnsupportedModelError
 from kamera_agent.fingerprint import model_fingerprint
 from kamera_agent.operator.layout import ChunkKV
@@ -206,7 +207,10 @@ class TransformersBackend(Backend):
         total = cache.get_seq_length() + sum(kv.num_tokens for kv in placed) + HEADROOM
         device = self.device
         for layer in range(self.layout.num_layers):
-            pieces = [(kv.keys[layer][None].to(device), kv.values[layer][None].to(device)) for kv in placed]
+            pieces = [
+                (to_device(kv.keys[layer][None], device), to_device(kv.values[layer][None], device))
+                for kv in placed
+            ]
             if isinstance(cache.layers[layer], BufferedLayer):
                 cache.layers[layer].reserve(*pieces[0], total)  # one allocation, then copies in place
             else:  # a layer that concatenates: join first, so it copies once
@@ -345,14 +349,15 @@ class TransformersBackend(Backend):
         embeds = parts.embed(input_ids)  # [n, hidden]
         extra: dict[str, Any] = {}
         if vision is not None:
-            image_mask = (mm_types == 1).to(device)
-            embeds = embeds.clone()
-            embeds[image_mask] = vision["embeds"].to(device, embeds.dtype)
+            image = mm_types == 1  # [n] on the host, as the chunk's ids: its rows found there
+            rows = to_device(torch.nonzero(image).flatten(), device)
+            # index_copy, not embeds[mask] = ...: a mask on the device is read back to count its rows
+            embeds = embeds.index_copy(0, rows, vision["embeds"].to(device, embeds.dtype))
             deepstack = [
                 vision[f"deepstack.{i}"] for i in range(len(vision) - 1) if f"deepstack.{i}" in vision
             ]
             if deepstack and parts.takes_deepstack:
-                extra["visual_pos_masks"] = image_mask[None]
+                extra["visual_pos_masks"] = to_device(image, device)[None]
                 extra["deepstack_visual_embeds"] = [d.to(device, embeds.dtype) for d in deepstack]
         past = cache.get_seq_length() if cache is not None else 0
         pos = positions[None] if positions.ndim == 1 else positions[:, None]  # [1, n] or [3, 1, n]
@@ -360,7 +365,7 @@ class TransformersBackend(Backend):
         with torch.no_grad():
             out = parts.language_model(
                 inputs_embeds=embeds[None],
-                position_ids=pos.to(device),
+                position_ids=to_device(pos, device),
                 attention_mask=mask,
                 use_cache=True,
                 **{parts.cache_kwarg: cache},
@@ -386,14 +391,14 @@ class TransformersBackend(Backend):
         if hidden is None and self.sliding is None:
             return torch.ones(1, past + n, dtype=torch.long, device=device)
         blocked = torch.ones(n, past + n, dtype=torch.bool).triu(past + 1)  # the future
-        blocked = (blocked if hidden is None else blocked | hidden).to(device)
+        blocked = to_device(blocked if hidden is None else blocked | hidden, device)
         if self.sliding is None:
             mask = torch.zeros(1, 1, n, past + n, dtype=dtype, device=device)
             return mask.masked_fill_(blocked[None, None], torch.finfo(dtype).min)
         if keys_at is None:
             keys_at = torch.cat([cache.positions, positions.to("cpu")])
             cache.record(positions)
-        return self.sliding.masks(positions.to(device), keys_at.to(device), blocked, dtype)
+        return self.sliding.masks(to_device(positions, device), to_device(keys_at, device), blocked, dtype)
 
 
 MASKED_ATTENTION = frozenset({"eager", "sdpa"})

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kamera_agent.critical_path import to_device
 from kamera_agent.errors import UnsupportedModelError
 
 __all__ = ["ModelParts", "model_parts"]
@@ -63,7 +64,7 @@ class ModelParts:
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[n]`` ids → ``[n, hidden]`` input embeddings."""
-        return self.language_model.get_input_embeddings()(input_ids.to(self.device))  # type: ignore[no-any-return]
+        return self.language_model.get_input_embeddings()(to_device(input_ids, self.device))  # type: ignore[no-any-return]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` states → float32 logits, soft-capped where the model caps them
