@@ -4,7 +4,8 @@ Why apart: a wrong-typed argument must fail as a named `ArgumentError` that says
 expected, before the op plans, runs a forward or touches the store; Python's own errors from
 deep inside (a tensor shape, ``'<' not supported``) name neither the argument nor the fix, and
 some wrong values are silently accepted (``extend("abc")`` as three one-character items). Each
-check returns the value it accepted, normalised where there is one meaning (a ``stop`` string).
+check returns the value it accepted. Decode settings are not checked here: `DecodeConfig` checks
+them once, where it is built (`check_decode` only reads the deprecated keyword form into one).
 """
 
 from __future__ import annotations
