@@ -9,8 +9,9 @@ import torch
 
 from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.config import WindowConfig
+from kamera_agent.testing import CountingBackend
 from kamera_agent.window import KameraWindow
-from tests.window.backends import CountingBackend, backend_named
+from tests.window.backends import backend_named
 from tests.window.helpers import reprefill
 
 TEXT_BACKENDS = ["qwen2", "tiny_torch"]

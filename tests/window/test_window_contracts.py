@@ -21,9 +21,10 @@ from kamera_agent.errors import (
     UnknownChunkError,
 )
 from kamera_agent.store import ChunkStore
+from kamera_agent.testing import CountingBackend
 from kamera_agent.window import KameraWindow
 from tests.backends.test_transformers_backend import images
-from tests.window.backends import CountingBackend, backend_named
+from tests.window.backends import backend_named
 from tests.window.helpers import chunk_errors, reprefill
 from tests.window.oracle import StateOracle
 

@@ -15,8 +15,9 @@ from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import ArgumentError, DuplicateChunkError, UnsupportedModelError, WindowError
 from kamera_agent.results import Plan
+from kamera_agent.testing import CountingBackend
 from kamera_agent.window import KameraWindow
-from tests.window.backends import CountingBackend, backend_named
+from tests.window.backends import backend_named
 
 A, B, C, D = "alpha one two", "beta three four", "gamma five six", "delta seven eight"
 

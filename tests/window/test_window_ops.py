@@ -26,10 +26,11 @@ from kamera_agent.errors import (
     UnreadableInputError,
     WindowError,
 )
+from kamera_agent.testing import CountingBackend
 from kamera_agent.window import KameraWindow
 from tests.backends.test_transformers_backend import images
 from tests.kv_helpers import next_token_kl
-from tests.window.backends import CountingBackend, backend_named
+from tests.window.backends import backend_named
 from tests.window.helpers import answer_kl, chunk_errors
 from tests.window.oracle import StateOracle
 
