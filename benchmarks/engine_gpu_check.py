@@ -221,6 +221,7 @@ def _kv(model: Any, ids: torch.Tensor, start: int) -> ChunkKV:
 def _window(device: torch.device, quick: bool) -> list[dict[str, Any]]:
     import random
 
+    from kamera_agent.backends.base import DecodeConfig
     from kamera_agent.config import WindowConfig
     from kamera_agent.demo.model import load_demo_model
     from kamera_agent.demo.task import make_item, render_legend, render_page
@@ -253,7 +254,7 @@ def _window(device: torch.device, quick: bool) -> list[dict[str, Any]]:
         ]
         for op, run in ops:
             run()
-            answer = window.ask(item.question, max_new_tokens=1)
+            answer = window.ask(item.question, decode=DecodeConfig(max_new_tokens=1))
             inputs = window.as_model_inputs(item.question)
             with torch.no_grad():
                 moved = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}

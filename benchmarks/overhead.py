@@ -36,6 +36,7 @@ from rich.table import Table
 
 import kamera_agent.core.kv_core as kv_core
 import kamera_agent.core.orbits as orbits
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.bench.common import show_and_save
 from kamera_agent.config import WindowConfig
 from kamera_agent.demo.model import load_demo_model
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         middle = window.refs[len(window) // 2]
         measure("evict", lambda ref=middle: window.evict(ref))
         measure("recall", lambda ref=middle: window.recall(ref))
-        measure("ask", lambda: window.ask("Absent colour?", max_new_tokens=1))
+        measure("ask", lambda: window.ask("Absent colour?", decode=DecodeConfig(max_new_tokens=1)))
     rows: dict[str, dict[str, float]] = {}
     table = Table(
         title=f"where an op's time goes: demo model on {device.type}, defaults, {args.chunks} chunks, "

@@ -19,79 +19,21 @@ import base64
 import io
 import statistics
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from PIL import Image
 from rich.table import Table
 
-from kamera_agent.backends.base import Backend, Capabilities, DecodeConfig, Decoded, Prefilled, VisionOutput
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.common import show_and_save
-from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
 from kamera_agent.demo.model import load_demo_model
-from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.serve import KameraServer, ServeSettings
 from kamera_agent.serve.protocol import ChatRequest
 from kamera_agent.settings import configure_threads
+from kamera_agent.testing import CountingBackend
 
 MODEL = "kamera-tiny-vl"
-
-
-class TimedBackend(Backend):
-    """A backend whose primitives' time is summed (``seconds``): the model's share of a request."""
-
-    def __init__(self, inner: Backend) -> None:
-        self.inner, self.seconds = inner, 0.0
-        self.layout, self.fingerprint, self.encoder = inner.layout, inner.fingerprint, inner.encoder
-        self.capabilities: Capabilities = inner.capabilities
-
-    @property
-    def device(self) -> torch.device:
-        return self.inner.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.inner.dtype
-
-    @property
-    def context_limit(self) -> int | None:
-        return self.inner.context_limit
-
-    def _timed(self, call: Callable[[], Any]) -> Any:
-        began = time.perf_counter()
-        try:
-            return call()
-        finally:
-            self.seconds += time.perf_counter() - began
-
-    def prefill(
-        self,
-        chunks: Sequence[Chunk],
-        context: Sequence[ChunkKV],
-        start: int,
-        vision: Any = (),
-        onto: Any = None,
-        *,
-        starts: Sequence[int] | None = None,
-        sees: Sequence[int] | None = None,
-    ) -> Prefilled:
-        run = lambda: self.inner.prefill(chunks, context, start, vision, onto, starts=starts, sees=sees)  # noqa: E731
-        return self._timed(run)  # type: ignore[no-any-return]
-
-    def encode_vision(self, chunk: Chunk) -> VisionOutput:
-        return self._timed(lambda: self.inner.encode_vision(chunk))  # type: ignore[no-any-return]
-
-    def assemble(self, placed: Sequence[ChunkKV], onto: Any = None) -> Any:
-        return self._timed(lambda: self.inner.assemble(placed, onto))
-
-    def crop(self, cache: Any, slots: int) -> Any:
-        return self._timed(lambda: self.inner.crop(cache, slots))
-
-    def decode(self, cache: Any, query_ids: torch.Tensor, start: int, config: DecodeConfig) -> Decoded:
-        return self._timed(lambda: self.inner.decode(cache, query_ids, start, config))  # type: ignore[no-any-return]
 
 
 def screenshot(i: int) -> dict[str, Any]:
@@ -108,7 +50,7 @@ def screenshot(i: int) -> dict[str, Any]:
     return {"role": "user", "content": parts}
 
 
-def conversation(backend: TimedBackend, turns: int, keep: int) -> list[float]:
+def conversation(backend: CountingBackend, turns: int, keep: int) -> list[float]:
     """Each turn's overhead in ms: its wall time in `complete` less the backend's time."""
     server = KameraServer(backend, ServeSettings(MODEL, WindowConfig(), max_tokens=2))
     system = {"role": "system", "content": "You operate a browser. Answer briefly."}
@@ -117,9 +59,10 @@ def conversation(backend: TimedBackend, turns: int, keep: int) -> list[float]:
     for i in range(turns):
         messages = [system, *history, screenshot(i)]
         request = ChatRequest(model=MODEL, messages=messages, temperature=0, max_tokens=2)
-        backend.seconds, began = 0.0, time.perf_counter()
+        model, began = sum(backend.seconds.values()), time.perf_counter()
         done = server.complete(request)
-        overheads.append(1e3 * (time.perf_counter() - began - backend.seconds))
+        model = sum(backend.seconds.values()) - model  # the primitives' time within the request
+        overheads.append(1e3 * (time.perf_counter() - began - model))
         history += [screenshot(i), {"role": "assistant", "content": done.answer.text or "ok"}]
         del history[: max(0, len(history) - 2 * keep)]
     return overheads
@@ -135,7 +78,9 @@ def main() -> None:
     args = parser.parse_args()
     configure_threads(None)
     model, tokenizer, image_processor = load_demo_model()
-    backend = TimedBackend(TransformersBackend(model, tokenizer=tokenizer, image_processor=image_processor))
+    backend = CountingBackend(
+        TransformersBackend(model, tokenizer=tokenizer, image_processor=image_processor)
+    )
     runs = [conversation(backend, args.turns, args.keep) for _ in range(args.runs)]
     median = [statistics.median(run[t] for run in runs) for t in range(args.turns)]
     early, last = median[args.early - 1], median[-1]

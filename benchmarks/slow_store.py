@@ -36,6 +36,7 @@ from typing import Any
 from rich.table import Table
 from slow_proxy import SlowProxy  # beside this script (run as one: its folder is on sys.path)
 
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.bench.agents.contents import RandomContents
 from kamera_agent.bench.agents.run import QUICK_SHAPE, realistic_backend, warm
 from kamera_agent.bench.common import show_and_save
@@ -79,7 +80,7 @@ def _episode(window: KameraWindow, chunks: list[Any]) -> list[float]:
     op(lambda: window.reorder(refs[::-1]))
     op(lambda: window.evict(refs[1]))
     op(lambda: window.recall(refs[1], at=0))
-    op(lambda: window.ask("which came first?", max_new_tokens=1))
+    op(lambda: window.ask("which came first?", decode=DecodeConfig(max_new_tokens=1)))
     return seconds
 
 

@@ -22,6 +22,7 @@ from PIL import Image
 from rich.console import Console
 from rich.table import Table
 
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.compat import last_logits_only
@@ -127,7 +128,7 @@ def _window_vs_generate(backend: TransformersBackend, chunks: list[Chunk]) -> Ve
     with torch.no_grad():
         generated = backend.model.generate(**inputs, max_new_tokens=8, do_sample=False)
         reference = backend.model(**inputs, **last_logits_only(backend.model)).logits[0, -1].float()
-    answer = window.ask(question, max_new_tokens=8)
+    answer = window.ask(question, decode=DecodeConfig(max_new_tokens=8))
     expected = generated[0, inputs["input_ids"].shape[1] :].tolist()
     mismatch = 0.0 if expected[: len(answer.tokens)] == answer.tokens else 1.0
     gap = float((answer.first_logits.to(reference.device) - reference).abs().max())

@@ -67,7 +67,7 @@ class WindowConfig(BaseModel):
         cascade: re-admitting a chunk before in-window chunks re-patches them (``"cascade"``) or
             leaves them as they are (``"keep"``).
         probe_threshold: ``probe_without`` calls a chunk disposable below this next-token KL.
-        max_new_tokens: default answer length for ``ask``.
+        max_new_tokens: answer length of an ``ask`` given no ``decode``.
         threads: torch threads to use (``None``: leave torch's setting).
         device: where the model runs (``None``: wherever it is).
         dtype: the model's dtype (``None``: as loaded); a loaded model is cast to it.

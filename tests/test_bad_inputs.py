@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
-from kamera_agent import KameraWindow, WindowConfig
+from kamera_agent import DecodeConfig, KameraWindow, WindowConfig
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.chunks.sources import read_video, to_rgb_image
 from kamera_agent.demo.model import load_demo_model
@@ -134,12 +134,17 @@ CASES: dict[str, tuple[Callable[[KameraWindow, Path], Any], type[KameraError], s
         ContextOverflowError,
         "cannot fit",
     ),
-    "temperature NaN": (lambda w, d: w.ask("q", temperature=float("nan")), ArgumentError, "temperature"),
-    "temperature < 0": (lambda w, d: w.ask("q", temperature=-1), ArgumentError, "temperature"),
-    "top_p > 1": (lambda w, d: w.ask("q", top_p=5), ArgumentError, "top_p"),
-    "no answer tokens": (lambda w, d: w.ask("q", max_new_tokens=0), ArgumentError, "max_new_tokens"),
-    "negative answer tokens": (lambda w, d: w.ask("q", max_new_tokens=-3), ArgumentError, "max_new_tokens"),
-    "empty stop string": (lambda w, d: w.ask("q", stop=[""]), ArgumentError, "stop"),
+    "temperature NaN": (lambda w, d: DecodeConfig(temperature=float("nan")), SettingsError, "temperature"),
+    "temperature < 0": (lambda w, d: DecodeConfig(temperature=-1), SettingsError, "temperature"),
+    "top_p > 1": (lambda w, d: DecodeConfig(top_p=5), SettingsError, "top_p"),
+    "no answer tokens": (lambda w, d: DecodeConfig(max_new_tokens=0), SettingsError, "max_new_tokens"),
+    "negative answer tokens": (lambda w, d: DecodeConfig(max_new_tokens=-3), SettingsError, "max_new_tokens"),
+    "empty stop string": (lambda w, d: DecodeConfig(stop=("",)), SettingsError, "stop"),
+    "decode not a DecodeConfig": (
+        lambda w, d: w.ask("q", decode={"temperature": 1}),
+        ArgumentError,
+        "decode",
+    ),
     # the wrong-typed arguments a review sent (issue 35): each a named error, nothing changed
     "caption not a str": (
         lambda w, d: w.push(Image.new("RGB", (56, 56)), caption=5),
@@ -163,8 +168,8 @@ CASES: dict[str, tuple[Callable[[KameraWindow, Path], Any], type[KameraError], s
     "labels not one per item": (lambda w, d: w.extend(["a", "b"], labels=["a"]), ArgumentError, "one label"),
     "ask None": (lambda w, d: w.ask(None), ArgumentError, "query must be a str"),
     "ask an int": (lambda w, d: w.ask(123), ArgumentError, "query must be a str"),
-    "ask a huge seed": (lambda w, d: w.ask("q", seed=2**70), ArgumentError, "seed"),
-    "ask stop an int": (lambda w, d: w.ask("q", stop=5), ArgumentError, "stop"),
+    "a huge seed": (lambda w, d: DecodeConfig(seed=2**70), SettingsError, "seed"),
+    "stop an int": (lambda w, d: DecodeConfig(stop=5), SettingsError, "stop"),
     "ask on_text not callable": (lambda w, d: w.ask("q", on_text="print"), ArgumentError, "on_text"),
     "probe a None query": (lambda w, d: w.probe_without(w.refs[0], None), ArgumentError, "query"),
     "arrange a str": (lambda w, d: w.arrange("ab"), ArgumentError, "list of items"),
@@ -297,12 +302,15 @@ _OPS: dict[str, Callable[[KameraWindow, Any], Any]] = {
     "arrange labels": lambda w, v: w.arrange(w.refs, labels=v),
     "forget ref": lambda w, v: w.forget(v),
     "ask query": lambda w, v: w.ask(v),
-    "ask max_new_tokens": lambda w, v: w.ask("q", max_new_tokens=v),
-    "ask temperature": lambda w, v: w.ask("q", temperature=v),
-    "ask top_k": lambda w, v: w.ask("q", top_k=v),
-    "ask top_p": lambda w, v: w.ask("q", top_p=v),
-    "ask seed": lambda w, v: w.ask("q", seed=v),
-    "ask stop": lambda w, v: w.ask("q", stop=v),
+    "ask decode": lambda w, v: w.ask("q", decode=v),
+    "ask max_new_tokens": lambda w, v: w.ask("q", decode=DecodeConfig(max_new_tokens=v)),
+    "ask temperature": lambda w, v: w.ask("q", decode=DecodeConfig(temperature=v)),
+    "ask top_k": lambda w, v: w.ask("q", decode=DecodeConfig(top_k=v)),
+    "ask top_p": lambda w, v: w.ask("q", decode=DecodeConfig(top_p=v)),
+    "ask seed": lambda w, v: w.ask("q", decode=DecodeConfig(seed=v)),
+    "ask stop": lambda w, v: w.ask("q", decode=DecodeConfig(stop=v)),
+    "ask logit_bias": lambda w, v: w.ask("q", decode=DecodeConfig(logit_bias=v)),
+    "ask top_logprobs": lambda w, v: w.ask("q", decode=DecodeConfig(top_logprobs=v)),
     "ask return_logits": lambda w, v: w.ask("q", return_logits=v),
     "ask on_text": lambda w, v: w.ask("q", on_text=v),
     "ask keep_going": lambda w, v: w.ask("q", keep_going=v),
@@ -322,14 +330,14 @@ _OPS: dict[str, Callable[[KameraWindow, Any], Any]] = {
 }
 _ACCEPTED: list[tuple[str, object, str]] = [
     # (op, value, why): documented behaviour, not bad input
-    ("ask max_new_tokens", None, "the window's max_new_tokens"),
+    ("ask decode", None, "greedy, the window's max_new_tokens"),
+    ("ask top_logprobs", None, "no log-probabilities"),
+    ("ask logit_bias", {}, "no bias"),
     ("ask seed", None, "unseeded"),
     ("ask on_text", None, "no streaming"),
     ("ask keep_going", None, "never cancelled"),
     ("ask temperature", 1.5, "sampled at 1.5"),
     ("ask top_k", 2**70, "top-k above the vocabulary keeps every token"),
-    ("ask stop", "x", "one stop string"),
-    ("ask stop", [], "no stop strings"),
     ("ask return_logits", True, "logits returned"),
     ("as_model_inputs query", None, "the window without a query"),
     ("as_model_inputs query", "x", "a query"),

@@ -179,6 +179,7 @@ PYTHON_SNIPPETS = {
     ): "exec",
     ("docs/engines.md", "config = KVTransferConfig("): "vllm",
     ("docs/store.md", "class DictTier(Tier):"): "exec",
+    ("docs/development.md", "backend, tier = CountingBackend(TinyTorchBackend(seed=0)), F"): "exec",
     (
         "docs/vllm.md",
         'os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # schedu',

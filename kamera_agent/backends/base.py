@@ -20,18 +20,17 @@ inferred from side effects. Checks against the engine's own full forward are opt
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any, Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from kamera_agent.backends.decode_config import Constraint, DecodeConfig
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
-from kamera_agent.errors import CapabilityError, SettingsError
+from kamera_agent.errors import CapabilityError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.results import Answer
 
@@ -136,106 +135,6 @@ class Reference:
 
     kv: tuple[ChunkKV, ...]
     logits: torch.Tensor
-
-
-@dataclass(frozen=True, kw_only=True)
-class DecodeConfig:
-    """How to generate an answer (every field by keyword: eight positional values are a bug
-    waiting for one reordering).
-
-    Attributes:
-        max_new_tokens: tokens to generate at most.
-        temperature: 0 for greedy decoding, else the sampling temperature.
-        top_k: sample among the k most likely tokens (0: all).
-        top_p: nucleus sampling mass (1.0: all).
-        seed: sampling seed, for reproducible samples.
-        stop: strings that end the answer (not included in it).
-        return_logits: keep the logits of every generated step.
-        on_text: called with each new piece of the answer's text as it is decoded; text that
-            may be the start of a stop string is held back until it cannot be.
-        keep_going: asked before each generated token; ``False`` ends the answer there with
-            ``finish_reason="cancelled"`` (a server's client went away).
-        logit_bias: token id -> a value added to its logit at every step (OpenAI's: -100
-            bans a token, 100 all but forces it).
-        presence_penalty: subtracted from the logit of every token already in the answer.
-        frequency_penalty: subtracted once per time a token is already in the answer.
-        top_logprobs: ``None``: no log-probabilities; ``k >= 0``: each answer token's
-            log-probability and its step's ``k`` most likely tokens (`Answer.logprobs`).
-        constraint: makes a fresh `Constraint` for each decode (structured output: only
-            tokens its grammar allows are chosen, and the answer ends when it is complete).
-    """
-
-    max_new_tokens: int = 32
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    return_logits: bool = False
-    on_text: Callable[[str], None] | None = None
-    keep_going: Callable[[], bool] | None = None
-    logit_bias: Mapping[int, float] = field(default_factory=lambda: MappingProxyType({}))
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    top_logprobs: int | None = None
-    constraint: Callable[[], Constraint] | None = None
-
-    def __post_init__(self) -> None:
-        """Refuse what ``generate`` refuses (a setting that would decode nonsense or nothing)."""
-        problems = []
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            problems.append(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not _is_real(self.temperature) or self.temperature < 0:
-            problems.append(f"temperature must be finite and >= 0 (0: greedy), got {self.temperature!r}")
-        if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
-            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            problems.append(f"top_k must be an int >= 0 (0: all), got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 1 << 63):
-            problems.append(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
-        stops = self.stop if isinstance(self.stop, tuple) else (None,)
-        if any(not isinstance(stop, str) or not stop for stop in stops):
-            problems.append("stop must be a tuple of non-empty strings")
-        if not isinstance(self.logit_bias, Mapping) or any(
-            not _is_int(token) or token < 0 or not _is_real(bias) or abs(bias) > 100
-            for token, bias in self.logit_bias.items()
-        ):
-            problems.append("logit_bias must map token ids (ints >= 0) to numbers in [-100, 100]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _is_real(value) or abs(value) > 2:
-                problems.append(f"{name} must be a number in [-2, 2], got {value!r}")
-        if self.top_logprobs is not None and (
-            not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= 20
-        ):
-            problems.append(f"top_logprobs must be None or an int in [0, 20], got {self.top_logprobs!r}")
-        if problems:
-            raise SettingsError("; ".join(problems))
-
-
-class Constraint(Protocol):
-    """A grammar over an answer's tokens, followed token by token (structured output)."""
-
-    def mask(self, scores: torch.Tensor) -> torch.Tensor:
-        """``scores`` ``[vocab]`` with every token the grammar does not allow next at ``-inf``."""
-        ...
-
-    def accept(self, token: int) -> None:
-        """The token chosen (one the mask allowed)."""
-        ...
-
-    @property
-    def finished(self) -> bool:
-        """The grammar is complete: nothing more may follow."""
-        ...
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from rich.progress import Progress, TaskID
 
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.window_suite import QUERY, TEXT_QUERY, _Episode, _items, text_frames
 from kamera_agent.config import WindowConfig
@@ -153,7 +154,7 @@ def drift_episode(
         refs = window_.refs
         chunks = [window_.chunk(ref) for ref in refs]
         truth = backend.reference_prefill(chunks, query_ids)
-        answer = window_.ask(query, max_new_tokens=1).first_logits.float().cpu()
+        answer = window_.ask(query, decode=DecodeConfig(max_new_tokens=1)).first_logits.float().cpu()
         kvs = [window_.chunk_kv(ref) for ref in refs]
         starts = [backend.anchor.advance]
         for chunk in chunks:

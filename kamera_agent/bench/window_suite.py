@@ -12,9 +12,9 @@ Frames are rendered and preprocessed before any clock starts.
 Then, outside every clock, each side is measured against the model's own re-prefill of the
 window's current sequence plus the suite's question (``window.as_model_inputs``): the next-token
 KL of the first answer token, whether its argmax agrees, the largest logit difference. kamera
-answers with ``window.ask(query, max_new_tokens=1)``, a follower with its own forward over its
-cache. The episode is an agent that asks after every op; the question's own cost is recorded
-apart (``ask_ms``, ``ask_forwards``) and never counted as the op's.
+answers with ``window.ask(query, decode=DecodeConfig(max_new_tokens=1))``, a follower with its
+own forward over its cache. The episode is an agent that asks after every op; the question's own
+cost is recorded apart (``ask_ms``, ``ask_forwards``) and never counted as the op's.
 
 Lazy patches: a window with ``patch_mode="lazy"`` defers patches to its next read. So that the
 question never pays for them, the op's clock also covers a read that forms them
@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import torch
 from rich.progress import Progress
 
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.blend_cache import BlendCache
 from kamera_agent.bench.common import finite, wall
@@ -307,7 +308,7 @@ def _compare(reference: torch.Tensor, logits: torch.Tensor) -> tuple[float, bool
 def _kamera_answer(window: KameraWindow, op: OpCost, ms: float, reference: torch.Tensor, query: str) -> Spent:
     before = window.stats.total
     started = wall()
-    logits = window.ask(query, max_new_tokens=1).first_logits
+    logits = window.ask(query, decode=DecodeConfig(max_new_tokens=1)).first_logits
     ask_ms, asked = (wall() - started) * 1e3, _spent(window.stats.total, before)
     kl, agrees, error = _compare(reference, logits)
     return Spent(

@@ -11,9 +11,13 @@ from __future__ import annotations
 import logging
 import re
 import secrets
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from kamera_agent.backends.decode_config import Constraint, DecodeConfig
+from kamera_agent.errors import SettingsError
 
 __all__ = [
     "ERROR_ID_HEADER",
@@ -186,19 +190,34 @@ class ChatRequest(BaseModel):
         return self.session_id or self.prompt_cache_key or self.user
 
     @property
-    def stops(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
-    @property
     def answer_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    @property
-    def token_bias(self) -> dict[int, float]:
-        """``logit_bias`` with its keys as token ids (JSON keys are strings)."""
-        return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
+    def decode_config(self, max_tokens: int, constraint: Callable[[], Constraint] | None) -> DecodeConfig:
+        """The request's decode settings, built (and so checked) once; each choice's are derived
+        from them (`DecodeConfig.for_choice`). ``max_tokens``: the server's default answer length.
+
+        Raises:
+            RequestError: a setting `DecodeConfig` refuses (400, the field named).
+        """
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        try:
+            return DecodeConfig(
+                max_new_tokens=self.answer_tokens or max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                seed=self.seed,
+                stop=stops,
+                logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                top_logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+                constraint=constraint,
+            )
+        except SettingsError as exc:
+            named = str(exc).split(" ", 1)[0]
+            param = named if named in type(self).model_fields else None
+            raise RequestError(400, str(exc), param=param) from exc
 
     def refuse_unsupported(self) -> None:
         """Raises `RequestError` naming the first field we do not serve."""

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kamera_agent.backends.base import Backend, Constraint
+from kamera_agent.backends.base import Backend, DecodeConfig
 from kamera_agent.backends.decoding import decoded_tokens
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import ConfigError, ContextOverflowError, KameraError
@@ -77,7 +77,8 @@ class _Asked:
     prepared: Prepared
     query_tokens: int
     clock: Clock
-    constraint: Callable[[], Constraint] | None = None
+    decode: DecodeConfig
+    """The request's decode settings, built once (choice ``i``'s: ``decode.for_choice(i)``)."""
 
 
 class KameraServer:
@@ -138,16 +139,14 @@ class KameraServer:
             self._refuse_images(turns)
             if request.tools:  # the definitions belong to the system block: the conversation's anchor
                 system = self._with_tools(system, request.tools)
-            constraint = self.constraints.of(request)
+            decode = request.decode_config(self.settings.max_tokens, self.constraints.of(request))
             salt = self.settings.cache_salt(tenant)
             with self.pixels.lease(tenant) as lease:  # images, tokens, keys: outside the model
                 prepared = self.messages.prepare(system, turns, lease, salt)
             query_tokens = self._query_tokens(system, prepared, salt)
             digests = [turn.digest for turn in turns]
             clock.stamp_ready()
-            asked = _Asked(
-                request, tenant, fidelity, system, digests, prepared, query_tokens, clock, constraint
-            )
+            asked = _Asked(request, tenant, fidelity, system, digests, prepared, query_tokens, clock, decode)
             return self._answer(asked, on_text, keep_going)
 
     def _refuse_unserved(self, request: ChatRequest) -> None:
@@ -259,26 +258,16 @@ class KameraServer:
         on_text: Streamed,
     ) -> list[Answer]:
         """``n`` answers over one prefill of the prompt (choice ``i`` seeded ``seed + i``)."""
-        request = asked.request
         return [
             window.ask(
                 report.query,
-                in_message=report.in_message,
-                query_role=asked.prepared.role,
-                max_new_tokens=request.answer_tokens or self.settings.max_tokens,
-                temperature=request.temperature,
-                top_p=request.top_p,
-                seed=None if request.seed is None else (request.seed + choice) % (1 << 63),
-                stop=request.stops,
+                decode=asked.decode.for_choice(choice),
                 on_text=on_text,
                 keep_going=keep_going,
-                logit_bias=request.token_bias,
-                presence_penalty=request.presence_penalty,
-                frequency_penalty=request.frequency_penalty,
-                top_logprobs=(request.top_logprobs or 0) if request.logprobs else None,
-                constraint=asked.constraint,
+                in_message=report.in_message,
+                query_role=asked.prepared.role,
             )
-            for choice in range(request.n)
+            for choice in range(asked.request.n)
         ]
 
     def _completion(

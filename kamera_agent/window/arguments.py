@@ -4,36 +4,35 @@ Why apart: a wrong-typed argument must fail as a named `ArgumentError` that says
 expected, before the op plans, runs a forward or touches the store; Python's own errors from
 deep inside (a tensor shape, ``'<' not supported``) name neither the argument nor the fix, and
 some wrong values are silently accepted (``extend("abc")`` as three one-character items). Each
-check returns the value it accepted, normalised where there is one meaning (a ``stop`` string).
+check returns the value it accepted. Decode settings are not checked here: `DecodeConfig` checks
+them once, where it is built (`check_decode` only reads the deprecated keyword form into one).
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from kamera_agent.errors import ArgumentError
+from kamera_agent.backends.decode_config import HOOKS, DecodeConfig
+from kamera_agent.errors import ArgumentError, SettingsError
 
 __all__ = [
-    "SEED_LIMIT",
     "check_callable",
     "check_choice",
+    "check_decode",
     "check_flag",
     "check_index",
     "check_int",
     "check_items",
     "check_labels",
-    "check_logit_bias",
-    "check_real",
-    "check_seed",
     "check_slide",
-    "check_stop",
     "check_text",
 ]
 
-SEED_LIMIT = 1 << 63
-"""Seeds are ints in ``[0, 2**63)`` (a signed 64-bit integer's non-negative range, as OpenAI's)."""
+DECODE_KEYWORDS = tuple(f.name for f in dataclasses.fields(DecodeConfig) if f.name not in HOOKS)
+"""``ask``'s keywords that are decode settings: deprecated for ``ask(..., decode=DecodeConfig(...))``."""
 
 T = TypeVar("T")
 
@@ -98,59 +97,6 @@ def check_int(
     return value
 
 
-def check_real(
-    value: object, name: str, low: float, high: float = math.inf, *, open_low: bool = False
-) -> float:
-    """A finite real number in ``[low, high]`` (``(low, high]`` with ``open_low``)."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        number = float(value)  # type: ignore[arg-type]
-        ok = (number > low if open_low else number >= low) and number <= high
-    if not ok:
-        span = f"{'(' if open_low else '['}{low:g}, {high:g}]"
-        raise ArgumentError(f"{name} must be a finite number in {span}, {_got(value)}")
-    return float(value)  # type: ignore[arg-type]
-
-
-def check_seed(value: object) -> int | None:
-    """``None`` or an int in ``[0, 2**63)``."""
-    if value is None:
-        return None
-    if not _is_int(value) or not 0 <= value < SEED_LIMIT:  # type: ignore[operator]
-        raise ArgumentError(f"seed must be None or an int in [0, 2**63), {_got(value)}")
-    return value  # type: ignore[return-value]
-
-
-def check_stop(value: object) -> tuple[str, ...]:
-    """Stop strings: one ``str`` is one stop string (not its characters), or a sequence of
-    non-empty ``str``."""
-    if isinstance(value, str):
-        value = (value,)
-    if not isinstance(value, Sequence) or not all(isinstance(s, str) and s for s in value):
-        raise ArgumentError(f"stop must be a str or a list of non-empty str, {_got(value)}")
-    return tuple(value)
-
-
-def check_logit_bias(value: object) -> dict[int, float]:
-    """``None`` or a mapping of token ids (ints >= 0) to numbers in [-100, 100]."""
-    if value is None:
-        return {}
-    ok = isinstance(value, Mapping) and all(
-        _is_int(token)
-        and token >= 0
-        and isinstance(bias, int | float)
-        and not isinstance(bias, bool)
-        and math.isfinite(bias)
-        and abs(bias) <= 100
-        for token, bias in value.items()
-    )
-    if not ok:
-        raise ArgumentError(
-            f"logit_bias must map token ids (ints >= 0) to numbers in [-100, 100], {_got(value)}"
-        )
-    return {int(token): float(bias) for token, bias in value.items()}  # type: ignore[attr-defined]
-
-
 def check_choice(value: object, name: str, choices: Sequence[str]) -> str:
     """One of ``choices`` (strings)."""
     if not isinstance(value, str) or value not in choices:
@@ -183,3 +129,39 @@ def check_labels(value: object, count: int) -> list[str | None]:
     for name in names:
         check_text(name, "each label", optional=True)
     return names
+
+
+def check_decode(decode: object, keywords: Mapping[str, Any], max_new_tokens: int) -> DecodeConfig:
+    """An ``ask``'s decode settings: ``decode`` as given, else built from the deprecated decode
+    keywords (``max_new_tokens`` the window's default), else the window's defaults.
+
+    Raises:
+        ArgumentError: ``decode`` not a `DecodeConfig`, an unknown keyword, ``decode`` and a decode
+            keyword both given, or a keyword's value refused (named as `DecodeConfig` names it).
+    """
+    unknown = sorted(set(keywords) - set(DECODE_KEYWORDS))
+    if unknown:
+        raise ArgumentError(f"ask() got an unexpected keyword argument {unknown[0]!r}")
+    if decode is not None and not isinstance(decode, DecodeConfig):
+        raise ArgumentError(f"decode must be a DecodeConfig or None, {_got(decode)}")
+    if decode is not None and keywords:
+        raise ArgumentError(
+            f"ask got decode= and {', '.join(sorted(keywords))}: put every decode setting in the DecodeConfig"
+        )
+    if decode is not None:
+        return decode
+    if keywords:
+        warnings.warn(
+            f"ask({', '.join(f'{name}=' for name in sorted(keywords))}...) is deprecated: pass "
+            "decode=DecodeConfig(...) with these settings",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    settings = {name: value for name, value in keywords.items() if value is not None}
+    settings.setdefault("max_new_tokens", max_new_tokens)
+    stop = settings.get("stop", ())
+    settings["stop"] = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else stop
+    try:
+        return DecodeConfig(**settings)
+    except SettingsError as exc:  # the keywords are ask's arguments: refused as every op's are
+        raise ArgumentError(str(exc)) from exc

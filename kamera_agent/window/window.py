@@ -17,14 +17,14 @@ themselves with the runner planning instead of executing. Every operation's cost
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import networkx as nx
 import torch
 
-from kamera_agent.backends.base import Backend, Constraint, DecodeConfig
+from kamera_agent.backends.base import Backend, DecodeConfig
 from kamera_agent.chunks.chat import ChatTemplate
 from kamera_agent.chunks.chunk import Chunk, ChunkKind
 from kamera_agent.chunks.encoder import ChunkEncoder
@@ -50,16 +50,13 @@ from kamera_agent.store import ChunkStore
 from kamera_agent.window.arguments import (
     check_callable,
     check_choice,
+    check_decode,
     check_flag,
     check_index,
     check_int,
     check_items,
     check_labels,
-    check_logit_bias,
-    check_real,
-    check_seed,
     check_slide,
-    check_stop,
     check_text,
 )
 from kamera_agent.window.conversation import Conversation, MessagePart
@@ -493,48 +490,41 @@ class KameraWindow:
         self,
         query: str,
         *,
-        max_new_tokens: int | None = None,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        return_logits: bool = False,
+        decode: DecodeConfig | None = None,
         on_text: Callable[[str], None] | None = None,
         keep_going: Callable[[], bool] | None = None,
+        return_logits: bool = False,
         in_message: bool = False,
         remember: bool = False,
-        logit_bias: Mapping[int, float] | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        top_logprobs: int | None = None,
-        constraint: Callable[[], Constraint] | None = None,
         query_role: str = "user",
+        **deprecated: Any,
     ) -> Answer:
         """Answer ``query`` over the window: greedy by default, sampled with a temperature.
 
         Args:
+            decode: how to decode (`DecodeConfig`: length, sampling, stop strings, OpenAI's
+                logit bias and penalties, log-probabilities, a grammar); ``None``: greedy, up to
+                ``config.max_new_tokens`` tokens. Its settings are used as they are (they were
+                checked when it was built).
             on_text: called with each piece of the answer's text as it is decoded (streaming;
                 text that may begin a stop string is held back until it cannot).
             keep_going: asked before each answer token; ``False`` ends the answer there
                 (``finish_reason="cancelled"``): a server stops when its client goes away.
+            return_logits: keep every answer step's logits (`Answer.logits`).
             in_message: conversation windows: the query ends the user message that the last
                 chunks began (`push_message(..., closed=False)`), e.g. after its images.
             remember: conversation windows: admit the question and the answer as the
                 conversation's next messages (one forward), so the next turn's history matches.
-            logit_bias, presence_penalty, frequency_penalty: OpenAI's, on the scores each token
-                is chosen from (`DecodeConfig`).
-            top_logprobs: each answer token's log-probability and its step's ``k`` most likely
-                tokens (`Answer.logprobs`); ``None``: none.
-            constraint: makes a `Constraint` per answer: only tokens its grammar allows are
-                chosen, and the answer ends when it is complete (structured output).
             query_role: conversation windows: the role of the message ``query`` is, ``"user"``
                 (a question) or ``"tool"`` (an agent's turn ending in a tool's output).
+            deprecated: the decode settings as keywords (``max_new_tokens=8``, ``temperature``,
+                ...): still taken, with a `DeprecationWarning`; use ``decode``.
 
         Raises:
             SettingsError: ``in_message``, ``remember`` or a ``query_role`` other than ``user``
                 on a window that holds no conversation.
-            ArgumentError: a ``query_role`` other than ``user`` or ``tool``.
+            ArgumentError: a ``query_role`` other than ``user`` or ``tool``; ``decode`` and a
+                decode keyword both given.
         """
         check_text(query, "query")
         query_role = check_choice(query_role, "query_role", ("user", "tool"))
@@ -544,22 +534,11 @@ class KameraWindow:
                 "in_message, remember and query_role frame chat messages: create the window with "
                 "conversation=True or a system_prompt"
             )
-        max_new_tokens = check_int(max_new_tokens, "max_new_tokens", optional=True)
-        config = DecodeConfig(
-            max_new_tokens=self.config.max_new_tokens if max_new_tokens is None else max_new_tokens,
-            temperature=check_real(temperature, "temperature", 0.0),
-            top_k=check_int(top_k, "top_k", 0),
-            top_p=check_real(top_p, "top_p", 0.0, 1.0, open_low=True),
-            seed=check_seed(seed),
-            stop=check_stop(stop),
-            return_logits=check_flag(return_logits, "return_logits"),
+        settings = check_decode(decode, deprecated, self.config.max_new_tokens)
+        config = settings.with_hooks(
             on_text=check_callable(on_text, "on_text"),
             keep_going=check_callable(keep_going, "keep_going"),
-            logit_bias=check_logit_bias(logit_bias),
-            presence_penalty=check_real(presence_penalty, "presence_penalty", -2.0, 2.0),
-            frequency_penalty=check_real(frequency_penalty, "frequency_penalty", -2.0, 2.0),
-            top_logprobs=None if top_logprobs is None else check_int(top_logprobs, "top_logprobs", 0, 20),
-            constraint=check_callable(constraint, "constraint"),
+            return_logits=check_flag(return_logits, "return_logits"),
         )
         query_ids = self._parts.query_ids(query, opened=not in_message, role=query_role)
         with self._runner.lock:  # the answer, the remembered answer and the messages: one call
@@ -568,7 +547,7 @@ class KameraWindow:
             answer, cost = self._runner.read("ask", lambda executor: executor.answer(query_ids, config))
             plain = not (config.logit_bias or config.presence_penalty or config.frequency_penalty)
             asked_plainly = not in_message and query_role == "user" and config.constraint is None
-            if temperature <= 0 and plain and asked_plainly:
+            if config.temperature <= 0 and plain and asked_plainly:
                 self._runner.state.last_answer = LastAnswer(query, self._runner.state.tick, answer)
             if remember:
                 self._remember(query, answer, opened=not in_message, role=query_role)

@@ -28,7 +28,9 @@ def _window() -> KameraWindow:
 
 def test_logprobs_are_the_log_softmax_of_the_models_scores_with_the_top_alternatives() -> None:
     window = _window()
-    answer = window.ask("what moved?", max_new_tokens=4, top_logprobs=3, return_logits=True)
+    answer = window.ask(
+        "what moved?", decode=DecodeConfig(max_new_tokens=4, top_logprobs=3), return_logits=True
+    )
     assert answer.logprobs is not None and len(answer.logprobs) == len(answer.tokens)
     assert answer.logits is not None
     for step, entry in enumerate(answer.logprobs):
@@ -37,17 +39,17 @@ def test_logprobs_are_the_log_softmax_of_the_models_scores_with_the_top_alternat
         assert math.isclose(entry.logprob, float(expected[entry.token]), abs_tol=1e-4)
         assert [token for token, _ in entry.top] == expected.topk(3).indices.tolist()
         assert entry.top[0][0] == entry.token  # greedy: the chosen token is the most likely
-    assert window.ask("what moved?", max_new_tokens=2).logprobs is None
+    assert window.ask("what moved?", decode=DecodeConfig(max_new_tokens=2)).logprobs is None
 
 
 def test_a_logit_bias_bans_or_forces_a_token() -> None:
     window = _window()
-    greedy = window.ask("what moved?", max_new_tokens=1)
+    greedy = window.ask("what moved?", decode=DecodeConfig(max_new_tokens=1))
     first = greedy.tokens[0]
-    banned = window.ask("what moved?", max_new_tokens=1, logit_bias={first: -100})
+    banned = window.ask("what moved?", decode=DecodeConfig(max_new_tokens=1, logit_bias={first: -100}))
     assert banned.tokens[0] != first
     assert banned.tokens[0] == int(greedy.first_logits.topk(2).indices[1])  # the runner-up
-    forced = window.ask("what moved?", max_new_tokens=3, logit_bias={7: 100})
+    forced = window.ask("what moved?", decode=DecodeConfig(max_new_tokens=3, logit_bias={7: 100}))
     assert forced.tokens[:1] == [7]
 
 
@@ -63,9 +65,9 @@ def test_penalties_follow_openais_definition() -> None:
 
 def test_a_frequency_penalty_stops_a_greedy_answer_from_repeating_itself() -> None:
     window = _window()
-    plain = window.ask("what moved?", max_new_tokens=24).tokens
+    plain = window.ask("what moved?", decode=DecodeConfig(max_new_tokens=24)).tokens
     penalised = window.ask(
-        "what moved?", max_new_tokens=24, frequency_penalty=2.0, presence_penalty=2.0
+        "what moved?", decode=DecodeConfig(max_new_tokens=24, frequency_penalty=2.0, presence_penalty=2.0)
     ).tokens
     assert len(set(penalised)) >= len(set(plain))
     assert max(penalised.count(t) for t in set(penalised)) <= max(plain.count(t) for t in set(plain))
@@ -78,5 +80,5 @@ def test_a_frequency_penalty_stops_a_greedy_answer_from_repeating_itself() -> No
 def test_out_of_range_decode_settings_are_refused(settings: dict[str, object]) -> None:
     with pytest.raises(SettingsError):
         DecodeConfig(**settings)  # type: ignore[arg-type]
-    with pytest.raises(ArgumentError):
-        _window().ask("q", **settings)  # type: ignore[arg-type]
+    with pytest.warns(DeprecationWarning), pytest.raises(ArgumentError):  # the keywords' deprecated form
+        _window().ask("q", **settings)

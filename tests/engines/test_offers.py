@@ -16,25 +16,7 @@ from kamera_agent.engines.offers import FailedEntries
 from kamera_agent.engines.synthesis import PrefixSynthesis
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.store import EntryKey
-
-
-class Unreadable:
-    """An `EntryStore` that holds every entry filed in it, and fails every read of them."""
-
-    def __init__(self) -> None:
-        self.held: set[EntryKey] = set()
-        self.reads = 0
-
-    def contains(self, key: EntryKey) -> bool:
-        return key in self.held
-
-    def get(self, key: EntryKey) -> object:
-        self.reads += 1
-        return None
-
-    def put(self, key: EntryKey, value: ChunkKV) -> object:
-        self.held.add(key)
-        return key
+from kamera_agent.testing import UnreadableEntries
 
 
 def _request() -> list:  # type: ignore[type-arg]
@@ -55,7 +37,7 @@ class Clock:
 
 
 def test_an_entry_every_read_of_which_fails_is_offered_at_most_twice_a_period() -> None:
-    store, clock = Unreadable(), Clock()
+    store, clock = UnreadableEntries(), Clock()
     synthesis = PrefixSynthesis(store, "exact", failed=FailedEntries(retry_after=60.0, clock=clock))
     chunks = _request()
     for chunk, _, entry in synthesis.captures("", chunks, 40):  # a first request computed and captured

@@ -139,6 +139,7 @@ def test_bad_fields_are_named_400s_never_plain_500s(serve: Serve) -> None:
     good = [SYSTEM, shot(0, "what?")]
     for extra, words in (
         ({"seed": 2**70}, "seed"),
+        ({"stop": ["", "x"]}, "stop must be a tuple of non-empty strings"),  # refused by DecodeConfig
         ({"extra_body": {"kamera": {"device": "cuda"}}}, "kamera.device"),
         ({"extra_body": {"kamera": {"dtype": "float16"}}}, "kamera.dtype"),
         ({"extra_body": {"kamera": {"threads": 7}}}, "kamera.threads"),
@@ -147,6 +148,7 @@ def test_bad_fields_are_named_400s_never_plain_500s(serve: Serve) -> None:
             lambda e=extra: live.client.chat.completions.create(model=MODEL, messages=good, **e)
         )
         assert status == 400 and words in body["message"], body
+        assert body["param"] == words.split(" ")[0] or "kamera" in words, body
     status, body = post(live, b"not json at all")
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
     with urllib.request.urlopen(live.url + "/health") as response:

@@ -17,7 +17,9 @@ from typing import Any
 import openai
 import pytest
 
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.serve.protocol import IGNORED
+from kamera_agent.window import KameraWindow
 from tests.serve.conftest import MODEL, LiveServer, shot
 
 Serve = Callable[..., LiveServer]
@@ -81,6 +83,32 @@ def test_n_choices_share_one_prefill_of_the_prompt(serve: Serve) -> None:
         model=MODEL, messages=[SYSTEM, shot(2, "what?")], temperature=1.0, seed=3, max_tokens=4, n=3
     )
     assert [c.message.content for c in again.choices] == [c.message.content for c in three.choices]
+
+
+def test_a_requests_decode_settings_are_built_once_and_each_choice_derived(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One `DecodeConfig` per request, checked once; choice ``i`` samples with seed ``seed + i``."""
+    live = serve()
+    built: list[DecodeConfig] = []
+    check, ask = DecodeConfig.__post_init__, KameraWindow.ask
+    asked: list[DecodeConfig | None] = []
+
+    def counted(config: DecodeConfig) -> None:
+        built.append(config)
+        check(config)
+
+    def recorded(window: KameraWindow, query: str, **keywords: Any) -> Any:
+        asked.append(keywords.get("decode"))
+        return ask(window, query, **keywords)
+
+    monkeypatch.setattr(DecodeConfig, "__post_init__", counted)
+    monkeypatch.setattr(KameraWindow, "ask", recorded)
+    live.client.chat.completions.create(
+        model=MODEL, messages=[SYSTEM, shot(3, "what?")], temperature=1.0, seed=3, max_tokens=2, n=3, stop="."
+    )
+    assert len(built) == 1 and built[0].stop == (".",) and built[0].max_new_tokens == 2
+    assert [decode.seed for decode in asked if decode is not None] == [3, 4, 5] and len(asked) == 3
 
 
 def test_a_logit_bias_moves_the_answer(serve: Serve) -> None:

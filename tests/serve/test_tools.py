@@ -25,8 +25,8 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.serve import KameraServer, ServeSettings
 from kamera_agent.serve.tools import HERMES, system_with_tools
 from kamera_agent.serve.turns import read_turns
+from kamera_agent.testing import CountingBackend
 from tests.serve.conftest import MODEL, LiveServer, shot
-from tests.window.backends import CountingBackend
 
 TOOLS = [
     {

@@ -14,6 +14,7 @@ from dataclasses import asdict
 
 from PIL import Image
 
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.config import WindowConfig
 from kamera_agent.demo.model import load_demo_model
 from kamera_agent.settings import configure_threads
@@ -43,7 +44,7 @@ def main(url: str, order: list[int], settings: str) -> None:
     pushes = window.stats.total
     window.reorder([refs[i] for i in sorted(order)])
     reorder = window.stats.last
-    answer = window.ask(QUESTION, max_new_tokens=4)
+    answer = window.ask(QUESTION, decode=DecodeConfig(max_new_tokens=4))
     window.store.close()
     report = {
         "tokens": answer.tokens,

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from benchmarks.slow_proxy import SlowProxy
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.config import WindowConfig
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.store import ChunkStore, EntryKey
@@ -138,7 +139,7 @@ def test_a_window_over_a_slow_store_answers_as_the_models_own_forward(proxy: Slo
     window.recall(a, at=0)
     question = "What is it?"
     truth = reprefill(window, question).logits
-    got = window.ask(question, max_new_tokens=1).first_logits
+    got = window.ask(question, decode=DecodeConfig(max_new_tokens=1)).first_logits
     assert float((got - truth).abs().max()) < 1e-4
     window.store.flush()
     stats = window.store.stats()

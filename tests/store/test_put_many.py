@@ -12,8 +12,8 @@ from kamera_agent.errors import ForeignChunkError, StoreKeyError
 from kamera_agent.operator import ChunkKV
 from kamera_agent.store import ChunkStore, EntryKey
 from kamera_agent.store.codec import StoredValue, content_digest, entry_nbytes
+from kamera_agent.testing import FakeTier
 from tests.store.test_chunk_store import FP, OTHER_FP, make_kv, make_patch, make_vision
-from tests.store.test_tiers import FakeTier
 
 
 def _entries() -> list[tuple[EntryKey, StoredValue]]:

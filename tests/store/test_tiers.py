@@ -1,9 +1,9 @@
 """The `Tier` protocol: the store asks its tiers in order through it alone, and tells apart a tier
 that did not answer from one that does not hold an entry.
 
-The fake below is the test double (like httpx's MockTransport): a dictionary of encoded
-entries that can be told to stop answering, so the store's walk, its one decode/verify path
-and its counting are tested without a server.
+The test double is `kamera_agent.testing.FakeTier` (shipped, like httpx's MockTransport): a
+dictionary of encoded entries that can be told to stop answering, so the store's walk, its one
+decode/verify path and its counting are tested without a server.
 """
 
 from __future__ import annotations
@@ -16,54 +16,11 @@ import torch
 
 from kamera_agent.errors import ForeignChunkError
 from kamera_agent.store import ChunkStore, EntryKey
-from kamera_agent.store.codec import CorruptEntry, header_info, header_of
+from kamera_agent.store.codec import header_info
 from kamera_agent.store.memory import MemoryTier
 from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, Write
+from kamera_agent.testing import FakeTier
 from tests.store.test_chunk_store import FP, OTHER_FP, make_kv, make_patch
-
-
-class FakeTier(Tier):
-    """Encoded entries in a dict; ``down`` makes every lookup `Status.UNAVAILABLE`."""
-
-    name = "fake"
-    locked = False
-    written_on_put = True
-
-    def __init__(self, calls: list[str] | None = None, label: str = "fake") -> None:
-        self.data: dict[EntryKey, bytes] = {}
-        self.down = False
-        self.calls = [] if calls is None else calls  # shared between tiers: the order they were asked
-        self.label = label
-        self.rejected: list[tuple[EntryKey, str]] = []
-
-    def get(self, key: EntryKey) -> Lookup[Payload]:
-        self.calls.append(f"{self.label}.get")
-        if self.down:
-            return Lookup.unavailable("the fake is down")
-        blob = self.data.get(key)
-        return Lookup.miss() if blob is None else Lookup.hit(blob)
-
-    def put(self, entry: Entry) -> Write:
-        self.data[entry.key] = entry.serialize()
-        return Write(True)
-
-    def contains(self, key: EntryKey) -> Status:
-        self.calls.append(f"{self.label}.contains")
-        if self.down:
-            return Status.UNAVAILABLE
-        return Status.HIT if key in self.data else Status.MISS
-
-    def drop(self, key: EntryKey) -> None:
-        self.data.pop(key, None)
-
-    def peek(self, key: EntryKey) -> Lookup[Meta]:
-        if self.down:
-            return Lookup.unavailable("the fake is down")
-        return Lookup.miss() if key not in self.data else Lookup.hit(header_of(self.data[key]))
-
-    def reject(self, key: EntryKey, why: CorruptEntry) -> None:
-        self.rejected.append((key, str(why)))
-        self.drop(key)
 
 
 def test_a_tier_that_does_not_answer_is_an_outage_not_an_absence() -> None:

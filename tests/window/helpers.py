@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kamera_agent.backends.base import Reference
+from kamera_agent.backends.base import DecodeConfig, Reference
 from kamera_agent.fidelity import Calibration, save_calibration
 from kamera_agent.window import KameraWindow
 from tests.kv_helpers import next_token_kl, rel_err
@@ -51,13 +51,13 @@ def chunk_errors_in_order(window: KameraWindow) -> list[float]:
 def answer_kl(window: KameraWindow, query: str = "What is it?") -> float:
     """Next-token KL(re-prefill ‖ window) for ``query``."""
     reference = reprefill(window, query).logits
-    return next_token_kl(reference, window.ask(query, max_new_tokens=1).first_logits)
+    return next_token_kl(reference, window.ask(query, decode=DecodeConfig(max_new_tokens=1)).first_logits)
 
 
 def answer_gap(window: KameraWindow, query: str = "What is it?") -> tuple[float, float]:
     """Next-token KL(re-prefill ‖ window) and the largest next-token logit difference for ``query``."""
     reference = reprefill(window, query).logits
-    got = window.ask(query, max_new_tokens=1).first_logits.to(reference.device)
+    got = window.ask(query, decode=DecodeConfig(max_new_tokens=1)).first_logits.to(reference.device)
     return next_token_kl(reference, got), float((got - reference).abs().max())
 
 

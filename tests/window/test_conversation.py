@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.decoding import _Stream
 from kamera_agent.chunks.chat import ChatTemplate
 from kamera_agent.config import WindowConfig
@@ -42,7 +43,7 @@ def _agrees(window: KameraWindow, query: str, in_message: bool = False) -> None:
     chunks = [window.chunk(ref) for ref in window.refs]
     query_ids = window.query_ids(query, in_message=in_message)
     truth = window.backend.reference_prefill(chunks, query_ids, anchor=window.encoder.anchor()).logits
-    got = window.ask(query, max_new_tokens=1, in_message=in_message).first_logits
+    got = window.ask(query, decode=DecodeConfig(max_new_tokens=1), in_message=in_message).first_logits
     assert float((got - truth).abs().max()) < EXACT
 
 
@@ -82,7 +83,9 @@ def test_a_turn_ending_in_a_tool_output_is_the_templates_rendering_and_answers_l
     chunks = [window.chunk(ref) for ref in window.refs]
     query_ids = window.query_ids("booked for 8pm", query_role="tool")
     truth = window.backend.reference_prefill(chunks, query_ids, anchor=window.encoder.anchor()).logits
-    answer = window.ask("booked for 8pm", max_new_tokens=2, query_role="tool", remember=True)
+    answer = window.ask(
+        "booked for 8pm", decode=DecodeConfig(max_new_tokens=2), query_role="tool", remember=True
+    )
     assert float((answer.first_logits - truth).abs().max()) < EXACT
     before = tokenizer.apply_chat_template(messages[:3], add_generation_prompt=False, tokenize=False)
     tool_block = want[len(before) :].removesuffix(window.conversation.template.generation)
@@ -97,7 +100,7 @@ def test_default_system_prompt_and_remembered_turns_answer_like_the_model() -> N
     pics = images(3, seed=4)
     window.push_message("user", [pics[0], "first"])
     _agrees(window, "what changed?")
-    answer = window.ask("what changed?", max_new_tokens=3, remember=True)
+    answer = window.ask("what changed?", decode=DecodeConfig(max_new_tokens=3), remember=True)
     assert len(window.refs) == 4  # the question and the answer joined the conversation
     assert window.encoder.tokenizer.decode(window.chunk(window.refs[-1]).input_ids).startswith(
         "<|im_start|>assistant\n" + answer.text
@@ -126,7 +129,7 @@ def test_streamed_text_is_the_answer() -> None:
     window = _window(conversation=True)
     window.push_message("user", "hello there")
     pieces: list[str] = []
-    answer = window.ask("say something", max_new_tokens=6, on_text=pieces.append)
+    answer = window.ask("say something", decode=DecodeConfig(max_new_tokens=6), on_text=pieces.append)
     assert "".join(pieces) == answer.text
 
 
@@ -200,7 +203,7 @@ def test_a_template_taking_string_content_gets_text_messages_as_strings() -> Non
     window = KameraWindow(backend, config=WindowConfig.exact(), conversation=True, system_prompt="Be brief.")
     assert window.conversation is not None and window.conversation.template.content_format == "string"
     window.push_message("user", ["the red ball", "rolls left"])
-    window.ask("Where?", remember=True, max_new_tokens=2)
+    window.ask("Where?", decode=DecodeConfig(max_new_tokens=2), remember=True)
     window.push_message("user", "and then?")
     messages = [
         {"role": "system", "content": "Be brief."},

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from kamera_agent.backends import DecodeConfig
 from kamera_agent.config import WindowConfig
 from kamera_agent.critical_path import answered, books, critical_path, on_critical_path
 from kamera_agent.fidelity import CALIBRATION_DIR_VARIABLE
@@ -98,7 +99,7 @@ def _episode(window: KameraWindow, items: list[Any]) -> None:
     ]
     for step in steps:
         step(window)
-        answer = window.ask("What is it?", max_new_tokens=3)
+        answer = window.ask("What is it?", decode=DecodeConfig(max_new_tokens=3))
         assert answer.tokens or answer.finish_reason == "eos"
     window.probe_without(window.refs[1], "What is it?")  # the other reads: a probe, the placed KV
     assert window.kv() is not None
@@ -155,9 +156,9 @@ def test_a_drift_budget_recompute_keeps_the_span(round_trips_raise: list[str], c
     budget.remember(window.state_of(vouched), window._parts.core.root.extend(window.state_of(first)), 0.0)
     window.evict(evicted)
     assert window.stats.last.drift_recomputes == 1, window.last_plan
-    window.ask("What is it?", max_new_tokens=3)
+    window.ask("What is it?", decode=DecodeConfig(max_new_tokens=3))
     window.recall(evicted, at=0)
-    window.ask("What is it?", max_new_tokens=3)
+    window.ask("What is it?", decode=DecodeConfig(max_new_tokens=3))
     assert window.stats.total.audits > 0
 
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.config import WindowConfig
+from kamera_agent.testing import CountingBackend
 from kamera_agent.window import KameraWindow
-from tests.window.backends import CountingBackend, backend_named
+from tests.window.backends import backend_named
 from tests.window.helpers import reprefill
 
 TEXT_BACKENDS = ["qwen2", "tiny_torch"]
@@ -23,7 +25,7 @@ def window_over(name: str, **kwargs: object) -> tuple[KameraWindow, CountingBack
 
 def answer_error(window: KameraWindow, query: str = "What is it?") -> float:
     truth = reprefill(window, query).logits
-    return float((window.ask(query, max_new_tokens=2).first_logits - truth).abs().max())
+    return float((window.ask(query, decode=DecodeConfig(max_new_tokens=2)).first_logits - truth).abs().max())
 
 
 @pytest.mark.parametrize("name", TEXT_BACKENDS)
@@ -55,13 +57,16 @@ def test_a_chunk_served_by_a_patch_is_placed_by_the_answer(name: str) -> None:
     refs = [window.push(B), window.push(A)]  # B first: its canonical is stored
     window.reorder([refs[1], refs[0]])  # B now behind A: a rank-2 patch against its canonical
     assert window.state_of(refs[0]).rank == 2
-    kept = window.ask("What is it?", max_new_tokens=2).first_logits
+    kept = window.ask("What is it?", decode=DecodeConfig(max_new_tokens=2)).first_logits
     assert window.stats.last.tokens_placed == window.chunk(refs[0]).num_tokens  # A kept, B placed
-    afresh = window.fork().ask("What is it?", max_new_tokens=2).first_logits  # a fork assembles anew
+    two = DecodeConfig(max_new_tokens=2)
+    afresh = window.fork().ask("What is it?", decode=two).first_logits  # a fork assembles anew
     assert float((kept - afresh).abs().max()) < 1e-4  # rank 2 is approximate: the fork is the reference
-    patched = window.ask("What is it?", max_new_tokens=1).first_logits
+    patched = window.ask("What is it?", decode=DecodeConfig(max_new_tokens=1)).first_logits
     window.reorder([refs[1], refs[0]])  # nothing changes
-    assert torch.allclose(window.ask("What is it?", max_new_tokens=1).first_logits, patched, atol=1e-5)
+    assert torch.allclose(
+        window.ask("What is it?", decode=DecodeConfig(max_new_tokens=1)).first_logits, patched, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("name", TEXT_BACKENDS)
@@ -91,9 +96,9 @@ def test_a_slide_re_places_every_survivor(name: str) -> None:
     window = KameraWindow(backend, config=WindowConfig(drift_budget=None, survivors="keep"))
     for text in (A, B, C, D):
         window.push(text)
-    window.ask("What is it?", max_new_tokens=1)
+    window.ask("What is it?", decode=DecodeConfig(max_new_tokens=1))
     window.slide()
-    window.ask("What is it?", max_new_tokens=1)
+    window.ask("What is it?", decode=DecodeConfig(max_new_tokens=1))
     assert backend.assembles[-1] == (3, True)
     assert window.stats.last.tokens_placed == sum(window.chunk(r).num_tokens for r in window.refs)
 
@@ -123,12 +128,12 @@ def test_a_push_after_a_slide_places_the_survivors_once(name: str) -> None:
     window = KameraWindow(backend, config=WindowConfig(drift_budget=None, capacity_chunks=3))
     for text in (A, B, C):
         window.push(text)
-    window.ask("What is it?", max_new_tokens=1)
+    window.ask("What is it?", decode=DecodeConfig(max_new_tokens=1))
     window.push(D)  # A slides out; B and C move left and are placed for D's forward
     survivors = sum(window.chunk(r).num_tokens for r in window.refs[:2])
     assert window.stats.last.tokens_placed == survivors
-    afresh = window.fork().ask("What is it?", max_new_tokens=2).first_logits
-    kept = window.ask("What is it?", max_new_tokens=2).first_logits
+    afresh = window.fork().ask("What is it?", decode=DecodeConfig(max_new_tokens=2)).first_logits
+    kept = window.ask("What is it?", decode=DecodeConfig(max_new_tokens=2)).first_logits
     assert window.stats.last.tokens_placed == 0
     assert float((kept - afresh).abs().max()) < 1e-4
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from kamera_agent.backends.base import Backend
+from kamera_agent.backends.base import Backend, DecodeConfig
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import (
     ChunkInWindowError,
@@ -21,9 +21,10 @@ from kamera_agent.errors import (
     UnknownChunkError,
 )
 from kamera_agent.store import ChunkStore
+from kamera_agent.testing import CountingBackend
 from kamera_agent.window import KameraWindow
 from tests.backends.test_transformers_backend import images
-from tests.window.backends import CountingBackend, backend_named
+from tests.window.backends import backend_named
 from tests.window.helpers import chunk_errors, reprefill
 from tests.window.oracle import StateOracle
 
@@ -38,7 +39,7 @@ def store_for(backend: Backend, budget: int = 1 << 26) -> ChunkStore:
 
 def logit_error(window: KameraWindow, query: str = "What is it?") -> float:
     truth = reprefill(window, query).logits
-    return float((window.ask(query, max_new_tokens=1).first_logits - truth).abs().max())
+    return float((window.ask(query, decode=DecodeConfig(max_new_tokens=1)).first_logits - truth).abs().max())
 
 
 # -- reuse across windows: the repro ----------------------------------------------------
@@ -133,11 +134,11 @@ def test_probe_driven_eviction_probes_only_when_a_push_overflows() -> None:
         backend, config=WindowConfig(drift_budget=None, rank=4, capacity_chunks=3, eviction="disposable")
     )
     window.push(A)
-    window.ask("What is it?", max_new_tokens=1)
+    window.ask("What is it?", decode=DecodeConfig(max_new_tokens=1))
     window.push(B)  # below capacity: no probe
     assert window.stats.last.probes == 0 and window.stats.last.forwards == 1  # new content: one forward
     window.push(C)
-    window.ask("What is it?", max_new_tokens=1)
+    window.ask("What is it?", decode=DecodeConfig(max_new_tokens=1))
     plan = window.plan("push", D)
     window.push(D)  # overflows: every in-window chunk is probed once, then one leaves
     assert window.stats.last.probes == 3 == plan.count("probe")

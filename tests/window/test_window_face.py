@@ -1,5 +1,6 @@
-"""The window's face: one builder per op for the op and its dry run, keyword-only decoding
-settings, forks built like windows, the window's own encoder, capability flags that are read."""
+"""The window's face: one builder per op for the op and its dry run, one decode-settings object
+(its keywords a deprecated alias), forks built like windows, the window's own encoder,
+capability flags that are read."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+import torch
 
 from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import ArgumentError, DuplicateChunkError, UnsupportedModelError, WindowError
 from kamera_agent.results import Plan
+from kamera_agent.testing import CountingBackend
 from kamera_agent.window import KameraWindow
-from tests.window.backends import CountingBackend, backend_named
+from tests.window.backends import backend_named
 
 A, B, C, D = "alpha one two", "beta three four", "gamma five six", "delta seven eight"
 
@@ -82,6 +85,45 @@ def test_decode_settings_are_keyword_only() -> None:
     with pytest.raises(TypeError):
         DecodeConfig(5)  # type: ignore[misc]
     assert DecodeConfig(max_new_tokens=5, temperature=0.5).temperature == 0.5
+
+
+def test_ask_uses_the_decode_settings_as_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked once, where the `DecodeConfig` was built: the window checks none of them again."""
+    window = _window()
+    decode = DecodeConfig(max_new_tokens=3, temperature=0.7, seed=4)
+    monkeypatch.setattr(DecodeConfig, "__post_init__", _refused)
+    pieces: list[str] = []
+    answer = window.ask("What is it?", decode=decode, on_text=pieces.append)
+    assert "".join(pieces) == answer.text and len(answer.tokens) <= 3
+
+
+def _refused(config: DecodeConfig) -> None:
+    raise AssertionError("a DecodeConfig was built during the ask")
+
+
+def test_the_decode_keywords_are_a_deprecated_alias_with_the_same_answers() -> None:
+    window = _window(max_new_tokens=5)
+    asked = {"temperature": 0.9, "top_k": 20, "seed": 7, "stop": "zz", "logit_bias": {3: -100}}
+    with pytest.warns(DeprecationWarning, match="logit_bias=, seed=, stop=, temperature=, top_k="):
+        aliased = window.ask("What is it?", **asked)
+    settings = DecodeConfig(
+        max_new_tokens=5, temperature=0.9, top_k=20, seed=7, stop=("zz",), logit_bias={3: -100}
+    )
+    answer = window.ask("What is it?", decode=settings)
+    assert (aliased.tokens, aliased.text) == (answer.tokens, answer.text) and len(answer.tokens) <= 5
+    assert torch.equal(aliased.first_logits, answer.first_logits)
+    with pytest.warns(DeprecationWarning), pytest.raises(ArgumentError, match="temperature must be finite"):
+        window.ask("What is it?", temperature=-1)  # refused as an ask argument, as before
+
+
+def test_decode_and_a_decode_keyword_together_are_refused() -> None:
+    window = _window()
+    with pytest.raises(ArgumentError, match="decode= and max_new_tokens, seed: put every decode setting"):
+        window.ask("What is it?", decode=DecodeConfig(), max_new_tokens=2, seed=1)
+    with pytest.raises(ArgumentError, match="unexpected keyword argument 'temprature'"):
+        window.ask("What is it?", temprature=0.5)
+    with pytest.raises(ArgumentError, match="decode must be a DecodeConfig"):
+        window.ask("What is it?", decode={"max_new_tokens": 2})  # type: ignore[arg-type]
 
 
 def test_a_fork_shares_the_store_engine_and_encoder_and_has_its_own_state() -> None:

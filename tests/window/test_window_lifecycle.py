@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import KameraError, WindowClosedError
 from kamera_agent.window import KameraWindow
@@ -35,7 +36,7 @@ _OPS: dict[str, Callable[[KameraWindow], Any]] = {
     "recall": lambda w: w.recall(w.evicted[0]),
     "arrange": lambda w: w.arrange(w.refs[::-1]),
     "forget": lambda w: w.forget(w.evicted[0]),
-    "ask": lambda w: w.ask("what?", max_new_tokens=1),
+    "ask": lambda w: w.ask("what?", decode=DecodeConfig(max_new_tokens=1)),
     "probe": lambda w: w.probe_without(w.refs[0], "what?"),
     "kv": lambda w: w.kv(),
     "chunk_kv": lambda w: w.chunk_kv(w.refs[0]),
@@ -89,7 +90,7 @@ def test_two_threads_on_one_window_are_serialized_and_it_ends_exact() -> None:
                 elif op == "evict":
                     window.evict(rng.choice(refs))
                 else:
-                    window.ask("which note?", max_new_tokens=1)
+                    window.ask("which note?", decode=DecodeConfig(max_new_tokens=1))
             except KameraError as error:  # the other thread changed the window under this call
                 named.append(error)
             except BaseException as error:  # what the test is for

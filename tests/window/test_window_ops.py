@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import (
     CapacityError,
@@ -25,10 +26,11 @@ from kamera_agent.errors import (
     UnreadableInputError,
     WindowError,
 )
+from kamera_agent.testing import CountingBackend
 from kamera_agent.window import KameraWindow
 from tests.backends.test_transformers_backend import images
 from tests.kv_helpers import next_token_kl
-from tests.window.backends import CountingBackend, backend_named
+from tests.window.backends import backend_named
 from tests.window.helpers import answer_kl, chunk_errors
 from tests.window.oracle import StateOracle
 
@@ -263,7 +265,7 @@ def test_a_probe_the_store_cannot_serve_answers_as_the_window_without_the_chunk(
     w = make(survivors="removal")
     a, b, c = three(w)
     d = w.push("a second sentence after the picture", label="d")
-    w.ask("What rolled?", max_new_tokens=2)
+    w.ask("What rolled?", decode=DecodeConfig(max_new_tokens=2))
     probe = w.probe_without(b, "What rolled?", max_new_tokens=2)
     without = [w.chunk(ref) for ref in (a, c, d)]
     truth = w.backend.reference_prefill(
@@ -329,7 +331,7 @@ def test_bad_input_gets_named_errors_and_changes_nothing(make: Make) -> None:
     with pytest.raises(UnreadableInputError, match="cannot push"):
         w.push(3.5)  # type: ignore[arg-type]
     with pytest.raises(ContextOverflowError, match="positions"):
-        w.ask("x" * 10, max_new_tokens=10**6)
+        w.ask("x" * 10, decode=DecodeConfig(max_new_tokens=10**6))
     assert state == (w.refs, sorted(w.graph.edges), w.store.stats().puts)
     with pytest.raises(CapacityError, match="never fit"):
         make(capacity_tokens=3).push(images(1)[0])
@@ -346,13 +348,13 @@ def test_a_probe_after_the_same_ask_is_a_single_decode_and_kv_costs_are_recorded
     w.push(images(1, seed=42)[0])
     w.kv()
     assert w.stats.ops["kv"] == 1 and w.stats.by_op["kv"].patches_formed == 2  # lazy patches, counted
-    w.ask("What rolled?", max_new_tokens=3)
+    w.ask("What rolled?", decode=DecodeConfig(max_new_tokens=3))
     w.probe_without(b, "What rolled?", max_new_tokens=3)  # forms the canonicals it switches to
-    w.ask("What rolled?", max_new_tokens=3)
+    w.ask("What rolled?", decode=DecodeConfig(max_new_tokens=3))
     probe = w.probe_without(b, "What rolled?", max_new_tokens=3)
     without = probe.without_chunk  # only its decode runs: query prefill + one forward per later token
     assert probe.cost.forwards == len(without.tokens) + (without.finish_reason == "eos")
-    assert probe.with_chunk.tokens == w.ask("What rolled?", max_new_tokens=3).tokens
+    assert probe.with_chunk.tokens == w.ask("What rolled?", decode=DecodeConfig(max_new_tokens=3)).tokens
 
 
 def test_probe_driven_eviction_ranks_with_canonical_views_in_decodes(make: Make) -> None:
@@ -361,7 +363,7 @@ def test_probe_driven_eviction_ranks_with_canonical_views_in_decodes(make: Make)
     one forward a missing canonical, and the pushed chunk's own formation."""
     w = make(capacity_chunks=3, eviction="disposable")
     three(w)
-    w.ask("What rolled?", max_new_tokens=1)
+    w.ask("What rolled?", decode=DecodeConfig(max_new_tokens=1))
     w.push("one more line", label="d")
     last = w.stats.last
     assert last.probes == 3 and last.patches_formed == 1  # the probes formed no state of their own
@@ -371,7 +373,7 @@ def test_probe_driven_eviction_ranks_with_canonical_views_in_decodes(make: Make)
 def test_probe_driven_eviction_drops_the_chunk_the_last_query_leans_on_least(make: Make) -> None:
     w = make(capacity_chunks=3, eviction="disposable")
     refs = three(w)
-    w.ask("What rolled?", max_new_tokens=1)
+    w.ask("What rolled?", decode=DecodeConfig(max_new_tokens=1))
     scores = {ref: w.probe_kl(ref, "What rolled?") for ref in refs}
     w.push("one more line", label="d")
     assert w.evicted == [min(scores, key=scores.__getitem__)]
@@ -504,7 +506,7 @@ def test_replace_with_appended_chunks_answers_like_replace_then_extend(make: Mak
             w.replace(b, "a short caption")
             w.extend(["clicked next"])
         assert_exact(w)
-        answers.append(w.ask("What is it?", max_new_tokens=2).first_logits)
+        answers.append(w.ask("What is it?", decode=DecodeConfig(max_new_tokens=2)).first_logits)
     assert float((answers[0] - answers[1]).abs().max()) < 1e-4
 
 

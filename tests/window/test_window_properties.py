@@ -44,6 +44,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.decoding import decoded_tokens
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.identity import ChunkState
@@ -261,7 +262,7 @@ class WindowMachine(RuleBasedStateMachine):
     def ask(self, data: st.DataObject) -> None:
         i = self.pick(data)
         if len(self.windows[i]):
-            self._op(i, lambda w: w.ask("What is it?", max_new_tokens=1))
+            self._op(i, lambda w: w.ask("What is it?", decode=DecodeConfig(max_new_tokens=1)))
 
     @rule(data=st.data())
     def forget(self, data: st.DataObject) -> None:

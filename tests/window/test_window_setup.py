@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from kamera_agent import KameraWindow, UnsupportedModelError, WindowConfig
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.loading import load_model
 from tests.backends.test_transformers_backend import images
 from tests.tiny_models import tiny_qwen2
@@ -30,7 +31,7 @@ def test_a_window_from_a_loaded_model_finds_its_processing(tmp_path: Path) -> No
     save_tiny_vl(tmp_path, "qwen2_vl", layers=4)
     window = KameraWindow(load_model(tmp_path))
     window.push(images(1, seed=32)[0])
-    assert window.ask("What?", max_new_tokens=2).tokens
+    assert window.ask("What?", decode=DecodeConfig(max_new_tokens=2)).tokens
 
 
 def test_a_window_without_processing_pieces_says_what_to_pass() -> None:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from rich.progress import Progress
 
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.agents.contents import Contents, DemoContents, RandomContents
 from kamera_agent.bench.agents.records import (
@@ -324,7 +325,7 @@ def _final_checks(
             record.baseline_logit_error = float((side.cache.ask(query_ids).logits - truth).abs().max())
         else:
             record.final_kl[name] = next_token_kl(
-                truth, side.window.ask(query, max_new_tokens=1).first_logits
+                truth, side.window.ask(query, decode=DecodeConfig(max_new_tokens=1)).first_logits
             )
 
 

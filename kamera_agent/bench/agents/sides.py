@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.agents.script import Evict, Extend, Op, Push, Reorder, Replace, Step
 from kamera_agent.bench.common import wall
@@ -106,7 +107,7 @@ class KameraSide:
             )
         if step.ask is not None:
             began = wall()
-            answer = self.window.ask(step.ask, max_new_tokens=1)
+            answer = self.window.ask(step.ask, decode=DecodeConfig(max_new_tokens=1))
             seconds, cost = wall() - began, self.window.stats.last
             spent.append(
                 OpSpent("ask", seconds * 1e3, cost.tokens_prefilled, cost.forwards, cost.vision_encodes)
@@ -117,7 +118,7 @@ class KameraSide:
     def measure(self, query: str) -> torch.Tensor:
         """First-token logits of ``query`` over the window as the step left it, untimed, from a
         fork: the window's own kept cache and costs stay as the script left them."""
-        return self.window.fork().ask(query, max_new_tokens=1).first_logits
+        return self.window.fork().ask(query, decode=DecodeConfig(max_new_tokens=1)).first_logits
 
     def _apply(self, op: Op) -> None:
         window = self.window

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from rich.progress import Progress
 
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.agents.contents import RandomContents
 from kamera_agent.bench.common import wall
@@ -171,7 +172,7 @@ def _stream(window: KameraWindow, page: Chunk) -> None:
 
 def _ttft(window: KameraWindow) -> float:
     began = wall()
-    window.ask(QUESTION, max_new_tokens=1)
+    window.ask(QUESTION, decode=DecodeConfig(max_new_tokens=1))
     return (wall() - began) * 1e3
 
 

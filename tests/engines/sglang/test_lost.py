@@ -2,7 +2,7 @@
 
 Through SGLang's real admission path (`tests/engines/sglang/harness.py`): a request is captured,
 SGLang's tree is emptied, and the store then claims the captured entries while it has lost them
-(each read finds it gone) or cannot read them (every read fails): `tests/engines/shaky_tier.py`.
+(each read finds it gone) or cannot read them (every read fails): `kamera_agent.testing.ShakyTier`.
 The next request is offered them (``match_prefix``), its load fails (``init_load_back``), and
 SGLang computes it at once; a request matched right after it is not offered them; each failed
 entry is a counted, logged fault; the request's capture files them anew, and the request after
@@ -18,6 +18,7 @@ import pytest
 from kamera_agent.config import WindowConfig
 from kamera_agent.operator.layout import to_position_free
 from kamera_agent.store import ChunkStore
+from kamera_agent.testing import ShakyTier
 from tests.engines.sglang.test_radix import (
     EXACT,
     _backend,
@@ -29,7 +30,6 @@ from tests.engines.sglang.test_radix import (
     _setup,
     _text,
 )
-from tests.engines.shaky_tier import ShakyTier
 
 
 @pytest.mark.parametrize("loss", ["lost", "unreadable"])

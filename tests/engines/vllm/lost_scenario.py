@@ -4,7 +4,7 @@ Run by tests/engines/vllm/test_lost.py in a fresh interpreter, in .venv-vllm:
 
     python -m tests.engines.vllm.lost_scenario --model DIR --out F.json
 
-For each way an entry can fail a load (`tests/engines/shaky_tier.py`): **lost** (present when
+For each way an entry can fail a load (`kamera_agent.testing.ShakyTier`): **lost** (present when
 the scheduler side asks, gone when the worker reads it: evicted between offer and load) and
 **unreadable** (present whenever asked, every read failing):
 
@@ -68,7 +68,7 @@ def main() -> None:
 
 
 def _run(llm: Any, prompts: list[list[int]], loss: str) -> dict[str, Any]:
-    from tests.engines.shaky_tier import ShakyTier
+    from kamera_agent.testing import ShakyTier
 
     scheduler, worker = _connectors(llm)
     store = _use(llm, _store(llm))
