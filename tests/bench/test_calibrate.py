@@ -18,6 +18,7 @@ from kamera_agent.bench.calibrate import (
     fit_calibration,
     frontier,
     judge,
+    load_steps,
     pick_budget,
 )
 from kamera_agent.cli import main
@@ -138,6 +139,23 @@ def test_shipped_calibrations_record_the_frontier_their_budget_was_picked_from()
         assert calibration.budget == pick_budget(points), path.name
         assert calibration.seeds and calibration.samples > 0 and calibration.fix_rates
     assert with_frontier >= 1
+
+
+MEASURED = Path(__file__).resolve().parents[2] / "docs" / "results"
+
+
+@pytest.mark.parametrize("model", ["smollm2"])
+def test_a_shipped_calibration_is_what_its_stored_episodes_fit(model: str) -> None:
+    """The real models' calibrations ship with what their episodes measured (``kamera calibrate
+    --steps``): fitted again here, they give the shipped calibration byte for byte: its scale,
+    inherited share, frontier, default ε and fix rates are the rule's, not edited by hand."""
+    steps, measured = load_steps(MEASURED / f"{model}-calibration-steps.json")
+    path = calibration_dirs()[-1] / f"{measured['fingerprint'][:32]}.json"
+    shipped = Calibration.from_json(path.read_text())
+    fitted = fit_calibration(
+        measured["fingerprint"], steps, measured["seeds"], measured["audit_share"], quantile=shipped.quantile
+    )
+    assert fitted.to_json() == shipped.to_json()
 
 
 def test_kamera_calibrate_files_the_demo_models_calibration(
