@@ -62,6 +62,7 @@ __all__ = [
     "FIT_SEEDS",
     "HELD_SEEDS",
     "INHERITS",
+    "RANKS",
     "Judged",
     "Point",
     "Slot",
@@ -284,6 +285,11 @@ INHERITS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
 """The shares of the largest estimate to its left a chunk's estimate may inherit, fitted per model."""
 
 
+RANKS = 0.8
+"""The Spearman correlation with the true errors a fitted estimate must reach on its episodes
+(where no share reaches it, every share is a candidate)."""
+
+
 def fit_calibration(
     fingerprint: str,
     steps: Sequence[Step],
@@ -294,16 +300,20 @@ def fit_calibration(
 ) -> Calibration:
     """The calibration of these episodes: for each share ``inherit`` of `INHERITS` (or the one
     given), the scale at which ``quantile`` of the approximated chunks have ``error ≤ scale ×
-    signal``, its frontier and the default ε `pick_budget` reads off it; of those, the one whose
-    default lets the most ops stand (the cheapest that still answers like a re-prefill; the
-    smaller share on a tie), with each moving op's fix rate at its ε.
+    signal``, its frontier and the default ε `pick_budget` reads off it; of the shares whose
+    estimates rank the chunks' true errors (Spearman at least `RANKS`), the one whose default lets
+    the most ops stand (the cheapest that still answers like a re-prefill; the smaller share on a
+    tie), with each moving op's fix rate at its ε.
 
     Why the share is fitted: how much of an approximate context's error reaches the chunks after
-    it differs between models (the demo model passes it on; a real model's later survivors drift
-    less than the ones before them), and a share too large for the model makes every chunk after
-    the first approximated one look over ε."""
+    it differs between models, and a share too large for the model makes every chunk after the
+    first approximated one look over ε. Why ranking is required: a large share lets more ops
+    stand on the fitting episodes by making every estimate after a drifted chunk as large as
+    its, so the estimate stops telling chunks apart (on SmolLM2 and Gemma 3 a share of 1 ranks
+    the true errors at Spearman 0.01), and what it lets stand there is luck, not a measurement."""
     fits = [_fit(fingerprint, steps, seeds, share, each, quantile) for each in _shares(inherit)]
-    best = max(fits, key=lambda fit: (fit[1], -fit[0].inherit))[0]
+    ranked = [fit for fit in fits if judge(fit[0], steps).spearman >= RANKS] or fits
+    best = max(ranked, key=lambda fit: (fit[1], -fit[0].inherit))[0]
     return replace(best, fix_rates=_fix_rates(best, steps))
 
 

@@ -144,7 +144,7 @@ def test_shipped_calibrations_record_the_frontier_their_budget_was_picked_from()
 MEASURED = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 
-@pytest.mark.parametrize("model", ["smollm2"])
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_a_shipped_calibration_is_what_its_stored_episodes_fit(model: str) -> None:
     """The real models' calibrations ship with what their episodes measured (``kamera calibrate
     --steps``): fitted again here, they give the shipped calibration byte for byte: its scale,
