@@ -149,7 +149,7 @@ def test_a_shipped_calibration_is_what_its_stored_episodes_fit(model: str) -> No
     """The real models' calibrations ship with what their episodes measured (``kamera calibrate
     --steps``): fitted again here, they give the shipped calibration byte for byte: its scale,
     inherited share, frontier, default ε and fix rates are the rule's, not edited by hand."""
-    steps, measured = load_steps(MEASURED / f"{model}-calibration-steps.json")
+    steps, measured = load_steps(MEASURED / "calibration" / f"{model}-steps.json")
     path = calibration_dirs()[-1] / f"{measured['fingerprint'][:32]}.json"
     shipped = Calibration.from_json(path.read_text())
     fitted = fit_calibration(
