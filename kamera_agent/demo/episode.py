@@ -47,7 +47,7 @@ from rich.table import Table
 from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.decoding import decoded_tokens
 from kamera_agent.backends.transformers import TransformersBackend
-from kamera_agent.bench.prefix_cache import Answered, PrefixCache, Sync
+from kamera_agent.baselines.prefix_cache import Answered, PrefixCache, Sync
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
 from kamera_agent.demo.evaluate import evaluate
