@@ -74,7 +74,6 @@ class _Tenants(HttpMiddleware):
 def create_app(server: KameraServer) -> FastAPI:
     """The ASGI app: ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``."""
     app = FastAPI(title="kamera serve", version="1")
-    name = server.settings.model_name
 
     app.add_middleware(_Tenants, server=server)
     app.add_middleware(Concurrency, server=server)  # a request past the limit costs nothing more
@@ -85,6 +84,30 @@ def create_app(server: KameraServer) -> FastAPI:
         if exc.status_code >= 500:
             return _refused(server, server_error(exc.status_code, str(exc.detail), "server_error"))
         return _refused(server, RequestError(exc.status_code, str(exc.detail)))
+
+    _add_info_routes(app, server)
+    _add_responses_routes(app, server)
+    _add_stored_responses_routes(app, server)
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request) -> Response:
+        try:
+            request = ChatRequest.model_validate(await _json(raw, server))
+        except RequestError as exc:
+            return _refused(server, exc)
+        except ValidationError as exc:
+            return _refused(server, _invalid(exc))
+        tenant = raw.state.tenant
+        if request.stream:
+            return await _streamed(server, raw, request, tenant)
+        return await _plain(server, raw, request, tenant)
+
+    return app
+
+
+def _add_info_routes(app: FastAPI, server: KameraServer) -> None:
+    """``/health``, ``/v1/models`` and ``/metrics``: what the server is and how it does."""
+    name = server.settings.model_name
 
     @app.get("/health")
     async def health(raw: Request) -> dict[str, Any]:
@@ -105,6 +128,10 @@ def create_app(server: KameraServer) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _add_responses_routes(app: FastAPI, server: KameraServer) -> None:
+    """``POST /v1/responses``: OpenAI's Responses API over the chat path, kept when asked."""
 
     @app.post("/v1/responses")
     async def create_response(raw: Request) -> Response:
@@ -147,6 +174,10 @@ def create_app(server: KameraServer) -> FastAPI:
         server.metrics.request(200)
         return JSONResponse(body)
 
+
+def _add_stored_responses_routes(app: FastAPI, server: KameraServer) -> None:
+    """``GET`` and ``DELETE /v1/responses/{id}``: a tenant's stored responses."""
+
     @app.get("/v1/responses/{response_id}")
     async def get_response(raw: Request, response_id: str) -> Response:
         try:
@@ -161,21 +192,6 @@ def create_app(server: KameraServer) -> FastAPI:
         except RequestError as exc:
             return _refused(server, exc)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
-
-    @app.post("/v1/chat/completions")
-    async def chat(raw: Request) -> Response:
-        try:
-            request = ChatRequest.model_validate(await _json(raw, server))
-        except RequestError as exc:
-            return _refused(server, exc)
-        except ValidationError as exc:
-            return _refused(server, _invalid(exc))
-        tenant = raw.state.tenant
-        if request.stream:
-            return await _streamed(server, raw, request, tenant)
-        return await _plain(server, raw, request, tenant)
-
-    return app
 
 
 async def _json(raw: Request, server: KameraServer) -> Any:
