@@ -158,11 +158,9 @@ def _add_responses_routes(app: FastAPI, server: KameraServer) -> None:
 
         if request.stream:
             feed = Feed(server, chat, tenant, raw.state.arrived)
-            first = await feed.next()
-            if first[0] == "refused":
-                feed.cancel()
-                return _refused(server, first[1])
-            server.metrics.request(200)
+            first, refusal = await _opened(server, feed)
+            if refusal is not None:
+                return refusal
             events = response_events(feed, first, request, response_id, keep)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
@@ -304,15 +302,24 @@ def _completion(done: Completion) -> dict[str, Any]:
     }
 
 
+async def _opened(server: KameraServer, feed: Feed) -> tuple[tuple[str, Any], Response | None]:
+    """A stream's first event, and the plain 4xx to answer instead where the request was refused
+    before its first token (the feed then stopped); a stream that opens is counted a 200."""
+    first = await feed.next()
+    if first[0] == "refused":
+        feed.cancel()
+        return first, _refused(server, first[1])
+    server.metrics.request(200)
+    return first, None
+
+
 async def _streamed(server: KameraServer, raw: Request, request: ChatRequest, tenant: str) -> Response:
     """Runs the request in a thread, streaming its text; a request refused before its first
     token gets a plain 4xx, as a non-streamed one would. A client gone mid-stream stops it."""
     feed = Feed(server, request, tenant, raw.state.arrived)
-    first = await feed.next()
-    if first[0] == "refused":
-        feed.cancel()
-        return _refused(server, first[1])
-    server.metrics.request(200)
+    first, refusal = await _opened(server, feed)
+    if refusal is not None:
+        return refusal
     stamp = {
         "id": f"chatcmpl-{int(time.time() * 1e6):x}",
         "created": int(time.time()),
