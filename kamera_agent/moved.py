@@ -32,9 +32,11 @@ MOVED = {
     "kamera_agent.core.chunking": "kamera_agent.engines.chunking",
     "kamera_agent.core.drift": "kamera_agent.fidelity",
     "kamera_agent.window.budget": "kamera_agent.fidelity",
+    "kamera_agent.bench.prefix_cache": "kamera_agent.baselines.prefix_cache",
 }
 """Old module path → where the module lives now (engine adapters left `backends`; the drift
-budget and its estimator gathered in `fidelity`)."""
+budget and its estimator gathered in `fidelity`; the prefix-cache baseline went below the
+benchmarks and the demo that both run it)."""
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

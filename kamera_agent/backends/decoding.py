@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kamera_agent.backends.base import DecodeConfig, Decoded, Spent
+from kamera_agent.backends.decode_config import Constraint
 from kamera_agent.critical_path import answered
 from kamera_agent.results import Answer, TokenLogprob
 
@@ -47,7 +48,7 @@ def decode_loop(
     logprobs: list[TokenLogprob] = []
     scores = _Scores(config, logits)
     guide = config.constraint() if config.constraint is not None else None
-    position, finish, text = start + n_query, "length", ""
+    finish, text = "length", ""
     stream = _Stream(config.on_text, config.stop)
     for _ in range(config.max_new_tokens):
         if config.keep_going is not None and not config.keep_going():
@@ -55,22 +56,16 @@ def decode_loop(
             break
         if config.return_logits:
             steps.append(logits.detach().to("cpu"))
-        adjusted = scores.adjust(logits, tokens)
-        if guide is not None:
-            adjusted = guide.mask(adjusted)
-        token = pick_token(adjusted, config, generator)
-        if guide is not None:
-            guide.accept(token)
+        adjusted, token = _choose(scores.adjust(logits, tokens), guide, config, generator)
         if token in eos:
             finish = "eos"
             break
         tokens.append(token)
         if config.top_logprobs is not None:
             logprobs.append(scores.logprob(adjusted, token, config.top_logprobs))
-        text = detokenize(tokens)
-        hit = next((s for s in config.stop if s in text), None)
-        if hit is not None:
-            text, finish = text[: text.index(hit)], "stop"
+        text, stopped = _until_stop(detokenize(tokens), config.stop)
+        if stopped:
+            finish = "stop"
             break
         stream.saw(text)
         if guide is not None and guide.finished:
@@ -78,8 +73,8 @@ def decode_loop(
             break
         if len(tokens) == config.max_new_tokens:
             break
+        position = start + n_query + len(tokens) - 1  # the token just chosen
         cache, logits = forward(torch.tensor([token], dtype=torch.long), text_positions(position, 1), cache)
-        position += 1
     stream.done(text)
     answer = Answer(
         text=text,
@@ -89,11 +84,32 @@ def decode_loop(
         finish_reason=finish,
         logprobs=tuple(logprobs) if config.top_logprobs is not None else None,
     )
-    decode_steps = decoded_tokens(answer)
-    spent = Spent(
-        forwards=1 + decode_steps, tokens_prefilled=n_query + decode_steps, decode_steps=decode_steps
-    )
-    return Decoded(answer, spent)
+    return Decoded(answer, _spent(answer, n_query))
+
+
+def _choose(
+    adjusted: torch.Tensor, guide: Constraint | None, config: DecodeConfig, generator: torch.Generator
+) -> tuple[torch.Tensor, int]:
+    """The scores masked by the grammar (where one guides the answer) and the token picked from
+    them, which the grammar then accepts."""
+    if guide is not None:
+        adjusted = guide.mask(adjusted)
+    token = pick_token(adjusted, config, generator)
+    if guide is not None:
+        guide.accept(token)
+    return adjusted, token
+
+
+def _until_stop(text: str, stop: Collection[str]) -> tuple[str, bool]:
+    """``text`` cut before the first stop string it holds, and whether it held one."""
+    hit = next((s for s in stop if s in text), None)
+    return (text, False) if hit is None else (text[: text.index(hit)], True)
+
+
+def _spent(answer: Answer, n_query: int) -> Spent:
+    """What decoding ``answer`` cost: the query's prefill and one forward per decoded token."""
+    steps = decoded_tokens(answer)
+    return Spent(forwards=1 + steps, tokens_prefilled=n_query + steps, decode_steps=steps)
 
 
 class _Scores:

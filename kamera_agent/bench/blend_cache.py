@@ -25,8 +25,8 @@ import torch
 
 from kamera_agent.backends.base import Spent, VisionFeatures
 from kamera_agent.backends.transformers import TransformersBackend
+from kamera_agent.baselines.prefix_cache import Sync
 from kamera_agent.bench.common import wall
-from kamera_agent.bench.prefix_cache import Sync
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.core.blend import select_tokens, selected_count
 from kamera_agent.operator.layout import ChunkKV, relocate, to_position_free

@@ -12,7 +12,6 @@ import math
 import os
 import platform
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -29,6 +28,8 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 from rich.table import Table
+
+from kamera_agent.baselines.clock import wall
 
 __all__ = [
     "AGENT_NAMES",
@@ -105,14 +106,6 @@ class BenchOptions(BaseModel):
             "cost_model": self.seed + 2,
             "agents": self.seed + 3,
         }
-
-
-def wall() -> float:
-    """``time.perf_counter()`` after the GPU finished its queued work (CUDA runs asynchronously:
-    without this a timed op would end when its kernels were queued, not when they ran)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    return time.perf_counter()
 
 
 def median_seconds(fn: Callable[[], T], repeats: int, *, warmup: bool = True) -> tuple[float, T]:

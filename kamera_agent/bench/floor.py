@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from kamera_agent.backends.transformers import TransformersBackend
-from kamera_agent.bench.prefix_cache import Sync
+from kamera_agent.baselines.prefix_cache import Sync
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.compat import last_logits_only
 

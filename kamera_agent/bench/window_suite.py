@@ -42,11 +42,11 @@ from rich.progress import Progress
 
 from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.transformers import TransformersBackend
+from kamera_agent.baselines.prefix_cache import PrefixCache, Sync
 from kamera_agent.bench.blend_cache import BlendCache
 from kamera_agent.bench.common import finite, wall
 from kamera_agent.bench.corpus import Half, passages
 from kamera_agent.bench.floor import FLOORS, Floor
-from kamera_agent.bench.prefix_cache import PrefixCache, Sync
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.compat import last_logits_only

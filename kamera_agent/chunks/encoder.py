@@ -158,13 +158,7 @@ class ChunkEncoder:
             UnsupportedModelError: the model has no image processor or image token.
             ProcessorRejectedError: the image processor refused the image.
         """
-        if kind not in _IMAGE_KINDS:
-            raise InputError(f"kind must be one of {_IMAGE_KINDS} for images, got {kind!r}")
-        if self.image_processor is None or self.prompt.image_token is None:
-            raise UnsupportedModelError(
-                "this model has no image processor or image placeholder token; pass image_processor= "
-                "(and a vision-language model) to admit images"
-            )
+        self._check_images(kind)
         image = to_rgb_image(item, channel_order, max_pixels)
         pixel_values, grid = self._preprocess(image)
         n_image = self._image_tokens(grid)
@@ -193,6 +187,16 @@ class ChunkEncoder:
             dict(meta or {}),
             self.origin,
         )
+
+    def _check_images(self, kind: ChunkKind) -> None:
+        """An image of ``kind`` can be admitted: an image kind, on a model that reads images."""
+        if kind not in _IMAGE_KINDS:
+            raise InputError(f"kind must be one of {_IMAGE_KINDS} for images, got {kind!r}")
+        if self.image_processor is None or self.prompt.image_token is None:
+            raise UnsupportedModelError(
+                "this model has no image processor or image placeholder token; pass image_processor= "
+                "(and a vision-language model) to admit images"
+            )
 
     def _text_chunk(self, text: str, kind: ChunkKind, label: str | None, scope: str | None = None) -> Chunk:
         input_ids = self.tokens(text)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
@@ -47,7 +47,7 @@ from rich.table import Table
 from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.decoding import decoded_tokens
 from kamera_agent.backends.transformers import TransformersBackend
-from kamera_agent.bench.prefix_cache import Answered, PrefixCache, Sync
+from kamera_agent.baselines.prefix_cache import Answered, PrefixCache, Sync
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
 from kamera_agent.demo.evaluate import evaluate
@@ -173,142 +173,148 @@ def _play(window: KameraWindow, prefix: PrefixCache, item: DemoItem, kamera_firs
     every time, the same forwards measured 6-56 % slower on its side (an ask's: 28 %). The
     window is checked against ``shown`` after every step.
     """
-    config = window.config
-    decoding = DecodeConfig(max_new_tokens=config.max_new_tokens)
-    readout = QUESTIONS["glyph"]
-    absent = item.absent
-    drawn_in = next(glyph for glyph, colour in item.meaning.items() if colour == READOUT_COLOUR)
-    result = EpisodeResult()
-    shown: list[Chunk] = []  # the window's chunks as each step leaves them
+    return _Episode(window, prefix, item, kamera_first).play()
 
-    def timed(do: Callable[[], T]) -> tuple[T, float]:
-        began = time.perf_counter()
-        value = do()
-        return value, time.perf_counter() - began
 
-    def both(mine: Callable[[], T], theirs: Callable[[], U]) -> tuple[tuple[T, float], U]:
+def _timed(do: Callable[[], T]) -> tuple[T, float]:
+    began = time.perf_counter()
+    value = do()
+    return value, time.perf_counter() - began
+
+
+@dataclass
+class _Episode:
+    """One run of the episode: the two sides, what the window holds after each step (``shown``),
+    the refs it admitted by role, and the result so far."""
+
+    window: KameraWindow
+    prefix: PrefixCache
+    item: DemoItem
+    kamera_first: int
+    result: EpisodeResult = field(default_factory=EpisodeResult)
+    shown: list[Chunk] = field(default_factory=list)  # the window's chunks as each step leaves them
+    earlier: list[ChunkRef] = field(default_factory=list)
+    legend: list[ChunkRef] = field(default_factory=list)
+    pages: list[ChunkRef] = field(default_factory=list)
+
+    def play(self) -> EpisodeResult:
+        item, readout = self.item, QUESTIONS["glyph"]
+        drawn_in = next(glyph for glyph, colour in item.meaning.items() if colour == READOUT_COLOUR)
+        note, legend, pages = self._fill()
+        self.ask("colour", item.question, item.answer)
+        self.ask("glyph", readout, drawn_in)
+        self._blind((("colour", item.question, item.answer), ("glyph", readout, drawn_in)))
+        self.step(
+            "reorder legend",
+            lambda: self.window.reorder([*self.earlier, *reversed(self.legend), *self.pages]),
+            [note, *reversed(legend), *pages],
+            "antecedent set unchanged",
+        )
+        self.ask("colour after reorder", item.question, item.answer)
+        self._probe()
+        first_page, first, at = pages[0], self.pages[0], 1 + len(self.legend)
+        kept = [c for c in self.shown if c is not first_page]
+        self.step("evict #1", lambda: self.window.evict(first), kept, "stays recallable")
+        back = [*self.shown[:at], first_page, *self.shown[at:]]
+        self.step("recall #1", lambda: self.window.recall(first, at=at), back, "its stored KV, no vision")
+        self.ask("colour after recall", item.question, item.answer)
+        self.step("slide", lambda: self.window.slide(), self.shown[1:], "the earlier note out")
+        self.ask("colour after slide", item.question, item.answer)
+        return self.result
+
+    def _fill(self) -> tuple[Chunk, list[Chunk], list[Chunk]]:
+        """The earlier note, the legend and the pages pushed one step each; their chunks."""
+        encoder = self.window.encoder  # content prepared before each step, outside both timings
+        note = encoder.text("#0: an earlier note", label="#0")
+        self.step("push earlier note", self.admit(self.earlier, note), [note], "with the anchor · slides out")
+        legend = [
+            encoder.image(render_legend(entries), label=f"legend {i}")
+            for i, entries in enumerate(self.item.legend, start=1)
+        ]
+        for i, chunk in enumerate(legend, start=1):
+            self.step(f"push legend {i}", self.admit(self.legend, chunk), [*self.shown, chunk])
+        pages = []
+        for k, cells in enumerate(self.item.pages, start=1):
+            page = encoder.image(render_page(cells), kind="frame", caption=f"#{k}", label=f"#{k}")
+            pages.append(page)
+            glyphs = f"{sum(c != BLANK for c in cells)} glyphs"
+            self.step(f"push page #{k}", self.admit(self.pages, page), [*self.shown, page], glyphs)
+        return note, legend, pages
+
+    def _blind(self, questions: Sequence[tuple[str, str, str]]) -> None:
+        """The same questions over the same chunks with blind reuse (untimed)."""
+        unbounded = {"patch_mode": "none", "drift_budget": None}  # blind reuse as it is: no budget fixes it
+        window = self.window
+        blind = KameraWindow(window.backend, config=window.config.model_copy(update=unbounded))
+        for chunk in self.shown:
+            blind.push(chunk)
+        for name, question, expected in questions:
+            self.result.answers[f"{name} (blind reuse)"] = blind.ask(question).text.strip()
+            self.result.expected[f"{name} (blind reuse)"] = expected
+
+    def _probe(self) -> None:
+        """The legend page that names the absent colour, switched off for the question."""
+        window, item = self.window, self.item
+        entries = zip(self.legend, item.legend, strict=True)
+        holder = next(ref for ref, drawn in entries if item.absent in dict(drawn))
+        without = [chunk for chunk in self.shown if chunk.key != window.chunk(holder).key]
+        (probe, seconds), (synced, asked) = self.both(
+            lambda: window.probe_without(holder, item.question),
+            lambda: self.answer_theirs(without, item.question),  # the probe decodes as ask does
+        )
+        # the answer with the chunk is the last ask's (the same query, nothing changed since), so
+        # the probe decodes only without it: its prompt tokens are what it prefilled less that decode
+        probe_tokens = probe.cost.tokens_prefilled - decoded_tokens(probe.without_chunk)
+        theirs, their_seconds = synced.tokens + asked.tokens, synced.seconds + asked.seconds
+        note = f"{holder.label} off: KL {probe.kl:.1f}"
+        row = DemoStep(
+            "probe_without", probe.cost, max(0, probe_tokens), theirs, seconds, their_seconds, note
+        )
+        self.result.steps.append(row)
+
+    def both(self, mine: Callable[[], T], theirs: Callable[[], U]) -> tuple[tuple[T, float], U]:
         """Both sides of a step, the one that goes first alternating step by step."""
-        if len(result.steps) % 2 != kamera_first:
+        if len(self.result.steps) % 2 != self.kamera_first:
             done = theirs()
-            return timed(mine), done
-        ran = timed(mine)
+            return _timed(mine), done
+        ran = _timed(mine)
         return ran, theirs()
 
-    def check() -> None:
-        if [window.chunk(ref).key for ref in window.refs] != [chunk.key for chunk in shown]:
+    def check(self) -> None:
+        held = [self.window.chunk(ref).key for ref in self.window.refs]
+        if held != [chunk.key for chunk in self.shown]:
             raise RuntimeError("demo episode: the window does not hold what the prefix cache was given")
 
-    def step(op: str, do: Callable[[], object], after: list[Chunk], note: str = "") -> None:
-        shown[:] = after
-        (_, seconds), synced = both(do, lambda: prefix.sync(after))
-        check()
-        cost = window.stats.last
+    def step(self, op: str, do: Callable[[], object], after: list[Chunk], note: str = "") -> None:
+        self.shown[:] = after
+        (_, seconds), synced = self.both(do, lambda: self.prefix.sync(after))
+        self.check()
+        cost = self.window.stats.last
         tokens = cost.tokens_prefilled
-        result.steps.append(DemoStep(op, cost, tokens, synced.tokens, seconds, synced.seconds, note))
+        self.result.steps.append(DemoStep(op, cost, tokens, synced.tokens, seconds, synced.seconds, note))
 
-    def answer_theirs(chunks: list[Chunk], query: str) -> tuple[Sync, Answered]:
-        query_ids = window.query_ids(query)
-        synced = prefix.sync(chunks)
-        return synced, prefix.answer(query_ids, decoding)
+    def answer_theirs(self, chunks: list[Chunk], query: str) -> tuple[Sync, Answered]:
+        query_ids = self.window.query_ids(query)
+        synced = self.prefix.sync(chunks)
+        decoding = DecodeConfig(max_new_tokens=self.window.config.max_new_tokens)
+        return synced, self.prefix.answer(query_ids, decoding)
 
-    def ask(name: str, question: str, expected: str) -> None:
-        (answer, seconds), (synced, asked) = both(
-            lambda: window.ask(question), lambda: answer_theirs(shown, question)
+    def ask(self, name: str, question: str, expected: str) -> None:
+        result = self.result
+        (answer, seconds), (synced, asked) = self.both(
+            lambda: self.window.ask(question), lambda: self.answer_theirs(self.shown, question)
         )
         result.answers[name], result.expected[name] = answer.text.strip(), expected
         result.agrees[name] = bool(answer.tokens) and int(asked.logits.argmax()) == answer.tokens[0]
         prompt = answer.cost.tokens_prefilled - decoded_tokens(answer) if answer.cost else 0
+        theirs, their_seconds = synced.tokens + asked.tokens, synced.seconds + asked.seconds
+        note = f"{question} {answer.text.strip()!r}"
         result.steps.append(
-            DemoStep(
-                "ask",
-                window.stats.last,
-                prompt,
-                synced.tokens + asked.tokens,
-                seconds,
-                synced.seconds + asked.seconds,
-                f"{question} {answer.text.strip()!r}",
-            )
+            DemoStep("ask", self.window.stats.last, prompt, theirs, seconds, their_seconds, note)
         )
 
-    legend: list[ChunkRef] = []
-    pages: list[ChunkRef] = []
-    earlier: list[ChunkRef] = []
-
-    def admit(into: list[ChunkRef], chunk: Chunk) -> Callable[[], None]:
-        return lambda: into.append(window.push(chunk, label=chunk.label))
-
-    encoder = window.encoder  # content prepared before each step, outside both timings
-    note = encoder.text("#0: an earlier note", label="#0")
-    step("push earlier note", admit(earlier, note), [note], "with the anchor · slides out")
-    legend_chunks = [
-        encoder.image(render_legend(entries), label=f"legend {i}")
-        for i, entries in enumerate(item.legend, start=1)
-    ]
-    for i, chunk in enumerate(legend_chunks, start=1):
-        step(f"push legend {i}", admit(legend, chunk), [*shown, chunk])
-    page_chunks = []
-    for k, cells in enumerate(item.pages, start=1):
-        page = encoder.image(render_page(cells), kind="frame", caption=f"#{k}", label=f"#{k}")
-        page_chunks.append(page)
-        step(
-            f"push page #{k}", admit(pages, page), [*shown, page], f"{sum(c != BLANK for c in cells)} glyphs"
-        )
-    ask("colour", item.question, item.answer)
-    ask("glyph", readout, drawn_in)
-    unbounded = {"patch_mode": "none", "drift_budget": None}  # blind reuse as it is: no budget fixes it
-    blind = KameraWindow(window.backend, config=config.model_copy(update=unbounded))
-    for chunk in shown:
-        blind.push(chunk)
-    for name, question, expected in (("colour", item.question, item.answer), ("glyph", readout, drawn_in)):
-        result.answers[f"{name} (blind reuse)"] = blind.ask(question).text.strip()
-        result.expected[f"{name} (blind reuse)"] = expected
-
-    step(
-        "reorder legend",
-        lambda: window.reorder([*earlier, *reversed(legend), *pages]),
-        [note, *reversed(legend_chunks), *page_chunks],
-        "antecedent set unchanged",
-    )
-    ask("colour after reorder", item.question, item.answer)
-
-    holder = next(ref for ref, entries in zip(legend, item.legend, strict=True) if absent in dict(entries))
-    without = [chunk for chunk in shown if chunk.key != window.chunk(holder).key]
-    (probe, seconds), (synced, asked) = both(
-        lambda: window.probe_without(holder, item.question),
-        lambda: answer_theirs(without, item.question),  # the probe decodes as ask does
-    )
-    # the answer with the chunk is the last ask's (the same query, nothing changed since), so
-    # the probe decodes only without it: its prompt tokens are what it prefilled less that decode
-    probe_tokens = probe.cost.tokens_prefilled - decoded_tokens(probe.without_chunk)
-    result.steps.append(
-        DemoStep(
-            "probe_without",
-            probe.cost,
-            max(0, probe_tokens),
-            synced.tokens + asked.tokens,
-            seconds,
-            synced.seconds + asked.seconds,
-            f"{holder.label} off: KL {probe.kl:.1f}",
-        )
-    )
-    first_page = page_chunks[0]
-    step(
-        "evict #1",
-        lambda: window.evict(pages[0]),
-        [c for c in shown if c is not first_page],
-        "stays recallable",
-    )
-    at = 1 + len(legend)
-    step(
-        "recall #1",
-        lambda: window.recall(pages[0], at=at),
-        [*shown[:at], first_page, *shown[at:]],
-        "its stored KV, no vision",
-    )
-    ask("colour after recall", item.question, item.answer)
-    step("slide", lambda: window.slide(), shown[1:], "the earlier note out")
-    ask("colour after slide", item.question, item.answer)
-    return result
+    def admit(self, into: list[ChunkRef], chunk: Chunk) -> Callable[[], None]:
+        return lambda: into.append(self.window.push(chunk, label=chunk.label))
 
 
 HELD_OUT_ITEMS = 16
@@ -387,28 +393,33 @@ def _print(console: Console, result: EpisodeResult) -> None:
         answers.add_row(name, answer, expected, "✓" if answer.startswith(expected) else "✗", mark)
     console.print(answers)
     if result.held_out:
-        held = Table(
-            title=f"{HELD_OUT_ITEMS} more items per question: accuracy % [95 % interval]", pad_edge=False
-        )
-        held.add_column("arm", no_wrap=True)
-        for question in result.held_out:
-            held.add_column(question, no_wrap=True)
-        names = ("re-prefill", "blind", "15 % recompute", "rank 2", "rank 16")
-        for name, arm in zip(names, HELD_OUT_ARMS, strict=True):
-            cells = (_with_interval(by_arm[arm], HELD_OUT_ITEMS) for by_arm in result.held_out.values())
-            held.add_row(name, *cells)
-        console.print(held)
-        console.print(
-            "[dim]binding: the colour no page shows (every page token read against the legend); "
-            f"readout: the glyph the legend draws in {READOUT_COLOUR}; sparse control: binding on pages "
-            "showing 15 glyphs in all, where recomputing the few tokens that deviate most "
-            "(CacheBlend-style) suffices.[/dim]"
-        )
+        _print_held_out(console, result.held_out)
     console.print(punchline(result))
     console.print(
         "[dim]On this 6.6 MB model a forward takes a few milliseconds, so wall time here measures "
         "bookkeeping; on a realistic shape the saved tokens are saved seconds "
         "(docs/benchmarks.md).[/dim]"
+    )
+
+
+def _print_held_out(console: Console, held_out: dict[str, dict[str, float]]) -> None:
+    """The arms' accuracy on the held-out items, each with its interval, and what each row asks."""
+    held = Table(
+        title=f"{HELD_OUT_ITEMS} more items per question: accuracy % [95 % interval]", pad_edge=False
+    )
+    held.add_column("arm", no_wrap=True)
+    for question in held_out:
+        held.add_column(question, no_wrap=True)
+    names = ("re-prefill", "blind", "15 % recompute", "rank 2", "rank 16")
+    for name, arm in zip(names, HELD_OUT_ARMS, strict=True):
+        cells = (_with_interval(by_arm[arm], HELD_OUT_ITEMS) for by_arm in held_out.values())
+        held.add_row(name, *cells)
+    console.print(held)
+    console.print(
+        "[dim]binding: the colour no page shows (every page token read against the legend); "
+        f"readout: the glyph the legend draws in {READOUT_COLOUR}; sparse control: binding on pages "
+        "showing 15 glyphs in all, where recomputing the few tokens that deviate most "
+        "(CacheBlend-style) suffices.[/dim]"
     )
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kamera_agent.chunks.chunk import token_key
-from kamera_agent.engines.synthesis import RequestChunk
+from kamera_agent.engines.load_plan import RequestChunk
 
 __all__ = ["ChunkRules", "ImageSpan", "keyed", "message_starts", "request_chunks"]
 

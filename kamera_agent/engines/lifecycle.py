@@ -33,15 +33,9 @@ from typing import Any
 
 from kamera_agent.core.identity import ChunkState
 from kamera_agent.engines.faults import HookFaults
+from kamera_agent.engines.load_plan import EngineStats, KeptLoad, LoadPlan, RequestChunk, Served
 from kamera_agent.engines.shards import EntryStore
-from kamera_agent.engines.synthesis import (
-    EngineStats,
-    KeptLoad,
-    LoadPlan,
-    PrefixSynthesis,
-    RequestChunk,
-    Served,
-)
+from kamera_agent.engines.synthesis import PrefixSynthesis
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.store import EntryKey
 

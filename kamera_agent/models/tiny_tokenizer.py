@@ -111,6 +111,16 @@ def _check_specials(special_tokens: Mapping[str, int], vocab_size: int) -> None:
             )
 
 
+def _added_tokens(specials: dict[str, int], vocab_size: int) -> dict[str, int]:
+    """The specials, checked, and a reserved filler at every other id past the bytes."""
+    _check_specials(specials, vocab_size)
+    used = set(specials.values())
+    reserved = {f"<|reserved_{i}|>": i for i in range(NUM_BYTE_TOKENS, vocab_size) if i not in used}
+    if clash := set(reserved) & set(specials):
+        raise ValueError(f"special tokens {sorted(clash)} collide with the reserved filler names")
+    return {**specials, **reserved}
+
+
 def build_byte_tokenizer(
     special_tokens: Mapping[str, int] | None = None,
     chat_template: str | None = None,
@@ -144,13 +154,7 @@ def build_byte_tokenizer(
             special name, or a special named like one of the reserved fillers.
     """
     specials = dict(DEFAULT_SPECIAL_TOKENS if special_tokens is None else special_tokens)
-    _check_specials(specials, vocab_size)
-    used = set(specials.values())
-    reserved = {f"<|reserved_{i}|>": i for i in range(NUM_BYTE_TOKENS, vocab_size) if i not in used}
-    if clash := set(reserved) & set(specials):
-        raise ValueError(f"special tokens {sorted(clash)} collide with the reserved filler names")
-    added = {**specials, **reserved}
-
+    added = _added_tokens(specials, vocab_size)
     byte_chars = _bytes_to_unicode()
     vocab = {byte_chars[b]: b for b in range(NUM_BYTE_TOKENS)}
     # The added tokens are in the model vocabulary too: `add_special_tokens` reuses an id the

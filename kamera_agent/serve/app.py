@@ -74,7 +74,6 @@ class _Tenants(HttpMiddleware):
 def create_app(server: KameraServer) -> FastAPI:
     """The ASGI app: ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``."""
     app = FastAPI(title="kamera serve", version="1")
-    name = server.settings.model_name
 
     app.add_middleware(_Tenants, server=server)
     app.add_middleware(Concurrency, server=server)  # a request past the limit costs nothing more
@@ -85,6 +84,30 @@ def create_app(server: KameraServer) -> FastAPI:
         if exc.status_code >= 500:
             return _refused(server, server_error(exc.status_code, str(exc.detail), "server_error"))
         return _refused(server, RequestError(exc.status_code, str(exc.detail)))
+
+    _add_info_routes(app, server)
+    _add_responses_routes(app, server)
+    _add_stored_responses_routes(app, server)
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request) -> Response:
+        try:
+            request = ChatRequest.model_validate(await _json(raw, server))
+        except RequestError as exc:
+            return _refused(server, exc)
+        except ValidationError as exc:
+            return _refused(server, _invalid(exc))
+        tenant = raw.state.tenant
+        if request.stream:
+            return await _streamed(server, raw, request, tenant)
+        return await _plain(server, raw, request, tenant)
+
+    return app
+
+
+def _add_info_routes(app: FastAPI, server: KameraServer) -> None:
+    """``/health``, ``/v1/models`` and ``/metrics``: what the server is and how it does."""
+    name = server.settings.model_name
 
     @app.get("/health")
     async def health(raw: Request) -> dict[str, Any]:
@@ -105,6 +128,10 @@ def create_app(server: KameraServer) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _add_responses_routes(app: FastAPI, server: KameraServer) -> None:
+    """``POST /v1/responses``: OpenAI's Responses API over the chat path, kept when asked."""
 
     @app.post("/v1/responses")
     async def create_response(raw: Request) -> Response:
@@ -131,11 +158,9 @@ def create_app(server: KameraServer) -> FastAPI:
 
         if request.stream:
             feed = Feed(server, chat, tenant, raw.state.arrived)
-            first = await feed.next()
-            if first[0] == "refused":
-                feed.cancel()
-                return _refused(server, first[1])
-            server.metrics.request(200)
+            first, refusal = await _opened(server, feed)
+            if refusal is not None:
+                return refusal
             events = response_events(feed, first, request, response_id, keep)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
@@ -146,6 +171,10 @@ def create_app(server: KameraServer) -> FastAPI:
         keep(done, body, message)
         server.metrics.request(200)
         return JSONResponse(body)
+
+
+def _add_stored_responses_routes(app: FastAPI, server: KameraServer) -> None:
+    """``GET`` and ``DELETE /v1/responses/{id}``: a tenant's stored responses."""
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(raw: Request, response_id: str) -> Response:
@@ -161,21 +190,6 @@ def create_app(server: KameraServer) -> FastAPI:
         except RequestError as exc:
             return _refused(server, exc)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
-
-    @app.post("/v1/chat/completions")
-    async def chat(raw: Request) -> Response:
-        try:
-            request = ChatRequest.model_validate(await _json(raw, server))
-        except RequestError as exc:
-            return _refused(server, exc)
-        except ValidationError as exc:
-            return _refused(server, _invalid(exc))
-        tenant = raw.state.tenant
-        if request.stream:
-            return await _streamed(server, raw, request, tenant)
-        return await _plain(server, raw, request, tenant)
-
-    return app
 
 
 async def _json(raw: Request, server: KameraServer) -> Any:
@@ -288,15 +302,24 @@ def _completion(done: Completion) -> dict[str, Any]:
     }
 
 
+async def _opened(server: KameraServer, feed: Feed) -> tuple[tuple[str, Any], Response | None]:
+    """A stream's first event, and the plain 4xx to answer instead where the request was refused
+    before its first token (the feed then stopped); a stream that opens is counted a 200."""
+    first = await feed.next()
+    if first[0] == "refused":
+        feed.cancel()
+        return first, _refused(server, first[1])
+    server.metrics.request(200)
+    return first, None
+
+
 async def _streamed(server: KameraServer, raw: Request, request: ChatRequest, tenant: str) -> Response:
     """Runs the request in a thread, streaming its text; a request refused before its first
     token gets a plain 4xx, as a non-streamed one would. A client gone mid-stream stops it."""
     feed = Feed(server, request, tenant, raw.state.arrived)
-    first = await feed.next()
-    if first[0] == "refused":
-        feed.cancel()
-        return _refused(server, first[1])
-    server.metrics.request(200)
+    first, refusal = await _opened(server, feed)
+    if refusal is not None:
+        return refusal
     stamp = {
         "id": f"chatcmpl-{int(time.time() * 1e6):x}",
         "created": int(time.time()),

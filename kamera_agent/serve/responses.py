@@ -236,28 +236,7 @@ def to_response(
     """The Responses object for a served `Completion`, and the assistant message it adds to
     the conversation (what a follow-up's history holds)."""
     message = done.message(0)
-    output: list[dict[str, Any]] = []
-    if message.get("content"):
-        output.append(
-            {
-                "type": "message",
-                "id": message_id or f"msg_{uuid.uuid4().hex[:24]}",
-                "status": "completed",
-                "role": "assistant",
-                "content": [{"type": "output_text", "text": message["content"], "annotations": []}],
-            }
-        )
-    for call in message.get("tool_calls") or []:
-        output.append(
-            {
-                "type": "function_call",
-                "id": f"fc_{uuid.uuid4().hex[:24]}",
-                "call_id": call["id"],
-                "name": call["function"]["name"],
-                "arguments": call["function"]["arguments"],
-                "status": "completed",
-            }
-        )
+    output = _output_items(message, message_id)
     usage = done.usage()
     incomplete = done.finish_reasons()[0] == "length"
     body = {
@@ -292,3 +271,31 @@ def to_response(
         "kamera": done.kamera(),
     }
     return body, message
+
+
+def _output_items(message: dict[str, Any], message_id: str | None) -> list[dict[str, Any]]:
+    """The Responses ``output`` of an assistant message: its text as a message item, then one
+    ``function_call`` item per tool call."""
+    output: list[dict[str, Any]] = []
+    if message.get("content"):
+        output.append(
+            {
+                "type": "message",
+                "id": message_id or f"msg_{uuid.uuid4().hex[:24]}",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": message["content"], "annotations": []}],
+            }
+        )
+    for call in message.get("tool_calls") or []:
+        output.append(
+            {
+                "type": "function_call",
+                "id": f"fc_{uuid.uuid4().hex[:24]}",
+                "call_id": call["id"],
+                "name": call["function"]["name"],
+                "arguments": call["function"]["arguments"],
+                "status": "completed",
+            }
+        )
+    return output

@@ -56,6 +56,7 @@ from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.memory import MemoryTier
 from kamera_agent.store.registry import TIERS, TierRegistry
 from kamera_agent.store.remote import RemoteAddress, RemoteTier
+from kamera_agent.store.remote.stats import remote_stats
 from kamera_agent.store.signing import Signer
 from kamera_agent.store.stack import TierStack, own
 from kamera_agent.store.stats import EventLog, StoreEvent, StoreStats
@@ -391,31 +392,8 @@ class ChunkStore:
                 unavailable=c["unavailable"],
                 unsigned_refused=c["unsigned"],
                 tiers={tier.name: tier.stats() for tier in self._below},
-                **self._remote_stats(),
+                **remote_stats(self._remote, self._log.counts),
             )
-
-    def _remote_stats(self) -> dict[str, Any]:
-        if self._remote is None:
-            return {}
-        r, c = self._remote.snapshot(), self._log.counts
-        return {
-            "remote_state": "slow" if r["slow"] and r["state"] == "up" else r["state"],
-            **{f"remote_{name}": c[f"remote_{name}"] for name in ("hits", "misses", "errors", "rejected")},
-            **{
-                f"remote_{name}": r[name]
-                for name in (
-                    "writes",
-                    "bytes_written",
-                    "writes_skipped",
-                    "deadline_misses",
-                    "deadline_writes",
-                )
-            },
-            "remote_writes_failed": r["writes_failed"],
-            "remote_outages": r["outages"],
-            "remote_timeout": r["timeout"],
-            "remote_slow_calls": r["slow_calls"],
-        }
 
     def events(self) -> list[StoreEvent]:
         """The most recent events, oldest first (the log keeps ``event_capacity`` of them)."""

@@ -1,4 +1,4 @@
-"""Executing a window plan as cache edits, placing chunks, and answering over the window.
+"""Executing a window plan as cache edits, and answering over the window.
 
 Why separate from planning: the planner decides from states and a store view; the executor
 does what the plan says (place, apply a stored patch, form one with a conditioned forward,
@@ -6,49 +6,33 @@ revert, defer) inside one `Txn`, so everything it stores is staged until the op 
 window restores its state snapshot when anything fails. A stored patch the plan counted on but
 that has left the store since is formed instead (its state is the same: a state names what the
 KV encodes, not where it came from); an orbit patch that changed under the op raises
-`StaleLookup`, and the window plans again.
+`StaleLookup`, and the window plans again. Placing chunks and building the KV their states
+name is `kamera_agent.window.placement`'s; the view a probe decodes over, `answers`'.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.chunks.chunk import Chunk
-from kamera_agent.config import WindowConfig
 from kamera_agent.core import Patch
-from kamera_agent.core.identity import ChunkState, Context, effective_rank
-from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
+from kamera_agent.core.identity import ChunkState
+from kamera_agent.core.kv_core import StaleLookup
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer
+from kamera_agent.window.answers import answer_without
+from kamera_agent.window.placement import Piece, Placement
 from kamera_agent.window.plan import Step, WindowPlan, canonical_leads_run, serves_canonical_first
 from kamera_agent.window.state import Assembled, ChunkRef, Entry, OriginalContext, WindowState
 
 __all__ = ["Executor", "StaleLookup"]
 
-Piece = tuple[tuple[object, ...], int]
-"""What one stretch of an assembled cache holds (the anchor, or a chunk at its start in its
-state) and how many cache slots it takes."""
 
-
-class Executor:
+class Executor(Placement):
     """Applies plans to one window state inside one transaction; places chunks; decodes."""
-
-    def __init__(self, state: WindowState, core: KVCore, txn: Txn, config: WindowConfig) -> None:
-        self.state, self.core, self.txn, self.config = state, core, txn, config
-        self.layout = core.backend.layout
-        self._starts: dict[ChunkRef, int] = {}
-        self._slots: dict[ChunkRef, int] = {}
-        self._free: dict[str, tuple[ChunkKV, Patch | None]] = {}
-        self._full: dict[str, ChunkKV] = {}
-        self._by_key: dict[str, Chunk] | None = None
-        self._moved: frozenset[ChunkRef] = frozenset()
-        self._placed: dict[tuple[ChunkRef, int, str], ChunkKV] = {}
-        self._held: dict[ChunkRef, tuple[ChunkState, Patch | None, ChunkKV | None]] = {}
-        self._order_changed()
 
     # -- running a plan -------------------------------------------------------------------------
     def run(self, plan: WindowPlan) -> None:
@@ -210,7 +194,7 @@ class Executor:
         self.txn.meter.tokens_placed += sum(kv.num_tokens for kv in placed)
         keeps = self.core.backend.supports_extend
         if count == 0 and not between and not self.core.anchor_ready:  # the anchor joins this forward
-            cache, context = None, []
+            cache, context, cached = None, [], 0
             pieces: list[Piece] = [(("anchor",), self.core.anchor.num_tokens)]
         elif keeps:
             cache, pieces = self._cache_through(count)
@@ -218,16 +202,7 @@ class Executor:
         else:
             cache, context = None, [self.core.anchor_kv(self.txn.meter), *self._places(order[:count])]
             cached, context = sum(kv.num_tokens for kv in context), [*context, *placed]
-        starts: list[int] | None = None
-        sees: list[int] | None = None
-        if between:
-            slots = dict(zip(between, (kv.num_tokens for kv in placed), strict=True))
-            starts, sees, seen = [self._starts[step.ref] for step in run], [], cached
-            for ref in order[count : last + 1]:
-                if ref in members:
-                    sees.append(seen)
-                else:
-                    seen += slots[ref]
+        starts, sees = self._seen(run, members, order[count : last + 1], between, placed, cached)
         start = self._starts[run[0].ref if lead is None else lead.ref]
         done = self.core.condition(chunks, context, start, self.txn, onto=cache, starts=starts, sees=sees)
         formed = self.core.position_free(done.kv)
@@ -245,6 +220,29 @@ class Executor:
                 break
             pieces.append(((step.ref, self._starts[step.ref], step.state.digest), chunk.num_tokens))
         self.state.assembled = Assembled(done.cache, tuple(pieces))
+
+    def _seen(
+        self,
+        run: Sequence[Step],
+        members: set[ChunkRef],
+        span: Sequence[ChunkRef],
+        between: Sequence[ChunkRef],
+        placed: Sequence[ChunkKV],
+        cached: int,
+    ) -> tuple[list[int] | None, list[int] | None]:
+        """Where each member of a run with placed chunks between starts, and how many cache
+        slots it sees (the placed ones to its left, after the ``cached`` before the run);
+        ``None`` for a consecutive run (each sees everything before it)."""
+        if not between:
+            return None, None
+        slots = dict(zip(between, (kv.num_tokens for kv in placed), strict=True))
+        starts, sees, seen = [self._starts[step.ref] for step in run], [], cached
+        for ref in span:
+            if ref in members:
+                sees.append(seen)
+            else:
+                seen += slots[ref]
+        return starts, sees
 
     def _lead_canonical(self, lead: Step, conditioned: ChunkKV) -> None:
         """The lead's KV from the run's forward is its canonical: stored, and the chunk served as
@@ -267,29 +265,6 @@ class Executor:
             return
         kv = self._conditioned_over(chunk, target.context)
         self._adopt(ref, target, kv, antecedents)
-
-    def _conditioned_over(self, chunk: Chunk, context: Context) -> ChunkKV:
-        placed, start = self._placed_context(context)
-        return self.core.condition([chunk], placed, start, self.txn).kv[0]
-
-    def _placed_context(self, context: Context) -> tuple[list[ChunkKV], int]:
-        """The anchor and ``context``'s states placed back to back behind it, and where a chunk
-        after them starts."""
-        jobs, start = [], self.core.anchor.advance
-        for state in context.states():
-            source = self._chunk_for(state.chunk_key)
-            jobs.append((*self.free_kv(state), source.positions_at(start)))
-            start += source.advance
-        return [self.core.anchor_kv(self.txn.meter), *self.core.place_many(jobs)], start
-
-    def _recomputed_over(self, chunk: Chunk, state: ChunkState) -> ChunkKV:
-        """A recomputed state's KV made again as it was first made: its source placed behind its
-        context, its most deviating tokens recomputed over it (`KVCore.recompute`)."""
-        assert state.source is not None
-        placed, start = self._placed_context(state.context)
-        reference, patch = self.free_kv(state.source)
-        kv = self.core.place(reference, patch, chunk.positions_at(start))
-        return self.core.recompute(chunk, kv, placed, start, state.share, self.txn).kv
 
     def recompute(self, ref: ChunkRef, share: float) -> ChunkState:
         """Recompute the in-window chunk's most deviating ``share`` of tokens over the chunks to its
@@ -370,113 +345,6 @@ class Executor:
         entries = state.entries
         return tuple(source for source in antecedents if source in entries) == state.antecedents_of(ref)
 
-    # -- KV of chunks and states -------------------------------------------------------------------
-    def canonical(self, ref: ChunkRef) -> ChunkKV:
-        """The chunk's canonical (a prefill when the store has none: a re-form if it had one)."""
-        entry = self.state.entries[ref]
-        meter = self.txn.meter
-        fresh = entry.chunk.key not in meter.prefilled
-        canonical = self.core.canonical(entry.chunk, self.txn)
-        if fresh and entry.chunk.key in meter.prefilled:
-            meter.reforms += int(entry.canonical_formed)
-        entry.canonical_formed = True
-        return canonical
-
-    def free_kv(self, state: ChunkState) -> tuple[ChunkKV, Patch | None]:
-        """What a state is made of, position-free: its full KV, or its canonical and patch; from
-        the store, or rebuilt (original contexts, entries the store has dropped)."""
-        if state.digest in self._free:
-            return self._free[state.digest]
-        holder = self._holder(state)
-        if holder is not None:  # a chunk in the window has it (its patch or KV may be held only there)
-            self._free[state.digest] = self._made_of(holder)
-            return self._free[state.digest]
-        chunk = self._chunk_for(state.chunk_key)
-        patch: Patch | None = None
-        reference = self._full_kv(state, chunk) if state.is_full else self.core.canonical(chunk, self.txn)
-        if state.kind == "orbit" and not state.is_full:
-            patch = self.core.stored_patch(state, state.address, self.txn)
-        elif state.kind == "patched" and not state.is_full:
-            patch = self.core.stored_patch(state, state.digest, self.txn)
-            if patch is None:
-                conditioned = self._conditioned_over(chunk, state.context)
-                patch = self.core.keep_patch(reference, state, conditioned, self.txn)
-                self.txn.meter.patches_formed += 1
-        self._free[state.digest] = (reference, patch)
-        return reference, patch
-
-    def _full_kv(self, state: ChunkState, chunk: Chunk, held: bool = False) -> ChunkKV:
-        """A full-rank state's KV: from this op, the store, or one conditioned forward (stored).
-
-        ``held``: a chunk in the window holds this state, so its KV was stored once and missing
-        now means a budget dropped it (a re-form)."""
-        if state.digest in self._full:
-            return self._full[state.digest]
-        kv = self.core.stored_full(state, self.txn)
-        if kv is None and state.kind == "recomputed":
-            kv = self.core.keep_full(state, self._recomputed_over(chunk, state), self.txn)
-            self.txn.meter.reforms += int(held)
-        elif kv is None:
-            kv = self.core.keep_full(state, self._conditioned_over(chunk, state.context), self.txn)
-            self.txn.meter.reforms += int(held)
-        self._full[state.digest] = kv
-        return kv
-
-    def placed_kv(self, ref: ChunkRef) -> ChunkKV:
-        """The chunk's KV at its place in the window."""
-        return self._places([ref])[0]
-
-    def _places(self, refs: Sequence[ChunkRef]) -> list[ChunkKV]:
-        """In-window chunks at their places, those not yet placed in this op rotated together."""
-        keys = [(ref, self._starts[ref], self.state.entries[ref].state.digest) for ref in refs]
-        missing = [key for key in dict.fromkeys(keys) if key not in self._placed]
-        entries = self.state.entries
-        jobs = [(*self._made_of(ref), entries[ref].chunk.positions_at(start)) for ref, start, _ in missing]
-        self._placed.update(zip(missing, self.core.place_many(jobs), strict=True))
-        return [self._placed[key] for key in keys]
-
-    def placements(self) -> list[ChunkKV]:
-        """The anchor and every in-window chunk, placed: what a decode attends to."""
-        return [self.core.anchor_kv(self.txn.meter), *self._places(self.state.order)]
-
-    def window_cache(self) -> Any:
-        """The engine cache holding the window as it is now.
-
-        Why incremental: an agent pushes, asks, pushes, asks. Where the engine can crop and
-        extend a cache, the one the last answer used is cut back to the longest run of leading
-        chunks that did not change (same place, same state) and only the rest is placed and
-        appended: a push then costs its own tokens, not a copy of the window. A chunk that moved
-        or changed state, and everything after it, is placed again.
-        """
-        cache, pieces = self._cache_through(len(self.state.order))
-        self.state.assembled = Assembled(cache, tuple(pieces)) if self.core.backend.supports_extend else None
-        return cache
-
-    def _cache_through(self, count: int) -> tuple[Any, list[Piece]]:
-        """An engine cache holding the anchor and the first ``count`` in-window chunks as they
-        are now, built on the kept one where the engine can (see `window_cache`), and its pieces."""
-        backend, state = self.core.backend, self.state
-        pieces: list[Piece] = [(("anchor",), self.core.anchor.num_tokens)]
-        for ref in state.order[:count]:
-            entry = state.entries[ref]
-            pieces.append(((ref, self._starts[ref], entry.state.digest), entry.chunk.num_tokens))
-        memo, keep = state.assembled, 0
-        if backend.supports_extend and memo is not None:
-            for mine, theirs in zip(pieces, memo.pieces, strict=False):
-                if mine != theirs:
-                    break
-                keep += 1
-        if keep == 0:
-            cache = backend.assemble(
-                [self.core.anchor_kv(self.txn.meter), *self._places(state.order[:count])]
-            )
-        else:
-            assert memo is not None
-            cache = backend.crop(memo.cache, sum(slots for _, slots in pieces[:keep]))
-            cache = backend.assemble(self._places(state.order[keep - 1 : count]), onto=cache)
-        self.txn.meter.tokens_placed += sum(slots for _, slots in pieces[keep:])
-        return cache, pieces
-
     # -- reading the window ------------------------------------------------------------------------
     def answer(self, query_ids: torch.Tensor, config: DecodeConfig) -> Answer:
         """Decode the query over the window as it is."""
@@ -497,126 +365,7 @@ class Executor:
         ``exact=False``: such chunks are served by their canonicals, formed where missing (each
         once, for every probe after it): what ranking every chunk of a window costs in decodes
         only, where exact views would re-prefill the rest once per chunk."""
-        state, core, meter = self.state, self.core, self.txn.meter
-        slot = state.order.index(removed)
-        influenced = _Influence(state.entries[removed].state.digest)
-        ctx, start = core.root, core.anchor.advance
-        for ref in state.order[:slot]:
-            entry = state.entries[ref]
-            ctx, start = ctx.extend(entry.state), start + entry.chunk.advance
-        rest = state.order[slot + 1 :]
-        jobs, formed_from = [], len(rest)
-        pieces: list[Piece] = []
-        for i, ref in enumerate(rest):
-            entry = state.entries[ref]
-            served = entry.state
-            if removed in state.graph.pred[ref] or influenced(entry.state):
-                served = self._reduced(ref, ctx)
-                if exact and served.kind == "canonical" and not self.txn.store.has_canonical(ref.key):
-                    formed_from = i
-                    break
-            reference, patch = self.free_kv(served) if served != entry.state else self._made_of(ref)
-            jobs.append((reference, patch, entry.chunk.positions_at(start)))
-            pieces.append(((ref, start, served.digest), entry.chunk.num_tokens))
-            ctx, start = ctx.extend(served), start + entry.chunk.advance
-        placed = core.place_many(jobs)
-        meter.tokens_placed += sum(kv.num_tokens for kv in placed)
-        keeps = core.backend.supports_extend
-        context: list[ChunkKV] = []
-        if keeps:
-            cache, kept = self._cache_through(slot)
-            cache = core.backend.assemble(placed, onto=cache)
-            pieces = [*kept, *pieces]
-        else:
-            context = [core.anchor_kv(meter), *self._places(state.order[:slot]), *placed]
-            cache = None
-        formed = [state.entries[ref].chunk for ref in rest[formed_from:]]
-        if formed:
-            done = core.condition(formed, context, start, self.txn, onto=cache)
-            for chunk, kv in zip(formed, done.kv, strict=True):
-                over = ChunkState.patched(chunk.key, "full", ctx)  # exact over what is left
-                core.keep_full(over, kv, self.txn)
-                meter.patches_formed += 1
-                pieces.append(((rest[formed_from], start, over.digest), chunk.num_tokens))
-                formed_from, ctx, start = formed_from + 1, ctx.extend(over), start + chunk.advance
-            if keeps and done.cache is not None:
-                cache = done.cache
-            else:  # the engine kept no cache: the whole view assembled anew
-                before = [core.anchor_kv(meter), *self._places(state.order[:slot])]
-                cache, keeps = core.backend.assemble([*(context or [*before, *placed]), *done.kv]), False
-                self.state.assembled = None  # the kept one may have been cut back: it says no more
-        elif not keeps:
-            cache = core.backend.assemble(context)
-        if keeps:
-            self.state.assembled = Assembled(cache, tuple(pieces))
-        return core.decode(cache, query_ids, start, config, meter)
-
-    def _reduced(self, ref: ChunkRef, ctx: Context) -> ChunkState:
-        """The state ``ref`` can be served in over ``ctx`` from the store (its full KV there, a
-        stored patch), else its canonical: the view with a chunk's influence switched off."""
-        canonical = ChunkState.canonical(ref.key, self.core.root)
-        rank = self.config.effective_rank
-        if rank == 0 or ctx.length == 0:
-            return canonical
-        full = ChunkState.patched(ref.key, "full", ctx)
-        if self.txn.store.has_full(ref.key, full.digest):
-            return full
-        n = self.state.entries[ref].chunk.num_tokens
-        target = ChunkState.patched(ref.key, effective_rank(rank, n, self.layout.features), ctx)
-        if not target.is_full and self.txn.store.has_patch(ref.key, target.digest):
-            return target
-        return canonical
-
-    def _made_of(self, ref: ChunkRef) -> tuple[ChunkKV, Patch | None]:
-        """What an in-window chunk's KV is made of now: its full KV, or its canonical and patch."""
-        entry = self.state.entries[ref]
-        if entry.full is not None:
-            return entry.full, None
-        if entry.state.is_full:
-            return self._full_kv(entry.state, entry.chunk, held=True), None
-        return self.canonical(ref), entry.patch
-
-    def end(self) -> int:
-        """The position after the window's last chunk (where a query starts)."""
-        return self.core.anchor.advance + sum(self.state.entries[r].chunk.advance for r in self.state.order)
-
-    # -- helpers -------------------------------------------------------------------------------------
-    def _order_changed(self) -> None:
-        self._starts, position = {}, self.core.anchor.advance
-        self._slots = {ref: i for i, ref in enumerate(self.state.order)}
-        for ref in self.state.order:
-            self._starts[ref] = position
-            position += self.state.entries[ref].chunk.advance
-
-    def _reused(self, ref: ChunkRef) -> None:
-        chunk = self.state.entries[ref].chunk
-        self.txn.meter.reuse(ref, chunk.key, chunk.num_tokens)
-
-    def _holder(self, state: ChunkState) -> ChunkRef | None:
-        """An in-window chunk in exactly this state, if any."""
-        for ref in self.state.order:
-            entry = self.state.entries[ref]
-            if entry.state.digest == state.digest and not entry.pending:
-                return ref
-        return None
-
-    def _chunk_for(self, chunk_key: str) -> Chunk:
-        if self._by_key is None:
-            self._by_key = {entry.chunk.key: entry.chunk for entry in self.state.entries.values()}
-        return self._by_key[chunk_key]
-
-
-class _Influence:
-    """Whether a state's KV carries (directly or through its antecedents) one state's influence."""
-
-    def __init__(self, digest: str) -> None:
-        self.digest = digest
-        self._memo: dict[str, bool] = {}
-
-    def __call__(self, state: ChunkState) -> bool:
-        if state.digest not in self._memo:
-            self._memo[state.digest] = any(s.digest == self.digest or self(s) for s in state.antecedents())
-        return self._memo[state.digest]
+        return answer_without(self, removed, query_ids, config, exact)
 
 
 def _changes(state: WindowState, plan: WindowPlan) -> bool:

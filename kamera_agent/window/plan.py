@@ -81,11 +81,11 @@ class WindowPlan:
     """Of ``admitted``, the evicted chunks that come back (`Planner.arrange`)."""
     vouched_to: int | None = None
     """With a drift budget, the first chunk whose planned state the budget could not vouch for
-    before the op ran (`Planner._bounded` counted re-prefilling from it): the fix may start there
+    before the op ran (`PrefixBound.bounded` counted re-prefilling from it): the fix may start there
     instead of at the first chunk found over ε, where that prefills fewer tokens."""
     prefix_bound: int | None = None
     """With a drift budget, the tokens re-prefilling from the op's first changed slot costs (what
-    a prefix cache pays, `Planner._cheaper`): the most the op with every fix may prefill."""
+    a prefix cache pays, `PrefixBound.cheaper`): the most the op with every fix may prefill."""
     declined: bool = False
     """A re-prefill planned instead of approximations the drift budget expects to fail
     (`DriftBudget.worth_trying`): the runner counts it once the op has run."""

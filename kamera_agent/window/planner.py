@@ -17,7 +17,6 @@ needs listed in the plan, and is planned again once they have run.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from functools import cache, partial
 
 from kamera_agent.chunks.chunk import Chunk
@@ -32,9 +31,10 @@ from kamera_agent.errors import (
     UnknownChunkError,
     WindowError,
 )
-from kamera_agent.fidelity import audit_count
-from kamera_agent.policies import EVICTION, REORDER, SURVIVORS, EvictionContext, PatchAction
-from kamera_agent.window.plan import Step, WindowPlan, canonical_leads_run
+from kamera_agent.policies import REORDER, SURVIVORS, PatchAction
+from kamera_agent.window.plan import Step, WindowPlan
+from kamera_agent.window.prefix_bound import PrefixBound
+from kamera_agent.window.room import make_room
 from kamera_agent.window.rules import LeftContexts, PlanInputs, Rules
 from kamera_agent.window.state import ChunkRef, Entry, WindowState
 
@@ -52,6 +52,7 @@ class Planner:
         self.inputs, self.config, self.view, self.root = inputs, inputs.config, inputs.view, inputs.root
         self.rank = inputs.config.effective_rank
         self.rules = Rules(inputs)
+        self.bound = PrefixBound(inputs, self.rules)
 
     # -- operations ---------------------------------------------------------------------------
     def push(self, state: WindowState, chunk: Chunk, label: str | None) -> WindowPlan:
@@ -67,9 +68,9 @@ class Planner:
         for chunk in chunks.values():
             self._check_storable(chunk)
         tokens, count = sum(chunk.num_tokens for chunk in chunks.values()), len(chunks)
-        evicted, probes = self._make_room(state, tokens, keep=(), count=count)
+        evicted, probes = make_room(self.config, state, tokens, keep=(), count=count)
         if probes:  # a dry run shows the FIFO outcome; the real one is planned after the probes
-            placeholder, _ = self._make_room(state, tokens, keep=(), scores={}, count=count)
+            placeholder, _ = make_room(self.config, state, tokens, keep=(), scores={}, count=count)
             plan = self._admit(state, op, chunks, placeholder)
             return self._with_probes(state, plan, probes)
         return self._admit(state, op, chunks, evicted)
@@ -94,9 +95,11 @@ class Planner:
             self._check_storable(admitted)
         tokens = chunk.num_tokens + sum(c.num_tokens for c in appended.values())
         count = 1 + len(appended)
-        evicted, probes = self._make_room(state, tokens, keep=(), gone=(ref,), count=count)
+        evicted, probes = make_room(self.config, state, tokens, keep=(), gone=(ref,), count=count)
         if probes:
-            placeholder, _ = self._make_room(state, tokens, keep=(), scores={}, gone=(ref,), count=count)
+            placeholder, _ = make_room(
+                self.config, state, tokens, keep=(), scores={}, gone=(ref,), count=count
+            )
             plan = self._admit(state, "replace", {new: chunk}, [ref, *placeholder], at=ref, appended=appended)
             return self._with_probes(state, plan, probes)
         return self._admit(state, "replace", {new: chunk}, [ref, *evicted], at=ref, appended=appended)
@@ -132,9 +135,9 @@ class Planner:
         if entry.in_window:
             raise ChunkInWindowError(f"{ref} is already in the window; reorder it instead of recalling it")
         self._check_recallable(entry, ref)
-        evicted, probes = self._make_room(state, entry.chunk.num_tokens, keep=(ref,))
+        evicted, probes = make_room(self.config, state, entry.chunk.num_tokens, keep=(ref,))
         if probes:
-            placeholder, _ = self._make_room(state, entry.chunk.num_tokens, keep=(ref,), scores={})
+            placeholder, _ = make_room(self.config, state, entry.chunk.num_tokens, keep=(ref,), scores={})
             plan = self._recall(state, ref, at, placeholder)
             return self._with_probes(state, plan, probes)
         return self._recall(state, ref, at, evicted)
@@ -339,117 +342,13 @@ class Planner:
 
     # -- never costlier than a prefix cache ------------------------------------------------------
     def _bounded(self, state: WindowState, plan: WindowPlan) -> WindowPlan:
-        """`_cheaper` of ``plan`` and re-prefilling, its forwards counted as the executor runs them."""
-        return _lead_shares_forward(self._cheaper(state, plan))
-
-    def _cheaper(self, state: WindowState, plan: WindowPlan) -> WindowPlan:
-        """``plan``, or re-prefilling from the first slot it changes where that prefills fewer tokens.
-
-        Why: a prefix cache pays exactly the tokens from the first changed slot on; a plan can pay
-        more (a recall formed over its original context rebuilds that context, a reorder's
-        canonicals, a cascade of re-formed survivors). Both are counted the same way (the
-        planned steps' tokens), and the cheaper runs: the re-prefill is exact over the chunks
-        left of that slot, so it never costs fidelity either. With a drift budget the plan is
-        counted with the most keeping the budget could add after it (`_budget_fix_tokens`).
-        """
-        planned = sum(step.tokens for step in plan.steps)
-        budget = self.inputs.budget
-        if planned == 0 and budget is None:
-            return plan
-        changed = _first_changed(state, plan)
-        order = plan.order
-        index_of = {ref: i for i, ref in enumerate(order)}
-        left = [step for step in plan.steps if index_of[step.ref] < changed]
-        ctx = self.root
-        for step in left:
-            if step.kind != "form_canonical":
-                ctx = ctx.extend(step.state)
-        after = sum(step.tokens for step in self._refill_steps(state, plan, changed, ctx, "costed"))
-        refill = sum(step.tokens for step in left) + after
-
-        def refilling(why: str, declined: bool = False) -> WindowPlan:
-            # planned again with its reason: planning reads no tensor, and a plan is a few steps a chunk
-            steps = (*left, *self._refill_steps(state, plan, changed, ctx, why))
-            return plan.changed(steps=steps, declined=declined, prefix_bound=refill)
-
-        if budget is None:
-            if refill >= planned:
-                return plan
-            return refilling(f"re-prefill from slot {changed}: fewer tokens than the plan's {planned}")
-        first, fix, audits = self._budget_fix_tokens(state, plan, (changed, after))
-        if planned + fix > refill:
-            return refilling(
-                f"re-prefill from slot {changed}: the plan and what its drift budget may add cost more"
-            )
-        if fix and not budget.worth_trying(plan.op, planned, fix, refill, audits):
-            why = f"re-prefill from slot {changed}: the drift budget expects to fix what the plan keeps"
-            return refilling(why, declined=True)
-        return plan.changed(vouched_to=first, prefix_bound=refill)
+        """``plan`` or re-prefilling, whichever prefills fewer tokens (`PrefixBound`)."""
+        return self.bound.bounded(state, plan)
 
     def refill(self, state: WindowState, start: int, why: str, end: int | None = None) -> WindowPlan:
-        """Re-prefill the window's chunks from index ``start`` on (to ``end``, else to the last)
-        over the chunks left of it as they are (each then exact over its left context): how a
-        drift budget is kept."""
-        order = tuple(state.order)
-        ctx = self.root
-        for ref in order[:start]:
-            ctx = ctx.extend(state.entries[ref].state)
-        plan = WindowPlan("refill", order)
-        return _lead_shares_forward(
-            plan.changed(steps=tuple(self._refill_steps(state, plan, start, ctx, why, end)))
-        )
-
-    def _refill_steps(
-        self, state: WindowState, plan: WindowPlan, start: int, ctx: Context, why: str, end: int | None = None
-    ) -> list[Step]:
-        """The steps re-prefilling ``plan.order`` from ``start`` (to ``end``) over ``ctx``
-        (formations share forwards)."""
-        steps: list[Step] = []
-        previous: Step | None = None
-        group: list[Step] = []
-        order = plan.order
-        for i in range(start, len(order) if end is None else end):
-            ref = order[i]
-            chunk = plan.chunks[ref] if ref in plan.chunks else state.entries[ref].chunk
-            step = self.rules.refilled(ref, chunk, ctx, order[:i], why)
-            step = self.rules.across_gap(self.rules.in_run(step, previous), group)
-            if step.kind == "form_patch":
-                group = [*group, step] if step.in_run else [step]
-            if step.needs_canonical:
-                steps.append(self.rules.form_canonical(ref, chunk))
-            steps.append(step)
-            previous, ctx = step, ctx.extend(step.state)
-        return steps
-
-    def _budget_fix_tokens(
-        self, state: WindowState, plan: WindowPlan, known: tuple[int, int]
-    ) -> tuple[int | None, int, int]:
-        """The first chunk whose planned state the drift budget cannot vouch for yet (not
-        remembered, or over ε; ``None``: every planned chunk is known to be within ε), the most it
-        could re-prefill after ``plan`` runs (that chunk and everything to its right), and the
-        tokens its audits would recompute at most. (Audits are the estimator's cost, counted
-        apart in ``audit_tokens``: they recompute a sample, they prefill no chunk.) ``known``: a
-        slot and what re-prefilling from it costs, when already planned (the plan's first changed
-        slot: left of it the plan's states are the window's)."""
-        budget = self.inputs.budget
-        assert budget is not None
-        final = {step.ref: step.state for step in plan.steps if step.kind != "form_canonical"}
-        states = [final[ref] if ref in final else state.entries[ref].state for ref in plan.order]
-        estimates = budget.estimates(states, self.root)
-        first = budget.first_over(estimates)
-        if first is None:
-            return None, 0, 0
-        if first == known[0]:
-            fix = known[1]
-        else:
-            ctx = self.root
-            for planned in states[:first]:
-                ctx = ctx.extend(planned)
-            fix = sum(step.tokens for step in self._refill_steps(state, plan, first, ctx, "fix"))
-        share = budget.calibration.audit_share
-        audited = [plan.chunks[r] if r in plan.chunks else state.entries[r].chunk for r in plan.order[first:]]
-        audits = sum(audit_count(c.num_tokens, share) for c in audited)
-        return first, fix, audits
+        """Re-prefill the window's chunks from index ``start`` on (to ``end``, else to the last):
+        how a drift budget is kept (`PrefixBound.refill`)."""
+        return self.bound.refill(state, start, why, end)
 
     def _taken(
         self,
@@ -502,53 +401,6 @@ class Planner:
             position += (chunks[ref] if ref in chunks else state.entries[ref].chunk).advance
         return frozenset(moved)
 
-    def _make_room(
-        self,
-        state: WindowState,
-        tokens: int,
-        keep: Sequence[ChunkRef],
-        scores: Mapping[ChunkRef, float] | None = None,
-        count: int = 1,
-        gone: Sequence[ChunkRef] = (),
-    ) -> tuple[list[ChunkRef], tuple[ChunkRef, ...]]:
-        """Chunks to evict so that ``count`` new chunks of ``tokens`` in all fit (``gone`` are
-        leaving anyway), or the chunks to probe first."""
-        cap_chunks, cap_tokens = self.config.capacity_chunks, self.config.capacity_tokens
-        if cap_tokens is not None and tokens > cap_tokens:
-            raise CapacityError(
-                f"{tokens} new tokens can never fit capacity_tokens={cap_tokens}; raise the capacity"
-            )
-        if cap_chunks is not None and count > cap_chunks:
-            raise CapacityError(
-                f"{count} new chunks can never fit capacity_chunks={cap_chunks}; raise the capacity"
-            )
-        leaving = set(gone)
-        order = [r for r in state.order if r not in set(keep) and r not in leaving]
-        kept = sum(1 for r in keep if r in state.order and r not in leaving)
-        used = sum(state.entries[r].chunk.num_tokens for r in state.order if r not in leaving)
-
-        def over(evicted: int, used: int) -> bool:
-            chunks = cap_chunks is not None and len(order) + kept - evicted + count > cap_chunks
-            return chunks or (cap_tokens is not None and used + tokens > cap_tokens)
-
-        if not over(0, used):
-            return [], ()
-        policy = EVICTION[self.config.eviction]
-        last = state.last_answer
-        if policy.probes and last is not None and scores is None:
-            cached = state.scores
-            if cached is None or (cached.query, cached.tick) != (last.query, state.tick):
-                return [], tuple(order)
-            scores = cached.kl
-        last_used = {r: state.entries[r].last_used for r in order}
-        evicted: list[ChunkRef] = []
-        for candidate in policy.rank(EvictionContext(order, last_used, scores or None)):
-            if not over(len(evicted), used):
-                break
-            evicted.append(candidate)
-            used -= state.entries[candidate].chunk.num_tokens
-        return evicted, ()
-
     def _with_probes(self, state: WindowState, plan: WindowPlan, probes: tuple[ChunkRef, ...]) -> WindowPlan:
         """The plan as a dry run shows it (FIFO's outcome), with the probes that decide the real one."""
         assert state.last_answer is not None
@@ -591,19 +443,6 @@ class Planner:
             )
 
 
-def _lead_shares_forward(plan: WindowPlan) -> WindowPlan:
-    """``plan`` with the formation of its second chunk counted in the forward that forms the
-    first chunk's canonical, where the executor runs them as one (`canonical_leads_run`)."""
-    steps = plan.steps
-    for i in range(len(steps) - 2):
-        first = steps[i + 2]
-        if first.forwards and canonical_leads_run(steps, i, plan.order):
-            detail = f"{first.detail} (in the forward of the chunk before it)"
-            joined = replace(first, forwards=0, detail=detail)
-            return plan.changed(steps=(*steps[: i + 2], joined, *steps[i + 3 :]))
-    return plan
-
-
 def _no_action(i: int) -> PatchAction:
     return "keep"
 
@@ -625,23 +464,6 @@ def _causality(
         return moved is None or moved not in encodes[ref] or index_of[moved] < i
 
     return one_moved if keeps_order else any_order
-
-
-def _first_changed(state: WindowState, plan: WindowPlan) -> int:
-    """The first slot whose chunk or KV ``plan`` changes: another chunk there, a chunk moved, or
-    one whose state the plan sets anew (a pending one counts: its KV is not in the cache yet)."""
-    final = {step.ref: step for step in plan.steps if step.kind != "form_canonical"}
-    for i, ref in enumerate(plan.order):
-        if i >= len(state.order):
-            return i
-        old, step = state.order[i], final.get(ref)
-        entry = state.entries[old]
-        kept = ref == old and ref not in plan.moved
-        if step is None or step.kind != "rotate" or not (kept or step.source == old):
-            return i
-        if entry.pending or step.state.digest != entry.state.digest:
-            return i
-    return len(plan.order)
 
 
 def _same_content(state: WindowState, order: Sequence[ChunkRef]) -> int:

@@ -21,30 +21,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-import networkx as nx
-import torch
-
-from kamera_agent.backends.base import Backend, DecodeConfig
+from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.chunks.chat import ChatTemplate
 from kamera_agent.chunks.chunk import Chunk, ChunkKind
-from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.chunks.sources import ChannelOrder
 from kamera_agent.config import WindowConfig
-from kamera_agent.core import Patch
 from kamera_agent.core.costs import CostMeter
-from kamera_agent.core.identity import ChunkState
 from kamera_agent.core.kv_core import KVCore
 from kamera_agent.errors import (
     ArgumentError,
     ChunkInWindowError,
     DuplicateChunkError,
     SettingsError,
-    UnknownChunkError,
 )
 from kamera_agent.fidelity import window_budget
-from kamera_agent.metrics import next_token_kl
-from kamera_agent.operator.layout import ChunkKV
-from kamera_agent.results import Answer, Plan, Probe, WindowStats
+from kamera_agent.results import Answer
 from kamera_agent.settings import THREADS_ENV, configure_threads
 from kamera_agent.store import ChunkStore
 from kamera_agent.window.arguments import (
@@ -53,7 +44,6 @@ from kamera_agent.window.arguments import (
     check_decode,
     check_flag,
     check_index,
-    check_int,
     check_items,
     check_labels,
     check_slide,
@@ -61,8 +51,8 @@ from kamera_agent.window.arguments import (
 )
 from kamera_agent.window.conversation import Conversation, MessagePart
 from kamera_agent.window.dry_run import PlanView
-from kamera_agent.window.executor import Executor
 from kamera_agent.window.inputs import Inputs
+from kamera_agent.window.reads import WindowReads
 from kamera_agent.window.runner import OpRunner, WindowParts
 from kamera_agent.window.setup import Item, resolve_backend, resolve_store
 from kamera_agent.window.state import ChunkRef, LastAnswer, WindowState
@@ -70,7 +60,7 @@ from kamera_agent.window.state import ChunkRef, LastAnswer, WindowState
 __all__ = ["KameraWindow"]
 
 
-class KameraWindow:
+class KameraWindow(WindowReads):
     """A window of chunks over one model, with position-free reuse of every chunk's KV.
 
     Args:
@@ -164,123 +154,11 @@ class KameraWindow:
         ``store=`` is its owner's call: this closes it too."""
         self.store.close()
 
-    def __repr__(self) -> str:
-        names = [ref.label or str(ref) for ref in self.refs]
-        shown = ", ".join(names[:6]) + (f", … ({len(names) - 6} more)" if len(names) > 6 else "")
-        kind = "conversation" if self.conversation is not None else "window"
-        total = self.stats.total
-        return (
-            f"KameraWindow({kind}: {len(names)} chunks [{shown}], {len(self.evicted)} evicted, "
-            f"{self._runner.end()} positions; rank={self.config.rank}; so far {total.forwards} forwards, "
-            f"{total.tokens_prefilled:,} tokens prefilled, {total.tokens_reused:,} reused)"
-        )
-
     def __enter__(self) -> KameraWindow:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- reading the window ----------------------------------------------------------------
-    @property
-    def config(self) -> WindowConfig:
-        """How the window behaves."""
-        return self._parts.config
-
-    @property
-    def backend(self) -> Backend:
-        """The engine the window runs on."""
-        return self._parts.backend
-
-    @property
-    def encoder(self) -> ChunkEncoder:
-        """What prepares this window's chunks (``window.encoder.image(..., kind="screenshot")``);
-        a conversation window's carries its system prompt as its anchor."""
-        return self._parts.encoder
-
-    @property
-    def conversation(self) -> Conversation | None:
-        """The chat framing of a conversation window (``None`` for one user turn)."""
-        return self._parts.conversation
-
-    @property
-    def store(self) -> ChunkStore:
-        """The content-addressed store of canonicals, vision outputs and patches."""
-        return self._parts.core.store
-
-    @property
-    def refs(self) -> list[ChunkRef]:
-        """The chunks in the window, left to right."""
-        with self._runner.lock:
-            return list(self._runner.state.order)
-
-    @property
-    def evicted(self) -> list[ChunkRef]:
-        """Chunks that left the window and can be recalled."""
-        with self._runner.lock:
-            return [ref for ref, entry in self._runner.state.entries.items() if not entry.in_window]
-
-    def __len__(self) -> int:
-        return len(self._runner.state.order)
-
-    def chunk(self, ref: ChunkRef) -> Chunk:
-        """The model-ready chunk behind a ref."""
-        return self._inputs.entry(ref).chunk
-
-    def patch_of(self, ref: ChunkRef) -> Patch | None:
-        """The patch ``ref``'s KV carries now (``None``: the canonical alone)."""
-        return self._inputs.entry(ref).patch
-
-    def state_of(self, ref: ChunkRef) -> ChunkState:
-        """What ``ref``'s KV encodes: its content, patch and the chained states of its antecedents."""
-        return self._inputs.entry(ref).state
-
-    def drift_of(self, ref: ChunkRef) -> float | None:
-        """``ref``'s estimated drift: its relative KV error against a re-prefill of the window as
-        it is, as the drift budget estimates it (`kamera_agent.fidelity`); 0 where the window
-        holds it exactly, ``None`` where nothing estimates it (``drift_budget=None``)."""
-        with self._runner.lock:
-            entry = self._inputs.entry(ref)
-            if not entry.in_window:
-                raise UnknownChunkError(f"{ref} is not in the window (evicted): it has no drift there")
-            return self._runner.drift()[self._runner.state.order.index(ref)]
-
-    @property
-    def budget(self) -> float | None:
-        """The drift budget ε the window keeps (0: exact; ``None``: none, approximations unbounded)."""
-        budget = self._parts.budget
-        if budget is not None:
-            return budget.epsilon
-        return 0.0 if self.config.drift_budget == 0 else None
-
-    @property
-    def graph(self) -> nx.DiGraph:
-        """The antecedent graph (edge A→B: B's KV encodes A), as a frozen copy.
-
-        Nodes are every chunk the window knows, with ``in_window``, ``label`` and ``state`` (its
-        `ChunkState`); each edge carries ``index`` (A's place among B's antecedents) and
-        ``state`` (the digest of the state of A that B encodes).
-        """
-        with self._runner.lock:
-            state = self._runner.state
-            graph = state.graph.copy()
-            for ref, entry in state.entries.items():
-                graph.nodes[ref].update(in_window=entry.in_window, label=ref.label, state=entry.state)
-                for source, index, digest in state.recorded(ref):
-                    graph.pred[ref][source].update(index=index, state=digest)
-        return nx.freeze(graph)
-
-    @property
-    def stats(self) -> WindowStats:
-        """Per-op and cumulative costs."""
-        with self._runner.lock:
-            return self._runner.state.book.snapshot()
-
-    @property
-    def last_plan(self) -> Plan | None:
-        """The edits the last op (or read: lazily deferred patches formed before an answer)
-        executed, each naming its chunk's ref: what a caller accounts per chunk from."""
-        return self._runner.last_plan
 
     # -- operations -------------------------------------------------------------------------
     def push(
@@ -527,13 +405,7 @@ class KameraWindow:
                 decode keyword both given.
         """
         check_text(query, "query")
-        query_role = check_choice(query_role, "query_role", ("user", "tool"))
-        framed = [check_flag(in_message, "in_message"), check_flag(remember, "remember")]
-        if (any(framed) or query_role != "user") and self.conversation is None:
-            raise SettingsError(
-                "in_message, remember and query_role frame chat messages: create the window with "
-                "conversation=True or a system_prompt"
-            )
+        query_role = self._check_framing(query_role, in_message, remember)
         settings = check_decode(decode, deprecated, self.config.max_new_tokens)
         config = settings.with_hooks(
             on_text=check_callable(on_text, "on_text"),
@@ -545,13 +417,23 @@ class KameraWindow:
             self._runner.check_open()
             self._parts.core.check_fits(self._runner.end(), query_ids, config)
             answer, cost = self._runner.read("ask", lambda executor: executor.answer(query_ids, config))
-            plain = not (config.logit_bias or config.presence_penalty or config.frequency_penalty)
-            asked_plainly = not in_message and query_role == "user" and config.constraint is None
-            if config.temperature <= 0 and plain and asked_plainly:
+            if _reusable(config) and not in_message and query_role == "user":
                 self._runner.state.last_answer = LastAnswer(query, self._runner.state.tick, answer)
             if remember:
                 self._remember(query, answer, opened=not in_message, role=query_role)
         return replace(answer, cost=cost)
+
+    def _check_framing(self, query_role: str, in_message: bool, remember: bool) -> str:
+        """``ask``'s chat framing, checked: the query's role, and a conversation wherever framing
+        is asked for."""
+        query_role = check_choice(query_role, "query_role", ("user", "tool"))
+        framed = [check_flag(in_message, "in_message"), check_flag(remember, "remember")]
+        if (any(framed) or query_role != "user") and self.conversation is None:
+            raise SettingsError(
+                "in_message, remember and query_role frame chat messages: create the window with "
+                "conversation=True or a system_prompt"
+            )
+        return query_role
 
     def _remember(self, query: str, answer: Answer, opened: bool, role: str = "user") -> None:
         """The question and its answer admitted as the conversation's next messages (one op)."""
@@ -561,36 +443,6 @@ class KameraWindow:
         chunks = [(chunk, chunk.label) for chunk in (*asked, *replied)]
         self._runner.transact("extend", lambda planner: planner.extend(self._runner.state, chunks))
 
-    def probe_without(self, ref: ChunkRef, query: str, *, max_new_tokens: int = 8) -> Probe:
-        """Is ``ref`` still load-bearing for ``query``? Decode with its influence switched off.
-
-        The chunk is left out and the chunks whose KV encodes it are served without that
-        conditioning: a stored state for their reduced context (full KV, a patch) or their stored
-        canonical; from the first the store cannot serve, the rest are formed over what is left
-        in one forward (exact; stored, so the probe again or evicting ``ref`` reuses them). The
-        window is unchanged afterwards. The answer with the chunk is the last greedy ``ask`` of
-        the same query when nothing changed since (then the probe decodes once), else it is
-        decoded too.
-        """
-        self._inputs.in_window(ref)
-        check_text(query, "query")
-        config = DecodeConfig(max_new_tokens=check_int(max_new_tokens, "max_new_tokens"))
-        query_ids = self._parts.query_ids(query)
-        self._parts.core.check_fits(self._runner.end(), query_ids, config)
-
-        def both(executor: Executor) -> tuple[Answer, Answer]:
-            with_chunk = self._runner.with_answer(executor, query, query_ids, config)
-            return with_chunk, executor.answer_without(ref, query_ids, config)
-
-        (with_chunk, without), cost = self._runner.read("probe", both)
-        kl = next_token_kl(with_chunk.first_logits, without.first_logits)
-        agree = int(with_chunk.first_logits.argmax()) == int(without.first_logits.argmax())
-        return Probe(with_chunk, without, kl, agree, kl < self.config.probe_threshold, cost)
-
-    def probe_kl(self, ref: ChunkRef, query: str) -> float:
-        """Next-token KL of ``query`` with ``ref`` switched off: ``probe_without``'s score alone."""
-        return self.probe_without(ref, query, max_new_tokens=1).kl
-
     def fork(self) -> KameraWindow:
         """A copy-on-write branch: it shares the store (canonicals, patches), the engine and the
         encoder; edits and the refs it mints stay in their branch."""
@@ -598,33 +450,9 @@ class KameraWindow:
             self._runner.check_open()
             return KameraWindow._branch(self._parts, self._runner.state.fork())
 
-    def kv(self) -> Any:
-        """The assembled cache of the window (anchor + placed chunks), as the backend holds it."""
-        placed, _ = self._runner.read("kv", lambda executor: executor.placements())
-        return self.backend.assemble(placed)
 
-    def chunk_kv(self, ref: ChunkRef) -> ChunkKV:
-        """``ref``'s KV at its place in the window, exactly what ``state_of(ref)`` says it encodes
-        (a lazily deferred patch is not formed by this read: the chunk is then its canonical)."""
-        self._inputs.in_window(ref)
-        kv, _ = self._runner.read("kv", lambda executor: executor.placed_kv(ref), materialize=False)
-        return kv
-
-    def as_model_inputs(self, query: str | None = None) -> dict[str, Any]:
-        """Keyword arguments for the model's own forward over a full re-prefill of the window
-        (input ids, pixel values, grids, token types): the ground truth for exactness checks."""
-        check_text(query, "query", optional=True)
-        with self._runner.lock:
-            state = self._runner.state
-            chunks = [state.entries[ref].chunk for ref in state.order]
-        query_ids = None if query is None else self._parts.query_ids(query)
-        return self.backend.reference_inputs(chunks, query_ids, anchor=self._parts.core.anchor)
-
-    def query_ids(self, query: str, *, in_message: bool = False, query_role: str = "user") -> torch.Tensor:
-        """The token ids ``ask`` would decode ``query`` from (its framing included): a copy, the
-        window remembers its own."""
-        return self._parts.query_ids(
-            check_text(query, "query"),
-            opened=not check_flag(in_message, "in_message"),
-            role=check_choice(query_role, "query_role", ("user", "tool")),
-        ).clone()
+def _reusable(config: DecodeConfig) -> bool:
+    """Whether an answer decoded with ``config`` is the one a probe's greedy answer with the
+    chunk would be (greedy, unbiased, unconstrained), so the probe may reuse it."""
+    plain = not (config.logit_bias or config.presence_penalty or config.frequency_penalty)
+    return config.temperature <= 0 and plain and config.constraint is None

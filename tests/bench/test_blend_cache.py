@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from kamera_agent.backends.transformers import TransformersBackend
+from kamera_agent.baselines.prefix_cache import PrefixCache
 from kamera_agent.bench.blend_cache import BlendCache
-from kamera_agent.bench.prefix_cache import PrefixCache
 from kamera_agent.chunks import Chunk
 from kamera_agent.errors import SettingsError
 from tests.backends.test_transformers_backend import images, vl_backend

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from rich.progress import Progress
 
-from kamera_agent.bench import calibrate as calibrate_module
+from kamera_agent.bench import calibration_episodes
 from kamera_agent.bench.calibrate import (
     Point,
     Slot,
@@ -41,7 +41,7 @@ def test_a_text_models_calibration_bounds_its_quantile_of_fitting_chunks(
     """A text-only model calibrates on passages of real text (its half of the corpus); the fitted
     scale bounds 99 % of the approximated chunks it was fitted on; exact chunks are never fitted.
     A window of 4 (the byte tokenizer makes a passage ~350 tokens)."""
-    monkeypatch.setattr(calibrate_module, "CAPACITY", 4)
+    monkeypatch.setattr(calibration_episodes, "CAPACITY", 4)  # where drift_episode reads it
     backend = backend_named("qwen2")
     with Progress(disable=True) as progress:
         ops = episodes(backend, [1, 2], 16, progress, 0.2)

@@ -42,6 +42,7 @@ from kamera_agent.bench.agents.scripts import AGENTS, QUICK_TOKENS, REALISTIC_TO
 from kamera_agent.bench.agents.sides import KameraSide, Outcome, PrefixSide
 from kamera_agent.bench.agents.text_contents import QUICK_TEXT_LENGTHS, TEXT_LENGTHS, TextContents
 from kamera_agent.bench.agents.ttft import TTFTShape, run_ttft
+from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import SettingsError
 from kamera_agent.metrics import next_token_kl
@@ -200,14 +201,7 @@ def run_agent(
     """
     began = time.perf_counter()
     configs = configs if configs is not None else side_configs(script.capacity)
-    sides: dict[str, Side] = {
-        name: PrefixSide(backend, script.chunks)
-        if name == PREFIX
-        else KameraSide(backend, configs[name], script.chunks)
-        for name in record.sides
-    }
-    record.settings = {name: configs[name].model_dump(mode="json") for name in record.sides if name != PREFIX}
-    record.settings[PREFIX] = {"cache_vision": True, "syncs": "once per step, before its question"}
+    sides = _sides(script, backend, record, configs)
     names = list(record.sides)
     task = progress.add_task(
         f"agents · {script.agent} on {record.model} · {len(names)} sides", total=len(script.steps)
@@ -221,18 +215,7 @@ def run_agent(
         }
         _check_lineups(sides, step)
         chunks = [script.chunks[label] for label in step.lineup]
-        record.records.append(
-            StepRecord(
-                index,
-                step.kind,
-                step.detail,
-                len(chunks),
-                sum(chunk.num_tokens for chunk in chunks),
-                step.ask is not None,
-                {name: outcomes[name].cost for name in names},
-                {name: outcomes[name].ops for name in names},
-            )
-        )
+        record.records.append(_step_record(index, step, chunks, outcomes, names))
         query = step.ask or last_query
         if query is not None:
             logits = _answers(sides, outcomes, step, query)
@@ -245,6 +228,31 @@ def run_agent(
     record.seconds = time.perf_counter() - began
     del sides
     gc.collect()
+
+
+def _sides(
+    script: Script, backend: TransformersBackend, record: AgentRun, configs: Mapping[str, WindowConfig]
+) -> dict[str, Side]:
+    """Every side ``record`` names, built over the script's chunks, with its settings recorded."""
+    sides: dict[str, Side] = {
+        name: PrefixSide(backend, script.chunks)
+        if name == PREFIX
+        else KameraSide(backend, configs[name], script.chunks)
+        for name in record.sides
+    }
+    record.settings = {name: configs[name].model_dump(mode="json") for name in record.sides if name != PREFIX}
+    record.settings[PREFIX] = {"cache_vision": True, "syncs": "once per step, before its question"}
+    return sides
+
+
+def _step_record(
+    index: int, step: Step, chunks: Sequence[Chunk], outcomes: Mapping[str, Outcome], names: Sequence[str]
+) -> StepRecord:
+    """The record of one step: its lineup's size and every side's cost and ops, in ``names``' order."""
+    tokens = sum(chunk.num_tokens for chunk in chunks)
+    costs = {name: outcomes[name].cost for name in names}
+    ops = {name: outcomes[name].ops for name in names}
+    return StepRecord(index, step.kind, step.detail, len(chunks), tokens, step.ask is not None, costs, ops)
 
 
 def _timed(side: Side, step: Step, profiler: cProfile.Profile | None) -> Outcome:

@@ -20,9 +20,9 @@ import torch
 
 from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.transformers import TransformersBackend
+from kamera_agent.baselines.prefix_cache import PrefixCache
 from kamera_agent.bench.agents.script import Evict, Extend, Op, Push, Reorder, Replace, Step
 from kamera_agent.bench.common import wall
-from kamera_agent.bench.prefix_cache import PrefixCache
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
 from kamera_agent.window import KameraWindow

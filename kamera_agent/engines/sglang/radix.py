@@ -45,19 +45,13 @@ from kamera_agent.engines.lifecycle import (
     load_pieces,
     namespace_of,
 )
+from kamera_agent.engines.load_plan import EngineStats, Loaded, LoadPlan, RequestChunk
 from kamera_agent.engines.prefill_clock import MIN_TOKENS
 from kamera_agent.engines.sglang.kept import KeptSlots
 from kamera_agent.engines.sglang.pool import SGLangSlots
 from kamera_agent.engines.sglang.segments import ChunkRules, request_chunks
 from kamera_agent.engines.slots import request_positions
-from kamera_agent.engines.synthesis import (
-    EngineStats,
-    Loaded,
-    LoadPlan,
-    PrefixSynthesis,
-    RequestChunk,
-    serving,
-)
+from kamera_agent.engines.synthesis import PrefixSynthesis, serving
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.operator.rope import Pairing
 from kamera_agent.store import ChunkStore

@@ -17,7 +17,7 @@ from typing import Literal
 
 from kamera_agent.engines.chunking import ChunkRules, ImageSpan
 from kamera_agent.engines.chunking import request_chunks as chunk_request
-from kamera_agent.engines.synthesis import RequestChunk
+from kamera_agent.engines.load_plan import RequestChunk
 
 __all__ = ["MM_PAD_SHIFT_VALUE", "ChunkRules", "Segment", "request_chunks", "segment_key"]
 

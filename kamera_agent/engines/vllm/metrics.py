@@ -36,7 +36,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kamera_agent.engines.synthesis import EngineStats
+from kamera_agent.engines.load_plan import EngineStats
 
 __all__ = ["COUNTERS", "ConnectorStats", "KameraConnectorStats", "KameraPromMetrics", "Reports"]
 

@@ -30,8 +30,8 @@ from kamera_agent.engines.lifecycle import (
     load_pieces,
     namespace_of,
 )
+from kamera_agent.engines.load_plan import LoadPlan, RequestChunk
 from kamera_agent.engines.shards import ShardedStore, Splits, unsharded
-from kamera_agent.engines.synthesis import LoadPlan, RequestChunk
 from kamera_agent.engines.vllm.common import LOG, ConnectorSide, KameraMetadata, KameraWorkerMeta, Save
 from kamera_agent.engines.vllm.images import ImageIdentities, images_only
 from kamera_agent.engines.vllm.loads import Load, LoadId

@@ -26,7 +26,7 @@ import torch
 
 from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.transformers import TransformersBackend
-from kamera_agent.bench.common import wall
+from kamera_agent.baselines.clock import wall
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.results import Answer
 

@@ -1,0 +1,193 @@
+"""The episodes a drift calibration is fitted on: the window suite's ops with the policies
+unbounded, each approximated chunk measured against the model's own re-prefill.
+
+Why the window suite's episodes, and why the answer too: `kamera_agent.bench.calibrate` says.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.progress import Progress, TaskID
+
+from kamera_agent.backends.base import DecodeConfig
+from kamera_agent.backends.transformers import TransformersBackend
+from kamera_agent.bench.calibration_fit import Slot, Step, fit_calibration
+from kamera_agent.bench.window_suite import QUERY, TEXT_QUERY, _Episode, _items, text_frames
+from kamera_agent.config import WindowConfig
+from kamera_agent.core.identity import ChunkState, Context
+from kamera_agent.fidelity import (
+    Calibration,
+    DriftBudget,
+    Measure,
+    audit_indices,
+    find_calibration,
+    relative_error,
+    sampled_error,
+    save_calibration,
+)
+from kamera_agent.metrics import next_token_kl
+from kamera_agent.window import KameraWindow
+
+__all__ = [
+    "CAPACITY",
+    "FIT_SEEDS",
+    "HELD_SEEDS",
+    "calibrate",
+    "drift_episode",
+    "ensure_calibrated",
+    "episodes",
+]
+
+FIT_SEEDS = (7001, 7002)
+"""Episodes ``kamera calibrate`` fits on by default."""
+
+
+HELD_SEEDS = (7101, 7102)
+"""Episodes a calibration is judged on by default (disjoint from `FIT_SEEDS`)."""
+
+
+CAPACITY = 12
+"""The window an episode runs in (chunks)."""
+
+
+def drift_episode(
+    model: Any,
+    seed: int,
+    ops: int,
+    progress: Progress,
+    share: float = 0.1,
+    *,
+    task: TaskID | None = None,
+    texts: Sequence[Path] = (),
+    **window: Any,
+) -> list[Step]:
+    """The window suite's episode (``seed``, ``ops``) with the policies unbounded; every op as a
+    `Step`. ``model`` and ``window`` are what `KameraWindow` takes; a text model's frames are
+    passages of the corpus's calibration half, or of ``texts``. ``task`` (else one of its own)
+    advances once per op."""
+    config = WindowConfig(
+        capacity_chunks=CAPACITY, max_new_tokens=1, evicted_pixels="keep", drift_budget=None
+    )
+    window_ = KameraWindow(model, config=config, **window)
+    backend = window_.backend
+    if not isinstance(backend, TransformersBackend):
+        raise TypeError("calibration runs on a transformers model (it needs the model's own re-prefill)")
+    measurer = DriftBudget(0.0, Calibration(backend.fingerprint, scale=1.0, inherit=0.0, audit_share=share))
+    moves = _Episode(window_, backend.encoder, random.Random(seed), _items(ops))
+    query = QUERY
+    if backend.encoder.image_processor is None:  # a text model: passages of real text for frames
+        moves.frames = text_frames(backend, seed, len(moves.frames), "calibration", texts)
+        query = TEXT_QUERY
+    query_ids = window_.query_ids(query)
+    root = Context.root(backend.anchor.key)
+    vision: dict[str, Any] = {}
+    recorded: list[Step] = []
+    if task is None:
+        task = progress.add_task(f"episode {seed}", total=ops)
+    for _ in range(ops):
+        move = moves.next()
+        move.run()
+        refs = window_.refs
+        chunks = [window_.chunk(ref) for ref in refs]
+        truth = backend.reference_prefill(chunks, query_ids)
+        answer = window_.ask(query, decode=DecodeConfig(max_new_tokens=1)).first_logits.float().cpu()
+        kvs = [window_.chunk_kv(ref) for ref in refs]
+        starts = [backend.anchor.advance]
+        for chunk in chunks:
+            starts.append(starts[-1] + chunk.advance)
+
+        measure = _measure(backend, chunks, [truth.kv[0], *kvs], starts, share, vision)
+        states = [window_.state_of(ref) for ref in refs]
+        owns = measurer.estimates(states, root, measure)
+        ctx, slots = root, []
+        for state, own, kv, exact in zip(states, owns, kvs, truth.kv[1:], strict=True):
+            ctx = ctx.extend(state)
+            slots.append(Slot(relative_error(kv, exact), float(own or 0.0), ctx.exact))
+        agrees = int(answer.argmax()) == int(truth.logits.argmax())
+        recorded.append(Step(move.op, tuple(slots), next_token_kl(truth.logits, answer), agrees))
+        progress.advance(task)
+    window_.close()
+    return recorded
+
+
+def _measure(
+    backend: TransformersBackend,
+    chunks: Sequence[Any],
+    placed: Sequence[Any],
+    starts: Sequence[int],
+    share: float,
+    vision: dict[str, Any],
+) -> Measure:
+    """The audit a budgeted window runs (`kamera_agent.fidelity.audit`: the same rows, over the
+    same context), on one op's window: ``placed`` is the anchor's KV, then each chunk's."""
+
+    def measure(i: int, state: ChunkState, ctx: Context) -> float:
+        chunk = chunks[i]
+        features = None
+        if chunk.has_vision:
+            assert chunk.vision_key is not None
+            if chunk.vision_key not in vision:
+                vision[chunk.vision_key] = backend.encode_vision(chunk).features
+            features = vision[chunk.vision_key]
+        indices = audit_indices(chunk.num_tokens, share, f"{state.digest}:{ctx.digest}")
+        kv = placed[i + 1]
+        audited = backend.recompute(chunk, kv, indices, placed[: i + 1], starts[i], features).kv[0]
+        return sampled_error(kv, audited, indices)
+
+    return measure
+
+
+def episodes(
+    model: Any,
+    seeds: Sequence[int],
+    ops: int,
+    progress: Progress,
+    share: float,
+    *,
+    texts: Sequence[Path] = (),
+    **window: Any,
+) -> list[Step]:
+    """`drift_episode` for each seed, one after another, their ops together (one progress bar
+    over all of them, with the time left)."""
+    torch.manual_seed(0)
+    task = progress.add_task("calibrating", total=len(seeds) * ops)
+    out: list[Step] = []
+    for n, seed in enumerate(seeds, start=1):
+        progress.update(task, description=f"calibrating · episode {n} of {len(seeds)}")
+        out += drift_episode(model, seed, ops, progress, share, task=task, texts=texts, **window)
+    return out
+
+
+def calibrate(
+    model: Any,
+    seeds: Sequence[int],
+    ops: int,
+    progress: Progress,
+    share: float = 0.1,
+    quantile: float = 0.99,
+    *,
+    texts: Sequence[Path] = (),
+    **window: Any,
+) -> tuple[Calibration, list[Step]]:
+    """Fit a model's calibration on the episodes of ``seeds`` (`fit_calibration`); the calibration
+    and its episodes. A text model reads passages of the corpus's calibration half, or of ``texts``."""
+    fitted = episodes(model, seeds, ops, progress, share, texts=texts, **window)
+    fingerprint = KameraWindow(model, config=WindowConfig(drift_budget=None), **window).backend.fingerprint
+    return fit_calibration(fingerprint, fitted, seeds, share, quantile=quantile), fitted
+
+
+def ensure_calibrated(backend: TransformersBackend, progress: Progress, ops: int = 40) -> Calibration:
+    """The model's calibration, fitted now on `FIT_SEEDS` (text or image episodes as it reads) and
+    filed in the user's calibration directory where it has none: a benchmark's random-weight
+    shape is a model like any other, and its default budget needs one."""
+    found = find_calibration(backend.fingerprint)
+    if found is not None:
+        return found
+    calibration, _ = calibrate(backend, FIT_SEEDS, ops, progress)
+    save_calibration(calibration)
+    return calibration

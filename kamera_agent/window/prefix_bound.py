@@ -1,0 +1,170 @@
+"""Never costlier than a prefix cache: a plan, or re-prefilling from the first slot it changes.
+
+Why apart from the per-op planning (`kamera_agent.window.planner`): the planner says what each
+chunk needs for an op; this bound compares the whole plan with what a prefix cache would pay
+(every token from the first changed slot on) and, with a drift budget, with the most its fixes
+could add, and runs the cheaper. The same re-prefill steps are how a drift budget is kept
+(`PrefixBound.refill`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kamera_agent.core.identity import Context
+from kamera_agent.fidelity import audit_count
+from kamera_agent.window.plan import Step, WindowPlan, canonical_leads_run
+from kamera_agent.window.rules import PlanInputs, Rules
+from kamera_agent.window.state import WindowState
+
+__all__ = ["PrefixBound"]
+
+
+class PrefixBound:
+    """Bounds plans by re-prefilling and plans the re-prefills (pure: it reads, never runs)."""
+
+    def __init__(self, inputs: PlanInputs, rules: Rules) -> None:
+        self.inputs, self.rules, self.root = inputs, rules, inputs.root
+
+    def bounded(self, state: WindowState, plan: WindowPlan) -> WindowPlan:
+        """`cheaper` of ``plan`` and re-prefilling, its forwards counted as the executor runs them."""
+        return _lead_shares_forward(self.cheaper(state, plan))
+
+    def cheaper(self, state: WindowState, plan: WindowPlan) -> WindowPlan:
+        """``plan``, or re-prefilling from the first slot it changes where that prefills fewer tokens.
+
+        Why: a prefix cache pays exactly the tokens from the first changed slot on; a plan can pay
+        more (a recall formed over its original context rebuilds that context, a reorder's
+        canonicals, a cascade of re-formed survivors). Both are counted the same way (the
+        planned steps' tokens), and the cheaper runs: the re-prefill is exact over the chunks
+        left of that slot, so it never costs fidelity either. With a drift budget the plan is
+        counted with the most keeping the budget could add after it (`_budget_fix_tokens`).
+        """
+        planned = sum(step.tokens for step in plan.steps)
+        budget = self.inputs.budget
+        if planned == 0 and budget is None:
+            return plan
+        changed = _first_changed(state, plan)
+        order = plan.order
+        index_of = {ref: i for i, ref in enumerate(order)}
+        left = [step for step in plan.steps if index_of[step.ref] < changed]
+        ctx = self.root
+        for step in left:
+            if step.kind != "form_canonical":
+                ctx = ctx.extend(step.state)
+        after = sum(step.tokens for step in self._refill_steps(state, plan, changed, ctx, "costed"))
+        refill = sum(step.tokens for step in left) + after
+
+        def refilling(why: str, declined: bool = False) -> WindowPlan:
+            # planned again with its reason: planning reads no tensor, and a plan is a few steps a chunk
+            steps = (*left, *self._refill_steps(state, plan, changed, ctx, why))
+            return plan.changed(steps=steps, declined=declined, prefix_bound=refill)
+
+        if budget is None:
+            if refill >= planned:
+                return plan
+            return refilling(f"re-prefill from slot {changed}: fewer tokens than the plan's {planned}")
+        first, fix, audits = self._budget_fix_tokens(state, plan, (changed, after))
+        if planned + fix > refill:
+            return refilling(
+                f"re-prefill from slot {changed}: the plan and what its drift budget may add cost more"
+            )
+        if fix and not budget.worth_trying(plan.op, planned, fix, refill, audits):
+            why = f"re-prefill from slot {changed}: the drift budget expects to fix what the plan keeps"
+            return refilling(why, declined=True)
+        return plan.changed(vouched_to=first, prefix_bound=refill)
+
+    def refill(self, state: WindowState, start: int, why: str, end: int | None = None) -> WindowPlan:
+        """Re-prefill the window's chunks from index ``start`` on (to ``end``, else to the last)
+        over the chunks left of it as they are (each then exact over its left context): how a
+        drift budget is kept."""
+        order = tuple(state.order)
+        ctx = self.root
+        for ref in order[:start]:
+            ctx = ctx.extend(state.entries[ref].state)
+        plan = WindowPlan("refill", order)
+        return _lead_shares_forward(
+            plan.changed(steps=tuple(self._refill_steps(state, plan, start, ctx, why, end)))
+        )
+
+    def _refill_steps(
+        self, state: WindowState, plan: WindowPlan, start: int, ctx: Context, why: str, end: int | None = None
+    ) -> list[Step]:
+        """The steps re-prefilling ``plan.order`` from ``start`` (to ``end``) over ``ctx``
+        (formations share forwards)."""
+        steps: list[Step] = []
+        previous: Step | None = None
+        group: list[Step] = []
+        order = plan.order
+        for i in range(start, len(order) if end is None else end):
+            ref = order[i]
+            chunk = plan.chunks[ref] if ref in plan.chunks else state.entries[ref].chunk
+            step = self.rules.refilled(ref, chunk, ctx, order[:i], why)
+            step = self.rules.across_gap(self.rules.in_run(step, previous), group)
+            if step.kind == "form_patch":
+                group = [*group, step] if step.in_run else [step]
+            if step.needs_canonical:
+                steps.append(self.rules.form_canonical(ref, chunk))
+            steps.append(step)
+            previous, ctx = step, ctx.extend(step.state)
+        return steps
+
+    def _budget_fix_tokens(
+        self, state: WindowState, plan: WindowPlan, known: tuple[int, int]
+    ) -> tuple[int | None, int, int]:
+        """The first chunk whose planned state the drift budget cannot vouch for yet (not
+        remembered, or over ε; ``None``: every planned chunk is known to be within ε), the most it
+        could re-prefill after ``plan`` runs (that chunk and everything to its right), and the
+        tokens its audits would recompute at most. (Audits are the estimator's cost, counted
+        apart in ``audit_tokens``: they recompute a sample, they prefill no chunk.) ``known``: a
+        slot and what re-prefilling from it costs, when already planned (the plan's first changed
+        slot: left of it the plan's states are the window's)."""
+        budget = self.inputs.budget
+        assert budget is not None
+        final = {step.ref: step.state for step in plan.steps if step.kind != "form_canonical"}
+        states = [final[ref] if ref in final else state.entries[ref].state for ref in plan.order]
+        estimates = budget.estimates(states, self.root)
+        first = budget.first_over(estimates)
+        if first is None:
+            return None, 0, 0
+        if first == known[0]:
+            fix = known[1]
+        else:
+            ctx = self.root
+            for planned in states[:first]:
+                ctx = ctx.extend(planned)
+            fix = sum(step.tokens for step in self._refill_steps(state, plan, first, ctx, "fix"))
+        share = budget.calibration.audit_share
+        audited = [plan.chunks[r] if r in plan.chunks else state.entries[r].chunk for r in plan.order[first:]]
+        audits = sum(audit_count(c.num_tokens, share) for c in audited)
+        return first, fix, audits
+
+
+def _lead_shares_forward(plan: WindowPlan) -> WindowPlan:
+    """``plan`` with the formation of its second chunk counted in the forward that forms the
+    first chunk's canonical, where the executor runs them as one (`canonical_leads_run`)."""
+    steps = plan.steps
+    for i in range(len(steps) - 2):
+        first = steps[i + 2]
+        if first.forwards and canonical_leads_run(steps, i, plan.order):
+            detail = f"{first.detail} (in the forward of the chunk before it)"
+            joined = replace(first, forwards=0, detail=detail)
+            return plan.changed(steps=(*steps[: i + 2], joined, *steps[i + 3 :]))
+    return plan
+
+
+def _first_changed(state: WindowState, plan: WindowPlan) -> int:
+    """The first slot whose chunk or KV ``plan`` changes: another chunk there, a chunk moved, or
+    one whose state the plan sets anew (a pending one counts: its KV is not in the cache yet)."""
+    final = {step.ref: step for step in plan.steps if step.kind != "form_canonical"}
+    for i, ref in enumerate(plan.order):
+        if i >= len(state.order):
+            return i
+        old, step = state.order[i], final.get(ref)
+        entry = state.entries[old]
+        kept = ref == old and ref not in plan.moved
+        if step is None or step.kind != "rotate" or not (kept or step.source == old):
+            return i
+        if entry.pending or step.state.digest != entry.state.digest:
+            return i
+    return len(plan.order)
