@@ -167,8 +167,8 @@ def fit_calibration(
     it differs between models, and a share too large for the model makes every chunk after the
     first approximated one look over ε. Why ranking is required: a large share lets more ops
     stand on the fitting episodes by making every estimate after a drifted chunk as large as
-    its, so the estimate stops telling chunks apart (on SmolLM2 and Gemma 3 a share of 1 ranks
-    the true errors at Spearman 0.01), and what it lets stand there is luck, not a measurement."""
+    its, so the estimate stops telling chunks apart, and what it lets stand there is luck, not a
+    measurement."""
     fits = [_fit(fingerprint, steps, seeds, share, each, quantile) for each in _shares(inherit)]
     ranked = [fit for fit in fits if judge(fit[0], steps).spearman >= RANKS] or fits
     best = max(ranked, key=lambda fit: (fit[1], -fit[0].inherit))[0]
