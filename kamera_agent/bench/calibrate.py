@@ -12,7 +12,7 @@ models differ in how much of it they shrug off. So after every op the window als
 suite's question, and its first answer token is compared with the re-prefill's (the same forward,
 the question appended). The default ε is then picked from that measured frontier (`pick_budget`):
 the largest at which the ops the budget would let stand answered like a re-prefill. Nothing is
-carried over from another model. The fix rates a new window starts from come from the same
+carried over from another model. The fix shares a new window starts from come from the same
 episodes, so one pass over them is the whole calibration.
 
 A calibration is fitted on its own seeds (`FIT_SEEDS`) and judged on others (`HELD_SEEDS`,
@@ -198,5 +198,10 @@ def _report(console: Any, calibration: Calibration, ops: list[Step], path: Path)
         f"ε = {calibration.budget:g} (the largest whose ops let stand kept the first token on "
         f"≥ {AGREEMENT:.0%} at mean KL ≤ {MEAN_KL:g}); filed at {path}"
     )
-    rates = ", ".join(f"{op} {f}/{a}" for op, (a, f) in sorted(calibration.fix_rates.items()))
-    console.print(f"at ε = {calibration.budget:g}, ops that approximated and needed a fix: {rates or 'none'}")
+    shares = ", ".join(
+        f"{op} {spent / ops:.0%} over {ops}" for op, (ops, spent) in sorted(calibration.fix_shares.items())
+    )
+    console.print(
+        f"at ε = {calibration.budget:g}, the share of re-prefilling from its first approximated chunk "
+        f"an op's fixes spend: {shares or 'none'}"
+    )

@@ -105,9 +105,10 @@ def drift_episode(
         states = [window_.state_of(ref) for ref in refs]
         owns = measurer.estimates(states, root, measure)
         ctx, slots = root, []
-        for state, own, kv, exact in zip(states, owns, kvs, truth.kv[1:], strict=True):
+        for chunk, state, own, kv, exact in zip(chunks, states, owns, kvs, truth.kv[1:], strict=True):
             ctx = ctx.extend(state)
-            slots.append(Slot(relative_error(kv, exact), float(own or 0.0), ctx.exact))
+            error = relative_error(kv, exact)
+            slots.append(Slot(error, float(own or 0.0), ctx.exact, chunk.num_tokens))
         agrees = int(answer.argmax()) == int(truth.logits.argmax())
         recorded.append(Step(move.op, tuple(slots), next_token_kl(truth.logits, answer), agrees))
         progress.advance(task)

@@ -35,18 +35,20 @@ __all__ = [
 
 _SETTLED = "push"
 """The op that moves no chunk: under a budget it adds to a window already held within ε, so its
-fix rate on an unbounded episode (drift piled up by every earlier op) would misstate it."""
+fix share on an unbounded episode (drift piled up by every earlier op) would misstate it."""
 
 
 @dataclass(frozen=True)
 class Slot:
     """One chunk of the window after one op: its true relative KV error against re-prefill, its
-    own audit (0 where its KV is a forward's output over exactly its left context), and whether
-    the window held it exactly (the chain up to it exact: never estimated, never fitted)."""
+    own audit (0 where its KV is a forward's output over exactly its left context), whether
+    the window held it exactly (the chain up to it exact: never estimated, never fitted), and
+    its tokens (what re-prefilling it costs; 1 in steps saved before they were recorded)."""
 
     error: float
     own: float
     exact: bool
+    tokens: int = 1
 
 
 @dataclass(frozen=True)
@@ -129,14 +131,35 @@ def _risks(calibration: Calibration, steps: Sequence[Step]) -> list[tuple[float,
     return out
 
 
-def _fix_rates(calibration: Calibration, steps: Sequence[Step]) -> dict[str, tuple[int, int]]:
-    """Per op name that moves chunks: ``(ops that approximated, those estimated over the budget)``."""
-    rates: dict[str, tuple[int, int]] = {}
-    for risk, step in _risks(calibration, steps):
-        if step.op != _SETTLED:
-            seen, over = rates.get(step.op, (0, 0))
-            rates[step.op] = (seen + 1, over + int(risk > calibration.budget))
-    return rates
+def _fix_shares(calibration: Calibration, steps: Sequence[Step]) -> dict[str, tuple[int, float]]:
+    """Per op name that moves chunks: ``(ops that approximated, their fix shares summed)`` at the
+    default ε (`_fix_share`)."""
+    shares: dict[str, tuple[int, float]] = {}
+    for step, pairs in zip(steps, _signals(steps, calibration.inherit), strict=True):
+        if pairs and step.op != _SETTLED:
+            seen, spent = shares.get(step.op, (0, 0.0))
+            shares[step.op] = (seen + 1, spent + _fix_share(calibration, step))
+    return shares
+
+
+def _fix_share(calibration: Calibration, step: Step) -> float:
+    """The share of re-prefilling from the op's first approximated chunk to the end that the
+    budget's fixes spend on the window the op left: left to right, each chunk estimated over ε is
+    re-prefilled alone over its left, after which it carries only what it inherits (always within
+    ε: what it inherits is a share of an estimate within ε).
+
+    Why this is an estimate: after a chunk is re-prefilled, a window audits the chunks after it
+    again over their new left context; the episodes measured each chunk's audit over the left
+    context the op left, so a chunk after a re-prefilled one is judged on that audit."""
+    scale, eps, inherit = calibration.scale, calibration.budget, calibration.inherit
+    first = next(i for i, slot in enumerate(step.slots) if not slot.exact)
+    before, spent = 0.0, 0
+    for slot in step.slots[first:]:
+        signal = 0.0 if slot.exact else slot.own + inherit * before
+        if scale * signal > eps:
+            signal, spent = inherit * before, spent + slot.tokens
+        before = max(before, signal)
+    return spent / sum(slot.tokens for slot in step.slots[first:])
 
 
 INHERITS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
@@ -161,7 +184,7 @@ def fit_calibration(
     signal``, its frontier and the default ε `pick_budget` reads off it; of the shares whose
     estimates rank the chunks' true errors (Spearman at least `RANKS`), the one whose default lets
     the most ops stand (the cheapest that still answers like a re-prefill; the smaller share on a
-    tie), with each moving op's fix rate at its ε.
+    tie), with each moving op's fix share at its ε.
 
     Why the share is fitted: how much of an approximate context's error reaches the chunks after
     it differs between models, and a share too large for the model makes every chunk after the
@@ -172,7 +195,7 @@ def fit_calibration(
     fits = [_fit(fingerprint, steps, seeds, share, each, quantile) for each in _shares(inherit)]
     ranked = [fit for fit in fits if judge(fit[0], steps).spearman >= RANKS] or fits
     best = max(ranked, key=lambda fit: (fit[1], -fit[0].inherit))[0]
-    return replace(best, fix_rates=_fix_rates(best, steps))
+    return replace(best, fix_shares=_fix_shares(best, steps))
 
 
 def _shares(inherit: float | None) -> tuple[float, ...]:
@@ -187,7 +210,7 @@ def _fit(
     inherit: float,
     quantile: float,
 ) -> tuple[Calibration, float]:
-    """One share's calibration (without fix rates) and the share of ops its default lets stand."""
+    """One share's calibration (without fix shares) and the share of ops its default lets stand."""
     pairs = [pair for op in _signals(steps, inherit) for pair in op]
     if not pairs:
         raise SettingsError(
@@ -262,7 +285,7 @@ def save_steps(
 ) -> None:
     """Write what episodes measured, so a calibration can be fitted again (``--refit``) or checked
     against them without running the model."""
-    rows = [[s.op, s.kl, s.agrees, [[x.error, x.own, x.exact] for x in s.slots]] for s in steps]
+    rows = [[s.op, s.kl, s.agrees, [[x.error, x.own, x.exact, x.tokens] for x in s.slots]] for s in steps]
     data = {"fingerprint": fingerprint, "seeds": list(seeds), "audit_share": share, "steps": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, separators=(",", ":")))
@@ -272,7 +295,11 @@ def load_steps(path: Path) -> tuple[list[Step], dict[str, Any]]:
     """The steps `save_steps` wrote, and its other fields (fingerprint, seeds, audit share)."""
     data: dict[str, Any] = json.loads(path.read_text())
     steps = [
-        Step(op, tuple(Slot(float(e), float(o), bool(x)) for e, o, x in slots), float(kl), bool(agrees))
+        Step(op, tuple(_slot(*slot) for slot in slots), float(kl), bool(agrees))
         for op, kl, agrees, slots in data.pop("steps")
     ]
     return steps, data
+
+
+def _slot(error: float, own: float, exact: bool, tokens: int = 1) -> Slot:
+    return Slot(float(error), float(own), bool(exact), int(tokens))

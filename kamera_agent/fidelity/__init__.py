@@ -2,14 +2,14 @@
 
 Why one package: a window's planner forecasts with the drift budget, its runner enforces it,
 an engine adapter serves kept states within it and ``kamera calibrate`` fits it; each reads the
-same object (`DriftBudget`: ε, the model's `Calibration`, the audits measured and how often each
-op needed a fix), so a window and an engine on the same model reach the same verdict. Code
-outside this package imports from here only (an import contract holds it), so the estimator and
-the budget's internals change in one place.
+same object (`DriftBudget`: ε, the model's `Calibration`, the audits measured and the fix shares
+ops spent), so a window and an engine on the same model reach the same verdict. Code outside
+this package imports from here only (an import contract holds it), so the estimator
+and the budget's internals change in one place.
 
 - `calibration`: a model's fitted constants and default ε, filed by fingerprint.
 - `audits`: the sampled audit (a chunk's KV against a few of its rows recomputed) and errors.
-- `drift_budget`: the estimate chained left to right, the verdict per chunk, the fix rates.
+- `drift_budget`: the estimate chained left to right, the verdict per chunk, the fix shares.
 - `resolve`: which budget a window or an engine runs with, from its settings.
 """
 

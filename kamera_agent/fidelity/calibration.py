@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,10 +56,13 @@ class Calibration:
         recompute_share: the share of an over-budget chunk's tokens the budget's cheapest fix
             recomputes (its most deviating ones, CacheBlend's 15 % by default) before it
             re-prefills the chunk and what follows.
-        fix_rates: per op name that moves chunks, ``[ops that approximated, those estimated over
-            budget]`` on the fitting episodes: where a model's approximations of an op rarely
-            stay within ε, a new window knows it from its first op (a `DriftBudget` starts from
-            these counts, capped) instead of paying an audit and a fix to learn it.
+        fix_shares: per op name that moves chunks, ``[ops that approximated, the shares of their
+            fix bounds their fixes would re-prefill, summed]`` on the fitting episodes at the
+            default ε (an op's fix bound is re-prefilling from its first approximated chunk to
+            the end; its fixes re-prefill the chunks over ε one by one, or from the first one a
+            re-prefill of its own cannot bring within ε): how much of what an op's
+            approximations save its fixes give back, known to a new window from its first op (a
+            `DriftBudget` starts from these, capped) instead of paid for in audits and fixes.
         frontier: per ε of `BUDGETS`, what the fitting episodes' approximating ops measured at
             it: ``standing`` (the share of them estimated within ε: served as they are),
             ``agreement`` (of those, the share whose first answer token was re-prefill's) and
@@ -74,7 +78,7 @@ class Calibration:
     samples: int = 0
     seeds: tuple[int, ...] = ()
     within: dict[str, float] = field(default_factory=dict)
-    fix_rates: dict[str, tuple[int, int]] = field(default_factory=dict)
+    fix_shares: dict[str, tuple[int, float]] = field(default_factory=dict)
     recompute_share: float = 0.15
     frontier: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -84,7 +88,7 @@ class Calibration:
 
     def to_json(self) -> str:
         data = {**asdict(self), "seeds": list(self.seeds)}
-        data["fix_rates"] = {op: list(counts) for op, counts in self.fix_rates.items()}
+        data["fix_shares"] = {op: list(counts) for op, counts in self.fix_shares.items()}
         return json.dumps(data, indent=2, sort_keys=True)
 
     @classmethod
@@ -92,9 +96,18 @@ class Calibration:
         data: dict[str, Any] = json.loads(text)
         known = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
         known["seeds"] = tuple(known.get("seeds", ()))
-        rates = known.get("fix_rates", {})
-        known["fix_rates"] = {str(op): (int(a), int(f)) for op, (a, f) in rates.items() if 0 <= f <= a}
+        # a file from before fix shares counted each op that needed a fix as its whole bound
+        shares = data.get("fix_shares", data.get("fix_rates", {}))
+        known["fix_shares"] = {
+            str(op): (int(ops), float(spent)) for op, (ops, spent) in shares.items() if 0 <= spent <= ops
+        }
         return cls(**known)
+
+    @property
+    def fix_rates(self) -> dict[str, tuple[int, float]]:
+        """Deprecated name of `fix_shares`."""
+        warnings.warn("Calibration.fix_rates is now fix_shares", DeprecationWarning, stacklevel=2)
+        return self.fix_shares
 
 
 BUDGETS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 2e-1, 3e-1, 5e-1)

@@ -5,8 +5,9 @@ survivors, orbit patches, recalls in their original context, rank-m patches); th
 what those approximations may cost in fidelity. After an op runs, each chunk the window does not
 hold exactly is given an estimate (`kamera_agent.fidelity`: a sampled audit, scaled by the
 model's calibration, plus a share of the largest estimate to its left); the first chunk over ε
-and every chunk after it are re-prefilled over their left context (`Planner.refill`), which
-makes them exact there. An audit is remembered by what the chunk's KV and its left context
+is fixed, the cheapest fix that holds first (`kamera_agent.window.drift_fixes`), at worst by
+re-prefilling it and every chunk after it over their left context, which makes them exact
+there. An audit is remembered by what the chunk's KV and its left context
 encode (their chained digests), so a chunk is audited once per arrangement it is served in; it
 is also filed in the store (`DriftAudit`), so windows of other processes and nodes sharing the
 store, and engine adapters, which cannot audit, read it instead of measuring it again.
@@ -14,7 +15,9 @@ store, and engine adapters, which cannot audit, read it instead of measuring it 
 The planner keeps the never-costlier rule with the budget on: before an op runs it bounds what
 the fix could cost (a re-prefill from the first chunk it cannot already vouch for, and the
 audits), and where the plan with that fix could prefill more than re-prefilling from the op's
-first changed slot, it plans that re-prefill instead.
+first changed slot, it plans that re-prefill instead; and where the plan, its audits and the
+share of that bound such ops have spent on fixes (their **fix share**) are expected to cost more
+than the re-prefill, it plans the re-prefill too.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ _RETRY = 16  # an op name whose approximations keep failing is still tried once 
 _KIND = {"evict": "slide"}
 """Op names counted as another's: an eviction leaves what a slide leaves (survivors keeping what
 they absorbed from the chunks that left), so how often one needed a fix tells about the other."""
-_PRIOR = 8  # a calibration's fix rates count as at most this many ops (the window's own outweigh them)
+_PRIOR = 8  # a calibration's fix shares count as at most this many ops (the window's own outweigh them)
 
 
 class DriftBudget:
@@ -44,28 +47,31 @@ class DriftBudget:
     def __init__(self, epsilon: float, calibration: Calibration) -> None:
         self.epsilon, self.calibration = epsilon, calibration
         self._audits: OrderedDict[tuple[str, str], float] = OrderedDict()
-        # per op name: [audited ops, ops that needed a fix], from the calibration's run at first
-        self._outcomes: dict[str, list[int]] = {
-            op: _prior(*counts) for op, counts in calibration.fix_rates.items()
+        # per op name: [audited ops, the shares of their fix bounds their fixes spent, summed],
+        # from the calibration's episodes at first
+        self._outcomes: dict[str, list[float]] = {
+            op: _prior(*counts) for op, counts in calibration.fix_shares.items()
         }
         self._skipped: dict[str, int] = {}
         self._lock = threading.Lock()
         self.always_try = False
-        """Try every op's approximations whatever its fix rate (a measurement that must see each
+        """Try every op's approximations whatever its fix share (a measurement that must see each
         op's outcome: a name ruled out after two fixes would be measured on two ops)."""
 
-    def record(self, op: str, fixed: bool) -> None:
-        """Remember whether an op whose approximations were audited had to be fixed."""
+    def record(self, op: str, spent: float) -> None:
+        """Remember what share of its fix bound an op whose approximations were audited spent on
+        fixes (0: it stood as planned; 1: its fixes cost what the bound allowed for; a fix tried
+        alone, such as a token recompute, records 1 where it failed and 0 where it held)."""
         with self._lock:
-            seen = self._outcomes.setdefault(_KIND.get(op, op), [0, 0])
+            seen = self._outcomes.setdefault(_KIND.get(op, op), [0, 0.0])
             seen[0] += 1
-            seen[1] += int(fixed)
+            seen[1] += min(1.0, max(0.0, float(spent)))
             self._skipped[_KIND.get(op, op)] = 0
 
-    def outcomes(self) -> dict[str, tuple[int, int]]:
-        """Per op name: ``(ops audited, ops that needed a fix)`` (a calibration's counts included)."""
+    def outcomes(self) -> dict[str, tuple[int, float]]:
+        """Per op name: ``(ops audited, their fix shares summed)`` (a calibration's included)."""
         with self._lock:
-            return {op: (seen[0], seen[1]) for op, seen in self._outcomes.items()}
+            return {op: (int(seen[0]), seen[1]) for op, seen in self._outcomes.items()}
 
     def declined(self, op: str) -> None:
         """Remember that an op of this name was re-prefilled without trying its approximations."""
@@ -73,24 +79,25 @@ class DriftBudget:
             kind = _KIND.get(op, op)
             self._skipped[kind] = self._skipped.get(kind, 0) + 1
 
-    def fix_rate(self, op: str) -> float:
-        """How often audited ops of this name needed a fix (counted from the calibration's fitting
-        episodes, else 0 before any: the first is tried; one more op counted as
-        passing, so one failure does not rule the name out for good)."""
+    def fix_share(self, op: str) -> float:
+        """The share of its fix bound an audited op of this name is expected to spend on fixes:
+        the mean over the ops counted (the calibration's fitting episodes, then the window's
+        own), else 0 before any (the first is tried), one more op counted as standing, so one
+        failure does not rule the name out for good."""
         with self._lock:
-            audited, fixed = self._outcomes.get(_KIND.get(op, op), (0, 0))
-        return fixed / (audited + 1)
+            audited, spent = self._outcomes.get(_KIND.get(op, op), (0, 0.0))
+        return spent / (audited + 1)
 
     def worth_trying(self, op: str, planned: int, fix: int, refill: int, audits: int) -> bool:
-        """Whether approximating is expected to cost less than re-prefilling exactly: ops of this
-        name needed a fix less than half the time, and the plan, its audits and its fix at that
-        rate cost fewer tokens than the re-prefill (each audit is a forward of its own: a fix rate
-        over ½ costs more wall time than it saves tokens). Every `_RETRY`-th op that would not be
-        tried is tried anyway, so the rate keeps up with what the window holds."""
+        """Whether approximating is expected to cost fewer tokens than re-prefilling exactly: the
+        plan, its audits and the share of its fix bound ``fix`` ops of this name spend, against
+        the re-prefill ``refill``. Why the expected share and not how often a fix was needed: a
+        fix that re-prefills the one chunk over ε costs a fraction of the bound, so an op that
+        needs one nearly every time can still pay. Every `_RETRY`-th op that would not be tried
+        is tried anyway, so the share keeps up with what the window holds."""
         if self.always_try:
             return planned + audits < refill
-        rate = self.fix_rate(op)
-        if rate < 0.5 and planned + audits + rate * fix < refill:
+        if planned + audits + self.fix_share(op) * fix < refill:
             return True
         with self._lock:  # read only: planning is a dry run (the runner counts what ran: `declined`)
             return self._skipped.get(_KIND.get(op, op), 0) + 1 >= _RETRY
@@ -163,8 +170,8 @@ class DriftBudget:
         return next((i for i, e in enumerate(estimates) if e is None or not e <= self.epsilon), None)
 
 
-def _prior(audited: int, fixed: int) -> list[int]:
-    """A calibration's counts for one op name, scaled down to at most `_PRIOR` ops (same rate)."""
+def _prior(audited: int, spent: float) -> list[float]:
+    """A calibration's counts for one op name, scaled down to at most `_PRIOR` ops (same share)."""
     if audited <= _PRIOR:
-        return [audited, fixed]
-    return [_PRIOR, round(fixed * _PRIOR / audited)]
+        return [audited, spent]
+    return [_PRIOR, spent * _PRIOR / audited]

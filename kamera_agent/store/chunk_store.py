@@ -230,7 +230,7 @@ class ChunkStore:
 
     def companion(self, key: str, make: Callable[[], T]) -> T:
         """The object filed under ``key`` beside this store, made by ``make`` on first use: what
-        the users of one store share besides its entries (a drift budget's learned fix rates)."""
+        the users of one store share besides its entries (a drift budget's learned fix shares)."""
         with self._lock:
             if key not in self._companions:
                 self._companions[key] = make()

@@ -14,7 +14,7 @@ first chunk over ε gets the cheapest fix that can bring the window within it:
 
 Each of the first two is tried only where its failure, followed by the next fix, still costs no
 more than the prefix cache's re-prefill of the op (`WindowPlan.prefix_bound`), and where the
-budget expects it to pay at the rate it has held so far (`DriftBudget.worth_trying`).
+budget expects it to pay at the share it has spent so far (`DriftBudget.worth_trying`).
 """
 
 from __future__ import annotations
@@ -62,9 +62,8 @@ class DriftFixes:
         """``plan`` with the fixes that held the window within ε added; the op's ``drift`` set."""
         budget, meter = self.budget, self.txn.meter
         first = self._estimate()
-        if meter.audits:
-            budget.record(plan.op, first is not None)
-        elif plan.declined:
+        audited, before = meter.audits > 0, self._spent()
+        if not audited and plan.declined:
             budget.declined(plan.op)
         recomputed: set[int] = set()
         while first is not None and first not in recomputed and self._recompute_pays(plan, first):
@@ -72,7 +71,7 @@ class DriftFixes:
             recomputed.add(first)
             meter.drift_recomputes += 1
             still = self._estimate()
-            budget.record(RECOMPUTE, still is not None and still <= first)
+            budget.record(RECOMPUTE, float(still is not None and still <= first))
             first = still
         while first is not None and self._refill_one_pays(plan, first):
             why = f"{self._over(first)}; re-prefilled alone over its left"
@@ -81,12 +80,15 @@ class DriftFixes:
             )
             meter.drift_fixes += 1
             still = self._estimate()
-            budget.record(REFILL_ONE, still is not None)
+            budget.record(REFILL_ONE, float(still is not None))
             if still is not None and still <= first:
                 break  # not within ε even re-prefilled over its left: re-prefilled from there below
             first = still
         if first is not None:
             plan = self._refill(plan, first)
+        if audited:  # what share of the bound the fixes spent: whether such ops are worth trying
+            spent = self._spent() - before
+            budget.record(plan.op, spent / plan.fix_bound if plan.fix_bound else float(spent > 0))
         meter.drift = max((e for e in self.estimates if e is not None), default=0.0)
         return plan
 

@@ -86,6 +86,9 @@ class WindowPlan:
     prefix_bound: int | None = None
     """With a drift budget, the tokens re-prefilling from the op's first changed slot costs (what
     a prefix cache pays, `PrefixBound.cheaper`): the most the op with every fix may prefill."""
+    fix_bound: int = 0
+    """With a drift budget, the most its fixes were counted to re-prefill after the plan (from
+    ``vouched_to`` to the end): what an op's fix share is a share of (`DriftBudget.record`)."""
     declined: bool = False
     """A re-prefill planned instead of approximations the drift budget expects to fail
     (`DriftBudget.worth_trying`): the runner counts it once the op has run."""

@@ -72,7 +72,7 @@ class PrefixBound:
         if fix and not budget.worth_trying(plan.op, planned, fix, refill, audits):
             why = f"re-prefill from slot {changed}: the drift budget expects to fix what the plan keeps"
             return refilling(why, declined=True)
-        return plan.changed(vouched_to=first, prefix_bound=refill)
+        return plan.changed(vouched_to=first, prefix_bound=refill, fix_bound=fix)
 
     def refill(self, state: WindowState, start: int, why: str, end: int | None = None) -> WindowPlan:
         """Re-prefill the window's chunks from index ``start`` on (to ``end``, else to the last)

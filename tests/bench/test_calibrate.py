@@ -21,6 +21,7 @@ from kamera_agent.bench.calibrate import (
     load_steps,
     pick_budget,
 )
+from kamera_agent.bench.calibration_fit import _fix_share
 from kamera_agent.cli import main
 from kamera_agent.fidelity import (
     AGREEMENT,
@@ -95,7 +96,7 @@ def test_the_default_budget_is_the_largest_whose_standing_ops_answer_like_a_repr
     assert pick_budget(diluted) == 1e-2
 
 
-def test_fix_rates_count_the_ops_that_move_chunks_estimated_over_the_budget() -> None:
+def test_fix_shares_count_what_the_fixes_of_the_ops_that_move_chunks_would_re_prefill() -> None:
     steps = [
         _step("slide", 0.004, 0.005, 1e-3),
         _step("slide", 0.2, 0.2, 1e-3),
@@ -103,10 +104,29 @@ def test_fix_rates_count_the_ops_that_move_chunks_estimated_over_the_budget() ->
         _step("reorder", 0.004, 0.005, 1e-3),
     ]
     fitted = fit_calibration("f", steps, [1], 0.1, quantile=0.5)
-    rates = fitted.fix_rates
-    assert "push" not in rates  # a push moves nothing: its rate on an unbounded episode misleads
+    shares = fitted.fix_shares
+    assert "push" not in shares  # a push moves nothing: its share on an unbounded episode misleads
     over = sum(fitted.scale * s > fitted.budget for s in (0.005, 0.2))
-    assert rates["slide"] == (2, over) and rates["reorder"][0] == 1
+    assert shares["slide"] == (2, float(over)) and shares["reorder"][0] == 1  # one chunk: all of it
+
+
+def test_a_fix_share_counts_the_chunks_over_budget_each_re_prefilled_alone() -> None:
+    """Chunks of 10, 20, 30 and 40 tokens after an exact lead: each chunk estimated over ε costs
+    its own tokens; a re-prefilled chunk passes on only what it inherits, so the chunks after it
+    are judged without its drift."""
+    calibration = Calibration("f", scale=1.0, inherit=0.5, budget=0.1)
+
+    def step(*owns: float) -> Step:
+        slots = [Slot(0.0, 0.0, True, 5)]
+        slots += [Slot(own, own, False, tokens) for own, tokens in zip(owns, (10, 20, 30, 40), strict=True)]
+        return Step("slide", tuple(slots), 1e-3, True)
+
+    assert _fix_share(calibration, step(0.01, 0.01, 0.01, 0.01)) == 0.0
+    assert _fix_share(calibration, step(0.5, 0.01, 0.01, 0.01)) == 0.1
+    assert _fix_share(calibration, step(0.5, 0.08, 0.01, 0.01)) == 0.1  # not 0.08 + 0.5 × 0.5
+    assert (
+        _fix_share(calibration, step(0.01, 0.08, 0.5, 0.09)) == 0.7
+    )  # 0.09 + 0.5 × 0.085 inherited: over too
 
 
 def test_the_inherited_share_is_the_one_whose_default_lets_the_most_ops_stand() -> None:
@@ -137,7 +157,7 @@ def test_shipped_calibrations_record_the_frontier_their_budget_was_picked_from()
             for eps in BUDGETS
         ]
         assert calibration.budget == pick_budget(points), path.name
-        assert calibration.seeds and calibration.samples > 0 and calibration.fix_rates
+        assert calibration.seeds and calibration.samples > 0 and calibration.fix_shares
     assert with_frontier >= 1
 
 
@@ -188,9 +208,9 @@ def test_kamera_calibrate_files_the_demo_models_calibration(
     assert (again / filed.name).read_text() == filed.read_text()
     assert data["seeds"] == [5] and data["samples"] > 0 and data["scale"] > 0
     # the fitting episodes' moving ops, counted at the picked budget, ship with the calibration
-    rates = data["fix_rates"]
-    assert rates and all(0 <= fixed <= audited for audited, fixed in rates.values())
-    assert sum(audited for audited, _ in rates.values()) > 0
+    shares = data["fix_shares"]
+    assert shares and all(0 <= spent <= ops for ops, spent in shares.values())
+    assert sum(ops for ops, _ in shares.values()) > 0
     from kamera_agent.demo.model import load_demo_model
 
     model, tokenizer, image_processor = load_demo_model()
