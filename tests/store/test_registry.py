@@ -133,10 +133,15 @@ def test_every_tier_reaches_metrics_without_code_of_its_own(tmp_path: object) ->
     assert "# TYPE kamera_store_tier_get_seconds_total counter" in text
 
 
-def test_kamera_store_names_a_url_of_another_tier_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+def test_kamera_store_refuses_a_tier_that_cannot_count_in_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kamera_agent.cli import main
 
-    for url, said in (("s3://bucket/p", "aws s3"), ("ftp://host", "registered: ")):
+    registry = TierRegistry()
+    registry.register("fake", UrlFakeTier)
+    monkeypatch.setattr("kamera_agent.store.command.TIERS", registry)
+    for url, said in (("fake://a", "cannot count its entries"), ("ftp://host", "registered: ")):
         assert main(["store", "stats", "--url", url]) == 2
         out = capsys.readouterr().out
         assert said in out and "Traceback" not in out

@@ -35,6 +35,7 @@ from kamera_agent.store.codec import CorruptEntry, OutdatedEntry
 from kamera_agent.store.deadlines import Deadlines
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.remote.address import RemoteAddress, parse_store_url
+from kamera_agent.store.remote.admin import clear, usage
 from kamera_agent.store.remote.connection import Connection, DeadlineMissed, RemoteUnavailable
 from kamera_agent.store.remote.framing import (
     HEAD_PEEK,
@@ -46,7 +47,18 @@ from kamera_agent.store.remote.framing import (
     part_names,
     read_head,
 )
-from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, TierContext, Write
+from kamera_agent.store.tier import (
+    Entry,
+    Lookup,
+    Meta,
+    Payload,
+    Status,
+    Tier,
+    TierContext,
+    TierUsage,
+    Write,
+    answered,
+)
 
 __all__ = ["ABSENT_FOR", "RemoteTier"]
 
@@ -98,6 +110,21 @@ class RemoteTier(Tier):
     def from_url(cls, url: str, context: TierContext) -> RemoteTier:
         """The tier of the server ``url`` names (`parse_store_url`), under ``context``'s deadlines."""
         return cls(parse_store_url(url), context.fingerprint, context.deadlines)
+
+    @classmethod
+    def url_usage(cls, url: str, model: str | None = None) -> TierUsage:
+        """kamera's entries on the server by kind and model, with its memory limit and policy
+        (`kamera_agent.store.remote.admin.usage`: a cursor scan of kamera's keys)."""
+        address = parse_store_url(url)
+        with answered(address, RemoteUnavailable):
+            return usage(address, model)
+
+    @classmethod
+    def url_clear(cls, url: str, model: str | None = None) -> int:
+        """Delete kamera's keys on the server (`kamera_agent.store.remote.admin.clear`)."""
+        address = parse_store_url(url)
+        with answered(address, RemoteUnavailable):
+            return clear(address, model)
 
     # -- reads -----------------------------------------------------------------------------------
     def get(self, key: EntryKey) -> Lookup[Payload]:

@@ -28,7 +28,9 @@ import re
 import threading
 import time
 from collections import Counter, deque
-from typing import Any
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, TypeVar
 
 from kamera_agent.errors import SettingsError
 from kamera_agent.store.codec import CorruptEntry, OutdatedEntry
@@ -36,8 +38,20 @@ from kamera_agent.store.deadlines import Deadlines
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.remote.framing import HEAD_PEEK, assemble, check_head, frame, read_head
 from kamera_agent.store.s3.address import S3Address, parse_s3_url
+from kamera_agent.store.s3.admin import clear, usage
 from kamera_agent.store.s3.calls import Calls, DeadlineMissed, S3Unavailable
-from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, TierContext, Write
+from kamera_agent.store.tier import (
+    Entry,
+    Lookup,
+    Meta,
+    Payload,
+    Status,
+    Tier,
+    TierContext,
+    TierUsage,
+    Write,
+    answered,
+)
 
 __all__ = ["S3Tier"]
 
@@ -45,6 +59,8 @@ _LOG = logging.getLogger("kamera_agent.store.s3")
 _PLAIN = re.compile(r"^[0-9A-Za-z_.-]{1,128}$")
 _ABSENT = {"NoSuchKey", "404", "NotFound", "PreconditionFailed", "412", "InvalidRange", "416"}
 """Error codes that say the object is not there (or changed since its head was read): a miss."""
+T = TypeVar("T")
+_ADMIN_TIMEOUT = 10.0  # a listing page may take longer than an entry's lookup
 
 
 class S3Tier(Tier):
@@ -92,6 +108,16 @@ class S3Tier(Tier):
     def from_url(cls, url: str, context: TierContext) -> S3Tier:
         """The tier of the bucket ``url`` names, under ``context``'s model and deadlines."""
         return cls(parse_s3_url(url), context.fingerprint, context.deadlines)
+
+    @classmethod
+    def url_usage(cls, url: str, model: str | None = None) -> TierUsage:
+        """kamera's objects in the bucket by kind and model (`kamera_agent.store.s3.admin.usage`)."""
+        return _admin(url, lambda address, client: usage(address, client, model))
+
+    @classmethod
+    def url_clear(cls, url: str, model: str | None = None) -> int:
+        """Delete kamera's objects in the bucket (`kamera_agent.store.s3.admin.clear`)."""
+        return _admin(url, lambda address, client: clear(address, client, model))
 
     # -- reads -----------------------------------------------------------------------------------
     def get(self, key: EntryKey) -> Lookup[Payload]:
@@ -296,3 +322,14 @@ def _client(address: S3Address) -> Any:
     )
     session = boto3.session.Session()
     return session.client("s3", endpoint_url=address.endpoint, region_name=address.region, config=config)
+
+
+def _admin(url: str, work: Callable[[S3Address, Any], T]) -> T:
+    """``work(address, client)`` for an operator's command, with a patient client; a bucket that
+    does not answer, or refuses, is a `StoreUnavailableError`."""
+    address = parse_s3_url(url)
+    client = _client(replace(address, timeout=max(address.timeout, _ADMIN_TIMEOUT)))
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    with answered(address, BotoCoreError, ClientError):
+        return work(address, client)
