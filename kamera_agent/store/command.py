@@ -17,7 +17,7 @@ from rich.table import Table
 from kamera_agent.errors import StoreUnavailableError, StoreURLError
 from kamera_agent.parsers.model import add_store_parser  # declared without torch: `kamera --help`
 from kamera_agent.store.registry import TIERS, masked_url
-from kamera_agent.store.tier import TierUsage
+from kamera_agent.store.usage import TierUsage
 
 __all__ = ["add_store_parser", "run_store_command"]
 
@@ -43,12 +43,9 @@ def run_store_command(args: argparse.Namespace, console: Console) -> int:
             console.print(f"removed {removed:,} keys from {_where(url)}")
             return 0
         found = tier.url_usage(url, args.model)
-    except StoreURLError as exc:
+    except (StoreURLError, StoreUnavailableError) as exc:  # a URL refused: 2; a store away: 1
         console.print(f"[red]{exc}[/red]")
-        return 2
-    except StoreUnavailableError as exc:
-        console.print(f"[red]{exc}[/red]")
-        return 1
+        return 1 if isinstance(exc, StoreUnavailableError) else 2
     _print_usage(console, found, _where(url))
     return 0
 

@@ -22,32 +22,20 @@ that can do better (one pipelined round trip) overrides them.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 from abc import ABC, abstractmethod
-from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from kamera_agent.errors import StoreUnavailableError, StoreURLError
+from kamera_agent.errors import StoreURLError
 from kamera_agent.store.codec import CorruptEntry, StoredValue, serialize
 from kamera_agent.store.deadlines import Deadlines
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.signing import Signer
+from kamera_agent.store.usage import TierUsage
 
-__all__ = [
-    "Entry",
-    "Lookup",
-    "Meta",
-    "Payload",
-    "Status",
-    "Tier",
-    "TierContext",
-    "TierUsage",
-    "Write",
-    "answered",
-]
+__all__ = ["Entry", "Lookup", "Meta", "Payload", "Status", "Tier", "TierContext", "Write"]
 
 Payload = StoredValue | bytes
 """What a tier's get returns: a live value (memory) or the serialized bytes (disk, remote) that the
@@ -127,25 +115,6 @@ class TierContext:
 
     fingerprint: str
     deadlines: Deadlines
-
-
-@dataclass
-class TierUsage:
-    """kamera's entries where a shared tier keeps them (``kamera store stats``: `Tier.url_usage`).
-
-    Attributes:
-        entries: entries by kind (``canonical``, ``full``, ``vision``, ``patch``).
-        nbytes: stored bytes by kind (an entry split in parts: all of them).
-        parts: part values (pieces of large entries) among them, where a tier splits entries.
-        models: entries by model fingerprint.
-        notes: what else the place says about itself, a line each (a server's memory limit).
-    """
-
-    entries: Counter[str] = field(default_factory=Counter)
-    nbytes: Counter[str] = field(default_factory=Counter)
-    parts: int = 0
-    models: Counter[str] = field(default_factory=Counter)
-    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -285,17 +254,6 @@ class Tier(ABC):
 
     def close(self) -> None:  # noqa: B027  (an optional hook: a no-op unless overridden)
         """Finish and release what the tier holds open (idempotent); nothing to do by default."""
-
-
-@contextlib.contextmanager
-def answered(where: object, *unanswered: type[BaseException]) -> Iterator[None]:
-    """An operator's command on a shared tier (`Tier.url_usage`): any of ``unanswered`` (the
-    client's errors for a place that is down, unreachable or refusing) is a
-    `StoreUnavailableError` naming ``where``."""
-    try:
-        yield
-    except unanswered as exc:
-        raise StoreUnavailableError(f"{where} did not answer: {type(exc).__name__}: {exc}") from exc
 
 
 _ADMIN = "use the tools of the place that holds them, or give the tier url_usage and url_clear classmethods"

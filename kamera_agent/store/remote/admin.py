@@ -14,7 +14,7 @@ from typing import Any
 
 from kamera_agent.store.remote.address import RemoteAddress
 from kamera_agent.store.remote.connection import Connection
-from kamera_agent.store.tier import TierUsage
+from kamera_agent.store.usage import TierUsage
 
 __all__ = ["RemoteUsage", "clear", "usage"]
 

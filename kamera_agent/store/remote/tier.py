@@ -47,18 +47,8 @@ from kamera_agent.store.remote.framing import (
     part_names,
     read_head,
 )
-from kamera_agent.store.tier import (
-    Entry,
-    Lookup,
-    Meta,
-    Payload,
-    Status,
-    Tier,
-    TierContext,
-    TierUsage,
-    Write,
-    answered,
-)
+from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, TierContext, Write
+from kamera_agent.store.usage import TierUsage, answered
 
 __all__ = ["ABSENT_FOR", "RemoteTier"]
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kamera_agent.store.s3.address import S3Address
-from kamera_agent.store.tier import TierUsage
+from kamera_agent.store.usage import TierUsage
 
 __all__ = ["clear", "usage"]
 

@@ -40,18 +40,8 @@ from kamera_agent.store.remote.framing import HEAD_PEEK, assemble, check_head, f
 from kamera_agent.store.s3.address import S3Address, parse_s3_url
 from kamera_agent.store.s3.admin import clear, usage
 from kamera_agent.store.s3.calls import Calls, DeadlineMissed, S3Unavailable
-from kamera_agent.store.tier import (
-    Entry,
-    Lookup,
-    Meta,
-    Payload,
-    Status,
-    Tier,
-    TierContext,
-    TierUsage,
-    Write,
-    answered,
-)
+from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, TierContext, Write
+from kamera_agent.store.usage import TierUsage, answered
 
 __all__ = ["S3Tier"]
 
