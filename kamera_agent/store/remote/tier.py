@@ -23,12 +23,10 @@ computes the entry.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import threading
 import time
-from collections import Counter, deque
 from typing import Any
 
 from kamera_agent.store.codec import CorruptEntry, OutdatedEntry
@@ -49,6 +47,7 @@ from kamera_agent.store.remote.framing import (
 )
 from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, TierContext, Write
 from kamera_agent.store.usage import TierUsage, answered
+from kamera_agent.store.write_behind import WriteBehind
 
 __all__ = ["ABSENT_FOR", "RemoteTier"]
 
@@ -80,15 +79,17 @@ class RemoteTier(Tier):
         self.deadlines = deadlines or Deadlines()
         self._fingerprint = fingerprint
         self._connection = Connection(address)
-        self._lock = threading.Condition()
-        self._queue: deque[Entry] = deque()
-        self._pending = 0  # bytes queued or being written
-        self._closing = False
+        self._lock = threading.Lock()  # the names known absent
         self._absent: dict[str, float] = {}
-        self.counts: Counter[str] = Counter()
-        self._writer = threading.Thread(target=self._write_loop, name="kamera-store-writer", daemon=True)
-        self._writer.start()
-        atexit.register(self._finish_at_exit)  # a process that never closes its store still shares
+        self._writes = WriteBehind(
+            self._write,
+            limit=address.pending_bytes,
+            unavailable=RemoteUnavailable,
+            deadline=DeadlineMissed,
+            name="kamera-store-writer",
+            log=_LOG,
+        )
+        self.counts = self._writes.counts
         self._probe()  # says so at once (one warning) when the server is not there
 
     @classmethod
@@ -198,29 +199,19 @@ class RemoteTier(Tier):
     def put(self, entry: Entry) -> Write:
         """Queue the entry (serialized on the writer thread); not ``ok`` when the queue is full (the
         write is skipped and counted: the entry stays local)."""
-        with self._lock:
-            if self._closing or self._pending + entry.nbytes > self.address.pending_bytes:
-                self.counts["writes_skipped"] += 1
-                return Write(False, "the write queue is full" if not self._closing else "closed")
-            self._queue.append(entry)
-            self._pending += entry.nbytes
-            self._absent.pop(self._name(entry.key), None)
-            self._lock.notify_all()
-        return Write.done()
+        write = self._writes.put(entry)
+        if write.ok:
+            with self._lock:
+                self._absent.pop(self._name(entry.key), None)
+        return write
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every queued write is done (or failed), at most ``timeout`` seconds."""
-        with self._lock:
-            self._lock.wait_for(lambda: not self._pending, timeout)
+        self._writes.flush(timeout)
 
     def close(self, timeout: float = 30.0) -> None:
         """Drain the queue (within ``timeout``), stop the writer, close the connection."""
-        atexit.unregister(self._finish_at_exit)
-        self.flush(timeout)
-        with self._lock:
-            self._closing = True
-            self._lock.notify_all()
-        self._writer.join(timeout=1.0)
+        self._writes.close(timeout)
         self._connection.close()
 
     # -- accounting ------------------------------------------------------------------------------
@@ -235,9 +226,9 @@ class RemoteTier(Tier):
         """Write counters and state: writes, bytes_written, writes_skipped, writes_failed,
         pending_bytes, state (``"up"`` or ``"down"``), outages, the current per-call timeout and
         the slow calls that raised it (the store counts lookups)."""
-        with self._lock:
+        with self._writes.lock:
             counts = dict(self.counts)
-            pending = self._pending
+        pending = self._writes.pending
         return {
             **{name: counts.get(name, 0) for name in _COUNTERS},
             "pending_bytes": pending,
@@ -249,9 +240,6 @@ class RemoteTier(Tier):
         }
 
     # -- internals -------------------------------------------------------------------------------
-    def _finish_at_exit(self) -> None:
-        self.flush(timeout=5.0)
-
     def _name(self, key: EntryKey) -> str:
         return entry_name(self.address.prefix, self._fingerprint, key)
 
@@ -288,36 +276,12 @@ class RemoteTier(Tier):
             self._absent[name] = time.monotonic() + ABSENT_FOR
 
     def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self.counts[name] += n
+        self._writes.count(name, n)
 
-    def _write_loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue and not self._closing:
-                    self._lock.wait()
-                if not self._queue:
-                    return
-                entry = self._queue.popleft()
-            key, nbytes = entry.key, entry.nbytes
-            try:
-                written = self._write(key, entry.serialize(), entry.tokens)
-                self._count("writes")
-                self._count("bytes_written", written)
-            except RemoteUnavailable as exc:
-                self._count("writes_failed")
-                self._count("deadline_writes", int(isinstance(exc, DeadlineMissed)))
-            except Exception:  # a bug must not kill the writer; the entry stays local
-                _LOG.exception("shared store: writing %s failed", key)
-                self._count("writes_failed")
-            finally:
-                with self._lock:
-                    self._pending -= nbytes
-                    self._lock.notify_all()
-
-    def _write(self, key: EntryKey, payload: bytes, tokens: int | None) -> int:
+    def _write(self, entry: Entry) -> int:
         """Parts, then the head, all by the deadline the entry's tokens give (a write cut there
-        leaves parts no head points at: they expire with their TTL)."""
+        leaves parts no head points at: they expire with their TTL); the bytes sent."""
+        key, payload, tokens = entry.key, entry.serialize(), entry.tokens
         until = time.monotonic() + self.deadlines.for_tokens(tokens)
         name = self._name(key)
         head, value, parts = frame(key, self._fingerprint, payload, self.address.part_bytes, tokens)

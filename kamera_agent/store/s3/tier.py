@@ -20,14 +20,11 @@ for the network; `flush` waits for the queue.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import logging
 import re
-import threading
 import time
-from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -42,6 +39,7 @@ from kamera_agent.store.s3.admin import clear, usage
 from kamera_agent.store.s3.calls import Calls, DeadlineMissed, S3Unavailable
 from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, TierContext, Write
 from kamera_agent.store.usage import TierUsage, answered
+from kamera_agent.store.write_behind import WriteBehind
 
 __all__ = ["S3Tier"]
 
@@ -80,14 +78,15 @@ class S3Tier(Tier):
         self._fingerprint = fingerprint
         self._client = client if client is not None else _client(address)
         self._calls = Calls(address.backoff)
-        self._lock = threading.Condition()
-        self._queue: deque[Entry] = deque()
-        self._pending = 0
-        self._closing = False
-        self.counts: Counter[str] = Counter()
-        self._writer = threading.Thread(target=self._write_loop, name="kamera-s3-writer", daemon=True)
-        self._writer.start()
-        atexit.register(self._finish_at_exit)
+        self._writes = WriteBehind(
+            self._write,
+            limit=address.pending_bytes,
+            unavailable=S3Unavailable,
+            deadline=DeadlineMissed,
+            name="kamera-s3-writer",
+            log=_LOG,
+        )
+        self.counts = self._writes.counts
 
     @classmethod
     def check_url(cls, url: str) -> None:
@@ -190,35 +189,23 @@ class S3Tier(Tier):
     def put(self, entry: Entry) -> Write:
         """Queue the entry (serialized on the writer thread); not ``ok`` when the queue is full or
         the tier closed (skipped and counted: the entry stays local)."""
-        with self._lock:
-            if self._closing or self._pending + entry.nbytes > self.address.pending_bytes:
-                self.counts["writes_skipped"] += 1
-                return Write(False, "closed" if self._closing else "the write queue is full")
-            self._queue.append(entry)
-            self._pending += entry.nbytes
-            self._lock.notify_all()
-        return Write.done()
+        return self._writes.put(entry)
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every queued write is done (or failed), at most ``timeout`` seconds."""
-        with self._lock:
-            self._lock.wait_for(lambda: not self._pending, timeout)
+        self._writes.flush(timeout)
 
     def close(self, timeout: float = 30.0) -> None:
         """Drain the queue (within ``timeout``), stop the writer, stop taking calls. Idempotent."""
-        atexit.unregister(self._finish_at_exit)
-        self.flush(timeout)
-        with self._lock:
-            self._closing = True
-            self._lock.notify_all()
-        self._writer.join(timeout=1.0)
+        self._writes.close(timeout)
         self._calls.close()
 
     def report(self) -> dict[str, float]:
         """``up`` (0 while skipped after failing to answer), ``pending_bytes``, ``outages`` and
         what the writer did behind the caller (writes, failed, skipped, cut at a deadline)."""
-        with self._lock:
-            counts, pending = dict(self.counts), self._pending
+        with self._writes.lock:
+            counts = dict(self.counts)
+        pending = self._writes.pending
         names = ("writes", "writes_failed", "writes_skipped", "deadline_misses", "deadline_writes")
         return {
             "up": 0.0 if self._calls.down else 1.0,
@@ -252,41 +239,17 @@ class S3Tier(Tier):
         return self._calls.call(read, until)
 
     def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self.counts[name] += n
+        self._writes.count(name, n)
 
-    def _finish_at_exit(self) -> None:
-        self.flush(timeout=5.0)
-
-    def _write_loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue and not self._closing:
-                    self._lock.wait()
-                if not self._queue:
-                    return
-                entry = self._queue.popleft()
-            try:
-                self._write(entry)
-                self._count("writes")
-            except S3Unavailable as exc:
-                self._count("writes_failed")
-                self._count("deadline_writes", int(isinstance(exc, DeadlineMissed)))
-            except Exception:  # a bug must not kill the writer; the entry stays local
-                _LOG.exception("s3 store: writing %s failed", entry.key)
-                self._count("writes_failed")
-            finally:
-                with self._lock:
-                    self._pending -= entry.nbytes
-                    self._lock.notify_all()
-
-    def _write(self, entry: Entry) -> None:
-        """One object: the framed head with the payload inline, by the deadline its tokens give."""
+    def _write(self, entry: Entry) -> int:
+        """One object: the framed head with the payload inline, by the deadline its tokens give;
+        the bytes sent."""
         until = time.monotonic() + self.deadlines.for_tokens(entry.tokens)
         payload = entry.serialize()
         _, value, _ = frame(entry.key, self._fingerprint, payload, len(payload), entry.tokens)
         bucket, name = self.address.bucket, self._name(entry.key)
         self._calls.call(lambda: self._client.put_object(Bucket=bucket, Key=name, Body=value), until)
+        return len(value)
 
 
 def _code(exc: Exception) -> str:
