@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from typing import Any
 
 from kamera_agent.store.codec import CorruptEntry, OutdatedEntry
 from kamera_agent.store.deadlines import Deadlines
+from kamera_agent.store.expiring import Expiring
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.remote.address import RemoteAddress, parse_store_url
 from kamera_agent.store.remote.admin import clear, usage
@@ -79,8 +79,7 @@ class RemoteTier(Tier):
         self.deadlines = deadlines or Deadlines()
         self._fingerprint = fingerprint
         self._connection = Connection(address)
-        self._lock = threading.Lock()  # the names known absent
-        self._absent: dict[str, float] = {}
+        self._absent: Expiring[str] = Expiring(ABSENT_FOR)
         self._writes = WriteBehind(
             self._write,
             limit=address.pending_bytes,
@@ -122,13 +121,13 @@ class RemoteTier(Tier):
         """The entry's payload once its sha256 matches its head (the store deserializes it), all
         of it by the deadline its head's token count gives (`Deadlines.for_tokens`)."""
         name = self._name(key)
-        if self._known_absent(name):
+        if name in self._absent:
             return Lookup.miss("absent a moment ago")
         began = time.monotonic()
         try:
             prefix = self._call(lambda c: c.getrange(name, 0, HEAD_PEEK - 1), began + self.deadlines.header)
             if not prefix:
-                self._remember_absent(name)
+                self._absent.add(name)
                 return Lookup.miss()
             head, inline = read_head(prefix)
             self._check(head, key)
@@ -151,13 +150,13 @@ class RemoteTier(Tier):
     def peek(self, key: EntryKey) -> Lookup[Meta]:
         """The codec metadata of the entry (a patch's state and meta) without its tensors."""
         name = self._name(key)
-        if self._known_absent(name):
+        if name in self._absent:
             return Lookup.miss("absent a moment ago")
         until = time.monotonic() + self.deadlines.header
         try:
             prefix = self._call(lambda client: client.getrange(name, 0, HEAD_PEEK - 1), until)
             if not prefix:
-                self._remember_absent(name)
+                self._absent.add(name)
                 return Lookup.miss()
             head, _ = read_head(prefix)
             self._check(head, key, peek=True)
@@ -171,7 +170,7 @@ class RemoteTier(Tier):
     def contains(self, key: EntryKey) -> Status:
         """Whether the server holds the entry's head (its parts are checked only when read)."""
         name = self._name(key)
-        if self._known_absent(name):
+        if name in self._absent:
             return Status.MISS
         until = time.monotonic() + self.deadlines.header
         try:
@@ -179,13 +178,13 @@ class RemoteTier(Tier):
         except RemoteUnavailable:
             return Status.UNAVAILABLE
         if not found:
-            self._remember_absent(name)
+            self._absent.add(name)
         return Status.HIT if found else Status.MISS
 
     def drop(self, key: EntryKey) -> None:
         """Delete the entry's head (its parts expire with their TTL or are evicted)."""
         name = self._name(key)
-        self._remember_absent(name)
+        self._absent.add(name)
         with contextlib.suppress(RemoteUnavailable):
             self._connection.call(lambda client: client.delete(name))
 
@@ -201,8 +200,7 @@ class RemoteTier(Tier):
         write is skipped and counted: the entry stays local)."""
         write = self._writes.put(entry)
         if write.ok:
-            with self._lock:
-                self._absent.pop(self._name(entry.key), None)
+            self._absent.discard(self._name(entry.key))
         return write
 
     def flush(self, timeout: float = 30.0) -> None:
@@ -258,23 +256,6 @@ class RemoteTier(Tier):
         with contextlib.suppress(RemoteUnavailable):
             self._connection.call(lambda client: client.ping())
 
-    def _known_absent(self, name: str) -> bool:
-        with self._lock:
-            until = self._absent.get(name)
-            if until is None:
-                return False
-            if time.monotonic() < until:
-                return True
-            del self._absent[name]
-            return False
-
-    def _remember_absent(self, name: str) -> None:
-        with self._lock:
-            if len(self._absent) > 65536:  # bounded: forget the oldest half
-                for stale in list(self._absent)[:32768]:
-                    del self._absent[stale]
-            self._absent[name] = time.monotonic() + ABSENT_FOR
-
     def _count(self, name: str, n: int = 1) -> None:
         self._writes.count(name, n)
 
@@ -296,8 +277,7 @@ class RemoteTier(Tier):
             client.set(name, value, ex=expiry)
 
         self._connection.call(write, until)
-        with self._lock:
-            self._absent.pop(name, None)
+        self._absent.discard(name)
         return len(value) + sum(len(part) for part in parts)
 
 
