@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import atexit
 import logging
-import threading
 from collections import Counter, deque
 from collections.abc import Callable
 
 from kamera_agent.store.tier import Entry, Write
+from kamera_agent.threads import WorkerThread
 
 __all__ = ["WriteBehind"]
 
@@ -35,7 +35,7 @@ class WriteBehind:
         limit: the most bytes queued or being written at once.
         unavailable: what ``write`` raises when the place did not answer (a failed write, counted).
         deadline: the kind of ``unavailable`` that says the write was cut at its deadline.
-        name: the writer thread's name (and the log's, when a write raises something else).
+        name: the writer thread's name.
         log: where a write that raised something else (a bug) is logged.
     """
 
@@ -50,31 +50,30 @@ class WriteBehind:
         log: logging.Logger,
     ) -> None:
         self.counts: Counter[str] = Counter()
-        self.lock = threading.Condition()
+        self._worker = WorkerThread(name, self._loop)  # busy: bytes queued or being written
+        self.lock = self._worker.lock
         """Guards ``counts``, the queue and the pending bytes (a tier may count under it too)."""
         self._write, self._limit, self._log = write, limit, log
         self._unavailable, self._deadline = unavailable, deadline
         self._queue: deque[Entry] = deque()
-        self._pending = 0  # bytes queued or being written
-        self._closing = False
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        with self.lock:
+            self._worker.start_once()
         atexit.register(self._finish_at_exit)
 
     @property
     def pending(self) -> int:
         """Bytes queued or being written."""
         with self.lock:
-            return self._pending
+            return self._worker.busy
 
     def put(self, entry: Entry) -> Write:
         """Queue ``entry``; not ``ok`` when the queue is full or closed (skipped and counted)."""
         with self.lock:
-            if self._closing or self._pending + entry.nbytes > self._limit:
+            if self._worker.closed or self._worker.busy + entry.nbytes > self._limit:
                 self.counts["writes_skipped"] += 1
-                return Write(False, "closed" if self._closing else "the write queue is full")
+                return Write(False, "closed" if self._worker.closed else "the write queue is full")
             self._queue.append(entry)
-            self._pending += entry.nbytes
+            self._worker.busy += entry.nbytes
             self.lock.notify_all()
         return Write.done()
 
@@ -84,29 +83,18 @@ class WriteBehind:
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every queued write is done (or failed), at most ``timeout`` seconds."""
-        with self.lock:
-            self.lock.wait_for(lambda: not self._pending, timeout)
+        self._worker.flush(timeout)
 
     def close(self, timeout: float = 30.0) -> None:
         """Drain the queue (within ``timeout``) and stop the writer. Idempotent."""
         atexit.unregister(self._finish_at_exit)
-        self.flush(timeout)
-        with self.lock:
-            self._closing = True
-            self.lock.notify_all()
-        self._thread.join(timeout=1.0)
+        self._worker.close(timeout)
 
     def _finish_at_exit(self) -> None:
         self.flush(timeout=5.0)
 
     def _loop(self) -> None:
-        while True:
-            with self.lock:
-                while not self._queue and not self._closing:
-                    self.lock.wait()
-                if not self._queue:
-                    return
-                entry = self._queue.popleft()
+        for entry in self._worker.items(self._queue):
             try:
                 written = self._write(entry)
                 self.count("writes")
@@ -115,9 +103,9 @@ class WriteBehind:
                 self.count("writes_failed")
                 self.count("deadline_writes", int(isinstance(exc, self._deadline)))
             except Exception:  # a bug must not kill the writer; the entry stays local
-                self._log.exception("%s: writing %s failed", self._thread.name, entry.key)
+                self._log.exception("writing %s to a shared tier failed", entry.key)
                 self.count("writes_failed")
             finally:
                 with self.lock:
-                    self._pending -= entry.nbytes
+                    self._worker.busy -= entry.nbytes
                     self.lock.notify_all()
