@@ -9,6 +9,9 @@ store still finishes its queue at exit.
 
     put ──► queue (pending bytes ≤ limit, else skipped) ──writer thread──► write(entry) ─► counted
 
+`SharedTier` is the tier every such place is: opened from a URL its class parses, keyed by model,
+called outside the store's lock, written on every put, behind the caller.
+
 Counts (``counts``, beside what the tier counts itself through `count`): ``writes``,
 ``bytes_written``, ``writes_skipped``, ``writes_failed`` and ``deadline_writes`` (failed at their
 deadline).
@@ -18,13 +21,20 @@ from __future__ import annotations
 
 import atexit
 import logging
+from abc import abstractmethod
 from collections import Counter, deque
 from collections.abc import Callable
+from typing import ClassVar, Generic, Protocol, TypeVar
 
-from kamera_agent.store.tier import Entry, Write
+from kamera_agent.store.codec import CorruptEntry
+from kamera_agent.store.deadlines import Deadlines
+from kamera_agent.store.keys import EntryKey
+from kamera_agent.store.tier import Entry, Lookup, Tier, TierContext, Write
 from kamera_agent.threads import WorkerThread
 
-__all__ = ["WriteBehind"]
+__all__ = ["SharedTier", "WriteBehind"]
+
+_LOG = logging.getLogger("kamera_agent.store")
 
 
 class WriteBehind:
@@ -109,3 +119,100 @@ class WriteBehind:
                 with self.lock:
                     self._worker.busy -= entry.nbytes
                     self.lock.notify_all()
+
+
+class _Address(Protocol):
+    @property
+    def pending_bytes(self) -> int: ...
+
+
+A = TypeVar("A", bound=_Address)
+T = TypeVar("T")
+
+
+class SharedTier(Tier, Generic[A]):
+    """A place every process naming one URL shares (a Valkey/Redis server, an S3 bucket): keyed by
+    model, thread-safe, every put written to it behind the caller (`WriteBehind`). Thread-safe.
+
+    A subclass says how its URL reads (`parse_url`), how one entry is written (`_write`, on the
+    writer thread) and which of its client's errors mean "did not answer" (``unanswered``, and of
+    those ``cut``: at the deadline).
+
+    Args:
+        address: where the place is, as `parse_url` read it (its ``pending_bytes`` bound the queue).
+        fingerprint: the model every entry carries (its keys name it).
+        deadlines: how long each lookup and write may take in all.
+    """
+
+    name = "shared"  # each subclass names its own ("remote", "s3")
+    locked = False
+    keyed_by_model = True
+    written_on_put = True
+    unanswered: ClassVar[type[Exception]]
+    cut: ClassVar[type[Exception]]
+
+    def __init__(self, address: A, fingerprint: str, deadlines: Deadlines | None = None) -> None:
+        self.address = address
+        self.location = str(address)
+        self.deadlines = deadlines or Deadlines()
+        self._fingerprint = fingerprint
+        self._writes = WriteBehind(
+            self._write,
+            limit=address.pending_bytes,
+            unavailable=self.unanswered,
+            deadline=self.cut,
+            name=f"kamera-{self.name}-writer",
+            log=_LOG,
+        )
+        self.counts = self._writes.counts
+        """What the writer did (`WriteBehind`), and what the tier counts itself (`_count`)."""
+
+    @classmethod
+    @abstractmethod
+    def parse_url(cls, url: str) -> A:
+        """The address ``url`` names (`kamera_agent.errors.StoreURLError` when it names none)."""
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        """Refuse a URL `parse_url` refuses, connecting to nothing."""
+        cls.parse_url(url)
+
+    @classmethod
+    def from_url(cls, url: str, context: TierContext) -> SharedTier[A]:
+        """The tier of the place ``url`` names, under ``context``'s model and deadlines."""
+        return cls(cls.parse_url(url), context.fingerprint, context.deadlines)
+
+    def put(self, entry: Entry) -> Write:
+        """Queue the entry (serialized on the writer thread); not ``ok`` when the queue is full or
+        the tier closed (skipped and counted: the entry stays local)."""
+        return self._writes.put(entry)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every queued write is done (or failed), at most ``timeout`` seconds."""
+        self._writes.flush(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Drain the queue (within ``timeout``), stop the writer, let the connection go."""
+        self._writes.close(timeout)
+        self._disconnect()
+
+    @abstractmethod
+    def _write(self, entry: Entry) -> int:
+        """Write one entry by the deadline its tokens give (on the writer thread); the bytes sent."""
+
+    def _disconnect(self) -> None:
+        """Let go of the client (after the last write)."""
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._writes.count(name, n)
+
+    def _lookup(self, key: EntryKey, look: Callable[[], Lookup[T]]) -> Lookup[T]:
+        """``look()``'s answer, where the place not answering is `Status.UNAVAILABLE` and an entry
+        that failed a check is deleted and `Status.REJECTED` (never served)."""
+        try:
+            return look()
+        except self.unanswered as exc:
+            return Lookup.unavailable(str(exc))
+        except CorruptEntry as exc:
+            self.reject(key, exc)
+            return Lookup.rejected(str(exc))

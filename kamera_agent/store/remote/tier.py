@@ -45,9 +45,9 @@ from kamera_agent.store.remote.framing import (
     part_names,
     read_head,
 )
-from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, TierContext, Write
+from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Write
 from kamera_agent.store.usage import TierUsage, answered
-from kamera_agent.store.write_behind import WriteBehind
+from kamera_agent.store.write_behind import SharedTier
 
 __all__ = ["ABSENT_FOR", "RemoteTier"]
 
@@ -56,7 +56,7 @@ ABSENT_FOR = 1.0
 """Seconds a miss is remembered: another process's write becomes visible within this time."""
 
 
-class RemoteTier(Tier):
+class RemoteTier(SharedTier[RemoteAddress]):
     """Encoded entries of one model on a Valkey/Redis server or cluster.
 
     Thread-safe. A daemon thread writes in the background; `close` drains it.
@@ -69,37 +69,19 @@ class RemoteTier(Tier):
     """
 
     name = "remote"
-    locked = False
-    keyed_by_model = True
-    written_on_put = True
+    unanswered = RemoteUnavailable
+    cut = DeadlineMissed
 
     def __init__(self, address: RemoteAddress, fingerprint: str, deadlines: Deadlines | None = None) -> None:
-        self.address = address
-        self.location = str(address)
-        self.deadlines = deadlines or Deadlines()
-        self._fingerprint = fingerprint
         self._connection = Connection(address)
         self._absent: Expiring[str] = Expiring(ABSENT_FOR)
-        self._writes = WriteBehind(
-            self._write,
-            limit=address.pending_bytes,
-            unavailable=RemoteUnavailable,
-            deadline=DeadlineMissed,
-            name="kamera-store-writer",
-            log=_LOG,
-        )
-        self.counts = self._writes.counts
+        super().__init__(address, fingerprint, deadlines)
         self._probe()  # says so at once (one warning) when the server is not there
 
     @classmethod
-    def check_url(cls, url: str) -> None:
-        """Refuse a URL `parse_store_url` refuses (scheme, hosts, options), connecting to nothing."""
-        parse_store_url(url)
-
-    @classmethod
-    def from_url(cls, url: str, context: TierContext) -> RemoteTier:
-        """The tier of the server ``url`` names (`parse_store_url`), under ``context``'s deadlines."""
-        return cls(parse_store_url(url), context.fingerprint, context.deadlines)
+    def parse_url(cls, url: str) -> RemoteAddress:
+        """`parse_store_url`: scheme, hosts and options checked, connecting to nothing."""
+        return parse_store_url(url)
 
     @classmethod
     def url_usage(cls, url: str, model: str | None = None) -> TierUsage:
@@ -124,7 +106,8 @@ class RemoteTier(Tier):
         if name in self._absent:
             return Lookup.miss("absent a moment ago")
         began = time.monotonic()
-        try:
+
+        def look() -> Lookup[Payload]:
             prefix = self._call(lambda c: c.getrange(name, 0, HEAD_PEEK - 1), began + self.deadlines.header)
             if not prefix:
                 self._absent.add(name)
@@ -141,11 +124,8 @@ class RemoteTier(Tier):
             parts = part_names(name, head)
             fetched = self._call(lambda c: _get_all(c, parts), until) if parts else []
             return Lookup.hit(assemble(head, inline, fetched))
-        except RemoteUnavailable as exc:
-            return Lookup.unavailable(str(exc))
-        except CorruptEntry as exc:
-            self.reject(key, exc)
-            return Lookup.rejected(str(exc))
+
+        return self._lookup(key, look)
 
     def peek(self, key: EntryKey) -> Lookup[Meta]:
         """The codec metadata of the entry (a patch's state and meta) without its tensors."""
@@ -153,19 +133,17 @@ class RemoteTier(Tier):
         if name in self._absent:
             return Lookup.miss("absent a moment ago")
         until = time.monotonic() + self.deadlines.header
-        try:
+
+        def look() -> Lookup[Meta]:
             prefix = self._call(lambda client: client.getrange(name, 0, HEAD_PEEK - 1), until)
             if not prefix:
                 self._absent.add(name)
                 return Lookup.miss()
             head, _ = read_head(prefix)
             self._check(head, key, peek=True)
-        except RemoteUnavailable as exc:
-            return Lookup.unavailable(str(exc))
-        except CorruptEntry as exc:
-            self.reject(key, exc)
-            return Lookup.rejected(str(exc))
-        return Lookup.hit(head.info)
+            return Lookup.hit(head.info)
+
+        return self._lookup(key, look)
 
     def contains(self, key: EntryKey) -> Status:
         """Whether the server holds the entry's head (its parts are checked only when read)."""
@@ -198,18 +176,12 @@ class RemoteTier(Tier):
     def put(self, entry: Entry) -> Write:
         """Queue the entry (serialized on the writer thread); not ``ok`` when the queue is full (the
         write is skipped and counted: the entry stays local)."""
-        write = self._writes.put(entry)
+        write = super().put(entry)
         if write.ok:
             self._absent.discard(self._name(entry.key))
         return write
 
-    def flush(self, timeout: float = 30.0) -> None:
-        """Wait until every queued write is done (or failed), at most ``timeout`` seconds."""
-        self._writes.flush(timeout)
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Drain the queue (within ``timeout``), stop the writer, close the connection."""
-        self._writes.close(timeout)
+    def _disconnect(self) -> None:
         self._connection.close()
 
     # -- accounting ------------------------------------------------------------------------------
@@ -255,9 +227,6 @@ class RemoteTier(Tier):
     def _probe(self) -> None:
         with contextlib.suppress(RemoteUnavailable):
             self._connection.call(lambda client: client.ping())
-
-    def _count(self, name: str, n: int = 1) -> None:
-        self._writes.count(name, n)
 
     def _write(self, entry: Entry) -> int:
         """Parts, then the head, all by the deadline the entry's tokens give (a write cut there

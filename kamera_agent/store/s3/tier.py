@@ -37,9 +37,9 @@ from kamera_agent.store.remote.framing import HEAD_PEEK, assemble, check_head, f
 from kamera_agent.store.s3.address import S3Address, parse_s3_url
 from kamera_agent.store.s3.admin import clear, usage
 from kamera_agent.store.s3.calls import Calls, DeadlineMissed, S3Unavailable
-from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, TierContext, Write
+from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status
 from kamera_agent.store.usage import TierUsage, answered
-from kamera_agent.store.write_behind import WriteBehind
+from kamera_agent.store.write_behind import SharedTier
 
 __all__ = ["S3Tier"]
 
@@ -51,7 +51,7 @@ T = TypeVar("T")
 _ADMIN_TIMEOUT = 10.0  # a listing page may take longer than an entry's lookup
 
 
-class S3Tier(Tier):
+class S3Tier(SharedTier[S3Address]):
     """Encoded entries of one model in an S3-compatible bucket. Thread-safe.
 
     Args:
@@ -65,38 +65,20 @@ class S3Tier(Tier):
     """
 
     name = "s3"
-    locked = False
-    keyed_by_model = True
-    written_on_put = True
+    unanswered = S3Unavailable
+    cut = DeadlineMissed
 
     def __init__(
         self, address: S3Address, fingerprint: str, deadlines: Deadlines | None = None, client: Any = None
     ) -> None:
-        self.address = address
-        self.location = str(address)
-        self.deadlines = deadlines or Deadlines()
-        self._fingerprint = fingerprint
         self._client = client if client is not None else _client(address)
         self._calls = Calls(address.backoff)
-        self._writes = WriteBehind(
-            self._write,
-            limit=address.pending_bytes,
-            unavailable=S3Unavailable,
-            deadline=DeadlineMissed,
-            name="kamera-s3-writer",
-            log=_LOG,
-        )
-        self.counts = self._writes.counts
+        super().__init__(address, fingerprint, deadlines)
 
     @classmethod
-    def check_url(cls, url: str) -> None:
-        """Refuse a URL `parse_s3_url` refuses, connecting to nothing."""
-        parse_s3_url(url)
-
-    @classmethod
-    def from_url(cls, url: str, context: TierContext) -> S3Tier:
-        """The tier of the bucket ``url`` names, under ``context``'s model and deadlines."""
-        return cls(parse_s3_url(url), context.fingerprint, context.deadlines)
+    def parse_url(cls, url: str) -> S3Address:
+        """`parse_s3_url`: the bucket and options checked, connecting to nothing."""
+        return parse_s3_url(url)
 
     @classmethod
     def url_usage(cls, url: str, model: str | None = None) -> TierUsage:
@@ -113,7 +95,8 @@ class S3Tier(Tier):
         """The entry's payload once its sha256 matches its head, all of it by the deadline its
         tokens give (`Deadlines.for_tokens`)."""
         name, began = self._name(key), time.monotonic()
-        try:
+
+        def look() -> Lookup[Payload]:
             first = self._read(name, f"bytes=0-{HEAD_PEEK - 1}", began + self.deadlines.header)
             if first is None:
                 return Lookup.miss()
@@ -128,28 +111,22 @@ class S3Tier(Tier):
                     return Lookup.miss()
                 inline += rest[0]
             return Lookup.hit(assemble(head, inline, []))
-        except S3Unavailable as exc:
-            self._count("deadline_misses", int(isinstance(exc, DeadlineMissed)))
-            return Lookup.unavailable(str(exc))
-        except CorruptEntry as exc:
-            self.reject(key, exc)
-            return Lookup.rejected(str(exc))
+
+        return self._lookup(key, look)
 
     def peek(self, key: EntryKey) -> Lookup[Meta]:
         """The entry's codec metadata (a patch's state and meta) from its head alone."""
         name = self._name(key)
-        try:
+
+        def look() -> Lookup[Meta]:
             first = self._read(name, f"bytes=0-{HEAD_PEEK - 1}", time.monotonic() + self.deadlines.header)
             if first is None:
                 return Lookup.miss()
             head, _ = read_head(first[0])
             check_head(head, key, self._fingerprint, peek=True)
-        except S3Unavailable as exc:
-            return Lookup.unavailable(str(exc))
-        except CorruptEntry as exc:
-            self.reject(key, exc)
-            return Lookup.rejected(str(exc))
-        return Lookup.hit(head.info)
+            return Lookup.hit(head.info)
+
+        return self._lookup(key, look)
 
     def contains(self, key: EntryKey) -> Status:
         """Whether the bucket holds the entry (its bytes are checked only when read)."""
@@ -186,18 +163,7 @@ class S3Tier(Tier):
         self.drop(key)
 
     # -- writes ----------------------------------------------------------------------------------
-    def put(self, entry: Entry) -> Write:
-        """Queue the entry (serialized on the writer thread); not ``ok`` when the queue is full or
-        the tier closed (skipped and counted: the entry stays local)."""
-        return self._writes.put(entry)
-
-    def flush(self, timeout: float = 30.0) -> None:
-        """Wait until every queued write is done (or failed), at most ``timeout`` seconds."""
-        self._writes.flush(timeout)
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Drain the queue (within ``timeout``), stop the writer, stop taking calls. Idempotent."""
-        self._writes.close(timeout)
+    def _disconnect(self) -> None:
         self._calls.close()
 
     def report(self) -> dict[str, float]:
@@ -236,10 +202,11 @@ class S3Tier(Tier):
                 raise
             return answer["Body"].read(), str(answer.get("ETag", ""))
 
-        return self._calls.call(read, until)
-
-    def _count(self, name: str, n: int = 1) -> None:
-        self._writes.count(name, n)
+        try:
+            return self._calls.call(read, until)
+        except DeadlineMissed:
+            self._count("deadline_misses")
+            raise
 
     def _write(self, entry: Entry) -> int:
         """One object: the framed head with the payload inline, by the deadline its tokens give;
