@@ -132,7 +132,7 @@ T = TypeVar("T")
 
 class SharedTier(Tier, Generic[A]):
     """A place every process naming one URL shares (a Valkey/Redis server, an S3 bucket): keyed by
-    model, thread-safe, every put written to it behind the caller (`WriteBehind`). Thread-safe.
+    model, every put written to it behind the caller (`WriteBehind`). Thread-safe.
 
     A subclass says how its URL reads (`parse_url`), how one entry is written (`_write`, on the
     writer thread) and which of its client's errors mean "did not answer" (``unanswered``, and of

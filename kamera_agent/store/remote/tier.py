@@ -87,14 +87,14 @@ class RemoteTier(SharedTier[RemoteAddress]):
     def url_usage(cls, url: str, model: str | None = None) -> TierUsage:
         """kamera's entries on the server by kind and model, with its memory limit and policy
         (`kamera_agent.store.remote.admin.usage`: a cursor scan of kamera's keys)."""
-        address = parse_store_url(url)
+        address = cls.parse_url(url)
         with answered(address, RemoteUnavailable):
             return usage(address, model)
 
     @classmethod
     def url_clear(cls, url: str, model: str | None = None) -> int:
         """Delete kamera's keys on the server (`kamera_agent.store.remote.admin.clear`)."""
-        address = parse_store_url(url)
+        address = cls.parse_url(url)
         with answered(address, RemoteUnavailable):
             return clear(address, model)
 
