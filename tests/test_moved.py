@@ -60,5 +60,6 @@ def test_every_old_path_names_a_module_that_exists() -> None:
                 "kamera_agent.core.",
                 "kamera_agent.window.",
                 "kamera_agent.store.remote.",
+                "kamera_agent.engines.vllm.worker_thread",
             )
         ), old
