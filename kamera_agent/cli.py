@@ -108,7 +108,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
 
         return run_calibrate_command(args, console)
     if args.command == "store":
-        from kamera_agent.store.remote.command import run_store_command
+        from kamera_agent.store.command import run_store_command
 
         return run_store_command(args, console)
     if args.command == "serve":

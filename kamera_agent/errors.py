@@ -20,6 +20,7 @@ failed call never corrupts a window or a store.
     ├── StoreKeyError                an entry without the content key it must be stored under
     ├── StoreURLError                a store_url kamera cannot connect by (scheme, host, option)
     │   └── UnknownTierSchemeError   a store_url whose scheme no tier is registered for
+    ├── StoreUnavailableError        a shared store that did not answer ``kamera store``
     ├── StoreDirectoryError          a disk_dir kamera cannot use (not a directory, no access)
     ├── WindowError                  a window op that cannot be done as asked
     │   ├── UnknownChunkError        a ref this window does not know
@@ -72,6 +73,7 @@ __all__ = [
     "StoreDirectoryError",
     "StoreKeyError",
     "StoreURLError",
+    "StoreUnavailableError",
     "TokenizerNotFoundError",
     "UncalibratedWarning",
     "UnknownChunkError",
@@ -171,6 +173,11 @@ class StoreDirectoryError(KameraError, OSError):
 
 class StoreURLError(KameraError, ValueError):
     """A shared-store URL that names no server kamera can use (scheme, host list, option)."""
+
+
+class StoreUnavailableError(KameraError, ConnectionError):
+    """A shared store that did not answer an operator's command (``kamera store stats|clear``):
+    down, unreachable, or refusing the credentials; the message names the place."""
 
 
 class UnknownTierSchemeError(StoreURLError):

@@ -33,10 +33,13 @@ MOVED = {
     "kamera_agent.core.drift": "kamera_agent.fidelity",
     "kamera_agent.window.budget": "kamera_agent.fidelity",
     "kamera_agent.bench.prefix_cache": "kamera_agent.baselines.prefix_cache",
+    "kamera_agent.store.remote.command": "kamera_agent.store.command",
+    "kamera_agent.engines.vllm.worker_thread": "kamera_agent.threads",
 }
 """Old module path → where the module lives now (engine adapters left `backends`; the drift
 budget and its estimator gathered in `fidelity`; the prefix-cache baseline went below the
-benchmarks and the demo that both run it)."""
+benchmarks and the demo that both run it; ``kamera store`` serves every tier, not only the
+Valkey/Redis one; the worker thread serves the store's queues too)."""
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -34,7 +34,13 @@ print(moved[0].message)
 
 
 @pytest.mark.parametrize(
-    "old", ["kamera_agent.core.synthesis", "kamera_agent.backends.sglang.segments", "kamera_agent.core.drift"]
+    "old",
+    [
+        "kamera_agent.core.synthesis",
+        "kamera_agent.backends.sglang.segments",
+        "kamera_agent.core.drift",
+        "kamera_agent.store.remote.command",
+    ],
 )
 def test_an_old_path_is_the_new_module_with_a_warning(old: str) -> None:
     done = import_in_fresh_interpreter(old)
@@ -48,5 +54,12 @@ def test_every_old_path_names_a_module_that_exists() -> None:
     for old, new in MOVED.items():
         assert importlib.util.find_spec(new) is not None, new
         assert old.startswith(
-            ("kamera_agent.backends.", "kamera_agent.bench.", "kamera_agent.core.", "kamera_agent.window.")
+            (
+                "kamera_agent.backends.",
+                "kamera_agent.bench.",
+                "kamera_agent.core.",
+                "kamera_agent.window.",
+                "kamera_agent.store.remote.",
+                "kamera_agent.engines.vllm.worker_thread",
+            )
         ), old

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -45,6 +43,7 @@ import torch
 from kamera_agent.errors import KameraError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.store import EntryKey
+from kamera_agent.store.expiring import Expiring
 
 __all__ = [
     "FILED_FOR",
@@ -167,8 +166,11 @@ class Splits:
     """Lookups that found nothing in the known grids."""
     scans: int = field(default=0, init=False)
     """Of those, the ones that tried every other grid."""
-    _filed: OrderedDict[EntryKey, float] = field(default_factory=OrderedDict, init=False, repr=False)
+    _filed: Expiring[EntryKey] = field(init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._filed = Expiring(self.filed_for)
 
     def learn(self, split: Split) -> None:
         with self._lock:
@@ -185,23 +187,10 @@ class Splits:
 
     def filed(self, entries: Iterable[EntryKey]) -> None:
         """The workers filed ``entries`` (as they name them: shard entries or whole ones)."""
-        until = time.monotonic() + self.filed_for
-        with self._lock:
-            for entry in entries:
-                self._filed[entry] = until
-                self._filed.move_to_end(entry)
-            while len(self._filed) > 65536:  # bounded: the oldest go first
-                self._filed.popitem(last=False)
+        self._filed.add_all(entries)
 
     def was_filed(self, entry: EntryKey) -> bool:
-        with self._lock:
-            until = self._filed.get(entry)
-            if until is None:
-                return False
-            if time.monotonic() < until:
-                return True
-            del self._filed[entry]
-            return False
+        return entry in self._filed
 
 
 def shard_entry(entry: EntryKey, heads: Range, layers: Range, grid: tuple[int, int]) -> EntryKey:

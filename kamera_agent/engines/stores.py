@@ -25,6 +25,7 @@ from pathlib import Path
 from kamera_agent.checkpoints import cache_dir
 from kamera_agent.config import WindowConfig
 from kamera_agent.store import ChunkStore
+from kamera_agent.store.instrumented import TierGrowth
 
 __all__ = [
     "DEFAULT_DISK_BUDGET",
@@ -72,6 +73,7 @@ class StoreRegistry:
 
     def __init__(self) -> None:
         self._stores: dict[str, ChunkStore] = {}
+        self._growth: dict[int, TierGrowth] = {}
         self._lock = threading.Lock()
         self._pid = os.getpid()
 
@@ -81,16 +83,24 @@ class StoreRegistry:
         key = f"{fingerprint}|{config.model_dump_json()}|{config.shared_store_url}"
         with self._lock:
             if self._pid != os.getpid():  # forked: the parent's stores are the parent's
-                self._stores, self._pid = {}, os.getpid()
+                self._stores, self._growth, self._pid = {}, {}, os.getpid()
             if key not in self._stores:
                 self._stores[key] = engine_store(fingerprint, config)
             return self._stores[key]
+
+    def tier_growth(self, store: ChunkStore) -> dict[str, dict[str, float]]:
+        """What ``store``'s tiers did since the last call for it in this process (`TierGrowth`):
+        the adapter's parts that share a process share its store (vLLM's scheduler and worker
+        sides in one process), and each count must reach the engine's metrics once."""
+        with self._lock:
+            growth = self._growth.setdefault(id(store), TierGrowth())
+        return growth.since(store.tier_stats())
 
     def close(self) -> None:
         """Close every store opened here (`ChunkStore.close`) and forget them: a later `open`
         opens a fresh one."""
         with self._lock:
-            stores, self._stores = list(self._stores.values()), {}
+            stores, self._stores, self._growth = list(self._stores.values()), {}, {}
         for store in stores:
             store.close()
 

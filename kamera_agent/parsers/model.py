@@ -53,9 +53,10 @@ def add_store_parser(commands: Any) -> None:
     store = add_command(
         commands,
         "store",
-        "a shared Valkey/Redis store: what it holds, or empty it",
-        "Count kamera's entries on a shared Valkey/Redis store by kind and model, or delete them: "
-        "the store the workers share, named as they name it.",
+        "a shared store (Valkey/Redis, S3, any registered tier): what it holds, or empty it",
+        "Count kamera's entries on a shared store by kind and model, or delete them: the URL's "
+        "scheme names the tier (redis://, valkey://, s3://, any registered one): the store the "
+        "workers share, named as they name it.",
     )
     store.add_argument(
         "action", choices=("stats", "clear"), help="stats: count kamera's entries; clear: delete them"

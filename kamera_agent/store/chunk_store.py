@@ -51,7 +51,7 @@ from kamera_agent.store.budget import EvictionPolicy, check_budget, check_fits, 
 from kamera_agent.store.codec import StoredValue, entry_nbytes, fingerprint_of
 from kamera_agent.store.deadlines import DeadlinePolicy, Deadlines
 from kamera_agent.store.disk import DiskTier
-from kamera_agent.store.instrumented import InstrumentedTier
+from kamera_agent.store.instrumented import InstrumentedTier, TierStats
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.memory import MemoryTier
 from kamera_agent.store.registry import TIERS, TierRegistry
@@ -391,9 +391,13 @@ class ChunkStore:
                 outdated_dropped=c["outdated"],
                 unavailable=c["unavailable"],
                 unsigned_refused=c["unsigned"],
-                tiers={tier.name: tier.stats() for tier in self._below},
+                tiers=self.tier_stats(),
                 **remote_stats(self._remote, self._log.counts),
             )
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """``stats().tiers`` alone, without the store's lock: what an engine reads every step."""
+        return {tier.name: tier.stats() for tier in self._below}
 
     def events(self) -> list[StoreEvent]:
         """The most recent events, oldest first (the log keeps ``event_capacity`` of them)."""

@@ -27,7 +27,7 @@ from kamera_agent.store.codec import CorruptEntry
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, Write
 
-__all__ = ["InstrumentedTier", "TierSeries", "TierStats", "tier_series"]
+__all__ = ["InstrumentedTier", "TierGrowth", "TierSeries", "TierStats", "tier_numbers", "tier_series"]
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -203,30 +203,58 @@ _GET_COUNTER = {
 }
 
 
-def tier_series(tiers: Mapping[str, TierStats]) -> list[TierSeries]:
+def tier_numbers(stats: TierStats) -> dict[str, float]:
+    """One tier's counts and seconds (every `TierStats` counter), then what it reports, flat."""
+    counted = {name: float(getattr(stats, name)) for name in _HELP}
+    return counted | {name: value for name, value in stats.report.items() if name not in _HELP}
+
+
+def tier_series(tiers: Mapping[str, TierStats | Mapping[str, float]]) -> list[TierSeries]:
     """Every tier's numbers as exporter series, one per `TierStats` field and `Tier.report` entry,
     each with a value per tier name: an exporter (serve's ``/metrics``, an engine's stats) walks
-    these and knows no tier. Counts and seconds only grow (counters); reported numbers are gauges."""
-    series = [
+    these and knows no tier. Counts and seconds only grow (counters); reported numbers are gauges.
+
+    ``tiers`` maps a tier's name to its `TierStats`, or to numbers already flat (`tier_numbers`,
+    or what `TierGrowth` says grew: a series then has a value for the tiers that name it)."""
+    numbers = {t: tier_numbers(s) if isinstance(s, TierStats) else s for t, s in tiers.items()}
+    reported = sorted({name for values in numbers.values() for name in values} - set(_HELP))
+    return [
         TierSeries(
             f"store_tier_{name}",
-            "counter",
-            _HELP[name],
-            {tier: float(getattr(s, name)) for tier, s in tiers.items()},
+            "counter" if name in _HELP else "gauge",
+            _HELP.get(name) or f"{name.replace('_', ' ')}, as the tier reports it",
+            {tier: values[name] for tier, values in numbers.items() if name in values},
         )
-        for name in _HELP
+        for name in [*_HELP, *reported]
     ]
-    reported = sorted({name for s in tiers.values() for name in s.report} - set(_HELP))
-    series += [
-        TierSeries(
-            f"store_tier_{name}",
-            "gauge",
-            f"{name.replace('_', ' ')}, as the tier reports it",
-            {tier: s.report[name] for tier, s in tiers.items() if name in s.report},
-        )
-        for name in reported
-    ]
-    return series
+
+
+class TierGrowth:
+    """What tiers did since the last call: for an exporter that is sent differences and adds them
+    up (vLLM's connector stats, summed over ranks and steps). Thread-safe.
+
+    A reported number (a gauge) is sent as its change too, so the sums an exporter keeps are, for
+    each tier name, the sum of the current values over the processes that report it.
+    """
+
+    def __init__(self) -> None:
+        self._before: dict[str, dict[str, float]] = {}
+        self._lock = threading.Lock()
+
+    def since(self, tiers: Mapping[str, TierStats]) -> dict[str, dict[str, float]]:
+        """Per tier name, the numbers (`tier_numbers`) that changed since the last call, by how
+        much; tiers where none did are left out."""
+        now = {tier: tier_numbers(stats) for tier, stats in tiers.items()}
+        with self._lock:
+            before, self._before = self._before, now
+        grown = {tier: _changed(values, before.get(tier, {})) for tier, values in now.items()}
+        return {tier: changed for tier, changed in grown.items() if changed}
+
+
+def _changed(now: Mapping[str, float], before: Mapping[str, float]) -> dict[str, float]:
+    return {
+        name: value - before.get(name, 0.0) for name, value in now.items() if value != before.get(name, 0.0)
+    }
 
 
 @dataclass(frozen=True)

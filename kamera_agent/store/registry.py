@@ -24,7 +24,7 @@ from importlib.metadata import entry_points
 from kamera_agent.errors import StoreURLError, UnknownTierSchemeError
 from kamera_agent.store.tier import Tier, TierContext
 
-__all__ = ["BUILTIN_TIERS", "ENTRY_POINT_GROUP", "TIERS", "TierRegistry", "scheme_of"]
+__all__ = ["BUILTIN_TIERS", "ENTRY_POINT_GROUP", "TIERS", "TierRegistry", "masked_url", "scheme_of"]
 
 _REMOTE = "kamera_agent.store.remote.tier:RemoteTier"
 BUILTIN_TIERS: dict[str, str] = {
@@ -141,7 +141,7 @@ class TierRegistry:
     def _unknown(self, url: str, scheme: str) -> UnknownTierSchemeError:
         said = f"scheme {scheme!r}" if scheme else "no scheme"
         return UnknownTierSchemeError(
-            f"store URL {_safe(url)!r} has {said}, and no tier is registered for it; registered: "
+            f"store URL {masked_url(url)!r} has {said}, and no tier is registered for it; registered: "
             f"{', '.join(self.schemes)}. Write one of those (e.g. redis://host:6379/0, "
             "s3://bucket/prefix), or register a tier: kamera_agent.store.registry.TIERS.register"
             f"({scheme or 'scheme'!r}, 'module.path:ClassName')"
@@ -163,7 +163,7 @@ def _load(scheme: str, target: str) -> type[Tier]:
     return found
 
 
-def _safe(url: str) -> str:
+def masked_url(url: str) -> str:
     """``url`` with any password masked (messages never print one)."""
     scheme, sep, rest = url.partition("://")
     netloc, slash, path = rest.partition("/")

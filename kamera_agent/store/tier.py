@@ -28,10 +28,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from kamera_agent.errors import StoreURLError
 from kamera_agent.store.codec import CorruptEntry, StoredValue, serialize
 from kamera_agent.store.deadlines import Deadlines
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.signing import Signer
+from kamera_agent.store.usage import TierUsage
 
 __all__ = ["Entry", "Lookup", "Meta", "Payload", "Status", "Tier", "TierContext", "Write"]
 
@@ -217,6 +219,25 @@ class Tier(ABC):
         hand (memory, disk, a test's fake) keeps this refusal."""
         raise TypeError(f"{cls.__name__} cannot be opened from a URL: give it a from_url classmethod")
 
+    @classmethod
+    def url_usage(cls, url: str, model: str | None = None) -> TierUsage:
+        """Count kamera's entries at ``url`` (of ``model`` only, when given): ``kamera store
+        stats``. A shared tier that can list what it holds overrides this refusal.
+
+        Raises:
+            StoreURLError: this tier cannot list its entries.
+            StoreUnavailableError: the place did not answer.
+        """
+        raise StoreURLError(f"{cls.__name__} ({url.partition(':')[0]}://) cannot count its entries: {_ADMIN}")
+
+    @classmethod
+    def url_clear(cls, url: str, model: str | None = None) -> int:
+        """Delete kamera's entries at ``url`` (of ``model`` only, when given), returning how many
+        keys went: ``kamera store clear``. Overridden like `url_usage`."""
+        raise StoreURLError(
+            f"{cls.__name__} ({url.partition(':')[0]}://) cannot delete its entries: {_ADMIN}"
+        )
+
     @classmethod  # noqa: B027  (an optional hook: nothing to check by default)
     def check_url(cls, url: str) -> None:
         """Refuse a URL this tier could never open (`StoreURLError`, naming the fix) before any
@@ -233,3 +254,6 @@ class Tier(ABC):
 
     def close(self) -> None:  # noqa: B027  (an optional hook: a no-op unless overridden)
         """Finish and release what the tier holds open (idempotent); nothing to do by default."""
+
+
+_ADMIN = "use the tools of the place that holds them, or give the tier url_usage and url_clear classmethods"

@@ -133,10 +133,33 @@ def test_every_tier_reaches_metrics_without_code_of_its_own(tmp_path: object) ->
     assert "# TYPE kamera_store_tier_get_seconds_total counter" in text
 
 
-def test_kamera_store_names_a_url_of_another_tier_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+def test_kamera_store_refuses_a_tier_that_cannot_count_in_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kamera_agent.cli import main
 
-    for url, said in (("s3://bucket/p", "aws s3"), ("ftp://host", "registered: ")):
+    registry = TierRegistry()
+    registry.register("fake", UrlFakeTier)
+    monkeypatch.setattr("kamera_agent.store.command.TIERS", registry)
+    for url, said in (("fake://a", "cannot count its entries"), ("ftp://host", "registered: ")):
         assert main(["store", "stats", "--url", url]) == 2
         out = capsys.readouterr().out
         assert said in out and "Traceback" not in out
+
+
+def test_what_grew_is_each_tier_change_once_per_store_in_a_process() -> None:
+    from kamera_agent.engines.stores import StoreRegistry
+    from kamera_agent.store.instrumented import tier_series
+
+    registry, fake = StoreRegistry(), FakeTier(label="x")
+    with ChunkStore(fingerprint=FP, memory_budget=1 << 20, tiers=[fake]) as store:
+        store.put_canonical(make_kv("a", 4))
+        first = registry.tier_growth(store)
+        assert first["fake"]["puts"] == 1 and first["fake"]["bytes_written"] > 0
+        assert registry.tier_growth(store) == {}  # a second caller of one store gets only what is new
+        fake.down = True
+        assert store.get_canonical("missing") is None
+        grown = registry.tier_growth(store)["fake"]
+    assert grown["gets"] == grown["unavailable"] == 1 and "puts" not in grown
+    series = {s.name: s for s in tier_series({"fake": grown})}
+    assert series["store_tier_unavailable"].values == {"fake": 1.0} and series["store_tier_puts"].values == {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import boto3
 import pytest
@@ -115,3 +116,32 @@ def test_a_lost_bucket_never_stalls_a_lookup(server: str, silent_port: int) -> N
         and stats.unavailable == 41
         and stats.tiers["s3"].report["up"] == 0.0
     )
+
+
+def test_the_store_command_counts_and_clears_a_buckets_entries(
+    s3_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kamera_agent.cli import main
+
+    other_fp = "f" * 64
+    for fingerprint, keys in ((FP, "ab"), (other_fp, "a")):  # default deadlines: every write lands
+        with ChunkStore(fingerprint=fingerprint, memory_budget=1 << 24, urls=[s3_url]) as store:
+            for key in keys:
+                store.put_canonical(replace(make_kv(key, 12), model_fingerprint=fingerprint))
+            store.flush()
+            assert store.stats().tiers["s3"].report["writes"] == len(keys)
+    _overwrite(s3_url, "cache/notes.txt", b"another owner's object")
+
+    assert main(["store", "stats", "--url", s3_url]) == 0
+    out = capsys.readouterr().out
+    assert "canonical" in out and f"{FP[:16]}… 2" in out and "ffffffffffffffff… 1" in out, out
+    assert "1 other objects" in out
+    assert main(["store", "clear", "--url", s3_url]) == 2  # asks for --yes first
+    assert main(["store", "clear", "--url", s3_url, "--model", other_fp, "--yes"]) == 0
+    assert "removed 1 keys" in capsys.readouterr().out
+    assert main(["store", "clear", "--url", s3_url, "--yes"]) == 0
+    assert "removed 2 keys" in capsys.readouterr().out, list(_objects(s3_url))
+    assert list(_objects(s3_url)) == ["cache/notes.txt"]  # what is not kamera's stays
+    gone = s3_url.replace("endpoint=http://127.0.0.1:", "endpoint=http://127.0.0.1:1").split("&")[0]
+    assert main(["store", "stats", "--url", gone]) == 1
+    assert "did not answer" in capsys.readouterr().out

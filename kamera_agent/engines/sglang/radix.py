@@ -48,6 +48,7 @@ from kamera_agent.engines.lifecycle import (
 from kamera_agent.engines.load_plan import EngineStats, Loaded, LoadPlan, RequestChunk
 from kamera_agent.engines.prefill_clock import MIN_TOKENS
 from kamera_agent.engines.sglang.kept import KeptSlots
+from kamera_agent.engines.sglang.metrics import CacheExport
 from kamera_agent.engines.sglang.pool import SGLangSlots
 from kamera_agent.engines.sglang.segments import ChunkRules, request_chunks
 from kamera_agent.engines.slots import request_positions
@@ -104,6 +105,18 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         """The store's deadlines, told each request's first prefill time per token (timed from
         its admission's match to its first publish: `kamera_agent.store.deadlines`)."""
         self._admitted: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        self.export = self._export(params, store)
+        """kamera's series on SGLang's ``/metrics`` (``--enable-metrics``), else ``None``."""
+
+    def _export(self, params: Any, store: ChunkStore | None) -> CacheExport | None:
+        """SGLang exports metrics: kamera's go beside its radix-cache series, under their labels."""
+        if store is None or not getattr(params, "enable_metrics", False):
+            return None
+        try:
+            return CacheExport(store, dict(getattr(self.metrics_collector, "labels", None) or {}))
+        except Exception as exc:  # no series, as without --enable-metrics: the cache serves on
+            self.faults.caught("metrics", exc)
+            return None
 
     @property
     def kv_pool(self) -> Any:
@@ -261,6 +274,8 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         try:
             self._cut.pop(req.rid, None)
             self._admitted.pop(req.rid, None)
+            if self.export is not None:
+                self.export.publish(self.stats, self.faults.as_dict())
         except Exception as exc:
             self.faults.caught("on_release", exc)
 

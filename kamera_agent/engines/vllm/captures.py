@@ -46,8 +46,8 @@ from typing import Any
 import torch
 
 from kamera_agent.engines.faults import HookFaults
-from kamera_agent.engines.vllm.worker_thread import WorkerThread
 from kamera_agent.store import EntryKey
+from kamera_agent.threads import WorkerThread
 
 __all__ = ["CaptureWriter", "Copied", "HeldBlocks", "copy_out"]
 
@@ -204,16 +204,12 @@ class CaptureWriter:
                 self._queue.appendleft(item)
             self._lock.notify_all()
 
+    def _taken(self, copied: Copied) -> None:
+        if copied.copy is not None:  # a deferred copy, made on the thread from now
+            self._copying = copied
+
     def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue and not self._worker.closed:
-                    self._lock.wait()
-                if not self._queue:
-                    return
-                copied = self._queue.popleft()
-                if copied.copy is not None:
-                    self._copying = copied
+        for copied in self._worker.items(self._queue, self._taken):
             try:
                 if copied.copy is not None:
                     try:

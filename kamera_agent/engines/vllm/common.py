@@ -140,10 +140,12 @@ class ConnectorSide:
         copy is a real memory copy); vLLM then holds a request's blocks until they are."""
 
     def get_kv_connector_stats(self) -> KameraConnectorStats | None:
-        """What this side counted since its last report (`kamera_agent.engines.vllm.metrics`):
-        vLLM sums the workers', adds the scheduler's and exports them on ``/metrics``."""
+        """What this side counted since its last report, and what the store's tiers did
+        (`kamera_agent.engines.vllm.metrics`): vLLM sums the workers', adds the scheduler's and
+        exports them on ``/metrics``."""
         try:
-            return self._reports.since(self.stats, self.faults.as_dict())
+            report = self._reports.since(self.stats, self.faults.as_dict(), STORES.tier_growth(self.store))
+            return None if report is None else KameraConnectorStats(data=report)
         except Exception as exc:  # a report missed: the counters lag, nothing else
             self.faults.caught("get_kv_connector_stats", exc)
             return None

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from kamera_agent.engines.faults import HookFaults
-from kamera_agent.engines.vllm.worker_thread import WorkerThread
 from kamera_agent.store import EntryKey
+from kamera_agent.threads import WorkerThread
 
 __all__ = ["BackgroundLoads", "Load", "LoadId", "LoadResults"]
 
@@ -111,13 +111,7 @@ class BackgroundLoads:
         self._worker.close(timeout)
 
     def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._jobs and not self._worker.closed:
-                    self._lock.wait()
-                if not self._jobs:
-                    return
-                job = self._jobs.popleft()
+        for job in self._worker.items(self._jobs):
             outcomes = [self._one(load) for load in job]
             if self._stream is not None:
                 self._stream.synchronize()  # written before vLLM is told

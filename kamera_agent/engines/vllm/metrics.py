@@ -12,7 +12,7 @@ the scheduler side counts offers, the worker side loads, failed loads and captur
 the faults caught at their hooks. Under tensor parallelism the workers' counts are summed over
 ranks (each rank loads and captures its own piece of a chunk).
 
-Exported (every one a counter, labelled with vLLM's ``model_name`` and ``engine``):
+Exported (labelled with vLLM's ``model_name`` and ``engine``; counters but the tiers' reports):
 
 ==================================== ==================================================
 ``vllm:kamera_offered_requests_total``  requests the store offered tokens to
@@ -26,19 +26,35 @@ Exported (every one a counter, labelled with vLLM's ``model_name`` and ``engine`
 ``vllm:kamera_refused_kept_total``      requests whose kept states the drift budget refused
 ``vllm:kamera_dropped_captures_total``  captures dropped: the background writer's queue was full
 ``vllm:kamera_faults_total``            faults caught at a hook (labels ``hook``, ``kind``)
+``vllm:kamera_store_tier_<field>_total`` each store tier's counts and seconds (label ``tier``)
+``vllm:kamera_store_tier_<name>``       what each tier reports (``up``, ``pending_bytes``; gauges)
 ==================================== ==================================================
+
+The table, the report and the counters are the engine-neutral `kamera_agent.engines.exports`
+(SGLang's plugin exports the same series as ``sglang:kamera_*``); the tier series are the ones
+``kamera serve`` exports, with no code per tier.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from kamera_agent.engines.exports import (
+    EngineCounters,
+    Reports,
+    add_reports,
+    is_empty,
+    reduce_report,
+)
 from kamera_agent.engines.load_plan import EngineStats
 
-__all__ = ["COUNTERS", "ConnectorStats", "KameraConnectorStats", "KameraPromMetrics", "Reports"]
+__all__ = ["PREFIX", "ConnectorStats", "KameraConnectorStats", "KameraPromMetrics", "Reports"]
+
+PREFIX = "vllm:kamera_"
+"""The name prefix of kamera's series on ``vllm serve``'s ``/metrics``."""
 
 
 @dataclass
@@ -53,38 +69,15 @@ class ConnectorStats(EngineStats):
     captures_dropped: int = 0
 
 
-COUNTERS: dict[str, tuple[str, str]] = {
-    "offered": ("vllm:kamera_offered_requests", "Requests kamera's store offered tokens to."),
-    "tokens_offered": ("vllm:kamera_offered_tokens", "Prompt tokens kamera offered (blocks vLLM allocated)."),
-    "loads": ("vllm:kamera_loads", "Loads kamera wrote into vLLM's KV blocks."),
-    "tokens_loaded": ("vllm:kamera_loaded_tokens", "Prompt tokens kamera wrote from its store."),
-    "chunks_loaded": ("vllm:kamera_loaded_chunks", "Chunk pieces kamera wrote from its store."),
-    "failed": ("vllm:kamera_failed_loads", "Loads kamera gave up: vLLM computed those blocks."),
-    "chunks_captured": ("vllm:kamera_captured_chunks", "Chunk states kamera captured from vLLM's prefills."),
-    "tokens_kept": ("vllm:kamera_kept_tokens", "Prompt tokens kamera offered in kept (approximate) states."),
-    "kept_refused": (
-        "vllm:kamera_refused_kept",
-        "Requests whose kept states no audit vouched for within the drift budget (vLLM computed them).",
-    ),
-    "captures_dropped": (
-        "vllm:kamera_dropped_captures",
-        "Captures kamera dropped: its background writer's queue was full.",
-    ),
-}
-"""`ConnectorStats` field -> (Prometheus name without ``_total``, help text)."""
-FAULTS = ("vllm:kamera_faults", "Faults caught at a kamera connector hook (the request went on without).")
-
-_COUNTS, _FAULTS = "counts", "faults"
-
-
 @dataclass
 class KameraConnectorStats(KVConnectorStats):  # type: ignore[misc]
-    """One report of counts since the last (``data``: ``{"counts": {field: n}, "faults":
-    {"hook:Kind": n}}``, plain ints: it crosses processes as msgpack)."""
+    """One report of counts since the last (``data``: a `kamera_agent.engines.exports` report,
+    plain numbers: it crosses processes as msgpack)."""
+
+    data: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.data.setdefault(_COUNTS, {})
-        self.data.setdefault(_FAULTS, {})
+        self.data = add_reports(self.data, {})
 
     @classmethod
     def of(cls, data: dict[str, Any] | None = None) -> KameraConnectorStats:
@@ -92,52 +85,24 @@ class KameraConnectorStats(KVConnectorStats):  # type: ignore[misc]
         return cls(data=dict(data or {}))
 
     def reset(self) -> None:
-        self.data: dict[str, Any] = {_COUNTS: {}, _FAULTS: {}}
+        self.data = add_reports({}, {})
 
     def aggregate(self, other: KVConnectorStats) -> KameraConnectorStats:
         """The sum of both reports (another connector's stats are ignored)."""
         if not isinstance(other, KameraConnectorStats):
             return self
-        return KameraConnectorStats(
-            data={part: _sum(self.data[part], other.data[part]) for part in (_COUNTS, _FAULTS)}
-        )
+        return KameraConnectorStats(data=add_reports(self.data, other.data))
 
     def reduce(self) -> dict[str, int | float]:
-        return {**self.data[_COUNTS], **{f"faults[{key}]": n for key, n in self.data[_FAULTS].items()}}
+        return reduce_report(self.data)
 
     def is_empty(self) -> bool:
-        return not any(self.data[_COUNTS].values()) and not any(self.data[_FAULTS].values())
-
-
-def _sum(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    return {key: a.get(key, 0) + b.get(key, 0) for key in a.keys() | b.keys()}
-
-
-class Reports:
-    """What one connector side has reported so far: each report is the difference since the last."""
-
-    def __init__(self) -> None:
-        self._counts: dict[str, int] = {}
-        self._faults: dict[str, int] = {}
-
-    def since(self, stats: EngineStats, faults: dict[str, int]) -> KameraConnectorStats | None:
-        """The counts that grew since the last call (``None``: nothing did, vLLM sends nothing)."""
-        now = dict(vars(stats))  # flat ints: `dataclasses.asdict`'s deep copy cost 30 µs a step
-        counts = _grown(now, self._counts)
-        grown = _grown(faults, self._faults)
-        if not counts and not grown:
-            return None
-        self._counts, self._faults = now, dict(faults)
-        return KameraConnectorStats(data={_COUNTS: counts, _FAULTS: grown})
-
-
-def _grown(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
-    return {key: n - before.get(key, 0) for key, n in now.items() if n != before.get(key, 0)}
+        return is_empty(self.data)
 
 
 class KameraPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
-    """kamera's counters, registered through the metric classes vLLM hands in (its
-    multiprocess-safe ones when the API server runs several processes)."""
+    """kamera's counters (`EngineCounters`), registered through the metric classes vLLM hands in
+    (its multiprocess-safe ones when the API server runs several processes)."""
 
     def __init__(
         self,
@@ -147,25 +112,8 @@ class KameraPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        from vllm.v1.metrics.utils import create_metric_per_engine
-
-        self._counters = {  # one child per engine from the start: a counter reads 0, not absent
-            name: create_metric_per_engine(
-                self._counter_cls(name=metric, documentation=doc, labelnames=labelnames),
-                per_engine_labelvalues,
-            )
-            for name, (metric, doc) in COUNTERS.items()
-        }
-        self._faults = self._counter_cls(
-            name=FAULTS[0], documentation=FAULTS[1], labelnames=[*labelnames, "hook", "kind"]
-        )
+        metric = {"counter": self._counter_cls, "gauge": self._gauge_cls}
+        self._series = EngineCounters(PREFIX, metric, labelnames, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for name, n in (transfer_stats_data.get(_COUNTS) or {}).items():
-            if name in self._counters and n > 0:
-                self._counters[name][engine_idx].inc(n)
-        labels = self.per_engine_labelvalues[engine_idx]
-        for key, n in (transfer_stats_data.get(_FAULTS) or {}).items():
-            hook, _, kind = str(key).partition(":")
-            if n > 0:
-                self._faults.labels(*labels, hook, kind).inc(n)
+        self._series.observe(transfer_stats_data, engine_idx)

@@ -8,13 +8,13 @@ or to their TTL). Scans are cursor-based (``SCAN``), so a large store is never b
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
 from kamera_agent.store.remote.address import RemoteAddress
 from kamera_agent.store.remote.connection import Connection
+from kamera_agent.store.usage import TierUsage
 
 __all__ = ["RemoteUsage", "clear", "usage"]
 
@@ -23,21 +23,13 @@ _ADMIN_TIMEOUT = 10.0  # a scan batch may take longer than an op's lookup
 
 
 @dataclass
-class RemoteUsage:
-    """kamera's entries on a shared store (``usage``).
+class RemoteUsage(TierUsage):
+    """kamera's entries on a shared store (``usage``), with the server's memory settings.
 
     Attributes:
-        entries: entries by kind (``canonical``, ``full``, ``vision``, ``patch``).
-        nbytes: value bytes by kind, heads and parts together.
-        parts: part values (pieces of large entries) among them.
-        models: entries by model fingerprint.
         server: the server's ``used_memory``, ``maxmemory``, ``maxmemory_policy`` (first node).
     """
 
-    entries: Counter[str] = field(default_factory=Counter)
-    nbytes: Counter[str] = field(default_factory=Counter)
-    parts: int = 0
-    models: Counter[str] = field(default_factory=Counter)
     server: dict[str, Any] = field(default_factory=dict)
 
 
@@ -61,6 +53,10 @@ def usage(address: RemoteAddress, model: str | None = None) -> RemoteUsage:
                     found.entries[kind] += 1
                     found.models[fingerprint] += 1
         found.server = _server_memory(address)
+        found.notes.append(
+            f"server: used_memory {found.server.get('used_memory')} bytes, maxmemory "
+            f"{found.server.get('maxmemory')} (0: unlimited), policy {found.server.get('maxmemory_policy')}"
+        )
     finally:
         connection.close()
     return found

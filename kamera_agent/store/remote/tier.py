@@ -23,18 +23,17 @@ computes the entry.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
-import threading
 import time
-from collections import Counter, deque
 from typing import Any
 
 from kamera_agent.store.codec import CorruptEntry, OutdatedEntry
 from kamera_agent.store.deadlines import Deadlines
+from kamera_agent.store.expiring import Expiring
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.remote.address import RemoteAddress, parse_store_url
+from kamera_agent.store.remote.admin import clear, usage
 from kamera_agent.store.remote.connection import Connection, DeadlineMissed, RemoteUnavailable
 from kamera_agent.store.remote.framing import (
     HEAD_PEEK,
@@ -46,7 +45,9 @@ from kamera_agent.store.remote.framing import (
     part_names,
     read_head,
 )
-from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, TierContext, Write
+from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Write
+from kamera_agent.store.usage import TierUsage, answered
+from kamera_agent.store.write_behind import SharedTier
 
 __all__ = ["ABSENT_FOR", "RemoteTier"]
 
@@ -55,7 +56,7 @@ ABSENT_FOR = 1.0
 """Seconds a miss is remembered: another process's write becomes visible within this time."""
 
 
-class RemoteTier(Tier):
+class RemoteTier(SharedTier[RemoteAddress]):
     """Encoded entries of one model on a Valkey/Redis server or cluster.
 
     Thread-safe. A daemon thread writes in the background; `close` drains it.
@@ -68,49 +69,48 @@ class RemoteTier(Tier):
     """
 
     name = "remote"
-    locked = False
-    keyed_by_model = True
-    written_on_put = True
+    unanswered = RemoteUnavailable
+    cut = DeadlineMissed
 
     def __init__(self, address: RemoteAddress, fingerprint: str, deadlines: Deadlines | None = None) -> None:
-        self.address = address
-        self.location = str(address)
-        self.deadlines = deadlines or Deadlines()
-        self._fingerprint = fingerprint
         self._connection = Connection(address)
-        self._lock = threading.Condition()
-        self._queue: deque[Entry] = deque()
-        self._pending = 0  # bytes queued or being written
-        self._closing = False
-        self._absent: dict[str, float] = {}
-        self.counts: Counter[str] = Counter()
-        self._writer = threading.Thread(target=self._write_loop, name="kamera-store-writer", daemon=True)
-        self._writer.start()
-        atexit.register(self._finish_at_exit)  # a process that never closes its store still shares
+        self._absent: Expiring[str] = Expiring(ABSENT_FOR)
+        super().__init__(address, fingerprint, deadlines)
         self._probe()  # says so at once (one warning) when the server is not there
 
     @classmethod
-    def check_url(cls, url: str) -> None:
-        """Refuse a URL `parse_store_url` refuses (scheme, hosts, options), connecting to nothing."""
-        parse_store_url(url)
+    def parse_url(cls, url: str) -> RemoteAddress:
+        """`parse_store_url`: scheme, hosts and options checked, connecting to nothing."""
+        return parse_store_url(url)
 
     @classmethod
-    def from_url(cls, url: str, context: TierContext) -> RemoteTier:
-        """The tier of the server ``url`` names (`parse_store_url`), under ``context``'s deadlines."""
-        return cls(parse_store_url(url), context.fingerprint, context.deadlines)
+    def url_usage(cls, url: str, model: str | None = None) -> TierUsage:
+        """kamera's entries on the server by kind and model, with its memory limit and policy
+        (`kamera_agent.store.remote.admin.usage`: a cursor scan of kamera's keys)."""
+        address = cls.parse_url(url)
+        with answered(address, RemoteUnavailable):
+            return usage(address, model)
+
+    @classmethod
+    def url_clear(cls, url: str, model: str | None = None) -> int:
+        """Delete kamera's keys on the server (`kamera_agent.store.remote.admin.clear`)."""
+        address = cls.parse_url(url)
+        with answered(address, RemoteUnavailable):
+            return clear(address, model)
 
     # -- reads -----------------------------------------------------------------------------------
     def get(self, key: EntryKey) -> Lookup[Payload]:
         """The entry's payload once its sha256 matches its head (the store deserializes it), all
         of it by the deadline its head's token count gives (`Deadlines.for_tokens`)."""
         name = self._name(key)
-        if self._known_absent(name):
+        if name in self._absent:
             return Lookup.miss("absent a moment ago")
         began = time.monotonic()
-        try:
+
+        def look() -> Lookup[Payload]:
             prefix = self._call(lambda c: c.getrange(name, 0, HEAD_PEEK - 1), began + self.deadlines.header)
             if not prefix:
-                self._remember_absent(name)
+                self._absent.add(name)
                 return Lookup.miss()
             head, inline = read_head(prefix)
             self._check(head, key)
@@ -124,36 +124,31 @@ class RemoteTier(Tier):
             parts = part_names(name, head)
             fetched = self._call(lambda c: _get_all(c, parts), until) if parts else []
             return Lookup.hit(assemble(head, inline, fetched))
-        except RemoteUnavailable as exc:
-            return Lookup.unavailable(str(exc))
-        except CorruptEntry as exc:
-            self.reject(key, exc)
-            return Lookup.rejected(str(exc))
+
+        return self._lookup(key, look)
 
     def peek(self, key: EntryKey) -> Lookup[Meta]:
         """The codec metadata of the entry (a patch's state and meta) without its tensors."""
         name = self._name(key)
-        if self._known_absent(name):
+        if name in self._absent:
             return Lookup.miss("absent a moment ago")
         until = time.monotonic() + self.deadlines.header
-        try:
+
+        def look() -> Lookup[Meta]:
             prefix = self._call(lambda client: client.getrange(name, 0, HEAD_PEEK - 1), until)
             if not prefix:
-                self._remember_absent(name)
+                self._absent.add(name)
                 return Lookup.miss()
             head, _ = read_head(prefix)
             self._check(head, key, peek=True)
-        except RemoteUnavailable as exc:
-            return Lookup.unavailable(str(exc))
-        except CorruptEntry as exc:
-            self.reject(key, exc)
-            return Lookup.rejected(str(exc))
-        return Lookup.hit(head.info)
+            return Lookup.hit(head.info)
+
+        return self._lookup(key, look)
 
     def contains(self, key: EntryKey) -> Status:
         """Whether the server holds the entry's head (its parts are checked only when read)."""
         name = self._name(key)
-        if self._known_absent(name):
+        if name in self._absent:
             return Status.MISS
         until = time.monotonic() + self.deadlines.header
         try:
@@ -161,13 +156,13 @@ class RemoteTier(Tier):
         except RemoteUnavailable:
             return Status.UNAVAILABLE
         if not found:
-            self._remember_absent(name)
+            self._absent.add(name)
         return Status.HIT if found else Status.MISS
 
     def drop(self, key: EntryKey) -> None:
         """Delete the entry's head (its parts expire with their TTL or are evicted)."""
         name = self._name(key)
-        self._remember_absent(name)
+        self._absent.add(name)
         with contextlib.suppress(RemoteUnavailable):
             self._connection.call(lambda client: client.delete(name))
 
@@ -181,29 +176,12 @@ class RemoteTier(Tier):
     def put(self, entry: Entry) -> Write:
         """Queue the entry (serialized on the writer thread); not ``ok`` when the queue is full (the
         write is skipped and counted: the entry stays local)."""
-        with self._lock:
-            if self._closing or self._pending + entry.nbytes > self.address.pending_bytes:
-                self.counts["writes_skipped"] += 1
-                return Write(False, "the write queue is full" if not self._closing else "closed")
-            self._queue.append(entry)
-            self._pending += entry.nbytes
-            self._absent.pop(self._name(entry.key), None)
-            self._lock.notify_all()
-        return Write.done()
+        write = super().put(entry)
+        if write.ok:
+            self._absent.discard(self._name(entry.key))
+        return write
 
-    def flush(self, timeout: float = 30.0) -> None:
-        """Wait until every queued write is done (or failed), at most ``timeout`` seconds."""
-        with self._lock:
-            self._lock.wait_for(lambda: not self._pending, timeout)
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Drain the queue (within ``timeout``), stop the writer, close the connection."""
-        atexit.unregister(self._finish_at_exit)
-        self.flush(timeout)
-        with self._lock:
-            self._closing = True
-            self._lock.notify_all()
-        self._writer.join(timeout=1.0)
+    def _disconnect(self) -> None:
         self._connection.close()
 
     # -- accounting ------------------------------------------------------------------------------
@@ -218,9 +196,9 @@ class RemoteTier(Tier):
         """Write counters and state: writes, bytes_written, writes_skipped, writes_failed,
         pending_bytes, state (``"up"`` or ``"down"``), outages, the current per-call timeout and
         the slow calls that raised it (the store counts lookups)."""
-        with self._lock:
+        with self._writes.lock:
             counts = dict(self.counts)
-            pending = self._pending
+        pending = self._writes.pending
         return {
             **{name: counts.get(name, 0) for name in _COUNTERS},
             "pending_bytes": pending,
@@ -232,9 +210,6 @@ class RemoteTier(Tier):
         }
 
     # -- internals -------------------------------------------------------------------------------
-    def _finish_at_exit(self) -> None:
-        self.flush(timeout=5.0)
-
     def _name(self, key: EntryKey) -> str:
         return entry_name(self.address.prefix, self._fingerprint, key)
 
@@ -253,54 +228,10 @@ class RemoteTier(Tier):
         with contextlib.suppress(RemoteUnavailable):
             self._connection.call(lambda client: client.ping())
 
-    def _known_absent(self, name: str) -> bool:
-        with self._lock:
-            until = self._absent.get(name)
-            if until is None:
-                return False
-            if time.monotonic() < until:
-                return True
-            del self._absent[name]
-            return False
-
-    def _remember_absent(self, name: str) -> None:
-        with self._lock:
-            if len(self._absent) > 65536:  # bounded: forget the oldest half
-                for stale in list(self._absent)[:32768]:
-                    del self._absent[stale]
-            self._absent[name] = time.monotonic() + ABSENT_FOR
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self.counts[name] += n
-
-    def _write_loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue and not self._closing:
-                    self._lock.wait()
-                if not self._queue:
-                    return
-                entry = self._queue.popleft()
-            key, nbytes = entry.key, entry.nbytes
-            try:
-                written = self._write(key, entry.serialize(), entry.tokens)
-                self._count("writes")
-                self._count("bytes_written", written)
-            except RemoteUnavailable as exc:
-                self._count("writes_failed")
-                self._count("deadline_writes", int(isinstance(exc, DeadlineMissed)))
-            except Exception:  # a bug must not kill the writer; the entry stays local
-                _LOG.exception("shared store: writing %s failed", key)
-                self._count("writes_failed")
-            finally:
-                with self._lock:
-                    self._pending -= nbytes
-                    self._lock.notify_all()
-
-    def _write(self, key: EntryKey, payload: bytes, tokens: int | None) -> int:
+    def _write(self, entry: Entry) -> int:
         """Parts, then the head, all by the deadline the entry's tokens give (a write cut there
-        leaves parts no head points at: they expire with their TTL)."""
+        leaves parts no head points at: they expire with their TTL); the bytes sent."""
+        key, payload, tokens = entry.key, entry.serialize(), entry.tokens
         until = time.monotonic() + self.deadlines.for_tokens(tokens)
         name = self._name(key)
         head, value, parts = frame(key, self._fingerprint, payload, self.address.part_bytes, tokens)
@@ -315,8 +246,7 @@ class RemoteTier(Tier):
             client.set(name, value, ex=expiry)
 
         self._connection.call(write, until)
-        with self._lock:
-            self._absent.pop(name, None)
+        self._absent.discard(name)
         return len(value) + sum(len(part) for part in parts)
 
 

@@ -20,15 +20,14 @@ for the network; `flush` waits for the queue.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import logging
 import re
-import threading
 import time
-from collections import Counter, deque
-from typing import Any
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, TypeVar
 
 from kamera_agent.errors import SettingsError
 from kamera_agent.store.codec import CorruptEntry, OutdatedEntry
@@ -36,8 +35,11 @@ from kamera_agent.store.deadlines import Deadlines
 from kamera_agent.store.keys import EntryKey
 from kamera_agent.store.remote.framing import HEAD_PEEK, assemble, check_head, frame, read_head
 from kamera_agent.store.s3.address import S3Address, parse_s3_url
+from kamera_agent.store.s3.admin import clear, usage
 from kamera_agent.store.s3.calls import Calls, DeadlineMissed, S3Unavailable
-from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, TierContext, Write
+from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status
+from kamera_agent.store.usage import TierUsage, answered
+from kamera_agent.store.write_behind import SharedTier
 
 __all__ = ["S3Tier"]
 
@@ -45,9 +47,11 @@ _LOG = logging.getLogger("kamera_agent.store.s3")
 _PLAIN = re.compile(r"^[0-9A-Za-z_.-]{1,128}$")
 _ABSENT = {"NoSuchKey", "404", "NotFound", "PreconditionFailed", "412", "InvalidRange", "416"}
 """Error codes that say the object is not there (or changed since its head was read): a miss."""
+T = TypeVar("T")
+_ADMIN_TIMEOUT = 10.0  # a listing page may take longer than an entry's lookup
 
 
-class S3Tier(Tier):
+class S3Tier(SharedTier[S3Address]):
     """Encoded entries of one model in an S3-compatible bucket. Thread-safe.
 
     Args:
@@ -61,44 +65,38 @@ class S3Tier(Tier):
     """
 
     name = "s3"
-    locked = False
-    keyed_by_model = True
-    written_on_put = True
+    unanswered = S3Unavailable
+    cut = DeadlineMissed
 
     def __init__(
         self, address: S3Address, fingerprint: str, deadlines: Deadlines | None = None, client: Any = None
     ) -> None:
-        self.address = address
-        self.location = str(address)
-        self.deadlines = deadlines or Deadlines()
-        self._fingerprint = fingerprint
         self._client = client if client is not None else _client(address)
         self._calls = Calls(address.backoff)
-        self._lock = threading.Condition()
-        self._queue: deque[Entry] = deque()
-        self._pending = 0
-        self._closing = False
-        self.counts: Counter[str] = Counter()
-        self._writer = threading.Thread(target=self._write_loop, name="kamera-s3-writer", daemon=True)
-        self._writer.start()
-        atexit.register(self._finish_at_exit)
+        super().__init__(address, fingerprint, deadlines)
 
     @classmethod
-    def check_url(cls, url: str) -> None:
-        """Refuse a URL `parse_s3_url` refuses, connecting to nothing."""
-        parse_s3_url(url)
+    def parse_url(cls, url: str) -> S3Address:
+        """`parse_s3_url`: the bucket and options checked, connecting to nothing."""
+        return parse_s3_url(url)
 
     @classmethod
-    def from_url(cls, url: str, context: TierContext) -> S3Tier:
-        """The tier of the bucket ``url`` names, under ``context``'s model and deadlines."""
-        return cls(parse_s3_url(url), context.fingerprint, context.deadlines)
+    def url_usage(cls, url: str, model: str | None = None) -> TierUsage:
+        """kamera's objects in the bucket by kind and model (`kamera_agent.store.s3.admin.usage`)."""
+        return _admin(url, lambda address, client: usage(address, client, model))
+
+    @classmethod
+    def url_clear(cls, url: str, model: str | None = None) -> int:
+        """Delete kamera's objects in the bucket (`kamera_agent.store.s3.admin.clear`)."""
+        return _admin(url, lambda address, client: clear(address, client, model))
 
     # -- reads -----------------------------------------------------------------------------------
     def get(self, key: EntryKey) -> Lookup[Payload]:
         """The entry's payload once its sha256 matches its head, all of it by the deadline its
         tokens give (`Deadlines.for_tokens`)."""
         name, began = self._name(key), time.monotonic()
-        try:
+
+        def look() -> Lookup[Payload]:
             first = self._read(name, f"bytes=0-{HEAD_PEEK - 1}", began + self.deadlines.header)
             if first is None:
                 return Lookup.miss()
@@ -113,28 +111,22 @@ class S3Tier(Tier):
                     return Lookup.miss()
                 inline += rest[0]
             return Lookup.hit(assemble(head, inline, []))
-        except S3Unavailable as exc:
-            self._count("deadline_misses", int(isinstance(exc, DeadlineMissed)))
-            return Lookup.unavailable(str(exc))
-        except CorruptEntry as exc:
-            self.reject(key, exc)
-            return Lookup.rejected(str(exc))
+
+        return self._lookup(key, look)
 
     def peek(self, key: EntryKey) -> Lookup[Meta]:
         """The entry's codec metadata (a patch's state and meta) from its head alone."""
         name = self._name(key)
-        try:
+
+        def look() -> Lookup[Meta]:
             first = self._read(name, f"bytes=0-{HEAD_PEEK - 1}", time.monotonic() + self.deadlines.header)
             if first is None:
                 return Lookup.miss()
             head, _ = read_head(first[0])
             check_head(head, key, self._fingerprint, peek=True)
-        except S3Unavailable as exc:
-            return Lookup.unavailable(str(exc))
-        except CorruptEntry as exc:
-            self.reject(key, exc)
-            return Lookup.rejected(str(exc))
-        return Lookup.hit(head.info)
+            return Lookup.hit(head.info)
+
+        return self._lookup(key, look)
 
     def contains(self, key: EntryKey) -> Status:
         """Whether the bucket holds the entry (its bytes are checked only when read)."""
@@ -171,38 +163,15 @@ class S3Tier(Tier):
         self.drop(key)
 
     # -- writes ----------------------------------------------------------------------------------
-    def put(self, entry: Entry) -> Write:
-        """Queue the entry (serialized on the writer thread); not ``ok`` when the queue is full or
-        the tier closed (skipped and counted: the entry stays local)."""
-        with self._lock:
-            if self._closing or self._pending + entry.nbytes > self.address.pending_bytes:
-                self.counts["writes_skipped"] += 1
-                return Write(False, "closed" if self._closing else "the write queue is full")
-            self._queue.append(entry)
-            self._pending += entry.nbytes
-            self._lock.notify_all()
-        return Write.done()
-
-    def flush(self, timeout: float = 30.0) -> None:
-        """Wait until every queued write is done (or failed), at most ``timeout`` seconds."""
-        with self._lock:
-            self._lock.wait_for(lambda: not self._pending, timeout)
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Drain the queue (within ``timeout``), stop the writer, stop taking calls. Idempotent."""
-        atexit.unregister(self._finish_at_exit)
-        self.flush(timeout)
-        with self._lock:
-            self._closing = True
-            self._lock.notify_all()
-        self._writer.join(timeout=1.0)
+    def _disconnect(self) -> None:
         self._calls.close()
 
     def report(self) -> dict[str, float]:
         """``up`` (0 while skipped after failing to answer), ``pending_bytes``, ``outages`` and
         what the writer did behind the caller (writes, failed, skipped, cut at a deadline)."""
-        with self._lock:
-            counts, pending = dict(self.counts), self._pending
+        with self._writes.lock:
+            counts = dict(self.counts)
+        pending = self._writes.pending
         names = ("writes", "writes_failed", "writes_skipped", "deadline_misses", "deadline_writes")
         return {
             "up": 0.0 if self._calls.down else 1.0,
@@ -233,44 +202,21 @@ class S3Tier(Tier):
                 raise
             return answer["Body"].read(), str(answer.get("ETag", ""))
 
-        return self._calls.call(read, until)
+        try:
+            return self._calls.call(read, until)
+        except DeadlineMissed:
+            self._count("deadline_misses")
+            raise
 
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self.counts[name] += n
-
-    def _finish_at_exit(self) -> None:
-        self.flush(timeout=5.0)
-
-    def _write_loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue and not self._closing:
-                    self._lock.wait()
-                if not self._queue:
-                    return
-                entry = self._queue.popleft()
-            try:
-                self._write(entry)
-                self._count("writes")
-            except S3Unavailable as exc:
-                self._count("writes_failed")
-                self._count("deadline_writes", int(isinstance(exc, DeadlineMissed)))
-            except Exception:  # a bug must not kill the writer; the entry stays local
-                _LOG.exception("s3 store: writing %s failed", entry.key)
-                self._count("writes_failed")
-            finally:
-                with self._lock:
-                    self._pending -= entry.nbytes
-                    self._lock.notify_all()
-
-    def _write(self, entry: Entry) -> None:
-        """One object: the framed head with the payload inline, by the deadline its tokens give."""
+    def _write(self, entry: Entry) -> int:
+        """One object: the framed head with the payload inline, by the deadline its tokens give;
+        the bytes sent."""
         until = time.monotonic() + self.deadlines.for_tokens(entry.tokens)
         payload = entry.serialize()
         _, value, _ = frame(entry.key, self._fingerprint, payload, len(payload), entry.tokens)
         bucket, name = self.address.bucket, self._name(entry.key)
         self._calls.call(lambda: self._client.put_object(Bucket=bucket, Key=name, Body=value), until)
+        return len(value)
 
 
 def _code(exc: Exception) -> str:
@@ -296,3 +242,14 @@ def _client(address: S3Address) -> Any:
     )
     session = boto3.session.Session()
     return session.client("s3", endpoint_url=address.endpoint, region_name=address.region, config=config)
+
+
+def _admin(url: str, work: Callable[[S3Address, Any], T]) -> T:
+    """``work(address, client)`` for an operator's command, with a patient client; a bucket that
+    does not answer, or refuses, is a `StoreUnavailableError`."""
+    address = parse_s3_url(url)
+    client = _client(replace(address, timeout=max(address.timeout, _ADMIN_TIMEOUT)))
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    with answered(address, BotoCoreError, ClientError):
+        return work(address, client)

@@ -126,9 +126,10 @@ def _setup(
     size: int = 2048,
     store_budget: int = 1 << 28,
     chunked_prefill_size: int | None = None,
+    store: ChunkStore | None = None,
 ) -> tuple[Admission, Model]:
     layout = backend.layout
-    store = ChunkStore(fingerprint=backend.fingerprint, memory_budget=store_budget)
+    store = store or ChunkStore(fingerprint=backend.fingerprint, memory_budget=store_budget)
     tokenizer = backend.encoder.tokenizer
     config_of_model = backend.model.config
     rules = ChunkRules.for_model(config_of_model, tokenizer)

@@ -21,15 +21,15 @@ def test_each_report_is_what_grew_since_the_last() -> None:
     assert reports.since(stats, {}) is None  # nothing counted: vLLM sends nothing
     stats.loads, stats.tokens_loaded = 2, 64
     first = reports.since(stats, {"start_load_kv:KeyError": 1})
-    assert first is not None
-    assert first.data == {
+    assert first == {
         "counts": {"loads": 2, "tokens_loaded": 64},
         "faults": {"start_load_kv:KeyError": 1},
+        "tiers": {},
     }
     assert reports.since(stats, {"start_load_kv:KeyError": 1}) is None
     stats.loads += 1
     again = reports.since(stats, {"start_load_kv:KeyError": 1})
-    assert again is not None and again.data == {"counts": {"loads": 1}, "faults": {}}
+    assert again == {"counts": {"loads": 1}, "faults": {}, "tiers": {}}
 
 
 def test_workers_and_the_scheduler_are_summed() -> None:
@@ -90,3 +90,27 @@ def test_a_request_reports_what_it_was_served_and_a_failed_load_loaded_nothing()
     failed = served_report(plan, failed=True)["kamera"]
     assert failed == {"loaded_tokens": 0, "kept_tokens": 5, "drift": 0.01, "kept_refused": True}
     assert served_report(None)["kamera"]["loaded_tokens"] == 0
+
+
+def test_every_store_tier_reaches_vllm_metrics_without_code_of_its_own() -> None:
+    registry = CollectorRegistry()
+    types = {kind: partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    labels = {0: ["tiny", "0"]}
+    metrics = KameraConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], labels
+    )
+    reports = Reports()
+    report = reports.since(EngineStats(), {}, {"s3": {"hits": 2, "get_seconds": 0.5, "up": 1.0}})
+    assert report is not None  # a tier's numbers alone are a report
+    rank = KameraConnectorStats(data=report)
+    other = KameraConnectorStats(data={"counts": {}, "faults": {}, "tiers": {"s3": {"hits": 1, "up": 1.0}}})
+    total = rank.aggregate(other)
+    assert total.data["tiers"] == {"s3": {"hits": 3, "get_seconds": 0.5, "up": 2.0}}  # summed over ranks
+    assert total.reduce() == {"s3.hits": 3, "s3.get_seconds": 0.5, "s3.up": 2.0}
+    metrics.observe(total.data, 0)
+    metrics.observe({"tiers": {"s3": {"hits": 1, "up": -1.0}, "disk": {"misses": 4}}}, 0)
+    tier = {"model_name": "tiny", "engine": "0", "tier": "s3"}
+    assert registry.get_sample_value("vllm:kamera_store_tier_hits_total", tier) == 4
+    assert registry.get_sample_value("vllm:kamera_store_tier_get_seconds_total", tier) == 0.5
+    assert registry.get_sample_value("vllm:kamera_store_tier_up", tier) == 1.0  # a gauge: the changes' sum
+    assert registry.get_sample_value("vllm:kamera_store_tier_misses_total", tier | {"tier": "disk"}) == 4

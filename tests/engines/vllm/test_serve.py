@@ -84,7 +84,7 @@ def test_vllm_serve_with_the_connector_answers_as_vllm_serve_alone(served: dict[
 
 def test_the_connectors_counters_are_on_vllms_metrics_endpoint(served: dict[str, Any]) -> None:
     """Offers (the scheduler side), loads and captures (the worker side) reach ``/metrics`` and
-    agree with vLLM's own count of tokens from external KV transfer."""
+    agree with vLLM's own count of tokens from external KV transfer; so do the store tiers'."""
     for name in ("first", "second"):
         run = served[name]
         counters = run["counters"]
@@ -96,6 +96,9 @@ def test_the_connectors_counters_are_on_vllms_metrics_endpoint(served: dict[str,
         assert (counters["vllm:kamera_captured_chunks_total"] > 0) == (name == "first"), counters
         assert counters["vllm:kamera_failed_loads_total"] == 0, counters
         assert counters.get("vllm:kamera_faults_total", 0) == 0, counters
+        # the shared tier's own series, from the store's one wrapper: the first wrote it, the second read it
+        tier = "vllm:kamera_store_tier_puts_total" if name == "first" else "vllm:kamera_store_tier_hits_total"
+        assert counters.get(tier, 0) > 0, counters
         print(
             f"/metrics of the {name} server: "
             + ", ".join(f"{k.removeprefix('vllm:kamera_')} {v:.0f}" for k, v in sorted(counters.items())),
