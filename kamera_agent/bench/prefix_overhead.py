@@ -59,7 +59,8 @@ COUNTS = AgentCounts(
     document_working=3,
     document_back_every=2,
 )
-"""The suite's agents at fewer steps: three alternating runs of all four fit ~25 minutes of 2 cores."""
+"""The suite's agents at fewer steps (every op kind still happens): three alternating runs of all
+four are affordable on a CPU, where each side's forward of a step takes seconds."""
 
 
 @dataclass(frozen=True)

@@ -114,20 +114,25 @@ def overhead_table(overhead: dict[str, Any], run: dict[str, Any]) -> list[str]:
         f"kamera under `{overhead['settings']}` beside the prefix cache, both in one process over "
         f"{run['args']['model']}, the side order alternating step by step and run by run; wall / "
         "prefix: the median over runs of kamera's wall over the prefix cache's (< 1: kamera is "
-        "faster); rest: each side's wall outside the model's forwards, per step (its own work).",
+        "faster); in the forwards: each run's ratio of the time inside the model's forwards alone, "
+        "which run the same shapes on both sides where tokens are equal; rest: each side's wall "
+        "outside the forwards, per step (its own work).",
         "",
         "| agent | steps | kamera tokens | prefix tokens | tokens / prefix | forwards (kamera · prefix) | "
-        "wall / prefix | each run | rest ms / step (kamera · prefix) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "wall / prefix | each run | in the forwards | rest ms / step (kamera · prefix) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for agent, row in overhead["agents"].items():
         tokens, forwards, rest = row["tokens"], row["forwards"], row["rest_ms_per_step"]
         runs = " · ".join(f"{entry['wall_ratio']:.3f}" for entry in row["runs"])
+        inside = " · ".join(
+            f"{entry['kamera']['forward_ms'] / entry['prefix']['forward_ms']:.3f}" for entry in row["runs"]
+        )
         lines.append(
             f"| {agent} | {row['steps']} | {num_cell(tokens['kamera'], ',.0f')} | "
             f"{num_cell(tokens['prefix'], ',.0f')} | {_ratio(tokens['kamera'], tokens['prefix'])} | "
             f"{forwards['kamera']} · {forwards['prefix']} | {num_cell(row['wall_ratio'], '.3f')}× | {runs} | "
-            f"{num_cell(rest['kamera'], '.1f')} · {num_cell(rest['prefix'], '.1f')} |"
+            f"{inside} | {num_cell(rest['kamera'], '.1f')} · {num_cell(rest['prefix'], '.1f')} |"
         )
     return lines
 
