@@ -19,6 +19,16 @@ timed side by side in one run:
 
 On a GPU every timed call ends with a synchronize, so a forward's kernels count as forward time,
 not as the next Python line's.
+
+``--against-prefix`` measures kamera's wall beside the prefix cache's instead, at equal tokens:
+the sliding-window agent and the agents suite's video, web and document agents under
+`WindowConfig.exact()` on the 1.5B-class slice (8 layers of a Qwen2-1.5B shape, random weights,
+float32, one thread), both sides alternating step by step and run by run
+(`kamera_agent.bench.prefix_overhead`). ``--store`` writes the run where `kamera bench --report`
+renders it into docs/results.md:
+
+    nice -n 10 .venv/bin/python benchmarks/overhead.py --against-prefix --runs 3 --store
+    .venv/bin/python benchmarks/overhead.py --against-prefix --quick --runs 1   # a smoke run
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any
 
 import torch
@@ -37,7 +48,8 @@ from rich.table import Table
 import kamera_agent.core.kv_core as kv_core
 import kamera_agent.core.orbits as orbits
 from kamera_agent.backends.base import DecodeConfig
-from kamera_agent.bench.common import show_and_save
+from kamera_agent.bench.common import machine_info, show_and_save
+from kamera_agent.bench.prefix_overhead import AGENT_NAMES, PREFIX_OVERHEAD, STORED, measure_overhead, summary
 from kamera_agent.config import WindowConfig
 from kamera_agent.demo.model import load_demo_model
 from kamera_agent.demo.task import make_items, render_legend, render_page
@@ -92,7 +104,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", default=None)
     parser.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
+    parser.add_argument("--against-prefix", action="store_true", help="kamera's wall over the prefix cache's")
+    parser.add_argument("--runs", type=int, default=3, help="--against-prefix: alternating runs")
+    parser.add_argument("--agents", nargs="+", choices=AGENT_NAMES, default=list(AGENT_NAMES))
+    parser.add_argument("--quick", action="store_true", help="--against-prefix at toy size")
+    parser.add_argument("--store", action="store_true", help=f"--against-prefix: write {STORED}")
     args = parser.parse_args(argv)
+    if args.against_prefix:
+        return against_prefix(args)
     configure_threads(None)
     device = torch.device(args.device)
     model, tokenizer, image_processor = load_demo_model()
@@ -156,6 +175,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return show_and_save(
         table, {"chunks": args.chunks, "repeats": args.repeats, "device": device.type, "ops": rows}, args.json
     )
+
+
+def against_prefix(args: argparse.Namespace) -> dict[str, Any]:
+    """kamera under `WindowConfig.exact()` beside the prefix cache, per agent: the median wall
+    ratio of ``--runs`` alternating runs, tokens, forwards and each side's wall outside the forwards."""
+    configure_threads(1)
+    began = time.perf_counter()
+    runs = measure_overhead(tuple(args.agents), args.runs, quick=args.quick)
+    figures = summary(runs)
+    table = Table(title=f"kamera (exact) beside the prefix cache, median of {args.runs} alternating runs")
+    for column in ("agent", "steps", "tokens ×", "forwards", "wall ×", "runs", "rest ms/step k · p"):
+        table.add_column(column, justify="right")
+    for agent, f in figures.items():
+        table.add_row(
+            agent,
+            str(f["steps"]),
+            f"{f['tokens_ratio']:.2f}",
+            f"{f['forwards']['kamera']} · {f['forwards']['prefix']}",
+            f"{f['wall_ratio']:.3f}",
+            " ".join(f"{run['wall_ratio']:.3f}" for run in f["runs"]),
+            f"{f['rest_ms_per_step']['kamera']:.1f} · {f['rest_ms_per_step']['prefix']:.1f}",
+        )
+    words = ["python benchmarks/overhead.py --against-prefix", f"--runs {args.runs}"]
+    words += ["--quick"] * args.quick + (
+        ["--agents", *args.agents] if args.agents != list(AGENT_NAMES) else []
+    )
+    shape = "QUICK_SHAPE (toy)" if args.quick else "8 layers of a 1.5B-class Qwen2, random weights, float32"
+    report = {
+        "schema": 1,
+        "command": " ".join(words),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "seconds": time.perf_counter() - began,
+        "machine": machine_info(),
+        "args": {"suite": PREFIX_OVERHEAD, "model": shape, "runs": args.runs, "quick": args.quick},
+        "suites": {PREFIX_OVERHEAD: {"settings": "WindowConfig.exact()", "agents": figures}},
+    }
+    return show_and_save(table, report, str(STORED) if args.store else args.json)
 
 
 if __name__ == "__main__":

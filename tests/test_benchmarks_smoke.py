@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +18,15 @@ def run_benchmark(name: str, args: list[str]) -> None:
         capture_output=True,
         text=True,
         check=False,
-        env={"KAMERA_NUM_THREADS": "1", "PATH": "", "HF_HUB_OFFLINE": "1"},
+        env={"KAMERA_NUM_THREADS": "1", "PATH": "", "HF_HUB_OFFLINE": "1", **_search_path()},
     )
     assert result.returncode == 0, result.stderr
+
+
+def _search_path() -> dict[str, str]:
+    """The caller's ``PYTHONPATH`` (a checkout run beside an installed copy imports its own)."""
+    path = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": path} if path else {}
 
 
 def test_operator_benchmark_runs_and_reports_every_rank(tmp_path: Path) -> None:
@@ -142,6 +149,28 @@ def test_overhead_benchmark_splits_every_op_into_forward_operator_and_rest(tmp_p
     for row in ops.values():
         assert row["total_ms"] > 0 and row["forward_ms"] >= 0 and row["operator_ms"] >= 0
     assert ops["push"]["forward_ms"] > 0  # (a slide at the drift budget may audit: a forward too)
+
+
+def test_overhead_against_the_prefix_cache_reports_each_agent_at_equal_tokens(tmp_path: Path) -> None:
+    """Under exact settings kamera prefills what the prefix cache does (the document agent fewer,
+    where a stored state serves), in as many forwards: a step of several ops is one request; the
+    stored run renders in docs/results.md."""
+    from kamera_agent.bench.published import render_results
+
+    out = tmp_path / "against.json"
+    run_benchmark("overhead", ["--against-prefix", "--quick", "--runs", "2", "--json", str(out)])
+    run = json.loads(out.read_text())
+    agents = run["suites"]["prefix-overhead"]["agents"]
+    assert list(agents) == ["sliding", "video", "web", "document"]
+    for name, row in agents.items():
+        assert len(row["runs"]) == 2 and row["wall_ratio"] > 0
+        assert row["forwards"]["kamera"] == row["forwards"]["prefix"], name
+        assert row["tokens_ratio"] <= 1.0, name
+        assert row["tokens_ratio"] == 1.0 or name == "document"
+    assert [entry["kamera_first"] for entry in agents["sliding"]["runs"]] == [True, False]
+    section = render_results({"slice-prefix-overhead.json": run})
+    assert "python benchmarks/overhead.py --against-prefix --runs 2 --quick" in section
+    assert f"| sliding | {agents['sliding']['steps']} |" in section
 
 
 def test_engine_gpu_check_runs_its_cpu_part(tmp_path: Path) -> None:

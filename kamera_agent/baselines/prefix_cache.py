@@ -110,6 +110,7 @@ class PrefixCache:
         began = wall()
         positions = self.backend.positions.text(self.end, int(query_ids.shape[0]))
         logits = self._forward(query_ids, torch.zeros_like(query_ids), positions, None)
+        assert logits is not None
         self.keys.append("query")
         return Answered(logits, int(query_ids.shape[0]), wall() - began)
 
@@ -149,7 +150,7 @@ class PrefixCache:
         features = [self._features(chunk) for chunk in chunks if chunk.has_vision]
         vision = {name: torch.cat([f[name] for f in features]) for name in features[0]} if features else None
         input_ids = torch.cat(ids)
-        self._forward(input_ids, torch.cat(types), torch.cat(positions, dim=-1), vision)
+        self._forward(input_ids, torch.cat(types), torch.cat(positions, dim=-1), vision, logits=False)
         return int(input_ids.shape[0])
 
     def _features(self, chunk: Chunk) -> Mapping[str, torch.Tensor]:
@@ -170,8 +171,13 @@ class PrefixCache:
         mm_types: torch.Tensor,
         positions: torch.Tensor,
         vision: Mapping[str, torch.Tensor] | None,
-    ) -> torch.Tensor:
-        """The backend's own forward over the cache; the last token's logits."""
-        self._cache, logits = self.backend.forward(input_ids, mm_types, positions, self._cache, vision)
-        assert logits is not None
-        return logits.cpu()
+        *,
+        logits: bool = True,
+    ) -> torch.Tensor | None:
+        """The backend's own forward over the cache; the last token's logits where asked (a sync
+        prefills without them, as a window's forwards do: an engine's prefill of a request
+        computes them once, for the question)."""
+        self._cache, last = self.backend.forward(
+            input_ids, mm_types, positions, self._cache, vision, logits=logits
+        )
+        return None if last is None else last.cpu()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kamera_agent.bench.published_agents import agents_tables, replay_table
+from kamera_agent.bench.published_agents import agents_tables, overhead_table, replay_table
 from kamera_agent.bench.tables import num_cell, percent_cell
 
 __all__ = [
@@ -208,10 +208,12 @@ _SUITES: dict[str, Callable[[dict[str, Any], dict[str, Any]], list[str]]] = {
     "window": _window,
     "agents": agents_tables,
     "agents-replay": replay_table,
+    "prefix-overhead": overhead_table,
     "fidelity": _judged("fidelity"),
     "cost": _judged("cost"),
 }
-"""Each suite a stored run may hold, and how its section renders it."""
+"""Each suite a stored run may hold, and how its section renders it (``kamera bench``'s suites, and
+``prefix-overhead``: ``benchmarks/overhead.py --against-prefix --store``)."""
 
 
 def _load(folder: Path) -> dict[str, dict[str, Any]]:
@@ -219,6 +221,8 @@ def _load(folder: Path) -> dict[str, dict[str, Any]]:
 
 
 def _command(run: dict[str, Any]) -> str:
+    if "command" in run:  # a script's run (benchmarks/overhead.py --against-prefix) names its own
+        return str(run["command"])
     args = run["args"]
     words = ["kamera", "bench", "--suite", str(args["suite"])]
     if args.get("model"):

@@ -1,4 +1,5 @@
-"""docs/results.md's tables for the agents and agents-replay suites, from a stored run's JSON.
+"""docs/results.md's tables for the agents suites and kamera's wall beside a prefix cache's, from
+a stored run's JSON.
 
 Why apart from `kamera_agent.bench.published`: that module decides what a document holds and
 where (sections, the README's block); this one only turns the two agent suites' figures into
@@ -11,7 +12,7 @@ from typing import Any
 
 from kamera_agent.bench.tables import num_cell, percent_cell
 
-__all__ = ["agents_tables", "replay_table"]
+__all__ = ["agents_tables", "overhead_table", "replay_table"]
 
 _PREFIX = "prefix"
 
@@ -102,6 +103,36 @@ def replay_table(replay: dict[str, Any], run: dict[str, Any]) -> list[str]:
             f"| {row['model']} | {row['policy']} | {row['steps']} | {num_cell(tokens['prefix'], ',.0f')} | "
             f"{num_cell(tokens['kamera'], ',.0f')} | {_ratio(tokens['kamera'], tokens['prefix'])} | "
             f"{_ratio(seconds['kamera'], seconds['prefix'])} | {percent_cell(row['agreement'])} |"
+        )
+    return lines
+
+
+def overhead_table(overhead: dict[str, Any], run: dict[str, Any]) -> list[str]:
+    """Per agent: kamera's wall over the prefix cache's (the median of alternating runs, and
+    each run's), tokens and forwards on both sides, and each side's wall outside the forwards."""
+    lines = [
+        f"kamera under `{overhead['settings']}` beside the prefix cache, both in one process over "
+        f"{run['args']['model']}, the side order alternating step by step and run by run; wall / "
+        "prefix: the median over runs of kamera's wall over the prefix cache's (< 1: kamera is "
+        "faster); in the forwards: each run's ratio of the time inside the model's forwards alone, "
+        "which run the same shapes on both sides where tokens are equal; rest: each side's wall "
+        "outside the forwards, per step (its own work).",
+        "",
+        "| agent | steps | kamera tokens | prefix tokens | tokens / prefix | forwards (kamera · prefix) | "
+        "wall / prefix | each run | in the forwards | rest ms / step (kamera · prefix) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for agent, row in overhead["agents"].items():
+        tokens, forwards, rest = row["tokens"], row["forwards"], row["rest_ms_per_step"]
+        runs = " · ".join(f"{entry['wall_ratio']:.3f}" for entry in row["runs"])
+        inside = " · ".join(
+            f"{entry['kamera']['forward_ms'] / entry['prefix']['forward_ms']:.3f}" for entry in row["runs"]
+        )
+        lines.append(
+            f"| {agent} | {row['steps']} | {num_cell(tokens['kamera'], ',.0f')} | "
+            f"{num_cell(tokens['prefix'], ',.0f')} | {_ratio(tokens['kamera'], tokens['prefix'])} | "
+            f"{forwards['kamera']} · {forwards['prefix']} | {num_cell(row['wall_ratio'], '.3f')}× | {runs} | "
+            f"{inside} | {num_cell(rest['kamera'], '.1f')} · {num_cell(rest['prefix'], '.1f')} |"
         )
     return lines
 

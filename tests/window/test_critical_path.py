@@ -85,7 +85,8 @@ def calibrations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _episode(window: KameraWindow, items: list[Any]) -> None:
-    """Every op kind, each followed by a greedy answer of several tokens; then a probe and a read."""
+    """Every op kind (one request's `arrange`, `replace` and `extend` too), each followed by a
+    greedy answer of several tokens; then a probe and a read."""
     for i, item in enumerate(items[:4]):
         window.push(item, label=str(i))
     steps: list[Callable[[KameraWindow], object]] = [
@@ -96,6 +97,10 @@ def _episode(window: KameraWindow, items: list[Any]) -> None:
         lambda w: w.recall(w.evicted[-1]),
         lambda w: w.recall(w.evicted[0], at=0),
         lambda w: w.push(items[5], label="5"),
+        lambda w: w.arrange([*w.refs[2:], w.refs[0]]),  # one request: an evict and a move
+        lambda w: w.arrange([*w.refs[:2], w.evicted[-1], *w.refs[2:]]),  # and a recall
+        lambda w: w.replace(w.refs[-1], items[3], append=[items[2]]),
+        lambda w: w.extend([items[0], items[1]]),
     ]
     for step in steps:
         step(window)
@@ -117,7 +122,8 @@ def _items(backend: str) -> list[Any]:
 def test_no_host_round_trip_from_the_forward_to_the_answer(
     backend: str, setting: str, round_trips_raise: list[str], calibrations: Path
 ) -> None:
-    """Push, slide, reorder, evict, recall (in place and before the window) and greedy answers,
+    """Push, slide, reorder, evict, recall (in place and before the window), arrange, replace,
+    extend and greedy answers,
     under the exact settings, the defaults (an uncalibrated model: run exactly), and the defaults
     with a calibration (rank-32 patches, kept survivors, orbits, the drift budget's audits)."""
     engine = backend_named(backend)

@@ -16,7 +16,7 @@ from kamera_agent.bench.tables import Grid, Target
 
 __all__ = ["agent_grids", "agent_targets", "kind_grid", "ttft_grid"]
 
-_OPS = ("push", "extend", "replace", "evict", "reorder", "recall", "sync", "ask")
+_OPS = ("push", "extend", "replace", "evict", "reorder", "recall", "arrange", "sync", "ask")
 
 
 def _times(value: float) -> str:
@@ -93,7 +93,8 @@ def time_grid(suite: AgentsRun) -> Grid | None:
         return None
     note = (
         "Milliseconds per op kind, summed over the run. kamera: its window ops (a web step's replace "
-        "includes the line and screenshot it appends) and questions; the prefix cache: one sync per "
+        "includes the line and screenshot it appends; a step of several ops, e.g. a reader's evict "
+        "and push, is one arrange, as one request) and questions; the prefix cache: one sync per "
         "step (crop at the first change, prefill the rest) and its questions."
     )
     where = "realistic shape" if suite.shape is not None else suite.demo_model

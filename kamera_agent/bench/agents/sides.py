@@ -13,8 +13,9 @@ each of its ops. Its question is tokenized inside its clock, as ``KameraWindow.a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -36,7 +37,8 @@ class OpSpent:
     """One op of a step (a window op, or ``"sync"`` / ``"ask"``) and what it spent.
 
     Attributes:
-        op: ``push``, ``evict``, ``reorder``, ``recall``, ``ask`` (kamera); ``sync``, ``ask`` (prefix).
+        op: ``push``, ``evict``, ``reorder``, ``recall``, ``arrange`` (a step of several ops),
+            ``ask`` (kamera); ``sync``, ``ask`` (prefix).
         ms: wall milliseconds.
         tokens: tokens prefilled.
         forwards: language-model forwards.
@@ -95,13 +97,16 @@ class KameraSide:
         self.refs: dict[str, ChunkRef] = {}
 
     def run(self, step: Step) -> Outcome:
-        """Run the step's ops, then its question, each timed on its own; costs from the window."""
+        """Run the step's ops, then its question, each timed on its own; costs from the window.
+
+        A step of several ops is one request, as an agent sends it and as `kamera serve` runs
+        it: one `KameraWindow.arrange` to the step's lineup (recorded as ``arrange``), so its
+        forwards are shared as the prefix cache's one sync shares them."""
         spent, logits = [], None
-        for op in step.ops:
+        for name, apply in self._requests(step):
             began = wall()
-            self._apply(op)
+            apply()
             seconds, cost = wall() - began, self.window.stats.last
-            name = type(op).__name__.lower()
             spent.append(
                 OpSpent(name, seconds * 1e3, cost.tokens_prefilled, cost.forwards, cost.vision_encodes)
             )
@@ -141,6 +146,20 @@ class KameraSide:
             window.reorder([self.refs[label] for label in op.order])
         else:
             window.recall(self.refs[op.label], at=op.at)
+
+    def _requests(self, step: Step) -> list[tuple[str, Callable[[], None]]]:
+        """The step's ops as the window runs them: each on its own, or several as one arrange."""
+        names = [type(op).__name__.lower() for op in step.ops]
+        if len(names) > 1:
+            return [("arrange", partial(self._arrange, step.lineup))]
+        return [(name, partial(self._apply, op)) for name, op in zip(names, step.ops, strict=True)]
+
+    def _arrange(self, lineup: Sequence[str]) -> None:
+        """Make the window hold ``lineup`` in one op: a label seen before by its ref (moved,
+        kept or recalled), a new one by its chunk."""
+        items = [self.refs.get(label, self.chunks[label]) for label in lineup]
+        refs = self.window.arrange(items, labels=[None if label in self.refs else label for label in lineup])
+        self.refs.update(zip(lineup, refs, strict=True))
 
     def lineup(self) -> tuple[str, ...]:
         """The labels in the window, left to right (checked against the script after each step)."""
