@@ -233,7 +233,7 @@ def _window(device: torch.device, quick: bool) -> list[dict[str, Any]]:
         model, tokenizer, processor = load_demo_model()
         model = cast(model, device, dtype)
         config = WindowConfig.exact().model_copy(
-            update={"evicted_pixels": "keep"}
+            update={"evicted_pixels": "retain"}
         )  # the reference needs them
         window = KameraWindow(model, tokenizer=tokenizer, image_processor=processor, config=config)
         item = make_item(random.Random(3), "colour")

@@ -109,7 +109,7 @@ def _patch_transfer(
 ) -> Verdict:
     here = backend.prefill_sequence(chunks)[-1]
     there = backend.prefill_sequence(chunks, shift=offset)[-1]
-    core = KVCore(backend, ChunkStore(fingerprint=backend.fingerprint, memory_budget=1 << 30))
+    core = KVCore(backend, ChunkStore(fingerprint=backend.fingerprint, memory_limit=1 << 30))
     canonical = core.canonical(chunks[-1], core.txn())
     patch = form_patch(canonical, here, backend.layout, "full")
     moved = apply_patch(canonical, patch, backend.layout, there.positions)  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ failed call never corrupts a window or a store.
     ├── LayoutMismatchError          tensors whose shapes do not match the model's KV layout
     ├── ForeignPatchError            a patch or chunk made for another chunk or another model
     │   └── ForeignChunkError        a stored entry made by another model than the store's
-    ├── StoreBudgetError             a store budget too small for one entry, or not a budget
+    ├── StoreLimitError              a store's byte limit too small for one entry, or not a byte count
     ├── StoreKeyError                an entry without the content key it must be stored under
     ├── StoreURLError                a store_url kamera cannot connect by (scheme, host, option)
     │   └── UnknownTierSchemeError   a store_url whose scheme no tier is registered for
@@ -43,6 +43,9 @@ Warnings (not errors: the call goes on): ``KameraWarning`` ⟵ ``LargeChunkWarni
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 __all__ = [
     "AmbiguousChannelOrderError",
     "ArgumentError",
@@ -68,9 +71,9 @@ __all__ = [
     "ProcessorRejectedError",
     "RelocationError",
     "SettingsError",
-    "StoreBudgetError",
     "StoreDirectoryError",
     "StoreKeyError",
+    "StoreLimitError",
     "StoreURLError",
     "TokenizerNotFoundError",
     "UncalibratedWarning",
@@ -125,7 +128,7 @@ class KameraWarning(UserWarning):
 
 
 class LargeChunkWarning(KameraWarning):
-    """A chunk over ``WindowConfig.large_chunk_tokens``: slow to prefill, large to keep."""
+    """A chunk over ``WindowConfig.large_chunk_tokens``: slow to prefill, large to store."""
 
 
 class UncalibratedWarning(KameraWarning):
@@ -156,8 +159,8 @@ class ForeignChunkError(ForeignPatchError):
     """A stored entry's model fingerprint differs from the fingerprint of the store serving it."""
 
 
-class StoreBudgetError(KameraError, ValueError):
-    """A store budget cannot hold even one entry (or is not a positive byte count)."""
+class StoreLimitError(KameraError, ValueError):
+    """A store's byte limit cannot hold even one entry (or is not a positive byte count)."""
 
 
 class StoreKeyError(KameraError, ValueError):
@@ -240,3 +243,17 @@ class ArgumentError(WindowError, TypeError):
 class WindowClosedError(WindowError):
     """An op or read on a window after ``close()`` (its store is closed: nothing more would be
     written); open a new window over the store's directory or URL."""
+
+
+_RENAMED = {"StoreBudgetError": "StoreLimitError"}
+"""Old public name → new one: still importable for a release, with a `DeprecationWarning`
+(a byte cap is a *limit*; "budget" is the drift budget's word)."""
+
+
+def __getattr__(name: str) -> Any:
+    """An exception's old name (`_RENAMED`): the class itself, with a `DeprecationWarning`."""
+    new = _RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{name} is now {new}", DeprecationWarning, stacklevel=2)
+    return globals()[new]

@@ -33,10 +33,12 @@ MOVED = {
     "kamera_agent.core.drift": "kamera_agent.fidelity",
     "kamera_agent.window.budget": "kamera_agent.fidelity",
     "kamera_agent.bench.prefix_cache": "kamera_agent.baselines.prefix_cache",
+    "kamera_agent.store.budget": "kamera_agent.store.limits",
 }
 """Old module path → where the module lives now (engine adapters left `backends`; the drift
 budget and its estimator gathered in `fidelity`; the prefix-cache baseline went below the
-benchmarks and the demo that both run it)."""
+benchmarks and the demo that both run it; modules renamed by what they hold, so that "budget"
+names the drift budget alone)."""
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -16,7 +16,7 @@ For example, a store whose tier went away computes instead of failing, and count
     from kamera_agent.testing import FakeTier
 
     tier = FakeTier()
-    store = ChunkStore(fingerprint="f" * 64, memory_budget=1 << 20, tiers=[tier])
+    store = ChunkStore(fingerprint="f" * 64, memory_limit=1 << 20, tiers=[tier])
     tier.down = True
     assert store.get_canonical("absent") is None and store.stats().unavailable == 1
 

@@ -48,5 +48,11 @@ def test_every_old_path_names_a_module_that_exists() -> None:
     for old, new in MOVED.items():
         assert importlib.util.find_spec(new) is not None, new
         assert old.startswith(
-            ("kamera_agent.backends.", "kamera_agent.bench.", "kamera_agent.core.", "kamera_agent.window.")
+            (
+                "kamera_agent.backends.",
+                "kamera_agent.bench.",
+                "kamera_agent.core.",
+                "kamera_agent.store.",
+                "kamera_agent.window.",
+            )
         ), old

@@ -152,13 +152,13 @@ class KVCore:
             return self.on_device(hit, txn)
         if not self.anchor_ready:  # the window's first forward: the anchor runs in it
             done = self.condition([chunk], [], self.anchor.advance, txn)
-            return self.keep_canonical(chunk, done.kv[0], txn)
+            return self.store_canonical(chunk, done.kv[0], txn)
         vision = [self.vision(chunk, txn)] if chunk.has_vision else []
         done = self._prefill([chunk], [self.anchor_kv(txn.meter)], self.anchor.advance, vision)
         txn.meter.spend(done.spent)
-        return self.keep_canonical(chunk, done.kv[0], txn)
+        return self.store_canonical(chunk, done.kv[0], txn)
 
-    def keep_canonical(self, chunk: Chunk, conditioned: ChunkKV, txn: Txn) -> ChunkKV:
+    def store_canonical(self, chunk: Chunk, conditioned: ChunkKV, txn: Txn) -> ChunkKV:
         """The canonical from a forward that computed it (the chunk right behind the anchor, at
         the anchor's end: a re-prefill from a window's first slot computes it with the chunks
         after it), position-free, stored."""
@@ -250,7 +250,9 @@ class KVCore:
         return Blended(done.kv[0], indices, scores)
 
     # -- forming a state's KV -------------------------------------------------------------------
-    def keep_full(self, state: ChunkState, conditioned: ChunkKV, txn: Txn, *, orbit: bool = False) -> ChunkKV:
+    def store_full(
+        self, state: ChunkState, conditioned: ChunkKV, txn: Txn, *, orbit: bool = False
+    ) -> ChunkKV:
         """A full-rank state's KV from the forward that computed it: position-free, stored under
         the state (no canonical needed: smaller than full-rank factors), folded into its orbit."""
         kv = self._position_free(conditioned, state.chunk_key)
@@ -260,8 +262,8 @@ class KVCore:
         return kv
 
     def position_free(self, conditioned: Sequence[ChunkKV]) -> list[ChunkKV]:
-        """One forward's chunks un-rotated together (`to_position_free_many`): what `keep_full`,
-        `keep_patch` and `keep_canonical` then store as they are, with no rotation of their own."""
+        """One forward's chunks un-rotated together (`to_position_free_many`): what `store_full`,
+        `store_patch` and `store_canonical` then store as they are, with no rotation of their own."""
         return to_position_free_many(conditioned, self.backend.layout)
 
     def _position_free(self, conditioned: ChunkKV, chunk_key: str) -> ChunkKV:
@@ -273,7 +275,7 @@ class KVCore:
         fingerprint = free.model_fingerprint or self.backend.fingerprint
         return ChunkKV(free.keys, free.values, None, chunk_key, fingerprint)
 
-    def keep_patch(
+    def store_patch(
         self, canonical: ChunkKV, state: ChunkState, conditioned: ChunkKV, txn: Txn, *, orbit: bool = False
     ) -> Patch:
         """A rank-m state's patch: the deficit of the forward's KV against the canonical, truncated

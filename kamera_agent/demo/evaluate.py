@@ -9,10 +9,10 @@ the window still answer like a full re-prefill? Arms are strategies registered b
 - ``rank-m`` / ``full``: canonical + a rank-m (or exact) patch, relocated (kamera);
 - ``cacheblend``: blind, with the 15 % of each chunk's tokens whose KV deviates most (over every
   layer) recomputed in context (their true conditioned KV: the strongest form of selective recompute);
-- ``epic``: blind, with each chunk's first tokens recomputed in context, at the same token
-  budget (15 %) as ``cacheblend``;
+- ``epic``: blind, with each chunk's first tokens recomputed in context, at the same share
+  of tokens (15 %) as ``cacheblend``;
 - the sweeps (`RECOMPUTE_ARMS`): ``cacheblend-chunk-P`` / ``cacheblend-global-P`` (P % of each
-  chunk's, or of the window's, tokens; P in `BUDGETS`), ``epic-K`` (each chunk's first K
+  chunk's, or of the window's, tokens; P in `SHARES`), ``epic-K`` (each chunk's first K
   tokens) and ``cacheblend-bytes-16`` (as many tokens as a rank-16 patch's bytes);
 - ``rank-16-deep``: a rank-16 patch on the deepest half of the layers only (where the deficit
   lives), half the bytes of ``rank-16``;
@@ -163,8 +163,8 @@ def _recomputed(spec: Recompute, pieces: Sequence[Piece], layout: KVLayout) -> l
     return out
 
 
-BUDGETS = (0, 5, 15, 30, 50, 100)
-"""The token-recompute sweep's budgets, in percent (0: blind reuse; 100: a re-prefill)."""
+SHARES = (0, 5, 15, 30, 50, 100)
+"""The token-recompute sweep's recomputed shares, in percent (0: blind reuse; 100: a re-prefill)."""
 
 RECOMPUTE_ARMS: Mapping[str, Recompute] = MappingProxyType(
     {
@@ -181,7 +181,7 @@ RECOMPUTE_ARMS: Mapping[str, Recompute] = MappingProxyType(
         "cacheblend-bytes-16": Recompute("deviation", rank=16),
     }
 )
-"""Token-recompute baselines (`Recompute`): CacheBlend-style per chunk and global at budgets
+"""Token-recompute baselines (`Recompute`): CacheBlend-style per chunk and global at shares
 0–100 %, EPIC-style at absolute k (128: every token of the demo's chunks), and CacheBlend at the
 bytes of a rank-16 patch."""
 
@@ -332,7 +332,7 @@ Piece = tuple[ChunkKV, ChunkKV, torch.Tensor]
 
 def canonical_core(backend: TransformersBackend) -> KVCore:
     """A core over its own store: the evaluator's canonicals, kept across items."""
-    return KVCore(backend, ChunkStore(fingerprint=backend.fingerprint, memory_budget=1 << 30))
+    return KVCore(backend, ChunkStore(fingerprint=backend.fingerprint, memory_limit=1 << 30))
 
 
 def _evaluate_item(

@@ -5,7 +5,7 @@ request (how many tokens after the engine's own cached prefix can be loaded inst
 computed?) and both answer it by writing relocated chunk KV into the engine's slots. Only how
 a request is cut into chunks and where slots live is engine-specific; this module holds the
 rest: each chunk's **state** (`kamera_agent.core.identity`: what its KV encodes, chained over
-the chunks before it), where the store keeps that state's position-free KV, and the capture of
+the chunks before it), where the store holds that state's position-free KV, and the capture of
 a prefill's KV under the states it really has.
 
     request chunks ──► chain states left to right ──► beyond the engine's hit: stored? serve : stop

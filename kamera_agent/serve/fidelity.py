@@ -23,7 +23,7 @@ FIDELITY_FIELDS = frozenset(
     {"rank", "patch_mode", "orbit", "survivors", "reorder", "recall_context", "cascade", "drift_budget"}
 )
 """The `WindowConfig` fields a request may set for its own session (``kamera``): how faithful
-its window is. Anything process-wide (threads, device, dtype, store, budgets) is the server's."""
+its window is. Anything process-wide (threads, device, dtype, store, byte limits) is the server's."""
 
 
 @dataclass(frozen=True)

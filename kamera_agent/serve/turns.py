@@ -59,21 +59,21 @@ class Turn:
 
 
 class ImageReader:
-    """Decodes image parts, keeping decoded images within a byte budget (a conversation re-sends
+    """Decodes image parts, keeping decoded images within a byte limit (a conversation re-sends
     the same images; decoding each again would be wasted). Thread-safe: requests are read
     concurrently, outside the model lock.
 
     Args:
         policy: where image URLs may be read from.
         max_pixels: images larger than this are refused before their pixels are decoded.
-        budget: bytes of decoded pixels kept (least recently used dropped first).
+        limit: bytes of decoded pixels kept (least recently used dropped first).
     """
 
     def __init__(
-        self, policy: MediaPolicy, max_pixels: int = MAX_IMAGE_PIXELS, budget: int = 64 << 20
+        self, policy: MediaPolicy, max_pixels: int = MAX_IMAGE_PIXELS, limit: int = 64 << 20
     ) -> None:
         self.policy, self.max_pixels = policy, max_pixels
-        self._cache: ByteLRU[tuple[str, str], Image.Image] = ByteLRU(budget, _image_bytes)
+        self._cache: ByteLRU[tuple[str, str], Image.Image] = ByteLRU(limit, _image_bytes)
 
     @property
     def nbytes(self) -> int:
@@ -85,7 +85,7 @@ class ImageReader:
         (a tenant's namespace: another tenant's copy is never served, nor its decoding spared).
 
         Raises:
-            RequestError: 400 for anything unreadable or not allowed; 429 when the pixel budgets
+            RequestError: 400 for anything unreadable or not allowed; 429 when the pixel limits
                 have no room for it now.
         """
         cached = self._cache.get((scope, part.digest))

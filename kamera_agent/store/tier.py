@@ -156,8 +156,8 @@ class Tier(ABC):
             shared between models by mistake (`ForeignChunkError`, the fix in its message).
         written_on_put: the store writes every put through to it (a shared tier); otherwise it
             is filled by what the tiers above it evict (the disk tier takes memory's spills).
-        budget: the most bytes it keeps, or ``None`` (its server's own limit applies); an entry
-            larger than any tier's budget is refused before anything is stored.
+        limit: the most bytes it keeps, or ``None`` (its server's own limit applies); an entry
+            larger than any tier's limit is refused before anything is stored.
         location: where it is, for messages (``""`` when there is nothing to say).
     """
 
@@ -165,7 +165,7 @@ class Tier(ABC):
     locked: bool = True
     keyed_by_model: bool = False
     written_on_put: bool = False
-    budget: int | None = None
+    limit: int | None = None
     location: str = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -47,20 +47,20 @@ def answer_without(
     core, meter, state = placement.core, placement.txn.meter, placement.state
     placed = core.place_many(view.jobs)
     meter.tokens_placed += sum(kv.num_tokens for kv in placed)
-    keeps = core.backend.supports_extend
+    extends = core.backend.supports_extend
     context: list[ChunkKV] = []
     cache: Any = None
-    if keeps:
-        cache, kept = placement._cache_through(view.slot)
+    if extends:
+        cache, retained = placement._cache_through(view.slot)
         cache = core.backend.assemble(placed, onto=cache)
-        view.pieces = [*kept, *view.pieces]
+        view.pieces = [*retained, *view.pieces]
     else:
         context = [core.anchor_kv(meter), *placement._places(state.order[: view.slot]), *placed]
     if view.formed_from < len(view.rest):
-        cache, keeps = _form_rest(placement, view, placed, context, cache, keeps)
-    elif not keeps:
+        cache, extends = _form_rest(placement, view, placed, context, cache, extends)
+    elif not extends:
         cache = core.backend.assemble(context)
-    if keeps:
+    if extends:
         state.assembled = Assembled(cache, tuple(view.pieces))
     return core.decode(cache, query_ids, view.start, config, meter)
 
@@ -93,26 +93,31 @@ def _serve(placement: Placement, removed: ChunkRef, exact: bool) -> _View:
 
 
 def _form_rest(
-    placement: Placement, view: _View, placed: list[ChunkKV], context: list[ChunkKV], cache: Any, keeps: bool
+    placement: Placement,
+    view: _View,
+    placed: list[ChunkKV],
+    context: list[ChunkKV],
+    cache: Any,
+    extends: bool,
 ) -> tuple[Any, bool]:
     """Form the chunks from ``view.formed_from`` on over what is placed before them, in one
     forward, each stored as exact over what is left; the cache to decode over, and whether it is
-    the one the engine keeps."""
+    the one the engine retains."""
     core, txn, state = placement.core, placement.txn, placement.state
     formed = [state.entries[ref].chunk for ref in view.rest[view.formed_from :]]
     done = core.condition(formed, context, view.start, txn, onto=cache)
     for chunk, kv in zip(formed, done.kv, strict=True):
         over = ChunkState.patched(chunk.key, "full", view.ctx)  # exact over what is left
-        core.keep_full(over, kv, txn)
+        core.store_full(over, kv, txn)
         txn.meter.patches_formed += 1
         view.pieces.append(((view.rest[view.formed_from], view.start, over.digest), chunk.num_tokens))
         view.formed_from += 1
         view.ctx, view.start = view.ctx.extend(over), view.start + chunk.advance
-    if keeps and done.cache is not None:
+    if extends and done.cache is not None:
         return done.cache, True
-    # the engine kept no cache: the whole view assembled anew
+    # the engine retained no cache: the whole view assembled anew
     before = [core.anchor_kv(txn.meter), *placement._places(state.order[: view.slot])]
-    state.assembled = None  # the kept one may have been cut back: it says no more
+    state.assembled = None  # the retained one may have been cut back: it says no more
     return core.backend.assemble([*(context or [*before, *placed]), *done.kv]), False
 
 

@@ -89,10 +89,10 @@ class Executor(Placement):
     def _leads_alone(self, steps: Sequence[Step], index: int) -> bool:
         """The steps at ``index`` form the window's first chunk's canonical, which the store does
         not hold, and serve the chunk as it, with no formation after: the forward runs in the
-        window's kept cache, so the next op or answer appends to it instead of placing the chunk
-        there again (engines that keep caches)."""
-        order, keeps = self.state.order, self.core.backend.supports_extend
-        return keeps and serves_canonical_first(steps, index, order) and self._unstored(steps[index].ref)
+        window's retained cache, so the next op or answer appends to it instead of placing the chunk
+        there again (engines that retain caches)."""
+        order, extends = self.state.order, self.core.backend.supports_extend
+        return extends and serves_canonical_first(steps, index, order) and self._unstored(steps[index].ref)
 
     def _unstored(self, ref: ChunkRef) -> bool:
         """The store lacks ``ref``'s canonical (else serving it runs no forward to share)."""
@@ -175,9 +175,9 @@ class Executor(Placement):
 
         The members are consecutive, or have placed chunks between them (`Rules.across_gap`):
         those are placed first and each member sees the placed slots to its left and the
-        members before it (``starts``/``sees``). Where the engine keeps caches, the forward runs
-        over the window's kept cache (cut back to the chunks before the run that did not
-        change, the rest placed onto it) and that cache is kept again: with the run's chunks
+        members before it (``starts``/``sees``). Where the engine retains caches, the forward runs
+        over the window's retained cache (cut back to the chunks before the run that did not
+        change, the rest placed onto it) and that cache is retained again: with the run's chunks
         whose KV is this forward's exact output when the run is consecutive (an answer right
         after a push then places nothing but its query), up to the first member otherwise (the
         members sit after the placed chunks in it)."""
@@ -192,11 +192,11 @@ class Executor(Placement):
         between = [ref for ref in order[count:last] if ref not in members]
         placed = self._places(between)
         self.txn.meter.tokens_placed += sum(kv.num_tokens for kv in placed)
-        keeps = self.core.backend.supports_extend
+        extends = self.core.backend.supports_extend
         if count == 0 and not between and not self.core.anchor_ready:  # the anchor joins this forward
             cache, context, cached = None, [], 0
             pieces: list[Piece] = [(("anchor",), self.core.anchor.num_tokens)]
-        elif keeps:
+        elif extends:
             cache, pieces = self._cache_through(count)
             cached, context = sum(slots for _, slots in pieces), placed
         else:
@@ -210,7 +210,7 @@ class Executor(Placement):
             self._lead_canonical(lead, formed.pop(0))
         for step, kv in zip(run, formed, strict=True):
             self._adopt(step.ref, step.state, kv, step.antecedents or ())
-        if not keeps or done.cache is None:
+        if not extends or done.cache is None:
             return
         if lead is not None:
             chunk = chunks.pop(0)
@@ -250,7 +250,7 @@ class Executor(Placement):
         entry = self.state.entries[lead.ref]
         meter = self.txn.meter
         fresh = entry.chunk.key not in meter.prefilled
-        self.core.keep_canonical(entry.chunk, conditioned, self.txn)
+        self.core.store_canonical(entry.chunk, conditioned, self.txn)
         if fresh:
             meter.reforms += int(entry.canonical_formed)
         entry.canonical_formed = True
@@ -282,7 +282,7 @@ class Executor(Placement):
         placed = self.placements()
         start = self._starts[ref]
         blended = self.core.recompute(entry.chunk, placed[i + 1], placed[: i + 1], start, share, self.txn)
-        kv = self.core.keep_full(target, blended.kv, self.txn)
+        kv = self.core.store_full(target, blended.kv, self.txn)
         self._full[target.digest] = kv
         # what it encoded before (a chunk that left, maybe recalled later) it still encodes in part
         recorded = self.state.recorded(ref)
@@ -297,16 +297,16 @@ class Executor(Placement):
     def _adopt(
         self, ref: ChunkRef, target: ChunkState, conditioned: ChunkKV, antecedents: Sequence[ChunkRef]
     ) -> None:
-        """Give ``ref`` what ``conditioned`` says (`KVCore.keep_full` / `keep_patch`: the state's
-        stored KV, folded into its orbit where orbits are kept)."""
+        """Give ``ref`` what ``conditioned`` says (`KVCore.store_full` / `store_patch`: the state's
+        stored KV, folded into its orbit where orbits are on)."""
         self.txn.meter.patches_formed += 1
         orbit = self.config.orbit
         if target.is_full:
-            kv = self.core.keep_full(target, conditioned, self.txn, orbit=orbit)
+            kv = self.core.store_full(target, conditioned, self.txn, orbit=orbit)
             self._full[target.digest] = kv
             self._settle(ref, target, None, antecedents, full=kv)
             return
-        patch = self.core.keep_patch(self.canonical(ref), target, conditioned, self.txn, orbit=orbit)
+        patch = self.core.store_patch(self.canonical(ref), target, conditioned, self.txn, orbit=orbit)
         self._settle(ref, target, patch, antecedents)
 
     def _settle(
@@ -355,7 +355,7 @@ class Executor(Placement):
     ) -> Answer:
         """Decode with ``removed`` left out and its influence taken off the chunks that encode it.
 
-        The chunks before it keep their KV (the kept engine cache is cut back to them). Each
+        The chunks before it stay as they are (the retained engine cache is cut back to them). Each
         later chunk that encodes it is served by a stored state for its reduced left context
         (full KV, a patch), else by its canonical where the store holds one; from the first
         that has neither, the rest are formed over what is placed before them in one forward,

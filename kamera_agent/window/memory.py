@@ -1,4 +1,4 @@
-"""What a window keeps of the chunks that left it, after each operation.
+"""What a window holds of the chunks that left it, after each operation.
 
 Why bounded: every chunk ever pushed used to stay with its preprocessed pixels (+107 MB over
 1,500 small images; real 1024² frames are megabytes each). After a committed operation an

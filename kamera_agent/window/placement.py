@@ -3,7 +3,7 @@ answering over the window both stand on.
 
 Why apart from running plans (`kamera_agent.window.executor`): a chunk's KV at its place, a
 state's KV rebuilt from the store or from its context, the engine cache of the window as it is
-(cut back and extended where the engine keeps caches) are read by every step, every answer and
+(cut back and extended where the engine retains caches) are read by every step, every answer and
 every probe; the executor's own job is to turn a plan's steps into new states.
 """
 
@@ -74,7 +74,7 @@ class Placement:
             patch = self.core.stored_patch(state, state.digest, self.txn)
             if patch is None:
                 conditioned = self._conditioned_over(chunk, state.context)
-                patch = self.core.keep_patch(reference, state, conditioned, self.txn)
+                patch = self.core.store_patch(reference, state, conditioned, self.txn)
                 self.txn.meter.patches_formed += 1
         self._free[state.digest] = (reference, patch)
         return reference, patch
@@ -88,10 +88,10 @@ class Placement:
             return self._full[state.digest]
         kv = self.core.stored_full(state, self.txn)
         if kv is None and state.kind == "recomputed":
-            kv = self.core.keep_full(state, self._recomputed_over(chunk, state), self.txn)
+            kv = self.core.store_full(state, self._recomputed_over(chunk, state), self.txn)
             self.txn.meter.reforms += int(held)
         elif kv is None:
-            kv = self.core.keep_full(state, self._conditioned_over(chunk, state.context), self.txn)
+            kv = self.core.store_full(state, self._conditioned_over(chunk, state.context), self.txn)
             self.txn.meter.reforms += int(held)
         self._full[state.digest] = kv
         return kv
@@ -128,27 +128,27 @@ class Placement:
 
     def _cache_through(self, count: int) -> tuple[Any, list[Piece]]:
         """An engine cache holding the anchor and the first ``count`` in-window chunks as they
-        are now, built on the kept one where the engine can (see `window_cache`), and its pieces."""
+        are now, built on the retained one where the engine can (see `window_cache`), and its pieces."""
         backend, state = self.core.backend, self.state
         pieces: list[Piece] = [(("anchor",), self.core.anchor.num_tokens)]
         for ref in state.order[:count]:
             entry = state.entries[ref]
             pieces.append(((ref, self._starts[ref], entry.state.digest), entry.chunk.num_tokens))
-        memo, keep = state.assembled, 0
+        memo, same = state.assembled, 0
         if backend.supports_extend and memo is not None:
             for mine, theirs in zip(pieces, memo.pieces, strict=False):
                 if mine != theirs:
                     break
-                keep += 1
-        if keep == 0:
+                same += 1
+        if same == 0:
             cache = backend.assemble(
                 [self.core.anchor_kv(self.txn.meter), *self._places(state.order[:count])]
             )
         else:
             assert memo is not None
-            cache = backend.crop(memo.cache, sum(slots for _, slots in pieces[:keep]))
-            cache = backend.assemble(self._places(state.order[keep - 1 : count]), onto=cache)
-        self.txn.meter.tokens_placed += sum(slots for _, slots in pieces[keep:])
+            cache = backend.crop(memo.cache, sum(slots for _, slots in pieces[:same]))
+            cache = backend.assemble(self._places(state.order[same - 1 : count]), onto=cache)
+        self.txn.meter.tokens_placed += sum(slots for _, slots in pieces[same:])
         return cache, pieces
 
     def _made_of(self, ref: ChunkRef) -> tuple[ChunkKV, Patch | None]:

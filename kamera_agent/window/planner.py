@@ -27,7 +27,7 @@ from kamera_agent.errors import (
     ChunkInWindowError,
     ChunkLostError,
     DuplicateChunkError,
-    StoreBudgetError,
+    StoreLimitError,
     UnknownChunkError,
     WindowError,
 )
@@ -68,9 +68,9 @@ class Planner:
         for chunk in chunks.values():
             self._check_storable(chunk)
         tokens, count = sum(chunk.num_tokens for chunk in chunks.values()), len(chunks)
-        evicted, probes = make_room(self.config, state, tokens, keep=(), count=count)
+        evicted, probes = make_room(self.config, state, tokens, pinned=(), count=count)
         if probes:  # a dry run shows the FIFO outcome; the real one is planned after the probes
-            placeholder, _ = make_room(self.config, state, tokens, keep=(), scores={}, count=count)
+            placeholder, _ = make_room(self.config, state, tokens, pinned=(), scores={}, count=count)
             plan = self._admit(state, op, chunks, placeholder)
             return self._with_probes(state, plan, probes)
         return self._admit(state, op, chunks, evicted)
@@ -95,10 +95,10 @@ class Planner:
             self._check_storable(admitted)
         tokens = chunk.num_tokens + sum(c.num_tokens for c in appended.values())
         count = 1 + len(appended)
-        evicted, probes = make_room(self.config, state, tokens, keep=(), gone=(ref,), count=count)
+        evicted, probes = make_room(self.config, state, tokens, pinned=(), gone=(ref,), count=count)
         if probes:
             placeholder, _ = make_room(
-                self.config, state, tokens, keep=(), scores={}, gone=(ref,), count=count
+                self.config, state, tokens, pinned=(), scores={}, gone=(ref,), count=count
             )
             plan = self._admit(state, "replace", {new: chunk}, [ref, *placeholder], at=ref, appended=appended)
             return self._with_probes(state, plan, probes)
@@ -135,9 +135,9 @@ class Planner:
         if entry.in_window:
             raise ChunkInWindowError(f"{ref} is already in the window; reorder it instead of recalling it")
         self._check_recallable(entry, ref)
-        evicted, probes = make_room(self.config, state, entry.chunk.num_tokens, keep=(ref,))
+        evicted, probes = make_room(self.config, state, entry.chunk.num_tokens, pinned=(ref,))
         if probes:
-            placeholder, _ = make_room(self.config, state, entry.chunk.num_tokens, keep=(ref,), scores={})
+            placeholder, _ = make_room(self.config, state, entry.chunk.num_tokens, pinned=(ref,), scores={})
             plan = self._recall(state, ref, at, placeholder)
             return self._with_probes(state, plan, probes)
         return self._recall(state, ref, at, evicted)
@@ -414,7 +414,7 @@ class Planner:
         if not any(can_form(entry.chunk, self.view, digest) for digest in held):
             raise ChunkLostError(
                 f"{ref} released its pixels at eviction and the store no longer holds its canonical or "
-                "vision output; push the content again (a disk tier or evicted_pixels='keep' prevents this)"
+                "vision output; push the content again (a disk tier or evicted_pixels='retain' prevents this)"
             )
         self._check_storable(entry.chunk)
 
@@ -434,12 +434,12 @@ class Planner:
             )
 
     def _check_storable(self, chunk: Chunk) -> None:
-        """A canonical that no budget can hold fails the op before anything changes."""
+        """A canonical that no store limit can hold fails the op before anything changes."""
         nbytes = chunk.num_tokens * self.inputs.kv_bytes_per_token
         if not self.view.has_canonical(chunk.key) and not self.view.fits(nbytes):
-            raise StoreBudgetError(
+            raise StoreLimitError(
                 f"the canonical of a {chunk.num_tokens}-token chunk takes {nbytes} bytes, more than the "
-                "store's budget; raise memory_budget (and disk_budget) above the largest chunk"
+                "store's limit; raise memory_limit (and disk_limit) above the largest chunk"
             )
 
 

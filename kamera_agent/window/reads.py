@@ -118,7 +118,7 @@ class WindowReads:
 
     @property
     def budget(self) -> float | None:
-        """The drift budget ε the window keeps (0: exact; ``None``: none, approximations unbounded)."""
+        """The drift budget ε the window holds to (0: exact; ``None``: none, approximations unbounded)."""
         budget = self._parts.budget
         if budget is not None:
             return budget.epsilon

@@ -31,7 +31,7 @@ __all__ = ["Assembled", "ChunkRef", "Entry", "LastAnswer", "OriginalContext", "S
 class ChunkRef:
     """A handle on one admitted chunk, valid in the window (branch) that minted it.
 
-    A fork keeps the refs minted before it and mints its own after it: two branches never hand
+    A fork shares the refs minted before it and mints its own after it: two branches never hand
     out equal refs, and a ref from another window or branch is refused with `UnknownChunkError`.
 
     Attributes:
@@ -67,11 +67,11 @@ class OriginalContext:
 
 @dataclass
 class Entry:
-    """Everything a window keeps about one chunk besides its graph edges.
+    """Everything a window records about one chunk besides its graph edges.
 
     Attributes:
         chunk: the model-ready chunk (an evicted image drops its pixels once they are not needed).
-        state: what its KV encodes (an evicted chunk keeps its last state).
+        state: what its KV encodes (an evicted chunk holds its last state).
         in_window: whether it is in the window now (else evicted, recallable).
         patch: the patch its KV carries while in the window (``None``: its canonical or full KV).
         full: its full KV while in the window, for a full-rank state (the same tensors the store
@@ -133,7 +133,7 @@ class Assembled:
     over), and what each of its pieces held.
 
     A piece is ``("anchor",)`` or ``(ref, start, state digest)`` with its slot count: the next
-    answer keeps the longest prefix of pieces that is unchanged (crop) and appends the rest.
+    answer reuses the longest prefix of pieces that is unchanged (crop) and appends the rest.
     The cache object is the engine's, mutated by decodes and formations (which only append); it
     is cropped before every reuse, so whatever was appended beyond its pieces is never read.
     """

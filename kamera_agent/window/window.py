@@ -70,7 +70,7 @@ class KameraWindow(WindowReads):
         image_processor: the image processor, when no processor is given (VLMs).
         config: how the window behaves (`WindowConfig`); default ``WindowConfig()``.
         store: a `ChunkStore` to share between windows of the same model (default: one built
-            from the config's ``memory_budget``, ``disk_dir``, ``disk_budget`` and ``store_url``).
+            from the config's ``memory_limit``, ``disk_dir``, ``disk_limit`` and ``store_url``).
         conversation: hold a chat (`push_message`; questions are framed as user messages) rather
             than one user turn; implied by ``system_prompt``.
         system_prompt: the conversation's system prompt (it is the window's anchor: fixed,
@@ -388,7 +388,7 @@ class KameraWindow(WindowReads):
                 text that may begin a stop string is held back until it cannot).
             keep_going: asked before each answer token; ``False`` ends the answer there
                 (``finish_reason="cancelled"``): a server stops when its client goes away.
-            return_logits: keep every answer step's logits (`Answer.logits`).
+            return_logits: return every answer step's logits (`Answer.logits`).
             in_message: conversation windows: the query ends the user message that the last
                 chunks began (`push_message(..., closed=False)`), e.g. after its images.
             remember: conversation windows: admit the question and the answer as the

@@ -84,7 +84,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _store() -> ChunkStore:
-    return ChunkStore(fingerprint=_backend().fingerprint, memory_budget=1 << 28)
+    return ChunkStore(fingerprint=_backend().fingerprint, memory_limit=1 << 28)
 
 
 def test_exact_serves_what_a_re_prefill_computes_and_nothing_else() -> None:

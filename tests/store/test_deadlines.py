@@ -72,7 +72,7 @@ def test_every_lookup_that_outlives_its_deadline_is_abandoned_and_counted(
     store_url: str, proxy: SlowProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(connection, "SLOW_PAUSE", (0.3, 1.0))  # skipped for 0.3 s (2 s by default)
-    with ChunkStore(fingerprint=FP, memory_budget=1 << 26, remote=f"{store_url}?{SLOW}") as writer:
+    with ChunkStore(fingerprint=FP, memory_limit=1 << 26, remote=f"{store_url}?{SLOW}") as writer:
         small, large = _kv("small", 4), _kv("large", 2048)  # inline, and 128 parts of 4 KiB
         writer.put_canonical(small)
         writer.put_canonical(large)
@@ -80,7 +80,7 @@ def test_every_lookup_that_outlives_its_deadline_is_abandoned_and_counted(
         assert writer.stats().remote_writes == 2
     url = f"redis://127.0.0.1:{proxy.port}/0?{SLOW}"
     policy = DeadlinePolicy(factor=1.0, floor=0.2, ceiling=0.4)
-    reader = ChunkStore(fingerprint=FP, memory_budget=1 << 26, remote=url, deadlines=policy)
+    reader = ChunkStore(fingerprint=FP, memory_limit=1 << 26, remote=url, deadlines=policy)
     try:
         # each a round trip of at least 0.6 s through the proxy; the large one ~40 s in all
         lookups = [
@@ -108,13 +108,13 @@ def test_every_lookup_that_outlives_its_deadline_is_abandoned_and_counted(
 
 def test_a_hit_within_its_deadline_is_taken_however_slow_the_link(store_url: str, proxy: SlowProxy) -> None:
     """The deadline scales with what the entry saves: a generous one lets a slow hit through."""
-    with ChunkStore(fingerprint=FP, memory_budget=1 << 26, remote=f"{store_url}?{SLOW}") as writer:
+    with ChunkStore(fingerprint=FP, memory_limit=1 << 26, remote=f"{store_url}?{SLOW}") as writer:
         small = _kv("small", 4)
         writer.put_canonical(small)
         writer.flush()
     url = f"redis://127.0.0.1:{proxy.port}/0?{SLOW}"
     policy = DeadlinePolicy(factor=1.0, floor=5.0, ceiling=10.0)
-    with ChunkStore(fingerprint=FP, memory_budget=1 << 26, remote=url, deadlines=policy) as reader:
+    with ChunkStore(fingerprint=FP, memory_limit=1 << 26, remote=url, deadlines=policy) as reader:
         got = reader.get_canonical("small")  # two round trips of ~0.6 s each
         assert got is not None and torch.equal(got.values, small.values)
         assert reader.stats().remote_deadline_misses == 0
@@ -128,7 +128,7 @@ def test_a_window_over_a_slow_store_answers_as_the_models_own_forward(proxy: Slo
         store_url=f"redis://127.0.0.1:{proxy.port}/0?{SLOW}",
         store_deadline_floor=0.1,
         store_deadline_ceiling=0.2,
-        evicted_pixels="keep",
+        evicted_pixels="retain",
     )
     window = KameraWindow(backend, config=config)  # type: ignore[arg-type]
     pics = images(2, seed=3)

@@ -21,7 +21,7 @@ FAST = DeadlinePolicy(factor=1.0, floor=0.3, ceiling=0.6)
 
 
 def _store(url: str, secret: str | None = None) -> ChunkStore:
-    return ChunkStore(fingerprint=FP, memory_budget=1 << 24, urls=[url], secret=secret, deadlines=FAST)
+    return ChunkStore(fingerprint=FP, memory_limit=1 << 24, urls=[url], secret=secret, deadlines=FAST)
 
 
 def _objects(url: str) -> dict[str, bytes]:

@@ -281,7 +281,7 @@ def test_audits_are_filed_in_the_store_for_every_reader(calibrations: Path, tmp_
     store (its own budget, remembering nothing) reads it instead of auditing the same chunk
     states again, and estimates the same drift."""
     calibrate_for_tests(backend_named("qwen2").fingerprint, calibrations)
-    settings = {"disk_dir": tmp_path / "store", "disk_budget": 1 << 26}
+    settings = {"disk_dir": tmp_path / "store", "disk_limit": 1 << 26}
     first = _window(0.05, **settings)
     for text in TEXTS[:4]:
         first.push(text, label=text)

@@ -284,7 +284,7 @@ class TransformersBackend(Backend):
             if any(c.pixel_values is None for c in vision):
                 raise CapabilityError(
                     "a chunk's pixels were released at eviction, so the model's own forward cannot be "
-                    "rebuilt; keep them with WindowConfig(evicted_pixels='keep') to check recalled images"
+                    "rebuilt; keep them with WindowConfig(evicted_pixels='retain') to check recalled images"
                 )
             inputs["pixel_values"] = torch.cat([c.pixel_values for c in vision]).to(device)  # type: ignore[misc]
             if all(c.image_grid_thw is not None for c in vision):

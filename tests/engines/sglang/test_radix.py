@@ -128,7 +128,7 @@ def _setup(
     chunked_prefill_size: int | None = None,
 ) -> tuple[Admission, Model]:
     layout = backend.layout
-    store = ChunkStore(fingerprint=backend.fingerprint, memory_budget=store_budget)
+    store = ChunkStore(fingerprint=backend.fingerprint, memory_limit=store_budget)
     tokenizer = backend.encoder.tokenizer
     config_of_model = backend.model.config
     rules = ChunkRules.for_model(config_of_model, tokenizer)

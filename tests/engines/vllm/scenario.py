@@ -188,7 +188,7 @@ def _llm(model: str, settings: str, corrupt: bool) -> Any:
         elif settings == "unbounded":
             config = {"drift_budget": None}
         if corrupt:
-            config |= {"memory_budget": 200_000, "disk_dir": _STORE_DIR, "disk_budget": 1 << 30}
+            config |= {"memory_limit": 200_000, "disk_dir": _STORE_DIR, "disk_limit": 1 << 30}
         transfer = connector(config)
     return LLM(
         model=model,

@@ -72,7 +72,7 @@ def _worker(
     worker.layout, worker.faults, worker.stats = GQA, HookFaults(logging.getLogger("t")), ConnectorStats()
     caches = _views(KVCacheLayout.LBHNC, dtype=dtype)
     worker._pool = VLLMSlots.of(caches, ["FLASH_ATTN"] * LAYERS, GQA, HEADS)
-    store = store or ChunkStore(fingerprint=FP, memory_budget=1 << 26)
+    store = store or ChunkStore(fingerprint=FP, memory_limit=1 << 26)
     worker.store = store
     worker.synthesis = PrefixSynthesis(
         ShardedStore(store, Grid.of(GQA), 0, 0), policy_of(WindowConfig.exact())
@@ -352,7 +352,7 @@ def test_a_miss_on_the_scheduler_side_is_one_lookup_and_other_grids_are_still_fo
     layout = GQA.__class__(
         "gqa", LAYERS * 2, (HEADS * 2, HEAD), (HEADS * 2, HEAD), "keys", GQA.rope
     )  # 4 layers, 4 heads: every TP and stage split a reader could try
-    store = ChunkStore(fingerprint=FP, memory_budget=1 << 26)
+    store = ChunkStore(fingerprint=FP, memory_limit=1 << 26)
     counting = _Counting(store)
     bare = ShardedStore(counting, Grid.of(layout))  # no memory: every miss tries every grid
     assert not bare.contains(EntryKey.full("x", "y"))
@@ -384,7 +384,7 @@ def test_entries_the_workers_filed_count_as_present_on_the_scheduler_side() -> N
     """`vllm serve` runs the worker in another process: the scheduler side sees its captures only
     through the shared tier (written behind, a miss remembered for a second). The workers'
     report of what they filed (vLLM's worker-to-scheduler metadata) makes them present at once."""
-    store = ChunkStore(fingerprint=FP, memory_budget=1 << 26)  # the scheduler's: it never sees the write
+    store = ChunkStore(fingerprint=FP, memory_limit=1 << 26)  # the scheduler's: it never sees the write
     grid = Grid.of(GQA, tp=2)
     splits = Splits()
     scheduler = ShardedStore(store, grid, splits=splits)
