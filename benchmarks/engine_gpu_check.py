@@ -225,7 +225,7 @@ def _window(device: torch.device, quick: bool) -> list[dict[str, Any]]:
     from kamera_agent.config import WindowConfig
     from kamera_agent.demo.model import load_demo_model
     from kamera_agent.demo.task import make_item, render_legend, render_page
-    from kamera_agent.metrics import next_token_kl
+    from kamera_agent.divergence import next_token_kl
     from kamera_agent.window import KameraWindow
 
     rows = []

@@ -28,8 +28,8 @@ from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.compat import last_logits_only
 from kamera_agent.config import WindowConfig
 from kamera_agent.core import KVCore
+from kamera_agent.divergence import relative_error
 from kamera_agent.loading import load_backend
-from kamera_agent.metrics import relative_error
 from kamera_agent.operator.layout import to_position_free
 from kamera_agent.operator.patch import apply_patch, form_patch
 from kamera_agent.store import ChunkStore

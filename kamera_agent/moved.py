@@ -34,6 +34,8 @@ MOVED = {
     "kamera_agent.window.budget": "kamera_agent.fidelity",
     "kamera_agent.bench.prefix_cache": "kamera_agent.baselines.prefix_cache",
     "kamera_agent.store.budget": "kamera_agent.store.limits",
+    "kamera_agent.core.blend": "kamera_agent.core.recompute",
+    "kamera_agent.metrics": "kamera_agent.divergence",
 }
 """Old module path → where the module lives now (engine adapters left `backends`; the drift
 budget and its estimator gathered in `fidelity`; the prefix-cache baseline went below the

@@ -8,7 +8,7 @@ window's settings sit on the frontier of tokens against fidelity. It is run at i
 such systems run: a prefix cache in front (the leading chunks that did not change keep their KV,
 as vLLM's and SGLang's do), vision-tower outputs cached by content, each distinct content
 prefilled once (over the anchor) and kept position-free, the selection from a one-layer
-deviation probe (`Backend.deviation`, `kamera_agent.core.blend.select_tokens`), no oracle.
+deviation probe (`Backend.deviation`, `kamera_agent.core.recompute.select_tokens`), no oracle.
 
 What it pays per sync: the canonical prefill of content it has never seen, and for every chunk
 from the first changed slot on, the probe (a partial forward worth ``ceil(n / layers)`` tokens)
@@ -28,7 +28,7 @@ from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.baselines.prefix_cache import Sync
 from kamera_agent.bench.common import wall
 from kamera_agent.chunks.chunk import Chunk
-from kamera_agent.core.blend import select_tokens, selected_count
+from kamera_agent.core.recompute import select_tokens, selected_count
 from kamera_agent.operator.layout import ChunkKV, relocate, to_position_free
 
 __all__ = ["BlendCache"]

@@ -29,10 +29,10 @@ import torch
 from kamera_agent.backends.base import Backend, DecodeConfig, Prefilled, VisionFeatures
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
-from kamera_agent.core.blend import Blended, select_tokens, selected_count
 from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.core.orbits import fold_full_orbit, fold_orbit
+from kamera_agent.core.recompute import Recomputed, select_tokens, selected_count
 from kamera_agent.core.staging import Committed, StagedStore
 from kamera_agent.critical_path import books, to_device
 from kamera_agent.errors import ChunkLostError, ContextOverflowError, ForeignChunkError, UnsupportedModelError
@@ -227,7 +227,7 @@ class KVCore:
         fraction: float,
         txn: Txn,
         layers: int = 1,
-    ) -> Blended:
+    ) -> Recomputed:
         """``kv`` (the chunk placed at ``start``) with its most deviating ``fraction`` of tokens
         recomputed over ``context``: a partial forward of every token (`Backend.deviation`, the
         first ``layers`` layers), `select_tokens`, then one forward of those tokens
@@ -247,7 +247,7 @@ class KVCore:
                 indices = torch.arange(n)
             done = self.backend.recompute(chunk, kv, indices, context, start, vision)
         txn.meter.spend(done.spent)
-        return Blended(done.kv[0], indices, scores)
+        return Recomputed(done.kv[0], indices, scores)
 
     # -- forming a state's KV -------------------------------------------------------------------
     def store_full(

@@ -42,7 +42,7 @@ from kamera_agent.compat import output_cache
 from kamera_agent.core import CostMeter, KVCore
 from kamera_agent.demo.sequences import FrameCache, ItemSequence, item_sequence
 from kamera_agent.demo.task import DemoItem
-from kamera_agent.metrics import next_token_kl
+from kamera_agent.divergence import next_token_kl
 from kamera_agent.operator.layout import ChunkKV, KVLayout, to_position_free
 from kamera_agent.operator.patch import LayerChoice, apply_patch, form_patch
 from kamera_agent.store import ChunkStore

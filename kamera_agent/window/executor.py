@@ -281,8 +281,8 @@ class Executor(Placement):
         target = ChunkState.recomputed(entry.state, ctx, share)
         placed = self.placements()
         start = self._starts[ref]
-        blended = self.core.recompute(entry.chunk, placed[i + 1], placed[: i + 1], start, share, self.txn)
-        kv = self.core.store_full(target, blended.kv, self.txn)
+        recomputed = self.core.recompute(entry.chunk, placed[i + 1], placed[: i + 1], start, share, self.txn)
+        kv = self.core.store_full(target, recomputed.kv, self.txn)
         self._full[target.digest] = kv
         # what it encoded before (a chunk that left, maybe recalled later) it still encodes in part
         recorded = self.state.recorded(ref)

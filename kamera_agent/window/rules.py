@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
-from kamera_agent.core.blend import selected_count
 from kamera_agent.core.identity import (
     ChunkState,
     Context,
@@ -36,6 +35,7 @@ from kamera_agent.core.identity import (
     orbit_key,
     patched_digest,
 )
+from kamera_agent.core.recompute import selected_count
 from kamera_agent.core.staging import StoreView, can_form
 from kamera_agent.fidelity import DriftBudget
 from kamera_agent.policies import PATCH_TIMING, PatchAction

@@ -24,9 +24,9 @@ from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
 from kamera_agent.core.staging import StagedStore, StoreView
 from kamera_agent.critical_path import critical_path
+from kamera_agent.divergence import next_token_kl
 from kamera_agent.errors import ContextOverflowError, WindowClosedError, WindowError
 from kamera_agent.fidelity import AuditSource, DriftBudget, Measure, filed_in
-from kamera_agent.metrics import next_token_kl
 from kamera_agent.results import Answer, OpCost, Plan
 from kamera_agent.window.conversation import Conversation
 from kamera_agent.window.drift_fixes import DriftFixes

@@ -10,18 +10,20 @@ It needs nothing a real system lacks: no exact KV, no oracle, only the context a
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kamera_agent.errors import SettingsError
 from kamera_agent.operator.layout import ChunkKV
 
-__all__ = ["Blended", "select_tokens", "selected_count"]
+__all__ = ["Recomputed", "select_tokens", "selected_count"]
 
 
 @dataclass(frozen=True)
-class Blended:
+class Recomputed:
     """A chunk's KV after selective recompute.
 
     Attributes:
@@ -61,3 +63,11 @@ def select_tokens(deviation: torch.Tensor, fraction: float) -> torch.Tensor:
     count = selected_count(fraction, int(deviation.shape[0]))
     top = torch.topk(deviation.float().cpu(), count).indices
     return top.sort().values
+
+
+def __getattr__(name: str) -> Any:
+    """``Blended``, the old name of `Recomputed` (this module was ``core.blend``): with a warning."""
+    if name != "Blended":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn("Blended is now Recomputed (kamera_agent.core.recompute)", DeprecationWarning, stacklevel=2)
+    return Recomputed
