@@ -134,7 +134,7 @@ def _deviation(blind: ChunkKV, conditioned: ChunkKV) -> torch.Tensor:
     return deviation
 
 
-def _recomputed(spec: Recompute, pieces: Sequence[Piece], layout: KVLayout) -> list[ChunkKV]:
+def _recomputed(spec: Recompute, pieces: Sequence[PageKV], layout: KVLayout) -> list[ChunkKV]:
     """Every chunk blind, with the tokens ``spec`` selects given their conditioned KV."""
     blinds = [apply_patch(c, None, layout, p) for c, _, p in pieces]
     features = layout.features
@@ -326,7 +326,7 @@ def evaluate(
     return result
 
 
-Piece = tuple[ChunkKV, ChunkKV, torch.Tensor]
+PageKV = tuple[ChunkKV, ChunkKV, torch.Tensor]
 """(canonical, conditioned in the item's own ordering, positions) of one chunk."""
 
 
@@ -360,7 +360,7 @@ def _evaluate_item(
 
 
 def _serve(
-    name: str, pieces: Sequence[Piece], orbit: Sequence[Sequence[ChunkKV]], layout: KVLayout
+    name: str, pieces: Sequence[PageKV], orbit: Sequence[Sequence[ChunkKV]], layout: KVLayout
 ) -> list[ChunkKV]:
     """Every chunk's KV as arm ``name`` serves it."""
     if name in ORBIT_ARMS:
@@ -373,10 +373,10 @@ def _serve(
 
 def _pieces(
     core: KVCore, backend: TransformersBackend, seq: ItemSequence, truth: Any
-) -> tuple[list[Piece], int]:
+) -> tuple[list[PageKV], int]:
     """Every chunk's canonical, conditioned KV and positions; and where the query starts."""
     slot, start = backend.anchor.num_tokens, backend.anchor.advance
-    pieces: list[Piece] = []
+    pieces: list[PageKV] = []
     for chunk in seq.chunks:
         positions = chunk.positions_at(start)
         conditioned = read_chunk(truth, backend.layout, slot, slot + chunk.num_tokens, positions)
@@ -387,7 +387,7 @@ def _pieces(
 
 
 def _orbit_members(
-    backend: TransformersBackend, seq: ItemSequence, pieces: Sequence[Piece]
+    backend: TransformersBackend, seq: ItemSequence, pieces: Sequence[PageKV]
 ) -> list[list[ChunkKV]]:
     """Per chunk: its conditioned KV under other orderings of the legend frames (up to
     `HELD_OUT_ORDERS`, never the item's own) wherever its antecedent set is the same there (the
@@ -440,7 +440,7 @@ def _slots(a: ChunkKV, b: ChunkKV) -> tuple[tuple[torch.Tensor, torch.Tensor], .
     return ((a.keys, b.keys), (a.values, b.values))
 
 
-def _deficit(pages: Sequence[Piece], layout: KVLayout) -> Deficit:
+def _deficit(pages: Sequence[PageKV], layout: KVLayout) -> Deficit:
     """The pages' deficit against their canonicals, per layer (see `Deficit`)."""
     out = Deficit(chunks=len(pages))
     for canonical, conditioned, _ in pages:

@@ -31,7 +31,8 @@ are reported (`LoadPlan.kept_tokens`, `LoadPlan.drift`).
 Every chunk key is scoped by the request's anchor, itself keyed in the request's namespace
 (SGLang's ``extra_key``, vLLM's ``cache_salt``; ``""`` for neither), so every state is too: one
 tenant is never served another's KV, approximate or not. A request's first chunk is its anchor
-(`_Chain`), as a window's system block is, so an engine and a conversation window share entries.
+(`_RequestStates`), as a window's system block is, so an engine and a conversation window share
+entries.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ class PrefixSynthesis:
         re-prefill computes whatever the policy (an engine's unsalted requests, whose cached
         blocks every other request may reuse). Reads presence only: no side effects."""
         served: list[Served] = []
-        chain, prefix = _Chain(), _prefix_root(namespace)
+        chain, prefix = _RequestStates(), _prefix_root(namespace)
         worst: float | None = 0.0  # the largest drift to the left (None: unknown)
         held_kept = 0  # tokens of the engine's own hit in kept states, and their largest drift:
         held_drift: float | None = 0.0
@@ -266,7 +267,7 @@ class PrefixSynthesis:
         state it holds and the entry its KV belongs in, where the store does not hold it yet.
         Under ``"keep"`` this also makes each chunk's state its latest."""
         out: list[tuple[RequestChunk, ChunkState, EntryKey]] = []
-        chain, prefix = _Chain(), _prefix_root(namespace)
+        chain, prefix = _RequestStates(), _prefix_root(namespace)
         for chunk in chunks:
             if chunk.end > upto:
                 break
@@ -336,7 +337,7 @@ class PrefixSynthesis:
         computed: ChunkState,
         device_len: int,
         approximate: bool,
-        chain: _Chain,
+        chain: _RequestStates,
         worst: float | None,
     ) -> tuple[Served | None, bool]:
         """The chunk served from the store: in the state the engine's part of it holds (or, past
@@ -375,7 +376,7 @@ def _remember(memory: OrderedDict[str, _V], key: str, value: _V) -> None:
         memory.popitem(last=False)
 
 
-class _Chain:
+class _RequestStates:
     """The states a forward gives a request's chunks, left to right, as a window's are chained.
 
     The first chunk is the anchor: its KV is computed behind nothing and every later chunk's

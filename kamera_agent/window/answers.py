@@ -18,7 +18,7 @@ from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.core.identity import ChunkState, Context, effective_rank
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer
-from kamera_agent.window.placement import Piece, Placement
+from kamera_agent.window.placement import Placement, Stretch
 from kamera_agent.window.state import Assembled, ChunkRef
 
 __all__ = ["answer_without"]
@@ -26,7 +26,7 @@ __all__ = ["answer_without"]
 
 @dataclass
 class _View:
-    """The chunks after the removed one as the view serves them: placed jobs, the cache pieces
+    """The chunks after the removed one as the view serves them: placed jobs, the cache stretches
     they take, and from which of them (``formed_from``) the rest must be formed."""
 
     slot: int
@@ -34,7 +34,7 @@ class _View:
     ctx: Context
     start: int
     jobs: list[Any] = field(default_factory=list)
-    pieces: list[Piece] = field(default_factory=list)
+    stretches: list[Stretch] = field(default_factory=list)
     formed_from: int = 0
 
 
@@ -53,7 +53,7 @@ def answer_without(
     if extends:
         cache, retained = placement._cache_through(view.slot)
         cache = core.backend.assemble(placed, onto=cache)
-        view.pieces = [*retained, *view.pieces]
+        view.stretches = [*retained, *view.stretches]
     else:
         context = [core.anchor_kv(meter), *placement._places(state.order[: view.slot]), *placed]
     if view.formed_from < len(view.rest):
@@ -61,7 +61,7 @@ def answer_without(
     elif not extends:
         cache = core.backend.assemble(context)
     if extends:
-        state.assembled = Assembled(cache, tuple(view.pieces))
+        state.assembled = Assembled(cache, tuple(view.stretches))
     return core.decode(cache, query_ids, view.start, config, meter)
 
 
@@ -85,9 +85,9 @@ def _serve(placement: Placement, removed: ChunkRef, exact: bool) -> _View:
             if exact and served.kind == "canonical" and not placement.txn.store.has_canonical(ref.key):
                 view.formed_from = i
                 break
-        made = placement.free_kv(served) if served != entry.state else placement._made_of(ref)
+        made = placement.position_free_parts(served) if served != entry.state else placement._made_of(ref)
         view.jobs.append((*made, entry.chunk.positions_at(view.start)))
-        view.pieces.append(((ref, view.start, served.digest), entry.chunk.num_tokens))
+        view.stretches.append(((ref, view.start, served.digest), entry.chunk.num_tokens))
         view.ctx, view.start = view.ctx.extend(served), view.start + entry.chunk.advance
     return view
 
@@ -110,7 +110,7 @@ def _form_rest(
         over = ChunkState.patched(chunk.key, "full", view.ctx)  # exact over what is left
         core.store_full(over, kv, txn)
         txn.meter.patches_formed += 1
-        view.pieces.append(((view.rest[view.formed_from], view.start, over.digest), chunk.num_tokens))
+        view.stretches.append(((view.rest[view.formed_from], view.start, over.digest), chunk.num_tokens))
         view.formed_from += 1
         view.ctx, view.start = view.ctx.extend(over), view.start + chunk.advance
     if extends and done.cache is not None:

@@ -24,7 +24,7 @@ from kamera_agent.core.kv_core import StaleLookup
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer
 from kamera_agent.window.answers import answer_without
-from kamera_agent.window.placement import Piece, Placement
+from kamera_agent.window.placement import Placement, Stretch
 from kamera_agent.window.plan import Step, WindowPlan, canonical_leads_run, serves_canonical_first
 from kamera_agent.window.state import Assembled, ChunkRef, Entry, OriginalContext, WindowState
 
@@ -195,10 +195,10 @@ class Executor(Placement):
         extends = self.core.backend.supports_extend
         if count == 0 and not between and not self.core.anchor_ready:  # the anchor joins this forward
             cache, context, cached = None, [], 0
-            pieces: list[Piece] = [(("anchor",), self.core.anchor.num_tokens)]
+            stretches: list[Stretch] = [(("anchor",), self.core.anchor.num_tokens)]
         elif extends:
-            cache, pieces = self._cache_through(count)
-            cached, context = sum(slots for _, slots in pieces), placed
+            cache, stretches = self._cache_through(count)
+            cached, context = sum(slots for _, slots in stretches), placed
         else:
             cache, context = None, [self.core.anchor_kv(self.txn.meter), *self._places(order[:count])]
             cached, context = sum(kv.num_tokens for kv in context), [*context, *placed]
@@ -214,12 +214,12 @@ class Executor(Placement):
             return
         if lead is not None:
             chunk = chunks.pop(0)
-            pieces.append(((lead.ref, self._starts[lead.ref], lead.state.digest), chunk.num_tokens))
+            stretches.append(((lead.ref, self._starts[lead.ref], lead.state.digest), chunk.num_tokens))
         for step, chunk in zip(run, chunks, strict=True):
             if between or not step.state.is_full:  # out of window order / canonical + patch
                 break
-            pieces.append(((step.ref, self._starts[step.ref], step.state.digest), chunk.num_tokens))
-        self.state.assembled = Assembled(done.cache, tuple(pieces))
+            stretches.append(((step.ref, self._starts[step.ref], step.state.digest), chunk.num_tokens))
+        self.state.assembled = Assembled(done.cache, tuple(stretches))
 
     def _seen(
         self,

@@ -1,7 +1,7 @@
 """What a window holds of the chunks that left it, after each operation.
 
-Why bounded: every chunk ever pushed used to stay with its preprocessed pixels (+107 MB over
-1,500 small images; real 1024² frames are megabytes each). After a committed operation an
+Why bounded: a long-running agent pushes without end, and an image's preprocessed pixels are
+most of what it holds (a real 1024² frame is megabytes). After a committed operation an
 evicted image releases its pixels once its vision output or canonical is stored (they can be
 rebuilt from either), and beyond ``max_evicted`` the oldest evicted chunks are forgotten.
 """

@@ -130,16 +130,16 @@ class Scores:
 @dataclass(frozen=True)
 class Assembled:
     """The engine cache the last answer was decoded over (or the last in-window formation ran
-    over), and what each of its pieces held.
+    over), and what each of its stretches held.
 
-    A piece is ``("anchor",)`` or ``(ref, start, state digest)`` with its slot count: the next
-    answer reuses the longest prefix of pieces that is unchanged (crop) and appends the rest.
+    A stretch is ``("anchor",)`` or ``(ref, start, state digest)`` with its slot count: the next
+    answer reuses the longest prefix of stretches that is unchanged (crop) and appends the rest.
     The cache object is the engine's, mutated by decodes and formations (which only append); it
-    is cropped before every reuse, so whatever was appended beyond its pieces is never read.
+    is cropped before every reuse, so whatever was appended beyond its stretches is never read.
     """
 
     cache: Any
-    pieces: tuple[tuple[tuple[Any, ...], int], ...]
+    stretches: tuple[tuple[tuple[Any, ...], int], ...]
 
 
 def _lineage() -> str:

@@ -43,9 +43,9 @@ def test_a_namespace_joins_the_engines_scope_and_the_salt_and_is_empty_for_neith
 
 
 def test_the_pieces_of_a_plan_cover_its_tokens_exactly() -> None:
-    pieces = lifecycle.load_pieces(_plan())
-    assert [(p.start, p.end, p.a, p.b) for p in pieces] == [(40, 64, 8, 32), (64, 96, 0, 32)]
-    assert sum(p.end - p.start for p in pieces) == _plan().tokens
+    spans = lifecycle.load_spans(_plan())
+    assert [(s.start, s.end, s.entry_from, s.entry_to) for s in spans] == [(40, 64, 8, 32), (64, 96, 0, 32)]
+    assert sum(s.end - s.start for s in spans) == _plan().tokens
 
 
 def test_the_report_counts_loaded_and_kept_tokens_and_a_failed_load_loaded_nothing() -> None:

@@ -121,7 +121,7 @@ class TransformersBackend(Backend):
         return self.parts.dtype
 
     @functools.cached_property
-    def context_limit(self) -> int | None:  # read once: ~20 µs through the config, twice an op
+    def context_limit(self) -> int | None:  # read once: a walk through the config, asked twice an op
         config = self.model.config
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         value = getattr(text, "max_position_embeddings", None)

@@ -42,7 +42,7 @@ from kamera_agent.engines.lifecycle import (
     count_offer,
     count_unloadable,
     count_written,
-    load_pieces,
+    load_spans,
     namespace_of,
 )
 from kamera_agent.engines.load_plan import EngineStats, Loaded, LoadPlan, RequestChunk
@@ -277,11 +277,11 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
 
     def _write(self, req: Any, plan: LoadPlan, kvs: list[ChunkKV], slots: torch.Tensor) -> None:
         pool = self._slots()
-        for piece, kv in zip(load_pieces(plan), kvs, strict=True):
-            a, b = piece.a, piece.b
+        for span, kv in zip(load_spans(plan), kvs, strict=True):
+            a, b = span.entry_from, span.entry_to
             part = replace(kv, keys=kv.keys[:, :, a:b], values=kv.values[:, :, a:b])
-            where = slots[piece.start - plan.device_len : piece.end - plan.device_len]
-            pool.write(part, self._positions(req, piece.start, piece.end), where)
+            where = slots[span.start - plan.device_len : span.end - plan.device_len]
+            pool.write(part, self._positions(req, span.start, span.end), where)
 
     def _capture(self, req: Any, up_to: int) -> None:
         assert self.synthesis is not None

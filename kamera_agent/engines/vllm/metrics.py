@@ -122,7 +122,7 @@ class Reports:
 
     def since(self, stats: EngineStats, faults: dict[str, int]) -> KameraConnectorStats | None:
         """The counts that grew since the last call (``None``: nothing did, vLLM sends nothing)."""
-        now = dict(vars(stats))  # flat ints: `dataclasses.asdict`'s deep copy cost 30 µs a step
+        now = dict(vars(stats))  # flat ints: no deep copy (`dataclasses.asdict`) on every step
         counts = _grown(now, self._counts)
         grown = _grown(faults, self._faults)
         if not counts and not grown:

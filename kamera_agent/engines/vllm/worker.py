@@ -154,10 +154,10 @@ class ConnectorWorker(ConnectorSide):
         if load.entry is None:
             return False
         kv = self.synthesis.read(load.entry)
-        if kv is None or kv.num_tokens < load.b:
+        if kv is None or kv.num_tokens < load.entry_to:
             count_unloadable(self.faults, self.synthesis.store, "start_load_kv", load.req_id, [load.entry])
             return False
-        a, b = load.a, load.b
+        a, b = load.entry_from, load.entry_to
         part = ChunkKV(kv.keys[:, :, a:b], kv.values[:, :, a:b], None, kv.chunk_key)
         positions = _positions(self.layout, load.positions, load.start, load.start + b - a)
         self._pool.write(part, positions, torch.tensor(load.slots, dtype=torch.long))

@@ -202,7 +202,7 @@ def _image_tokens_loaded(llm: Any, prompt: list[int]) -> int:
     return sum(
         1
         for load in worker.recent_loads
-        for t in range(load.start, load.start + load.b - load.a)
+        for t in range(load.start, load.start + load.entry_to - load.entry_from)
         if prompt[t] == pad
     )
 

@@ -408,7 +408,7 @@ def _kv_check(llm: Any, model_dir: str, prompt: list[int]) -> dict[str, Any]:
     worst = 0.0
     tokens = 0
     for load in loads:
-        rows = list(range(load.start, load.start + load.b - load.a))
+        rows = list(range(load.start, load.start + load.entry_to - load.entry_from))
         slots = torch.tensor(load.slots, dtype=torch.long)
         for layer, (cache, where) in enumerate(zip(worker._pool.caches, worker._pool.layouts, strict=True)):
             keys, values = read_tokens(cache, where, slots)
