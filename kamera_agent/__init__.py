@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from kamera_agent import errors, moved
+from kamera_agent import moved
 from kamera_agent.errors import (  # the standard library only: cheap to import eagerly
     AmbiguousChannelOrderError,
     ArgumentError,
@@ -82,13 +82,16 @@ _HOMES: dict[str, str] = {
 }
 """Each public name → the module it lives in (imported when the name is first read)."""
 
+_RENAMED = {"StoreBudgetError": "kamera_agent.errors"}
+"""Each old public name → the module that serves it, with a `DeprecationWarning`, for a release."""
+
 
 def __getattr__(name: str) -> Any:
     """A public name, imported from its module on first use (then held here); a submodule
     reached as an attribute (``kamera_agent.window`` after ``import kamera_agent``), as the
     eager root made possible."""
-    if name in errors._RENAMED:
-        return getattr(errors, name)  # a deprecated name: the error module warns
+    if name in _RENAMED:
+        return getattr(importlib.import_module(_RENAMED[name]), name)  # its module warns
     home = _HOMES.get(name)
     if home is not None:
         value = getattr(importlib.import_module(home), name)

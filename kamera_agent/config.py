@@ -330,7 +330,7 @@ class WindowConfig(BaseModel):
             StoreDirectoryError: a disk directory kamera cannot use.
         """
         from kamera_agent.store import ChunkStore
-        from kamera_agent.store.deadlines import DeadlinePolicy
+        from kamera_agent.store.deadlines import DeadlineBounds
 
         disk_dir, disk_limit = disk if disk is not None else (self.disk_dir, self.disk_limit)
         return ChunkStore(
@@ -342,7 +342,7 @@ class WindowConfig(BaseModel):
             urls=self.store_urls,
             secret=None if self.store_secret is None else self.store_secret.get_secret_value(),
             previous_secrets=[secret.get_secret_value() for secret in self.store_previous_secrets],
-            deadlines=DeadlinePolicy(
+            deadlines=DeadlineBounds(
                 self.store_deadline_factor, self.store_deadline_floor, self.store_deadline_ceiling
             ),
         )

@@ -43,8 +43,7 @@ Warnings (not errors: the call goes on): ``KameraWarning`` ⟵ ``LargeChunkWarni
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
+from kamera_agent.moved import renamed
 
 __all__ = [
     "AmbiguousChannelOrderError",
@@ -245,15 +244,5 @@ class WindowClosedError(WindowError):
     written); open a new window over the store's directory or URL."""
 
 
-_RENAMED = {"StoreBudgetError": "StoreLimitError"}
-"""Old public name → new one: still importable for a release, with a `DeprecationWarning`
-(a byte cap is a *limit*; "budget" is the drift budget's word)."""
-
-
-def __getattr__(name: str) -> Any:
-    """An exception's old name (`_RENAMED`): the class itself, with a `DeprecationWarning`."""
-    new = _RENAMED.get(name)
-    if new is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"{name} is now {new}", DeprecationWarning, stacklevel=2)
-    return globals()[new]
+__getattr__ = renamed(__name__, {"StoreBudgetError": "StoreLimitError"})
+"""A byte cap is a *limit* ("budget" is the drift budget's word): the old name lasts a release."""

@@ -1,4 +1,4 @@
-"""Module paths that moved, still importable: each old path is the new module, with a warning.
+"""Module paths that moved and names that were renamed, still importable for a release, with a warning.
 
 Why: other programs' settings name kamera's modules and outlive an upgrade of kamera: vLLM's
 ``kv_connector_module_path``, the SGLang plugin entry point recorded in an installed package's
@@ -14,10 +14,11 @@ import importlib.machinery
 import importlib.util
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
+from typing import Any
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "install", "renamed"]
 
 MOVED = {
     "kamera_agent.backends.sglang": "kamera_agent.engines.sglang",
@@ -69,3 +70,17 @@ def install() -> None:
     """Put the finder first on ``sys.meta_path`` (idempotent)."""
     if not any(isinstance(finder, _MovedFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _MovedFinder())
+
+
+def renamed(module: str, names: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module's ``__getattr__`` (PEP 562) that serves each old name of ``names`` (old → new) as
+    the new one, with a `DeprecationWarning` naming it: a renamed public name lasts a release."""
+
+    def __getattr__(name: str) -> Any:
+        new = names.get(name)
+        if new is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(f"{name} is now {new} ({module})", DeprecationWarning, stacklevel=2)
+        return getattr(sys.modules[module], new)
+
+    return __getattr__

@@ -68,7 +68,7 @@ class BlendCache:
         same = 0
         while same < min(len(self._keys), len(sequence)) and self._keys[same] == sequence[same].key:
             same += 1
-        held, kept = self._held[:same], sum(chunk.num_tokens for chunk in sequence[:same])
+        held, reused = self._held[:same], sum(chunk.num_tokens for chunk in sequence[:same])
         start = sum(chunk.advance for chunk in sequence[:same])
         for chunk in sequence[same:]:
             held.append(self._placed(chunk, held, start))
@@ -77,7 +77,7 @@ class BlendCache:
         return Sync(
             tokens=sum(s.tokens_prefilled for s in self._spent),
             seconds=wall() - began,
-            kept=kept,
+            reused=reused,
             forwards=sum(s.forwards for s in self._spent),
             vision_runs=sum(s.vision_encodes for s in self._spent),
         )

@@ -131,8 +131,8 @@ def measurement_targets(run: FidelityRun | None) -> list[Target]:
     if re is not None and blind is not None:
         gap = abs(blind.multi_hop_accuracy - chance)
         readout = re.glyph_accuracy - blind.glyph_accuracy
-        binding, kept = blind.multi_hop_accuracy, blind.glyph_accuracy
-        measured = f"binding {binding:.1%} (chance {chance:.1%}), readout {kept:.1%}"
+        binding, readable = blind.multi_hop_accuracy, blind.glyph_accuracy
+        measured = f"binding {binding:.1%} (chance {chance:.1%}), readout {readable:.1%}"
         out.append(Target(names[1], measured, gap <= 0.10 and readout <= 0.02))
     if re is not None and r16 is not None and r2 is not None:
         page = run.page_share("rank-16")

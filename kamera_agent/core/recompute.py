@@ -10,13 +10,12 @@ It needs nothing a real system lacks: no exact KV, no oracle, only the context a
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from kamera_agent.errors import SettingsError
+from kamera_agent.moved import renamed
 from kamera_agent.operator.layout import ChunkKV
 
 __all__ = ["Recomputed", "select_tokens", "selected_count"]
@@ -65,9 +64,5 @@ def select_tokens(deviation: torch.Tensor, fraction: float) -> torch.Tensor:
     return top.sort().values
 
 
-def __getattr__(name: str) -> Any:
-    """``Blended``, the old name of `Recomputed` (this module was ``core.blend``): with a warning."""
-    if name != "Blended":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn("Blended is now Recomputed (kamera_agent.core.recompute)", DeprecationWarning, stacklevel=2)
-    return Recomputed
+__getattr__ = renamed(__name__, {"Blended": "Recomputed"})
+"""The module was ``core.blend``, its result ``Blended``: the old name lasts a release."""

@@ -213,8 +213,8 @@ class _Episode:
         self.ask("colour after reorder", item.question, item.answer)
         self._probe()
         first_page, first, at = pages[0], self.pages[0], 1 + len(self.legend)
-        kept = [c for c in self.shown if c is not first_page]
-        self.step("evict #1", lambda: self.window.evict(first), kept, "stays recallable")
+        rest = [c for c in self.shown if c is not first_page]
+        self.step("evict #1", lambda: self.window.evict(first), rest, "stays recallable")
         back = [*self.shown[:at], first_page, *self.shown[at:]]
         self.step("recall #1", lambda: self.window.recall(first, at=at), back, "its stored KV, no vision")
         self.ask("colour after recall", item.question, item.answer)

@@ -114,8 +114,8 @@ class ResponseStore:
 
     def get(self, response_id: str, tenant: str) -> StoredResponse:
         with self._lock:
-            kept = self._items.get(response_id)
-        stored = None if kept is None else kept[0]
+            held = self._items.get(response_id)
+        stored = None if held is None else held[0]
         if stored is None or stored.tenant != tenant:
             raise RequestError(
                 404,

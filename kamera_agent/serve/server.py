@@ -39,7 +39,7 @@ from kamera_agent.results import Answer, OpCost
 from kamera_agent.serve.bounds import TextBound, longest_token_bytes
 from kamera_agent.serve.completion import Completion, called, logprobs_of
 from kamera_agent.serve.fidelity import Fidelity, fidelity_for
-from kamera_agent.serve.media import MediaPolicy
+from kamera_agent.serve.media import MediaAccess
 from kamera_agent.serve.messages import MessageChunks, Prepared
 from kamera_agent.serve.metrics import Metrics
 from kamera_agent.serve.pixels import PixelLimit
@@ -89,9 +89,9 @@ class KameraServer:
             raise ConfigError(f"reuse {settings.reuse!r}: 'kamera' or 'prefix' (a prefix cache)")
         self.backend, self.settings = backend, settings
         self.store: ChunkStore = resolve_store(backend, settings.config, None)
-        policy = MediaPolicy(settings.fetching, settings.local_media)
+        access = MediaAccess(settings.fetching, settings.local_media)
         max_pixels = settings.config.max_image_pixels
-        self.images = ImageReader(policy, max_pixels=max_pixels, limit=settings.image_cache_bytes)
+        self.images = ImageReader(access, max_pixels=max_pixels, limit=settings.image_cache_bytes)
         self.messages = MessageChunks(
             backend, self.images, settings.chunk_cache_bytes, max_pixels, settings.anchor_cache_bytes
         )
@@ -246,7 +246,7 @@ class KameraServer:
         split = report.provenance.split(window, asked.query_tokens)
         estimates = [window.drift_of(ref) for ref in window.refs]
         largest = None if None in estimates else max((e for e in estimates if e is not None), default=0.0)
-        drift = {"limit": window.limit, "largest": largest}
+        drift = {"budget": window.budget, "largest": largest}
         return self._completion(asked, session, (report, answers, split), drift, turn.waited)
 
     def _decode(

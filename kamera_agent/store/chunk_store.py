@@ -48,7 +48,7 @@ from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.operator.patch import Patch
 from kamera_agent.store.audits import DriftAudit
 from kamera_agent.store.codec import StoredValue, entry_nbytes, fingerprint_of
-from kamera_agent.store.deadlines import DeadlinePolicy, Deadlines
+from kamera_agent.store.deadlines import DeadlineBounds, Deadlines
 from kamera_agent.store.disk import DiskTier
 from kamera_agent.store.instrumented import InstrumentedTier
 from kamera_agent.store.keys import EntryKey
@@ -155,7 +155,7 @@ class ChunkStore:
         secret: str | bytes | None = None,
         previous_secrets: Sequence[str | bytes] = (),
         disk_shared: bool = False,
-        deadlines: DeadlinePolicy | None = None,
+        deadlines: DeadlineBounds | None = None,
         memory_budget: int | None = None,
         disk_budget: int | None = None,
     ) -> None:

@@ -26,7 +26,7 @@ from kamera_agent.results import Answer
 from kamera_agent.window.answers import answer_without
 from kamera_agent.window.placement import Placement, Stretch
 from kamera_agent.window.plan import Step, WindowPlan, canonical_leads_run, serves_canonical_first
-from kamera_agent.window.state import Assembled, ChunkRef, Entry, OriginalContext, WindowState
+from kamera_agent.window.state import Assembled, ChunkRef, Entry, OriginalContext, WindowRecord
 
 __all__ = ["Executor", "StaleLookup"]
 
@@ -286,8 +286,8 @@ class Executor(Placement):
         self._full[target.digest] = kv
         # what it encoded before (a chunk that left, maybe recalled later) it still encodes in part
         recorded = self.state.recorded(ref)
-        kept = {source for source, _, _ in recorded}
-        joined = [(r, s.digest) for r, s in zip(order[:i], ctx.states(), strict=True) if r not in kept]
+        sources = {source for source, _, _ in recorded}
+        joined = [(r, s.digest) for r, s in zip(order[:i], ctx.states(), strict=True) if r not in sources]
         refs = (*(source for source, _, _ in recorded), *(r for r, _ in joined))
         digests = (*(digest for _, _, digest in recorded), *(d for _, d in joined))
         self._settle(ref, target, None, None, full=kv)
@@ -328,10 +328,10 @@ class Executor(Placement):
         if not same_state or full is not None:
             entry.full = full
         entry.state, entry.patch, entry.pending = target, patch, pending
-        # a recomputed state's edges were filed when it was made: its kept tokens still encode
+        # a recomputed state's edges were filed when it was made: its tokens not recomputed still encode
         # its source's antecedents, which its context (the chunks now to its left) does not name
-        kept = same_state and target.kind == "recomputed"
-        if antecedents is not None and not kept and not (same_state and self._same_edges(ref, antecedents)):
+        filed = same_state and target.kind == "recomputed"
+        if antecedents is not None and not filed and not (same_state and self._same_edges(ref, antecedents)):
             self.state.set_antecedents(ref, antecedents, states)
         if entry.original is None and not pending:
             entry.original = OriginalContext(tuple(antecedents or ()), target)
@@ -368,14 +368,14 @@ class Executor(Placement):
         return answer_without(self, removed, query_ids, config, exact)
 
 
-def _changes(state: WindowState, plan: WindowPlan) -> bool:
+def _changes(state: WindowRecord, plan: WindowPlan) -> bool:
     """Whether the plan changes the window's KV (an answer computed before it is then stale)."""
     if plan.evicted or plan.admitted or plan.moved or list(plan.order) != state.order:
         return True
     return any(step.kind not in ("form_canonical", "rotate") for step in plan.steps)
 
 
-def _recorded_states(state: WindowState, ref: ChunkRef) -> tuple[str, ...]:
+def _recorded_states(state: WindowRecord, ref: ChunkRef) -> tuple[str, ...]:
     """The states ``ref``'s in-edges record, in their recorded order (`Planner._taken` maps the
     same edges, in this order, onto the refs that hold those slots after the op)."""
     return tuple(digest for _, _, digest in state.recorded(ref))

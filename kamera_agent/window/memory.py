@@ -13,13 +13,17 @@ from collections.abc import Sequence
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.costs import CostMeter
 from kamera_agent.store import ChunkStore
-from kamera_agent.window.state import ChunkRef, WindowState
+from kamera_agent.window.state import ChunkRef, WindowRecord
 
 __all__ = ["release_evicted"]
 
 
 def release_evicted(
-    state: WindowState, store: ChunkStore, config: WindowConfig, evicted: Sequence[ChunkRef], meter: CostMeter
+    state: WindowRecord,
+    store: ChunkStore,
+    config: WindowConfig,
+    evicted: Sequence[ChunkRef],
+    meter: CostMeter,
 ) -> None:
     """Drop the pixels of the chunks just evicted (where the store can rebuild them) and forget
     the oldest evicted chunks beyond ``config.max_evicted``.

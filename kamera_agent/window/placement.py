@@ -18,7 +18,7 @@ from kamera_agent.core import Patch
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.core.kv_core import KVCore, Txn
 from kamera_agent.operator.layout import ChunkKV
-from kamera_agent.window.state import Assembled, ChunkRef, WindowState
+from kamera_agent.window.state import Assembled, ChunkRef, WindowRecord
 
 __all__ = ["Placement", "Stretch"]
 
@@ -31,7 +31,7 @@ class Placement:
     """One window state's chunks placed and its states' KV built, inside one transaction (memoised
     for the op: each state is built and each chunk placed once)."""
 
-    def __init__(self, state: WindowState, core: KVCore, txn: Txn, config: WindowConfig) -> None:
+    def __init__(self, state: WindowRecord, core: KVCore, txn: Txn, config: WindowConfig) -> None:
         self.state, self.core, self.txn, self.config = state, core, txn, config
         self.layout = core.backend.layout
         self._starts: dict[ChunkRef, int] = {}

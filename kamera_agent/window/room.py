@@ -12,14 +12,14 @@ from collections.abc import Mapping, Sequence
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import CapacityError
 from kamera_agent.policies import EVICTION, EvictionContext
-from kamera_agent.window.state import ChunkRef, WindowState
+from kamera_agent.window.state import ChunkRef, WindowRecord
 
 __all__ = ["make_room"]
 
 
 def make_room(
     config: WindowConfig,
-    state: WindowState,
+    state: WindowRecord,
     tokens: int,
     pinned: Sequence[ChunkRef],
     scores: Mapping[ChunkRef, float] | None = None,

@@ -4,7 +4,7 @@ Why this shape: positions are derived from the order (each chunk starts where th
 advanced to), so they are never stored. What each chunk's KV encodes is its `ChunkState` (the
 chained digest of its content, patch and antecedent states); the antecedent graph records the
 same as edges A→B ("B's KV encodes A"), each edge carrying A's place in B's antecedents and the
-state of A that B encodes. Everything mutable lives in one `WindowState`, so a transaction (a
+state of A that B encodes. Everything mutable lives in one `WindowRecord`, so a transaction (a
 failed op restores the copy) and ``fork`` (a branch with its own ref space) are one mechanism.
 """
 
@@ -24,7 +24,16 @@ from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer
 from kamera_agent.window.costs import StatsBook
 
-__all__ = ["Assembled", "ChunkRef", "Entry", "LastAnswer", "OriginalContext", "Scores", "WindowState"]
+__all__ = [
+    "Assembled",
+    "ChunkRef",
+    "Entry",
+    "LastAnswer",
+    "OriginalContext",
+    "Scores",
+    "WindowRecord",
+    "WindowState",
+]
 
 
 @dataclass(frozen=True, order=True)
@@ -82,7 +91,7 @@ class Entry:
         last_used: op counter of its last push, recall or reorder.
         evicted_at: op counter of its eviction (the oldest evicted are forgotten first).
         canonical_formed: its canonical has been computed at least once (a later miss is a re-form).
-        set_from: the antecedents its in-edges were last set from (`WindowState.set_antecedents`),
+        set_from: the antecedents its in-edges were last set from (`WindowRecord.set_antecedents`),
             so an op asking for the same ones again knows its edges without reading the graph.
         set_states: the state of each of ``set_from`` that its KV encodes, one digest each, or
             the context that says them (read when asked: most are never read).
@@ -102,7 +111,7 @@ class Entry:
     set_states: tuple[str, ...] | Context = ()
 
     def copy(self) -> Entry:
-        """A shallow copy (`WindowState.copy` takes one of every entry each op: `copy.copy`'s
+        """A shallow copy (`WindowRecord.copy` takes one of every entry each op: `copy.copy`'s
         generic protocol cost more than the rest of a snapshot)."""
         twin = Entry.__new__(Entry)
         twin.__dict__.update(self.__dict__)
@@ -148,7 +157,7 @@ def _lineage() -> str:
 
 def _copied(graph: nx.DiGraph) -> nx.DiGraph:
     """A graph that shares ``graph``'s adjacency until written: its outer dicts are copies, the
-    per-node dicts inside them are the original's until `WindowState` copies one to change it.
+    per-node dicts inside them are the original's until `WindowRecord` copies one to change it.
 
     Why: every op that writes the graph snapshots it first, and copying every node's dicts was
     O(nodes + edges), nodes that left the window included (up to ``max_evicted`` of them, each
@@ -166,8 +175,12 @@ def _copied(graph: nx.DiGraph) -> nx.DiGraph:
 
 
 @dataclass
-class WindowState:
-    """The mutable part of a window; ``copy()`` is a cheap, independent snapshot."""
+class WindowRecord:
+    """The mutable part of a window; ``copy()`` is a cheap, independent snapshot.
+
+    A record, not a "state": a chunk's **state** is what its KV encodes (`ChunkState`, each
+    entry's ``state``); this is the window's bookkeeping around its chunks.
+    """
 
     lineage: str = field(default_factory=_lineage)
     order: list[ChunkRef] = field(default_factory=list)
@@ -213,11 +226,11 @@ class WindowState:
             self._own_pred.add(node)
         return graph._pred[node]  # type: ignore[no-any-return]
 
-    def copy(self) -> WindowState:
+    def copy(self) -> WindowRecord:
         """A snapshot: same lineage, independent entries, graph (shared until either writes),
         memo and stats."""
         self._owns_graph = False
-        return WindowState(
+        return WindowRecord(
             lineage=self.lineage,
             order=list(self.order),
             entries={ref: entry.copy() for ref, entry in self.entries.items()},
@@ -231,7 +244,7 @@ class WindowState:
             book=self.book.copy(),
         )
 
-    def fork(self) -> WindowState:
+    def fork(self) -> WindowRecord:
         """A branch: the same chunks and costs so far, its own lineage for the refs it mints."""
         branch = self.copy()
         branch.lineage = _lineage()
@@ -328,3 +341,7 @@ class WindowState:
         """In-window chunks whose KV encodes ``ref``, left to right."""
         successors = set(self.graph.successors(ref))
         return [other for other in self.order if other in successors]
+
+
+WindowState = WindowRecord
+"""The old name of `WindowRecord`, while modules still say it (an internal name: no warning)."""

@@ -8,7 +8,7 @@
 
 The window is a face over its parts: `WindowParts` (settings, engine, the engine-neutral
 `KVCore` over the store, the window's encoder), an `OpRunner` that runs each op as one
-transaction over the window's `WindowState` (a pure `Planner`, then an `Executor`), `Inputs`
+transaction over the window's `WindowRecord` (a pure `Planner`, then an `Executor`), `Inputs`
 that read what a user passes, and the dry-run view ``window.plan``, which runs the ops
 themselves with the runner planning instead of executing. Every operation's cost lands in
 ``window.stats``.
@@ -55,7 +55,7 @@ from kamera_agent.window.inputs import Inputs
 from kamera_agent.window.reads import WindowReads
 from kamera_agent.window.runner import OpRunner, WindowParts
 from kamera_agent.window.setup import Item, resolve_backend, resolve_store
-from kamera_agent.window.state import ChunkRef, LastAnswer, WindowState
+from kamera_agent.window.state import ChunkRef, LastAnswer, WindowRecord
 
 __all__ = ["KameraWindow"]
 
@@ -133,9 +133,9 @@ class KameraWindow(WindowReads):
         store = resolve_store(backend, config, store)
         config, budget = window_budget(config, backend.fingerprint, store, backend.supports_recompute)
         core = KVCore(backend, store, encoder)
-        self._setup(WindowParts(config, backend, core, framing, budget), WindowState())
+        self._setup(WindowParts(config, backend, core, framing, budget), WindowRecord())
 
-    def _setup(self, parts: WindowParts, state: WindowState) -> None:
+    def _setup(self, parts: WindowParts, state: WindowRecord) -> None:
         """Every window, new or forked, is built here from its shared parts and its own state."""
         self._parts = parts
         self._runner = OpRunner(parts, state)
@@ -143,7 +143,7 @@ class KameraWindow(WindowReads):
         self.plan = PlanView(self, self._runner)
 
     @classmethod
-    def _branch(cls, parts: WindowParts, state: WindowState) -> KameraWindow:
+    def _branch(cls, parts: WindowParts, state: WindowRecord) -> KameraWindow:
         window = cls.__new__(cls)
         window._setup(parts, state)
         return window

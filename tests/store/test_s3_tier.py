@@ -13,11 +13,11 @@ import boto3
 import pytest
 
 from kamera_agent.store import ChunkStore
-from kamera_agent.store.deadlines import DeadlinePolicy
+from kamera_agent.store.deadlines import DeadlineBounds
 from kamera_agent.store.s3 import parse_s3_url
 from tests.store.test_chunk_store import FP, make_kv
 
-FAST = DeadlinePolicy(factor=1.0, floor=0.3, ceiling=0.6)
+FAST = DeadlineBounds(factor=1.0, floor=0.3, ceiling=0.6)
 
 
 def _store(url: str, secret: str | None = None) -> ChunkStore:
