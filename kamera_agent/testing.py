@@ -63,7 +63,7 @@ class CountingBackend(Backend):
     to fail one).
 
     A window over it behaves exactly like one over ``inner``, so a test can assert what an op
-    ran (that a dry run called nothing, that an answer appended onto a kept cache) and a
+    ran (that a dry run called nothing, that an answer appended onto a retained cache) and a
     benchmark can tell the model's time from the rest of a request's.
 
     Args:

@@ -7,7 +7,7 @@ EPIC). Set beside the window on the same episode, with the same counting, it say
 window's settings sit on the frontier of tokens against fidelity. It is run at its best as
 such systems run: a prefix cache in front (the leading chunks that did not change keep their KV,
 as vLLM's and SGLang's do), vision-tower outputs cached by content, each distinct content
-prefilled once (over the anchor) and kept position-free, the selection from a one-layer
+prefilled once (over the anchor) and stored position-free, the selection from a one-layer
 deviation probe (`Backend.deviation`, `kamera_agent.core.recompute.select_tokens`), no oracle.
 
 What it pays per sync: the canonical prefill of content it has never seen, and for every chunk
@@ -113,7 +113,7 @@ class BlendCache:
         return done.kv[0]
 
     def _canonical_of(self, chunk: Chunk, anchor: ChunkKV, vision: VisionFeatures | None) -> ChunkKV:
-        """The chunk prefilled once over the anchor's KV alone, position-free (kept by content)."""
+        """The chunk prefilled once over the anchor's KV alone, position-free (stored by content)."""
         hit = self._canonical.get(chunk.key)
         if hit is None:
             done = self.backend.prefill(

@@ -7,8 +7,8 @@ Why one place: what is not engine-specific must not be written again per engine.
 - origin checks: a chunk prepared for another model or processing setting is refused;
 - the position-free form: a prefilled canonical is un-rotated before it is stored;
 - every KV formation: what a conditioned forward computed becomes a state's stored KV (a
-  full-rank state keeps the KV itself, a rank-m one a patch against the canonical), folded into
-  its orbit where orbits are kept;
+  full-rank state stores the KV itself, a rank-m one a patch against the canonical), folded into
+  its orbit where orbits are on;
 - device moves: entries read back from a disk tier live on the CPU until used here;
 - costs: each primitive's `Spent` lands in the operation's `CostMeter`;
 - the context limit, checked before a decode.
@@ -178,7 +178,7 @@ class KVCore:
         if not chunk.has_pixels:
             raise ChunkLostError(
                 f"chunk {chunk.label or chunk.key[:12]} released its pixels and the store no longer holds "
-                "its canonical or vision output; push the content again (a disk tier keeps evicted chunks)"
+                "its canonical or vision output; push the content again (a disk tier holds evicted chunks)"
             )
         done = self.backend.encode_vision(chunk)
         txn.meter.spend(done.spent)
@@ -199,7 +199,7 @@ class KVCore:
     ) -> Prefilled:
         """``KV(B_i | context, B_<i)`` of consecutive chunks from ``start`` (the anchor first in
         ``onto`` or ``context``): one forward, each chunk at its positions; with it the engine
-        cache it ran over, where the engine keeps one; ``starts``/``sees`` for runs with placed
+        cache it ran over, where the engine retains one; ``starts``/``sees`` for runs with placed
         chunks between their members (``Backend.prefill``).
 
         With nothing before the chunks (no ``context``, no ``onto``, ``start`` at the anchor's

@@ -52,7 +52,7 @@ class ByteLRU(Generic[K, V]):
             return found[0]
 
     def put(self, key: K, value: V) -> None:
-        """Keep ``value`` under ``key`` (an entry already there stays), dropping the least
+        """Hold ``value`` under ``key`` (an entry already there stays), dropping the least
         recently used entries until the limit holds."""
         size = self._size(value)
         if size > self.limit:

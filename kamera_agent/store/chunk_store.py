@@ -101,7 +101,7 @@ class ChunkStore:
         memory_limit: most tensor bytes held in memory.
         disk_dir: directory of the disk tier; ``None`` for memory only (evicted entries are
             then dropped, and counted).
-        disk_limit: most file bytes kept in ``disk_dir`` (required with it).
+        disk_limit: most file bytes held in ``disk_dir`` (required with it).
         memory_budget: the old name of ``memory_limit``: still taken, with a `DeprecationWarning`.
         disk_budget: the old name of ``disk_limit``: still taken, with a `DeprecationWarning`.
         disk_shared: every put is written to ``disk_dir`` at once (not only what memory
@@ -255,7 +255,7 @@ class ChunkStore:
 
     def put_full(self, kv: ChunkKV, state: str) -> EntryKey:
         """Store the position-free KV of the full-rank chunk state ``state`` (a digest) of
-        ``kv.chunk_key``: a full-rank patch kept as the KV itself (smaller than its factors, and
+        ``kv.chunk_key``: a full-rank patch stored as the KV itself (smaller than its factors, and
         usable without the chunk's canonical)."""
         return self._put(EntryKey.full(kv.chunk_key, state), kv)
 

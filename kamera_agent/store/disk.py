@@ -77,7 +77,7 @@ class DiskTier(Tier):
 
     Args:
         directory: where the files live (created if missing).
-        limit: the most file bytes kept (by every process's files together).
+        limit: the most file bytes held (by every process's files together).
         policy: which file leaves first when over its limit.
         log: where spills, evictions and corrupt files are reported.
         in_memory: whether the memory tier still holds an entry (a file evicted then is no loss).

@@ -246,7 +246,7 @@ class Rules:
         """One conditioned forward over ``ctx``: the chunk's full KV where its rank is lossless or
         where its canonical is not stored; else a rank-m patch against its canonical.
 
-        Why keep the exact KV without a canonical: a rank-m patch needs the canonical, and
+        Why store the exact KV without a canonical: a rank-m patch needs the canonical, and
         forming that is a second forward over the chunk's tokens that no answer asked for (new
         content would prefill twice what a prefix cache does; a chunk re-formed after a reorder
         or a recall, twice what a re-prefill does). The exact KV costs the bytes the canonical

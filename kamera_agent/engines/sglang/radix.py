@@ -47,7 +47,7 @@ from kamera_agent.engines.lifecycle import (
 )
 from kamera_agent.engines.load_plan import EngineStats, Loaded, LoadPlan, RequestChunk
 from kamera_agent.engines.prefill_clock import MIN_TOKENS
-from kamera_agent.engines.sglang.kept import KeptSlots
+from kamera_agent.engines.sglang.kept_slots import KeptSlots
 from kamera_agent.engines.sglang.pool import SGLangSlots
 from kamera_agent.engines.sglang.segments import ChunkRules, request_chunks
 from kamera_agent.engines.slots import request_positions
@@ -88,14 +88,14 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         pool_pairing: Pairing | None = None,
     ) -> None:
         self.synthesis: PrefixSynthesis | None = None
-        self.kept = KeptSlots()
+        self.kept_slots = KeptSlots()
         """The tree's slots that hold kept loads (what an eviction tells `PrefixSynthesis.lost`)."""
         super().__init__(params)  # calls reset()
         self.config = config or WindowConfig.exact()
         self.layout, self.rules, self.pool_pairing = layout, rules or ChunkRules(), pool_pairing
         if store is not None and layout is not None and not self.is_eagle:
-            policy, budget = serving(self.config, store, store.fingerprint)
-            self.synthesis = PrefixSynthesis(store, policy, budget)
+            mode, budget = serving(self.config, store, store.fingerprint)
+            self.synthesis = PrefixSynthesis(store, mode, budget)
         self.stats = EngineStats()
         self.faults = HookFaults(_LOG)
         """Runtime faults caught at this cache's hooks (``hook:ExceptionType`` -> count)."""
@@ -202,10 +202,10 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
 
     def _delete_leaf(self, node: Any) -> None:
         """SGLang evicts ``node`` (its slots are being freed): loads that held them lose those tokens."""
-        if self.synthesis is not None and len(self.kept):
+        if self.synthesis is not None and len(self.kept_slots):
             try:
-                for prefix, kept in self.kept.evicted(node.value.tolist()).items():
-                    self.synthesis.lost(prefix, kept)
+                for prefix, kept_tokens in self.kept_slots.evicted(node.value.tolist()).items():
+                    self.synthesis.lost(prefix, kept_tokens)
             except Exception as exc:
                 self.faults.caught("evict", exc)
         super()._delete_leaf(node)
@@ -213,7 +213,7 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
     def reset(self) -> None:
         """SGLang empties the tree (every slot freed): every load is gone."""
         super().reset()
-        for prefix in self.kept.clear():
+        for prefix in self.kept_slots.clear():
             if self.synthesis is not None:
                 self.synthesis.lost(prefix, 0)
 
@@ -237,7 +237,7 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         assert self.synthesis is not None
         for load in self._request(key, req).loaded(self.synthesis, plan):
             start = load.chunk.start
-            self.kept.record(load.prefix, path[start : start + load.tokens].tolist())
+            self.kept_slots.record(load.prefix, path[start : start + load.tokens].tolist())
 
     def _chunks(self, key: Any, req: Any | None) -> list[RequestChunk]:
         """The request's chunks, cut once per request: SGLang matches a waiting request on every

@@ -398,7 +398,7 @@ def _kv_check(llm: Any, model_dir: str, prompt: list[int]) -> dict[str, Any]:
         return {}
     import torch
 
-    from kamera_agent.engines.vllm.layouts import read_tokens
+    from kamera_agent.engines.vllm.addressing import read_tokens
 
     if not worker.recent_loads:
         return {"tokens": 0}
@@ -410,7 +410,9 @@ def _kv_check(llm: Any, model_dir: str, prompt: list[int]) -> dict[str, Any]:
     for load in loads:
         rows = list(range(load.start, load.start + load.entry_to - load.entry_from))
         slots = torch.tensor(load.slots, dtype=torch.long)
-        for layer, (cache, where) in enumerate(zip(worker._pool.caches, worker._pool.layouts, strict=True)):
+        for layer, (cache, where) in enumerate(
+            zip(worker._pool.caches, worker._pool.addressings, strict=True)
+        ):
             keys, values = read_tokens(cache, where, slots)
             want_k, want_v = truth[layer][0][rows], truth[layer][1][rows]
             for got, want in ((keys, want_k), (values, want_v)):
