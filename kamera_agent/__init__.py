@@ -21,7 +21,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from kamera_agent import moved
-from kamera_agent.errors import (  # the standard library only: cheap to import eagerly
+from kamera_agent.errors import (  # no third-party imports: cheap to import eagerly
     AmbiguousChannelOrderError,
     ArgumentError,
     CapabilityError,

@@ -52,7 +52,7 @@ from kamera_agent.store.deadlines import DeadlineBounds, Deadlines
 from kamera_agent.store.disk import DiskTier
 from kamera_agent.store.instrumented import InstrumentedTier
 from kamera_agent.store.keys import EntryKey
-from kamera_agent.store.limits import EvictionPolicy, check_fits, check_limit, renamed, resolve_policy
+from kamera_agent.store.limits import EvictionPolicy, check_fits, check_limit, either_name, resolve_policy
 from kamera_agent.store.memory import MemoryTier
 from kamera_agent.store.registry import TIERS, TierRegistry
 from kamera_agent.store.remote import RemoteAddress, RemoteTier
@@ -159,8 +159,8 @@ class ChunkStore:
         memory_budget: int | None = None,
         disk_budget: int | None = None,
     ) -> None:
-        memory_limit = renamed("memory_budget", memory_budget, "memory_limit", memory_limit)
-        disk_limit = renamed("disk_budget", disk_budget, "disk_limit", disk_limit)
+        memory_limit = either_name("memory_budget", memory_budget, "memory_limit", memory_limit)
+        disk_limit = either_name("disk_budget", disk_budget, "disk_limit", disk_limit)
         if memory_limit is None:
             raise StoreLimitError("a store needs memory_limit: the most tensor bytes it holds in memory")
         if not fingerprint:

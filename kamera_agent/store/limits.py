@@ -29,8 +29,8 @@ __all__ = [
     "EvictionPolicy",
     "check_fits",
     "check_limit",
+    "either_name",
     "pick_victim",
-    "renamed",
     "resolve_policy",
 ]
 
@@ -127,7 +127,7 @@ def check_fits(what: str, nbytes: int, limits: Mapping[str, int]) -> None:
             )
 
 
-def renamed(old: str, old_value: int | None, new: str, value: int | None) -> int | None:
+def either_name(old: str, old_value: int | None, new: str, value: int | None) -> int | None:
     """``value``, or ``old_value`` given under the setting's old name ``old`` (with a
     `DeprecationWarning` naming ``new``): byte caps are *limits*, "budget" is the drift budget's."""
     if old_value is None:

@@ -387,7 +387,7 @@ def test_an_over_budget_chunk_is_fixed_by_recomputing_its_most_deviating_tokens(
         placed, start = executor.placements(), core.anchor.advance
         start += sum(window.chunk(ref).advance for ref in window.refs[:-1])
         truth = core.condition([chunk], placed[:-1], start, txn).kv[0]
-        source = core.place(*executor.free_kv(state.source), chunk.positions_at(start))
+        source = core.place(*executor.position_free_parts(state.source), chunk.positions_at(start))
         meter.spent = Spent()
         rebuilt = executor._recomputed_over(chunk, state)  # what the state names, made again
     recomputed, kept = relative_error(placed[-1], truth), relative_error(source, truth)
