@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from kamera_agent.engines.vllm.layouts import layer_layout, read_tokens, write_tokens
+from kamera_agent.engines.vllm.addressing import layer_addressing, read_tokens, write_tokens
 from kamera_agent.operator.layout import ChunkKV, KVLayout, relocate, to_position_free
 from kamera_agent.operator.rope import RotarySpec
 
@@ -134,7 +134,7 @@ def _layouts(device: torch.device) -> list[dict[str, Any]]:
             "mla" if latent else "gqa", 2, (h, dk), (h, dv), "values" if latent else "keys", _spec(dv)
         )
         views = layer_views(name, 2, blocks, h, block, dk + dv, dtype, device)
-        where = layer_layout(backend, views[1], model, h)
+        where = layer_addressing(backend, views[1], model, h)
         slots = torch.randperm(blocks * block, device=device)[:40]
         keys = torch.randn(40, h, dk, device=device).to(dtype)
         values = torch.randn(40, h, dv, device=device).to(dtype)
@@ -155,7 +155,7 @@ def _slot_io(device: torch.device, quick: bool) -> dict[str, Any]:
     block, blocks = 16, tokens // 16 + 8
     model = KVLayout("gqa", layers, (heads, head), (heads, head), "keys", _spec(head))
     views = layer_views("LBNHC", layers, blocks, heads, block, 2 * head, torch.bfloat16, device)
-    where = [layer_layout("FLASH_ATTN", v, model, heads) for v in views]
+    where = [layer_addressing("FLASH_ATTN", v, model, heads) for v in views]
     slots = torch.randperm(blocks * block, device=device)[:tokens]
     keys = torch.randn(tokens, heads, head, device=device, dtype=torch.bfloat16)
 
@@ -225,7 +225,7 @@ def _window(device: torch.device, quick: bool) -> list[dict[str, Any]]:
     from kamera_agent.config import WindowConfig
     from kamera_agent.demo.model import load_demo_model
     from kamera_agent.demo.task import make_item, render_legend, render_page
-    from kamera_agent.metrics import next_token_kl
+    from kamera_agent.divergence import next_token_kl
     from kamera_agent.window import KameraWindow
 
     rows = []
@@ -233,7 +233,7 @@ def _window(device: torch.device, quick: bool) -> list[dict[str, Any]]:
         model, tokenizer, processor = load_demo_model()
         model = cast(model, device, dtype)
         config = WindowConfig.exact().model_copy(
-            update={"evicted_pixels": "keep"}
+            update={"evicted_pixels": "retain"}
         )  # the reference needs them
         window = KameraWindow(model, tokenizer=tokenizer, image_processor=processor, config=config)
         item = make_item(random.Random(3), "colour")

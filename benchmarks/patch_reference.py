@@ -25,7 +25,7 @@ from kamera_agent.bench.common import show_and_save
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.demo import load_demo_model
 from kamera_agent.demo.task import QUESTIONS, make_items, render_legend, render_page
-from kamera_agent.metrics import next_token_kl, relative_error
+from kamera_agent.divergence import next_token_kl, relative_error
 from kamera_agent.operator import ChunkKV, apply_patch, form_patch, to_position_free
 from kamera_agent.settings import configure_threads
 

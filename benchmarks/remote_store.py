@@ -68,13 +68,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     canonical = replace(to_position_free(placed, backend.layout), chunk_key=chunk.key)
 
     with _server(args.url) as url:
-        writer = ChunkStore(fingerprint=backend.fingerprint, memory_budget=4 << 30, remote=url)
+        writer = ChunkStore(fingerprint=backend.fingerprint, memory_limit=4 << 30, remote=url)
         writer.put_canonical(canonical)
         writer.flush()
         written = writer.stats().remote_bytes_written
         # a memory budget below the entry's size: nothing is promoted, every get is a cold fetch
         too_small = (canonical.keys.nbytes + canonical.values.nbytes) // 2
-        reader = ChunkStore(fingerprint=backend.fingerprint, memory_budget=too_small, remote=url)
+        reader = ChunkStore(fingerprint=backend.fingerprint, memory_limit=too_small, remote=url)
         fetch_s, fetched = median_seconds(lambda: reader.get_canonical(chunk.key), 5 * args.repeats)
         assert fetched is not None and fetched.keys.equal(canonical.keys), "the fetched KV differs"
         hits, misses = reader.stats().remote_hits, reader.stats().remote_misses

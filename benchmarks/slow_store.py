@@ -111,13 +111,13 @@ def _load(backend: Any, chunk: Any, direct: str, slow: str, repeats: int) -> dic
     prefill_s = time.perf_counter() - began
     entry = EntryKey.full(chunk.key, "bench")
     kv = replace(to_position_free(placed, backend.layout), chunk_key=chunk.key)
-    with ChunkStore(fingerprint=backend.fingerprint, memory_budget=4 << 30, remote=direct) as writer:
+    with ChunkStore(fingerprint=backend.fingerprint, memory_limit=4 << 30, remote=direct) as writer:
         writer.put(entry, kv)
         writer.flush()
     out: dict[str, Any] = {"prefill_s": prefill_s}
     for name, url in (("direct", direct), ("slow", slow)):
         too_small = kv.keys.nbytes // 2  # nothing promoted: every read is the shared tier's
-        store = ChunkStore(fingerprint=backend.fingerprint, memory_budget=too_small, remote=url)
+        store = ChunkStore(fingerprint=backend.fingerprint, memory_limit=too_small, remote=url)
         store.deadlines.observe(len(chunk.input_ids), prefill_s)  # what the engine measured
         synthesis = PrefixSynthesis(store)
         samples, served = [], 0

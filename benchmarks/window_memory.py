@@ -7,7 +7,7 @@ the default), and ``max_evicted`` bounds how many evicted chunks stay recallable
 (56×56 frames, as a screen or video agent would push them) under three settings in one run and
 prints the bytes of pixels the window holds, the chunks it remembers and the store's bytes:
 
-- ``keep``: ``evicted_pixels="keep"``, ``max_evicted=None`` (the old behaviour);
+- ``keep``: ``evicted_pixels="retain"``, ``max_evicted=None`` (the old behaviour);
 - ``drop``: ``evicted_pixels="drop"``, ``max_evicted=None``;
 - ``defaults``: ``evicted_pixels="drop"``, ``max_evicted=1024``.
 
@@ -31,7 +31,7 @@ from kamera_agent.settings import configure_threads
 from kamera_agent.window import KameraWindow
 
 SETTINGS: dict[str, dict[str, Any]] = {
-    "keep": {"evicted_pixels": "keep", "max_evicted": None},
+    "keep": {"evicted_pixels": "retain", "max_evicted": None},
     "drop": {"evicted_pixels": "drop", "max_evicted": None},
     "defaults": {},
 }

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> VideoRun:
     args = parser.parse_args(argv)
     # evicted frames keep their pixels so that the model's own re-prefill can check every answer
     config = WindowConfig(
-        capacity_chunks=args.capacity, max_new_tokens=args.max_new_tokens, evicted_pixels="keep"
+        capacity_chunks=args.capacity, max_new_tokens=args.max_new_tokens, evicted_pixels="retain"
     )
     window = open_window(args, config)
     log, answers, recalls, glyphs, truth = CostLog(), [], {}, [], []

@@ -1,4 +1,4 @@
-"""kamera-agent: keep, move, drop and bring back multimodal context without paying for it again.
+"""kamera-agent: hold, move, drop and bring back multimodal context without paying for it again.
 
 A chunk (frame, screenshot, page, text span) is cached once, position-free; reuse is an exact
 RoPE relocation plus a small low-rank patch that restores what the chunk absorbed from the
@@ -21,7 +21,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from kamera_agent import moved
-from kamera_agent.errors import (  # no imports of its own: cheap to import eagerly
+from kamera_agent.errors import (  # no third-party imports: cheap to import eagerly
     AmbiguousChannelOrderError,
     ArgumentError,
     CapabilityError,
@@ -44,8 +44,8 @@ from kamera_agent.errors import (  # no imports of its own: cheap to import eage
     ProcessorRejectedError,
     RelocationError,
     SettingsError,
-    StoreBudgetError,
     StoreKeyError,
+    StoreLimitError,
     TokenizerNotFoundError,
     UnknownChunkError,
     UnreadableInputError,
@@ -82,11 +82,16 @@ _HOMES: dict[str, str] = {
 }
 """Each public name → the module it lives in (imported when the name is first read)."""
 
+_RENAMED = {"StoreBudgetError": "kamera_agent.errors"}
+"""Each old public name → the module that serves it, with a `DeprecationWarning`, for a release."""
+
 
 def __getattr__(name: str) -> Any:
-    """A public name, imported from its module on first use (then kept here); a submodule
+    """A public name, imported from its module on first use (then held here); a submodule
     reached as an attribute (``kamera_agent.window`` after ``import kamera_agent``), as the
     eager root made possible."""
+    if name in _RENAMED:
+        return getattr(importlib.import_module(_RENAMED[name]), name)  # its module warns
     home = _HOMES.get(name)
     if home is not None:
         value = getattr(importlib.import_module(home), name)
@@ -138,8 +143,8 @@ __all__ = [
     "ProcessorRejectedError",
     "RelocationError",
     "SettingsError",
-    "StoreBudgetError",
     "StoreKeyError",
+    "StoreLimitError",
     "Text",
     "TokenizerNotFoundError",
     "TransformersBackend",

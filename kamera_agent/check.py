@@ -28,8 +28,8 @@ from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.compat import last_logits_only
 from kamera_agent.config import WindowConfig
 from kamera_agent.core import KVCore
+from kamera_agent.divergence import relative_error
 from kamera_agent.loading import load_backend
-from kamera_agent.metrics import relative_error
 from kamera_agent.operator.layout import to_position_free
 from kamera_agent.operator.patch import apply_patch, form_patch
 from kamera_agent.store import ChunkStore
@@ -109,7 +109,7 @@ def _patch_transfer(
 ) -> Verdict:
     here = backend.prefill_sequence(chunks)[-1]
     there = backend.prefill_sequence(chunks, shift=offset)[-1]
-    core = KVCore(backend, ChunkStore(fingerprint=backend.fingerprint, memory_budget=1 << 30))
+    core = KVCore(backend, ChunkStore(fingerprint=backend.fingerprint, memory_limit=1 << 30))
     canonical = core.canonical(chunks[-1], core.txn())
     patch = form_patch(canonical, here, backend.layout, "full")
     moved = apply_patch(canonical, patch, backend.layout, there.positions)  # type: ignore[arg-type]

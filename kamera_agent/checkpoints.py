@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 CACHE_DIR_VARIABLE = "KAMERA_CACHE_DIR"
-"""Where kamera keeps what it derives from models (converted GGUF files, fingerprints); default
+"""Where kamera stores what it derives from models (converted GGUF files, fingerprints); default
 ``~/.cache/kamera``."""
 
 _GGUF_MAGIC = b"GGUF"

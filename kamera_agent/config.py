@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -27,12 +29,12 @@ from kamera_agent.errors import ConfigError
 if TYPE_CHECKING:
     from kamera_agent.store import ChunkStore
 
-__all__ = ["STORE_FIELDS", "STORE_URL_VARIABLE", "WindowConfig"]
+__all__ = ["RENAMED_FIELDS", "RENAMED_VALUES", "STORE_FIELDS", "STORE_URL_VARIABLE", "WindowConfig"]
 
 STORE_FIELDS = (
-    "memory_budget",
+    "memory_limit",
     "disk_dir",
-    "disk_budget",
+    "disk_limit",
     "store_url",
     "store_secret",
     "store_previous_secrets",
@@ -43,11 +45,25 @@ they apply to no window given a store of its own, and a server's one shared stor
 STORE_URL_VARIABLE = "KAMERA_STORE_URL"
 """The environment variable a store's shared tier URL is read from when the settings name none."""
 
+RENAMED_FIELDS = {"memory_budget": "memory_limit", "disk_budget": "disk_limit"}
+"""Settings' old names → their names now: still taken, with a `DeprecationWarning`."""
+
+RENAMED_VALUES = {("evicted_pixels", "keep"): "retain"}
+"""(setting, old value) → its value now: still taken, with a `DeprecationWarning`."""
+
 PatchMode = Literal["eager", "lazy", "none"]
 
 
+def _deprecated(message: str) -> None:
+    """Warn at the caller that built the settings (past pydantic's frames and this module's)."""
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith(("pydantic", __name__)):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, DeprecationWarning, stacklevel=level)
+
+
 class WindowConfig(BaseModel):
-    """How a `KameraWindow` keeps, moves, drops and brings back chunks.
+    """How a `KameraWindow` holds, moves, drops and brings back chunks.
 
     Attributes:
         capacity_chunks: most chunks in the window at once (``None``: unbounded).
@@ -71,9 +87,10 @@ class WindowConfig(BaseModel):
         threads: torch threads to use (``None``: leave torch's setting).
         device: where the model runs (``None``: wherever it is).
         dtype: the model's dtype (``None``: as loaded); a loaded model is cast to it.
-        memory_budget: bytes the chunk store keeps in memory.
+        memory_limit: bytes the chunk store holds in memory (``memory_budget``: its old name,
+            still taken with a `DeprecationWarning`).
         disk_dir: a directory for the store's disk tier (``None``: memory only).
-        disk_budget: bytes the disk tier may hold.
+        disk_limit: bytes the disk tier may hold (``disk_budget``: its old name, likewise).
         store_url: a shared tier every process that names it reads and writes, or a list of
             them asked in order: a Valkey/Redis server or cluster (``redis://host:6379/0``,
             ``valkey://…``, ``redis+cluster://h1:p1,h2:p2``; options in
@@ -96,7 +113,7 @@ class WindowConfig(BaseModel):
             and an entry's header), and all that one reading no payload may take.
         store_deadline_ceiling: seconds no shared-store lookup or write may take, and what one
             may take before any prefill was measured.
-        max_evicted: most evicted chunks a window keeps recallable (the oldest evicted are
+        max_evicted: most evicted chunks a window holds recallable (the oldest evicted are
             forgotten first, counted in ``stats``); ``None``: unbounded.
         max_image_pixels: images larger than this (width × height) are refused before decoding.
         large_chunk_tokens: pushing a chunk longer than this warns (`LargeChunkWarning`);
@@ -109,8 +126,9 @@ class WindowConfig(BaseModel):
             approximations unmeasured and unbounded). A model never calibrated runs exactly,
             with one `UncalibratedWarning` saying how to calibrate it.
         evicted_pixels: ``"drop"`` releases an evicted image's pixels once its vision output or
-            canonical is stored (they are most of its memory); ``"keep"`` holds them, so its
-            re-prefill inputs (``as_model_inputs``) can always be rebuilt.
+            canonical is stored (they are most of its memory); ``"retain"`` holds them, so its
+            re-prefill inputs (``as_model_inputs``) can always be rebuilt (``"keep"``, its old
+            name, still taken with a `DeprecationWarning`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -146,9 +164,9 @@ class WindowConfig(BaseModel):
     threads: int | None = Field(default=None, ge=1)
     device: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    memory_budget: int = Field(default=2 << 30, ge=1)
+    memory_limit: int = Field(default=2 << 30, ge=1)
     disk_dir: Path | None = None
-    disk_budget: int | None = Field(default=None, ge=1)
+    disk_limit: int | None = Field(default=None, ge=1)
     store_url: str | tuple[str, ...] | None = None
     store_secret: SecretStr | None = None
     store_previous_secrets: tuple[SecretStr, ...] = ()
@@ -156,10 +174,31 @@ class WindowConfig(BaseModel):
     store_deadline_floor: float = Field(default=0.5, gt=0.0, allow_inf_nan=False)
     store_deadline_ceiling: float = Field(default=5.0, gt=0.0, allow_inf_nan=False)
     max_evicted: int | None = Field(default=1024, ge=0)
-    evicted_pixels: Literal["drop", "keep"] = "drop"
+    evicted_pixels: Literal["drop", "retain"] = "drop"
     max_image_pixels: int = Field(default=50_000_000, ge=1)
     large_chunk_tokens: int | None = Field(default=8192, ge=1)
     drift_budget: float | Literal["calibrated"] | None = "calibrated"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        """Settings under their old names (`RENAMED_FIELDS`, `RENAMED_VALUES`), with a
+        `DeprecationWarning`: one word, one meaning (a byte cap is a limit, "keep" is what a
+        survivor does with what it absorbed)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for old, new in RENAMED_FIELDS.items():
+            if old in data:
+                if new in data:
+                    raise ValueError(f"{old} is the old name of {new}: set {new} alone")
+                _deprecated(f"WindowConfig.{old} is now {new}")
+                data[new] = data.pop(old)
+        for (name, old), new in RENAMED_VALUES.items():
+            if data.get(name) == old:
+                _deprecated(f"{name}={old!r} is now {name}={new!r}")
+                data[name] = new
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -230,8 +269,8 @@ class WindowConfig(BaseModel):
 
     @model_validator(mode="after")
     def _disk_settings_go_together(self) -> WindowConfig:
-        if (self.disk_dir is None) != (self.disk_budget is None):
-            raise ValueError("set disk_dir and disk_budget together (or neither)")
+        if (self.disk_dir is None) != (self.disk_limit is None):
+            raise ValueError("set disk_dir and disk_limit together (or neither)")
         return self
 
     @model_validator(mode="after")
@@ -242,6 +281,18 @@ class WindowConfig(BaseModel):
                 f"({self.store_deadline_ceiling} s): the floor must not exceed the ceiling"
             )
         return self
+
+    @property
+    def memory_budget(self) -> int:
+        """The old name of `memory_limit` (deprecated)."""
+        warnings.warn("WindowConfig.memory_budget is now memory_limit", DeprecationWarning, stacklevel=2)
+        return self.memory_limit
+
+    @property
+    def disk_budget(self) -> int | None:
+        """The old name of `disk_limit` (deprecated)."""
+        warnings.warn("WindowConfig.disk_budget is now disk_limit", DeprecationWarning, stacklevel=2)
+        return self.disk_limit
 
     @property
     def effective_rank(self) -> int | Literal["full"]:
@@ -269,8 +320,8 @@ class WindowConfig(BaseModel):
 
         Args:
             fingerprint: the model's.
-            disk: ``(directory, budget)`` of the disk tier in place of ``disk_dir`` and
-                ``disk_budget`` (an engine's default store).
+            disk: ``(directory, limit)`` of the disk tier in place of ``disk_dir`` and
+                ``disk_limit`` (an engine's default store).
             disk_shared: every put is written to the disk tier at once, for the other processes
                 of the machine (`ChunkStore`'s ``disk_shared``).
 
@@ -279,19 +330,19 @@ class WindowConfig(BaseModel):
             StoreDirectoryError: a disk directory kamera cannot use.
         """
         from kamera_agent.store import ChunkStore
-        from kamera_agent.store.deadlines import DeadlinePolicy
+        from kamera_agent.store.deadlines import DeadlineBounds
 
-        disk_dir, disk_budget = disk if disk is not None else (self.disk_dir, self.disk_budget)
+        disk_dir, disk_limit = disk if disk is not None else (self.disk_dir, self.disk_limit)
         return ChunkStore(
             fingerprint=fingerprint,
-            memory_budget=self.memory_budget,
+            memory_limit=self.memory_limit,
             disk_dir=disk_dir,
-            disk_budget=disk_budget,
+            disk_limit=disk_limit,
             disk_shared=disk_shared,
             urls=self.store_urls,
             secret=None if self.store_secret is None else self.store_secret.get_secret_value(),
             previous_secrets=[secret.get_secret_value() for secret in self.store_previous_secrets],
-            deadlines=DeadlinePolicy(
+            deadlines=DeadlineBounds(
                 self.store_deadline_factor, self.store_deadline_floor, self.store_deadline_ceiling
             ),
         )
@@ -302,7 +353,7 @@ class WindowConfig(BaseModel):
         admission, survivors keep what they absorbed, recalls use their original context,
         cascades, orbit patches for reorders within an antecedent set. Fewer forwards than
         `exact` where the model is calibrated (``drift_budget="calibrated"``: every chunk's
-        estimated drift kept within the calibration's budget); exact where it is not."""
+        estimated drift held within the calibration's budget); exact where it is not."""
         return cls(**overrides)
 
     @classmethod

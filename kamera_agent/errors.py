@@ -16,7 +16,7 @@ failed call never corrupts a window or a store.
     ├── LayoutMismatchError          tensors whose shapes do not match the model's KV layout
     ├── ForeignPatchError            a patch or chunk made for another chunk or another model
     │   └── ForeignChunkError        a stored entry made by another model than the store's
-    ├── StoreBudgetError             a store budget too small for one entry, or not a budget
+    ├── StoreLimitError              a store's byte limit too small for one entry, or not a byte count
     ├── StoreKeyError                an entry without the content key it must be stored under
     ├── StoreURLError                a store_url kamera cannot connect by (scheme, host, option)
     │   └── UnknownTierSchemeError   a store_url whose scheme no tier is registered for
@@ -44,6 +44,8 @@ Warnings (not errors: the call goes on): ``KameraWarning`` ⟵ ``LargeChunkWarni
 
 from __future__ import annotations
 
+from kamera_agent.moved import renamed
+
 __all__ = [
     "AmbiguousChannelOrderError",
     "ArgumentError",
@@ -69,9 +71,9 @@ __all__ = [
     "ProcessorRejectedError",
     "RelocationError",
     "SettingsError",
-    "StoreBudgetError",
     "StoreDirectoryError",
     "StoreKeyError",
+    "StoreLimitError",
     "StoreURLError",
     "StoreUnavailableError",
     "TokenizerNotFoundError",
@@ -127,7 +129,7 @@ class KameraWarning(UserWarning):
 
 
 class LargeChunkWarning(KameraWarning):
-    """A chunk over ``WindowConfig.large_chunk_tokens``: slow to prefill, large to keep."""
+    """A chunk over ``WindowConfig.large_chunk_tokens``: slow to prefill, large to store."""
 
 
 class UncalibratedWarning(KameraWarning):
@@ -158,8 +160,8 @@ class ForeignChunkError(ForeignPatchError):
     """A stored entry's model fingerprint differs from the fingerprint of the store serving it."""
 
 
-class StoreBudgetError(KameraError, ValueError):
-    """A store budget cannot hold even one entry (or is not a positive byte count)."""
+class StoreLimitError(KameraError, ValueError):
+    """A store's byte limit cannot hold even one entry (or is not a positive byte count)."""
 
 
 class StoreKeyError(KameraError, ValueError):
@@ -247,3 +249,7 @@ class ArgumentError(WindowError, TypeError):
 class WindowClosedError(WindowError):
     """An op or read on a window after ``close()`` (its store is closed: nothing more would be
     written); open a new window over the store's directory or URL."""
+
+
+__getattr__ = renamed(__name__, {"StoreBudgetError": "StoreLimitError"})
+"""A byte cap is a *limit* ("budget" is the drift budget's word): the old name lasts a release."""

@@ -1,4 +1,4 @@
-"""Module paths that moved, still importable: each old path is the new module, with a warning.
+"""Module paths that moved and names that were renamed, still importable for a release, with a warning.
 
 Why: other programs' settings name kamera's modules and outlive an upgrade of kamera: vLLM's
 ``kv_connector_module_path``, the SGLang plugin entry point recorded in an installed package's
@@ -14,10 +14,11 @@ import importlib.machinery
 import importlib.util
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
+from typing import Any
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "install", "renamed"]
 
 MOVED = {
     "kamera_agent.backends.sglang": "kamera_agent.engines.sglang",
@@ -35,11 +36,15 @@ MOVED = {
     "kamera_agent.bench.prefix_cache": "kamera_agent.baselines.prefix_cache",
     "kamera_agent.store.remote.command": "kamera_agent.store.command",
     "kamera_agent.engines.vllm.worker_thread": "kamera_agent.threads",
+    "kamera_agent.store.budget": "kamera_agent.store.limits",
+    "kamera_agent.core.blend": "kamera_agent.core.recompute",
+    "kamera_agent.metrics": "kamera_agent.divergence",
 }
 """Old module path → where the module lives now (engine adapters left `backends`; the drift
 budget and its estimator gathered in `fidelity`; the prefix-cache baseline went below the
 benchmarks and the demo that both run it; ``kamera store`` serves every tier, not only the
-Valkey/Redis one; the worker thread serves the store's queues too)."""
+Valkey/Redis one; the worker thread serves the store's queues too; modules renamed by what they
+hold, so that "budget" names the drift budget alone)."""
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -68,3 +73,17 @@ def install() -> None:
     """Put the finder first on ``sys.meta_path`` (idempotent)."""
     if not any(isinstance(finder, _MovedFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _MovedFinder())
+
+
+def renamed(module: str, names: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module's ``__getattr__`` (PEP 562) that serves each old name of ``names`` (old → new) as
+    the new one, with a `DeprecationWarning` naming it: a renamed public name lasts a release."""
+
+    def __getattr__(name: str) -> Any:
+        new = names.get(name)
+        if new is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(f"{name} is now {new} ({module})", DeprecationWarning, stacklevel=2)
+        return getattr(sys.modules[module], new)
+
+    return __getattr__

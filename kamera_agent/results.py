@@ -38,7 +38,7 @@ class OpCost:
         tokens_prefilled: tokens those forwards processed.
         tokens_reused: chunk tokens served from the store by rotation and patch, with no forward.
         tokens_placed: window tokens placed (rotated, patched) and copied into the engine cache an
-            answer decodes over; those its kept cache already held at the same place are not.
+            answer decodes over; those its retained cache already held at the same place are not.
         vision_encodes: vision-tower runs.
         canonicals_formed: canonical prefills run (``KV(B|∅)`` behind the anchor); zero when
             the store (a shared one included) already held every canonical the op needed.

@@ -16,7 +16,7 @@ For example, a store whose tier went away computes instead of failing, and count
     from kamera_agent.testing import FakeTier
 
     tier = FakeTier()
-    store = ChunkStore(fingerprint="f" * 64, memory_budget=1 << 20, tiers=[tier])
+    store = ChunkStore(fingerprint="f" * 64, memory_limit=1 << 20, tiers=[tier])
     tier.down = True
     assert store.get_canonical("absent") is None and store.stats().unavailable == 1
 
@@ -63,7 +63,7 @@ class CountingBackend(Backend):
     to fail one).
 
     A window over it behaves exactly like one over ``inner``, so a test can assert what an op
-    ran (that a dry run called nothing, that an answer appended onto a kept cache) and a
+    ran (that a dry run called nothing, that an answer appended onto a retained cache) and a
     benchmark can tell the model's time from the rest of a request's.
 
     Args:

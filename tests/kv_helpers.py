@@ -10,7 +10,7 @@ from kamera_agent.backends.transformers import read_chunk
 from kamera_agent.backends.transformers.cache import buffered_cache
 from kamera_agent.backends.transformers.windows import sliding_layers
 from kamera_agent.compat import cache_kwarg, output_cache
-from kamera_agent.metrics import next_token_kl, relative_error
+from kamera_agent.divergence import next_token_kl, relative_error
 from kamera_agent.operator import ChunkKV, KVLayout
 
 rel_err = relative_error

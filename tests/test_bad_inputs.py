@@ -60,7 +60,7 @@ def _demo() -> TransformersBackend:
 
 @pytest.fixture
 def window() -> KameraWindow:
-    w = KameraWindow(_demo(), config=WindowConfig(evicted_pixels="keep"))
+    w = KameraWindow(_demo(), config=WindowConfig(evicted_pixels="retain"))
     w.push(Image.new("RGB", (56, 56), (200, 30, 30)), label="frame")
     w.push("a note", label="note")
     return w
@@ -372,7 +372,7 @@ def _accepted(op: str, value: object) -> bool:
 @pytest.mark.parametrize("op", sorted(_OPS))
 def test_type_fuzz_every_public_op_refuses_by_name_and_changes_nothing(op: str) -> None:
     """Each bad value: a `KameraError` (or documented behaviour), the window and store unchanged."""
-    w = KameraWindow(_demo(), config=WindowConfig(evicted_pixels="keep"))
+    w = KameraWindow(_demo(), config=WindowConfig(evicted_pixels="retain"))
     w.push("a note", label="note")
     w.push("another note", label="other")
     for value in _BAD:

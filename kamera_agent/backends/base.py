@@ -84,7 +84,7 @@ class Prefilled:
     """Each prefilled chunk's KV, placed at the positions it was computed at, and the cost.
 
     ``cache``: with ``supports_extend``, the engine cache the forward ran over, now holding the
-    context and the prefilled chunks: a window keeps it for its next answer (``None`` elsewhere)."""
+    context and the prefilled chunks: a window retains it for its next answer (``None`` elsewhere)."""
 
     kv: tuple[ChunkKV, ...]
     spent: Spent
@@ -144,7 +144,7 @@ class Capabilities:
     Attributes:
         vision: a vision tower (`Backend.encode_vision`).
         mla: MLA models (DeepSeek-V2/V3's latent plus rope band).
-        extend: `Backend.assemble` onto a kept cache and `Backend.crop`.
+        extend: `Backend.assemble` onto a retained cache and `Backend.crop`.
         gaps: `Backend.prefill` with ``starts`` and ``sees`` (placed chunks between a run's members).
         recompute: `Backend.recompute` and `Backend.deviation` (selective token recompute).
     """
@@ -206,7 +206,7 @@ class Backend(ABC):
     @property
     @abstractmethod
     def device(self) -> torch.device:
-        """Where the engine keeps KV: store entries are moved here before use."""
+        """Where the engine holds KV: store entries are moved here before use."""
 
     @property
     @abstractmethod

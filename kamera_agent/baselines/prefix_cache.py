@@ -40,14 +40,14 @@ class Sync:
     Attributes:
         tokens: tokens prefilled.
         seconds: wall time of the whole sync (crop, vision, forward).
-        kept: cache slots reused from the previous sequence.
+        reused: cache slots reused from the previous sequence.
         forwards: language-model forwards (0 when nothing changed, else 1).
         vision_runs: vision-tower runs (images whose features were not cached yet).
     """
 
     tokens: int
     seconds: float
-    kept: int
+    reused: int
     forwards: int = 0
     vision_runs: int = 0
 
@@ -95,14 +95,14 @@ class PrefixCache:
         same = 0
         while same < min(len(self.keys), len(sequence)) and self.keys[same] == sequence[same].key:
             same += 1
-        kept = sum(chunk.num_tokens for chunk in sequence[:same])
-        self._crop(kept)
+        reused = sum(chunk.num_tokens for chunk in sequence[:same])
+        self._crop(reused)
         start = sum(chunk.advance for chunk in sequence[:same])
         tokens = self._prefill(sequence[same:], start) if same < len(sequence) else 0
         self.keys = [chunk.key for chunk in sequence]
         self.end = sum(chunk.advance for chunk in sequence)
         seconds = wall() - began
-        return Sync(tokens, seconds, kept, int(tokens > 0), self.vision_runs - runs)
+        return Sync(tokens, seconds, reused, int(tokens > 0), self.vision_runs - runs)
 
     def ask(self, query_ids: torch.Tensor) -> Answered:
         """The query placed after the cached sequence: one forward, its next-token logits (the
@@ -131,11 +131,11 @@ class PrefixCache:
         """Next-token logits of ``query_ids`` placed after the cached sequence (appends to the cache)."""
         return self.ask(query_ids).logits
 
-    def _crop(self, keep: int) -> None:
-        if self._cache is None or keep == 0:
+    def _crop(self, length: int) -> None:
+        if self._cache is None or length == 0:
             self._cache = self.backend.empty_cache()  # appends cost the new tokens, as a paged cache's do
             return
-        surplus = self._cache.get_seq_length() - keep
+        surplus = self._cache.get_seq_length() - length
         if surplus > 0:
             self._cache.crop(-surplus)  # negative: "remove this many" in every supported transformers
 

@@ -7,8 +7,8 @@ EPIC). Set beside the window on the same episode, with the same counting, it say
 window's settings sit on the frontier of tokens against fidelity. It is run at its best as
 such systems run: a prefix cache in front (the leading chunks that did not change keep their KV,
 as vLLM's and SGLang's do), vision-tower outputs cached by content, each distinct content
-prefilled once (over the anchor) and kept position-free, the selection from a one-layer
-deviation probe (`Backend.deviation`, `kamera_agent.core.blend.select_tokens`), no oracle.
+prefilled once (over the anchor) and stored position-free, the selection from a one-layer
+deviation probe (`Backend.deviation`, `kamera_agent.core.recompute.select_tokens`), no oracle.
 
 What it pays per sync: the canonical prefill of content it has never seen, and for every chunk
 from the first changed slot on, the probe (a partial forward worth ``ceil(n / layers)`` tokens)
@@ -28,7 +28,7 @@ from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.baselines.prefix_cache import Sync
 from kamera_agent.bench.common import wall
 from kamera_agent.chunks.chunk import Chunk
-from kamera_agent.core.blend import select_tokens, selected_count
+from kamera_agent.core.recompute import select_tokens, selected_count
 from kamera_agent.operator.layout import ChunkKV, relocate, to_position_free
 
 __all__ = ["BlendCache"]
@@ -68,7 +68,7 @@ class BlendCache:
         same = 0
         while same < min(len(self._keys), len(sequence)) and self._keys[same] == sequence[same].key:
             same += 1
-        held, kept = self._held[:same], sum(chunk.num_tokens for chunk in sequence[:same])
+        held, reused = self._held[:same], sum(chunk.num_tokens for chunk in sequence[:same])
         start = sum(chunk.advance for chunk in sequence[:same])
         for chunk in sequence[same:]:
             held.append(self._placed(chunk, held, start))
@@ -77,7 +77,7 @@ class BlendCache:
         return Sync(
             tokens=sum(s.tokens_prefilled for s in self._spent),
             seconds=wall() - began,
-            kept=kept,
+            reused=reused,
             forwards=sum(s.forwards for s in self._spent),
             vision_runs=sum(s.vision_encodes for s in self._spent),
         )
@@ -113,7 +113,7 @@ class BlendCache:
         return done.kv[0]
 
     def _canonical_of(self, chunk: Chunk, anchor: ChunkKV, vision: VisionFeatures | None) -> ChunkKV:
-        """The chunk prefilled once over the anchor's KV alone, position-free (kept by content)."""
+        """The chunk prefilled once over the anchor's KV alone, position-free (stored by content)."""
         hit = self._canonical.get(chunk.key)
         if hit is None:
             done = self.backend.prefill(

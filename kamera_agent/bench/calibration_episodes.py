@@ -20,6 +20,7 @@ from kamera_agent.bench.calibration_fit import Slot, Step, fit_calibration
 from kamera_agent.bench.window_suite import QUERY, TEXT_QUERY, _Episode, _items, text_frames
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.identity import ChunkState, Context
+from kamera_agent.divergence import next_token_kl
 from kamera_agent.fidelity import (
     Calibration,
     DriftBudget,
@@ -30,7 +31,6 @@ from kamera_agent.fidelity import (
     sampled_error,
     save_calibration,
 )
-from kamera_agent.metrics import next_token_kl
 from kamera_agent.window import KameraWindow
 
 __all__ = [
@@ -71,7 +71,7 @@ def drift_episode(
     passages of the corpus's calibration half, or of ``texts``. ``task`` (else one of its own)
     advances once per op."""
     config = WindowConfig(
-        capacity_chunks=CAPACITY, max_new_tokens=1, evicted_pixels="keep", drift_budget=None
+        capacity_chunks=CAPACITY, max_new_tokens=1, evicted_pixels="retain", drift_budget=None
     )
     window_ = KameraWindow(model, config=config, **window)
     backend = window_.backend

@@ -255,9 +255,9 @@ def judge(calibration: Calibration, steps: Sequence[Step]) -> Judged:
     within: dict[float, int] = {}
     over: dict[float, float] = {}
     for eps in (*BUDGETS, calibration.budget):
-        kept = [error for estimate, error in pairs if estimate <= eps]
-        within[eps] = len(kept)
-        over[eps] = sum(error > 3 * eps for error in kept) / len(kept) if kept else math.nan
+        within_eps = [error for estimate, error in pairs if estimate <= eps]
+        within[eps] = len(within_eps)
+        over[eps] = sum(error > 3 * eps for error in within_eps) / len(within_eps) if within_eps else math.nan
     estimates, errors = [p[0] for p in pairs], [p[1] for p in pairs]
     return Judged(pairs, _spearman(estimates, errors), within, over)
 

@@ -44,8 +44,8 @@ __all__ = [
     "RANK_ARMS",
     "SWEEP_ARMS",
     "ArmFigures",
-    "Budget",
     "FidelityRun",
+    "Spend",
     "run_fidelity",
 ]
 
@@ -57,7 +57,7 @@ SWEEP_ARMS: tuple[str, ...] = (
     *(f"epic-{k}" for k in (4, 8, 16, 32)),
     "cacheblend-bytes-16",
 )
-"""Token-recompute baselines across budgets (``cacheblend`` is ``cacheblend-chunk-15``)."""
+"""Token-recompute baselines across recomputed shares (``cacheblend`` is ``cacheblend-chunk-15``)."""
 
 FIDELITY_ARMS: tuple[str, ...] = (
     "blind",
@@ -87,7 +87,7 @@ _TALLIES = ("items", "correct", "kl_sum", "agree", "flips", "flips_recovered")
 
 
 @dataclass(frozen=True)
-class Budget:
+class Spend:
     """What an arm spends per chunk beyond its canonical KV, as shares of the chunk.
 
     Attributes:
@@ -112,7 +112,7 @@ class ArmFigures:
     eta_multi_hop: float
     top1_agreement: float
     flip_recovery: float
-    budget: Budget
+    spend: Spend
     binding_ci: tuple[float, float] = (float("nan"), float("nan"))
     kl_ci: tuple[float, float] = (float("nan"), float("nan"))
     eta_ci: tuple[float, float] = (float("nan"), float("nan"))
@@ -132,7 +132,7 @@ class FidelityRun:
     chunk_tokens: list[int] = field(default_factory=list)
     features: tuple[int, int] = (0, 0)
     """Numbers per token in the key and the value slot (heads·dim)."""
-    budgets: dict[str, Budget] = field(default_factory=dict)
+    spends: dict[str, Spend] = field(default_factory=dict)
     control: Evaluation = field(default_factory=Evaluation)
     """The sparse-binding control's tallies (`CONTROL_ARMS`)."""
     control_items_done: int = 0
@@ -153,7 +153,7 @@ class FidelityRun:
                 eta_multi_hop=_gap_closed(ev.multi_hop(arm), ev.multi_hop("blind")),
                 top1_agreement=ev.result(arm).top1_agreement,
                 flip_recovery=ev.result(arm).flip_recovery,
-                budget=self.budgets.get(arm, Budget()),
+                spend=self.spends.get(arm, Spend()),
                 **intervals.get(arm, {}),
             )
             for arm in ("reprefill", *self.arms)
@@ -165,7 +165,7 @@ class FidelityRun:
     def page_share(self, arm: str) -> float:
         """What ``arm`` stores for the largest chunk (a page), as a share of that chunk's KV."""
         page = max(self.chunk_tokens, default=0)
-        return arm_budgets((arm,), [page], self.features)[arm].stored if page else float("nan")
+        return arm_spends((arm,), [page], self.features)[arm].stored if page else float("nan")
 
     def control_figures(self) -> list[tuple[str, float, float]]:
         """Per control arm (re-prefill first): binding accuracy and η on the sparse control."""
@@ -180,9 +180,9 @@ class FidelityRun:
     def to_json(self) -> dict[str, Any]:
         arms = []
         for fig in self.figures():
-            row: dict[str, Any] = {k: v for k, v in vars(fig).items() if k != "budget"}
+            row: dict[str, Any] = {k: v for k, v in vars(fig).items() if k != "spend"}
             row = {k: _jsonable(v) for k, v in row.items()}
-            arms.append({**row, "stored_share": fig.budget.stored, "recomputed_share": fig.budget.recomputed})
+            arms.append({**row, "stored_share": fig.spend.stored, "recomputed_share": fig.spend.recomputed})
         deficit = self.evaluation.deficit
         pages = max(deficit.chunks, 1)
         return {
@@ -222,14 +222,14 @@ def run_fidelity(
     """Evaluate every arm on ``items``, then `CONTROL_ARMS` on the sparse ``control`` items, one
     item at a time.
 
-    Mutates: ``run`` (tallies, items done, budgets, seconds) after every finished item.
+    Mutates: ``run`` (tallies, items done, spends, seconds) after every finished item.
     """
     frames, core = FrameCache(backend.encoder), canonical_core(backend)
     if items:
         chunks = item_sequence(frames, items[0]).chunks
         run.chunk_tokens = [chunk.num_tokens for chunk in chunks]
         run.features = _features(backend)
-        run.budgets = arm_budgets(run.arms, run.chunk_tokens, run.features)
+        run.spends = arm_spends(run.arms, run.chunk_tokens, run.features)
     task = progress.add_task(f"fidelity · {len(run.arms)} arms", total=len(items))
     began = time.perf_counter()
     for item in items:
@@ -247,27 +247,25 @@ def run_fidelity(
         progress.advance(task)
 
 
-def arm_budgets(
-    arms: Sequence[str], chunk_tokens: Sequence[int], features: Sequence[int]
-) -> dict[str, Budget]:
+def arm_spends(arms: Sequence[str], chunk_tokens: Sequence[int], features: Sequence[int]) -> dict[str, Spend]:
     """Each arm's spend over chunks of ``chunk_tokens`` tokens with ``features`` (heads·dim of the
     key and the value slot): a rank-m patch keeps ``min(m, n, F)·(n + F)`` numbers per layer and
     slot against the chunk's ``n·F``; a recompute arm recomputes the tokens its `Recompute` counts."""
     kv = sum(chunk_tokens) * sum(features)
-    budgets = {}
+    spends = {}
     for arm in ("reprefill", *arms):
         if arm in _PATCHES:
             rank, layers = _PATCHES[arm]
             stored = sum(min(rank or n, n, f) * (n + f) for n in chunk_tokens for f in features)
-            budgets[arm] = Budget(stored=layers * stored / kv)
+            spends[arm] = Spend(stored=layers * stored / kv)
         elif arm == "reprefill":
-            budgets[arm] = Budget(recomputed=1.0)
+            spends[arm] = Spend(recomputed=1.0)
         elif arm in RECOMPUTE_ARMS:
             spec = RECOMPUTE_ARMS[arm]
-            budgets[arm] = Budget(recomputed=_recomputed_share(spec, chunk_tokens, max(features)))
+            spends[arm] = Spend(recomputed=_recomputed_share(spec, chunk_tokens, max(features)))
         else:
-            budgets[arm] = Budget()
-    return budgets
+            spends[arm] = Spend()
+    return spends
 
 
 def _recomputed_share(spec: Recompute, chunk_tokens: Sequence[int], features: int) -> float:

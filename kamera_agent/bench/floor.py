@@ -41,7 +41,7 @@ class Floor:
         started = time.perf_counter()
         self.chunks = list(chunks)
         tokens = sum(chunk.num_tokens for chunk in chunks)
-        return Sync(tokens=tokens, seconds=time.perf_counter() - started, kept=0, forwards=1)
+        return Sync(tokens=tokens, seconds=time.perf_counter() - started, reused=0, forwards=1)
 
     def first_logits(self, query_ids: torch.Tensor) -> torch.Tensor:
         """The model's own forward at ``dtype`` over anchor, chunks and query: its next-token logits."""

@@ -58,7 +58,7 @@ class Row:
         """The window's settings: pixels kept (the model's own re-prefill is rebuilt from them
         after every op, recalled frames included) and one-token answers."""
         base = WindowConfig.exact if self.exact else WindowConfig
-        return base(capacity_chunks=capacity, max_new_tokens=1, evicted_pixels="keep", **self.overrides)
+        return base(capacity_chunks=capacity, max_new_tokens=1, evicted_pixels="retain", **self.overrides)
 
     @property
     def changed(self) -> str:

@@ -46,8 +46,8 @@ _FIDELITY: tuple[Column, ...] = (
     ("η m-hop", lambda f: f"{f.eta_multi_hop:.4f}"),
     ("top-1", lambda f: _pct(f.top1_agreement)),
     ("flips", lambda f: _pct(f.flip_recovery)),
-    ("stored", lambda f: _pct(f.budget.stored)),
-    ("recomp.", lambda f: _pct(f.budget.recomputed)),
+    ("stored", lambda f: _pct(f.spend.stored)),
+    ("recomp.", lambda f: _pct(f.spend.recomputed)),
 )
 _TTFT: tuple[Column, ...] = (
     ("tokens", lambda r: str(r.tokens)),

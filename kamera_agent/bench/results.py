@@ -16,7 +16,7 @@ from kamera_agent.bench.agents.records import AgentsRun
 from kamera_agent.bench.agents.report import agent_targets
 from kamera_agent.bench.common import BenchOptions, finite, machine_info
 from kamera_agent.bench.cost import CostRun
-from kamera_agent.bench.fidelity import RANK_ARMS, ArmFigures, Budget, FidelityRun
+from kamera_agent.bench.fidelity import RANK_ARMS, ArmFigures, FidelityRun, Spend
 from kamera_agent.bench.frontier import FrontierRun
 from kamera_agent.bench.tables import Target
 from kamera_agent.demo.evaluate import RECOMPUTE_ARMS
@@ -95,7 +95,7 @@ def _fidelity_targets(run: FidelityRun | None) -> list[Target]:
     eta = {arm: run.figure(arm).eta for arm in ("rank-16", matched, "cacheblend", "epic")}
     if math.isnan(eta["rank-16"]):
         return [Target(gap, "blind KL is 0: no gap to close", None), Target(rivals, "no gap", None)]
-    stored = run.figure(matched).budget.stored
+    stored = run.figure(matched).spend.stored
     measured = ", ".join(f"{arm} η={value:.3f}" for arm, value in eta.items())
     measured += f" ({matched} stores {stored:.0%} of the chunk's KV)"
     beaten = max(eta["cacheblend"], eta["epic"]) < min(eta["rank-16"], eta[matched])
@@ -131,14 +131,14 @@ def measurement_targets(run: FidelityRun | None) -> list[Target]:
     if re is not None and blind is not None:
         gap = abs(blind.multi_hop_accuracy - chance)
         readout = re.glyph_accuracy - blind.glyph_accuracy
-        binding, kept = blind.multi_hop_accuracy, blind.glyph_accuracy
-        measured = f"binding {binding:.1%} (chance {chance:.1%}), readout {kept:.1%}"
+        binding, readable = blind.multi_hop_accuracy, blind.glyph_accuracy
+        measured = f"binding {binding:.1%} (chance {chance:.1%}), readout {readable:.1%}"
         out.append(Target(names[1], measured, gap <= 0.10 and readout <= 0.02))
     if re is not None and r16 is not None and r2 is not None:
         page = run.page_share("rank-16")
         measured = (
             f"rank 16 {r16.multi_hop_accuracy:.1%}, rank 2 {r2.multi_hop_accuracy:.1%}; rank 16 stores "
-            f"{page:.0%} of a page's KV ({r16.budget.stored:.0%} over the window, legend frames included)"
+            f"{page:.0%} of a page's KV ({r16.spend.stored:.0%} over the window, legend frames included)"
         )
         met = (
             re.multi_hop_accuracy - r16.multi_hop_accuracy <= 0.01
@@ -181,8 +181,8 @@ def _control_target(name: str, run: FidelityRun, fig: dict[str, ArmFigures]) -> 
 
 def _matched_rank(run: FidelityRun) -> str:
     """The rank-m arm whose stored bytes come closest to the share of tokens cacheblend recomputes."""
-    spend = run.budgets.get("cacheblend", Budget(recomputed=0.15)).recomputed
-    return min(RANK_ARMS, key=lambda arm: abs(run.budgets.get(arm, Budget()).stored - spend))
+    spend = run.spends.get("cacheblend", Spend(recomputed=0.15)).recomputed
+    return min(RANK_ARMS, key=lambda arm: abs(run.spends.get(arm, Spend()).stored - spend))
 
 
 def _cost_targets(run: CostRun | None) -> list[Target]:

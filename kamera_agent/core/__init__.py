@@ -8,21 +8,21 @@ recompute refreshes (`KVCore.recompute`). ``Patch`` is the type of what a rank-m
 state carries, named here so the layers above hold patches without doing patch arithmetic.
 """
 
-from kamera_agent.core.blend import Blended, select_tokens
 from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.identity import ChunkState, Context, StateKind, StateRank, effective_rank, orbit_key
 from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
+from kamera_agent.core.recompute import Recomputed, select_tokens
 from kamera_agent.core.staging import Committed, StagedStore, StoreView, can_form
 from kamera_agent.operator.patch import Patch
 
 __all__ = [
-    "Blended",
     "ChunkState",
     "Committed",
     "Context",
     "CostMeter",
     "KVCore",
     "Patch",
+    "Recomputed",
     "StagedStore",
     "StaleLookup",
     "StateKind",

@@ -7,8 +7,8 @@ Why one place: what is not engine-specific must not be written again per engine.
 - origin checks: a chunk prepared for another model or processing setting is refused;
 - the position-free form: a prefilled canonical is un-rotated before it is stored;
 - every KV formation: what a conditioned forward computed becomes a state's stored KV (a
-  full-rank state keeps the KV itself, a rank-m one a patch against the canonical), folded into
-  its orbit where orbits are kept;
+  full-rank state stores the KV itself, a rank-m one a patch against the canonical), folded into
+  its orbit where orbits are on;
 - device moves: entries read back from a disk tier live on the CPU until used here;
 - costs: each primitive's `Spent` lands in the operation's `CostMeter`;
 - the context limit, checked before a decode.
@@ -29,10 +29,10 @@ import torch
 from kamera_agent.backends.base import Backend, DecodeConfig, Prefilled, VisionFeatures
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
-from kamera_agent.core.blend import Blended, select_tokens, selected_count
 from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.core.orbits import fold_full_orbit, fold_orbit
+from kamera_agent.core.recompute import Recomputed, select_tokens, selected_count
 from kamera_agent.core.staging import Committed, StagedStore
 from kamera_agent.critical_path import books, to_device
 from kamera_agent.errors import ChunkLostError, ContextOverflowError, ForeignChunkError, UnsupportedModelError
@@ -152,13 +152,13 @@ class KVCore:
             return self.on_device(hit, txn)
         if not self.anchor_ready:  # the window's first forward: the anchor runs in it
             done = self.condition([chunk], [], self.anchor.advance, txn)
-            return self.keep_canonical(chunk, done.kv[0], txn)
+            return self.store_canonical(chunk, done.kv[0], txn)
         vision = [self.vision(chunk, txn)] if chunk.has_vision else []
         done = self._prefill([chunk], [self.anchor_kv(txn.meter)], self.anchor.advance, vision)
         txn.meter.spend(done.spent)
-        return self.keep_canonical(chunk, done.kv[0], txn)
+        return self.store_canonical(chunk, done.kv[0], txn)
 
-    def keep_canonical(self, chunk: Chunk, conditioned: ChunkKV, txn: Txn) -> ChunkKV:
+    def store_canonical(self, chunk: Chunk, conditioned: ChunkKV, txn: Txn) -> ChunkKV:
         """The canonical from a forward that computed it (the chunk right behind the anchor, at
         the anchor's end: a re-prefill from a window's first slot computes it with the chunks
         after it), position-free, stored."""
@@ -178,7 +178,7 @@ class KVCore:
         if not chunk.has_pixels:
             raise ChunkLostError(
                 f"chunk {chunk.label or chunk.key[:12]} released its pixels and the store no longer holds "
-                "its canonical or vision output; push the content again (a disk tier keeps evicted chunks)"
+                "its canonical or vision output; push the content again (a disk tier holds evicted chunks)"
             )
         done = self.backend.encode_vision(chunk)
         txn.meter.spend(done.spent)
@@ -199,7 +199,7 @@ class KVCore:
     ) -> Prefilled:
         """``KV(B_i | context, B_<i)`` of consecutive chunks from ``start`` (the anchor first in
         ``onto`` or ``context``): one forward, each chunk at its positions; with it the engine
-        cache it ran over, where the engine keeps one; ``starts``/``sees`` for runs with placed
+        cache it ran over, where the engine retains one; ``starts``/``sees`` for runs with placed
         chunks between their members (``Backend.prefill``).
 
         With nothing before the chunks (no ``context``, no ``onto``, ``start`` at the anchor's
@@ -227,7 +227,7 @@ class KVCore:
         fraction: float,
         txn: Txn,
         layers: int = 1,
-    ) -> Blended:
+    ) -> Recomputed:
         """``kv`` (the chunk placed at ``start``) with its most deviating ``fraction`` of tokens
         recomputed over ``context``: a partial forward of every token (`Backend.deviation`, the
         first ``layers`` layers), `select_tokens`, then one forward of those tokens
@@ -247,10 +247,12 @@ class KVCore:
                 indices = torch.arange(n)
             done = self.backend.recompute(chunk, kv, indices, context, start, vision)
         txn.meter.spend(done.spent)
-        return Blended(done.kv[0], indices, scores)
+        return Recomputed(done.kv[0], indices, scores)
 
     # -- forming a state's KV -------------------------------------------------------------------
-    def keep_full(self, state: ChunkState, conditioned: ChunkKV, txn: Txn, *, orbit: bool = False) -> ChunkKV:
+    def store_full(
+        self, state: ChunkState, conditioned: ChunkKV, txn: Txn, *, orbit: bool = False
+    ) -> ChunkKV:
         """A full-rank state's KV from the forward that computed it: position-free, stored under
         the state (no canonical needed: smaller than full-rank factors), folded into its orbit."""
         kv = self._position_free(conditioned, state.chunk_key)
@@ -260,8 +262,8 @@ class KVCore:
         return kv
 
     def position_free(self, conditioned: Sequence[ChunkKV]) -> list[ChunkKV]:
-        """One forward's chunks un-rotated together (`to_position_free_many`): what `keep_full`,
-        `keep_patch` and `keep_canonical` then store as they are, with no rotation of their own."""
+        """One forward's chunks un-rotated together (`to_position_free_many`): what `store_full`,
+        `store_patch` and `store_canonical` then store as they are, with no rotation of their own."""
         return to_position_free_many(conditioned, self.backend.layout)
 
     def _position_free(self, conditioned: ChunkKV, chunk_key: str) -> ChunkKV:
@@ -273,7 +275,7 @@ class KVCore:
         fingerprint = free.model_fingerprint or self.backend.fingerprint
         return ChunkKV(free.keys, free.values, None, chunk_key, fingerprint)
 
-    def keep_patch(
+    def store_patch(
         self, canonical: ChunkKV, state: ChunkState, conditioned: ChunkKV, txn: Txn, *, orbit: bool = False
     ) -> Patch:
         """A rank-m state's patch: the deficit of the forward's KV against the canonical, truncated

@@ -6,7 +6,7 @@ the set's address (`orbit_key`), its state names the members in the order they w
 an orbit that changed under an operation is never mistaken for the one planned.
 
 Rank-m orbits are a merged patch on the canonical; a full-rank orbit is the mean deficit, so
-canonical + orbit is the mean of the members' KVs: it is kept as that KV (no canonical needed),
+canonical + orbit is the mean of the members' KVs: it is stored as that KV (no canonical needed),
 with its membership in a factor-free entry at the set's address (what planning peeks at). A
 one-member orbit's mean is its member's KV, already stored under the member: it is not stored
 again (`ChunkState.stored_as`). Why: every formation starts an orbit, so a second copy would

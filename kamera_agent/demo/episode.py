@@ -169,9 +169,9 @@ def _play(window: KameraWindow, prefix: PrefixCache, item: DemoItem, kamera_firs
     its side first, and the sides take turns going first: kamera at the steps whose index has
     the parity ``kamera_first``, and the episode is timed twice, once with each (its wall times
     are the two runs' mean). The second to run a step finds the model's weights, and the
-    allocator's free memory of the sizes it needs, warm from the first; with kamera going first
-    every time, the same forwards measured 6-56 % slower on its side (an ask's: 28 %). The
-    window is checked against ``shown`` after every step.
+    allocator's free memory of the sizes it needs, warm from the first, so one side going first
+    every time would charge it the other's warm-up. The window is checked against ``shown``
+    after every step.
     """
     return _Episode(window, prefix, item, kamera_first).play()
 
@@ -213,8 +213,8 @@ class _Episode:
         self.ask("colour after reorder", item.question, item.answer)
         self._probe()
         first_page, first, at = pages[0], self.pages[0], 1 + len(self.legend)
-        kept = [c for c in self.shown if c is not first_page]
-        self.step("evict #1", lambda: self.window.evict(first), kept, "stays recallable")
+        rest = [c for c in self.shown if c is not first_page]
+        self.step("evict #1", lambda: self.window.evict(first), rest, "stays recallable")
         back = [*self.shown[:at], first_page, *self.shown[at:]]
         self.step("recall #1", lambda: self.window.recall(first, at=at), back, "its stored KV, no vision")
         self.ask("colour after recall", item.question, item.answer)

@@ -9,10 +9,10 @@ the window still answer like a full re-prefill? Arms are strategies registered b
 - ``rank-m`` / ``full``: canonical + a rank-m (or exact) patch, relocated (kamera);
 - ``cacheblend``: blind, with the 15 % of each chunk's tokens whose KV deviates most (over every
   layer) recomputed in context (their true conditioned KV: the strongest form of selective recompute);
-- ``epic``: blind, with each chunk's first tokens recomputed in context, at the same token
-  budget (15 %) as ``cacheblend``;
+- ``epic``: blind, with each chunk's first tokens recomputed in context, at the same share
+  of tokens (15 %) as ``cacheblend``;
 - the sweeps (`RECOMPUTE_ARMS`): ``cacheblend-chunk-P`` / ``cacheblend-global-P`` (P % of each
-  chunk's, or of the window's, tokens; P in `BUDGETS`), ``epic-K`` (each chunk's first K
+  chunk's, or of the window's, tokens; P in `SHARES`), ``epic-K`` (each chunk's first K
   tokens) and ``cacheblend-bytes-16`` (as many tokens as a rank-16 patch's bytes);
 - ``rank-16-deep``: a rank-16 patch on the deepest half of the layers only (where the deficit
   lives), half the bytes of ``rank-16``;
@@ -42,7 +42,7 @@ from kamera_agent.compat import output_cache
 from kamera_agent.core import CostMeter, KVCore
 from kamera_agent.demo.sequences import FrameCache, ItemSequence, item_sequence
 from kamera_agent.demo.task import DemoItem
-from kamera_agent.metrics import next_token_kl
+from kamera_agent.divergence import next_token_kl
 from kamera_agent.operator.layout import ChunkKV, KVLayout, to_position_free
 from kamera_agent.operator.patch import LayerChoice, apply_patch, form_patch
 from kamera_agent.store import ChunkStore
@@ -134,7 +134,7 @@ def _deviation(blind: ChunkKV, conditioned: ChunkKV) -> torch.Tensor:
     return deviation
 
 
-def _recomputed(spec: Recompute, pieces: Sequence[Piece], layout: KVLayout) -> list[ChunkKV]:
+def _recomputed(spec: Recompute, pieces: Sequence[PageKV], layout: KVLayout) -> list[ChunkKV]:
     """Every chunk blind, with the tokens ``spec`` selects given their conditioned KV."""
     blinds = [apply_patch(c, None, layout, p) for c, _, p in pieces]
     features = layout.features
@@ -163,8 +163,8 @@ def _recomputed(spec: Recompute, pieces: Sequence[Piece], layout: KVLayout) -> l
     return out
 
 
-BUDGETS = (0, 5, 15, 30, 50, 100)
-"""The token-recompute sweep's budgets, in percent (0: blind reuse; 100: a re-prefill)."""
+SHARES = (0, 5, 15, 30, 50, 100)
+"""The token-recompute sweep's recomputed shares, in percent (0: blind reuse; 100: a re-prefill)."""
 
 RECOMPUTE_ARMS: Mapping[str, Recompute] = MappingProxyType(
     {
@@ -181,7 +181,7 @@ RECOMPUTE_ARMS: Mapping[str, Recompute] = MappingProxyType(
         "cacheblend-bytes-16": Recompute("deviation", rank=16),
     }
 )
-"""Token-recompute baselines (`Recompute`): CacheBlend-style per chunk and global at budgets
+"""Token-recompute baselines (`Recompute`): CacheBlend-style per chunk and global at shares
 0–100 %, EPIC-style at absolute k (128: every token of the demo's chunks), and CacheBlend at the
 bytes of a rank-16 patch."""
 
@@ -326,13 +326,13 @@ def evaluate(
     return result
 
 
-Piece = tuple[ChunkKV, ChunkKV, torch.Tensor]
+PageKV = tuple[ChunkKV, ChunkKV, torch.Tensor]
 """(canonical, conditioned in the item's own ordering, positions) of one chunk."""
 
 
 def canonical_core(backend: TransformersBackend) -> KVCore:
     """A core over its own store: the evaluator's canonicals, kept across items."""
-    return KVCore(backend, ChunkStore(fingerprint=backend.fingerprint, memory_budget=1 << 30))
+    return KVCore(backend, ChunkStore(fingerprint=backend.fingerprint, memory_limit=1 << 30))
 
 
 def _evaluate_item(
@@ -360,7 +360,7 @@ def _evaluate_item(
 
 
 def _serve(
-    name: str, pieces: Sequence[Piece], orbit: Sequence[Sequence[ChunkKV]], layout: KVLayout
+    name: str, pieces: Sequence[PageKV], orbit: Sequence[Sequence[ChunkKV]], layout: KVLayout
 ) -> list[ChunkKV]:
     """Every chunk's KV as arm ``name`` serves it."""
     if name in ORBIT_ARMS:
@@ -373,10 +373,10 @@ def _serve(
 
 def _pieces(
     core: KVCore, backend: TransformersBackend, seq: ItemSequence, truth: Any
-) -> tuple[list[Piece], int]:
+) -> tuple[list[PageKV], int]:
     """Every chunk's canonical, conditioned KV and positions; and where the query starts."""
     slot, start = backend.anchor.num_tokens, backend.anchor.advance
-    pieces: list[Piece] = []
+    pieces: list[PageKV] = []
     for chunk in seq.chunks:
         positions = chunk.positions_at(start)
         conditioned = read_chunk(truth, backend.layout, slot, slot + chunk.num_tokens, positions)
@@ -387,7 +387,7 @@ def _pieces(
 
 
 def _orbit_members(
-    backend: TransformersBackend, seq: ItemSequence, pieces: Sequence[Piece]
+    backend: TransformersBackend, seq: ItemSequence, pieces: Sequence[PageKV]
 ) -> list[list[ChunkKV]]:
     """Per chunk: its conditioned KV under other orderings of the legend frames (up to
     `HELD_OUT_ORDERS`, never the item's own) wherever its antecedent set is the same there (the
@@ -440,7 +440,7 @@ def _slots(a: ChunkKV, b: ChunkKV) -> tuple[tuple[torch.Tensor, torch.Tensor], .
     return ((a.keys, b.keys), (a.values, b.values))
 
 
-def _deficit(pages: Sequence[Piece], layout: KVLayout) -> Deficit:
+def _deficit(pages: Sequence[PageKV], layout: KVLayout) -> Deficit:
     """The pages' deficit against their canonicals, per layer (see `Deficit`)."""
     out = Deficit(chunks=len(pages))
     for canonical, conditioned, _ in pages:

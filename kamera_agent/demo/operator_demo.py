@@ -17,7 +17,7 @@ from rich.table import Table
 
 from kamera_agent.backends.transformers import kv_layout, read_chunk
 from kamera_agent.compat import cache_kwarg, output_cache
-from kamera_agent.metrics import next_token_kl
+from kamera_agent.divergence import next_token_kl
 from kamera_agent.models.random_qwen2 import Qwen2Shape, random_qwen2
 from kamera_agent.operator import (
     ChunkKV,

@@ -1,4 +1,4 @@
-"""kamera inside a serving engine: the engine keeps its scheduler, pool and prefix cache, and
+"""kamera inside a serving engine: the engine retains its scheduler, pool and prefix cache, and
 kamera's store serves chunk KV past the engine's own prefix hit.
 
 - `synthesis`: which chunks after an engine's prefix hit the store can serve, in which state,

@@ -11,7 +11,7 @@ every engine (vLLM's connector, SGLang's radix cache, an engine added later), so
     `EngineRequest.plan` ── the longest run of chunks past it the store serves (`PrefixSynthesis`)
         │ the engine gives the planned tokens slots
         ▼
-    `count_offer` ──► each `LoadPiece` written into them (`count_written`)
+    `count_offer` ──► each `LoadSpan` written into them (`count_written`)
                  └──► an entry gone or unreadable (`count_unloadable`: a fault of its own kind;
                       the engine computes the tokens, the entry is offered to no request until
                       filed anew: `kamera_agent.engines.offers`)
@@ -41,12 +41,12 @@ from kamera_agent.store import EntryKey
 
 __all__ = [
     "EngineRequest",
-    "LoadPiece",
+    "LoadSpan",
     "ServedReport",
     "count_offer",
     "count_unloadable",
     "count_written",
-    "load_pieces",
+    "load_spans",
     "namespace_of",
 ]
 
@@ -103,28 +103,30 @@ class EngineRequest:
 
 
 @dataclass(frozen=True)
-class LoadPiece:
+class LoadSpan:
     """What a load writes of one served chunk: request tokens ``start..end``, which are
-    ``kv[a:b]`` of the chunk's entry (the engine's hit may end inside the chunk, the plan's end
-    may cut it)."""
+    ``kv[entry_from:entry_to]`` of the chunk's entry (the engine's hit may end inside the
+    chunk, the plan's end may cut it)."""
 
     served: Served
     start: int
     end: int
 
     @property
-    def a(self) -> int:
+    def entry_from(self) -> int:
+        """The first row of the chunk's entry written (``start`` in the entry's own rows)."""
         return self.start - self.served.chunk.start
 
     @property
-    def b(self) -> int:
+    def entry_to(self) -> int:
+        """The row of the chunk's entry the write stops before (``end`` in the entry's rows)."""
         return self.end - self.served.chunk.start
 
 
-def load_pieces(plan: LoadPlan) -> list[LoadPiece]:
-    """The pieces ``plan`` writes, left to right: ``tokens[device_len:end]`` exactly."""
+def load_spans(plan: LoadPlan) -> list[LoadSpan]:
+    """The spans ``plan`` writes, left to right: ``tokens[device_len:end]`` exactly."""
     return [
-        LoadPiece(item, max(item.chunk.start, plan.device_len), min(item.chunk.end, plan.end))
+        LoadSpan(item, max(item.chunk.start, plan.device_len), min(item.chunk.end, plan.end))
         for item in plan.served
     ]
 

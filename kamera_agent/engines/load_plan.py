@@ -118,8 +118,8 @@ class LoadPlan:
     @property
     def kept_tokens(self) -> int:
         """Tokens loaded in states a forward would not give them (kept or spliced: approximations)."""
-        kept = [item for item in self.served if not item.computed]
-        return sum(min(item.chunk.end, self.end) - item.chunk.start - item.skip for item in kept)
+        approximate = [item for item in self.served if not item.computed]
+        return sum(min(item.chunk.end, self.end) - item.chunk.start - item.skip for item in approximate)
 
     @property
     def drift(self) -> float | None:

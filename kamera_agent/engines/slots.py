@@ -1,7 +1,7 @@
 """An engine's KV pool as token slots: what a load writes and a capture reads, one protocol.
 
-Why: SGLang keeps a layer's KV per slot in its token pools, vLLM in paged blocks laid out by its
-attention backend; kamera keeps a chunk position-free as ``[layers, heads, tokens, dim]``. Each
+Why: SGLang holds a layer's KV per slot in its token pools, vLLM in paged blocks laid out by its
+attention backend; kamera stores a chunk position-free as ``[layers, heads, tokens, dim]``. Each
 engine differs only in how a token's keys and values sit in its memory, so an adapter implements
 `read_placed` / `write_placed` in its own layout, and relocation (the rotation to this request's
 positions on the way in, its inverse on the way out) is done here, once, for every engine.

@@ -12,7 +12,7 @@ memory store of each would serve a capture only to the process that made it. So 
 store is then a disk store in a per-user cache folder (`default_store_dir`; ``disk_dir`` when
 the settings name one),
 every put written there at once and every process of the machine reading it: bounded by
-``disk_budget`` (`DEFAULT_DISK_BUDGET` without one), one folder per model, named in one log line.
+``disk_limit`` (`DEFAULT_DISK_LIMIT` without one), one folder per model, named in one log line.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from kamera_agent.store import ChunkStore
 from kamera_agent.store.instrumented import TierGrowth
 
 __all__ = [
-    "DEFAULT_DISK_BUDGET",
+    "DEFAULT_DISK_LIMIT",
     "STORES",
     "STORE_DIR_VARIABLE",
     "StoreRegistry",
@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 _LOG = logging.getLogger(__name__)
-DEFAULT_DISK_BUDGET = 20 << 30
+DEFAULT_DISK_LIMIT = 20 << 30
 """Bytes the default store keeps per model (the oldest-used entries leave first)."""
 STORE_DIR_VARIABLE = "KAMERA_STORE_DIR"
 """The environment variable naming the default stores' folder (else ``<cache>/store``)."""
@@ -57,13 +57,13 @@ def engine_store(fingerprint: str, config: WindowConfig) -> ChunkStore:
     if config.shared_store_url is not None:
         return config.open_store(fingerprint)
     directory = config.disk_dir or default_store_dir(fingerprint)
-    budget = config.disk_budget or DEFAULT_DISK_BUDGET
-    store = config.open_store(fingerprint, disk=(directory, budget), disk_shared=True)
+    limit = config.disk_limit or DEFAULT_DISK_LIMIT
+    store = config.open_store(fingerprint, disk=(directory, limit), disk_shared=True)
     _LOG.warning(  # a warning: the one line an engine's default logging shows
         "kamera: no store URL (store_url or KAMERA_STORE_URL), so this engine's processes share the "
         "disk store in %s (at most %.1f GiB); set KAMERA_STORE_URL to share captures across machines",
         directory,
-        budget / (1 << 30),
+        limit / (1 << 30),
     )
     return store
 

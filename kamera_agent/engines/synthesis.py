@@ -5,13 +5,13 @@ request (how many tokens after the engine's own cached prefix can be loaded inst
 computed?) and both answer it by writing relocated chunk KV into the engine's slots. Only how
 a request is cut into chunks and where slots live is engine-specific; this module holds the
 rest: each chunk's **state** (`kamera_agent.core.identity`: what its KV encodes, chained over
-the chunks before it), where the store keeps that state's position-free KV, and the capture of
+the chunks before it), where the store holds that state's position-free KV, and the capture of
 a prefill's KV under the states it really has.
 
     request chunks ──► chain states left to right ──► beyond the engine's hit: stored? serve : stop
                          (in the engine's cache: the state it was computed or loaded in)
 
-Policies (`policy_of`, from `WindowConfig`): ``"exact"`` serves a chunk only in the state a
+Modes (`serve_mode_of`, from `WindowConfig`): ``"exact"`` serves a chunk only in the state a
 re-prefill of the request would compute (its KV conditioned on exactly the chunks before it),
 so a load changes no output; ``"keep"`` (``survivors="keep"``) also serves a chunk in the last
 state it was captured in when that one is missing, the window's "survivors keep what they
@@ -31,7 +31,8 @@ are reported (`LoadPlan.kept_tokens`, `LoadPlan.drift`).
 Every chunk key is scoped by the request's anchor, itself keyed in the request's namespace
 (SGLang's ``extra_key``, vLLM's ``cache_salt``; ``""`` for neither), so every state is too: one
 tenant is never served another's KV, approximate or not. A request's first chunk is its anchor
-(`_Chain`), as a window's system block is, so an engine and a conversation window share entries.
+(`_RequestStates`), as a window's system block is, so an engine and a conversation window share
+entries.
 """
 
 from __future__ import annotations
@@ -58,10 +59,10 @@ from kamera_agent.fidelity import (
     AuditSource,
     Calibration,
     DriftBudget,
-    ServePolicy,
+    ServeMode,
     engine_budget,
     filed_in,
-    policy_of,
+    serve_mode_of,
 )
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.store import EntryKey
@@ -74,9 +75,9 @@ __all__ = [
     "Loaded",
     "PrefixSynthesis",
     "RequestChunk",
-    "ServePolicy",
+    "ServeMode",
     "Served",
-    "policy_of",
+    "serve_mode_of",
     "serving",
 ]
 
@@ -106,11 +107,11 @@ class KeptBudget:
 
 def serving(
     config: WindowConfig, audits: AuditSource, fingerprint: str
-) -> tuple[ServePolicy, KeptBudget | None]:
-    """The policy an engine serves under ``config`` and the budget its kept states must keep
+) -> tuple[ServeMode, KeptBudget | None]:
+    """The mode an engine serves in under ``config`` and the drift budget its kept states stay within
     (`kamera_agent.fidelity.engine_budget`), with where audits are filed."""
-    policy, budget = engine_budget(config, fingerprint)
-    return policy, None if budget is None else KeptBudget(budget, audits)
+    mode, budget = engine_budget(config, fingerprint)
+    return mode, None if budget is None else KeptBudget(budget, audits)
 
 
 @dataclass
@@ -133,13 +134,13 @@ class PrefixSynthesis:
     Args:
         store: where position-free chunk KV is kept (shared by every process that names it): a
             `ChunkStore`, or a `ShardedStore` where the engine splits KV over ranks.
-        policy: ``"exact"`` or ``"keep"`` (`policy_of`).
+        mode: ``"exact"`` or ``"keep"`` (`serve_mode_of`).
         budget: under ``"keep"``, the drift budget kept states are served within (`serving`);
             ``None``: unbounded.
     """
 
     store: EntryStore
-    policy: ServePolicy = "exact"
+    mode: ServeMode = "exact"
     budget: KeptBudget | None = None
     failed: FailedEntries = field(default_factory=FailedEntries)
     _latest: OrderedDict[str, Served] = field(default_factory=OrderedDict, repr=False)
@@ -158,10 +159,10 @@ class PrefixSynthesis:
     ) -> LoadPlan:
         """The longest run of chunks after ``device_len`` the store can serve, cut at ``limit``
         tokens and aligned down to ``page_size``; ``approximate=False`` serves only what a
-        re-prefill computes whatever the policy (an engine's unsalted requests, whose cached
+        re-prefill computes whatever the mode (an engine's unsalted requests, whose cached
         blocks every other request may reuse). Reads presence only: no side effects."""
         served: list[Served] = []
-        chain, prefix = _Chain(), _prefix_root(namespace)
+        chain, prefix = _RequestStates(), _prefix_root(namespace)
         worst: float | None = 0.0  # the largest drift to the left (None: unknown)
         held_kept = 0  # tokens of the engine's own hit in kept states, and their largest drift:
         held_drift: float | None = 0.0
@@ -221,7 +222,7 @@ class PrefixSynthesis:
         tokens in the engine's own prefix chain the states they really hold: a kept state, or
         a splice (a chunk the load's end cuts, finished by a forward over a kept head). Returns
         the records made: an engine that evicts their tokens tells `lost`."""
-        if self.policy == "exact":
+        if self.mode == "exact":
             return []  # every state served is the one a forward computes: nothing to remember
         served = {item.chunk.start: item for item in plan.served}
         prefix = _prefix_root(namespace)
@@ -241,17 +242,17 @@ class PrefixSynthesis:
             _remember(self._loaded, prefix, out[-1])
         return out
 
-    def lost(self, prefix: str, kept: int) -> None:
+    def lost(self, prefix: str, kept_tokens: int) -> None:
         """The engine lost the tokens of the load recorded at ``prefix`` (`KeptLoad.prefix`) from
-        its ``kept``-th on (it evicted them): forget the load, or keep it for the tokens that
+        its ``kept_tokens``-th on (it evicted them): forget the load, or hold it for the tokens that
         remain (a forward computes what follows them again)."""
         record = self._loaded.get(prefix)
         if record is None:
             return
-        if kept <= 0:
+        if kept_tokens <= 0:
             del self._loaded[prefix]
-        elif kept < record.tokens:
-            self._loaded[prefix] = replace(record, tokens=kept)
+        elif kept_tokens < record.tokens:
+            self._loaded[prefix] = replace(record, tokens=kept_tokens)
 
     @property
     def kept_loads(self) -> tuple[KeptLoad, ...]:
@@ -266,7 +267,7 @@ class PrefixSynthesis:
         state it holds and the entry its KV belongs in, where the store does not hold it yet.
         Under ``"keep"`` this also makes each chunk's state its latest."""
         out: list[tuple[RequestChunk, ChunkState, EntryKey]] = []
-        chain, prefix = _Chain(), _prefix_root(namespace)
+        chain, prefix = _RequestStates(), _prefix_root(namespace)
         for chunk in chunks:
             if chunk.end > upto:
                 break
@@ -274,7 +275,7 @@ class PrefixSynthesis:
             state = self._held(prefix, chain.computed(chunk), len(chunk))
             chain.extend(chunk, state)
             entry = _entry(chunk, state)
-            if self.policy == "keep":
+            if self.mode == "keep":
                 _remember(self._latest, _latest_key(namespace, chunk), Served(chunk, state, entry))
             if self.failed.blocked(entry) or not self.store.contains(entry):
                 out.append((chunk, state, entry))  # (a blocked entry's load failed: filed anew)
@@ -336,7 +337,7 @@ class PrefixSynthesis:
         computed: ChunkState,
         device_len: int,
         approximate: bool,
-        chain: _Chain,
+        chain: _RequestStates,
         worst: float | None,
     ) -> tuple[Served | None, bool]:
         """The chunk served from the store: in the state the engine's part of it holds (or, past
@@ -348,17 +349,17 @@ class PrefixSynthesis:
         entry = _entry(chunk, held)
         if self._stored(entry):
             return Served(chunk, held, entry, skip, computed, self._behind(worst)), False
-        if self.policy == "keep" and approximate:
-            kept = self._latest.get(_latest_key(namespace, chunk))
-            if kept is not None and self._stored(kept.entry):
+        if self.mode == "keep" and approximate:
+            latest = self._latest.get(_latest_key(namespace, chunk))
+            if latest is not None and self._stored(latest.entry):
                 drift = None
                 if self.budget is not None:
                     left = chain.context or Context.root("")
-                    drift = None if worst is None else self.budget.estimate(kept.state, left, worst)
+                    drift = None if worst is None else self.budget.estimate(latest.state, left, worst)
                     if drift is None or not drift <= self.budget.epsilon:  # NaN: not within it
                         return None, True
-                state = kept.state if skip == 0 else ChunkState.spliced(held, kept.state, skip)
-                return Served(chunk, state, kept.entry, skip, computed, drift), False
+                state = latest.state if skip == 0 else ChunkState.spliced(held, latest.state, skip)
+                return Served(chunk, state, latest.entry, skip, computed, drift), False
         return None, False
 
 
@@ -375,7 +376,7 @@ def _remember(memory: OrderedDict[str, _V], key: str, value: _V) -> None:
         memory.popitem(last=False)
 
 
-class _Chain:
+class _RequestStates:
     """The states a forward gives a request's chunks, left to right, as a window's are chained.
 
     The first chunk is the anchor: its KV is computed behind nothing and every later chunk's

@@ -36,9 +36,9 @@ from kamera_agent.fidelity.calibration import (
 )
 from kamera_agent.fidelity.drift_budget import DriftBudget
 from kamera_agent.fidelity.resolve import (
-    ServePolicy,
+    ServeMode,
     engine_budget,
-    policy_of,
+    serve_mode_of,
     shared_budget,
     window_budget,
 )
@@ -53,7 +53,7 @@ __all__ = [
     "DriftBudget",
     "Filed",
     "Measure",
-    "ServePolicy",
+    "ServeMode",
     "audit",
     "audit_count",
     "audit_indices",
@@ -61,10 +61,10 @@ __all__ = [
     "engine_budget",
     "filed_in",
     "find_calibration",
-    "policy_of",
     "relative_error",
     "sampled_error",
     "save_calibration",
+    "serve_mode_of",
     "shared_budget",
     "window_budget",
 ]

@@ -24,10 +24,11 @@ from kamera_agent.fidelity.calibration import Calibration, find_calibration
 from kamera_agent.fidelity.drift_budget import DriftBudget
 from kamera_agent.store import ChunkStore
 
-__all__ = ["ServePolicy", "engine_budget", "policy_of", "shared_budget", "window_budget"]
+__all__ = ["ServeMode", "engine_budget", "serve_mode_of", "shared_budget", "window_budget"]
 
-ServePolicy = Literal["exact", "keep"]
-"""What an engine may serve: only what a forward computes there, or kept states too."""
+ServeMode = Literal["exact", "keep"]
+"""What an engine may serve: only what a forward computes there, or kept states too (a mode,
+not a policy: no strategy registered by name)."""
 
 
 def _calibration(fingerprint: str, why_not: str | None, where: str) -> Calibration | None:
@@ -73,20 +74,20 @@ def window_budget(
     return config, shared_budget(store, fingerprint, epsilon, calibration)
 
 
-def policy_of(config: WindowConfig) -> ServePolicy:
+def serve_mode_of(config: WindowConfig) -> ServeMode:
     """What an engine may serve under ``config``: kept states only where survivors keep them."""
     return "keep" if config.survivors == "keep" else "exact"
 
 
-def engine_budget(config: WindowConfig, fingerprint: str) -> tuple[ServePolicy, DriftBudget | None]:
-    """The policy an engine serves under ``config`` and the budget its kept states must keep.
+def engine_budget(config: WindowConfig, fingerprint: str) -> tuple[ServeMode, DriftBudget | None]:
+    """The mode an engine serves in under ``config`` and the drift budget its kept states stay within.
 
     ``drift_budget=None``: kept states unbounded (their drift unknown); 0: exact; a number or
     ``"calibrated"``: the model's calibration bounds them, and a model without one serves
     exactly, with an `UncalibratedWarning`."""
-    policy = policy_of(config)
-    if policy == "exact" or config.drift_budget is None:
-        return policy, None
+    mode = serve_mode_of(config)
+    if mode == "exact" or config.drift_budget is None:
+        return mode, None
     if config.drift_budget == 0:
         return "exact", None
     calibration = _calibration(fingerprint, None, "the engine")
@@ -95,7 +96,7 @@ def engine_budget(config: WindowConfig, fingerprint: str) -> tuple[ServePolicy, 
     epsilon = _epsilon(config, calibration)
     if epsilon == 0:
         return "exact", None
-    return policy, DriftBudget(epsilon, calibration)
+    return mode, DriftBudget(epsilon, calibration)
 
 
 def shared_budget(

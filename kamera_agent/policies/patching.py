@@ -24,9 +24,8 @@ PATCH_TIMING: Mapping[str, PatchAction] = MappingProxyType(
 )
 
 # What a slide / evict does to survivors: they keep their absorbed conditioning on the chunk
-# that left (free, and approximate: on the shipped demo model it is the largest source of drift,
-# survivors="removal" cutting the window episode's mean next-token KL by 72 %; never measured
-# near-lossless on another model), or re-form it without that chunk (a removal patch: exact).
+# that left (free, and approximate: what they absorbed from it is still in their KV, which the
+# drift budget measures and fixes), or re-form it without that chunk (a removal patch: exact).
 SURVIVORS: Mapping[str, PatchAction] = MappingProxyType({"keep": "keep", "removal": "form"})
 
 # A reordered chunk whose antecedents changed and for which no stored patch fits: form an

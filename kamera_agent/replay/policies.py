@@ -48,28 +48,28 @@ def _text(text: str) -> dict[str, Any]:
     return {"type": "text", "text": text}
 
 
-def _screens_then_drop(screens: Screens, step: int, keep: int, batch: int) -> Messages:
+def _screens_then_drop(screens: Screens, step: int, newest: int, batch: int) -> Messages:
     """Screens after every action; the oldest screens dropped (their text kept) once more than
-    ``keep``, ``batch`` at a time."""
+    ``newest``, ``batch`` at a time."""
     messages: Messages = [SYSTEM, {"role": "user", "content": [_text(TASK), screens.screen(0)]}]
     shown = [(1, 1)]  # (message, part) of each screen, oldest first
     for k in range(step):
         messages.append({"role": "assistant", "content": screens.action(k)})
         messages.append({"role": "user", "content": [screens.screen(k + 1), _text(f"step {k + 1}")]})
         shown.append((len(messages) - 1, 0))
-    drop = len(shown) - keep
+    drop = len(shown) - newest
     drop -= drop % batch
     for m, p in reversed(shown[: max(0, drop)]):
         del messages[m]["content"][p]
     return messages
 
 
-def _keep_3_batched(screens: Screens, step: int) -> Messages:
-    return _screens_then_drop(screens, step, keep=3, batch=10)
+def _newest_3_batched(screens: Screens, step: int) -> Messages:
+    return _screens_then_drop(screens, step, newest=3, batch=10)
 
 
 def _latest_8(screens: Screens, step: int) -> Messages:
-    return _screens_then_drop(screens, step, keep=8, batch=1)
+    return _screens_then_drop(screens, step, newest=8, batch=1)
 
 
 def _current_only(screens: Screens, step: int) -> Messages:
@@ -81,8 +81,8 @@ def _current_only(screens: Screens, step: int) -> Messages:
     return messages
 
 
-def _latest_5_spliced(screens: Screens, step: int, keep: int = 5) -> Messages:
-    first = max(0, step - keep + 1)
+def _latest_5_spliced(screens: Screens, step: int, newest: int = 5) -> Messages:
+    first = max(0, step - newest + 1)
     history = "; ".join(screens.action(k) for k in range(first))
     task = TASK + (f"\nPrevious actions: {history}" if history else "")
     messages: Messages = [SYSTEM, {"role": "user", "content": task}]
@@ -93,7 +93,7 @@ def _latest_5_spliced(screens: Screens, step: int, keep: int = 5) -> Messages:
     return messages
 
 
-def _tool_truncated(screens: Screens, step: int, keep: int = 3) -> Messages:
+def _tool_truncated(screens: Screens, step: int, newest: int = 3) -> Messages:
     messages: Messages = [SYSTEM, {"role": "user", "content": TASK}]
     for k in range(step + 1):
         call = {
@@ -101,7 +101,7 @@ def _tool_truncated(screens: Screens, step: int, keep: int = 3) -> Messages:
             "type": "function",
             "function": {"name": "act", "arguments": json.dumps({"action": screens.action(k)})},
         }
-        output = screens.output(k) if k > step - keep else "(output dropped)"
+        output = screens.output(k) if k > step - newest else "(output dropped)"
         messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         messages.append({"role": "tool", "tool_call_id": f"call_{k}", "content": output})
     return messages
@@ -111,7 +111,7 @@ POLICIES = MappingProxyType(
     {
         policy.name: policy
         for policy in (
-            Policy("keep-3-batched", "Anthropic computer-use demo", _keep_3_batched),
+            Policy("keep-3-batched", "Anthropic computer-use demo", _newest_3_batched),
             Policy("current-only", "browser-use", _current_only),
             Policy("latest-8", "Agent-S3", _latest_8),
             Policy("latest-5-spliced", "UI-TARS-desktop", _latest_5_spliced),

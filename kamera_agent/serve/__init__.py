@@ -4,8 +4,9 @@
 it behind HTTP; `sync_window` is the request-to-window diff; `read_turns` reads messages.
 """
 
+from kamera_agent.moved import renamed
 from kamera_agent.serve.fetch import ImageFetching
-from kamera_agent.serve.media import MediaPolicy
+from kamera_agent.serve.media import MediaAccess
 from kamera_agent.serve.server import Completion, KameraServer, ServeSettings
 from kamera_agent.serve.sync import SyncReport, sync_window
 from kamera_agent.serve.turns import Limits, read_turns
@@ -15,9 +16,12 @@ __all__ = [
     "ImageFetching",
     "KameraServer",
     "Limits",
-    "MediaPolicy",
+    "MediaAccess",
     "ServeSettings",
     "SyncReport",
     "read_turns",
     "sync_window",
 ]
+
+__getattr__ = renamed(__name__, {"MediaPolicy": "MediaAccess"})
+"""The old name of `MediaAccess` lasts a release."""

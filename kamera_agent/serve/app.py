@@ -151,7 +151,7 @@ def _add_responses_routes(app: FastAPI, server: KameraServer) -> None:
             return _refused(server, _invalid(exc))
         response_id = f"resp_{uuid.uuid4().hex}"
 
-        def keep(done: Completion, body: dict[str, Any], message: dict[str, Any]) -> None:
+        def finish(done: Completion, body: dict[str, Any], message: dict[str, Any]) -> None:
             raw.state.served = done  # for the access log
             if request.store:
                 server.responses.put(response_id, StoredResponse(tenant, [*history, message], body))
@@ -161,14 +161,14 @@ def _add_responses_routes(app: FastAPI, server: KameraServer) -> None:
             first, refusal = await _opened(server, feed)
             if refusal is not None:
                 return refusal
-            events = response_events(feed, first, request, response_id, keep)
+            events = response_events(feed, first, request, response_id, finish)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
             done = await _watched(server, raw, chat, tenant)
         except RequestError as exc:
             return _refused(server, exc)
         body, message = to_response(done, request, response_id)
-        keep(done, body, message)
+        finish(done, body, message)
         server.metrics.request(200)
         return JSONResponse(body)
 

@@ -23,7 +23,7 @@ FIDELITY_FIELDS = frozenset(
     {"rank", "patch_mode", "orbit", "survivors", "reorder", "recall_context", "cascade", "drift_budget"}
 )
 """The `WindowConfig` fields a request may set for its own session (``kamera``): how faithful
-its window is. Anything process-wide (threads, device, dtype, store, budgets) is the server's."""
+its window is. Anything process-wide (threads, device, dtype, store, byte limits) is the server's."""
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,8 @@ def _config(base: WindowConfig, fields: dict[str, Any], *, exact: bool) -> Windo
     given = base.model_dump(exclude=set(STORE_FIELDS), exclude_unset=True)
     try:
         if exact:
-            kept = {k: v for k, v in given.items() if k not in FIDELITY_FIELDS}
-            return WindowConfig.exact(**{**kept, **fields})
+            others = {k: v for k, v in given.items() if k not in FIDELITY_FIELDS}
+            return WindowConfig.exact(**{**others, **fields})
         return WindowConfig(**{**given, **fields})
     except (ValidationError, ConfigError) as exc:
         raise RequestError(400, f"bad kamera settings: {exc.errors()[0]['msg']}", param="kamera") from exc

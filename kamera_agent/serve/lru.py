@@ -1,4 +1,4 @@
-"""A least-recently-used map held within a byte budget, never by count.
+"""A least-recently-used map held within a byte limit, never by count.
 
 Why bytes: what a stranger fills a cache with decides its size. A cache of 64 conversation
 anchors holds 64 bytes or 64 megabytes as the system prompts sent make it; a cache of decoded
@@ -20,16 +20,16 @@ V = TypeVar("V")
 
 
 class ByteLRU(Generic[K, V]):
-    """Entries kept while their bytes together fit ``budget`` (the least recently used leave
-    first; one larger than the whole budget is never kept). Thread-safe.
+    """Entries kept while their bytes together fit ``limit`` (the least recently used leave
+    first; one larger than the whole limit is never kept). Thread-safe.
 
     Args:
-        budget: bytes kept at most.
+        limit: bytes kept at most.
         size: an entry's bytes.
     """
 
-    def __init__(self, budget: int, size: Callable[[V], int]) -> None:
-        self.budget, self._size = budget, size
+    def __init__(self, limit: int, size: Callable[[V], int]) -> None:
+        self.limit, self._size = limit, size
         self._entries: OrderedDict[K, tuple[V, int]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -52,16 +52,16 @@ class ByteLRU(Generic[K, V]):
             return found[0]
 
     def put(self, key: K, value: V) -> None:
-        """Keep ``value`` under ``key`` (an entry already there stays), dropping the least
-        recently used entries until the budget holds."""
+        """Hold ``value`` under ``key`` (an entry already there stays), dropping the least
+        recently used entries until the limit holds."""
         size = self._size(value)
-        if size > self.budget:
+        if size > self.limit:
             return
         with self._lock:
             if key in self._entries:
                 return
             self._entries[key] = (value, size)
             self._bytes += size
-            while self._bytes > self.budget:
+            while self._bytes > self.limit:
                 _, (_, dropped) = self._entries.popitem(last=False)
                 self._bytes -= dropped

@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from kamera_agent.moved import renamed
 from kamera_agent.serve.fetch import FetchRefused, ImageFetching, fetch
 from kamera_agent.serve.protocol import RequestError
 
-__all__ = ["REFUSED", "ImageFetching", "MediaPolicy", "read_url"]
+__all__ = ["REFUSED", "ImageFetching", "MediaAccess", "read_url"]
 
 REFUSED = (
     "cannot use this image URL (not allowed here, not found, not a regular file in the allowed "
@@ -39,7 +40,7 @@ REFUSED = (
 
 
 @dataclass(frozen=True)
-class MediaPolicy:
+class MediaAccess:
     """Where image URLs may be read from.
 
     Attributes:
@@ -51,8 +52,8 @@ class MediaPolicy:
     local_folder: Path | None = None
 
 
-def read_url(url: str, where: str, policy: MediaPolicy) -> bytes:
-    """The bytes an image URL names, under ``policy``.
+def read_url(url: str, where: str, access: MediaAccess) -> bytes:
+    """The bytes an image URL names, under ``access``.
 
     Raises:
         RequestError: 400, naming ``where``: a broken data URL, fetching off, or `REFUSED`.
@@ -61,16 +62,16 @@ def read_url(url: str, where: str, policy: MediaPolicy) -> bytes:
         return _data(url, where)
     parsed = urlparse(url)
     if parsed.scheme == "file":
-        return _local(parsed.path, where, policy)
+        return _local(parsed.path, where, access)
     if parsed.scheme in ("http", "https"):
-        if not policy.fetching.enabled:
+        if not access.fetching.enabled:
             raise RequestError(
                 400,
                 f"{where}: fetching image URLs is off; send the image as a data: URL, or start the "
                 "server with --fetch-images",
                 param="messages",
             )
-        return _fetched(url, where, policy.fetching)
+        return _fetched(url, where, access.fetching)
     raise RequestError(400, f"{where}: image_url must be a data:, file:// or http(s) URL", param="messages")
 
 
@@ -88,9 +89,9 @@ def _data(url: str, where: str) -> bytes:
         raise RequestError(400, f"{where}: broken base64 in the data URL", param="messages") from exc
 
 
-def _local(raw_path: str, where: str, policy: MediaPolicy) -> bytes:
+def _local(raw_path: str, where: str, access: MediaAccess) -> bytes:
     """A regular file under the allowed folder (links resolved first), read without blocking."""
-    folder = policy.local_folder
+    folder = access.local_folder
     if folder is None:
         raise _refused(where)
     try:
@@ -103,7 +104,7 @@ def _local(raw_path: str, where: str, policy: MediaPolicy) -> bytes:
         raise _refused(where) from exc
     try:
         info = os.fstat(fd)
-        limit = policy.fetching.max_bytes
+        limit = access.fetching.max_bytes
         if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
             raise _refused(where)
         with os.fdopen(fd, "rb", closefd=False) as handle:
@@ -127,3 +128,8 @@ def _fetched(url: str, where: str, fetching: ImageFetching) -> bytes:
             400, f"{where}: the image is larger than {fetching.max_bytes} bytes", param="messages"
         )
     return data
+
+
+__getattr__ = renamed(__name__, {"MediaPolicy": "MediaAccess"})
+"""A policy is a strategy registered by name; this says where images may be read: the old name
+lasts a release."""

@@ -5,7 +5,7 @@ processor, tokenizing, hashing pixels into content keys) is most of a request's 
 a conversation re-sends every earlier message each turn. Chunks depend only on the system
 prompt (the anchor every canonical is computed behind), the message's role and parts, and how
 the message is framed (closed, or left open for the question), so they are kept by that key
-within a byte budget (and each system prompt's framing within another: never by count, since a
+within a byte limit (and each system prompt's framing within another: never by count, since a
 stranger decides how large each is): a turn prepares only the messages it has not sent before,
 and none of it holds the model lock.
 
@@ -53,34 +53,34 @@ class Framing:
 
 
 class MessageChunks:
-    """Chunks of messages for one backend, by system prompt and message, within byte budgets.
+    """Chunks of messages for one backend, by system prompt and message, within byte limits.
 
     Thread-safe (requests are prepared concurrently).
 
     Args:
         backend: the engine (its default encoder: tokenizer, image processor, chat template).
         images: reads and decodes image parts.
-        budget: bytes of chunks (token ids and preprocessed pixels) kept.
+        limit: bytes of chunks (token ids and preprocessed pixels) kept.
         max_pixels: images larger than this are refused before decoding.
-        anchor_budget: bytes of conversation framings (each a system prompt's anchor) kept.
+        anchor_limit: bytes of conversation framings (each a system prompt's anchor) kept.
     """
 
     def __init__(
         self,
         backend: Backend,
         images: ImageReader,
-        budget: int = 128 << 20,
+        limit: int = 128 << 20,
         max_pixels: int = 0,
-        anchor_budget: int = 16 << 20,
+        anchor_limit: int = 16 << 20,
     ) -> None:
         self.backend, self.images = backend, images
         self.max_pixels = max_pixels or images.max_pixels
         encoder = backend.encoder
         self.template = ChatTemplate.from_tokenizer(encoder.tokenizer, encoder.prompt)
         self._conversations: ByteLRU[tuple[str | None, str | None], Framing] = ByteLRU(
-            anchor_budget, _framing_bytes
+            anchor_limit, _framing_bytes
         )
-        self._chunks: ByteLRU[tuple[str, str, bool, int], tuple[Chunk, ...]] = ByteLRU(budget, _chunks_bytes)
+        self._chunks: ByteLRU[tuple[str, str, bool, int], tuple[Chunk, ...]] = ByteLRU(limit, _chunks_bytes)
 
     @property
     def nbytes(self) -> int:

@@ -1,12 +1,12 @@
-"""Decoded pixels in flight, counted against a tenant's budget and the server's before decoding.
+"""Decoded pixels in flight, counted against a tenant's limit and the server's before decoding.
 
 Why: a PNG of 49 megapixels compresses to 50 KB and decodes to 200 MB, and the image processor
 then holds several copies of it (PIL's 4-byte RGB, its own arrays); 24 such requests at once
 killed the server while the per-tenant queue limit was still counting. An image's size is in
-its header, so each is charged `BYTES_PER_PIXEL` per pixel against both budgets before a pixel
+its header, so each is charged `BYTES_PER_PIXEL` per pixel against both limits before a pixel
 is decoded, and held until its request's messages are prepared (the chunks then hold the
 processor's resized output only). A request over what is free now gets 429 (retry shortly);
-an image larger than a whole budget gets 400 (retrying cannot help).
+an image larger than a whole limit gets 400 (retrying cannot help).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from types import TracebackType
 
 from kamera_agent.serve.protocol import RequestError
 
-__all__ = ["BYTES_PER_PIXEL", "PixelBudget", "PixelLease"]
+__all__ = ["BYTES_PER_PIXEL", "PixelLease", "PixelLimit"]
 
 BYTES_PER_PIXEL = 16
 """Working memory per decoded pixel, decoding and preprocessing at their peak (measured: 14 on
 the demo model's processor: PIL's 4-byte RGB, then the processor's uint8 and resized copies)."""
 
 
-class PixelBudget:
+class PixelLimit:
     """Bytes of decoded images in flight: at most ``total`` on the server, ``per_tenant`` for one
     tenant. Thread-safe.
 
@@ -63,7 +63,7 @@ class PixelBudget:
             if nbytes > min(tenant_free, free):
                 raise RequestError(
                     429,
-                    f"{where}: images being decoded hold the server's pixel budget; retry shortly",
+                    f"{where}: images being decoded hold the server's pixel limit; retry shortly",
                     code="rate_limit_exceeded",
                 )
             self._held[tenant] += nbytes
@@ -78,24 +78,24 @@ class PixelBudget:
 class PixelLease:
     """One request's decoded pixels in flight (a context manager: released on exit)."""
 
-    def __init__(self, budget: PixelBudget, tenant: str) -> None:
-        self.budget, self.tenant, self.nbytes = budget, tenant, 0
+    def __init__(self, limit: PixelLimit, tenant: str) -> None:
+        self.limit, self.tenant, self.nbytes = limit, tenant, 0
 
     def take(self, width: int, height: int, where: str) -> None:
         """Charge an image of ``width × height`` before it is decoded.
 
         Raises:
-            RequestError: 429 when the budgets have no room now, 400 when they never would
+            RequestError: 429 when the limits have no room now, 400 when they never would
                 (this image and the request's others together).
         """
         nbytes = width * height * BYTES_PER_PIXEL
-        self.budget._take(self.tenant, nbytes, self.nbytes, where)
+        self.limit._take(self.tenant, nbytes, self.nbytes, where)
         self.nbytes += nbytes
 
     def release(self) -> None:
         """Give back everything charged to this lease."""
         if self.nbytes:
-            self.budget._give(self.tenant, self.nbytes)
+            self.limit._give(self.tenant, self.nbytes)
             self.nbytes = 0
 
     def __enter__(self) -> PixelLease:

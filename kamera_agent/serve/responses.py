@@ -96,8 +96,8 @@ class ResponseStore:
         self._lock = threading.Lock()
 
     def put(self, response_id: str, stored: StoredResponse) -> bool:
-        """Keep ``stored`` (dropping the tenant's oldest to fit); ``False`` when it alone is over
-        the byte bound and was not kept."""
+        """Store ``stored`` (dropping the tenant's oldest to fit); ``False`` when it alone is over
+        the byte bound and was not stored."""
         size = len(json.dumps(stored.messages)) + len(json.dumps(stored.body))
         if size > self.bytes_per_tenant:
             return False
@@ -114,8 +114,8 @@ class ResponseStore:
 
     def get(self, response_id: str, tenant: str) -> StoredResponse:
         with self._lock:
-            kept = self._items.get(response_id)
-        stored = None if kept is None else kept[0]
+            held = self._items.get(response_id)
+        stored = None if held is None else held[0]
         if stored is None or stored.tenant != tenant:
             raise RequestError(
                 404,

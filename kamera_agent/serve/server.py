@@ -6,10 +6,10 @@ tenant and session, which ops, what was reused) is plain Python, testable withou
 No single request can hold or kill it:
 
 - everything is bounded before it costs: a tenant's place in the server is taken first (429
-  past ``max_queued``), ``n × max_tokens`` is within the decode budget, every text is short
+  past ``max_queued``), ``n × max_tokens`` is within the decode limit, every text is short
   enough to fit the context by its length alone before it is tokenized (`TextBound`), schemas
-  are bounded before they are compiled, images are charged against pixel budgets from their
-  headers before they are decoded (`PixelBudget`), and every cache is held by bytes;
+  are bounded before they are compiled, images are charged against pixel limits from their
+  headers before they are decoded (`PixelLimit`), and every cache is held by bytes;
 - all of that runs outside the model; the model runs one forward at a time, in turns
   (`ModelTurns`): a request hands the model on between decode steps to those waiting, so a
   short request waits for steps, not for another's whole answer;
@@ -39,10 +39,10 @@ from kamera_agent.results import Answer, OpCost
 from kamera_agent.serve.bounds import TextBound, longest_token_bytes
 from kamera_agent.serve.completion import Completion, called, logprobs_of
 from kamera_agent.serve.fidelity import Fidelity, fidelity_for
-from kamera_agent.serve.media import MediaPolicy
+from kamera_agent.serve.media import MediaAccess
 from kamera_agent.serve.messages import MessageChunks, Prepared
 from kamera_agent.serve.metrics import Metrics
-from kamera_agent.serve.pixels import PixelBudget
+from kamera_agent.serve.pixels import PixelLimit
 from kamera_agent.serve.protocol import ChatRequest, RequestError
 from kamera_agent.serve.responses import ResponseStore
 from kamera_agent.serve.scheduler import ModelTurns, Turn
@@ -89,9 +89,9 @@ class KameraServer:
             raise ConfigError(f"reuse {settings.reuse!r}: 'kamera' or 'prefix' (a prefix cache)")
         self.backend, self.settings = backend, settings
         self.store: ChunkStore = resolve_store(backend, settings.config, None)
-        policy = MediaPolicy(settings.fetching, settings.local_media)
+        access = MediaAccess(settings.fetching, settings.local_media)
         max_pixels = settings.config.max_image_pixels
-        self.images = ImageReader(policy, max_pixels=max_pixels, budget=settings.image_cache_bytes)
+        self.images = ImageReader(access, max_pixels=max_pixels, limit=settings.image_cache_bytes)
         self.messages = MessageChunks(
             backend, self.images, settings.chunk_cache_bytes, max_pixels, settings.anchor_cache_bytes
         )
@@ -99,7 +99,7 @@ class KameraServer:
         self.metrics = Metrics(self._gauges, lambda: self.store.stats().tiers)
         self.turns = ModelTurns()
         """The model's turns: one request at a time, handed on between decode steps."""
-        self.pixels = PixelBudget(settings.image_bytes_in_flight, settings.tenant_image_bytes_in_flight)
+        self.pixels = PixelLimit(settings.image_bytes_in_flight, settings.tenant_image_bytes_in_flight)
         """Working memory of images being decoded, by tenant and in all."""
         tokenizer = backend.encoder.tokenizer
         self.text = TextBound(backend.context_limit, longest_token_bytes(tokenizer))
@@ -128,7 +128,7 @@ class KameraServer:
         Raises:
             RequestError: anything the request asks that cannot be served (4xx), or 429 when the
                 tenant already has ``max_queued`` requests in the server or its images find no
-                room in the pixel budgets now.
+                room in the pixel limits now.
         """
         clock = Clock() if arrived is None else Clock(arrived)
         self._refuse_unserved(request)

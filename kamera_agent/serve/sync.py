@@ -95,22 +95,22 @@ def _target(window: KameraWindow, desired: list[Chunk]) -> Target:
     (a dry run of each choice); everything else is new content."""
     current = window.refs
     keys = [window.chunk(ref).key for ref in current]
-    kept: dict[int, ChunkRef] = {}
+    in_order: dict[int, ChunkRef] = {}
     matcher = SequenceMatcher(None, keys, [chunk.key for chunk in desired], autojunk=False)
     for block in matcher.get_matching_blocks():
         for k in range(block.size):
-            kept[block.b + k] = current[block.a + k]
-    last_kept = max(kept, default=-1)
-    in_place = set(kept.values())
+            in_order[block.b + k] = current[block.a + k]
+    last_in_order = max(in_order, default=-1)
+    in_place = set(in_order.values())
     spare: dict[str, deque[ChunkRef]] = defaultdict(deque)
     for ref, key in zip(current, keys, strict=True):
         if ref not in in_place:
             spare[key].append(ref)
     target: Target = []
     for index, chunk in enumerate(desired):
-        if index in kept:
-            target.append(kept[index])
-        elif index < last_kept and spare[chunk.key]:
+        if index in in_order:
+            target.append(in_order[index])
+        elif index < last_in_order and spare[chunk.key]:
             target.append(spare[chunk.key].popleft())
         else:
             target.append(chunk)

@@ -94,7 +94,7 @@ class ToolFormat:
         if not self.marker:
             return self._parse_bare(text)
         calls: list[dict[str, Any]] = []
-        kept: list[str] = []
+        content_parts: list[str] = []
         rest = text
         while (start := rest.find(self.open.strip())) >= 0:
             end = rest.find(self.close.strip(), start)
@@ -103,13 +103,13 @@ class ToolFormat:
             raw = rest[start + len(self.open.strip()) : end].strip()
             call = _call(raw)
             if call is None:
-                kept.append(rest[: end + len(self.close.strip())])
+                content_parts.append(rest[: end + len(self.close.strip())])
             else:
-                kept.append(rest[:start])
+                content_parts.append(rest[:start])
                 calls.append(call)
             rest = rest[end + len(self.close.strip()) :]
-        kept.append(rest)
-        content = "".join(kept).strip()
+        content_parts.append(rest)
+        content = "".join(content_parts).strip()
         return (content or None), calls
 
     @property

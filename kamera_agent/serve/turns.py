@@ -4,7 +4,7 @@ Why not decode here: a conversation re-sends its whole history every turn. A tur
 identified by a digest of its role and parts (text, and each image URL's digest), so a message
 the server has prepared before is recognised without reading its images again
 (`kamera_agent.serve.messages`); only new messages' images are fetched and decoded, by
-`ImageReader`, under the server's `MediaPolicy`, into a byte-bounded cache.
+`ImageReader`, under the server's `MediaAccess`, into a byte-bounded cache.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from PIL import Image, UnidentifiedImageError
 from kamera_agent.chunks.sources import MAX_IMAGE_PIXELS
 from kamera_agent.serve.bounds import TextBound
 from kamera_agent.serve.lru import ByteLRU
-from kamera_agent.serve.media import MediaPolicy, read_url
+from kamera_agent.serve.media import MediaAccess, read_url
 from kamera_agent.serve.pixels import PixelLease
 from kamera_agent.serve.protocol import RequestError
 from kamera_agent.serve.tools import HERMES, ToolFormat
@@ -59,21 +59,21 @@ class Turn:
 
 
 class ImageReader:
-    """Decodes image parts, keeping decoded images within a byte budget (a conversation re-sends
+    """Decodes image parts, keeping decoded images within a byte limit (a conversation re-sends
     the same images; decoding each again would be wasted). Thread-safe: requests are read
     concurrently, outside the model lock.
 
     Args:
-        policy: where image URLs may be read from.
+        access: where image URLs may be read from.
         max_pixels: images larger than this are refused before their pixels are decoded.
-        budget: bytes of decoded pixels kept (least recently used dropped first).
+        limit: bytes of decoded pixels kept (least recently used dropped first).
     """
 
     def __init__(
-        self, policy: MediaPolicy, max_pixels: int = MAX_IMAGE_PIXELS, budget: int = 64 << 20
+        self, access: MediaAccess, max_pixels: int = MAX_IMAGE_PIXELS, limit: int = 64 << 20
     ) -> None:
-        self.policy, self.max_pixels = policy, max_pixels
-        self._cache: ByteLRU[tuple[str, str], Image.Image] = ByteLRU(budget, _image_bytes)
+        self.access, self.max_pixels = access, max_pixels
+        self._cache: ByteLRU[tuple[str, str], Image.Image] = ByteLRU(limit, _image_bytes)
 
     @property
     def nbytes(self) -> int:
@@ -85,14 +85,14 @@ class ImageReader:
         (a tenant's namespace: another tenant's copy is never served, nor its decoding spared).
 
         Raises:
-            RequestError: 400 for anything unreadable or not allowed; 429 when the pixel budgets
+            RequestError: 400 for anything unreadable or not allowed; 429 when the pixel limits
                 have no room for it now.
         """
         cached = self._cache.get((scope, part.digest))
         if cached is not None:
             lease.take(cached.width, cached.height, part.where)  # preprocessing it costs as much
             return cached
-        image = self._decode(read_url(part.url, part.where, self.policy), part.where, lease)
+        image = self._decode(read_url(part.url, part.where, self.access), part.where, lease)
         self._cache.put((scope, part.digest), image)
         return image
 

@@ -7,9 +7,9 @@ say what the store did.
 """
 
 from kamera_agent.store.audits import DriftAudit
-from kamera_agent.store.budget import EVICTION_POLICIES, EntryInfo, EvictionPolicy
 from kamera_agent.store.chunk_store import ChunkStore
 from kamera_agent.store.keys import EntryKey, EntryKind
+from kamera_agent.store.limits import EVICTION_POLICIES, EntryInfo, EvictionPolicy
 from kamera_agent.store.stats import EventKind, StoreEvent, StoreStats
 from kamera_agent.store.tier import Lookup, Status, Tier
 

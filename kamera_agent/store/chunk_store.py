@@ -3,18 +3,18 @@
 Why: every reuse in kamera-agent starts with a lookup by content key. A hit skips the vision
 encode and the canonical prefill (or, for a patch, the conditioned forward), so the store is
 what makes eviction reversible (DESIGN invariant 4). It composes an ordered list of tiers, each
-behind the one `Tier` protocol (`kamera_agent.store.tier`): memory within a byte budget, an
-optional disk tier with its own budget, an optional shared Valkey/Redis tier (``remote=``),
+behind the one `Tier` protocol (`kamera_agent.store.tier`): memory within a byte limit, an
+optional disk tier with its own limit, an optional shared Valkey/Redis tier (``remote=``),
 then any ``tiers=`` given. Nothing leaves silently: every spill, drop, disk eviction, corrupt
 or outdated file is a `StoreEvent` and a counter.
 
-    put ──► memory (budget, policy) ──evict──► disk (budget, LRU files) ──evict──► gone (counted)
+    put ──► memory (limit, policy) ──evict──► disk (limit, LRU files) ──evict──► gone (counted)
      └────► every tier written on put (remote: queued, written behind)
     get ──► memory ─miss─► disk ─miss─► remote ─miss─► … ──► None: the caller computes it
               │hit           │hit         │hit (each: HIT, MISS, UNAVAILABLE or REJECTED)
               └──────────────┴────────────┴──► one path: deserialize ─► address ─► model ─► stamp
                                                      └ refused: the tier deletes it, counted, miss
-                                               ──► promote into memory (within its budget) ──► hit
+                                               ──► promote into memory (within its limit) ──► hit
 
 A tier that does not answer (`Status.UNAVAILABLE`: a server down or timing out) is counted as
 ``unavailable`` (and ``remote_errors``), never taken as the entry's absence; it only costs the
@@ -43,16 +43,16 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from kamera_agent.errors import StoreBudgetError, StoreKeyError
+from kamera_agent.errors import StoreKeyError, StoreLimitError
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.operator.patch import Patch
 from kamera_agent.store.audits import DriftAudit
-from kamera_agent.store.budget import EvictionPolicy, check_budget, check_fits, resolve_policy
 from kamera_agent.store.codec import StoredValue, entry_nbytes, fingerprint_of
-from kamera_agent.store.deadlines import DeadlinePolicy, Deadlines
+from kamera_agent.store.deadlines import DeadlineBounds, Deadlines
 from kamera_agent.store.disk import DiskTier
 from kamera_agent.store.instrumented import InstrumentedTier, TierStats
 from kamera_agent.store.keys import EntryKey
+from kamera_agent.store.limits import EvictionPolicy, check_fits, check_limit, either_name, resolve_policy
 from kamera_agent.store.memory import MemoryTier
 from kamera_agent.store.registry import TIERS, TierRegistry
 from kamera_agent.store.remote import RemoteAddress, RemoteTier
@@ -70,7 +70,7 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Written:
     """What `ChunkStore.put_many` did: entries stored, their tensor bytes, and entries skipped
-    because one alone exceeds a budget (they could never be kept)."""
+    because one alone exceeds a limit (they could never be stored)."""
 
     stored: int
     nbytes: int
@@ -88,7 +88,7 @@ class ChunkStore:
     """Content-addressed canonicals, vision embeddings and patches of one model.
 
     Example:
-        >>> store = ChunkStore(fingerprint=fp, memory_budget=2 << 30, disk_dir="cache", disk_budget=20 << 30)
+        >>> store = ChunkStore(fingerprint=fp, memory_limit=2 << 30, disk_dir="cache", disk_limit=20 << 30)
         >>> store.put_canonical(kv)  # kv.chunk_key is the content key
         >>> store.get_canonical(kv.chunk_key)  # the same tensors, or None: form it again
 
@@ -98,10 +98,12 @@ class ChunkStore:
     Args:
         fingerprint: the model fingerprint (`kamera_agent.model_fingerprint`) every entry
             must carry; entries that carry none are stamped with it.
-        memory_budget: most tensor bytes held in memory.
+        memory_limit: most tensor bytes held in memory.
         disk_dir: directory of the disk tier; ``None`` for memory only (evicted entries are
             then dropped, and counted).
-        disk_budget: most file bytes kept in ``disk_dir`` (required with it).
+        disk_limit: most file bytes held in ``disk_dir`` (required with it).
+        memory_budget: the old name of ``memory_limit``: still taken, with a `DeprecationWarning`.
+        disk_budget: the old name of ``disk_limit``: still taken, with a `DeprecationWarning`.
         disk_shared: every put is written to ``disk_dir`` at once (not only what memory
             evicts), so the other processes of this machine that open it read it: an engine's
             scheduler and workers, several servers. Any number of processes may open one
@@ -128,8 +130,8 @@ class ChunkStore:
             to `deadlines` (`Deadlines.observe`).
 
     Raises:
-        StoreBudgetError: a budget that is not a positive byte count, or a disk directory
-            without a disk budget (or the reverse).
+        StoreLimitError: a limit that is not a positive byte count, or a disk directory
+            without a disk limit (or the reverse).
         StoreKeyError: an empty fingerprint.
         StoreURLError: a remote URL kamera cannot use (`UnknownTierSchemeError`: a scheme no
             tier is registered for).
@@ -140,9 +142,9 @@ class ChunkStore:
         self,
         *,
         fingerprint: str,
-        memory_budget: int,
+        memory_limit: int | None = None,
         disk_dir: str | os.PathLike[str] | None = None,
-        disk_budget: int | None = None,
+        disk_limit: int | None = None,
         policy: str | EvictionPolicy = "lru",
         disk_policy: str | EvictionPolicy = "lru",
         event_capacity: int = 1024,
@@ -153,36 +155,42 @@ class ChunkStore:
         secret: str | bytes | None = None,
         previous_secrets: Sequence[str | bytes] = (),
         disk_shared: bool = False,
-        deadlines: DeadlinePolicy | None = None,
+        deadlines: DeadlineBounds | None = None,
+        memory_budget: int | None = None,
+        disk_budget: int | None = None,
     ) -> None:
+        memory_limit = either_name("memory_budget", memory_budget, "memory_limit", memory_limit)
+        disk_limit = either_name("disk_budget", disk_budget, "disk_limit", disk_limit)
+        if memory_limit is None:
+            raise StoreLimitError("a store needs memory_limit: the most tensor bytes it holds in memory")
         if not fingerprint:
             raise StoreKeyError(
                 "a store needs the fingerprint of its model: kamera_agent.model_fingerprint(model)"
             )
-        check_budget("memory_budget", memory_budget)
-        if (disk_dir is None) != (disk_budget is None):
-            raise StoreBudgetError(
-                "disk_dir and disk_budget go together: pass both for a disk tier (e.g. "
-                "disk_budget=20 << 30 for 20 GiB), or neither for a memory-only store"
+        check_limit("memory_limit", memory_limit)
+        if (disk_dir is None) != (disk_limit is None):
+            raise StoreLimitError(
+                "disk_dir and disk_limit go together: pass both for a disk tier (e.g. "
+                "disk_limit=20 << 30 for 20 GiB), or neither for a memory-only store"
             )
         self._fingerprint = fingerprint
         self._log = EventLog(event_capacity)
         self._closed = False
         self.deadlines = Deadlines(deadlines)
         """How long a shared-tier lookup or write may take; report prefill times to it (`observe`)."""
-        self._memory = MemoryTier(memory_budget, resolve_policy(policy))
+        self._memory = MemoryTier(memory_limit, resolve_policy(policy))
         signer = Signer.from_settings(secret, previous_secrets)
-        if disk_budget is not None:
-            check_budget("disk_budget", disk_budget)
+        if disk_limit is not None:
+            check_limit("disk_limit", disk_limit)
         spill_policy = resolve_policy(disk_policy)
         # every setting checked above: a URL's tier may start threads and connections now
         opened = _open_urls(remote, urls, TierContext(fingerprint, self.deadlines), registry or TIERS)
         self._disk: DiskTier | None = None
-        if disk_dir is not None and disk_budget is not None:
+        if disk_dir is not None and disk_limit is not None:
             try:
                 in_memory = self._memory.__contains__
                 self._disk = DiskTier(
-                    Path(disk_dir), disk_budget, spill_policy, self._log, in_memory, shared=disk_shared
+                    Path(disk_dir), disk_limit, spill_policy, self._log, in_memory, shared=disk_shared
                 )
             except BaseException:
                 for tier in opened:  # a failed build leaves nothing running
@@ -247,7 +255,7 @@ class ChunkStore:
 
     def put_full(self, kv: ChunkKV, state: str) -> EntryKey:
         """Store the position-free KV of the full-rank chunk state ``state`` (a digest) of
-        ``kv.chunk_key``: a full-rank patch kept as the KV itself (smaller than its factors, and
+        ``kv.chunk_key``: a full-rank patch stored as the KV itself (smaller than its factors, and
         usable without the chunk's canonical)."""
         return self._put(EntryKey.full(kv.chunk_key, state), kv)
 
@@ -316,8 +324,8 @@ class ChunkStore:
         return self.contains(EntryKey.patch(chunk_key, variant))
 
     def fits(self, nbytes: int) -> bool:
-        """Whether an entry of ``nbytes`` tensor bytes can be stored at all (every budget holds it)."""
-        return all(nbytes <= budget for budget in self._stack.budgets().values())
+        """Whether an entry of ``nbytes`` tensor bytes can be stored at all (every limit holds it)."""
+        return all(nbytes <= limit for limit in self._stack.limits().values())
 
     def get(self, key: EntryKey) -> StoredValue | None:
         """The entry at ``key`` whatever its kind (the typed getters above say which type), or
@@ -331,10 +339,10 @@ class ChunkStore:
 
     def put_many(self, entries: Iterable[tuple[EntryKey, StoredValue]]) -> Written:
         """Store each ``(address, value)`` in order, as `put` would, under one lock; an entry
-        larger than a budget is skipped and counted instead of refused (an operation's commit:
+        larger than a limit is skipped and counted instead of refused (an operation's commit:
         such an entry was used without being stored). Every entry is checked before any is
         stored, so one that fails a check (`StoreKeyError`, `ForeignChunkError`) stores none."""
-        limit = min(self._stack.budgets().values(), default=None)
+        limit = min(self._stack.limits().values(), default=None)
         batch: list[Entry] = []
         nbytes = too_large = 0
         for key, value in entries:
@@ -377,10 +385,10 @@ class ChunkStore:
                 disk_hits=c["disk_hits"],
                 misses=c["misses"],
                 memory_bytes=self._memory.nbytes,
-                memory_budget=self._memory.budget,
+                memory_limit=self._memory.limit,
                 memory_entries=len(self._memory),
                 disk_bytes=0 if disk is None else disk.nbytes,
-                disk_budget=0 if disk is None else disk.budget,
+                disk_limit=0 if disk is None else disk.limit,
                 disk_entries=0 if disk is None else len(disk),
                 evictions=c["spill"] + c["drop"],
                 spills=c["spill"],
@@ -453,7 +461,7 @@ class ChunkStore:
 
     def _put(self, key: EntryKey, value: StoredValue) -> EntryKey:
         entry = self._entry(key, value, entry_nbytes(key.kind, value))
-        check_fits(str(key), entry.nbytes, self._stack.budgets())
+        check_fits(str(key), entry.nbytes, self._stack.limits())
         self._stack.put(entry)
         return key
 

@@ -207,8 +207,8 @@ def header_info(kind: EntryKind, value: StoredValue) -> Meta:
 
 
 def stamp(kind: EntryKind, value: StoredValue, fingerprint: str) -> StoredValue:
-    """The entry as the store keeps it: carrying ``fingerprint``, detached from caller containers
-    (a `ChunkKV` or `Patch` that carries it already is kept as it is: both are frozen)."""
+    """The entry as the store holds it: carrying ``fingerprint``, detached from caller containers
+    (a `ChunkKV` or `Patch` that carries it already is stored as it is: both are frozen)."""
     return cast(StoredValue, _CODECS[kind].stamp(value, fingerprint))
 
 

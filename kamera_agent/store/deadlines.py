@@ -21,11 +21,13 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-__all__ = ["DeadlinePolicy", "Deadlines"]
+from kamera_agent.moved import renamed
+
+__all__ = ["DeadlineBounds", "Deadlines"]
 
 
 @dataclass(frozen=True)
-class DeadlinePolicy:
+class DeadlineBounds:
     """The bounds of every deadline (`kamera_agent.config.WindowConfig`'s ``store_deadline_*``).
 
     Attributes:
@@ -52,12 +54,12 @@ class Deadlines:
     """The deadlines of one store, from the prefill time per token its users measure. Thread-safe.
 
     Args:
-        policy: the factor, floor and ceiling.
+        bounds: the factor, floor and ceiling.
         smoothing: the weight of each new measurement in the running estimate.
     """
 
-    def __init__(self, policy: DeadlinePolicy | None = None, smoothing: float = 0.2) -> None:
-        self.policy = policy or DeadlinePolicy()
+    def __init__(self, bounds: DeadlineBounds | None = None, smoothing: float = 0.2) -> None:
+        self.bounds = bounds or DeadlineBounds()
         self._smoothing = smoothing
         self._per_token: float | None = None
         self._lock = threading.Lock()
@@ -80,12 +82,16 @@ class Deadlines:
 
     def for_tokens(self, tokens: int | None) -> float:
         """Seconds a lookup or write of an entry of ``tokens`` tokens may take in all."""
-        policy, rate = self.policy, self.seconds_per_token
+        bounds, rate = self.bounds, self.seconds_per_token
         if tokens is None or rate is None:
-            return policy.ceiling
-        return min(policy.ceiling, max(policy.floor, policy.factor * rate * tokens))
+            return bounds.ceiling
+        return min(bounds.ceiling, max(bounds.floor, bounds.factor * rate * tokens))
 
     @property
     def header(self) -> float:
         """Seconds a lookup that reads no payload (contains, peek, an entry's head) may take."""
-        return self.policy.floor
+        return self.bounds.floor
+
+
+__getattr__ = renamed(__name__, {"DeadlinePolicy": "DeadlineBounds"})
+"""A policy is a strategy registered by name; these are three numbers: the old name lasts a release."""

@@ -19,7 +19,7 @@ formats, and its entry is recomputed.
 
 The index (``index.sqlite``, `kamera_agent.store.disk_index`) keeps each file's address, entry
 format and use ticks for every process at once: a lookup in one process finds a file another
-wrote a moment ago, and the budget counts every process's files (a put and its evictions are one
+wrote a moment ago, and the limit counts every process's files (a put and its evictions are one
 transaction). It is reconciled with a directory scan when a process opens the folder (files it
 misses are recorded from their headers, records whose file is gone are forgotten). A file that
 vanishes under a reader (another process evicted or replaced it) is a miss, not damage.
@@ -43,7 +43,6 @@ from pathlib import Path
 
 from kamera_agent.errors import StoreDirectoryError
 from kamera_agent.store import codec
-from kamera_agent.store.budget import EvictionPolicy
 from kamera_agent.store.codec import (
     CorruptEntry,
     OutdatedEntry,
@@ -55,6 +54,7 @@ from kamera_agent.store.codec import (
 )
 from kamera_agent.store.disk_index import DiskIndex, Record
 from kamera_agent.store.keys import EntryKey
+from kamera_agent.store.limits import EvictionPolicy
 from kamera_agent.store.stats import EventKind, EventLog, StoreEvent
 from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, Write
 
@@ -69,7 +69,7 @@ write in flight)."""
 
 
 class DiskTier(Tier):
-    """Files under ``directory`` within ``budget`` bytes, evicted by ``policy``, shared by every
+    """Files under ``directory`` within ``limit`` bytes, evicted by ``policy``, shared by every
     process that opens ``directory``.
 
     Called under the `ChunkStore`'s lock (``locked``) in a process; processes share the folder
@@ -77,8 +77,8 @@ class DiskTier(Tier):
 
     Args:
         directory: where the files live (created if missing).
-        budget: the most file bytes kept (by every process's files together).
-        policy: which file leaves first when over budget.
+        limit: the most file bytes held (by every process's files together).
+        policy: which file leaves first when over its limit.
         log: where spills, evictions and corrupt files are reported.
         in_memory: whether the memory tier still holds an entry (a file evicted then is no loss).
         shared: every put is written here at once (``written_on_put``), not only memory's spills.
@@ -89,7 +89,7 @@ class DiskTier(Tier):
     def __init__(
         self,
         directory: Path,
-        budget: int,
+        limit: int,
         policy: EvictionPolicy,
         log: EventLog,
         in_memory: Callable[[EntryKey], bool],
@@ -97,7 +97,7 @@ class DiskTier(Tier):
         shared: bool = False,
     ) -> None:
         self.directory = directory
-        self.budget: int = budget
+        self.limit: int = limit
         self.location = str(directory)
         self.written_on_put = shared  # type: ignore[misc]  # an instance chooses this flag
         self._policy = policy
@@ -153,10 +153,8 @@ class DiskTier(Tier):
         """Write the entry's file; older files are evicted first to make room (the new file is
         never its own victim). Not ``ok`` (and nothing written) when it cannot be stored."""
         blob = entry.serialize()
-        if len(blob) > self.budget:
-            return Write(
-                False, f"its file of {len(blob)} bytes exceeds the disk budget of {self.budget} bytes"
-            )
+        if len(blob) > self.limit:
+            return Write(False, f"its file of {len(blob)} bytes exceeds the disk limit of {self.limit} bytes")
         key = entry.key
         name = f"{key.kind}-{key.digest}.{hashlib.sha256(blob).hexdigest()}.safetensors"
         try:
@@ -164,7 +162,7 @@ class DiskTier(Tier):
         except OSError as exc:
             return Write(False, f"writing {name} failed: {exc}")
         record = Record(key, name, len(blob), entry.fingerprint, format=header_of(blob).get("format", ""))
-        old, evicted = self.index.file(record, self.budget, self._policy)
+        old, evicted = self.index.file(record, self.limit, self._policy)
         if old is not None and old.name != name:
             self._delete(old.name)
         for victim in evicted:
@@ -232,9 +230,9 @@ class DiskTier(Tier):
         self.reject(key, why)
         return Lookup.rejected(str(why))
 
-    def keep_if_same(self, key: EntryKey, digest: str) -> None:
-        """Keep ``key``'s file when it holds the entry whose `content_digest` is ``digest`` (a
-        re-put of the same entry), else delete it (it is stale)."""
+    def remove_if_changed(self, key: EntryKey, digest: str) -> None:
+        """Delete ``key``'s file unless it holds the entry whose `content_digest` is ``digest`` (a
+        re-put of the same entry): a file with other bytes is stale."""
         if key not in self:
             return
         blob = self.get(key).found  # verified; a damaged file is dropped and reported by the get
@@ -254,7 +252,7 @@ class DiskTier(Tier):
     def _evicted(self, record: Record) -> None:
         self._delete(record.name)
         lost = not self._in_memory(record.key)
-        self._log.record(StoreEvent("disk_evict", record.key, record.nbytes, lost, "over the disk budget"))
+        self._log.record(StoreEvent("disk_evict", record.key, record.nbytes, lost, "over the disk limit"))
 
     def _delete(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -263,7 +261,7 @@ class DiskTier(Tier):
     def _open(self) -> None:
         """Reconcile the index with the folder: leftover temp files of a crash deleted, every
         entry file recorded (from its header where the index missed it), records of another
-        entry format checked against their files, the budget kept."""
+        entry format checked against their files, the limit held."""
         now = time.time()
         names = []
         for path in self.directory.iterdir():
@@ -276,7 +274,7 @@ class DiskTier(Tier):
         for record in self.index.reconcile(names, self._from_header):
             with contextlib.suppress(CorruptEntry):
                 self._check_format(record)
-        for victim in self.index.evict_to(self.budget, self._policy):
+        for victim in self.index.evict_to(self.limit, self._policy):
             self._evicted(victim)
 
     def _check_format(self, record: Record) -> None:

@@ -2,7 +2,7 @@
 
 Why SQLite (the standard library's, no dependency): several processes of one machine share a
 ``disk_dir`` (an engine's scheduler and workers, several servers, windows). Each must see the
-files the others wrote, and the budget must count all of them, or two writers would each evict
+files the others wrote, and the limit must count all of them, or two writers would each evict
 by their own share and delete each other's files. SQLite gives every process one consistent
 view and serializes writers with its own file lock: a put, its evictions and its record are
 one transaction (``BEGIN IMMEDIATE``), a lookup is one indexed read. WAL mode lets readers go
@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kamera_agent.store.budget import EvictionPolicy, pick_victim
 from kamera_agent.store.keys import EntryKey
+from kamera_agent.store.limits import EvictionPolicy, pick_victim
 
 __all__ = ["DiskIndex", "Record"]
 
@@ -141,16 +141,16 @@ class DiskIndex:
                 (tick, int(hit), *key),
             )
 
-    def file(self, record: Record, budget: int, policy: EvictionPolicy) -> tuple[Record | None, list[Record]]:
+    def file(self, record: Record, limit: int, policy: EvictionPolicy) -> tuple[Record | None, list[Record]]:
         """Record ``record`` (replacing its address's), evicting by ``policy`` until the folder
-        fits ``budget``: ``(the record it replaced, the records evicted)``, whose files the
+        fits ``limit``: ``(the record it replaced, the records evicted)``, whose files the
         caller deletes once this transaction is over."""
         with self.writing() as db:
             old = _take(db, record.key)
             rows = {r.key: r for r in map(_record, db.execute(f"SELECT {_COLUMNS} FROM files").fetchall())}
             size = sum(r.nbytes for r in rows.values())
             evicted = []
-            while size + record.nbytes > budget and (victim := pick_victim(rows, policy)) is not None:
+            while size + record.nbytes > limit and (victim := pick_victim(rows, policy)) is not None:
                 evicted.append(rows.pop(victim))
                 size -= evicted[-1].nbytes
                 _take(db, victim)
@@ -168,12 +168,12 @@ class DiskIndex:
                 return None
         return old
 
-    def evict_to(self, budget: int, policy: EvictionPolicy) -> list[Record]:
-        """Evict until the folder fits ``budget``; the records evicted."""
+    def evict_to(self, limit: int, policy: EvictionPolicy) -> list[Record]:
+        """Evict until the folder fits ``limit``; the records evicted."""
         with self.writing() as db:
             rows = {r.key: r for r in map(_record, db.execute(f"SELECT {_COLUMNS} FROM files").fetchall())}
             size, evicted = sum(r.nbytes for r in rows.values()), []
-            while size > budget and (victim := pick_victim(rows, policy)) is not None:
+            while size > limit and (victim := pick_victim(rows, policy)) is not None:
                 evicted.append(rows.pop(victim))
                 size -= evicted[-1].nbytes
                 _take(db, victim)

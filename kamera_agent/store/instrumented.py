@@ -78,7 +78,7 @@ class InstrumentedTier(Tier):
     """``inner`` as it is, counted (`TierStats`). Thread-safe as ``inner`` is; its counters always.
 
     Args:
-        inner: the tier to measure; its flags, budget and location are this wrapper's.
+        inner: the tier to measure; its flags, limit and location are this wrapper's.
         name: the name its counters go by (default ``inner.name``; a store names a second tier
             of one kind ``"<name>_2"``).
     """
@@ -91,7 +91,7 @@ class InstrumentedTier(Tier):
         self.locked = inner.locked
         self.keyed_by_model = inner.keyed_by_model
         self.written_on_put = inner.written_on_put
-        self.budget = inner.budget
+        self.limit = inner.limit
         self.location = inner.location
         self._counts: Counter[str] = Counter()
         self._seconds: dict[str, float] = {"get": 0.0, "put": 0.0, "lookup": 0.0}

@@ -1,6 +1,6 @@
-"""The memory tier: live entries within a byte budget, victims chosen by an eviction policy.
+"""The memory tier: live entries within a byte limit, victims chosen by an eviction policy.
 
-Why: the tier only keeps entries and their use ticks; what happens to a victim (spill to
+Why: the tier only holds entries and their use ticks; what happens to a victim (spill to
 disk, or drop) is the `ChunkStore`'s decision, so this class stays a dozen lines of
 bookkeeping and the policy stays a pure score. It holds live values, already verified and
 stamped, so a hit needs no deserializing; a `Tier` like the others for get, put, contains and peek.
@@ -11,9 +11,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from kamera_agent.store.budget import EvictionPolicy, pick_victim
 from kamera_agent.store.codec import StoredValue, header_info
 from kamera_agent.store.keys import EntryKey
+from kamera_agent.store.limits import EvictionPolicy, pick_victim
 from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, Write
 
 __all__ = ["MemoryTier", "Resident"]
@@ -35,8 +35,8 @@ class MemoryTier(Tier):
 
     name = "memory"
 
-    def __init__(self, budget: int, policy: EvictionPolicy) -> None:
-        self.budget: int = budget
+    def __init__(self, limit: int, policy: EvictionPolicy) -> None:
+        self.limit: int = limit
         self._policy = policy
         self._entries: dict[EntryKey, Resident] = {}
         self._bytes = 0
@@ -64,7 +64,7 @@ class MemoryTier(Tier):
         return Lookup.hit(resident.value)
 
     def put(self, entry: Entry) -> Write:
-        """Hold the entry; the caller then evicts to the budget (`victim`, `pop`)."""
+        """Hold the entry; the caller then evicts to the limit (`victim`, `pop`)."""
         self.add(entry.key, entry.value, entry.nbytes)
         return Write.done()
 
@@ -84,7 +84,7 @@ class MemoryTier(Tier):
         return None if resident is None else resident.value
 
     def add(self, key: EntryKey, value: StoredValue, nbytes: int) -> None:
-        """Hold ``value`` (replacing any entry at ``key``); the caller then evicts to the budget."""
+        """Hold ``value`` (replacing any entry at ``key``); the caller then evicts to the limit."""
         self.pop(key)
         tick = next(self._clock)
         self._entries[key] = Resident(value, nbytes, tick, tick)
@@ -96,11 +96,11 @@ class MemoryTier(Tier):
             self._bytes -= resident.nbytes
         return resident
 
-    def victim(self, keep: EntryKey) -> EntryKey | None:
-        """The entry to evict next while over budget, never ``keep`` (the one just added)."""
-        if self._bytes <= self.budget:
+    def victim(self, pinned: EntryKey) -> EntryKey | None:
+        """The entry to evict next while over its limit, never ``pinned`` (the one just added)."""
+        if self._bytes <= self.limit:
             return None
-        return pick_victim(self._entries, self._policy, keep=keep)
+        return pick_victim(self._entries, self._policy, pinned=pinned)
 
     def residents(self) -> list[tuple[EntryKey, Resident]]:
         """Entries from least to most recently used."""

@@ -1,6 +1,6 @@
 """The `ChunkStore`'s tiers in order, with its one read path: find, deserialize, verify, promote.
 
-Why a module of its own: the store's facade (typed entry points, budgets, stats, persistence)
+Why a module of its own: the store's facade (typed entry points, limits, stats, persistence)
 and the walk over tiers change for different reasons. Here every tier is only a `Tier`: the
 walk asks each in order, counts its answer (a tier that did not answer is an outage, never an
 absence), and sends every payload through one path, `_admit`, where the integrity check (a
@@ -107,32 +107,32 @@ class TierStack:
         return None
 
     def put(self, entry: Entry) -> None:
-        """Keep ``entry`` in memory (evicting to the budget), then write it to every tier that
+        """Hold ``entry`` in memory (evicting to the limit), then write it to every tier that
         takes puts (a shared tier only queues it: the caller never waits on a network)."""
         self.put_many((entry,))
 
     def put_many(self, entries: Sequence[Entry]) -> None:
         """`put` of each entry in order: memory takes them all under one lock (each evicting to
-        the budget as it arrives), then each tier that takes puts gets them, outside the lock."""
+        the limit as it arrives), then each tier that takes puts gets them, outside the lock."""
         with self.lock:
             self._log.count("puts", len(entries))
             for entry in entries:
-                self._keep(entry)
+                self._hold(entry)
         for tier in self.tiers[1:]:
             if tier.written_on_put:
                 for entry in entries:
                     with self._guard(tier):
                         tier.put(entry)
 
-    def _keep(self, entry: Entry) -> None:
-        """Hold ``entry`` in memory and evict to the budget (called under the lock)."""
+    def _hold(self, entry: Entry) -> None:
+        """Hold ``entry`` in memory and evict to the limit (called under the lock)."""
         key, disk = entry.key, self._disk
         if disk is not None and not disk.written_on_put and key in disk:
-            # the same entry again keeps its durable file; other bytes under the key make the
+            # the same entry again leaves its durable file in place; other bytes under the key make the
             # file stale, and a stale file must never be served (a shared disk is rewritten now)
-            disk.keep_if_same(key, content_digest(key, entry.value, self._fingerprint))
+            disk.remove_if_changed(key, content_digest(key, entry.value, self._fingerprint))
         self._memory.put(entry)
-        self._evict(keep=key)
+        self._evict(pinned=key)
 
     def contains(self, key: EntryKey) -> bool:
         """Whether a tier holds ``key``; a tier that does not answer counts as unavailable."""
@@ -159,9 +159,9 @@ class TierStack:
                 return answer.found
         return None
 
-    def budgets(self) -> dict[str, int]:
-        """``{"memory_budget": …, "disk_budget": …}``: the tiers that bound their bytes."""
-        return {f"{tier.name}_budget": tier.budget for tier in self.tiers if tier.budget is not None}
+    def limits(self) -> dict[str, int]:
+        """``{"memory_limit": …, "disk_limit": …}``: the tiers that bound their bytes."""
+        return {f"{tier.name}_limit": tier.limit for tier in self.tiers if tier.limit is not None}
 
     def write_back(self) -> int:
         """Write every memory entry without a file to disk; how many were written."""
@@ -213,16 +213,16 @@ class TierStack:
         return bool(mac) and self.signer.verifies(content_digest(address, value, fingerprint), mac)
 
     def _promote(self, tier: Tier, key: EntryKey, value: StoredValue) -> StoredValue:
-        """Serve ``value`` from ``tier``, kept in memory when it fits (called under the lock)."""
+        """Serve ``value`` from ``tier``, held in memory when it fits (called under the lock)."""
         if tier is self._memory:
             return value
         local = self._memory.value_of(key)
         if local is not None:  # put here meanwhile: this process's own value is the newer one
             return local
         nbytes = entry_nbytes(key.kind, value)
-        if nbytes <= self._memory.budget:  # else serve it without promoting
+        if nbytes <= self._memory.limit:  # else serve it without promoting
             self._memory.put(Entry(key, value, nbytes, self._fingerprint, self.signer))
-            self._evict(keep=key)
+            self._evict(pinned=key)
         return value
 
     def _tally(self, tier: Tier, status: Status, *, get: bool = False) -> None:
@@ -244,9 +244,9 @@ class TierStack:
         """The lock for a tier that is not thread-safe; nothing for one that is (a network)."""
         return self.lock if tier.locked else contextlib.nullcontext()
 
-    def _evict(self, keep: EntryKey) -> None:
-        """Push victims out of memory until it fits its budget: to disk when there is one."""
-        while (victim := self._memory.victim(keep)) is not None:
+    def _evict(self, pinned: EntryKey) -> None:
+        """Push victims out of memory until it fits its limit: to disk when there is one."""
+        while (victim := self._memory.victim(pinned)) is not None:
             resident = self._memory.pop(victim)
             assert resident is not None
             self._log.record(self._spill(victim, resident.value, resident.nbytes))

@@ -1,6 +1,6 @@
 """What the store did: a typed stats snapshot and a bounded log of the events that cost an entry.
 
-Why: the window's invariant 4 ("when the budget pushes a canonical out, recall re-forms and
+Why: the window's invariant 4 ("when the limit pushes a canonical out, recall re-forms and
 stats says so") needs every miss to be explainable. Each spill, drop, disk eviction and
 corrupt or outdated file is an event naming the entry and whether it is now *lost* (held by no tier); the
 counters in `StoreStats` are tallies of the same events, so the two can never disagree.
@@ -8,6 +8,7 @@ counters in `StoreStats` are tallies of the same events, so the two can never di
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Literal
@@ -26,7 +27,7 @@ class StoreEvent:
 
     Attributes:
         kind: ``"spill"`` (memory → disk), ``"drop"`` (left memory with nowhere to go),
-            ``"disk_evict"`` (file removed for the disk budget), ``"corrupt"`` (file failed its
+            ``"disk_evict"`` (file removed for the disk limit), ``"corrupt"`` (file failed its
             checksum or did not deserialize and was deleted; never served), ``"outdated"`` (file written in
             another entry format, by an older kamera-agent: deleted, never deserialized; ``detail``
             names both formats).
@@ -54,16 +55,16 @@ class StoreStats:
         memory_hits: gets served from memory.
         disk_hits: gets served from a verified disk file (and promoted when it fits).
         misses: gets that found nothing servable.
-        memory_bytes: tensor bytes held in memory (never above ``memory_budget``).
-        memory_budget: the memory tier's byte budget.
+        memory_bytes: tensor bytes held in memory (never above ``memory_limit``).
+        memory_limit: the memory tier's byte limit.
         memory_entries: entries held in memory.
-        disk_bytes: file bytes on disk (never above ``disk_budget``); 0 without a disk tier.
-        disk_budget: the disk tier's byte budget; 0 without a disk tier.
+        disk_bytes: file bytes on disk (never above ``disk_limit``); 0 without a disk tier.
+        disk_limit: the disk tier's byte limit; 0 without a disk tier.
         disk_entries: files on disk.
         evictions: entries pushed out of memory (``spills + dropped``).
         spills: memory evictions that kept the entry on disk.
         dropped: memory evictions with no disk copy (no disk tier, or too large for it).
-        disk_evictions: files removed for the disk budget.
+        disk_evictions: files removed for the disk limit.
         corrupt_dropped: files that failed their checksum or did not deserialize, deleted, never served.
         outdated_dropped: files of another entry format (an older kamera-agent's), deleted
             unread; their entries are recomputed.
@@ -107,10 +108,10 @@ class StoreStats:
     disk_hits: int
     misses: int
     memory_bytes: int
-    memory_budget: int
+    memory_limit: int
     memory_entries: int
     disk_bytes: int
-    disk_budget: int
+    disk_limit: int
     disk_entries: int
     evictions: int
     spills: int
@@ -136,6 +137,18 @@ class StoreStats:
     remote_deadline_writes: int = 0
     unsigned_refused: int = 0
     tiers: dict[str, TierStats] = field(default_factory=dict)
+
+    @property
+    def memory_budget(self) -> int:
+        """The old name of `memory_limit` (deprecated)."""
+        warnings.warn("StoreStats.memory_budget is now memory_limit", DeprecationWarning, stacklevel=2)
+        return self.memory_limit
+
+    @property
+    def disk_budget(self) -> int:
+        """The old name of `disk_limit` (deprecated)."""
+        warnings.warn("StoreStats.disk_budget is now disk_limit", DeprecationWarning, stacklevel=2)
+        return self.disk_limit
 
 
 class EventLog:

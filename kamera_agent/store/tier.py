@@ -119,7 +119,7 @@ class TierContext:
 
 @dataclass(frozen=True)
 class Entry:
-    """One entry on its way into a tier: the value as the store keeps it (stamped with the
+    """One entry on its way into a tier: the value as the store holds it (stamped with the
     model fingerprint), its tensor bytes, and its encoding, made only when a tier asks for it
     (the remote tier asks on its writer thread, so a put never waits for serialization)."""
 
@@ -158,8 +158,8 @@ class Tier(ABC):
             shared between models by mistake (`ForeignChunkError`, the fix in its message).
         written_on_put: the store writes every put through to it (a shared tier); otherwise it
             is filled by what the tiers above it evict (the disk tier takes memory's spills).
-        budget: the most bytes it keeps, or ``None`` (its server's own limit applies); an entry
-            larger than any tier's budget is refused before anything is stored.
+        limit: the most bytes it holds, or ``None`` (its server's own limit applies); an entry
+            larger than any tier's limit is refused before anything is stored.
         location: where it is, for messages (``""`` when there is nothing to say).
     """
 
@@ -167,7 +167,7 @@ class Tier(ABC):
     locked: bool = True
     keyed_by_model: bool = False
     written_on_put: bool = False
-    budget: int | None = None
+    limit: int | None = None
     location: str = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -181,7 +181,7 @@ class Tier(ABC):
 
     @abstractmethod
     def put(self, entry: Entry) -> Write:
-        """Keep ``entry`` (replacing what ``entry.key`` held); a write-behind tier only queues it."""
+        """Store ``entry`` (replacing what ``entry.key`` held); a write-behind tier only queues it."""
 
     @abstractmethod
     def contains(self, key: EntryKey) -> Status:

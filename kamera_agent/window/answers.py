@@ -18,7 +18,7 @@ from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.core.identity import ChunkState, Context, effective_rank
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer
-from kamera_agent.window.placement import Piece, Placement
+from kamera_agent.window.placement import Placement, Stretch
 from kamera_agent.window.state import Assembled, ChunkRef
 
 __all__ = ["answer_without"]
@@ -26,7 +26,7 @@ __all__ = ["answer_without"]
 
 @dataclass
 class _View:
-    """The chunks after the removed one as the view serves them: placed jobs, the cache pieces
+    """The chunks after the removed one as the view serves them: placed jobs, the cache stretches
     they take, and from which of them (``formed_from``) the rest must be formed."""
 
     slot: int
@@ -34,7 +34,7 @@ class _View:
     ctx: Context
     start: int
     jobs: list[Any] = field(default_factory=list)
-    pieces: list[Piece] = field(default_factory=list)
+    stretches: list[Stretch] = field(default_factory=list)
     formed_from: int = 0
 
 
@@ -47,21 +47,21 @@ def answer_without(
     core, meter, state = placement.core, placement.txn.meter, placement.state
     placed = core.place_many(view.jobs)
     meter.tokens_placed += sum(kv.num_tokens for kv in placed)
-    keeps = core.backend.supports_extend
+    extends = core.backend.supports_extend
     context: list[ChunkKV] = []
     cache: Any = None
-    if keeps:
-        cache, kept = placement._cache_through(view.slot)
+    if extends:
+        cache, retained = placement._cache_through(view.slot)
         cache = core.backend.assemble(placed, onto=cache)
-        view.pieces = [*kept, *view.pieces]
+        view.stretches = [*retained, *view.stretches]
     else:
         context = [core.anchor_kv(meter), *placement._places(state.order[: view.slot]), *placed]
     if view.formed_from < len(view.rest):
-        cache, keeps = _form_rest(placement, view, placed, context, cache, keeps)
-    elif not keeps:
+        cache, extends = _form_rest(placement, view, placed, context, cache, extends)
+    elif not extends:
         cache = core.backend.assemble(context)
-    if keeps:
-        state.assembled = Assembled(cache, tuple(view.pieces))
+    if extends:
+        state.assembled = Assembled(cache, tuple(view.stretches))
     return core.decode(cache, query_ids, view.start, config, meter)
 
 
@@ -85,34 +85,39 @@ def _serve(placement: Placement, removed: ChunkRef, exact: bool) -> _View:
             if exact and served.kind == "canonical" and not placement.txn.store.has_canonical(ref.key):
                 view.formed_from = i
                 break
-        made = placement.free_kv(served) if served != entry.state else placement._made_of(ref)
+        made = placement.position_free_parts(served) if served != entry.state else placement._made_of(ref)
         view.jobs.append((*made, entry.chunk.positions_at(view.start)))
-        view.pieces.append(((ref, view.start, served.digest), entry.chunk.num_tokens))
+        view.stretches.append(((ref, view.start, served.digest), entry.chunk.num_tokens))
         view.ctx, view.start = view.ctx.extend(served), view.start + entry.chunk.advance
     return view
 
 
 def _form_rest(
-    placement: Placement, view: _View, placed: list[ChunkKV], context: list[ChunkKV], cache: Any, keeps: bool
+    placement: Placement,
+    view: _View,
+    placed: list[ChunkKV],
+    context: list[ChunkKV],
+    cache: Any,
+    extends: bool,
 ) -> tuple[Any, bool]:
     """Form the chunks from ``view.formed_from`` on over what is placed before them, in one
     forward, each stored as exact over what is left; the cache to decode over, and whether it is
-    the one the engine keeps."""
+    the one the engine retains."""
     core, txn, state = placement.core, placement.txn, placement.state
     formed = [state.entries[ref].chunk for ref in view.rest[view.formed_from :]]
     done = core.condition(formed, context, view.start, txn, onto=cache)
     for chunk, kv in zip(formed, done.kv, strict=True):
         over = ChunkState.patched(chunk.key, "full", view.ctx)  # exact over what is left
-        core.keep_full(over, kv, txn)
+        core.store_full(over, kv, txn)
         txn.meter.patches_formed += 1
-        view.pieces.append(((view.rest[view.formed_from], view.start, over.digest), chunk.num_tokens))
+        view.stretches.append(((view.rest[view.formed_from], view.start, over.digest), chunk.num_tokens))
         view.formed_from += 1
         view.ctx, view.start = view.ctx.extend(over), view.start + chunk.advance
-    if keeps and done.cache is not None:
+    if extends and done.cache is not None:
         return done.cache, True
-    # the engine kept no cache: the whole view assembled anew
+    # the engine retained no cache: the whole view assembled anew
     before = [core.anchor_kv(txn.meter), *placement._places(state.order[: view.slot])]
-    state.assembled = None  # the kept one may have been cut back: it says no more
+    state.assembled = None  # the retained one may have been cut back: it says no more
     return core.backend.assemble([*(context or [*before, *placed]), *done.kv]), False
 
 

@@ -23,9 +23,9 @@ from itertools import accumulate
 from typing import TYPE_CHECKING
 
 from kamera_agent.backends.recompute import deviation_spent
-from kamera_agent.core.blend import selected_count
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.core.kv_core import Txn
+from kamera_agent.core.recompute import selected_count
 from kamera_agent.critical_path import books
 from kamera_agent.fidelity import DriftBudget, audit, audit_count
 from kamera_agent.operator.layout import ChunkKV

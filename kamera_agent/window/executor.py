@@ -24,9 +24,9 @@ from kamera_agent.core.kv_core import StaleLookup
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer
 from kamera_agent.window.answers import answer_without
-from kamera_agent.window.placement import Piece, Placement
+from kamera_agent.window.placement import Placement, Stretch
 from kamera_agent.window.plan import Step, WindowPlan, canonical_leads_run, serves_canonical_first
-from kamera_agent.window.state import Assembled, ChunkRef, Entry, OriginalContext, WindowState
+from kamera_agent.window.state import Assembled, ChunkRef, Entry, OriginalContext, WindowRecord
 
 __all__ = ["Executor", "StaleLookup"]
 
@@ -89,10 +89,10 @@ class Executor(Placement):
     def _leads_alone(self, steps: Sequence[Step], index: int) -> bool:
         """The steps at ``index`` form the window's first chunk's canonical, which the store does
         not hold, and serve the chunk as it, with no formation after: the forward runs in the
-        window's kept cache, so the next op or answer appends to it instead of placing the chunk
-        there again (engines that keep caches)."""
-        order, keeps = self.state.order, self.core.backend.supports_extend
-        return keeps and serves_canonical_first(steps, index, order) and self._unstored(steps[index].ref)
+        window's retained cache, so the next op or answer appends to it instead of placing the chunk
+        there again (engines that retain caches)."""
+        order, extends = self.state.order, self.core.backend.supports_extend
+        return extends and serves_canonical_first(steps, index, order) and self._unstored(steps[index].ref)
 
     def _unstored(self, ref: ChunkRef) -> bool:
         """The store lacks ``ref``'s canonical (else serving it runs no forward to share)."""
@@ -175,9 +175,9 @@ class Executor(Placement):
 
         The members are consecutive, or have placed chunks between them (`Rules.across_gap`):
         those are placed first and each member sees the placed slots to its left and the
-        members before it (``starts``/``sees``). Where the engine keeps caches, the forward runs
-        over the window's kept cache (cut back to the chunks before the run that did not
-        change, the rest placed onto it) and that cache is kept again: with the run's chunks
+        members before it (``starts``/``sees``). Where the engine retains caches, the forward runs
+        over the window's retained cache (cut back to the chunks before the run that did not
+        change, the rest placed onto it) and that cache is retained again: with the run's chunks
         whose KV is this forward's exact output when the run is consecutive (an answer right
         after a push then places nothing but its query), up to the first member otherwise (the
         members sit after the placed chunks in it)."""
@@ -192,13 +192,13 @@ class Executor(Placement):
         between = [ref for ref in order[count:last] if ref not in members]
         placed = self._places(between)
         self.txn.meter.tokens_placed += sum(kv.num_tokens for kv in placed)
-        keeps = self.core.backend.supports_extend
+        extends = self.core.backend.supports_extend
         if count == 0 and not between and not self.core.anchor_ready:  # the anchor joins this forward
             cache, context, cached = None, [], 0
-            pieces: list[Piece] = [(("anchor",), self.core.anchor.num_tokens)]
-        elif keeps:
-            cache, pieces = self._cache_through(count)
-            cached, context = sum(slots for _, slots in pieces), placed
+            stretches: list[Stretch] = [(("anchor",), self.core.anchor.num_tokens)]
+        elif extends:
+            cache, stretches = self._cache_through(count)
+            cached, context = sum(slots for _, slots in stretches), placed
         else:
             cache, context = None, [self.core.anchor_kv(self.txn.meter), *self._places(order[:count])]
             cached, context = sum(kv.num_tokens for kv in context), [*context, *placed]
@@ -210,16 +210,16 @@ class Executor(Placement):
             self._lead_canonical(lead, formed.pop(0))
         for step, kv in zip(run, formed, strict=True):
             self._adopt(step.ref, step.state, kv, step.antecedents or ())
-        if not keeps or done.cache is None:
+        if not extends or done.cache is None:
             return
         if lead is not None:
             chunk = chunks.pop(0)
-            pieces.append(((lead.ref, self._starts[lead.ref], lead.state.digest), chunk.num_tokens))
+            stretches.append(((lead.ref, self._starts[lead.ref], lead.state.digest), chunk.num_tokens))
         for step, chunk in zip(run, chunks, strict=True):
             if between or not step.state.is_full:  # out of window order / canonical + patch
                 break
-            pieces.append(((step.ref, self._starts[step.ref], step.state.digest), chunk.num_tokens))
-        self.state.assembled = Assembled(done.cache, tuple(pieces))
+            stretches.append(((step.ref, self._starts[step.ref], step.state.digest), chunk.num_tokens))
+        self.state.assembled = Assembled(done.cache, tuple(stretches))
 
     def _seen(
         self,
@@ -250,7 +250,7 @@ class Executor(Placement):
         entry = self.state.entries[lead.ref]
         meter = self.txn.meter
         fresh = entry.chunk.key not in meter.prefilled
-        self.core.keep_canonical(entry.chunk, conditioned, self.txn)
+        self.core.store_canonical(entry.chunk, conditioned, self.txn)
         if fresh:
             meter.reforms += int(entry.canonical_formed)
         entry.canonical_formed = True
@@ -281,13 +281,13 @@ class Executor(Placement):
         target = ChunkState.recomputed(entry.state, ctx, share)
         placed = self.placements()
         start = self._starts[ref]
-        blended = self.core.recompute(entry.chunk, placed[i + 1], placed[: i + 1], start, share, self.txn)
-        kv = self.core.keep_full(target, blended.kv, self.txn)
+        recomputed = self.core.recompute(entry.chunk, placed[i + 1], placed[: i + 1], start, share, self.txn)
+        kv = self.core.store_full(target, recomputed.kv, self.txn)
         self._full[target.digest] = kv
         # what it encoded before (a chunk that left, maybe recalled later) it still encodes in part
         recorded = self.state.recorded(ref)
-        kept = {source for source, _, _ in recorded}
-        joined = [(r, s.digest) for r, s in zip(order[:i], ctx.states(), strict=True) if r not in kept]
+        sources = {source for source, _, _ in recorded}
+        joined = [(r, s.digest) for r, s in zip(order[:i], ctx.states(), strict=True) if r not in sources]
         refs = (*(source for source, _, _ in recorded), *(r for r, _ in joined))
         digests = (*(digest for _, _, digest in recorded), *(d for _, d in joined))
         self._settle(ref, target, None, None, full=kv)
@@ -297,16 +297,16 @@ class Executor(Placement):
     def _adopt(
         self, ref: ChunkRef, target: ChunkState, conditioned: ChunkKV, antecedents: Sequence[ChunkRef]
     ) -> None:
-        """Give ``ref`` what ``conditioned`` says (`KVCore.keep_full` / `keep_patch`: the state's
-        stored KV, folded into its orbit where orbits are kept)."""
+        """Give ``ref`` what ``conditioned`` says (`KVCore.store_full` / `store_patch`: the state's
+        stored KV, folded into its orbit where orbits are on)."""
         self.txn.meter.patches_formed += 1
         orbit = self.config.orbit
         if target.is_full:
-            kv = self.core.keep_full(target, conditioned, self.txn, orbit=orbit)
+            kv = self.core.store_full(target, conditioned, self.txn, orbit=orbit)
             self._full[target.digest] = kv
             self._settle(ref, target, None, antecedents, full=kv)
             return
-        patch = self.core.keep_patch(self.canonical(ref), target, conditioned, self.txn, orbit=orbit)
+        patch = self.core.store_patch(self.canonical(ref), target, conditioned, self.txn, orbit=orbit)
         self._settle(ref, target, patch, antecedents)
 
     def _settle(
@@ -328,10 +328,10 @@ class Executor(Placement):
         if not same_state or full is not None:
             entry.full = full
         entry.state, entry.patch, entry.pending = target, patch, pending
-        # a recomputed state's edges were filed when it was made: its kept tokens still encode
+        # a recomputed state's edges were filed when it was made: its tokens not recomputed still encode
         # its source's antecedents, which its context (the chunks now to its left) does not name
-        kept = same_state and target.kind == "recomputed"
-        if antecedents is not None and not kept and not (same_state and self._same_edges(ref, antecedents)):
+        filed = same_state and target.kind == "recomputed"
+        if antecedents is not None and not filed and not (same_state and self._same_edges(ref, antecedents)):
             self.state.set_antecedents(ref, antecedents, states)
         if entry.original is None and not pending:
             entry.original = OriginalContext(tuple(antecedents or ()), target)
@@ -355,7 +355,7 @@ class Executor(Placement):
     ) -> Answer:
         """Decode with ``removed`` left out and its influence taken off the chunks that encode it.
 
-        The chunks before it keep their KV (the kept engine cache is cut back to them). Each
+        The chunks before it stay as they are (the retained engine cache is cut back to them). Each
         later chunk that encodes it is served by a stored state for its reduced left context
         (full KV, a patch), else by its canonical where the store holds one; from the first
         that has neither, the rest are formed over what is placed before them in one forward,
@@ -368,14 +368,14 @@ class Executor(Placement):
         return answer_without(self, removed, query_ids, config, exact)
 
 
-def _changes(state: WindowState, plan: WindowPlan) -> bool:
+def _changes(state: WindowRecord, plan: WindowPlan) -> bool:
     """Whether the plan changes the window's KV (an answer computed before it is then stale)."""
     if plan.evicted or plan.admitted or plan.moved or list(plan.order) != state.order:
         return True
     return any(step.kind not in ("form_canonical", "rotate") for step in plan.steps)
 
 
-def _recorded_states(state: WindowState, ref: ChunkRef) -> tuple[str, ...]:
+def _recorded_states(state: WindowRecord, ref: ChunkRef) -> tuple[str, ...]:
     """The states ``ref``'s in-edges record, in their recorded order (`Planner._taken` maps the
     same edges, in this order, onto the refs that hold those slots after the op)."""
     return tuple(digest for _, _, digest in state.recorded(ref))

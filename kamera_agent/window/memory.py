@@ -1,7 +1,7 @@
-"""What a window keeps of the chunks that left it, after each operation.
+"""What a window holds of the chunks that left it, after each operation.
 
-Why bounded: every chunk ever pushed used to stay with its preprocessed pixels (+107 MB over
-1,500 small images; real 1024² frames are megabytes each). After a committed operation an
+Why bounded: a long-running agent pushes without end, and an image's preprocessed pixels are
+most of what it holds (a real 1024² frame is megabytes). After a committed operation an
 evicted image releases its pixels once its vision output or canonical is stored (they can be
 rebuilt from either), and beyond ``max_evicted`` the oldest evicted chunks are forgotten.
 """
@@ -13,13 +13,17 @@ from collections.abc import Sequence
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.costs import CostMeter
 from kamera_agent.store import ChunkStore
-from kamera_agent.window.state import ChunkRef, WindowState
+from kamera_agent.window.state import ChunkRef, WindowRecord
 
 __all__ = ["release_evicted"]
 
 
 def release_evicted(
-    state: WindowState, store: ChunkStore, config: WindowConfig, evicted: Sequence[ChunkRef], meter: CostMeter
+    state: WindowRecord,
+    store: ChunkStore,
+    config: WindowConfig,
+    evicted: Sequence[ChunkRef],
+    meter: CostMeter,
 ) -> None:
     """Drop the pixels of the chunks just evicted (where the store can rebuild them) and forget
     the oldest evicted chunks beyond ``config.max_evicted``.

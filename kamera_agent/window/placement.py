@@ -3,7 +3,7 @@ answering over the window both stand on.
 
 Why apart from running plans (`kamera_agent.window.executor`): a chunk's KV at its place, a
 state's KV rebuilt from the store or from its context, the engine cache of the window as it is
-(cut back and extended where the engine keeps caches) are read by every step, every answer and
+(cut back and extended where the engine retains caches) are read by every step, every answer and
 every probe; the executor's own job is to turn a plan's steps into new states.
 """
 
@@ -18,11 +18,11 @@ from kamera_agent.core import Patch
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.core.kv_core import KVCore, Txn
 from kamera_agent.operator.layout import ChunkKV
-from kamera_agent.window.state import Assembled, ChunkRef, WindowState
+from kamera_agent.window.state import Assembled, ChunkRef, WindowRecord
 
-__all__ = ["Piece", "Placement"]
+__all__ = ["Placement", "Stretch"]
 
-Piece = tuple[tuple[object, ...], int]
+Stretch = tuple[tuple[object, ...], int]
 """What one stretch of an assembled cache holds (the anchor, or a chunk at its start in its
 state) and how many cache slots it takes."""
 
@@ -31,12 +31,12 @@ class Placement:
     """One window state's chunks placed and its states' KV built, inside one transaction (memoised
     for the op: each state is built and each chunk placed once)."""
 
-    def __init__(self, state: WindowState, core: KVCore, txn: Txn, config: WindowConfig) -> None:
+    def __init__(self, state: WindowRecord, core: KVCore, txn: Txn, config: WindowConfig) -> None:
         self.state, self.core, self.txn, self.config = state, core, txn, config
         self.layout = core.backend.layout
         self._starts: dict[ChunkRef, int] = {}
         self._slots: dict[ChunkRef, int] = {}
-        self._free: dict[str, tuple[ChunkKV, Patch | None]] = {}
+        self._parts: dict[str, tuple[ChunkKV, Patch | None]] = {}
         self._full: dict[str, ChunkKV] = {}
         self._by_key: dict[str, Chunk] | None = None
         self._moved: frozenset[ChunkRef] = frozenset()
@@ -56,15 +56,15 @@ class Placement:
         entry.canonical_formed = True
         return canonical
 
-    def free_kv(self, state: ChunkState) -> tuple[ChunkKV, Patch | None]:
+    def position_free_parts(self, state: ChunkState) -> tuple[ChunkKV, Patch | None]:
         """What a state is made of, position-free: its full KV, or its canonical and patch; from
         the store, or rebuilt (original contexts, entries the store has dropped)."""
-        if state.digest in self._free:
-            return self._free[state.digest]
+        if state.digest in self._parts:
+            return self._parts[state.digest]
         holder = self._holder(state)
         if holder is not None:  # a chunk in the window has it (its patch or KV may be held only there)
-            self._free[state.digest] = self._made_of(holder)
-            return self._free[state.digest]
+            self._parts[state.digest] = self._made_of(holder)
+            return self._parts[state.digest]
         chunk = self._chunk_for(state.chunk_key)
         patch: Patch | None = None
         reference = self._full_kv(state, chunk) if state.is_full else self.core.canonical(chunk, self.txn)
@@ -74,9 +74,9 @@ class Placement:
             patch = self.core.stored_patch(state, state.digest, self.txn)
             if patch is None:
                 conditioned = self._conditioned_over(chunk, state.context)
-                patch = self.core.keep_patch(reference, state, conditioned, self.txn)
+                patch = self.core.store_patch(reference, state, conditioned, self.txn)
                 self.txn.meter.patches_formed += 1
-        self._free[state.digest] = (reference, patch)
+        self._parts[state.digest] = (reference, patch)
         return reference, patch
 
     def _full_kv(self, state: ChunkState, chunk: Chunk, held: bool = False) -> ChunkKV:
@@ -88,10 +88,10 @@ class Placement:
             return self._full[state.digest]
         kv = self.core.stored_full(state, self.txn)
         if kv is None and state.kind == "recomputed":
-            kv = self.core.keep_full(state, self._recomputed_over(chunk, state), self.txn)
+            kv = self.core.store_full(state, self._recomputed_over(chunk, state), self.txn)
             self.txn.meter.reforms += int(held)
         elif kv is None:
-            kv = self.core.keep_full(state, self._conditioned_over(chunk, state.context), self.txn)
+            kv = self.core.store_full(state, self._conditioned_over(chunk, state.context), self.txn)
             self.txn.meter.reforms += int(held)
         self._full[state.digest] = kv
         return kv
@@ -122,34 +122,36 @@ class Placement:
         appended: a push then costs its own tokens, not a copy of the window. A chunk that moved
         or changed state, and everything after it, is placed again.
         """
-        cache, pieces = self._cache_through(len(self.state.order))
-        self.state.assembled = Assembled(cache, tuple(pieces)) if self.core.backend.supports_extend else None
+        cache, stretches = self._cache_through(len(self.state.order))
+        self.state.assembled = (
+            Assembled(cache, tuple(stretches)) if self.core.backend.supports_extend else None
+        )
         return cache
 
-    def _cache_through(self, count: int) -> tuple[Any, list[Piece]]:
+    def _cache_through(self, count: int) -> tuple[Any, list[Stretch]]:
         """An engine cache holding the anchor and the first ``count`` in-window chunks as they
-        are now, built on the kept one where the engine can (see `window_cache`), and its pieces."""
+        are now, built on the retained one where the engine can (see `window_cache`), and its stretches."""
         backend, state = self.core.backend, self.state
-        pieces: list[Piece] = [(("anchor",), self.core.anchor.num_tokens)]
+        stretches: list[Stretch] = [(("anchor",), self.core.anchor.num_tokens)]
         for ref in state.order[:count]:
             entry = state.entries[ref]
-            pieces.append(((ref, self._starts[ref], entry.state.digest), entry.chunk.num_tokens))
-        memo, keep = state.assembled, 0
+            stretches.append(((ref, self._starts[ref], entry.state.digest), entry.chunk.num_tokens))
+        memo, same = state.assembled, 0
         if backend.supports_extend and memo is not None:
-            for mine, theirs in zip(pieces, memo.pieces, strict=False):
+            for mine, theirs in zip(stretches, memo.stretches, strict=False):
                 if mine != theirs:
                     break
-                keep += 1
-        if keep == 0:
+                same += 1
+        if same == 0:
             cache = backend.assemble(
                 [self.core.anchor_kv(self.txn.meter), *self._places(state.order[:count])]
             )
         else:
             assert memo is not None
-            cache = backend.crop(memo.cache, sum(slots for _, slots in pieces[:keep]))
-            cache = backend.assemble(self._places(state.order[keep - 1 : count]), onto=cache)
-        self.txn.meter.tokens_placed += sum(slots for _, slots in pieces[keep:])
-        return cache, pieces
+            cache = backend.crop(memo.cache, sum(slots for _, slots in stretches[:same]))
+            cache = backend.assemble(self._places(state.order[same - 1 : count]), onto=cache)
+        self.txn.meter.tokens_placed += sum(slots for _, slots in stretches[same:])
+        return cache, stretches
 
     def _made_of(self, ref: ChunkRef) -> tuple[ChunkKV, Patch | None]:
         """What an in-window chunk's KV is made of now: its full KV, or its canonical and patch."""
@@ -175,7 +177,7 @@ class Placement:
         jobs, start = [], self.core.anchor.advance
         for state in context.states():
             source = self._chunk_for(state.chunk_key)
-            jobs.append((*self.free_kv(state), source.positions_at(start)))
+            jobs.append((*self.position_free_parts(state), source.positions_at(start)))
             start += source.advance
         return [self.core.anchor_kv(self.txn.meter), *self.core.place_many(jobs)], start
 
@@ -184,7 +186,7 @@ class Placement:
         context, its most deviating tokens recomputed over it (`KVCore.recompute`)."""
         assert state.source is not None
         placed, start = self._placed_context(state.context)
-        reference, patch = self.free_kv(state.source)
+        reference, patch = self.position_free_parts(state.source)
         kv = self.core.place(reference, patch, chunk.positions_at(start))
         return self.core.recompute(chunk, kv, placed, start, state.share, self.txn).kv
 

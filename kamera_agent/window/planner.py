@@ -27,7 +27,7 @@ from kamera_agent.errors import (
     ChunkInWindowError,
     ChunkLostError,
     DuplicateChunkError,
-    StoreBudgetError,
+    StoreLimitError,
     UnknownChunkError,
     WindowError,
 )
@@ -36,7 +36,7 @@ from kamera_agent.window.plan import Step, WindowPlan
 from kamera_agent.window.prefix_bound import PrefixBound
 from kamera_agent.window.room import make_room
 from kamera_agent.window.rules import LeftContexts, PlanInputs, Rules
-from kamera_agent.window.state import ChunkRef, Entry, WindowState
+from kamera_agent.window.state import ChunkRef, Entry, WindowRecord
 
 __all__ = ["PlanInputs", "Planner"]
 
@@ -55,11 +55,11 @@ class Planner:
         self.bound = PrefixBound(inputs, self.rules)
 
     # -- operations ---------------------------------------------------------------------------
-    def push(self, state: WindowState, chunk: Chunk, label: str | None) -> WindowPlan:
+    def push(self, state: WindowRecord, chunk: Chunk, label: str | None) -> WindowPlan:
         return self.extend(state, [(chunk, label)], "push")
 
     def extend(
-        self, state: WindowState, items: Sequence[tuple[Chunk, str | None]], op: str = "extend"
+        self, state: WindowRecord, items: Sequence[tuple[Chunk, str | None]], op: str = "extend"
     ) -> WindowPlan:
         """New chunks at the right end, in order: consecutive formations, so one forward for all."""
         if not items:
@@ -68,16 +68,16 @@ class Planner:
         for chunk in chunks.values():
             self._check_storable(chunk)
         tokens, count = sum(chunk.num_tokens for chunk in chunks.values()), len(chunks)
-        evicted, probes = make_room(self.config, state, tokens, keep=(), count=count)
+        evicted, probes = make_room(self.config, state, tokens, pinned=(), count=count)
         if probes:  # a dry run shows the FIFO outcome; the real one is planned after the probes
-            placeholder, _ = make_room(self.config, state, tokens, keep=(), scores={}, count=count)
+            placeholder, _ = make_room(self.config, state, tokens, pinned=(), scores={}, count=count)
             plan = self._admit(state, op, chunks, placeholder)
             return self._with_probes(state, plan, probes)
         return self._admit(state, op, chunks, evicted)
 
     def replace(
         self,
-        state: WindowState,
+        state: WindowRecord,
         ref: ChunkRef,
         chunk: Chunk,
         label: str | None,
@@ -95,16 +95,16 @@ class Planner:
             self._check_storable(admitted)
         tokens = chunk.num_tokens + sum(c.num_tokens for c in appended.values())
         count = 1 + len(appended)
-        evicted, probes = make_room(self.config, state, tokens, keep=(), gone=(ref,), count=count)
+        evicted, probes = make_room(self.config, state, tokens, pinned=(), gone=(ref,), count=count)
         if probes:
             placeholder, _ = make_room(
-                self.config, state, tokens, keep=(), scores={}, gone=(ref,), count=count
+                self.config, state, tokens, pinned=(), scores={}, gone=(ref,), count=count
             )
             plan = self._admit(state, "replace", {new: chunk}, [ref, *placeholder], at=ref, appended=appended)
             return self._with_probes(state, plan, probes)
         return self._admit(state, "replace", {new: chunk}, [ref, *evicted], at=ref, appended=appended)
 
-    def reorder(self, state: WindowState, refs: Sequence[ChunkRef]) -> WindowPlan:
+    def reorder(self, state: WindowRecord, refs: Sequence[ChunkRef]) -> WindowPlan:
         order = tuple(refs)
         for ref in order:
             _in_window(state, ref)
@@ -118,11 +118,11 @@ class Planner:
                 f"reorder needs every in-window chunk; missing {missing}. Evict chunks first to drop them"
             )
         action = REORDER[self.config.reorder]
-        steps = self._walk(state, order, lambda i: action, {}, {}, keeps_order=False)
+        steps = self._walk(state, order, lambda i: action, {}, {}, in_order=False)
         plan = WindowPlan("reorder", order, steps=tuple(steps), moved=self._moved(state, order, {}))
         return self._bounded(state, plan)
 
-    def remove(self, state: WindowState, refs: Sequence[ChunkRef], op: str) -> WindowPlan:
+    def remove(self, state: WindowRecord, refs: Sequence[ChunkRef], op: str) -> WindowPlan:
         gone = set(refs)
         order = tuple(r for r in state.order if r not in gone)
         action = SURVIVORS[self.config.survivors]
@@ -130,19 +130,21 @@ class Planner:
         plan = WindowPlan(op, order, tuple(refs), steps=tuple(steps), moved=self._moved(state, order, {}))
         return self._bounded(state, plan)
 
-    def recall(self, state: WindowState, ref: ChunkRef, at: int | None) -> WindowPlan:
+    def recall(self, state: WindowRecord, ref: ChunkRef, at: int | None) -> WindowPlan:
         entry = _known(state, ref)
         if entry.in_window:
             raise ChunkInWindowError(f"{ref} is already in the window; reorder it instead of recalling it")
         self._check_recallable(entry, ref)
-        evicted, probes = make_room(self.config, state, entry.chunk.num_tokens, keep=(ref,))
+        evicted, probes = make_room(self.config, state, entry.chunk.num_tokens, pinned=(ref,))
         if probes:
-            placeholder, _ = make_room(self.config, state, entry.chunk.num_tokens, keep=(ref,), scores={})
+            placeholder, _ = make_room(self.config, state, entry.chunk.num_tokens, pinned=(ref,), scores={})
             plan = self._recall(state, ref, at, placeholder)
             return self._with_probes(state, plan, probes)
         return self._recall(state, ref, at, evicted)
 
-    def arrange(self, state: WindowState, items: Sequence[ChunkRef | tuple[Chunk, str | None]]) -> WindowPlan:
+    def arrange(
+        self, state: WindowRecord, items: Sequence[ChunkRef | tuple[Chunk, str | None]]
+    ) -> WindowPlan:
         """The window as ``items``, in this order, in one op: an in-window ref stays (moved where
         it stands in ``items``), an evicted one comes back (a recall), new content is admitted,
         and every in-window chunk ``items`` does not name leaves (an evict).
@@ -176,18 +178,18 @@ class Planner:
         stayed = [ref for ref in order if ref in state.order]
         reordered = stayed != [ref for ref in state.order if ref in named]
         first_new = next((i for i, ref in enumerate(order) if ref in chunks or ref in recalled), len(order))
-        kept, reorder = SURVIVORS[self.config.survivors], REORDER[self.config.reorder]
+        survivor, reorder = SURVIVORS[self.config.survivors], REORDER[self.config.reorder]
         follow: PatchAction = "form" if self.config.cascade == "cascade" else "keep"
 
         def action(i: int) -> PatchAction:
-            return reorder if reordered else kept if i < first_new else follow
+            return reorder if reordered else survivor if i < first_new else follow
 
         special: dict[ChunkRef, Special] = {
             ref: partial(self._pushed, ref, chunk, tuple(order)) for ref, chunk in chunks.items()
         }
         for ref in recalled:
             special[ref] = partial(self._recalled, state, ref, tuple(order))
-        steps = self._walk(state, order, action, special, chunks, keeps_order=False)
+        steps = self._walk(state, order, action, special, chunks, in_order=False)
         admitted = tuple(ref for ref in order if ref in chunks or ref in recalled)
         moved = self._moved(state, order, chunks)
         plan = WindowPlan(
@@ -202,7 +204,7 @@ class Planner:
         )
         return self._bounded(state, plan)
 
-    def materialize(self, state: WindowState) -> WindowPlan:
+    def materialize(self, state: WindowRecord) -> WindowPlan:
         """Form every patch that lazy timing deferred, left to right, before a read."""
         order = tuple(state.order)
 
@@ -217,7 +219,7 @@ class Planner:
 
     # -- the walk -------------------------------------------------------------------------------
     def _recall(
-        self, state: WindowState, ref: ChunkRef, at: int | None, evicted: Sequence[ChunkRef]
+        self, state: WindowRecord, ref: ChunkRef, at: int | None, evicted: Sequence[ChunkRef]
     ) -> WindowPlan:
         entry = state.entries[ref]
         gone = set(evicted)
@@ -226,11 +228,11 @@ class Planner:
         if not 0 <= index <= len(survivors):
             raise WindowError(f"recall at={at} is outside the window's 0..{len(survivors)} slots")
         order = (*survivors[:index], ref, *survivors[index:])
-        keep = SURVIVORS[self.config.survivors]
+        survivor = SURVIVORS[self.config.survivors]
         follow: PatchAction = "form" if self.config.cascade == "cascade" else "keep"
 
         def action(i: int) -> PatchAction:
-            return keep if i < index else follow
+            return survivor if i < index else follow
 
         special: dict[ChunkRef, Special] = {
             ref: lambda i, ctx: self.rules.recalled(state, ref, i, order, ctx)
@@ -242,7 +244,7 @@ class Planner:
 
     def _admit(
         self,
-        state: WindowState,
+        state: WindowRecord,
         op: str,
         chunks: Mapping[ChunkRef, Chunk],
         evicted: Sequence[ChunkRef],
@@ -264,11 +266,11 @@ class Planner:
             chunks = {**chunks, **appended}
             new = (*new, *appended)
             order.extend(appended)
-        keep = SURVIVORS[self.config.survivors]
+        survivor = SURVIVORS[self.config.survivors]
         special: dict[ChunkRef, Special] = {
             ref: partial(self._pushed, ref, chunk, tuple(order)) for ref, chunk in chunks.items()
         }
-        steps = self._walk(state, order, lambda i: keep, special, chunks)
+        steps = self._walk(state, order, lambda i: survivor, special, chunks)
         moved = self._moved(state, order, chunks)
         plan = WindowPlan(op, tuple(order), tuple(evicted), new, tuple(steps), dict(chunks), moved)
         return self._bounded(state, plan)
@@ -277,30 +279,30 @@ class Planner:
         return self.rules.pushed(ref, chunk, i, order, ctx)
 
     def _recalled(
-        self, state: WindowState, ref: ChunkRef, order: Sequence[ChunkRef], i: int, ctx: Context
+        self, state: WindowRecord, ref: ChunkRef, order: Sequence[ChunkRef], i: int, ctx: Context
     ) -> Step:
         return self.rules.recalled(state, ref, i, order, ctx)
 
     def _walk(
         self,
-        state: WindowState,
+        state: WindowRecord,
         order: Sequence[ChunkRef],
         action_at: Callable[[int], PatchAction],
         special: Mapping[ChunkRef, Special],
         chunks: Mapping[ChunkRef, Chunk],
         *,
-        keeps_order: bool = True,
+        in_order: bool = True,
         moved_one: ChunkRef | None = None,
     ) -> list[Step]:
         """One step per chunk of ``order`` (and a ``form_canonical`` before each admitted one).
 
-        ``keeps_order``: the op keeps the chunks' relative order except for ``moved_one`` (push,
+        ``in_order``: the op leaves the chunks' relative order as it was except for ``moved_one`` (push,
         slide, evict and recall do), so a chunk can only come to encode a chunk to its right by
         encoding that one; a reorder (``False``) checks every antecedent.
         """
         before: LeftContexts = cache(lambda: self._left_contexts(state))
         index_of = {ref: i for i, ref in enumerate(order)}
-        causal = _causality(state, index_of, keeps_order, moved_one)
+        causal = _causality(state, index_of, in_order, moved_one)
         same = _same_content(state, order)
         force: set[ChunkRef] = set()
         while True:
@@ -341,18 +343,18 @@ class Planner:
             force |= must_form
 
     # -- never costlier than a prefix cache ------------------------------------------------------
-    def _bounded(self, state: WindowState, plan: WindowPlan) -> WindowPlan:
+    def _bounded(self, state: WindowRecord, plan: WindowPlan) -> WindowPlan:
         """``plan`` or re-prefilling, whichever prefills fewer tokens (`PrefixBound`)."""
         return self.bound.bounded(state, plan)
 
-    def refill(self, state: WindowState, start: int, why: str, end: int | None = None) -> WindowPlan:
+    def refill(self, state: WindowRecord, start: int, why: str, end: int | None = None) -> WindowPlan:
         """Re-prefill the window's chunks from index ``start`` on (to ``end``, else to the last):
         how a drift budget is kept (`PrefixBound.refill`)."""
         return self.bound.refill(state, start, why, end)
 
     def _taken(
         self,
-        state: WindowState,
+        state: WindowRecord,
         ref: ChunkRef,
         i: int,
         order: Sequence[ChunkRef],
@@ -378,7 +380,7 @@ class Planner:
         detail = "same content as the chunk that held this slot: takes its KV"
         return Step("rotate", ref, entry.state, tuple(antecedents), source=holder, detail=detail)
 
-    def _left_contexts(self, state: WindowState) -> dict[ChunkRef, str]:
+    def _left_contexts(self, state: WindowRecord) -> dict[ChunkRef, str]:
         """Each in-window chunk's left context before this op, as a digest (one pass)."""
         out, ctx = {}, self.root
         for ref in state.order:
@@ -387,7 +389,7 @@ class Planner:
         return out
 
     def _moved(
-        self, state: WindowState, order: Sequence[ChunkRef], chunks: Mapping[ChunkRef, Chunk]
+        self, state: WindowRecord, order: Sequence[ChunkRef], chunks: Mapping[ChunkRef, Chunk]
     ) -> frozenset[ChunkRef]:
         """The chunks whose start changes from the current order to ``order``."""
         before, position = {}, 0
@@ -401,7 +403,7 @@ class Planner:
             position += (chunks[ref] if ref in chunks else state.entries[ref].chunk).advance
         return frozenset(moved)
 
-    def _with_probes(self, state: WindowState, plan: WindowPlan, probes: tuple[ChunkRef, ...]) -> WindowPlan:
+    def _with_probes(self, state: WindowRecord, plan: WindowPlan, probes: tuple[ChunkRef, ...]) -> WindowPlan:
         """The plan as a dry run shows it (FIFO's outcome), with the probes that decide the real one."""
         assert state.last_answer is not None
         query = state.last_answer.query
@@ -414,12 +416,12 @@ class Planner:
         if not any(can_form(entry.chunk, self.view, digest) for digest in held):
             raise ChunkLostError(
                 f"{ref} released its pixels at eviction and the store no longer holds its canonical or "
-                "vision output; push the content again (a disk tier or evicted_pixels='keep' prevents this)"
+                "vision output; push the content again (a disk tier or evicted_pixels='retain' prevents this)"
             )
         self._check_storable(entry.chunk)
 
     def _check_fits(
-        self, state: WindowState, order: Sequence[ChunkRef], chunks: Mapping[ChunkRef, Chunk]
+        self, state: WindowRecord, order: Sequence[ChunkRef], chunks: Mapping[ChunkRef, Chunk]
     ) -> None:
         """An arrangement the window's capacity cannot hold is refused before anything changes."""
         cap_chunks, cap_tokens = self.config.capacity_chunks, self.config.capacity_tokens
@@ -434,12 +436,12 @@ class Planner:
             )
 
     def _check_storable(self, chunk: Chunk) -> None:
-        """A canonical that no budget can hold fails the op before anything changes."""
+        """A canonical that no store limit can hold fails the op before anything changes."""
         nbytes = chunk.num_tokens * self.inputs.kv_bytes_per_token
         if not self.view.has_canonical(chunk.key) and not self.view.fits(nbytes):
-            raise StoreBudgetError(
+            raise StoreLimitError(
                 f"the canonical of a {chunk.num_tokens}-token chunk takes {nbytes} bytes, more than the "
-                "store's budget; raise memory_budget (and disk_budget) above the largest chunk"
+                "store's limit; raise memory_limit (and disk_limit) above the largest chunk"
             )
 
 
@@ -448,11 +450,11 @@ def _no_action(i: int) -> PatchAction:
 
 
 def _causality(
-    state: WindowState, index_of: Mapping[ChunkRef, int], keeps_order: bool, moved: ChunkRef | None
+    state: WindowRecord, index_of: Mapping[ChunkRef, int], in_order: bool, moved: ChunkRef | None
 ) -> Callable[[ChunkRef, int], bool]:
     """Whether a chunk at index ``i`` encodes nothing now at or right of it.
 
-    Before every op, in-window edges point left to right. An op that keeps the other chunks'
+    Before every op, in-window edges point left to right. An op that leaves the other chunks'
     relative order can only break that through the one chunk it moves; a reorder checks all.
     """
     encodes = state.graph._pred  # each chunk's in-edge dict (networkx's own; a view per call cost more)
@@ -463,10 +465,10 @@ def _causality(
     def one_moved(ref: ChunkRef, i: int) -> bool:
         return moved is None or moved not in encodes[ref] or index_of[moved] < i
 
-    return one_moved if keeps_order else any_order
+    return one_moved if in_order else any_order
 
 
-def _same_content(state: WindowState, order: Sequence[ChunkRef]) -> int:
+def _same_content(state: WindowRecord, order: Sequence[ChunkRef]) -> int:
     """How many leading slots hold the same content (chunk keys) before and after the op."""
     same = 0
     for old, new in zip(state.order, order, strict=False):
@@ -476,7 +478,7 @@ def _same_content(state: WindowState, order: Sequence[ChunkRef]) -> int:
     return same
 
 
-def _known(state: WindowState, ref: ChunkRef) -> Entry:
+def _known(state: WindowRecord, ref: ChunkRef) -> Entry:
     if not isinstance(ref, ChunkRef):
         raise UnknownChunkError(f"expected a ChunkRef from this window, got {type(ref).__name__}")
     entry = state.entries.get(ref)
@@ -487,7 +489,7 @@ def _known(state: WindowState, ref: ChunkRef) -> Entry:
     return entry
 
 
-def _in_window(state: WindowState, ref: ChunkRef) -> ChunkRef:
+def _in_window(state: WindowRecord, ref: ChunkRef) -> ChunkRef:
     if not _known(state, ref).in_window:
         raise UnknownChunkError(f"{ref} is not in the window (evicted); recall it first")
     return ref

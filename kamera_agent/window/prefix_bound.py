@@ -15,7 +15,7 @@ from kamera_agent.core.identity import Context
 from kamera_agent.fidelity import audit_count
 from kamera_agent.window.plan import Step, WindowPlan, canonical_leads_run
 from kamera_agent.window.rules import PlanInputs, Rules
-from kamera_agent.window.state import WindowState
+from kamera_agent.window.state import WindowRecord
 
 __all__ = ["PrefixBound"]
 
@@ -26,11 +26,11 @@ class PrefixBound:
     def __init__(self, inputs: PlanInputs, rules: Rules) -> None:
         self.inputs, self.rules, self.root = inputs, rules, inputs.root
 
-    def bounded(self, state: WindowState, plan: WindowPlan) -> WindowPlan:
+    def bounded(self, state: WindowRecord, plan: WindowPlan) -> WindowPlan:
         """`cheaper` of ``plan`` and re-prefilling, its forwards counted as the executor runs them."""
         return _lead_shares_forward(self.cheaper(state, plan))
 
-    def cheaper(self, state: WindowState, plan: WindowPlan) -> WindowPlan:
+    def cheaper(self, state: WindowRecord, plan: WindowPlan) -> WindowPlan:
         """``plan``, or re-prefilling from the first slot it changes where that prefills fewer tokens.
 
         Why: a prefix cache pays exactly the tokens from the first changed slot on; a plan can pay
@@ -74,7 +74,7 @@ class PrefixBound:
             return refilling(why, declined=True)
         return plan.changed(vouched_to=first, prefix_bound=refill, fix_bound=fix)
 
-    def refill(self, state: WindowState, start: int, why: str, end: int | None = None) -> WindowPlan:
+    def refill(self, state: WindowRecord, start: int, why: str, end: int | None = None) -> WindowPlan:
         """Re-prefill the window's chunks from index ``start`` on (to ``end``, else to the last)
         over the chunks left of it as they are (each then exact over its left context): how a
         drift budget is kept."""
@@ -88,7 +88,13 @@ class PrefixBound:
         )
 
     def _refill_steps(
-        self, state: WindowState, plan: WindowPlan, start: int, ctx: Context, why: str, end: int | None = None
+        self,
+        state: WindowRecord,
+        plan: WindowPlan,
+        start: int,
+        ctx: Context,
+        why: str,
+        end: int | None = None,
     ) -> list[Step]:
         """The steps re-prefilling ``plan.order`` from ``start`` (to ``end``) over ``ctx``
         (formations share forwards)."""
@@ -110,7 +116,7 @@ class PrefixBound:
         return steps
 
     def _budget_fix_tokens(
-        self, state: WindowState, plan: WindowPlan, known: tuple[int, int]
+        self, state: WindowRecord, plan: WindowPlan, known: tuple[int, int]
     ) -> tuple[int | None, int, int]:
         """The first chunk whose planned state the drift budget cannot vouch for yet (not
         remembered, or over ε; ``None``: every planned chunk is known to be within ε), the most it
@@ -153,7 +159,7 @@ def _lead_shares_forward(plan: WindowPlan) -> WindowPlan:
     return plan
 
 
-def _first_changed(state: WindowState, plan: WindowPlan) -> int:
+def _first_changed(state: WindowRecord, plan: WindowPlan) -> int:
     """The first slot whose chunk or KV ``plan`` changes: another chunk there, a chunk moved, or
     one whose state the plan sets anew (a pending one counts: its KV is not in the cache yet)."""
     final = {step.ref: step for step in plan.steps if step.kind != "form_canonical"}
@@ -162,8 +168,8 @@ def _first_changed(state: WindowState, plan: WindowPlan) -> int:
             return i
         old, step = state.order[i], final.get(ref)
         entry = state.entries[old]
-        kept = ref == old and ref not in plan.moved
-        if step is None or step.kind != "rotate" or not (kept or step.source == old):
+        stayed = ref == old and ref not in plan.moved
+        if step is None or step.kind != "rotate" or not (stayed or step.source == old):
             return i
         if entry.pending or step.state.digest != entry.state.digest:
             return i

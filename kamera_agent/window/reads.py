@@ -19,8 +19,8 @@ from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.config import WindowConfig
 from kamera_agent.core import Patch
 from kamera_agent.core.identity import ChunkState
+from kamera_agent.divergence import next_token_kl
 from kamera_agent.errors import UnknownChunkError
-from kamera_agent.metrics import next_token_kl
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer, Plan, Probe, WindowStats
 from kamera_agent.store import ChunkStore
@@ -118,7 +118,7 @@ class WindowReads:
 
     @property
     def budget(self) -> float | None:
-        """The drift budget ε the window keeps (0: exact; ``None``: none, approximations unbounded)."""
+        """The drift budget ε the window holds to (0: exact; ``None``: none, approximations unbounded)."""
         budget = self._parts.budget
         if budget is not None:
             return budget.epsilon

@@ -12,22 +12,22 @@ from collections.abc import Mapping, Sequence
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import CapacityError
 from kamera_agent.policies import EVICTION, EvictionContext
-from kamera_agent.window.state import ChunkRef, WindowState
+from kamera_agent.window.state import ChunkRef, WindowRecord
 
 __all__ = ["make_room"]
 
 
 def make_room(
     config: WindowConfig,
-    state: WindowState,
+    state: WindowRecord,
     tokens: int,
-    keep: Sequence[ChunkRef],
+    pinned: Sequence[ChunkRef],
     scores: Mapping[ChunkRef, float] | None = None,
     count: int = 1,
     gone: Sequence[ChunkRef] = (),
 ) -> tuple[list[ChunkRef], tuple[ChunkRef, ...]]:
     """Chunks to evict so that ``count`` new chunks of ``tokens`` in all fit (``gone`` are
-    leaving anyway), or the chunks to probe first."""
+    leaving anyway, ``pinned`` may not leave), or the chunks to probe first."""
     cap_chunks, cap_tokens = config.capacity_chunks, config.capacity_tokens
     if cap_tokens is not None and tokens > cap_tokens:
         raise CapacityError(
@@ -38,12 +38,12 @@ def make_room(
             f"{count} new chunks can never fit capacity_chunks={cap_chunks}; raise the capacity"
         )
     leaving = set(gone)
-    order = [r for r in state.order if r not in set(keep) and r not in leaving]
-    kept = sum(1 for r in keep if r in state.order and r not in leaving)
+    order = [r for r in state.order if r not in set(pinned) and r not in leaving]
+    staying = sum(1 for r in pinned if r in state.order and r not in leaving)
     used = sum(state.entries[r].chunk.num_tokens for r in state.order if r not in leaving)
 
     def over(evicted: int, used: int) -> bool:
-        chunks = cap_chunks is not None and len(order) + kept - evicted + count > cap_chunks
+        chunks = cap_chunks is not None and len(order) + staying - evicted + count > cap_chunks
         return chunks or (cap_tokens is not None and used + tokens > cap_tokens)
 
     if not over(0, used):

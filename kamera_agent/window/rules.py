@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
-from kamera_agent.core.blend import selected_count
 from kamera_agent.core.identity import (
     ChunkState,
     Context,
@@ -36,12 +35,13 @@ from kamera_agent.core.identity import (
     orbit_key,
     patched_digest,
 )
+from kamera_agent.core.recompute import selected_count
 from kamera_agent.core.staging import StoreView, can_form
 from kamera_agent.fidelity import DriftBudget
 from kamera_agent.policies import PATCH_TIMING, PatchAction
 from kamera_agent.results import EditKind
 from kamera_agent.window.plan import Step
-from kamera_agent.window.state import ChunkRef, WindowState
+from kamera_agent.window.state import ChunkRef, WindowRecord
 
 __all__ = ["Causality", "LeftContexts", "PlanInputs", "Rules"]
 
@@ -91,7 +91,7 @@ class Rules:
 
     def decide(
         self,
-        state: WindowState,
+        state: WindowRecord,
         ref: ChunkRef,
         i: int,
         order: Sequence[ChunkRef],
@@ -165,7 +165,7 @@ class Rules:
         return self.canonical_step("revert", ref, f"patch timing: {self.config.patch_mode}")
 
     def recalled(
-        self, state: WindowState, ref: ChunkRef, i: int, order: Sequence[ChunkRef], ctx: Context
+        self, state: WindowRecord, ref: ChunkRef, i: int, order: Sequence[ChunkRef], ctx: Context
     ) -> Step:
         entry = state.entries[ref]
         if self.rank == 0:
@@ -208,7 +208,7 @@ class Rules:
         return self.formation(ref, entry.chunk, ctx, order[:i], why)
 
     def formed(
-        self, state: WindowState, ref: ChunkRef, i: int, order: Sequence[ChunkRef], ctx: Context, why: str
+        self, state: WindowRecord, ref: ChunkRef, i: int, order: Sequence[ChunkRef], ctx: Context, why: str
     ) -> Step:
         """A pending chunk's patch over its left context, now (or the canonical at the front)."""
         if i == 0 or self.rank == 0:
@@ -246,7 +246,7 @@ class Rules:
         """One conditioned forward over ``ctx``: the chunk's full KV where its rank is lossless or
         where its canonical is not stored; else a rank-m patch against its canonical.
 
-        Why keep the exact KV without a canonical: a rank-m patch needs the canonical, and
+        Why store the exact KV without a canonical: a rank-m patch needs the canonical, and
         forming that is a second forward over the chunk's tokens that no answer asked for (new
         content would prefill twice what a prefix cache does; a chunk re-formed after a reorder
         or a recall, twice what a re-prefill does). The exact KV costs the bytes the canonical
@@ -255,8 +255,8 @@ class Rules:
         """
         rank = self.rank_of(chunk)
         if rank != "full" and not self.view.has_canonical(ref.key):
-            kept = "new content" if admission else "no canonical stored"
-            rank, why = "full", f"{why}; {kept}: its exact KV from this one forward"
+            reason = "new content" if admission else "no canonical stored"
+            rank, why = "full", f"{why}; {reason}: its exact KV from this one forward"
         target = ChunkState.patched(ref.key, rank, ctx)
         step = Step("form_patch", ref, target, tuple(left), forwards=1, tokens=chunk.num_tokens, detail=why)
         return self.with_canonical(step)
@@ -399,7 +399,7 @@ class Rules:
         tokens = canonical[1] + chunk.num_tokens + sum(b[1] for b in below if b is not None)
         return forwards, tokens
 
-    def rebuild_cost(self, state: WindowState, context: Context) -> tuple[int, int] | None:
+    def rebuild_cost(self, state: WindowRecord, context: Context) -> tuple[int, int] | None:
         """Forwards and tokens to rebuild every state of ``context`` from the store; ``None`` if one
         cannot be (its chunk is forgotten, an orbit changed, an image lost its pixels and KV)."""
         chunks = {entry.chunk.key: entry.chunk for entry in state.entries.values()}

@@ -3,7 +3,7 @@
 Why apart from the face: every op (and every read: ask, probe, kv) is the same sequence:
 snapshot the state, plan over a staged view of the store, execute, commit, or restore and
 re-plan when another window changed an orbit under the op. `OpRunner` owns that sequence and the
-window's `WindowState` (a failed op replaces it with its snapshot); `WindowParts` is what a
+window's `WindowRecord` (a failed op replaces it with its snapshot); `WindowParts` is what a
 window and its forks share.
 """
 
@@ -24,9 +24,9 @@ from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.kv_core import KVCore, StaleLookup, Txn
 from kamera_agent.core.staging import StagedStore, StoreView
 from kamera_agent.critical_path import critical_path
+from kamera_agent.divergence import next_token_kl
 from kamera_agent.errors import ContextOverflowError, WindowClosedError, WindowError
 from kamera_agent.fidelity import AuditSource, DriftBudget, Measure, filed_in
-from kamera_agent.metrics import next_token_kl
 from kamera_agent.results import Answer, OpCost, Plan
 from kamera_agent.window.conversation import Conversation
 from kamera_agent.window.drift_fixes import DriftFixes
@@ -34,7 +34,7 @@ from kamera_agent.window.executor import Executor
 from kamera_agent.window.memory import release_evicted
 from kamera_agent.window.plan import WindowPlan
 from kamera_agent.window.planner import PlanInputs, Planner
-from kamera_agent.window.state import Scores, WindowState
+from kamera_agent.window.state import Scores, WindowRecord
 
 __all__ = ["Build", "OpRunner", "WindowParts"]
 
@@ -83,9 +83,9 @@ class WindowParts:
 
 
 class OpRunner:
-    """Plans and executes a window's ops as transactions; owns its `WindowState`."""
+    """Plans and executes a window's ops as transactions; owns its `WindowRecord`."""
 
-    def __init__(self, parts: WindowParts, state: WindowState) -> None:
+    def __init__(self, parts: WindowParts, state: WindowRecord) -> None:
         self.parts, self.state = parts, state
         self.lock = threading.RLock()
         """Held by every op and read: a window serializes calls from several threads (each op
@@ -268,7 +268,7 @@ class OpRunner:
         self.state.scores = Scores(query, self.state.tick, kl)
 
 
-def _restored(snapshot: WindowState) -> WindowState:
+def _restored(snapshot: WindowRecord) -> WindowRecord:
     """The snapshot an op failed back to, without the assembled cache: the op may have cropped
     or extended that engine cache in place, so it no longer holds what the snapshot says."""
     snapshot.assembled = None

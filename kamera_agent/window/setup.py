@@ -1,7 +1,7 @@
 """Making a window's parts from what a user passes: a backend, a store, chunks from items.
 
 Why here: every setting must either apply or say where to set it. The store belongs to the
-window (above the engine), so ``memory_budget`` and ``disk_dir`` apply whatever the model is;
+window (above the engine), so ``memory_limit`` and ``disk_dir`` apply whatever the model is;
 ``device`` and ``dtype`` say how to load or cast a model, so they apply to a checkpoint path or a
 loaded model and are checked, never silently ignored, against a `Backend` built elsewhere.
 """
@@ -91,7 +91,7 @@ def resolve_store(backend: Backend, config: WindowConfig, store: ChunkStore | No
     if given:
         raise SettingsError(
             f"{', '.join(given)} configure the store a window builds, but store= was passed too; set "
-            "them on that ChunkStore (ChunkStore(memory_budget=..., disk_dir=..., remote=..., "
+            "them on that ChunkStore (ChunkStore(memory_limit=..., disk_dir=..., remote=..., "
             "secret=...)) or pass no store"
         )
     return store

@@ -4,7 +4,7 @@ Why this shape: positions are derived from the order (each chunk starts where th
 advanced to), so they are never stored. What each chunk's KV encodes is its `ChunkState` (the
 chained digest of its content, patch and antecedent states); the antecedent graph records the
 same as edges A→B ("B's KV encodes A"), each edge carrying A's place in B's antecedents and the
-state of A that B encodes. Everything mutable lives in one `WindowState`, so a transaction (a
+state of A that B encodes. Everything mutable lives in one `WindowRecord`, so a transaction (a
 failed op restores the copy) and ``fork`` (a branch with its own ref space) are one mechanism.
 """
 
@@ -24,14 +24,22 @@ from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.results import Answer
 from kamera_agent.window.costs import StatsBook
 
-__all__ = ["Assembled", "ChunkRef", "Entry", "LastAnswer", "OriginalContext", "Scores", "WindowState"]
+__all__ = [
+    "Assembled",
+    "ChunkRef",
+    "Entry",
+    "LastAnswer",
+    "OriginalContext",
+    "Scores",
+    "WindowRecord",
+]
 
 
 @dataclass(frozen=True, order=True)
 class ChunkRef:
     """A handle on one admitted chunk, valid in the window (branch) that minted it.
 
-    A fork keeps the refs minted before it and mints its own after it: two branches never hand
+    A fork shares the refs minted before it and mints its own after it: two branches never hand
     out equal refs, and a ref from another window or branch is refused with `UnknownChunkError`.
 
     Attributes:
@@ -67,11 +75,11 @@ class OriginalContext:
 
 @dataclass
 class Entry:
-    """Everything a window keeps about one chunk besides its graph edges.
+    """Everything a window records about one chunk besides its graph edges.
 
     Attributes:
         chunk: the model-ready chunk (an evicted image drops its pixels once they are not needed).
-        state: what its KV encodes (an evicted chunk keeps its last state).
+        state: what its KV encodes (an evicted chunk holds its last state).
         in_window: whether it is in the window now (else evicted, recallable).
         patch: the patch its KV carries while in the window (``None``: its canonical or full KV).
         full: its full KV while in the window, for a full-rank state (the same tensors the store
@@ -82,7 +90,7 @@ class Entry:
         last_used: op counter of its last push, recall or reorder.
         evicted_at: op counter of its eviction (the oldest evicted are forgotten first).
         canonical_formed: its canonical has been computed at least once (a later miss is a re-form).
-        set_from: the antecedents its in-edges were last set from (`WindowState.set_antecedents`),
+        set_from: the antecedents its in-edges were last set from (`WindowRecord.set_antecedents`),
             so an op asking for the same ones again knows its edges without reading the graph.
         set_states: the state of each of ``set_from`` that its KV encodes, one digest each, or
             the context that says them (read when asked: most are never read).
@@ -102,7 +110,7 @@ class Entry:
     set_states: tuple[str, ...] | Context = ()
 
     def copy(self) -> Entry:
-        """A shallow copy (`WindowState.copy` takes one of every entry each op: `copy.copy`'s
+        """A shallow copy (`WindowRecord.copy` takes one of every entry each op: `copy.copy`'s
         generic protocol cost more than the rest of a snapshot)."""
         twin = Entry.__new__(Entry)
         twin.__dict__.update(self.__dict__)
@@ -130,16 +138,16 @@ class Scores:
 @dataclass(frozen=True)
 class Assembled:
     """The engine cache the last answer was decoded over (or the last in-window formation ran
-    over), and what each of its pieces held.
+    over), and what each of its stretches held.
 
-    A piece is ``("anchor",)`` or ``(ref, start, state digest)`` with its slot count: the next
-    answer keeps the longest prefix of pieces that is unchanged (crop) and appends the rest.
+    A stretch is ``("anchor",)`` or ``(ref, start, state digest)`` with its slot count: the next
+    answer reuses the longest prefix of stretches that is unchanged (crop) and appends the rest.
     The cache object is the engine's, mutated by decodes and formations (which only append); it
-    is cropped before every reuse, so whatever was appended beyond its pieces is never read.
+    is cropped before every reuse, so whatever was appended beyond its stretches is never read.
     """
 
     cache: Any
-    pieces: tuple[tuple[tuple[Any, ...], int], ...]
+    stretches: tuple[tuple[tuple[Any, ...], int], ...]
 
 
 def _lineage() -> str:
@@ -148,7 +156,7 @@ def _lineage() -> str:
 
 def _copied(graph: nx.DiGraph) -> nx.DiGraph:
     """A graph that shares ``graph``'s adjacency until written: its outer dicts are copies, the
-    per-node dicts inside them are the original's until `WindowState` copies one to change it.
+    per-node dicts inside them are the original's until `WindowRecord` copies one to change it.
 
     Why: every op that writes the graph snapshots it first, and copying every node's dicts was
     O(nodes + edges), nodes that left the window included (up to ``max_evicted`` of them, each
@@ -166,8 +174,12 @@ def _copied(graph: nx.DiGraph) -> nx.DiGraph:
 
 
 @dataclass
-class WindowState:
-    """The mutable part of a window; ``copy()`` is a cheap, independent snapshot."""
+class WindowRecord:
+    """The mutable part of a window; ``copy()`` is a cheap, independent snapshot.
+
+    A record, not a "state": a chunk's **state** is what its KV encodes (`ChunkState`, each
+    entry's ``state``); this is the window's bookkeeping around its chunks.
+    """
 
     lineage: str = field(default_factory=_lineage)
     order: list[ChunkRef] = field(default_factory=list)
@@ -213,11 +225,11 @@ class WindowState:
             self._own_pred.add(node)
         return graph._pred[node]  # type: ignore[no-any-return]
 
-    def copy(self) -> WindowState:
+    def copy(self) -> WindowRecord:
         """A snapshot: same lineage, independent entries, graph (shared until either writes),
         memo and stats."""
         self._owns_graph = False
-        return WindowState(
+        return WindowRecord(
             lineage=self.lineage,
             order=list(self.order),
             entries={ref: entry.copy() for ref, entry in self.entries.items()},
@@ -231,7 +243,7 @@ class WindowState:
             book=self.book.copy(),
         )
 
-    def fork(self) -> WindowState:
+    def fork(self) -> WindowRecord:
         """A branch: the same chunks and costs so far, its own lineage for the refs it mints."""
         branch = self.copy()
         branch.lineage = _lineage()

@@ -8,7 +8,7 @@
 
 The window is a face over its parts: `WindowParts` (settings, engine, the engine-neutral
 `KVCore` over the store, the window's encoder), an `OpRunner` that runs each op as one
-transaction over the window's `WindowState` (a pure `Planner`, then an `Executor`), `Inputs`
+transaction over the window's `WindowRecord` (a pure `Planner`, then an `Executor`), `Inputs`
 that read what a user passes, and the dry-run view ``window.plan``, which runs the ops
 themselves with the runner planning instead of executing. Every operation's cost lands in
 ``window.stats``.
@@ -55,7 +55,7 @@ from kamera_agent.window.inputs import Inputs
 from kamera_agent.window.reads import WindowReads
 from kamera_agent.window.runner import OpRunner, WindowParts
 from kamera_agent.window.setup import Item, resolve_backend, resolve_store
-from kamera_agent.window.state import ChunkRef, LastAnswer, WindowState
+from kamera_agent.window.state import ChunkRef, LastAnswer, WindowRecord
 
 __all__ = ["KameraWindow"]
 
@@ -70,7 +70,7 @@ class KameraWindow(WindowReads):
         image_processor: the image processor, when no processor is given (VLMs).
         config: how the window behaves (`WindowConfig`); default ``WindowConfig()``.
         store: a `ChunkStore` to share between windows of the same model (default: one built
-            from the config's ``memory_budget``, ``disk_dir``, ``disk_budget`` and ``store_url``).
+            from the config's ``memory_limit``, ``disk_dir``, ``disk_limit`` and ``store_url``).
         conversation: hold a chat (`push_message`; questions are framed as user messages) rather
             than one user turn; implied by ``system_prompt``.
         system_prompt: the conversation's system prompt (it is the window's anchor: fixed,
@@ -133,9 +133,9 @@ class KameraWindow(WindowReads):
         store = resolve_store(backend, config, store)
         config, budget = window_budget(config, backend.fingerprint, store, backend.supports_recompute)
         core = KVCore(backend, store, encoder)
-        self._setup(WindowParts(config, backend, core, framing, budget), WindowState())
+        self._setup(WindowParts(config, backend, core, framing, budget), WindowRecord())
 
-    def _setup(self, parts: WindowParts, state: WindowState) -> None:
+    def _setup(self, parts: WindowParts, state: WindowRecord) -> None:
         """Every window, new or forked, is built here from its shared parts and its own state."""
         self._parts = parts
         self._runner = OpRunner(parts, state)
@@ -143,7 +143,7 @@ class KameraWindow(WindowReads):
         self.plan = PlanView(self, self._runner)
 
     @classmethod
-    def _branch(cls, parts: WindowParts, state: WindowState) -> KameraWindow:
+    def _branch(cls, parts: WindowParts, state: WindowRecord) -> KameraWindow:
         window = cls.__new__(cls)
         window._setup(parts, state)
         return window
@@ -388,7 +388,7 @@ class KameraWindow(WindowReads):
                 text that may begin a stop string is held back until it cannot).
             keep_going: asked before each answer token; ``False`` ends the answer there
                 (``finish_reason="cancelled"``): a server stops when its client goes away.
-            return_logits: keep every answer step's logits (`Answer.logits`).
+            return_logits: return every answer step's logits (`Answer.logits`).
             in_message: conversation windows: the query ends the user message that the last
                 chunks began (`push_message(..., closed=False)`), e.g. after its images.
             remember: conversation windows: admit the question and the answer as the

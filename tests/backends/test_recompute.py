@@ -207,7 +207,7 @@ def test_spent_counts_what_ran(name: str) -> None:
 @pytest.mark.parametrize("name", ["qwen2", "qwen2_vl", "tiny_torch"])
 def test_the_core_probes_selects_recomputes_and_meters_both(name: str) -> None:
     s = scene(name)
-    core = KVCore(s.backend, ChunkStore(fingerprint=s.backend.fingerprint, memory_budget=1 << 28))
+    core = KVCore(s.backend, ChunkStore(fingerprint=s.backend.fingerprint, memory_limit=1 << 28))
     n = s.chunk.num_tokens
     txn = core.txn()
     if s.chunk.has_vision:

@@ -71,7 +71,7 @@ def text_backend(name: str, layers: int = 2) -> TransformersBackend:
 
 def core_of(backend: TransformersBackend, budget: int = 1 << 28) -> KVCore:
     """The engine-neutral core over ``backend`` and a fresh store."""
-    return KVCore(backend, ChunkStore(fingerprint=backend.fingerprint, memory_budget=budget))
+    return KVCore(backend, ChunkStore(fingerprint=backend.fingerprint, memory_limit=budget))
 
 
 def images(count: int, seed: int = 0, size: tuple[int, int] = (56, 56)) -> list[Image.Image]:

@@ -74,12 +74,12 @@ def test_the_unchanged_prefix_is_kept_and_content_is_prefilled_once() -> None:
     backend, (a, image, b), _ = _scene()
     blend = BlendCache(backend, fraction=0.5)
     first = blend.sync([a, image])
-    assert first.vision_runs == 1 and first.kept == 0
+    assert first.vision_runs == 1 and first.reused == 0
     again = blend.sync([a, image, b])
-    assert again.kept == backend.anchor.num_tokens + a.num_tokens + image.num_tokens
+    assert again.reused == backend.anchor.num_tokens + a.num_tokens + image.num_tokens
     assert again.vision_runs == 0
     moved = blend.sync([b, a, image])  # every chunk placed again, none prefilled from scratch
-    assert moved.vision_runs == 0 and moved.kept == backend.anchor.num_tokens
+    assert moved.vision_runs == 0 and moved.reused == backend.anchor.num_tokens
     n = a.num_tokens + image.num_tokens + b.num_tokens
     assert moved.tokens < n  # probes (1/4 of a forward each) and half the rows: less than a re-prefill
 

@@ -28,7 +28,7 @@ def _backend(model: object | None = None) -> TransformersBackend:
 
 
 def _core(backend: TransformersBackend, store: ChunkStore | None = None) -> KVCore:
-    return KVCore(backend, store or ChunkStore(fingerprint=backend.fingerprint, memory_budget=1 << 24))
+    return KVCore(backend, store or ChunkStore(fingerprint=backend.fingerprint, memory_limit=1 << 24))
 
 
 def test_an_image_the_store_holds_runs_no_vision_and_no_lm_forward() -> None:
@@ -53,7 +53,7 @@ def test_a_canonical_evicted_from_the_store_is_rebuilt_without_the_vision_tower(
     vision_bytes = sum(t.numel() * t.element_size() for t in vision.values())
     # A store that holds the vision output and one canonical; largest-first evicts canonicals.
     small = ChunkStore(
-        fingerprint=backend.fingerprint, memory_budget=vision_bytes + canonical.nbytes, policy="largest_first"
+        fingerprint=backend.fingerprint, memory_limit=vision_bytes + canonical.nbytes, policy="largest_first"
     )
     small.put_vision(chunk.vision_key, vision)  # type: ignore[arg-type]
     small.put_canonical(canonical)
@@ -72,7 +72,7 @@ def test_a_new_process_on_the_same_directory_reloads_the_disk_tier(tmp_path: Pat
 
     def store() -> ChunkStore:
         return ChunkStore(
-            fingerprint=backend.fingerprint, memory_budget=1 << 24, disk_dir=tmp_path, disk_budget=1 << 24
+            fingerprint=backend.fingerprint, memory_limit=1 << 24, disk_dir=tmp_path, disk_limit=1 << 24
         )
 
     first = _core(backend, store())
@@ -92,7 +92,7 @@ def test_a_new_process_on_the_same_directory_reloads_the_disk_tier(tmp_path: Pat
 def test_a_core_refuses_another_models_store_and_a_foreign_chunk() -> None:
     backend, other = _backend(), _backend(sharpen(tiny_qwen2_5_vl()))
     with pytest.raises(ForeignChunkError, match="another model"):
-        KVCore(backend, ChunkStore(fingerprint=other.fingerprint, memory_budget=1 << 20))
+        KVCore(backend, ChunkStore(fingerprint=other.fingerprint, memory_limit=1 << 20))
     foreign = other.encoder.image(images(1, seed=14)[0])
     core = _core(backend)
     with pytest.raises(ForeignChunkError, match="another model or processor"):
@@ -111,7 +111,7 @@ def test_a_failed_transaction_stores_nothing() -> None:
 
 def test_entries_larger_than_the_budget_are_used_uncached_and_counted() -> None:
     backend = _backend()
-    core = _core(backend, ChunkStore(fingerprint=backend.fingerprint, memory_budget=512))
+    core = _core(backend, ChunkStore(fingerprint=backend.fingerprint, memory_limit=512))
     chunk = backend.encoder.text("a text long enough that its canonical exceeds five hundred bytes")
     with core.txn() as txn:
         core.canonical(chunk, txn)
@@ -123,7 +123,7 @@ def test_a_corrupted_spill_file_is_dropped_and_the_chunk_re_encoded(tmp_path: Pa
 
     def store() -> ChunkStore:
         return ChunkStore(
-            fingerprint=backend.fingerprint, memory_budget=1 << 24, disk_dir=tmp_path, disk_budget=1 << 24
+            fingerprint=backend.fingerprint, memory_limit=1 << 24, disk_dir=tmp_path, disk_limit=1 << 24
         )
 
     core = _core(backend, store())

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kamera_agent.backends import TransformersBackend
-from kamera_agent.bench.fidelity import arm_budgets
-from kamera_agent.demo.evaluate import BUDGETS, RECOMPUTE_ARMS, Recompute, _deviation, evaluate
+from kamera_agent.bench.fidelity import arm_spends
+from kamera_agent.demo.evaluate import RECOMPUTE_ARMS, SHARES, Recompute, _deviation, evaluate
 from kamera_agent.demo.model import load_demo_model
 from kamera_agent.demo.task import make_items
 from kamera_agent.operator.layout import ChunkKV
@@ -44,11 +44,11 @@ def test_every_sweep_reaches_re_prefill_at_full_budget_and_blind_reuse_at_none(
 
 def test_budgets_count_what_each_arm_recomputes() -> None:
     tokens, features = [6, 6, 20, 20], (64, 64)
-    arms = [f"cacheblend-chunk-{p}" for p in BUDGETS] + ["epic-4", "epic-32", "cacheblend-bytes-16"]
-    budgets = arm_budgets(arms, tokens, features)
-    assert budgets["cacheblend-chunk-0"].recomputed == 0.0
-    assert budgets["cacheblend-chunk-100"].recomputed == 1.0 == budgets["epic-32"].recomputed
-    assert budgets["epic-4"].recomputed == (4 + 4 + 4 + 4) / 52
+    arms = [f"cacheblend-chunk-{p}" for p in SHARES] + ["epic-4", "epic-32", "cacheblend-bytes-16"]
+    spends = arm_spends(arms, tokens, features)
+    assert spends["cacheblend-chunk-0"].recomputed == 0.0
+    assert spends["cacheblend-chunk-100"].recomputed == 1.0 == spends["epic-32"].recomputed
+    assert spends["epic-4"].recomputed == (4 + 4 + 4 + 4) / 52
     # rank 16 stores 16·(n + F) numbers where a token's KV is F: ceil(16·(n + 64) / 64) tokens
     assert (
         Recompute("deviation", rank=16).count(20, 64) == 20

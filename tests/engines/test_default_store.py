@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kamera_agent.config import WindowConfig
-from kamera_agent.engines.stores import DEFAULT_DISK_BUDGET, STORE_DIR_VARIABLE, StoreRegistry
+from kamera_agent.engines.stores import DEFAULT_DISK_LIMIT, STORE_DIR_VARIABLE, StoreRegistry
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.store import EntryKey
 
@@ -57,7 +57,7 @@ def test_two_processes_write_and_read_one_default_folder(
             store = registry.open(FP, WindowConfig.exact())
         folder = tmp_path / FP[:32]
         assert store.disk_dir == folder and str(folder) in caplog.text  # one line names the folder
-        assert store.stats().disk_budget == DEFAULT_DISK_BUDGET
+        assert store.stats().disk_limit == DEFAULT_DISK_LIMIT
         theirs = store.get(EntryKey.full("theirs", "s"))  # filed by the other process, still running
         assert isinstance(theirs, ChunkKV) and float(theirs.keys.sum()) == 7.0 * 24
         store.put(EntryKey.full("mine", "s"), ChunkKV(torch.ones(2, 1, 3, 4), torch.zeros(2, 1, 3, 4)))
@@ -78,9 +78,9 @@ def test_two_processes_write_and_read_one_default_folder(
 def test_a_store_url_or_a_disk_dir_in_the_settings_is_used_as_named(tmp_path: Path) -> None:
     registry = StoreRegistry()
     try:
-        config = WindowConfig.exact(disk_dir=tmp_path / "mine", disk_budget=1 << 20)
+        config = WindowConfig.exact(disk_dir=tmp_path / "mine", disk_limit=1 << 20)
         store = registry.open(FP, config)
-        assert store.disk_dir == tmp_path / "mine" and store.stats().disk_budget == 1 << 20
+        assert store.disk_dir == tmp_path / "mine" and store.stats().disk_limit == 1 << 20
         assert registry.open(FP, config) is store and len(registry) == 1  # opened once
     finally:
         registry.close()

@@ -43,9 +43,9 @@ def test_a_namespace_joins_the_engines_scope_and_the_salt_and_is_empty_for_neith
 
 
 def test_the_pieces_of_a_plan_cover_its_tokens_exactly() -> None:
-    pieces = lifecycle.load_pieces(_plan())
-    assert [(p.start, p.end, p.a, p.b) for p in pieces] == [(40, 64, 8, 32), (64, 96, 0, 32)]
-    assert sum(p.end - p.start for p in pieces) == _plan().tokens
+    spans = lifecycle.load_spans(_plan())
+    assert [(s.start, s.end, s.entry_from, s.entry_to) for s in spans] == [(40, 64, 8, 32), (64, 96, 0, 32)]
+    assert sum(s.end - s.start for s in spans) == _plan().tokens
 
 
 def test_the_report_counts_loaded_and_kept_tokens_and_a_failed_load_loaded_nothing() -> None:
@@ -70,7 +70,7 @@ def test_offers_and_writes_are_counted_where_each_adapter_makes_them() -> None:
 
 
 def test_an_entry_the_store_lost_and_one_it_cannot_read_are_faults_of_their_own_kinds() -> None:
-    store = ChunkStore(fingerprint="f" * 64, memory_budget=1 << 20)
+    store = ChunkStore(fingerprint="f" * 64, memory_limit=1 << 20)
     held, gone = EntryKey.canonical("held"), EntryKey.canonical("gone")
     store.put(held, ChunkKV(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), None, "held"))
     faults = HookFaults(logging.getLogger("t"))
@@ -86,7 +86,7 @@ def test_a_request_plans_approximations_only_under_its_salt() -> None:
     before = keyed(anchor + middle + last, [(0, 8, "text"), (8, 16, "text"), (16, 32, "text")])
     now = keyed(anchor + last, [(0, 8, "text"), (8, 24, "text")])
     assert before[2].key == now[1].key  # the same message behind the same anchor
-    synthesis = PrefixSynthesis(ChunkStore(fingerprint="f" * 64, memory_budget=1 << 20), "keep")
+    synthesis = PrefixSynthesis(ChunkStore(fingerprint="f" * 64, memory_limit=1 << 20), "keep")
 
     def read(chunk: RequestChunk) -> ChunkKV:
         return ChunkKV(torch.zeros(1, 1, len(chunk), 4), torch.zeros(1, 1, len(chunk), 4))

@@ -33,7 +33,7 @@ def _whole(heads: int = HEADS) -> ChunkKV:
 
 
 def _store() -> ChunkStore:
-    return ChunkStore(fingerprint=FINGERPRINT, memory_budget=1 << 24)
+    return ChunkStore(fingerprint=FINGERPRINT, memory_limit=1 << 24)
 
 
 def _piece(kv: ChunkKV, heads: tuple[int, int], layers: tuple[int, int]) -> ChunkKV:

@@ -20,7 +20,7 @@ from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.identity import Context
 from kamera_agent.engines.chunking import keyed
-from kamera_agent.engines.synthesis import KeptBudget, PrefixSynthesis, RequestChunk, policy_of, serving
+from kamera_agent.engines.synthesis import KeptBudget, PrefixSynthesis, RequestChunk, serve_mode_of, serving
 from kamera_agent.errors import UncalibratedWarning
 from kamera_agent.fidelity import (
     CALIBRATION_DIR_VARIABLE,
@@ -84,13 +84,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _store() -> ChunkStore:
-    return ChunkStore(fingerprint=_backend().fingerprint, memory_budget=1 << 28)
+    return ChunkStore(fingerprint=_backend().fingerprint, memory_limit=1 << 28)
 
 
 def test_exact_serves_what_a_re_prefill_computes_and_nothing_else() -> None:
     s, a, b, c, d = _texts("cat", "dog", "owl", "fox", "elk")
-    synthesis = PrefixSynthesis(_store(), policy_of(WindowConfig.exact()))
-    assert synthesis.policy == "exact"
+    synthesis = PrefixSynthesis(_store(), serve_mode_of(WindowConfig.exact()))
+    assert synthesis.mode == "exact"
     assert _capture(synthesis, [s, a, b, c]) == 5  # anchor canonical + four conditioned states
     assert _capture(synthesis, [s, a, b, c]) == 0  # captured once
 
@@ -114,8 +114,8 @@ def test_exact_serves_what_a_re_prefill_computes_and_nothing_else() -> None:
 def test_keep_serves_a_moved_chunk_in_the_state_it_was_captured_in() -> None:
     s, a, b, c, d = _texts("cat", "dog", "owl", "fox", "elk")
     x, y = _long("yak"), _long("emu")
-    synthesis = PrefixSynthesis(_store(), policy_of(WindowConfig()))
-    assert synthesis.policy == "keep"
+    synthesis = PrefixSynthesis(_store(), serve_mode_of(WindowConfig()))
+    assert synthesis.mode == "keep"
     _capture(synthesis, [s, a, b, c])
     slid = _request([x, y, b, c, d])  # a and s left, b and c moved right
     anchor_len = slid[0].end
@@ -139,7 +139,7 @@ def test_keep_serves_a_moved_chunk_in_the_state_it_was_captured_in() -> None:
         placed = relocate(kv, layout, truth.positions)
         assert _rel(placed.keys, truth.keys) < EXACT and _rel(placed.values, truth.values) < EXACT
 
-    exact = PrefixSynthesis(synthesis.store, "exact")  # the same store under the exact policy
+    exact = PrefixSynthesis(synthesis.store, "exact")  # the same store in the exact mode
     assert [item.chunk for item in exact.plan(NS, slid, anchor_len, slid[-1].end).served] == slid[1:3]
 
 
@@ -319,7 +319,7 @@ def test_kept_states_are_served_only_where_a_filed_audit_puts_them_within_the_bu
 def test_engines_serve_kept_states_within_the_models_calibrated_budget(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`serving`: a kept policy bounded by the model's calibration (its ε, or the one given), exact
+    """`serving`: the keep mode bounded by the model's calibration (its ε, or the one given), exact
     without a calibration (one warning), unbounded only when asked (``drift_budget=None``)."""
     monkeypatch.setenv(CALIBRATION_DIR_VARIABLE, str(tmp_path))
     store, fingerprint = _store(), _backend().fingerprint
@@ -330,8 +330,8 @@ def test_engines_serve_kept_states_within_the_models_calibrated_budget(
     with pytest.warns(UncalibratedWarning, match="kamera calibrate"):
         assert serving(keep, store, fingerprint) == ("exact", None)
     save_calibration(_calibration(0.03), tmp_path)
-    policy, budget = serving(keep, store, fingerprint)
-    assert policy == "keep" and budget is not None and budget.epsilon == 0.03 and budget.audits is store
+    mode, budget = serving(keep, store, fingerprint)
+    assert mode == "keep" and budget is not None and budget.epsilon == 0.03 and budget.audits is store
     _, budget = serving(keep.model_copy(update={"drift_budget": 0.1}), store, fingerprint)
     assert budget is not None and budget.epsilon == 0.1
     assert serving(keep, store, "another model") == ("exact", None)  # never another model's constants

@@ -242,7 +242,7 @@ def test_a_client_that_disconnects_mid_stream_frees_the_model(
 def test_large_images_are_served_within_the_cache_budgets(serve: Serve) -> None:
     images, chunks, store = 16 << 20, 16 << 20, 64 << 20
     live = serve(
-        config=WindowConfig(memory_budget=store),
+        config=WindowConfig(memory_limit=store),
         image_cache_bytes=images,
         chunk_cache_bytes=chunks,
         max_sessions=2,

@@ -15,7 +15,7 @@ import pytest
 
 from kamera_agent.serve.bounds import SchemaBound, TextBound, expansion
 from kamera_agent.serve.lru import ByteLRU
-from kamera_agent.serve.pixels import BYTES_PER_PIXEL, PixelBudget
+from kamera_agent.serve.pixels import BYTES_PER_PIXEL, PixelLimit
 from kamera_agent.serve.protocol import RequestError
 from kamera_agent.serve.scheduler import ModelTurns
 
@@ -62,7 +62,7 @@ def test_text_past_the_context_by_its_length_alone_is_refused() -> None:
 def test_decoding_memory_is_held_by_tenant_and_in_all() -> None:
     side = 100
     one = side * side * BYTES_PER_PIXEL
-    budget = PixelBudget(total=3 * one, per_tenant=2 * one)
+    budget = PixelLimit(total=3 * one, per_tenant=2 * one)
     with budget.lease("a") as first, budget.lease("a") as second:
         first.take(side, side, "a0")
         second.take(side, side, "a1")

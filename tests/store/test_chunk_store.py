@@ -22,9 +22,9 @@ import torch
 from kamera_agent.errors import (
     ForeignChunkError,
     ForeignPatchError,
-    StoreBudgetError,
     StoreDirectoryError,
     StoreKeyError,
+    StoreLimitError,
 )
 from kamera_agent.operator import ChunkKV, Patch
 from kamera_agent.store import EVICTION_POLICIES, ChunkStore, DriftAudit, EntryKey
@@ -155,9 +155,9 @@ KEYS = (
 def test_random_walk_keeps_budgets_and_explains_every_miss(
     tmp_path: Path, policy: str, with_disk: bool
 ) -> None:
-    memory_budget, disk_budget = 40_000, 120_000
-    disk = {"disk_dir": tmp_path / "spill", "disk_budget": disk_budget} if with_disk else {}
-    store = ChunkStore(fingerprint=FP, memory_budget=memory_budget, policy=policy, **disk)  # type: ignore[arg-type]
+    memory_limit, disk_limit = 40_000, 120_000
+    disk = {"disk_dir": tmp_path / "spill", "disk_limit": disk_limit} if with_disk else {}
+    store = ChunkStore(fingerprint=FP, memory_limit=memory_limit, policy=policy, **disk)  # type: ignore[arg-type]
     rng = random.Random(1234)
     put_version: dict[EntryKey, int] = {}
     lost: set[EntryKey] = set()  # put, then pushed out of every tier (an event said so)
@@ -183,8 +183,8 @@ def test_random_walk_keeps_budgets_and_explains_every_miss(
             lost |= {event.key} if event.lost else set()
         assert store.contains(key) == (key in put_version and key not in lost)
         stats = store.stats()
-        assert stats.memory_bytes <= memory_budget
-        assert stats.disk_bytes <= disk_budget
+        assert stats.memory_bytes <= memory_limit
+        assert stats.disk_bytes <= disk_limit
         if with_disk:
             assert stats.disk_bytes == file_bytes(tmp_path / "spill")
     stats = store.stats()
@@ -204,7 +204,7 @@ def test_random_walk_keeps_budgets_and_explains_every_miss(
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_corrupt_spill_file_is_dropped_not_served(tmp_path: Path, damage: str) -> None:
-    store = ChunkStore(fingerprint=FP, memory_budget=3_000, disk_dir=tmp_path, disk_budget=100_000)
+    store = ChunkStore(fingerprint=FP, memory_limit=3_000, disk_dir=tmp_path, disk_limit=100_000)
     first, second = make_kv("first", 4, seed=1), make_kv("second", 4, seed=2)  # 2,048 bytes each
     store.put_canonical(first)
     store.put_canonical(second)  # pushes `first` to disk
@@ -239,7 +239,7 @@ def test_unreadable_file_is_dropped_when_the_directory_is_reindexed(tmp_path: Pa
     crashed.write_bytes(b"half a file")
     in_flight.write_bytes(b"another process is writing this")
     os.utime(crashed, (0, 0))  # a crash's leftover is old; a write in flight is not
-    store = ChunkStore(fingerprint=FP, memory_budget=10_000, disk_dir=tmp_path, disk_budget=100_000)
+    store = ChunkStore(fingerprint=FP, memory_limit=10_000, disk_dir=tmp_path, disk_limit=100_000)
     assert not bogus.exists() and not crashed.exists() and in_flight.exists()
     assert store.stats().corrupt_dropped == 1 and store.keys() == []
 
@@ -262,7 +262,7 @@ from kamera_agent.store import ChunkStore
 {digest}
 
 budget = 1_000_000
-store = ChunkStore(fingerprint=sys.argv[2], memory_budget=budget, disk_dir=sys.argv[1], disk_budget=budget)
+store = ChunkStore(fingerprint=sys.argv[2], memory_limit=budget, disk_dir=sys.argv[1], disk_limit=budget)
 stats = store.stats()
 found = {{}}
 for key in store.keys():
@@ -289,7 +289,7 @@ def test_new_process_reopens_the_disk_tier(tmp_path: Path, index: str) -> None:
         EntryKey.patch("page", "a<b<c"): make_patch("page", "a<b<c", 6, 2, seed=5),
         EntryKey.patch("page", "{a,b,c}"): make_patch("page", "{a,b,c}", 6, 3, seed=6),
     }
-    with ChunkStore(fingerprint=FP, memory_budget=8_000, disk_dir=directory, disk_budget=200_000) as store:
+    with ChunkStore(fingerprint=FP, memory_limit=8_000, disk_dir=directory, disk_limit=200_000) as store:
         for key, value in entries.items():
             put(store, key, value)
         store.flush()
@@ -314,7 +314,7 @@ def test_new_process_reopens_the_disk_tier(tmp_path: Path, index: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [0, 1, 3])
 def test_entries_round_trip_through_disk_exactly(tmp_path: Path, dtype: torch.dtype, rows: int) -> None:
-    store = ChunkStore(fingerprint=FP, memory_budget=4_000, disk_dir=tmp_path, disk_budget=100_000)
+    store = ChunkStore(fingerprint=FP, memory_limit=4_000, disk_dir=tmp_path, disk_limit=100_000)
     kv = make_kv("chunk", 5, seed=7, dtype=dtype, rows=rows)
     patch = make_patch("chunk", "", 5, 2, seed=8)
     vision = make_vision(3, seed=9)
@@ -324,7 +324,7 @@ def test_entries_round_trip_through_disk_exactly(tmp_path: Path, dtype: torch.dt
     audit = DriftAudit("chunk", "state", "left", 0.1 + 1e-17 * rows, rows + 2)
     store.put_audit(audit)
     store.close()  # writes what memory holds, releases the directory
-    reopened = ChunkStore(fingerprint=FP, memory_budget=4_000, disk_dir=tmp_path, disk_budget=100_000)
+    reopened = ChunkStore(fingerprint=FP, memory_limit=4_000, disk_dir=tmp_path, disk_limit=100_000)
     assert_same(reopened.get_canonical("chunk"), kv)  # type: ignore[arg-type]
     assert_same(reopened.get_patch("chunk", ""), patch)  # type: ignore[arg-type]
     assert_same(reopened.get_vision("chunk"), vision)  # type: ignore[arg-type]
@@ -333,8 +333,8 @@ def test_entries_round_trip_through_disk_exactly(tmp_path: Path, dtype: torch.dt
     assert reopened.stats().disk_hits == 4
 
 
-def test_promotion_respects_the_memory_budget(tmp_path: Path) -> None:
-    store = ChunkStore(fingerprint=FP, memory_budget=5_000, disk_dir=tmp_path, disk_budget=100_000)
+def test_promotion_respects_the_memory_limit(tmp_path: Path) -> None:
+    store = ChunkStore(fingerprint=FP, memory_limit=5_000, disk_dir=tmp_path, disk_limit=100_000)
     kvs = [make_kv(f"k{i}", 4, seed=i) for i in range(4)]  # 2,048 bytes each: two fit
     for kv in kvs:
         store.put_canonical(kv)
@@ -354,7 +354,7 @@ def test_promotion_respects_the_memory_budget(tmp_path: Path) -> None:
 
 
 def test_memory_only_store_counts_what_it_drops() -> None:
-    store = ChunkStore(fingerprint=FP, memory_budget=4_500)
+    store = ChunkStore(fingerprint=FP, memory_limit=4_500)
     for i in range(3):
         store.put_canonical(make_kv(f"k{i}", 4, seed=i))
     assert not store.contains(EntryKey.canonical("k0")) and store.get_canonical("k0") is None
@@ -373,7 +373,7 @@ def test_memory_only_store_counts_what_it_drops() -> None:
     ("policy", "victim"), [("lru", "k1"), ("fifo", "k0"), ("largest_first", "k2"), ("lfu", "k1")]
 )
 def test_eviction_policies_pick_their_victim(policy: str, victim: str) -> None:
-    store = ChunkStore(fingerprint=FP, memory_budget=8_000, policy=policy)
+    store = ChunkStore(fingerprint=FP, memory_limit=8_000, policy=policy)
     store.put_canonical(make_kv("k0", 2))  # 1,024 bytes, used again below
     store.put_canonical(make_kv("k1", 2))  # 1,024 bytes
     store.put_canonical(make_kv("k2", 4))  # 2,048 bytes
@@ -385,8 +385,8 @@ def test_eviction_policies_pick_their_victim(policy: str, victim: str) -> None:
 def test_policies_are_a_registry_of_scores_and_callables_plug_in() -> None:
     assert set(EVICTION_POLICIES) == {"lru", "fifo", "lfu", "largest_first"}
     with pytest.raises(ValueError, match=r"unknown eviction policy 'mru'.*fifo, largest_first, lfu, lru"):
-        ChunkStore(fingerprint=FP, memory_budget=1_000, policy="mru")
-    store = ChunkStore(fingerprint=FP, memory_budget=2_100, policy=lambda info: -info.last_used)  # MRU
+        ChunkStore(fingerprint=FP, memory_limit=1_000, policy="mru")
+    store = ChunkStore(fingerprint=FP, memory_limit=2_100, policy=lambda info: -info.last_used)  # MRU
     for i in range(3):
         store.put_canonical(make_kv(f"k{i}", 2))
     assert [event.key.key for event in store.events()] == ["k1"]
@@ -396,21 +396,21 @@ def test_policies_are_a_registry_of_scores_and_callables_plug_in() -> None:
 
 
 def test_budget_smaller_than_one_entry_is_a_named_error(tmp_path: Path) -> None:
-    with pytest.raises(StoreBudgetError, match=r"takes 2048 bytes but memory_budget is 2000 bytes: raise"):
-        ChunkStore(fingerprint=FP, memory_budget=2_000).put_canonical(make_kv("k", 4))
-    store = ChunkStore(fingerprint=FP, memory_budget=10_000, disk_dir=tmp_path, disk_budget=1_000)
-    with pytest.raises(StoreBudgetError, match=r"takes 2048 bytes but disk_budget is 1000 bytes: raise"):
+    with pytest.raises(StoreLimitError, match=r"takes 2048 bytes but memory_limit is 2000 bytes: raise"):
+        ChunkStore(fingerprint=FP, memory_limit=2_000).put_canonical(make_kv("k", 4))
+    store = ChunkStore(fingerprint=FP, memory_limit=10_000, disk_dir=tmp_path, disk_limit=1_000)
+    with pytest.raises(StoreLimitError, match=r"takes 2048 bytes but disk_limit is 1000 bytes: raise"):
         store.put_canonical(make_kv("k", 4))
     assert store.stats().puts == 0 and store.keys() == []  # refused before anything changed
     for bad in (0, -5, 1.5, True):
-        with pytest.raises(StoreBudgetError, match="positive number of bytes"):
-            ChunkStore(fingerprint=FP, memory_budget=bad)  # type: ignore[arg-type]
-    with pytest.raises(StoreBudgetError, match="disk_dir and disk_budget go together"):
-        ChunkStore(fingerprint=FP, memory_budget=1_000, disk_dir=tmp_path)
+        with pytest.raises(StoreLimitError, match="positive number of bytes"):
+            ChunkStore(fingerprint=FP, memory_limit=bad)  # type: ignore[arg-type]
+    with pytest.raises(StoreLimitError, match="disk_dir and disk_limit go together"):
+        ChunkStore(fingerprint=FP, memory_limit=1_000, disk_dir=tmp_path)
 
 
 def test_foreign_fingerprint_is_refused_on_put_and_on_load(tmp_path: Path) -> None:
-    store = ChunkStore(fingerprint=FP, memory_budget=10_000, disk_dir=tmp_path, disk_budget=100_000)
+    store = ChunkStore(fingerprint=FP, memory_limit=10_000, disk_dir=tmp_path, disk_limit=100_000)
     with pytest.raises(ForeignChunkError, match=r"one store .* per model fingerprint"):
         store.put_canonical(replace(make_kv("k", 2), model_fingerprint=OTHER_FP))
     with pytest.raises(ForeignPatchError):  # ForeignChunkError is a ForeignPatchError
@@ -421,30 +421,28 @@ def test_foreign_fingerprint_is_refused_on_put_and_on_load(tmp_path: Path) -> No
     assert stored is not None and stored.model_fingerprint == FP
     store.put_vision("v", make_vision(2))
     store.close()  # one process-open store per directory: the other model's store opens it next
-    other = ChunkStore(fingerprint=OTHER_FP, memory_budget=10_000, disk_dir=tmp_path, disk_budget=100_000)
+    other = ChunkStore(fingerprint=OTHER_FP, memory_limit=10_000, disk_dir=tmp_path, disk_limit=100_000)
     with pytest.raises(ForeignChunkError, match=f"made by model {FP[:16]}"):
         other.get_vision("v")
     assert other.contains(EntryKey.vision("v"))  # another model's valid file is left alone
 
 
 def test_entries_without_a_content_key_are_refused() -> None:
-    store = ChunkStore(fingerprint=FP, memory_budget=10_000)
+    store = ChunkStore(fingerprint=FP, memory_limit=10_000)
     with pytest.raises(StoreKeyError, match="content key"):
         store.put_canonical(make_kv("", 2))
     with pytest.raises(StoreKeyError, match="reserved"):
         store.put_vision("v", {"__metadata__": torch.zeros(1)})
     with pytest.raises(StoreKeyError, match="fingerprint"):
-        ChunkStore(fingerprint="", memory_budget=10_000)
+        ChunkStore(fingerprint="", memory_limit=10_000)
 
 
 # --- threads ------------------------------------------------------------------------------
 
 
 def test_concurrent_puts_and_gets_keep_the_invariants(tmp_path: Path) -> None:
-    memory_budget, disk_budget = 30_000, 80_000
-    store = ChunkStore(
-        fingerprint=FP, memory_budget=memory_budget, disk_dir=tmp_path, disk_budget=disk_budget
-    )
+    memory_limit, disk_limit = 30_000, 80_000
+    store = ChunkStore(fingerprint=FP, memory_limit=memory_limit, disk_dir=tmp_path, disk_limit=disk_limit)
     keys = KEYS[::2]
     content = {key: build(key, 0) for key in keys}  # content-addressed: one content per key
     failures: list[str] = []
@@ -466,7 +464,7 @@ def test_concurrent_puts_and_gets_keep_the_invariants(tmp_path: Path) -> None:
                     if got is not None:
                         assert_same(got, content[key])
                 stats = store.stats()
-                assert stats.memory_bytes <= memory_budget and stats.disk_bytes <= disk_budget
+                assert stats.memory_bytes <= memory_limit and stats.disk_bytes <= disk_limit
         except Exception as exc:  # reported below: an assert in a thread would vanish
             failures.append(repr(exc))
         with counter_lock:
@@ -481,7 +479,7 @@ def test_concurrent_puts_and_gets_keep_the_invariants(tmp_path: Path) -> None:
     assert failures == []
     stats = store.stats()
     assert (stats.puts, stats.hits + stats.misses) == (counts["puts"], counts["gets"])
-    assert stats.memory_bytes <= memory_budget and stats.disk_bytes == file_bytes(tmp_path) <= disk_budget
+    assert stats.memory_bytes <= memory_limit and stats.disk_bytes == file_bytes(tmp_path) <= disk_limit
     for key in store.keys():  # noqa: SIM118  (a list snapshot: gets below may evict)
         got = get(store, key)
         if got is None:  # an earlier get's promotion pushed it out of both tiers, and said so
@@ -499,7 +497,7 @@ from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.store import ChunkStore
 shared = sys.argv[3] == "hold"
 store = ChunkStore(
-    fingerprint=sys.argv[2], memory_budget=1 << 20, disk_dir=sys.argv[1], disk_budget=1 << 20,
+    fingerprint=sys.argv[2], memory_limit=1 << 20, disk_dir=sys.argv[1], disk_limit=1 << 20,
     disk_shared=shared,
 )
 store.put_canonical(ChunkKV(torch.ones(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), None, "durable", sys.argv[2]))
@@ -518,7 +516,7 @@ def test_a_store_written_without_flush_is_found_by_the_next_process(tmp_path: Pa
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    with ChunkStore(fingerprint=FP, memory_budget=1 << 20, disk_dir=tmp_path, disk_budget=1 << 20) as store:
+    with ChunkStore(fingerprint=FP, memory_limit=1 << 20, disk_dir=tmp_path, disk_limit=1 << 20) as store:
         found = store.get_canonical("durable")
         assert found is not None and float(found.keys.sum()) == 24.0
 
@@ -535,7 +533,7 @@ def test_a_second_process_shares_one_directory_while_the_first_holds_it(tmp_path
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
         with ChunkStore(
-            fingerprint=FP, memory_budget=1 << 20, disk_dir=tmp_path, disk_budget=1 << 20, disk_shared=True
+            fingerprint=FP, memory_limit=1 << 20, disk_dir=tmp_path, disk_limit=1 << 20, disk_shared=True
         ) as store:
             found = store.get_canonical("durable")  # filed by the holder, which runs on
             assert found is not None and float(found.keys.sum()) == 24.0
@@ -559,7 +557,7 @@ def test_stores_sharing_a_directory_keep_one_budget_and_never_serve_a_replaced_f
 
     def store() -> ChunkStore:
         return ChunkStore(
-            fingerprint=FP, memory_budget=4_000, disk_dir=tmp_path, disk_budget=8_000, disk_shared=True
+            fingerprint=FP, memory_limit=4_000, disk_dir=tmp_path, disk_limit=8_000, disk_shared=True
         )
 
     a, b = store(), store()
@@ -584,7 +582,7 @@ def test_a_directory_that_cannot_be_used_is_a_store_error(tmp_path: Path) -> Non
     a_file = tmp_path / "not-a-dir"
     a_file.write_text("x")
     with pytest.raises(StoreDirectoryError, match="not-a-dir"):
-        ChunkStore(fingerprint=FP, memory_budget=1_000, disk_dir=a_file, disk_budget=1_000)
+        ChunkStore(fingerprint=FP, memory_limit=1_000, disk_dir=a_file, disk_limit=1_000)
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
@@ -592,13 +590,13 @@ def test_a_directory_that_cannot_be_used_is_a_store_error(tmp_path: Path) -> Non
         if os.access(locked, os.W_OK):  # root ignores permissions: nothing to test here
             return
         with pytest.raises(StoreDirectoryError, match="locked"):
-            ChunkStore(fingerprint=FP, memory_budget=1_000, disk_dir=locked, disk_budget=1_000)
+            ChunkStore(fingerprint=FP, memory_limit=1_000, disk_dir=locked, disk_limit=1_000)
     finally:
         locked.chmod(0o700)
 
 
 def test_putting_the_same_entry_again_keeps_its_durable_file(tmp_path: Path) -> None:
-    with ChunkStore(fingerprint=FP, memory_budget=10_000, disk_dir=tmp_path, disk_budget=100_000) as store:
+    with ChunkStore(fingerprint=FP, memory_limit=10_000, disk_dir=tmp_path, disk_limit=100_000) as store:
         kv = make_kv("k", 4)
         store.put_canonical(kv)
         store.flush()
@@ -613,9 +611,9 @@ def test_putting_the_same_entry_again_keeps_its_durable_file(tmp_path: Path) -> 
 def test_an_audit_that_is_no_measurement_is_refused_when_read(tmp_path: Path, error: float) -> None:
     """An audit's error is a finite number >= 0; a file saying otherwise (written by hand or
     damaged in a way its checksum cannot see) is dropped when read, never served as a drift."""
-    store = ChunkStore(fingerprint=FP, memory_budget=4_000, disk_dir=tmp_path, disk_budget=100_000)
+    store = ChunkStore(fingerprint=FP, memory_limit=4_000, disk_dir=tmp_path, disk_limit=100_000)
     store.put_audit(DriftAudit("chunk", "state", "left", error, 3))
     store.close()
-    reopened = ChunkStore(fingerprint=FP, memory_budget=4_000, disk_dir=tmp_path, disk_budget=100_000)
+    reopened = ChunkStore(fingerprint=FP, memory_limit=4_000, disk_dir=tmp_path, disk_limit=100_000)
     assert reopened.get_audit("chunk", "state", "left") is None
     assert reopened.stats().corrupt_dropped == 1

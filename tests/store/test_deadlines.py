@@ -21,7 +21,7 @@ from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.config import WindowConfig
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.store import ChunkStore, EntryKey
-from kamera_agent.store.deadlines import DeadlinePolicy, Deadlines
+from kamera_agent.store.deadlines import DeadlineBounds, Deadlines
 from kamera_agent.store.remote import connection
 from kamera_agent.window import KameraWindow
 from tests.backends.test_transformers_backend import images
@@ -35,7 +35,7 @@ parts (a large entry is many values, each many slow chunks)."""
 
 
 def test_a_deadline_is_what_recomputing_the_entry_costs_within_its_floor_and_ceiling() -> None:
-    deadlines = Deadlines(DeadlinePolicy(factor=2.0, floor=0.05, ceiling=1.0))
+    deadlines = Deadlines(DeadlineBounds(factor=2.0, floor=0.05, ceiling=1.0))
     assert deadlines.for_tokens(100) == 1.0  # nothing measured yet: the ceiling
     deadlines.observe(1000, 0.5)  # 0.5 ms a token
     assert deadlines.for_tokens(100) == pytest.approx(0.1)  # 2 × 100 × 0.5 ms
@@ -45,7 +45,7 @@ def test_a_deadline_is_what_recomputing_the_entry_costs_within_its_floor_and_cei
     assert 0.5e-3 < (deadlines.seconds_per_token or 0) < 1.5e-3
     deadlines.observe(0, 1.0)  # no tokens: nothing to learn
     with pytest.raises(ValueError, match="floor"):
-        DeadlinePolicy(floor=2.0, ceiling=1.0)
+        DeadlineBounds(floor=2.0, ceiling=1.0)
 
 
 @pytest.fixture
@@ -72,15 +72,15 @@ def test_every_lookup_that_outlives_its_deadline_is_abandoned_and_counted(
     store_url: str, proxy: SlowProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(connection, "SLOW_PAUSE", (0.3, 1.0))  # skipped for 0.3 s (2 s by default)
-    with ChunkStore(fingerprint=FP, memory_budget=1 << 26, remote=f"{store_url}?{SLOW}") as writer:
+    with ChunkStore(fingerprint=FP, memory_limit=1 << 26, remote=f"{store_url}?{SLOW}") as writer:
         small, large = _kv("small", 4), _kv("large", 2048)  # inline, and 128 parts of 4 KiB
         writer.put_canonical(small)
         writer.put_canonical(large)
         writer.flush()
         assert writer.stats().remote_writes == 2
     url = f"redis://127.0.0.1:{proxy.port}/0?{SLOW}"
-    policy = DeadlinePolicy(factor=1.0, floor=0.2, ceiling=0.4)
-    reader = ChunkStore(fingerprint=FP, memory_budget=1 << 26, remote=url, deadlines=policy)
+    bounds = DeadlineBounds(factor=1.0, floor=0.2, ceiling=0.4)
+    reader = ChunkStore(fingerprint=FP, memory_limit=1 << 26, remote=url, deadlines=bounds)
     try:
         # each a round trip of at least 0.6 s through the proxy; the large one ~40 s in all
         lookups = [
@@ -92,7 +92,7 @@ def test_every_lookup_that_outlives_its_deadline_is_abandoned_and_counted(
         stats = reader.stats()
         assert stats.remote_deadline_misses == 3 and stats.remote_hits == 0
         assert stats.remote_misses == 2 and stats.remote_errors == 2 and stats.unavailable == 3
-        assert all(s < policy.ceiling + 1.0 for s in seconds), seconds  # abandoned, not waited out
+        assert all(s < bounds.ceiling + 1.0 for s in seconds), seconds  # abandoned, not waited out
         assert stats.remote_state == "slow" and stats.remote_outages == 0
         # three in a row: the server is skipped for now, a lookup costs nothing and no deadline
         assert reader.get_canonical("small") is None
@@ -108,13 +108,13 @@ def test_every_lookup_that_outlives_its_deadline_is_abandoned_and_counted(
 
 def test_a_hit_within_its_deadline_is_taken_however_slow_the_link(store_url: str, proxy: SlowProxy) -> None:
     """The deadline scales with what the entry saves: a generous one lets a slow hit through."""
-    with ChunkStore(fingerprint=FP, memory_budget=1 << 26, remote=f"{store_url}?{SLOW}") as writer:
+    with ChunkStore(fingerprint=FP, memory_limit=1 << 26, remote=f"{store_url}?{SLOW}") as writer:
         small = _kv("small", 4)
         writer.put_canonical(small)
         writer.flush()
     url = f"redis://127.0.0.1:{proxy.port}/0?{SLOW}"
-    policy = DeadlinePolicy(factor=1.0, floor=5.0, ceiling=10.0)
-    with ChunkStore(fingerprint=FP, memory_budget=1 << 26, remote=url, deadlines=policy) as reader:
+    bounds = DeadlineBounds(factor=1.0, floor=5.0, ceiling=10.0)
+    with ChunkStore(fingerprint=FP, memory_limit=1 << 26, remote=url, deadlines=bounds) as reader:
         got = reader.get_canonical("small")  # two round trips of ~0.6 s each
         assert got is not None and torch.equal(got.values, small.values)
         assert reader.stats().remote_deadline_misses == 0
@@ -128,7 +128,7 @@ def test_a_window_over_a_slow_store_answers_as_the_models_own_forward(proxy: Slo
         store_url=f"redis://127.0.0.1:{proxy.port}/0?{SLOW}",
         store_deadline_floor=0.1,
         store_deadline_ceiling=0.2,
-        evicted_pixels="keep",
+        evicted_pixels="retain",
     )
     window = KameraWindow(backend, config=config)  # type: ignore[arg-type]
     pics = images(2, seed=3)

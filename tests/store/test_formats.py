@@ -42,7 +42,7 @@ def test_the_format_is_4_and_a_decode_of_another_names_both() -> None:
 
 
 def _store(directory: Path) -> ChunkStore:
-    return ChunkStore(fingerprint=FP, memory_budget=1 << 20, disk_dir=directory, disk_budget=1 << 20)
+    return ChunkStore(fingerprint=FP, memory_limit=1 << 20, disk_dir=directory, disk_limit=1 << 20)
 
 
 def _write_old(directory: Path) -> None:
@@ -112,14 +112,14 @@ def test_an_older_format_on_the_shared_tier_is_rejected_by_name(
         patched.setattr(codec, "FORMAT", OLD)
         if head == "from an older kamera":
             patched.setattr(framing, "_info", _old_info)
-        writer = ChunkStore(fingerprint=FP, memory_budget=1 << 20, remote=store_url + "?part_bytes=1024")
+        writer = ChunkStore(fingerprint=FP, memory_limit=1 << 20, remote=store_url + "?part_bytes=1024")
         writer.put_canonical(make_kv("page", 8))  # 4 KiB of tensors: a head and parts
         writer.put_patch(make_patch("page", STATE, 4, 2))
         writer.close()  # the queued writes are encoded (in the old format) and written
     assert writer.stats().remote_writes == 2
     caplog.set_level(logging.WARNING, logger="kamera_agent.store.remote")
 
-    reader = ChunkStore(fingerprint=FP, memory_budget=1 << 20, remote=store_url)
+    reader = ChunkStore(fingerprint=FP, memory_limit=1 << 20, remote=store_url)
     assert reader.get_canonical("page") is None  # the get path: never decoded as this format
     assert reader.patch_info("page", STATE) is None  # the peek path: no stale state for a planner
     assert reader.get_patch("page", STATE) is None
@@ -131,7 +131,7 @@ def test_an_older_format_on_the_shared_tier_is_rejected_by_name(
     assert f"({OLD})" in messages[0]  # the canonical's payload (or head) names its format
     reader.put_canonical(make_kv("page", 8, seed=5))  # computed again, shared again
     reader.close()
-    fresh = ChunkStore(fingerprint=FP, memory_budget=1 << 20, remote=store_url)
+    fresh = ChunkStore(fingerprint=FP, memory_limit=1 << 20, remote=store_url)
     got = fresh.get_canonical("page")
     assert got is not None and torch.equal(got.keys, make_kv("page", 8, seed=5).keys)
     fresh.close()

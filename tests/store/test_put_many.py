@@ -31,7 +31,7 @@ def _entries() -> list[tuple[EntryKey, StoredValue]]:
 
 def _store(path: Path, fake: FakeTier) -> ChunkStore:
     budget = 2 * make_kv("x", 12).nbytes  # tight: the batch evicts as it goes
-    return ChunkStore(fingerprint=FP, memory_budget=budget, disk_dir=path, disk_budget=1 << 20, tiers=[fake])
+    return ChunkStore(fingerprint=FP, memory_limit=budget, disk_dir=path, disk_limit=1 << 20, tiers=[fake])
 
 
 def test_a_batch_stores_what_one_put_each_stores(tmp_path: Path) -> None:
@@ -52,7 +52,7 @@ def test_a_batch_stores_what_one_put_each_stores(tmp_path: Path) -> None:
 
 def test_entries_too_large_for_a_budget_are_skipped_and_counted() -> None:
     small, large = make_kv("a", 4), make_kv("b", 64)
-    store = ChunkStore(fingerprint=FP, memory_budget=large.nbytes - 1)
+    store = ChunkStore(fingerprint=FP, memory_limit=large.nbytes - 1)
     done = store.put_many([(EntryKey.canonical("b"), large), (EntryKey.canonical("a"), small)])
     assert (done.stored, done.nbytes, done.too_large) == (1, small.nbytes, 1)
     assert store.has_canonical("a") and not store.has_canonical("b")
@@ -74,7 +74,7 @@ def _foreign() -> ChunkKV:
 def test_a_batch_that_fails_a_check_stores_nothing(
     bad: tuple[EntryKey, StoredValue], error: type[Exception]
 ) -> None:
-    store = ChunkStore(fingerprint=FP, memory_budget=1 << 20)
+    store = ChunkStore(fingerprint=FP, memory_limit=1 << 20)
     with pytest.raises(error):
         store.put_many([(EntryKey.canonical("a"), make_kv("a", 4)), bad])
     assert store.keys() == [] and store.stats().puts == 0

@@ -52,7 +52,7 @@ def test_every_url_kamera_took_opens_its_tier(url: str, tier: type) -> None:
 @pytest.mark.parametrize("url", ["ftp://host/x", "host:6379", "mongodb://db"])
 def test_an_unknown_scheme_names_itself_and_the_registered_ones(url: str) -> None:
     with pytest.raises(UnknownTierSchemeError, match=r"registered: .*redis.*s3") as caught:
-        ChunkStore(fingerprint=FP, memory_budget=1 << 20, urls=[url])
+        ChunkStore(fingerprint=FP, memory_limit=1 << 20, urls=[url])
     scheme = url.partition("://")[0] if "://" in url else "no scheme"
     assert scheme in str(caught.value) and "register" in str(caught.value)
     with pytest.raises(ConfigError, match="no tier is registered"):
@@ -74,7 +74,7 @@ def test_a_third_party_tier_is_one_registration() -> None:
     registry.register("fake", "tests.store.test_registry:UrlFakeTier")  # imported on first use
     assert "fake" in registry.schemes
     with ChunkStore(
-        fingerprint=FP, memory_budget=1 << 20, urls=["fake://a", "fake://b"], registry=registry
+        fingerprint=FP, memory_limit=1 << 20, urls=["fake://a", "fake://b"], registry=registry
     ) as store:
         store.put_canonical(make_kv("x", 4))
         assert list(store.tiers) == ["fake", "fake_2"]  # a second tier of a kind gets its own name
@@ -104,7 +104,7 @@ def test_a_failed_url_opens_nothing() -> None:
 
     registry.register("rec", Recorded)
     with pytest.raises(StoreURLError, match="boom"):
-        ChunkStore(fingerprint=FP, memory_budget=1 << 20, urls=["rec://ok", "rec://boom"], registry=registry)
+        ChunkStore(fingerprint=FP, memory_limit=1 << 20, urls=["rec://ok", "rec://boom"], registry=registry)
     assert [tier.down for tier in opened] == [True]  # the one opened was closed again
 
 
@@ -121,7 +121,7 @@ def test_store_urls_come_from_the_setting_or_the_variable(monkeypatch: pytest.Mo
 def test_every_tier_reaches_metrics_without_code_of_its_own(tmp_path: object) -> None:
     fake = FakeTier(label="x")
     with ChunkStore(
-        fingerprint=FP, memory_budget=1 << 20, disk_dir=str(tmp_path), disk_budget=1 << 20, tiers=[fake]
+        fingerprint=FP, memory_limit=1 << 20, disk_dir=str(tmp_path), disk_limit=1 << 20, tiers=[fake]
     ) as store:
         store.put_canonical(make_kv("a", 4))
         fake.down = True

@@ -42,7 +42,7 @@ def _patch(key: str, state: str) -> Patch:
 
 
 def _store(url: str | None, fingerprint: str = FP) -> ChunkStore:
-    return ChunkStore(fingerprint=fingerprint, memory_budget=1 << 30, remote=url)
+    return ChunkStore(fingerprint=fingerprint, memory_limit=1 << 30, remote=url)
 
 
 # -- the URL ---------------------------------------------------------------------------------

@@ -14,15 +14,15 @@ import boto3
 import pytest
 
 from kamera_agent.store import ChunkStore
-from kamera_agent.store.deadlines import DeadlinePolicy
+from kamera_agent.store.deadlines import DeadlineBounds
 from kamera_agent.store.s3 import parse_s3_url
 from tests.store.test_chunk_store import FP, make_kv
 
-FAST = DeadlinePolicy(factor=1.0, floor=0.3, ceiling=0.6)
+FAST = DeadlineBounds(factor=1.0, floor=0.3, ceiling=0.6)
 
 
 def _store(url: str, secret: str | None = None) -> ChunkStore:
-    return ChunkStore(fingerprint=FP, memory_budget=1 << 24, urls=[url], secret=secret, deadlines=FAST)
+    return ChunkStore(fingerprint=FP, memory_limit=1 << 24, urls=[url], secret=secret, deadlines=FAST)
 
 
 def _objects(url: str) -> dict[str, bytes]:

@@ -77,7 +77,7 @@ def test_killing_the_server_mid_episode_never_breaks_an_op_or_an_answer(own_serv
     """Exact settings: every answer equals the model's own re-prefill, before, during and after."""
     backend = backend_named("qwen2_vl")
     port = own_server.port
-    config = WindowConfig.exact(store_url=f"redis://127.0.0.1:{port}/0", evicted_pixels="keep")
+    config = WindowConfig.exact(store_url=f"redis://127.0.0.1:{port}/0", evicted_pixels="retain")
     window = KameraWindow(backend, config=config)  # type: ignore[arg-type]
     pics = images(4, seed=5)
     question = "What is it?"

@@ -57,9 +57,7 @@ def test_a_signer_verifies_its_own_and_previous_secrets_and_never_prints_them() 
 
 
 def _disk_store(path: Path, secret: str | None) -> ChunkStore:
-    return ChunkStore(
-        fingerprint=FP, memory_budget=1 << 30, disk_dir=path, disk_budget=1 << 30, secret=secret
-    )
+    return ChunkStore(fingerprint=FP, memory_limit=1 << 30, disk_dir=path, disk_limit=1 << 30, secret=secret)
 
 
 def _forge_on_disk(path: Path) -> None:
@@ -103,7 +101,7 @@ def test_unsigned_entries_are_refused_once_a_secret_is_set(tmp_path: Path) -> No
 
 def _remote(url: str, secret: str | None = None, previous: tuple[str, ...] = ()) -> ChunkStore:
     return ChunkStore(
-        fingerprint=FP, memory_budget=1 << 30, remote=url, secret=secret, previous_secrets=previous
+        fingerprint=FP, memory_limit=1 << 30, remote=url, secret=secret, previous_secrets=previous
     )
 
 

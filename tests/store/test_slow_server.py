@@ -78,13 +78,13 @@ def _kv(key: str) -> ChunkKV:
 def test_a_slow_healthy_server_raises_the_timeout_instead_of_an_outage(
     store_url: str, proxy: DelayingProxy, room: bool
 ) -> None:
-    writer = ChunkStore(fingerprint=FP, memory_budget=1 << 26, remote=store_url)
+    writer = ChunkStore(fingerprint=FP, memory_limit=1 << 26, remote=store_url)
     for key in ("a", "b", "c"):
         writer.put_canonical(_kv(key))
     writer.flush()
     ceiling = 1.0 if room else 0.1
     url = f"redis://127.0.0.1:{proxy.port}/0?timeout=0.1&max_timeout={ceiling}"
-    reader = ChunkStore(fingerprint=FP, memory_budget=1 << 26, remote=url)
+    reader = ChunkStore(fingerprint=FP, memory_limit=1 << 26, remote=url)
     assert reader.has_canonical("a")  # the server answers quickly first
     proxy.delay = 0.15  # then slowly: longer than the timeout, well short of the ceiling
     assert reader.get_canonical("a") is None  # this call timed out: a miss, counted as an error

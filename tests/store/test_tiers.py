@@ -25,7 +25,7 @@ from tests.store.test_chunk_store import FP, OTHER_FP, make_kv, make_patch
 
 def test_a_tier_that_does_not_answer_is_an_outage_not_an_absence() -> None:
     fake = FakeTier()
-    store = ChunkStore(fingerprint=FP, memory_budget=3_000, tiers=[fake])  # one 2,048-byte canonical
+    store = ChunkStore(fingerprint=FP, memory_limit=3_000, tiers=[fake])  # one 2,048-byte canonical
     first, second = make_kv("first", 4, seed=1), make_kv("second", 4, seed=2)
     store.put_canonical(first)
     store.put_canonical(second)  # drops `first` from memory; the fake still holds both
@@ -49,7 +49,7 @@ def test_a_tier_that_does_not_answer_is_an_outage_not_an_absence() -> None:
 def test_tiers_are_asked_in_the_order_given_and_the_first_hit_wins() -> None:
     calls: list[str] = []
     upper, lower = FakeTier(calls, "upper"), FakeTier(calls, "lower")
-    store = ChunkStore(fingerprint=FP, memory_budget=1 << 20, tiers=[upper, lower])
+    store = ChunkStore(fingerprint=FP, memory_limit=1 << 20, tiers=[upper, lower])
     only_lower, both = make_kv("only lower", 2, seed=1), make_kv("both", 2, seed=2)
     lower.put(Entry(EntryKey.canonical("only lower"), only_lower, only_lower.nbytes, FP))
     for tier, value in ((upper, both), (lower, make_kv("both", 2, seed=3))):
@@ -72,11 +72,11 @@ def test_tiers_are_asked_in_the_order_given_and_the_first_hit_wins() -> None:
 
 def test_every_tier_takes_a_put_and_serves_a_patch_peek() -> None:
     fake = FakeTier()
-    store = ChunkStore(fingerprint=FP, memory_budget=10_000, tiers=[fake])
+    store = ChunkStore(fingerprint=FP, memory_limit=10_000, tiers=[fake])
     patch = make_patch("chunk", "s" * 64, 4, 2)
     store.put_patch(patch)
     assert store.patch_info("chunk", "s" * 64) == (patch.state, patch.meta)  # from memory
-    reader = ChunkStore(fingerprint=FP, memory_budget=10_000, tiers=[fake])
+    reader = ChunkStore(fingerprint=FP, memory_limit=10_000, tiers=[fake])
     assert reader.patch_info("chunk", "s" * 64) == (patch.state, patch.meta)  # from the fake's header
     assert reader.stats().hits == 0  # a peek is not a use
 
@@ -93,7 +93,7 @@ def test_one_verify_path_for_every_tier(keyed_by_model: bool) -> None:
     fake.data[EntryKey.canonical("misfiled")] = Entry(
         EntryKey.canonical("elsewhere"), misfiled, misfiled.nbytes, FP
     ).serialize()
-    store = ChunkStore(fingerprint=FP, memory_budget=10_000, tiers=[fake])
+    store = ChunkStore(fingerprint=FP, memory_limit=10_000, tiers=[fake])
 
     assert store.get_canonical("misfiled") is None  # holds another address: never served
     (key, why), *_ = fake.rejected

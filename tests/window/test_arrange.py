@@ -29,7 +29,7 @@ def backend_name(request: pytest.FixtureRequest) -> str:
 def _window(name: str, config: WindowConfig, budget: int = 1 << 26) -> tuple[KameraWindow, list[ChunkRef]]:
     backend = backend_named(name)
     w = KameraWindow(
-        backend, config=config, store=ChunkStore(fingerprint=backend.fingerprint, memory_budget=budget)
+        backend, config=config, store=ChunkStore(fingerprint=backend.fingerprint, memory_limit=budget)
     )
     return w, [w.push(text, label=text.split()[1]) for text in TEXTS[:4]]
 

@@ -26,7 +26,7 @@ EXACT = 1e-4
 
 def _window(**kwargs: Any) -> KameraWindow:
     backend = backend_named("qwen2_vl")
-    return KameraWindow(backend, config=WindowConfig.exact(evicted_pixels="keep"), **kwargs)  # type: ignore[arg-type]
+    return KameraWindow(backend, config=WindowConfig.exact(evicted_pixels="retain"), **kwargs)  # type: ignore[arg-type]
 
 
 def _sequence_text(window: KameraWindow, query: str | None = None, in_message: bool = False) -> str:

@@ -283,7 +283,7 @@ def test_audits_are_filed_in_the_store_for_every_reader(calibrations: Path, tmp_
     store (its own budget, remembering nothing) reads it instead of auditing the same chunk
     states again, and estimates the same drift."""
     calibrate_for_tests(backend_named("qwen2").fingerprint, calibrations)
-    settings = {"disk_dir": tmp_path / "store", "disk_budget": 1 << 26}
+    settings = {"disk_dir": tmp_path / "store", "disk_limit": 1 << 26}
     first = _window(0.05, **settings)
     for text in TEXTS[:4]:
         first.push(text, label=text)
@@ -389,7 +389,7 @@ def test_an_over_budget_chunk_is_fixed_by_recomputing_its_most_deviating_tokens(
         placed, start = executor.placements(), core.anchor.advance
         start += sum(window.chunk(ref).advance for ref in window.refs[:-1])
         truth = core.condition([chunk], placed[:-1], start, txn).kv[0]
-        source = core.place(*executor.free_kv(state.source), chunk.positions_at(start))
+        source = core.place(*executor.position_free_parts(state.source), chunk.positions_at(start))
         meter.spent = Spent()
         rebuilt = executor._recomputed_over(chunk, state)  # what the state names, made again
     recomputed, kept = relative_error(placed[-1], truth), relative_error(source, truth)

@@ -1,4 +1,4 @@
-"""`WindowState` snapshots: a copy shares the antecedent graph until either side writes it, and
+"""`WindowRecord` snapshots: a copy shares the antecedent graph until either side writes it, and
 what one side writes (edges added, removed, re-stated) never shows in the other."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.core.identity import ChunkState, Context
-from kamera_agent.window.state import Entry, WindowState
+from kamera_agent.window.state import Entry, WindowRecord
 
 ROOT = Context.root("anchor")
 
@@ -17,7 +17,7 @@ def _chunk(key: str) -> Chunk:
     return Chunk("text", key, ids, ids, 3, torch.zeros(3, dtype=torch.long))
 
 
-def _edges(state: WindowState) -> dict[tuple[str, str], dict[str, object]]:
+def _edges(state: WindowRecord) -> dict[tuple[str, str], dict[str, object]]:
     """What each edge records (kept on its target's entry), checked against the graph's edges."""
     recorded = {
         (source.key, ref.key): {"index": index, "state": digest}
@@ -28,7 +28,7 @@ def _edges(state: WindowState) -> dict[tuple[str, str], dict[str, object]]:
     return recorded
 
 
-def _chained(state: WindowState, keys: list[str]) -> None:
+def _chained(state: WindowRecord, keys: list[str]) -> None:
     """Each chunk's state patched over the ones before it, its in-edges set to match."""
     refs = {ref.key: ref for ref in state.entries}
     context = ROOT
@@ -41,8 +41,8 @@ def _chained(state: WindowState, keys: list[str]) -> None:
         state.set_antecedents(ref, [refs[k] for k in keys[:i]])
 
 
-def _window(keys: list[str]) -> WindowState:
-    state = WindowState()
+def _window(keys: list[str]) -> WindowRecord:
+    state = WindowRecord()
     for key in keys:
         chunk = _chunk(key)
         ref = state.mint(chunk, None)

@@ -17,7 +17,7 @@ from kamera_agent.errors import (
     ChunkInWindowError,
     ChunkLostError,
     SettingsError,
-    StoreBudgetError,
+    StoreLimitError,
     UnknownChunkError,
 )
 from kamera_agent.store import ChunkStore
@@ -34,7 +34,7 @@ A, B, C, D = "alpha one two", "beta three four", "gamma five six", "delta seven 
 
 
 def store_for(backend: Backend, budget: int = 1 << 26) -> ChunkStore:
-    return ChunkStore(fingerprint=backend.fingerprint, memory_budget=budget)
+    return ChunkStore(fingerprint=backend.fingerprint, memory_limit=budget)
 
 
 def logit_error(window: KameraWindow, query: str = "What is it?") -> float:
@@ -148,13 +148,13 @@ def test_probe_driven_eviction_probes_only_when_a_push_overflows() -> None:
 # -- settings apply, or say where to set them ----------------------------------------------------
 def test_store_settings_apply_to_a_backend_and_conflicts_are_named(tmp_path: Any) -> None:
     backend = backend_named("tiny_torch")
-    config = WindowConfig(drift_budget=None, memory_budget=12345, disk_dir=tmp_path, disk_budget=1 << 20)
+    config = WindowConfig(drift_budget=None, memory_limit=12345, disk_dir=tmp_path, disk_limit=1 << 20)
     window = KameraWindow(backend, config=config)
     stats = window.store.stats()
-    assert (stats.memory_budget, stats.disk_budget, window.store.disk_dir) == (12345, 1 << 20, tmp_path)
-    with pytest.raises(SettingsError, match=r"memory_budget.*store= was passed"):
+    assert (stats.memory_limit, stats.disk_limit, window.store.disk_dir) == (12345, 1 << 20, tmp_path)
+    with pytest.raises(SettingsError, match=r"memory_limit.*store= was passed"):
         KameraWindow(
-            backend, config=WindowConfig(drift_budget=None, memory_budget=1 << 20), store=store_for(backend)
+            backend, config=WindowConfig(drift_budget=None, memory_limit=1 << 20), store=store_for(backend)
         )
 
 
@@ -191,8 +191,8 @@ def test_an_op_that_fails_mid_way_leaves_window_and_store_as_they_were(name: str
 
 def test_a_canonical_no_budget_can_hold_fails_before_anything_runs() -> None:
     backend = CountingBackend(backend_named("tiny_torch"))
-    window = KameraWindow(backend, config=WindowConfig(drift_budget=None, memory_budget=256))
-    with pytest.raises(StoreBudgetError, match="raise memory_budget"):
+    window = KameraWindow(backend, config=WindowConfig(drift_budget=None, memory_limit=256))
+    with pytest.raises(StoreLimitError, match="raise memory_limit"):
         window.push(A)
     assert backend.total() == 0 and window.refs == [] and window.store.keys() == []
 
@@ -204,7 +204,7 @@ def test_a_patch_larger_than_the_budget_is_used_uncached_and_counted() -> None:
     canonical = max(sizes) * backend.layout.bytes_per_token(backend.dtype)
     # Room for a canonical, not for a near-full-rank patch of the same chunk ([n, m] + [m, F] factors).
     rank = max(sizes) - 1
-    config = WindowConfig(drift_budget=None, rank=rank, orbit=False, memory_budget=int(canonical * 1.05))
+    config = WindowConfig(drift_budget=None, rank=rank, orbit=False, memory_limit=int(canonical * 1.05))
     window = KameraWindow(backend, config=config)
     longest_text = texts[sizes.index(max(sizes))]
     first, second = (window.push(text) for text in texts if text != longest_text)

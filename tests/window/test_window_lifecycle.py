@@ -47,7 +47,7 @@ _OPS: dict[str, Callable[[KameraWindow], Any]] = {
 
 @pytest.mark.parametrize("op", sorted(_OPS))
 def test_a_closed_window_refuses_every_op_and_writes_nothing(op: str, tmp_path: Path) -> None:
-    config = WindowConfig(disk_dir=tmp_path, disk_budget=1 << 26, evicted_pixels="keep")
+    config = WindowConfig(disk_dir=tmp_path, disk_limit=1 << 26, evicted_pixels="retain")
     window = KameraWindow(backend_named("qwen2"), config=config)  # type: ignore[arg-type]
     window.extend(["the first note", "the second note", "the third note"])
     window.slide(1)

@@ -49,7 +49,7 @@ def make(request: pytest.FixtureRequest) -> Make:
     def window(**config: object) -> KameraWindow:
         settings = {
             "rank": "full",
-            "evicted_pixels": "keep",
+            "evicted_pixels": "retain",
             **config,
         }  # keep: re-prefills rebuild recalled images
         return KameraWindow(backend, config=WindowConfig(drift_budget=None, **settings))  # type: ignore[arg-type]

@@ -114,7 +114,7 @@ class WindowMachine(RuleBasedStateMachine):
         self.config = WindowConfig.exact(capacity_chunks=4) if self.exact else WindowConfig(**settings_)
         budget = SHARED_STORE if self.shared or self.roomy else SMALL_STORE
         budget *= max(1, self.backend.layout.bytes_per_token(self.backend.dtype) // STORE_TOKEN)
-        self.store = ChunkStore(fingerprint=self.backend.fingerprint, memory_budget=budget)
+        self.store = ChunkStore(fingerprint=self.backend.fingerprint, memory_limit=budget)
         count = 2 if self.shared else 1
         self.windows = [
             KameraWindow(self.backend, config=self.config, store=self.store) for _ in range(count)
@@ -521,7 +521,7 @@ def test_exact_windows_on_a_real_model_answer_like_its_own_forward_over_random_o
 
 def test_budget_forced_re_encodes_are_reported() -> None:
     backend = backend_named("qwen2")
-    store = ChunkStore(fingerprint=backend.fingerprint, memory_budget=25_000)
+    store = ChunkStore(fingerprint=backend.fingerprint, memory_limit=25_000)
     w = KameraWindow(backend, config=WindowConfig(rank=4), store=store)
     refs = [w.push(text, label=text) for text in TEXTS[:6]]
     w.slide(len(refs))

@@ -18,7 +18,7 @@ from tests.window.helpers import answer_kl, chunk_errors
 def test_a_window_from_a_checkpoint_path_alone(tmp_path: Path) -> None:
     save_tiny_vl(tmp_path, "qwen2_5_vl", layers=4)
     window = KameraWindow(
-        tmp_path, config=WindowConfig(rank="full", disk_dir=tmp_path / "store", disk_budget=1 << 26)
+        tmp_path, config=WindowConfig(rank="full", disk_dir=tmp_path / "store", disk_limit=1 << 26)
     )
     window.push(images(1, seed=31)[0], label="frame")
     window.push("and a caption")
@@ -55,8 +55,8 @@ def test_removal_patches_make_survivors_exact_again(tmp_path: Path) -> None:
 def test_presets_pick_exact_patches_for_tiny_models() -> None:
     assert WindowConfig.for_model(tiny_qwen2()).rank == "full"
     assert WindowConfig.for_model(tiny_qwen2(), rank=8).rank == 8
-    with pytest.raises(ValueError, match="disk_dir and disk_budget"):
-        WindowConfig(disk_budget=10)
+    with pytest.raises(ValueError, match="disk_dir and disk_limit"):
+        WindowConfig(disk_limit=10)
 
 
 @pytest.mark.parametrize("salt", ["", 5, b"agent"])

@@ -121,7 +121,7 @@ class TransformersBackend(Backend):
         return self.parts.dtype
 
     @functools.cached_property
-    def context_limit(self) -> int | None:  # read once: ~20 µs through the config, twice an op
+    def context_limit(self) -> int | None:  # read once: a walk through the config, asked twice an op
         config = self.model.config
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         value = getattr(text, "max_position_embeddings", None)
@@ -284,7 +284,7 @@ class TransformersBackend(Backend):
             if any(c.pixel_values is None for c in vision):
                 raise CapabilityError(
                     "a chunk's pixels were released at eviction, so the model's own forward cannot be "
-                    "rebuilt; keep them with WindowConfig(evicted_pixels='keep') to check recalled images"
+                    "rebuilt; keep them with WindowConfig(evicted_pixels='retain') to check recalled images"
                 )
             inputs["pixel_values"] = torch.cat([c.pixel_values for c in vision]).to(device)  # type: ignore[misc]
             if all(c.image_grid_thw is not None for c in vision):

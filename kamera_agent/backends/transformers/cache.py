@@ -2,9 +2,9 @@
 
 Why: transformers' ``DynamicLayer.update`` concatenates, so every append copies the whole cache:
 extending an assembled window by one chunk, prefilling a query over it and every decode step
-each rewrite all of the window's KV (268 MB per step for eight 2048-token chunks of a
-1.5B-class model). A window that reuses its assembled cache across asks, and a prefix cache
-that appends, need appends that cost what they add. `BufferedLayer` keeps each layer's keys and
+each rewrite all of the window's KV, a copy that grows with the window on every step. A window
+that reuses its assembled cache across asks, and a prefix cache that appends, need appends that
+cost what they add. `BufferedLayer` keeps each layer's keys and
 values in a buffer that grows by doubling and hands attention views of its filled part; `crop`
 only moves the fill mark. What attention sees is identical (views of the same values).
 """

@@ -53,8 +53,8 @@ class ModelParts:
 
     @functools.cached_property
     def _first_parameter(self) -> torch.Tensor:
-        """The model's first parameter, found once: walking ``parameters()`` took ~10 µs a call,
-        several calls an op. The object stays when the model is moved (``Module.to`` moves its
+        """The model's first parameter, found once: ``parameters()`` walks every module, and it
+        is asked several times an op. The object stays when the model is moved (``Module.to`` moves its
         data), so its ``device`` is always current."""
         return next(self.model.parameters())  # type: ignore[no-any-return]
 

@@ -154,7 +154,7 @@ def ttft_grid(suite: AgentsRun) -> Grid | None:
     note = (
         f"A window of {shape.chunks} random-token pages of {shape.tokens} tokens ({run.window_tokens} "
         "tokens) on the realistic shape, default settings. op: the op itself (its forwards included); "
-        "TTFT: the ask after it (max_new_tokens=1): placing what changed, appending it to the kept "
+        "TTFT: the ask after it (max_new_tokens=1): placing what changed, appending it to the retained "
         "cache, the query's forward; floor: the query's forward alone over the same assembled KV, "
         "timed right after (faster of two); placed: window tokens the ask placed (tokens_placed). "
         "Medians over the samples."

@@ -44,8 +44,8 @@ from kamera_agent.bench.agents.text_contents import QUICK_TEXT_LENGTHS, TEXT_LEN
 from kamera_agent.bench.agents.ttft import TTFTShape, run_ttft
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
+from kamera_agent.divergence import next_token_kl
 from kamera_agent.errors import SettingsError
-from kamera_agent.metrics import next_token_kl
 from kamera_agent.models.random_qwen2 import QWEN2_1_5B_SLICE, Qwen2Shape, random_qwen2
 
 __all__ = [

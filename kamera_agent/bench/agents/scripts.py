@@ -122,9 +122,9 @@ def video(contents: Contents, counts: AgentCounts) -> Script:
 
 
 def web(contents: Contents, counts: AgentCounts) -> Script:
-    steps, keep, every = counts.web_steps, counts.web_screenshots, counts.web_ask_every
+    steps, shown, every = counts.web_steps, counts.web_screenshots, counts.web_ask_every
     summary = (
-        f"{steps} steps: a transcript line and a screenshot each, the {keep} newest screenshots kept, "
+        f"{steps} steps: a transcript line and a screenshot each, the {shown} newest screenshots kept, "
         f"the oldest replaced in place by its caption; a question every {every}"
     )
     builder, questions = ScriptBuilder("web", summary), _questions(contents)
@@ -134,7 +134,7 @@ def web(contents: Contents, counts: AgentCounts) -> Script:
         line, shot = contents.make("line", k), contents.make("screenshot", k)
         assert line.label is not None and shot.label is not None
         new = [(line.label, line, "line"), (shot.label, shot, "screenshot")]
-        if len(shots) == keep:
+        if len(shots) == shown:
             old = shots.pop(0)
             slot = builder.lineup.index(old)
             caption = contents.make("caption", int(old.rsplit(" ", 1)[1]))

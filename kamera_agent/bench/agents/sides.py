@@ -122,7 +122,7 @@ class KameraSide:
 
     def measure(self, query: str) -> torch.Tensor:
         """First-token logits of ``query`` over the window as the step left it, untimed, from a
-        fork: the window's own kept cache and costs stay as the script left them."""
+        fork: the window's own retained cache and costs stay as the script left them."""
         return self.window.fork().ask(query, decode=DecodeConfig(max_new_tokens=1)).first_logits
 
     def _apply(self, op: Op) -> None:

@@ -5,7 +5,7 @@ Why a floor: an ask after an op does three things, placing what changed (relocat
 adds), appending it to the assembled cache, and one forward of the query; only the last is
 work a prefix cache would also do on a hit. ``ttft / floor`` is what kamera's bookkeeping
 costs on top, per op. Where the op ran a forward over the window (a push, a re-formation),
-the cache that forward ran over is kept, so the ask after it places nothing (the op paid
+the cache that forward ran over is retained, so the ask after it places nothing (the op paid
 the placing, inside ``op_ms``); after a slide alone, the ask places the moved survivors.
 The floor is the same query's forward over the same window, timed right after the ask over
 a freshly assembled cache (`KameraWindow.kv`; the faster of two runs), so both see the same
@@ -62,7 +62,7 @@ class TTFTRow:
     Attributes:
         op: what the op did.
         placed: window tokens the ask after it placed into the cache (``tokens_placed``: moved,
-            changed or new chunks; the rest was kept in the assembled cache).
+            changed or new chunks; the rest was retained in the assembled cache).
         op_ms: the op itself (its forwards included).
         ttft_ms: the ask after it (``max_new_tokens=1``): placing, appending, the query's forward.
         floor_ms: the query's forward over the assembled window, timed beside it.

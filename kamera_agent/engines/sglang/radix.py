@@ -42,12 +42,12 @@ from kamera_agent.engines.lifecycle import (
     count_offer,
     count_unloadable,
     count_written,
-    load_pieces,
+    load_spans,
     namespace_of,
 )
 from kamera_agent.engines.load_plan import EngineStats, Loaded, LoadPlan, RequestChunk
 from kamera_agent.engines.prefill_clock import MIN_TOKENS
-from kamera_agent.engines.sglang.kept import KeptSlots
+from kamera_agent.engines.sglang.kept_slots import KeptSlots
 from kamera_agent.engines.sglang.metrics import CacheExport
 from kamera_agent.engines.sglang.pool import SGLangSlots
 from kamera_agent.engines.sglang.segments import ChunkRules, request_chunks
@@ -89,14 +89,14 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         pool_pairing: Pairing | None = None,
     ) -> None:
         self.synthesis: PrefixSynthesis | None = None
-        self.kept = KeptSlots()
+        self.kept_slots = KeptSlots()
         """The tree's slots that hold kept loads (what an eviction tells `PrefixSynthesis.lost`)."""
         super().__init__(params)  # calls reset()
         self.config = config or WindowConfig.exact()
         self.layout, self.rules, self.pool_pairing = layout, rules or ChunkRules(), pool_pairing
         if store is not None and layout is not None and not self.is_eagle:
-            policy, budget = serving(self.config, store, store.fingerprint)
-            self.synthesis = PrefixSynthesis(store, policy, budget)
+            mode, budget = serving(self.config, store, store.fingerprint)
+            self.synthesis = PrefixSynthesis(store, mode, budget)
         self.stats = EngineStats()
         self.faults = HookFaults(_LOG)
         """Runtime faults caught at this cache's hooks (``hook:ExceptionType`` -> count)."""
@@ -215,10 +215,10 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
 
     def _delete_leaf(self, node: Any) -> None:
         """SGLang evicts ``node`` (its slots are being freed): loads that held them lose those tokens."""
-        if self.synthesis is not None and len(self.kept):
+        if self.synthesis is not None and len(self.kept_slots):
             try:
-                for prefix, kept in self.kept.evicted(node.value.tolist()).items():
-                    self.synthesis.lost(prefix, kept)
+                for prefix, kept_tokens in self.kept_slots.evicted(node.value.tolist()).items():
+                    self.synthesis.lost(prefix, kept_tokens)
             except Exception as exc:
                 self.faults.caught("evict", exc)
         super()._delete_leaf(node)
@@ -226,7 +226,7 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
     def reset(self) -> None:
         """SGLang empties the tree (every slot freed): every load is gone."""
         super().reset()
-        for prefix in self.kept.clear():
+        for prefix in self.kept_slots.clear():
             if self.synthesis is not None:
                 self.synthesis.lost(prefix, 0)
 
@@ -250,7 +250,7 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
         assert self.synthesis is not None
         for load in self._request(key, req).loaded(self.synthesis, plan):
             start = load.chunk.start
-            self.kept.record(load.prefix, path[start : start + load.tokens].tolist())
+            self.kept_slots.record(load.prefix, path[start : start + load.tokens].tolist())
 
     def _chunks(self, key: Any, req: Any | None) -> list[RequestChunk]:
         """The request's chunks, cut once per request: SGLang matches a waiting request on every
@@ -292,11 +292,11 @@ class KameraRadixCache(RadixCache):  # type: ignore[misc]
 
     def _write(self, req: Any, plan: LoadPlan, kvs: list[ChunkKV], slots: torch.Tensor) -> None:
         pool = self._slots()
-        for piece, kv in zip(load_pieces(plan), kvs, strict=True):
-            a, b = piece.a, piece.b
+        for span, kv in zip(load_spans(plan), kvs, strict=True):
+            a, b = span.entry_from, span.entry_to
             part = replace(kv, keys=kv.keys[:, :, a:b], values=kv.values[:, :, a:b])
-            where = slots[piece.start - plan.device_len : piece.end - plan.device_len]
-            pool.write(part, self._positions(req, piece.start, piece.end), where)
+            where = slots[span.start - plan.device_len : span.end - plan.device_len]
+            pool.write(part, self._positions(req, span.start, span.end), where)
 
     def _capture(self, req: Any, up_to: int) -> None:
         assert self.synthesis is not None

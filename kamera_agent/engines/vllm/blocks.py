@@ -1,8 +1,8 @@
 """vLLM's paged per-layer caches as `KVSlots`: each layer addressed as its attention backend lays it out.
 
 Why a module of its own: the connector must write exactly what the attention kernel reads (a
-load) and read back exactly what the kernel's cache write put there (a capture). Which layout
-that is, the backend vLLM picked decides; `layouts` holds the table, chosen once per layer at
+load) and read back exactly what the kernel's cache write put there (a capture). How a layer is
+addressed, the backend vLLM picked decides; `addressing` holds the table, chosen once per layer at
 ``register_kv_caches`` (an unknown one fails there, by name), and this module applies it.
 """
 
@@ -16,17 +16,18 @@ from dataclasses import dataclass
 import torch
 
 from kamera_agent.engines.slots import KVSlots
-from kamera_agent.engines.vllm.layouts import (
-    BlockLayoutError,
-    LayerLayout,
-    layer_layout,
+from kamera_agent.engines.vllm.addressing import (
+    BlockAddressingError,
+    LayerAddressing,
+    layer_addressing,
     read_tokens,
     write_tokens,
 )
 from kamera_agent.errors import LayoutMismatchError
+from kamera_agent.moved import renamed
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 
-__all__ = ["BlockLayoutError", "PlacedLayer", "VLLMSlots", "place_layers"]
+__all__ = ["BlockAddressingError", "PlacedLayer", "VLLMSlots", "place_layers"]
 
 
 @dataclass(frozen=True)
@@ -37,14 +38,14 @@ class PlacedLayer:
         name: vLLM's layer name.
         index: the model's layer (global: a pipeline stage's first layer is not 0).
         cache: the view vLLM registered.
-        layout: how its backend lays a token out.
+        addressing: how its backend lays a token out (kamera's own word, *layout*, is the model's KV).
         shared: the cache is another layer's (vLLM's cross-layer KV sharing): read, never written.
     """
 
     name: str
     index: int
     cache: torch.Tensor
-    layout: LayerLayout
+    addressing: LayerAddressing
     shared: bool = False
 
 
@@ -61,7 +62,7 @@ class VLLMSlots(KVSlots):
         self.first = indices[0] if indices else 0
         self.end = indices[-1] + 1 if indices else 0
         if indices != list(range(self.first, self.end)):
-            raise BlockLayoutError(
+            raise BlockAddressingError(
                 f"the KV caches vLLM registered are layers {indices} of the model: not one cache per "
                 "layer of a contiguous range, which kamera's entries need"
             )
@@ -71,17 +72,17 @@ class VLLMSlots(KVSlots):
         return [p.cache for p in self.layers]
 
     @property
-    def layouts(self) -> list[LayerLayout]:
-        return [p.layout for p in self.layers]
+    def addressings(self) -> list[LayerAddressing]:
+        return [p.addressing for p in self.layers]
 
     @classmethod
     def of(
         cls, caches: Sequence[torch.Tensor], backends: Sequence[str], layout: KVLayout, heads: int
     ) -> VLLMSlots:
         """The slots of ``caches`` (layers ``0..``) run by ``backends`` (``get_name()`` per layer),
-        ``heads`` KV heads per layer. Raises `BlockLayoutError` for anything it cannot address."""
+        ``heads`` KV heads per layer. Raises `BlockAddressingError` for anything it cannot address."""
         placed = [
-            PlacedLayer(str(i), i, c, layer_layout(b, c, layout, heads))
+            PlacedLayer(str(i), i, c, layer_addressing(b, c, layout, heads))
             for i, (c, b) in enumerate(zip(caches, backends, strict=True))
         ]
         return cls(placed, layout)
@@ -91,7 +92,7 @@ class VLLMSlots(KVSlots):
         for p in self.layers:
             if not p.shared:  # its cache is another layer's, written as that one
                 keys, values = kv.keys[p.index - self.first], kv.values[p.index - self.first]
-                write_tokens(p.cache, p.layout, keys.transpose(0, 1), values.transpose(0, 1), slots)
+                write_tokens(p.cache, p.addressing, keys.transpose(0, 1), values.transpose(0, 1), slots)
 
     def read_placed(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.gather(slots)
@@ -122,7 +123,7 @@ class VLLMSlots(KVSlots):
         block_size = self.block_size
         for p in self.layers:
             if p.cache.shape[2] != block_size:
-                raise BlockLayoutError(
+                raise BlockAddressingError(
                     f"layer {p.name} has blocks of {p.cache.shape[2]} tokens, layer "
                     f"{self.layers[0].name} of {block_size}: one slot cannot address both"
                 )
@@ -149,7 +150,7 @@ class VLLMSlots(KVSlots):
     def unpack(self, copies: Sequence[torch.Tensor], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[layers, heads, n, dim]`` at ``rows`` of ``copies`` (`copy_blocks`),
         each layer read as its backend lays it out, on the copies' device."""
-        pairs = [read_tokens(copy, p.layout, rows) for copy, p in zip(copies, self.layers, strict=True)]
+        pairs = [read_tokens(copy, p.addressing, rows) for copy, p in zip(copies, self.layers, strict=True)]
         keys = torch.stack([k.transpose(0, 1) for k, _ in pairs])
         values = torch.stack([v.transpose(0, 1) for _, v in pairs])
         return keys, values
@@ -196,6 +197,11 @@ def place_layers(
         shared = memory in seen
         seen.setdefault(memory, name)
         placed.append(
-            PlacedLayer(name, index, cache, layer_layout(backends[name], cache, layout, heads), shared)
+            PlacedLayer(name, index, cache, layer_addressing(backends[name], cache, layout, heads), shared)
         )
     return placed, skipped
+
+
+__getattr__ = renamed(__name__, {"BlockLayoutError": "BlockAddressingError"})
+"""*Layout* is the model's KV (`KVLayout`); how the connector addresses vLLM's blocks is their
+addressing. The old name lasts a release."""

@@ -21,9 +21,9 @@ the same functions from the same cache contents, so an entry decodes to the same
 (The cache's own dtype cannot hold the un-rotated keys of a bf16 cache without a second rounding,
 so entries stay float32; only the conversion moved off the step.)
 
-On vLLM's CPU build even the block copy is a real memory copy on the step (2.7 ms per request
-of 8k-token prompts on the 1.5B shape: `benchmarks/vllm_step_time.py`), so there the step copies
-nothing: it queues the blocks to copy (`Copied.copy`) and the writer copies them on its thread.
+On vLLM's CPU build even the block copy is a real memory copy on the step, growing with the
+prompt (`benchmarks/vllm_step_time.py` measures it), so there the step copies nothing: it
+queues the blocks to copy (`Copied.copy`) and the writer copies them on its thread.
 That is safe only while vLLM keeps those blocks, and vLLM keeps a request's blocks until it ends
 or is preempted: so a request with a capture queued is held past its end (the scheduler side's
 ``request_finished`` answers "free later") until its blocks are copied (`HeldBlocks`, reported

@@ -133,8 +133,8 @@ class ConnectorSide:
         self._reports = Reports()
         self.grid = _grid(self.layout, vllm_config)
         """How vLLM splits each chunk's KV over its ranks: entries are filed piece by piece."""
-        policy, budget = serving(self.config, self.store, self.fingerprint)
-        self.synthesis = PrefixSynthesis(ShardedStore(self.store, self.grid), policy, budget)
+        mode, budget = serving(self.config, self.store, self.fingerprint)
+        self.synthesis = PrefixSynthesis(ShardedStore(self.store, self.grid), mode, budget)
         self.copies_off_step = _copies_off_step(vllm_config)
         """Captures' blocks are copied by the writer, not on the step (vLLM's CPU build, where a
         copy is a real memory copy); vLLM then holds a request's blocks until they are."""

@@ -39,18 +39,19 @@ LoadId = tuple[str, int]
 
 @dataclass(frozen=True)
 class Load:
-    """One piece of a chunk to write: ``kv[a:b]`` of ``entry`` at request tokens ``start..``."""
+    """One span of a chunk to write: ``kv[entry_from:entry_to]`` of ``entry`` at request tokens
+    ``start..``."""
 
     req_id: str
     entry: EntryKey | None
     """``None``: blocks offered that cannot be loaded (a fault after the offer): reported failed."""
-    a: int
-    b: int
+    entry_from: int
+    entry_to: int
     start: int
     slots: tuple[int, ...]
     positions: torch.Tensor | None = field(default=None, compare=False)
-    """The tokens' M-RoPE positions ``[3, b - a]`` (`kamera_agent.engines.vllm.mrope`); ``None``:
-    their indices ``start..``."""
+    """The tokens' M-RoPE positions ``[3, entry_to - entry_from]``
+    (`kamera_agent.engines.vllm.mrope`); ``None``: their indices ``start..``."""
 
 
 @dataclass

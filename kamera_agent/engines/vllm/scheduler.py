@@ -27,7 +27,7 @@ from kamera_agent.engines.lifecycle import (
     EngineRequest,
     ServedReport,
     count_offer,
-    load_pieces,
+    load_spans,
     namespace_of,
 )
 from kamera_agent.engines.load_plan import LoadPlan, RequestChunk
@@ -186,12 +186,14 @@ class ConnectorScheduler(ConnectorSide):
             plan = track.request.plan(self.synthesis, plan.device_len, end, self.block_size)
         track.block_ids = list(blocks.get_block_ids()[0])
         loads: dict[LoadId, EntryKey] = {}
-        for piece in load_pieces(plan):
-            slots = _slots(track.block_ids, self.block_size, piece.start, piece.end)
-            rows = _rows(track.positions, piece.start, piece.end)
-            entry = piece.served.entry
-            self._loads.append(Load(request.request_id, entry, piece.a, piece.b, piece.start, slots, rows))
-            loads[(request.request_id, piece.start)] = entry
+        for span in load_spans(plan):
+            slots = _slots(track.block_ids, self.block_size, span.start, span.end)
+            rows = _rows(track.positions, span.start, span.end)
+            entry = span.served.entry
+            self._loads.append(
+                Load(request.request_id, entry, span.entry_from, span.entry_to, span.start, slots, rows)
+            )
+            loads[(request.request_id, span.start)] = entry
         # recorded once the worker side reports every load written (`update_connector_output`)
         self._offered[request.request_id] = _Offered(track.request, plan, loads)
         track.plan = plan

@@ -27,7 +27,7 @@ from kamera_agent.engines.lifecycle import count_unloadable, count_written
 from kamera_agent.engines.prefill_clock import PrefillClock
 from kamera_agent.engines.shards import ShardedStore
 from kamera_agent.engines.slots import request_positions
-from kamera_agent.engines.vllm.blocks import BlockLayoutError, VLLMSlots, place_layers
+from kamera_agent.engines.vllm.blocks import BlockAddressingError, VLLMSlots, place_layers
 from kamera_agent.engines.vllm.captures import CaptureWriter, Copied, HeldBlocks, copy_out
 from kamera_agent.engines.vllm.common import LOG, ConnectorSide, Filed, KameraMetadata, KameraWorkerMeta, Save
 from kamera_agent.engines.vllm.loads import BackgroundLoads, Load, LoadId
@@ -70,7 +70,7 @@ class ConnectorWorker(ConnectorSide):
         """Map the caches to the model's layers by name and choose each one's layout from the
         attention backend vLLM runs it with; this rank's place in the grid decides which piece of
         each entry it reads and writes. Anything the connector cannot address fails here
-        (`BlockLayoutError`), before the first step."""
+        (`BlockAddressingError`), before the first step."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         tp_rank, stage = _ranks()
@@ -88,7 +88,7 @@ class ConnectorWorker(ConnectorSide):
             )
         self._pool = VLLMSlots(placed, self.layout)
         if (self._pool.first, self._pool.end) != self.grid.stages[stage]:
-            raise BlockLayoutError(
+            raise BlockAddressingError(
                 f"pipeline stage {stage} registered KV caches of layers {self._pool.first}.."
                 f"{self._pool.end - 1}, but vLLM's partition gives it {self.grid.stages[stage]}; "
                 "kamera's entries need every layer of the stage"
@@ -154,10 +154,10 @@ class ConnectorWorker(ConnectorSide):
         if load.entry is None:
             return False
         kv = self.synthesis.read(load.entry)
-        if kv is None or kv.num_tokens < load.b:
+        if kv is None or kv.num_tokens < load.entry_to:
             count_unloadable(self.faults, self.synthesis.store, "start_load_kv", load.req_id, [load.entry])
             return False
-        a, b = load.a, load.b
+        a, b = load.entry_from, load.entry_to
         part = ChunkKV(kv.keys[:, :, a:b], kv.values[:, :, a:b], None, kv.chunk_key)
         positions = _positions(self.layout, load.positions, load.start, load.start + b - a)
         self._pool.write(part, positions, torch.tensor(load.slots, dtype=torch.long))

@@ -44,7 +44,7 @@ def _kept_load() -> tuple[Admission, Any, Prompt, KeptLoad, torch.Tensor]:
     (load,) = cache.synthesis.kept_loads
     assert (load.chunk.start, load.chunk.end, load.tokens) == (start, end, end - start)
     assert load.state != load.computed  # served in its kept state: not what a forward gives
-    assert len(cache.kept) == end - start
+    assert len(cache.kept_slots) == end - start
     return harness, model, now, load, slots
 
 
@@ -63,7 +63,7 @@ def test_a_kept_load_the_tree_evicted_is_forgotten_and_its_tokens_computed_again
     assert harness.admit([filler]) == [filler]
     harness.prefill(_nothing)
     assert cache.total_size() == size  # the filler alone: every other slot was evicted
-    assert cache.synthesis.kept_loads == () and len(cache.kept) == 0
+    assert cache.synthesis.kept_loads == () and len(cache.kept_slots) == 0
 
     _store_forgets_everything(cache)
     again = _run(harness, model, now, "again")
@@ -102,7 +102,7 @@ def test_a_kept_load_whose_tail_the_tree_evicted_keeps_its_head() -> None:
     assert set(slots[:head].tolist()) <= set(harness.tree_slots().tolist())
     (kept,) = cache.synthesis.kept_loads
     assert kept == KeptLoad(load.prefix, load.chunk, load.state, load.computed, head)
-    assert len(cache.kept) == head
+    assert len(cache.kept_slots) == head
 
     _store_forgets_everything(cache)
     again = _run(harness, model, now, "again")
@@ -114,7 +114,7 @@ def test_a_kept_load_whose_tail_the_tree_evicted_keeps_its_head() -> None:
     assert store.contains(EntryKey.full(load.chunk.key, spliced.digest))
     assert not store.contains(EntryKey.full(load.chunk.key, load.state.digest))
     harness.evict_all()
-    assert cache.synthesis.kept_loads == () and len(cache.kept) == 0
+    assert cache.synthesis.kept_loads == () and len(cache.kept_slots) == 0
     assert harness.free_slots() == harness.capacity
     harness.check()
 
@@ -124,4 +124,4 @@ def test_a_tree_reset_forgets_every_kept_load() -> None:
     cache = harness.tree_cache
     with harness.active():
         cache.reset()  # what SGLang's flush_cache does to the tree (before clearing the allocator)
-    assert cache.synthesis.kept_loads == () and len(cache.kept) == 0
+    assert cache.synthesis.kept_loads == () and len(cache.kept_slots) == 0

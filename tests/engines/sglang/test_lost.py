@@ -46,7 +46,7 @@ def test_an_entry_gone_or_unreadable_at_its_load_is_computed_counted_and_offered
     harness.drain()
     captured = cache.synthesis.store.keys()  # type: ignore[attr-defined]
     shaky = ShakyTier(**{loss: captured})
-    cache.synthesis.store = ChunkStore(fingerprint=backend.fingerprint, memory_budget=1 << 28, tiers=[shaky])
+    cache.synthesis.store = ChunkStore(fingerprint=backend.fingerprint, memory_limit=1 << 28, tiers=[shaky])
     harness.evict_all()
 
     second = _prompt(backend, [*chunks, _text(backend, "what fell?")])

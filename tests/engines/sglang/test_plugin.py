@@ -69,7 +69,7 @@ def test_the_flag_routes_create_tree_cache_to_kamera(monkeypatch: pytest.MonkeyP
     with pytest.warns(UncalibratedWarning):  # the checkpoint in bf16: never calibrated
         cache = create_tree_cache(context)
     assert isinstance(cache, KameraRadixCache) and cache.config.rank == 16
-    assert cache.synthesis is not None and cache.synthesis.policy == "exact"  # kept states: unbounded
+    assert cache.synthesis is not None and cache.synthesis.mode == "exact"  # kept states: unbounded
     fingerprint = cache.synthesis.store.fingerprint  # type: ignore[attr-defined]
     save_calibration(Calibration(fingerprint, scale=1.0, budget=0.03), tmp_path)
     cache = create_tree_cache(context)
@@ -77,7 +77,7 @@ def test_the_flag_routes_create_tree_cache_to_kamera(monkeypatch: pytest.MonkeyP
     from transformers import AutoConfig
 
     demo = AutoConfig.from_pretrained(DEMO_MODEL_DIR).get_text_config()
-    assert cache.synthesis is not None and cache.synthesis.policy == "keep"  # survivors keep by default,
+    assert cache.synthesis is not None and cache.synthesis.mode == "keep"  # survivors keep by default,
     assert cache.synthesis.budget is not None and cache.synthesis.budget.epsilon == 0.03  # within its ε
     assert cache.layout is not None and cache.layout.num_layers == demo.num_hidden_layers
     assert cache.layout.rope.axes is not None  # Qwen2-VL: M-RoPE

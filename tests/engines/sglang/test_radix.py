@@ -129,7 +129,7 @@ def _setup(
     store: ChunkStore | None = None,
 ) -> tuple[Admission, Model]:
     layout = backend.layout
-    store = store or ChunkStore(fingerprint=backend.fingerprint, memory_budget=store_budget)
+    store = store or ChunkStore(fingerprint=backend.fingerprint, memory_limit=store_budget)
     tokenizer = backend.encoder.tokenizer
     config_of_model = backend.model.config
     rules = ChunkRules.for_model(config_of_model, tokenizer)
@@ -487,11 +487,11 @@ def test_at_the_default_budget_a_kept_state_nobody_audited_is_computed(
     monkeypatch.setenv(CALIBRATION_DIR_VARIABLE, str(tmp_path))
     with pytest.warns(UncalibratedWarning):
         harness, _ = _setup(backend, 1, WindowConfig())
-    assert harness.tree_cache.synthesis.policy == "exact"
+    assert harness.tree_cache.synthesis.mode == "exact"
     save_calibration(Calibration(backend.fingerprint, scale=1.0, inherit=0.5, budget=0.5), tmp_path)
     harness, model = _setup(backend, 1, WindowConfig())
     cache = harness.tree_cache
-    assert cache.synthesis.policy == "keep" and cache.synthesis.budget.epsilon == 0.5
+    assert cache.synthesis.mode == "keep" and cache.synthesis.budget.epsilon == 0.5
     with caplog.at_level(logging.INFO, logger=RADIX_LOGGER):
         move_a_chunk(harness, model)
     assert cache.stats.loads == 0 and cache.stats.tokens_kept == 0

@@ -72,7 +72,7 @@ def main() -> None:
     import kamera_agent
 
     report: dict[str, Any] = {"kamera_agent": kamera_agent.__file__}
-    store = {"disk_dir": args.store, "disk_budget": 1 << 30}
+    store = {"disk_dir": args.store, "disk_limit": 1 << 30}
     if args.role == "kept":
         llm = _llm({"drift_budget": None} | store)
         report["requests"] = _kept(llm)
@@ -202,7 +202,7 @@ def _image_tokens_loaded(llm: Any, prompt: list[int]) -> int:
     return sum(
         1
         for load in worker.recent_loads
-        for t in range(load.start, load.start + load.b - load.a)
+        for t in range(load.start, load.start + load.entry_to - load.entry_from)
         if prompt[t] == pad
     )
 

@@ -110,7 +110,7 @@ def _store(llm: Any, *tiers: Any) -> Any:
     from kamera_agent.store import ChunkStore
 
     scheduler, _ = _connectors(llm)
-    return ChunkStore(fingerprint=scheduler.store.fingerprint, memory_budget=1 << 28, tiers=tiers)
+    return ChunkStore(fingerprint=scheduler.store.fingerprint, memory_limit=1 << 28, tiers=tiers)
 
 
 def _use(llm: Any, store: Any) -> Any:

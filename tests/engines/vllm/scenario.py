@@ -188,7 +188,7 @@ def _llm(model: str, settings: str, corrupt: bool) -> Any:
         elif settings == "unbounded":
             config = {"drift_budget": None}
         if corrupt:
-            config |= {"memory_budget": 200_000, "disk_dir": _STORE_DIR, "disk_budget": 1 << 30}
+            config |= {"memory_limit": 200_000, "disk_dir": _STORE_DIR, "disk_limit": 1 << 30}
         transfer = connector(config)
     return LLM(
         model=model,
@@ -398,7 +398,7 @@ def _kv_check(llm: Any, model_dir: str, prompt: list[int]) -> dict[str, Any]:
         return {}
     import torch
 
-    from kamera_agent.engines.vllm.layouts import read_tokens
+    from kamera_agent.engines.vllm.addressing import read_tokens
 
     if not worker.recent_loads:
         return {"tokens": 0}
@@ -408,9 +408,11 @@ def _kv_check(llm: Any, model_dir: str, prompt: list[int]) -> dict[str, Any]:
     worst = 0.0
     tokens = 0
     for load in loads:
-        rows = list(range(load.start, load.start + load.b - load.a))
+        rows = list(range(load.start, load.start + load.entry_to - load.entry_from))
         slots = torch.tensor(load.slots, dtype=torch.long)
-        for layer, (cache, where) in enumerate(zip(worker._pool.caches, worker._pool.layouts, strict=True)):
+        for layer, (cache, where) in enumerate(
+            zip(worker._pool.caches, worker._pool.addressings, strict=True)
+        ):
             keys, values = read_tokens(cache, where, slots)
             want_k, want_v = truth[layer][0][rows], truth[layer][1][rows]
             for got, want in ((keys, want_k), (values, want_v)):

@@ -2,7 +2,7 @@
 thread under vLLM's asynchronous-load contract, cheap misses on the scheduler side.
 
 No engine here (the engine runs are `test_connector.py`, `test_parallel.py`, `test_serve.py`);
-the pieces are the connector's own, over vLLM's own cache views (`test_layouts._views`).
+the pieces are the connector's own, over vLLM's own cache views (`test_addressing._views`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.engines.faults import HookFaults
 from kamera_agent.engines.prefill_clock import PrefillClock
 from kamera_agent.engines.shards import Grid, ShardedStore, Splits, even_stages
-from kamera_agent.engines.synthesis import PrefixSynthesis, policy_of
+from kamera_agent.engines.synthesis import PrefixSynthesis, serve_mode_of
 from kamera_agent.engines.vllm.blocks import VLLMSlots
 from kamera_agent.engines.vllm.captures import CaptureWriter, Copied, HeldBlocks
 from kamera_agent.engines.vllm.connector import KameraMetadata, KameraWorkerMeta, Save
@@ -36,7 +36,7 @@ from kamera_agent.engines.vllm.scheduler import ConnectorScheduler, _Track
 from kamera_agent.engines.vllm.worker import ConnectorWorker
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.store import ChunkStore, EntryKey
-from tests.engines.vllm.test_layouts import GQA, HEAD, HEADS, LAYERS, _views
+from tests.engines.vllm.test_addressing import GQA, HEAD, HEADS, LAYERS, _views
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[3]
@@ -72,10 +72,10 @@ def _worker(
     worker.layout, worker.faults, worker.stats = GQA, HookFaults(logging.getLogger("t")), ConnectorStats()
     caches = _views(KVCacheLayout.LBHNC, dtype=dtype)
     worker._pool = VLLMSlots.of(caches, ["FLASH_ATTN"] * LAYERS, GQA, HEADS)
-    store = store or ChunkStore(fingerprint=FP, memory_budget=1 << 26)
+    store = store or ChunkStore(fingerprint=FP, memory_limit=1 << 26)
     worker.store = store
     worker.synthesis = PrefixSynthesis(
-        ShardedStore(store, Grid.of(GQA), 0, 0), policy_of(WindowConfig.exact())
+        ShardedStore(store, Grid.of(GQA), 0, 0), serve_mode_of(WindowConfig.exact())
     )
     worker.copies_off_step, worker.held, worker._connector_metadata = off_step, HeldBlocks(), None
     worker.captures = CaptureWriter(worker._file, worker.faults, copied=worker.held.copied)
@@ -352,7 +352,7 @@ def test_a_miss_on_the_scheduler_side_is_one_lookup_and_other_grids_are_still_fo
     layout = GQA.__class__(
         "gqa", LAYERS * 2, (HEADS * 2, HEAD), (HEADS * 2, HEAD), "keys", GQA.rope
     )  # 4 layers, 4 heads: every TP and stage split a reader could try
-    store = ChunkStore(fingerprint=FP, memory_budget=1 << 26)
+    store = ChunkStore(fingerprint=FP, memory_limit=1 << 26)
     counting = _Counting(store)
     bare = ShardedStore(counting, Grid.of(layout))  # no memory: every miss tries every grid
     assert not bare.contains(EntryKey.full("x", "y"))
@@ -384,7 +384,7 @@ def test_entries_the_workers_filed_count_as_present_on_the_scheduler_side() -> N
     """`vllm serve` runs the worker in another process: the scheduler side sees its captures only
     through the shared tier (written behind, a miss remembered for a second). The workers'
     report of what they filed (vLLM's worker-to-scheduler metadata) makes them present at once."""
-    store = ChunkStore(fingerprint=FP, memory_budget=1 << 26)  # the scheduler's: it never sees the write
+    store = ChunkStore(fingerprint=FP, memory_limit=1 << 26)  # the scheduler's: it never sees the write
     grid = Grid.of(GQA, tp=2)
     splits = Splits()
     scheduler = ShardedStore(store, grid, splits=splits)

@@ -43,7 +43,7 @@ def _kv(key: str, writer: int) -> ChunkKV:
 def _writer(url: str, writer: int, start: Any) -> None:
     """One process: wait for the other, then write every entry (its own bytes) and flush."""
     torch.set_num_threads(1)
-    store = ChunkStore(fingerprint=FP, memory_budget=1 << 28, remote=url + "&part_bytes=4096")
+    store = ChunkStore(fingerprint=FP, memory_limit=1 << 28, remote=url + "&part_bytes=4096")
     start.wait(timeout=60)
     for key in KEYS if writer == 1 else KEYS[::-1]:  # opposite orders: the writers cross mid-way
         store.put_full(_kv(key, writer), "state")
@@ -68,7 +68,7 @@ def test_two_writers_of_the_same_entries_leave_one_whole_entry_each() -> None:
                 if process.is_alive():
                     process.kill()
         assert [p.exitcode for p in writers] == [0, 0]
-        reader = ChunkStore(fingerprint=FP, memory_budget=1 << 28, remote=url)
+        reader = ChunkStore(fingerprint=FP, memory_limit=1 << 28, remote=url)
         winners = []
         for key in KEYS:
             got = reader.get_full(key, "state")
@@ -94,17 +94,15 @@ def test_two_writers_of_the_same_entries_leave_one_whole_entry_each() -> None:
 
 def test_a_wrong_password_costs_the_shared_tier_not_an_exception() -> None:
     with valkey_with_password() as (_, url):
-        writer = ChunkStore(fingerprint=FP, memory_budget=1 << 28, remote=url)
+        writer = ChunkStore(fingerprint=FP, memory_limit=1 << 28, remote=url)
         writer.put_full(_kv(KEYS[0], 1), "state")
         writer.flush()
         writer.close()
-        wrong = ChunkStore(
-            fingerprint=FP, memory_budget=1 << 28, remote=url.replace(":kamera-test", ":wrong")
-        )
+        wrong = ChunkStore(fingerprint=FP, memory_limit=1 << 28, remote=url.replace(":kamera-test", ":wrong"))
         assert wrong.get_full(KEYS[0], "state") is None
         assert wrong.stats().remote_state == "down"
         wrong.close()
-        right = ChunkStore(fingerprint=FP, memory_budget=1 << 28, remote=url)
+        right = ChunkStore(fingerprint=FP, memory_limit=1 << 28, remote=url)
         assert right.get_full(KEYS[0], "state") is not None
         right.close()
 
@@ -117,17 +115,17 @@ def test_a_rediss_url_reaches_the_server_over_tls(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("SSL_CERT_FILE", str(ca))
     with valkey_with_password() as (client, url), _tls_terminator(cert, key, client) as port:
         tls_url = url.replace("redis://", "rediss://").rsplit("@", 1)[0] + f"@127.0.0.1:{port}/0?timeout=2"
-        writer = ChunkStore(fingerprint=FP, memory_budget=1 << 28, remote=tls_url)
+        writer = ChunkStore(fingerprint=FP, memory_limit=1 << 28, remote=tls_url)
         writer.put_full(_kv(KEYS[0], 1), "state")
         writer.flush()
         assert writer.stats().remote_writes == 1 and writer.stats().remote_state == "up"
         writer.close()
-        reader = ChunkStore(fingerprint=FP, memory_budget=1 << 28, remote=tls_url)
+        reader = ChunkStore(fingerprint=FP, memory_limit=1 << 28, remote=tls_url)
         got = reader.get_full(KEYS[0], "state")
         assert got is not None and torch.equal(got.keys, _kv(KEYS[0], 1).keys)
         reader.close()
         monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # not the CA: the server is not trusted
-        untrusted = ChunkStore(fingerprint=FP, memory_budget=1 << 28, remote=tls_url)
+        untrusted = ChunkStore(fingerprint=FP, memory_limit=1 << 28, remote=tls_url)
         assert untrusted.get_full(KEYS[0], "state") is None and untrusted.stats().remote_state == "down"
         untrusted.close()
 

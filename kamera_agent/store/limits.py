@@ -1,4 +1,5 @@
-"""Eviction policies: which entry leaves a tier first when its byte budget is exceeded.
+"""Byte limits of the store's tiers, and the eviction policies: which entry leaves a tier first
+when its byte limit is exceeded.
 
 Why: the right victim depends on the workload (an agent replaying old screenshots wants LRU, a
 video stream wants FIFO, a store full of large pages may prefer to drop the largest first).
@@ -15,18 +16,20 @@ passed to the store directly or looked up here by name, never an if/elif on a st
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable, Mapping
 from types import MappingProxyType
 from typing import Protocol, TypeVar
 
-from kamera_agent.errors import StoreBudgetError
+from kamera_agent.errors import StoreLimitError
 
 __all__ = [
     "EVICTION_POLICIES",
     "EntryInfo",
     "EvictionPolicy",
-    "check_budget",
     "check_fits",
+    "check_limit",
+    "either_name",
     "pick_victim",
     "resolve_policy",
 ]
@@ -88,8 +91,10 @@ def resolve_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
         ) from None
 
 
-def pick_victim(entries: Mapping[K, EntryInfo], policy: EvictionPolicy, *, keep: K | None = None) -> K | None:
-    """The key of the entry to evict first (lowest score, then least recently used), never ``keep``.
+def pick_victim(
+    entries: Mapping[K, EntryInfo], policy: EvictionPolicy, *, pinned: K | None = None
+) -> K | None:
+    """The key of the entry to evict first (lowest score, then least recently used), never ``pinned``.
 
     A linear scan is fine at the entry counts a store holds (thousands), and keeps every policy
     a pure score of one entry.
@@ -98,25 +103,36 @@ def pick_victim(entries: Mapping[K, EntryInfo], policy: EvictionPolicy, *, keep:
     victim: K | None = None
     for key, info in entries.items():
         rank = (policy(info), info.last_used)
-        if key != keep and (best is None or rank < best):
+        if key != pinned and (best is None or rank < best):
             best, victim = rank, key
     return victim
 
 
-def check_budget(name: str, budget: int) -> None:
-    """Raise `StoreBudgetError` unless ``budget`` is a positive whole number of bytes."""
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise StoreBudgetError(f"{name} must be a positive number of bytes, got {budget!r}")
+def check_limit(name: str, limit: int) -> None:
+    """Raise `StoreLimitError` unless ``limit`` is a positive whole number of bytes."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+        raise StoreLimitError(f"{name} must be a positive number of bytes, got {limit!r}")
 
 
-def check_fits(what: str, nbytes: int, budgets: Mapping[str, int]) -> None:
-    """Raise `StoreBudgetError` when one entry alone exceeds a budget: it could never be kept.
+def check_fits(what: str, nbytes: int, limits: Mapping[str, int]) -> None:
+    """Raise `StoreLimitError` when one entry alone exceeds a limit: it could never be stored.
 
     Checked before anything is stored, so a refused put changes nothing.
     """
-    for name, budget in budgets.items():
-        if nbytes > budget:
-            raise StoreBudgetError(
-                f"{what} takes {nbytes} bytes but {name} is {budget} bytes: raise {name} above "
+    for name, limit in limits.items():
+        if nbytes > limit:
+            raise StoreLimitError(
+                f"{what} takes {nbytes} bytes but {name} is {limit} bytes: raise {name} above "
                 "the largest entry (a chunk's canonical is tokens × bytes_per_token)"
             )
+
+
+def either_name(old: str, old_value: int | None, new: str, value: int | None) -> int | None:
+    """``value``, or ``old_value`` given under the setting's old name ``old`` (with a
+    `DeprecationWarning` naming ``new``): byte caps are *limits*, "budget" is the drift budget's."""
+    if old_value is None:
+        return value
+    if value is not None:
+        raise StoreLimitError(f"{old} is the old name of {new}: pass {new} alone")
+    warnings.warn(f"{old} is now {new}", DeprecationWarning, stacklevel=3)
+    return old_value

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from kamera_agent.errors import SettingsError
+from kamera_agent.moved import renamed
 from kamera_agent.operator.layout import ChunkKV
 
-__all__ = ["Blended", "select_tokens", "selected_count"]
+__all__ = ["Recomputed", "select_tokens", "selected_count"]
 
 
 @dataclass(frozen=True)
-class Blended:
+class Recomputed:
     """A chunk's KV after selective recompute.
 
     Attributes:
@@ -61,3 +62,7 @@ def select_tokens(deviation: torch.Tensor, fraction: float) -> torch.Tensor:
     count = selected_count(fraction, int(deviation.shape[0]))
     top = torch.topk(deviation.float().cpu(), count).indices
     return top.sort().values
+
+
+__getattr__ = renamed(__name__, {"Blended": "Recomputed"})
+"""The module was ``core.blend``, its result ``Blended``: the old name lasts a release."""

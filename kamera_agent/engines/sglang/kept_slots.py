@@ -50,8 +50,8 @@ class KeptSlots:
             if hit is not None:
                 prefix, offset = hit
                 lost[prefix] = min(offset, lost.get(prefix, offset))
-        for prefix, kept in lost.items():
-            self._cut(prefix, kept)
+        for prefix, kept_tokens in lost.items():
+            self._cut(prefix, kept_tokens)
         return lost
 
     def clear(self) -> list[str]:
@@ -61,10 +61,10 @@ class KeptSlots:
         self._slots.clear()
         return prefixes
 
-    def _cut(self, prefix: str, kept: int) -> None:
+    def _cut(self, prefix: str, kept_tokens: int) -> None:
         slots = self._slots.pop(prefix, [])
-        for slot in slots[kept:]:
+        for slot in slots[kept_tokens:]:
             if self._at.get(slot, ("", 0))[0] == prefix:
                 del self._at[slot]
-        if kept > 0 and slots:
-            self._slots[prefix] = slots[:kept]
+        if kept_tokens > 0 and slots:
+            self._slots[prefix] = slots[:kept_tokens]

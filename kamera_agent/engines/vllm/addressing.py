@@ -26,7 +26,7 @@ device): keys are ``C[:split]``, values ``C[split:]``. MLA maps onto kamera's ML
 (`kamera_agent.operator.layout`: keys slot = the latent c_KV, values slot = k_pe) with the same
 split at ``kv_lora_rank``. CPU_ATTN goes through vLLM's ``cpu_attn_reshape_and_cache`` (imported
 only for it). Anything else (another backend, a quantized cache, a view of another shape)
-raises `BlockLayoutError` when the layout is chosen, at ``register_kv_caches``, never in a step.
+raises `BlockAddressingError` when the layout is chosen, at ``register_kv_caches``, never in a step.
 
 Slots are vLLM's: ``block * block_size + offset``, with ``block_size`` the view's (a kernel
 block, where vLLM splits a manager block into kernel blocks: the same slot then addresses it).
@@ -44,7 +44,14 @@ import torch
 from kamera_agent.errors import KameraError
 from kamera_agent.operator.layout import KVLayout
 
-__all__ = ["BACKENDS", "BlockLayoutError", "LayerLayout", "layer_layout", "read_tokens", "write_tokens"]
+__all__ = [
+    "BACKENDS",
+    "BlockAddressingError",
+    "LayerAddressing",
+    "layer_addressing",
+    "read_tokens",
+    "write_tokens",
+]
 
 Addressing = Literal["paged", "latent", "cpu_attn"]
 
@@ -65,12 +72,12 @@ BACKENDS: dict[str, Addressing] = {
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-class BlockLayoutError(KameraError):
-    """vLLM's KV cache is laid out in a way this connector cannot read or write."""
+class BlockAddressingError(KameraError):
+    """vLLM's KV cache is laid out in a way this connector cannot address (read or write)."""
 
 
 @dataclass(frozen=True)
-class LayerLayout:
+class LayerAddressing:
     """How one layer's registered view holds a token's KV.
 
     Attributes:
@@ -86,75 +93,75 @@ class LayerLayout:
     width: int
 
 
-def layer_layout(backend: str, cache: torch.Tensor, layout: KVLayout, heads: int) -> LayerLayout:
-    """The layout of ``cache`` (a view vLLM registered) under ``backend``, checked against
+def layer_addressing(backend: str, cache: torch.Tensor, layout: KVLayout, heads: int) -> LayerAddressing:
+    """How ``cache`` (a view vLLM registered) is addressed under ``backend``, checked against
     kamera's ``layout`` of the model with ``heads`` KV heads on this rank.
 
     Raises:
-        BlockLayoutError: a backend this connector does not know, a quantized cache, or a view
+        BlockAddressingError: a backend this connector does not know, a quantized cache, or a view
             whose shape is not what that backend declares for this model.
     """
     addressing = BACKENDS.get(backend)
     if addressing is None:
-        raise BlockLayoutError(
+        raise BlockAddressingError(
             f"vLLM runs attention with the {backend!r} backend, whose KV layout kamera's connector "
             f"does not know; choose one of {sorted(BACKENDS)} (--attention-backend / "
             "VLLM_ATTENTION_BACKEND) or run without the connector"
         )
     if cache.dtype not in _FLOATS:
-        raise BlockLayoutError(
+        raise BlockAddressingError(
             f"the KV cache is stored as {cache.dtype} (a quantized kv_cache_dtype): kamera writes and "
             "reads unquantized KV only; serve with kv_cache_dtype='auto' or run without the connector"
         )
     if (addressing == "latent") != (layout.kind == "mla"):
-        raise BlockLayoutError(
+        raise BlockAddressingError(
             f"the {backend} backend is {'an MLA' if addressing == 'latent' else 'a K/V'} backend but the "
             f"model's KV layout is {layout.kind!r}; this model and backend do not go together"
         )
     split = layout.keys_shape[1]
     width = split + layout.values_shape[1]
     if addressing == "cpu_attn" and layout.keys_shape[1] != layout.values_shape[1]:
-        raise BlockLayoutError(
+        raise BlockAddressingError(
             f"vLLM's CPU attention packs keys and values of one width; this model's are "
             f"{layout.keys_shape[1]} and {layout.values_shape[1]}"
         )
     want = 1 if addressing == "latent" else heads
     if cache.ndim != 4 or cache.shape[1] != want or cache.shape[3] != width:
         parts = "latent | k_pe" if addressing == "latent" else "keys | values"
-        raise BlockLayoutError(
+        raise BlockAddressingError(
             f"a {backend} KV cache layer has shape {tuple(cache.shape)}; for this model vLLM 0.32 "
             f"registers [blocks, {want}, block_size, {width}] ({parts}); is this another vLLM "
             "version, or a model whose head sizes differ from its config?"
         )
     if addressing == "cpu_attn":
         _check_cpu(cache)
-    return LayerLayout(backend, addressing, split, width)
+    return LayerAddressing(backend, addressing, split, width)
 
 
 def write_tokens(
-    cache: torch.Tensor, layout: LayerLayout, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor
+    cache: torch.Tensor, where: LayerAddressing, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor
 ) -> None:
     """Write ``keys`` / ``values`` ``[tokens, heads, dim]`` at ``slots`` ``[tokens]`` of one layer."""
     slots = slots.to(device=cache.device, dtype=torch.long)
     keys, values = keys.to(cache.device, cache.dtype), values.to(cache.device, cache.dtype)
-    if layout.addressing == "cpu_attn":
+    if where.addressing == "cpu_attn":
         _cpu_write(cache, keys, values, slots)
         return
     blocks, offsets = slots // cache.shape[2], slots % cache.shape[2]
-    cache[blocks, :, offsets, : layout.split] = keys
-    cache[blocks, :, offsets, layout.split : layout.width] = values
+    cache[blocks, :, offsets, : where.split] = keys
+    cache[blocks, :, offsets, where.split : where.width] = values
 
 
 def read_tokens(
-    cache: torch.Tensor, layout: LayerLayout, slots: torch.Tensor
+    cache: torch.Tensor, where: LayerAddressing, slots: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values ``[tokens, heads, dim]`` at ``slots`` of one layer, on its device."""
     slots = slots.to(device=cache.device, dtype=torch.long)
-    if layout.addressing == "cpu_attn":
+    if where.addressing == "cpu_attn":
         return _cpu_read(cache, slots)
     blocks, offsets = slots // cache.shape[2], slots % cache.shape[2]
     rows = cache[blocks, :, offsets]  # [tokens, heads, C]
-    return rows[..., : layout.split], rows[..., layout.split : layout.width]
+    return rows[..., : where.split], rows[..., where.split : where.width]
 
 
 # -- CPU_ATTN: vLLM's own packing ----------------------------------------------------------
@@ -167,13 +174,13 @@ def _check_cpu(cache: torch.Tensor) -> None:
     """The CPU kernel reinterprets a block as one ``[heads, 2 · block, head]`` slab (contiguous
     LBHNC), and only the vec/vec16 packings can be read back (captures)."""
     if not cache.is_contiguous():
-        raise BlockLayoutError(
+        raise BlockAddressingError(
             f"vLLM's CPU attention needs the LBHNC layout (a contiguous layer); this layer's strides are "
             f"{cache.stride()}: unset VLLM_KV_CACHE_LAYOUT"
         )
     isa = _cpu_isa(cache.dtype, cache.shape[2], cache.shape[3] // 2)
     if isa not in ("vec", "vec16"):
-        raise BlockLayoutError(
+        raise BlockAddressingError(
             f"vLLM's CPU attention packs this cache for the {isa!r} ISA, which kamera cannot read back; "
             "serve in float32 or on a CPU without AMX, or run without the connector"
         )
@@ -205,7 +212,7 @@ def _cpu_isa(dtype: torch.dtype, block_size: int, head: int) -> str:
     try:  # a private vLLM function: guarded, so another vLLM fails by name, not by AttributeError
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     except (ImportError, AttributeError) as exc:
-        raise BlockLayoutError(
+        raise BlockAddressingError(
             "this vLLM has no CPU attention ISA lookup (vllm.v1.attention.backends.cpu_attn."
             f"_get_attn_isa: {exc}); the connector's CPU layout needs vLLM {SUPPORTED['vllm'][0]} up "
             f"to {SUPPORTED['vllm'][1]}"

@@ -29,14 +29,14 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kamera_agent.engines.shards import even_stages
-from kamera_agent.engines.vllm.blocks import VLLMSlots, place_layers
-from kamera_agent.engines.vllm.layouts import (
+from kamera_agent.engines.vllm.addressing import (
     BACKENDS,
-    BlockLayoutError,
-    layer_layout,
+    BlockAddressingError,
+    layer_addressing,
     read_tokens,
     write_tokens,
 )
+from kamera_agent.engines.vllm.blocks import VLLMSlots, place_layers
 from kamera_agent.errors import LayoutMismatchError
 from kamera_agent.operator.layout import ChunkKV, KVLayout
 from kamera_agent.operator.rope import RotarySpec
@@ -120,7 +120,7 @@ def test_flash_and_triton_read_what_kamera_wrote(backend: type, layout: KVCacheL
     assert backend.supported_kv_cache_layouts() is None  # any layout: every one is tried
     slots, keys, values = _tokens(40, HEADS, HEAD, HEAD, seed=1)
     for cache in _views(layout):
-        where = layer_layout(backend.get_name(), cache, GQA, HEADS)
+        where = layer_addressing(backend.get_name(), cache, GQA, HEADS)
         write_tokens(cache, where, keys, values, slots)
         got_k, got_v = _flash_read(cache, slots)
         assert torch.equal(got_k, keys) and torch.equal(got_v, values)
@@ -135,7 +135,7 @@ FLASHINFER_LAYOUTS = [m for m in ALL_LAYOUTS if m.name != "LHBNC"]  # LHBNC has 
 def test_flashinfer_reads_what_kamera_wrote(layout: KVCacheLayout) -> None:
     slots, keys, values = _tokens(40, HEADS, HEAD, HEAD, seed=2)
     for cache in _views(layout, dtype=torch.bfloat16):
-        where = layer_layout("FLASHINFER", cache, GQA, HEADS)
+        where = layer_addressing("FLASHINFER", cache, GQA, HEADS)
         write_tokens(cache, where, keys, values, slots)
         got_k, got_v = _flashinfer_read(cache, layout, slots)
         assert torch.equal(got_k, keys.bfloat16()) and torch.equal(got_v, values.bfloat16())
@@ -154,7 +154,7 @@ def test_kernel_blocks_are_addressed_by_the_managers_slots() -> None:
         BLOCK = saved
     cache = raw_split[0]
     assert cache.shape[2] == 16
-    where = layer_layout("FLASH_ATTN", cache, GQA, HEADS)
+    where = layer_addressing("FLASH_ATTN", cache, GQA, HEADS)
     write_tokens(cache, where, keys, values, slots)
     # the manager's view of the same bytes: [blocks, 2 kernel blocks, H, 16, C]
     manager = whole[0]
@@ -171,7 +171,7 @@ def test_mla_backends_read_one_latent_row_per_token(backend: str, layout: KVCach
     its values slot (k_pe) after."""
     slots, latent, k_pe = _tokens(40, 1, LORA, ROPE, seed=4)
     for cache in _views(layout, mla=True):
-        where = layer_layout(backend, cache, MLA, heads=HEADS)
+        where = layer_addressing(backend, cache, MLA, heads=HEADS)
         write_tokens(cache, where, latent, k_pe, slots)
         rows = cache.squeeze(1)  # what the MLA kernels get
         n = rows.shape[1]
@@ -185,7 +185,7 @@ def test_kamera_reads_what_vllms_cpu_mla_writer_wrote() -> None:
     slots, latent, k_pe = _tokens(40, 1, LORA, ROPE, seed=5)
     cache = _views(KVCacheLayout.LBNHC, mla=True)[0]
     CPUMLAImpl.do_kv_cache_update(None, latent[:, 0], k_pe, cache, slots, "auto", torch.ones(()))  # type: ignore[arg-type]
-    where = layer_layout("CPU_MLA", cache, MLA, heads=1)
+    where = layer_addressing("CPU_MLA", cache, MLA, heads=1)
     back_l, back_pe = read_tokens(cache, where, slots)
     assert torch.equal(back_l, latent) and torch.equal(back_pe, k_pe)
 
@@ -198,7 +198,7 @@ def test_cpu_attention_round_trips_through_vllms_own_op() -> None:
     assert CPUAttentionBackend.supported_kv_cache_layouts() == (KVCacheLayout.LBHNC,)
     slots, keys, values = _tokens(40, HEADS, HEAD, HEAD, seed=6)
     cache = _views(KVCacheLayout.LBHNC)[1]
-    where = layer_layout("CPU_ATTN", cache, GQA, HEADS)
+    where = layer_addressing("CPU_ATTN", cache, GQA, HEADS)
     write_tokens(cache, where, keys, values, slots)
     back_k, back_v = read_tokens(cache, where, slots)
     assert torch.equal(back_k, keys) and torch.equal(back_v, values)
@@ -228,16 +228,16 @@ def test_the_slots_relocate_and_round_trip_every_layer() -> None:
 
 def test_unknown_backends_quantized_caches_and_foreign_shapes_fail_at_startup() -> None:
     cache = _views(KVCacheLayout.LBNHC)[0]
-    with pytest.raises(BlockLayoutError, match="FLEX_ATTENTION"):
-        layer_layout("FLEX_ATTENTION", cache, GQA, HEADS)
-    with pytest.raises(BlockLayoutError, match="quantized"):
-        layer_layout("FLASH_ATTN", cache.view(torch.uint8), GQA, HEADS)
-    with pytest.raises(BlockLayoutError, match=r"\[blocks, 4, block_size, 64\]"):
-        layer_layout("FLASH_ATTN", cache, GQA, 4)
-    with pytest.raises(BlockLayoutError, match="MLA"):
-        layer_layout("FLASHMLA", cache, GQA, HEADS)
-    with pytest.raises(BlockLayoutError, match="LBHNC"):
-        layer_layout("CPU_ATTN", _views(KVCacheLayout.LBNHC)[0], GQA, HEADS)
+    with pytest.raises(BlockAddressingError, match="FLEX_ATTENTION"):
+        layer_addressing("FLEX_ATTENTION", cache, GQA, HEADS)
+    with pytest.raises(BlockAddressingError, match="quantized"):
+        layer_addressing("FLASH_ATTN", cache.view(torch.uint8), GQA, HEADS)
+    with pytest.raises(BlockAddressingError, match=r"\[blocks, 4, block_size, 64\]"):
+        layer_addressing("FLASH_ATTN", cache, GQA, 4)
+    with pytest.raises(BlockAddressingError, match="MLA"):
+        layer_addressing("FLASHMLA", cache, GQA, HEADS)
+    with pytest.raises(BlockAddressingError, match="LBHNC"):
+        layer_addressing("CPU_ATTN", _views(KVCacheLayout.LBNHC)[0], GQA, HEADS)
 
 
 def _named(names: list[str]) -> dict[str, torch.Tensor]:
@@ -333,13 +333,13 @@ def test_whole_blocks_copied_then_unpacked_are_the_tokens_read_in_place(
     for seed in range(3):
         slots, keys, values = _tokens(40, HEADS, HEAD, HEAD, seed=20 + seed)
         for cache in caches:
-            write_tokens(cache, layer_layout(backend, cache, GQA, HEADS), keys, values, slots)
+            write_tokens(cache, layer_addressing(backend, cache, GQA, HEADS), keys, values, slots)
         slots = torch.cat([slots[:25], slots[:3], slots[25:]])  # a block again, after others
         copies, rows = pool.copy_blocks(slots)
         assert all(c.is_contiguous() and c.shape[0] <= len(slots) for c in copies)
         got_k, got_v = pool.unpack(copies, rows)
         for i, cache in enumerate(caches):
-            want_k, want_v = read_tokens(cache, layer_layout(backend, cache, GQA, HEADS), slots)
+            want_k, want_v = read_tokens(cache, layer_addressing(backend, cache, GQA, HEADS), slots)
             assert torch.equal(got_k[i], want_k.transpose(0, 1)) and torch.equal(
                 got_v[i], want_v.transpose(0, 1)
             )
