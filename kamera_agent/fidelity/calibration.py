@@ -59,8 +59,7 @@ class Calibration:
         fix_shares: per op name that moves chunks, ``[ops that approximated, the shares of their
             fix bounds their fixes would re-prefill, summed]`` on the fitting episodes at the
             default ε (an op's fix bound is re-prefilling from its first approximated chunk to
-            the end; its fixes re-prefill the chunks over ε one by one, or from the first one a
-            re-prefill of its own cannot bring within ε): how much of what an op's
+            the end; its fixes re-prefill each chunk over ε alone): how much of what an op's
             approximations save its fixes give back, known to a new window from its first op (a
             `DriftBudget` starts from these, capped) instead of paid for in audits and fixes.
         frontier: per ε of `BUDGETS`, what the fitting episodes' approximating ops measured at
