@@ -111,7 +111,7 @@ def test_the_parsers_offer_what_the_commands_run() -> None:
     """The parsers list their choices without importing the commands: held to the real lists."""
     from kamera_agent.bench import calibrate, common, frontier
     from kamera_agent.parsers import bench, model
-    from kamera_agent.store.remote import command
+    from kamera_agent.store import command
 
     assert tuple(frontier.ROWS) == bench.FRONTIER_ROWS and bench.AGENTS == common.AGENT_NAMES
     assert bench.HELD_OUT_SEED == common.HELD_OUT_SEED and bench.FIT_SEEDS == calibrate.FIT_SEEDS

@@ -43,7 +43,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from kamera_agent.errors import StoreKeyError, StoreLimitError
+from kamera_agent.errors import StoreKeyError
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.operator.patch import Patch
 from kamera_agent.store.audits import DriftAudit
@@ -52,7 +52,7 @@ from kamera_agent.store.deadlines import DeadlineBounds, Deadlines
 from kamera_agent.store.disk import DiskTier
 from kamera_agent.store.instrumented import InstrumentedTier, TierStats
 from kamera_agent.store.keys import EntryKey
-from kamera_agent.store.limits import EvictionPolicy, check_fits, check_limit, either_name, resolve_policy
+from kamera_agent.store.limits import EvictionPolicy, check_fits, either_name, resolve_policy, store_limits
 from kamera_agent.store.memory import MemoryTier
 from kamera_agent.store.registry import TIERS, TierRegistry
 from kamera_agent.store.remote import RemoteAddress, RemoteTier
@@ -159,19 +159,14 @@ class ChunkStore:
         memory_budget: int | None = None,
         disk_budget: int | None = None,
     ) -> None:
-        memory_limit = either_name("memory_budget", memory_budget, "memory_limit", memory_limit)
-        disk_limit = either_name("disk_budget", disk_budget, "disk_limit", disk_limit)
-        if memory_limit is None:
-            raise StoreLimitError("a store needs memory_limit: the most tensor bytes it holds in memory")
+        memory_limit, disk_limit = store_limits(
+            either_name("memory_budget", memory_budget, "memory_limit", memory_limit),
+            disk_dir,
+            either_name("disk_budget", disk_budget, "disk_limit", disk_limit),
+        )
         if not fingerprint:
             raise StoreKeyError(
                 "a store needs the fingerprint of its model: kamera_agent.model_fingerprint(model)"
-            )
-        check_limit("memory_limit", memory_limit)
-        if (disk_dir is None) != (disk_limit is None):
-            raise StoreLimitError(
-                "disk_dir and disk_limit go together: pass both for a disk tier (e.g. "
-                "disk_limit=20 << 30 for 20 GiB), or neither for a memory-only store"
             )
         self._fingerprint = fingerprint
         self._log = EventLog(event_capacity)
@@ -180,8 +175,6 @@ class ChunkStore:
         """How long a shared-tier lookup or write may take; report prefill times to it (`observe`)."""
         self._memory = MemoryTier(memory_limit, resolve_policy(policy))
         signer = Signer.from_settings(secret, previous_secrets)
-        if disk_limit is not None:
-            check_limit("disk_limit", disk_limit)
         spill_policy = resolve_policy(disk_policy)
         # every setting checked above: a URL's tier may start threads and connections now
         opened = _open_urls(remote, urls, TierContext(fingerprint, self.deadlines), registry or TIERS)

@@ -32,6 +32,7 @@ __all__ = [
     "either_name",
     "pick_victim",
     "resolve_policy",
+    "store_limits",
 ]
 
 
@@ -136,3 +137,21 @@ def either_name(old: str, old_value: int | None, new: str, value: int | None) ->
         raise StoreLimitError(f"{old} is the old name of {new}: pass {new} alone")
     warnings.warn(f"{old} is now {new}", DeprecationWarning, stacklevel=3)
     return old_value
+
+
+def store_limits(
+    memory_limit: int | None, disk_dir: object, disk_limit: int | None
+) -> tuple[int, int | None]:
+    """A store's memory and disk limits, checked before anything is built: a memory limit always,
+    a disk limit with a disk folder and only with one."""
+    if memory_limit is None:
+        raise StoreLimitError("a store needs memory_limit: the most tensor bytes it holds in memory")
+    check_limit("memory_limit", memory_limit)
+    if (disk_dir is None) != (disk_limit is None):
+        raise StoreLimitError(
+            "disk_dir and disk_limit go together: pass both for a disk tier (e.g. "
+            "disk_limit=20 << 30 for 20 GiB), or neither for a memory-only store"
+        )
+    if disk_limit is not None:
+        check_limit("disk_limit", disk_limit)
+    return memory_limit, disk_limit

@@ -154,24 +154,7 @@ class Planner:
         op every chunk is settled once and the whole edit is bounded by one re-prefill from its
         first changed slot.
         """
-        order: list[ChunkRef] = []
-        chunks: dict[ChunkRef, Chunk] = {}
-        recalled: list[ChunkRef] = []
-        for item in items:
-            if isinstance(item, ChunkRef):
-                entry = _known(state, item)
-                if item in order:
-                    raise DuplicateChunkError(f"{item} appears twice in arrange; name each chunk once")
-                if not entry.in_window:
-                    self._check_recallable(entry, item)
-                    recalled.append(item)
-                order.append(item)
-            else:
-                chunk, label = item
-                ref = state.mint(chunk, label, len(chunks))
-                self._check_storable(chunk)
-                chunks[ref] = chunk
-                order.append(ref)
+        order, chunks, recalled = self._arranged(state, items)
         self._check_fits(state, order, chunks)
         named = set(order)
         evicted = tuple(ref for ref in state.order if ref not in named)
@@ -192,17 +175,32 @@ class Planner:
         steps = self._walk(state, order, action, special, chunks, in_order=False)
         admitted = tuple(ref for ref in order if ref in chunks or ref in recalled)
         moved = self._moved(state, order, chunks)
-        plan = WindowPlan(
-            "arrange",
-            tuple(order),
-            evicted,
-            admitted,
-            tuple(steps),
-            dict(chunks),
-            moved,
-            recalled=tuple(recalled),
-        )
-        return self._bounded(state, plan)
+        plan = WindowPlan("arrange", tuple(order), evicted, admitted, tuple(steps), dict(chunks), moved)
+        return self._bounded(state, plan.changed(recalled=tuple(recalled)))
+
+    def _arranged(
+        self, state: WindowRecord, items: Sequence[ChunkRef | tuple[Chunk, str | None]]
+    ) -> tuple[list[ChunkRef], dict[ChunkRef, Chunk], list[ChunkRef]]:
+        """What ``arrange`` names: the new order, the new content's chunks, the refs recalled."""
+        order: list[ChunkRef] = []
+        chunks: dict[ChunkRef, Chunk] = {}
+        recalled: list[ChunkRef] = []
+        for item in items:
+            if isinstance(item, ChunkRef):
+                entry = _known(state, item)
+                if item in order:
+                    raise DuplicateChunkError(f"{item} appears twice in arrange; name each chunk once")
+                if not entry.in_window:
+                    self._check_recallable(entry, item)
+                    recalled.append(item)
+                order.append(item)
+            else:
+                chunk, label = item
+                ref = state.mint(chunk, label, len(chunks))
+                self._check_storable(chunk)
+                chunks[ref] = chunk
+                order.append(ref)
+        return order, chunks, recalled
 
     def materialize(self, state: WindowRecord) -> WindowPlan:
         """Form every patch that lazy timing deferred, left to right, before a read."""

@@ -152,7 +152,7 @@ def test_what_grew_is_each_tier_change_once_per_store_in_a_process() -> None:
     from kamera_agent.store.instrumented import tier_series
 
     registry, fake = StoreRegistry(), FakeTier(label="x")
-    with ChunkStore(fingerprint=FP, memory_budget=1 << 20, tiers=[fake]) as store:
+    with ChunkStore(fingerprint=FP, memory_limit=1 << 20, tiers=[fake]) as store:
         store.put_canonical(make_kv("a", 4))
         first = registry.tier_growth(store)
         assert first["fake"]["puts"] == 1 and first["fake"]["bytes_written"] > 0

@@ -125,7 +125,7 @@ def test_the_store_command_counts_and_clears_a_buckets_entries(
 
     other_fp = "f" * 64
     for fingerprint, keys in ((FP, "ab"), (other_fp, "a")):  # default deadlines: every write lands
-        with ChunkStore(fingerprint=fingerprint, memory_budget=1 << 24, urls=[s3_url]) as store:
+        with ChunkStore(fingerprint=fingerprint, memory_limit=1 << 24, urls=[s3_url]) as store:
             for key in keys:
                 store.put_canonical(replace(make_kv(key, 12), model_fingerprint=fingerprint))
             store.flush()
