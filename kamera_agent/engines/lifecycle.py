@@ -28,7 +28,7 @@ docs/engines.md ("Adding an engine") says how an adapter for another engine call
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kamera_agent.core.identity import ChunkState
@@ -184,12 +184,7 @@ class ServedReport:
 
     def as_dict(self) -> dict[str, Any]:
         """The report's fields by name (what vLLM returns in a request's ``kv_transfer_params``)."""
-        return {
-            "loaded_tokens": self.loaded_tokens,
-            "kept_tokens": self.kept_tokens,
-            "drift": self.drift,
-            "kept_refused": self.kept_refused,
-        }
+        return asdict(self)
 
     def describe(self) -> str:
         """The report as one line of a log (an engine whose outputs carry no field for it)."""

@@ -281,6 +281,17 @@ def test_concurrent_clients_all_succeed_and_metrics_add_up(serve: Serve) -> None
     assert metric("tokens_prefilled_total") == sum(op["tokens_prefilled"] for op in ops)
 
 
+def test_a_store_tier_reaches_the_servers_metrics_by_its_name(serve: Serve, tmp_path: Path) -> None:
+    """The server's ``/metrics`` shows each tier of its store by name, with no code of its own
+    per tier: here the disk tier the config names (a registered tier shows the same way)."""
+    live = serve(config=WindowConfig(disk_dir=tmp_path, disk_limit=1 << 26))
+    assert _text(_ask(live, [SYSTEM, shot(0, "What now?")])) is not None
+    body = _get(live.url + "/metrics")
+    asked = re.search(r'^kamera_store_tier_lookups_total\{tier="disk"\} (\S+)$', body, re.M)
+    assert asked and float(asked.group(1)) > 0, body  # the request's chunks were looked up there
+    assert "# TYPE kamera_store_tier_get_seconds_total counter" in body
+
+
 def test_models_health_and_per_request_settings(serve: Serve) -> None:
     live = serve()
     assert [m.id for m in live.client.models.list()] == [MODEL]
