@@ -19,21 +19,37 @@ re-prefilling the window after every op.
     .venv/bin/python benchmarks/drift_estimator.py                 # the shipped calibration, seeds 7101 7102
     .venv/bin/python benchmarks/drift_estimator.py --fit-seeds 11 12 --seeds 21 --ops 40
     .venv/bin/python benchmarks/drift_estimator.py --model SmolLM2-135M-Instruct.Q4_1.gguf --ops 60
+    .venv/bin/python benchmarks/drift_estimator.py --from-steps \
+        docs/results/calibration/smollm2-held-out-steps.json
+
+Where the calibration fitted plan-time bounds (`Calibration.vouch_bounds`: what an engine vouches
+for a kept state by without an audit), the same chunk-states are judged by those too.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 from rich.progress import Progress
 from rich.table import Table
 
-from kamera_agent.bench.calibrate import HELD_SEEDS, episodes, fit_calibration, judge
+from kamera_agent.bench.calibrate import (
+    HELD_SEEDS,
+    Step,
+    episodes,
+    fit_calibration,
+    judge,
+    load_steps,
+    save_steps,
+)
 from kamera_agent.bench.common import show_and_save
+from kamera_agent.bench.vouch_fit import judge_vouching
 from kamera_agent.demo.model import load_demo_model
-from kamera_agent.fidelity import BUDGETS, find_calibration
+from kamera_agent.fidelity import BUDGETS, Calibration, find_calibration
 from kamera_agent.loading import load_backend
 from kamera_agent.settings import configure_threads
 from kamera_agent.window import KameraWindow
@@ -45,8 +61,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, nargs="+", default=list(HELD_SEEDS))
     parser.add_argument("--fit-seeds", type=int, nargs="+", default=None, help="fit here instead")
     parser.add_argument("--model", default=None, help="a checkpoint folder or GGUF file (default: the demo)")
+    parser.add_argument("--steps", default=None, help="also write the held-out episodes' steps here")
+    parser.add_argument(
+        "--from-steps",
+        default=None,
+        help="judge the steps a run wrote (--steps, or kamera calibrate --steps) instead of running "
+        "episodes: the model's own calibration, found by the fingerprint the file records",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.from_steps is not None:
+        held, meta = load_steps(Path(args.from_steps))
+        args.seeds, args.ops = meta["seeds"], len(held) // max(1, len(meta["seeds"]))
+        calibration = _own_calibration(parser, meta["fingerprint"], args.seeds)
+    else:
+        calibration, held = _run(parser, args)
+    return _report(calibration, held, args)
+
+
+def _own_calibration(parser: argparse.ArgumentParser, fingerprint: str, seeds: list[int]) -> Calibration:
+    found = find_calibration(fingerprint)
+    if found is None:
+        parser.error("the model has no calibration: run `kamera calibrate MODEL` or pass --fit-seeds")
+    if set(found.seeds) & set(seeds):
+        parser.error(f"--seeds overlap the calibration's fitting seeds {found.seeds}")
+    return found
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Calibration, list[Step]]:
+    """The calibration (the model's own, or fitted on ``--fit-seeds``) and the held-out steps."""
     configure_threads(None)
     window: dict[str, Any] = {}
     if args.model is None:
@@ -62,13 +105,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             fitted = episodes(model, args.fit_seeds, args.ops, progress, 0.1, **window)
             calibration = fit_calibration(fingerprint, fitted, args.fit_seeds, 0.1)
         else:
-            found = find_calibration(fingerprint)
-            if found is None:
-                parser.error("the model has no calibration: run `kamera calibrate MODEL` or pass --fit-seeds")
-            calibration = found
-        if set(calibration.seeds) & set(args.seeds):
-            parser.error(f"--seeds overlap the calibration's fitting seeds {calibration.seeds}")
+            calibration = _own_calibration(parser, fingerprint, args.seeds)
         held = episodes(model, args.seeds, args.ops, progress, calibration.audit_share, **window)
+    if args.steps:
+        save_steps(held, Path(args.steps), fingerprint, args.seeds, calibration.audit_share)
+    return calibration, held
+
+
+def _report(calibration: Calibration, held: list[Step], args: argparse.Namespace) -> dict[str, Any]:
     judged = judge(calibration, held)
     epsilons = sorted({*BUDGETS, calibration.budget})
     rows = [
@@ -96,17 +140,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"judged on seeds {args.seeds} ({args.ops} ops each, {reprefill} chunk-states in all); "
         f"Spearman {judged.spearman:.2f}; default budget {calibration.budget:g}"
     )
-    report = {
+    report: dict[str, Any] = {
         "ops": args.ops,
         "seeds": args.seeds,
         "calibration": calibration.to_json(),
         "held_samples": len(judged.pairs),
-        "spearman": judged.spearman,
+        "spearman": judged.spearman if judged.pairs else math.nan,
         "rows": rows,
     }
-    if not judged.pairs:
-        report["spearman"] = math.nan
-    return show_and_save(table, report, args.json)
+    show_and_save(table, report, None)
+    if calibration.vouch_bounds:
+        report["vouch"] = judge_vouching(calibration, held)
+        vouch = Table(title="the plan-time bounds (no audit) on the same chunk-states")
+        for column in ("ε", "bounded within ε", "truly over 3ε"):
+            vouch.add_column(column, justify="right")
+        for eps, row in report["vouch"].items():
+            vouch.add_row(eps, str(row["within"]), f"{row['over']:.1%}")
+        vouch.caption = f"the bounds serve within ε ≤ {calibration.vouch_budget:g} (the calibration's pick)"
+        show_and_save(vouch, report, None)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return report
 
 
 if __name__ == "__main__":

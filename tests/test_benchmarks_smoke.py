@@ -135,10 +135,21 @@ def test_serve_overhead_benchmark_reports_each_turn(tmp_path: Path) -> None:
 
 def test_drift_estimator_benchmark_judges_a_calibration_on_held_out_episodes(tmp_path: Path) -> None:
     out = tmp_path / "drift.json"
-    run_benchmark("drift_estimator", ["--ops", "30", "--fit-seeds", "1", "--seeds", "2", "--json", str(out)])
+    steps = tmp_path / "held.json"
+    run_benchmark(
+        "drift_estimator",
+        ["--ops", "30", "--fit-seeds", "1", "--seeds", "2", "--json", str(out), "--steps", str(steps)],
+    )
     report = json.loads(out.read_text())
     assert [row["ε"] for row in report["rows"]][:1] == [1e-3] and report["held_samples"] > 0
     assert all(0 <= row["truly within ε"] <= 1 for row in report["rows"])
+    # the fitted calibration's plan-time bounds are judged on the same chunk-states
+    vouch = report["vouch"].values()
+    assert all(row["chunks"] == report["held_samples"] for row in vouch)
+    # the saved steps are judged again without the model, by the model's own calibration
+    again = tmp_path / "again.json"
+    run_benchmark("drift_estimator", ["--from-steps", str(steps), "--json", str(again)])
+    assert json.loads(again.read_text())["held_samples"] == report["held_samples"]
 
 
 def test_overhead_benchmark_splits_every_op_into_forward_operator_and_rest(tmp_path: Path) -> None:

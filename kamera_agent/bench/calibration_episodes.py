@@ -25,6 +25,7 @@ from kamera_agent.fidelity import (
     Calibration,
     DriftBudget,
     Measure,
+    absorbed_gone,
     audit_indices,
     find_calibration,
     relative_error,
@@ -104,11 +105,12 @@ def drift_episode(
         measure = _measure(backend, chunks, [truth.kv[0], *kvs], starts, share, vision)
         states = [window_.state_of(ref) for ref in refs]
         owns = measurer.estimates(states, root, measure)
-        ctx, slots = root, []
+        ctx, slots, present = root, [], {state.chunk_key for state in states}
         for chunk, state, own, kv, exact in zip(chunks, states, owns, kvs, truth.kv[1:], strict=True):
+            gone = absorbed_gone(state, present, ctx)
             ctx = ctx.extend(state)
             error = relative_error(kv, exact)
-            slots.append(Slot(error, float(own or 0.0), ctx.exact, chunk.num_tokens))
+            slots.append(Slot(error, float(own or 0.0), ctx.exact, chunk.num_tokens, gone))
         agrees = int(answer.argmax()) == int(truth.logits.argmax())
         recorded.append(Step(move.op, tuple(slots), next_token_kl(truth.logits, answer), agrees))
         progress.advance(task)

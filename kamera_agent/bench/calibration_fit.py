@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kamera_agent.bench.vouch_fit import fit_vouching
 from kamera_agent.errors import SettingsError
 from kamera_agent.fidelity import AGREEMENT, BUDGETS, MEAN_KL, Calibration
 
@@ -43,12 +44,15 @@ class Slot:
     """One chunk of the window after one op: its true relative KV error against re-prefill, its
     own audit (0 where its KV is a forward's output over exactly its left context), whether
     the window held it exactly (the chain up to it exact: never estimated, never fitted), and
-    its tokens (what re-prefilling it costs; 1 in steps saved before they were recorded)."""
+    its tokens (what re-prefilling it costs; 1 in steps saved before they were recorded) and
+    whether its KV encodes a chunk no longer in the window (`kamera_agent.fidelity.absorbed_gone`;
+    ``None`` in steps saved before it was recorded)."""
 
     error: float
     own: float
     exact: bool
     tokens: int = 1
+    gone: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -195,7 +199,13 @@ def fit_calibration(
     fits = [_fit(fingerprint, steps, seeds, share, each, quantile) for each in _shares(inherit)]
     ranked = [fit for fit in fits if judge(fit[0], steps).spearman >= RANKS] or fits
     best = max(ranked, key=lambda fit: (fit[1], -fit[0].inherit))[0]
-    return replace(best, fix_shares=_fix_shares(best, steps))
+    best = replace(best, fix_shares=_fix_shares(best, steps))
+    vouching = fit_vouching(steps, quantile)
+    if vouching is None:  # steps saved before kept states' classes were recorded
+        return best
+    return replace(
+        best, vouch_bounds=vouching.bounds, vouch_budget=vouching.budget, vouch_frontier=vouching.frontier
+    )
 
 
 def _shares(inherit: float | None) -> tuple[float, ...]:
@@ -285,7 +295,7 @@ def save_steps(
 ) -> None:
     """Write what episodes measured, so a calibration can be fitted again (``--refit``) or checked
     against them without running the model."""
-    rows = [[s.op, s.kl, s.agrees, [[x.error, x.own, x.exact, x.tokens] for x in s.slots]] for s in steps]
+    rows = [[s.op, s.kl, s.agrees, [_row(x) for x in s.slots]] for s in steps]
     data = {"fingerprint": fingerprint, "seeds": list(seeds), "audit_share": share, "steps": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, separators=(",", ":")))
@@ -301,5 +311,10 @@ def load_steps(path: Path) -> tuple[list[Step], dict[str, Any]]:
     return steps, data
 
 
-def _slot(error: float, own: float, exact: bool, tokens: int = 1) -> Slot:
-    return Slot(float(error), float(own), bool(exact), int(tokens))
+def _row(slot: Slot) -> list[Any]:
+    row: list[Any] = [slot.error, slot.own, slot.exact, slot.tokens]
+    return row if slot.gone is None else [*row, slot.gone]
+
+
+def _slot(error: float, own: float, exact: bool, tokens: int = 1, gone: bool | None = None) -> Slot:
+    return Slot(float(error), float(own), bool(exact), int(tokens), None if gone is None else bool(gone))

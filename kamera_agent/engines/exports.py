@@ -48,7 +48,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "tokens_kept": ("kept_tokens", "Prompt tokens kamera offered in kept (approximate) states."),
     "kept_refused": (
         "refused_kept",
-        "Requests whose kept states no audit vouched for within the drift budget (the engine computed them).",
+        "Requests whose kept states nothing vouched for within the drift budget (the engine computed them).",
     ),
     "captures_dropped": (
         "dropped_captures",

@@ -164,7 +164,7 @@ class ServedReport:
         kept_tokens: tokens in kept states (approximations), loaded now or left in the engine's
             prefix cache by an earlier load.
         drift: their largest estimated drift (0: exact; ``None``: unknown, kept unbounded).
-        kept_refused: a kept state was refused for want of an audit within the drift budget.
+        kept_refused: a kept state was refused: nothing vouched for it within the drift budget.
     """
 
     loaded_tokens: int = 0

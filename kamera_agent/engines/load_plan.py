@@ -32,7 +32,7 @@ class EngineStats:
             adapter cannot write): the engine computed those tokens itself.
         chunks_captured: chunk states stored from the engine's prefills.
         tokens_kept: tokens offered in kept states (approximations).
-        kept_refused: plannings stopped at a kept state no audit vouched for within the drift
+        kept_refused: plannings stopped at a kept state nothing vouched for within the drift
             budget (the engine computed it and what follows; vLLM counts each request once).
     """
 
@@ -99,7 +99,7 @@ class LoadPlan:
         held_kept: tokens of the engine's own hit in kept states an earlier load left there
             (the engine's prefix cache serves them as computed).
         held_drift: their largest estimated drift (0: none held; ``None``: unknown).
-        refused: the synthesis stopped at a kept state no audit vouched for within the budget
+        refused: the synthesis stopped at a kept state nothing vouched for within the budget
             (the engine computes it and what follows).
     """
 

@@ -20,10 +20,13 @@ below full need a chunk's canonical, one forward an engine's cache hook cannot r
 full-rank states are served here.
 
 A kept state is an approximation, so under a drift budget (``WindowConfig.drift_budget``, by
-default the model's calibrated ε) it is served only where the store vouches for it: an audit
-filed for that state behind the request's left context (`DriftAudit`, measured by a window
-sharing the store: an engine cannot recompute tokens to audit) puts its estimated drift within
-ε, counting what the kept chunks to its left carry (`Calibration.estimate`). A model without a
+default the model's calibrated ε) it is served only where something vouches for it within ε
+(`DriftBudget.vouch`; an engine cannot recompute tokens to audit): the model's calibration, by
+what is known before any forward (whether every chunk its KV absorbed is still in the request,
+and its distance from the request's first approximated chunk: `kamera_agent.fidelity.vouching`),
+counting what the kept chunks to its left carry; an audit filed for that state behind the
+request's left context (`DriftAudit`, measured by a window sharing the store) only raises the
+estimate, and vouches alone where the calibration fitted no bounds. A model without a
 calibration serves exactly, with one warning; ``drift_budget=None`` keeps unbounded. Every
 served chunk carries its estimate (`Served.drift`), so a request's kept tokens and largest drift
 are reported (`LoadPlan.kept_tokens`, `LoadPlan.drift`).
@@ -39,7 +42,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
@@ -99,10 +102,18 @@ class KeptBudget:
     def calibration(self) -> Calibration:
         return self.budget.calibration
 
-    def estimate(self, state: ChunkState, left: Context, inherited: float) -> float | None:
-        """``state``'s estimated drift behind ``left`` (`DriftBudget.vouch`: from what is known
-        without measuring), or ``None``: nobody measured it."""
-        return self.budget.vouch(state, left, inherited, filed_in(self.audits))
+    @property
+    def vouch_epsilon(self) -> float:
+        """The ε a kept state is served within (`DriftBudget.vouch_epsilon`)."""
+        return self.budget.vouch_epsilon
+
+    def estimate(
+        self, state: ChunkState, left: Context, inherited: float, distance: int, present: Collection[str]
+    ) -> float | None:
+        """``state``'s estimated drift behind ``left`` at ``distance`` from the request's first
+        approximated chunk, in a request holding the chunk keys ``present`` (`DriftBudget.vouch`:
+        from what is known without measuring), or ``None``: nothing vouches for it."""
+        return self.budget.vouch(state, left, inherited, filed_in(self.audits), distance, present)
 
 
 def serving(
@@ -167,7 +178,9 @@ class PrefixSynthesis:
         held_kept = 0  # tokens of the engine's own hit in kept states, and their largest drift:
         held_drift: float | None = 0.0
         refused = False
-        for chunk in chunks:
+        present = {chunk.key for chunk in chunks}
+        approximated_from: int | None = None  # the first chunk held or served in a kept state
+        for index, chunk in enumerate(chunks):
             if chunk.start >= limit:
                 break
             prefix = _hash(prefix, chunk.key)
@@ -183,15 +196,18 @@ class PrefixSynthesis:
                     held_drift = None if held_drift is None or drift is None else max(held_drift, drift)
             if chunk.end <= device_len:
                 chain.extend(chunk, held)
+                approximated_from = _first_approximated(approximated_from, index, chain)
                 continue
+            distance = 0 if approximated_from is None else index - approximated_from
             hit, refused = self._servable(
-                namespace, chunk, held, computed, device_len, approximate, chain, worst
+                namespace, chunk, held, computed, device_len, approximate, chain, worst, (distance, present)
             )
             if hit is None:
                 break
             served.append(hit)
             worst = None if worst is None or hit.drift is None else max(worst, hit.drift)
             chain.extend(chunk, hit.state)
+            approximated_from = _first_approximated(approximated_from, index, chain)
         end = min(served[-1].chunk.end if served else device_len, limit)
         end = max(device_len, end - end % page_size)
         while served and served[-1].chunk.start + served[-1].skip >= end:
@@ -339,12 +355,15 @@ class PrefixSynthesis:
         approximate: bool,
         chain: _RequestStates,
         worst: float | None,
+        where: tuple[int, Collection[str]],
     ) -> tuple[Served | None, bool]:
         """The chunk served from the store: in the state the engine's part of it holds (or, past
         the engine's hit, a forward would compute), else under ``"keep"`` in its last captured
         state (spliced behind the engine's part of the chunk, if any), where the budget allows:
         an audit filed for that state behind ``chain``'s context puts it within ε, counting
-        ``worst``, the largest drift to its left. With it, whether a kept state was refused."""
+        ``worst``, the largest drift to its left, at ``where``: its distance from the request's
+        first approximated chunk and the chunk keys in the request. With it, whether a kept
+        state was refused."""
         skip = max(0, device_len - chunk.start)
         entry = _entry(chunk, held)
         if self._stored(entry):
@@ -355,8 +374,8 @@ class PrefixSynthesis:
                 drift = None
                 if self.budget is not None:
                     left = chain.context or Context.root("")
-                    drift = None if worst is None else self.budget.estimate(latest.state, left, worst)
-                    if drift is None or not drift <= self.budget.epsilon:  # NaN: not within it
+                    drift = None if worst is None else self.budget.estimate(latest.state, left, worst, *where)
+                    if drift is None or not drift <= self.budget.vouch_epsilon:  # NaN: not within it
                         return None, True
                 state = latest.state if skip == 0 else ChunkState.spliced(held, latest.state, skip)
                 return Served(chunk, state, latest.entry, skip, computed, drift), False
@@ -400,6 +419,14 @@ class _RequestStates:
     def extend(self, chunk: RequestChunk, state: ChunkState) -> None:
         """``chunk`` is held in ``state``: the chunks after it are conditioned on that."""
         self.context = Context.root(chunk.key) if self.context is None else self.context.extend(state)
+
+
+def _first_approximated(found: int | None, index: int, chain: _RequestStates) -> int | None:
+    """The index of the request's first chunk held in a state a re-prefill would not compute:
+    ``found`` if known, else ``index`` where the chain stopped being exact with it."""
+    if found is None and chain.context is not None and not chain.context.exact:
+        return index
+    return found
 
 
 def _entry(chunk: RequestChunk, state: ChunkState) -> EntryKey:

@@ -11,6 +11,7 @@ and the budget's internals change in one place.
 - `audits`: the sampled audit (a chunk's KV against a few of its rows recomputed) and errors.
 - `drift_budget`: the estimate chained left to right, the verdict per chunk, the fix shares.
 - `resolve`: which budget a window or an engine runs with, from its settings.
+- `vouching`: what a kept state no audit measured is bounded by (its class and distance).
 """
 
 from kamera_agent.fidelity.audits import (
@@ -42,11 +43,14 @@ from kamera_agent.fidelity.resolve import (
     shared_budget,
     window_budget,
 )
+from kamera_agent.fidelity.vouching import CLASSES, DISTANCES, absorbed_gone, vouch_class
 
 __all__ = [
     "AGREEMENT",
     "BUDGETS",
     "CALIBRATION_DIR_VARIABLE",
+    "CLASSES",
+    "DISTANCES",
     "MEAN_KL",
     "AuditSource",
     "Calibration",
@@ -54,6 +58,7 @@ __all__ = [
     "Filed",
     "Measure",
     "ServeMode",
+    "absorbed_gone",
     "audit",
     "audit_count",
     "audit_indices",
@@ -66,5 +71,6 @@ __all__ = [
     "save_calibration",
     "serve_mode_of",
     "shared_budget",
+    "vouch_class",
     "window_budget",
 ]

@@ -66,6 +66,14 @@ class Calibration:
             it: ``standing`` (the share of them estimated within ε: served as they are),
             ``agreement`` (of those, the share whose first answer token was re-prefill's) and
             ``kl_mean`` (their mean next-token KL against re-prefill).
+        vouch_bounds: per class of `kamera_agent.fidelity.vouching.CLASSES`, per distance from
+            the first approximated chunk (the last for every farther one), the bound a kept
+            state no audit measured is estimated at: ``quantile`` of the fitting chunks' true
+            errors there, non-increasing with distance. Empty: only an audit vouches.
+        vouch_budget: the ε those bounds may serve within (never above the window's): the
+            largest of `BUDGETS` up to which, at every ε, the fitting episodes' ops whose every
+            approximated chunk the bounds put within it answered like a re-prefill.
+        vouch_frontier: per ε of `BUDGETS`, those ops as in ``frontier``.
     """
 
     fingerprint: str
@@ -80,6 +88,17 @@ class Calibration:
     fix_shares: dict[str, tuple[int, float]] = field(default_factory=dict)
     recompute_share: float = 0.15
     frontier: dict[str, dict[str, float]] = field(default_factory=dict)
+    vouch_bounds: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    vouch_budget: float = 0.0
+    vouch_frontier: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def vouch_bound(self, kind: str, distance: int) -> float | None:
+        """The bound on a kept state's drift of class ``kind`` at ``distance`` from the first
+        approximated chunk, or ``None`` where none was fitted."""
+        bounds = self.vouch_bounds.get(kind)
+        if not bounds:
+            return None
+        return bounds[min(max(0, distance), len(bounds) - 1)]
 
     def estimate(self, audit: float, inherited: float) -> float:
         """A chunk's estimated drift from its audit and the largest estimate to its left."""
@@ -88,6 +107,7 @@ class Calibration:
     def to_json(self) -> str:
         data = {**asdict(self), "seeds": list(self.seeds)}
         data["fix_shares"] = {op: list(counts) for op, counts in self.fix_shares.items()}
+        data["vouch_bounds"] = {kind: list(bounds) for kind, bounds in self.vouch_bounds.items()}
         return json.dumps(data, indent=2, sort_keys=True)
 
     @classmethod
@@ -99,6 +119,10 @@ class Calibration:
         shares = data.get("fix_shares", data.get("fix_rates", {}))
         known["fix_shares"] = {
             str(op): (int(ops), float(spent)) for op, (ops, spent) in shares.items() if 0 <= spent <= ops
+        }
+        known["vouch_bounds"] = {
+            str(kind): tuple(float(b) for b in bounds)
+            for kind, bounds in known.get("vouch_bounds", {}).items()
         }
         return cls(**known)
 

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.fidelity.audits import Filed, Measure
 from kamera_agent.fidelity.calibration import Calibration
+from kamera_agent.fidelity.vouching import vouch_class
 
 __all__ = ["DriftBudget"]
 
@@ -158,12 +159,42 @@ class DriftBudget:
             worst, ctx = max(worst, estimate), following
         return out
 
-    def vouch(self, state: ChunkState, left: Context, inherited: float, filed: Filed) -> float | None:
+    def vouch(
+        self,
+        state: ChunkState,
+        left: Context,
+        inherited: float,
+        filed: Filed,
+        distance: int | None = None,
+        present: Collection[str] | None = None,
+    ) -> float | None:
         """The estimated drift of ``state`` served behind ``left``, where the largest estimate to
-        its left is ``inherited``, from what is known without measuring (`own`): how an engine,
-        which cannot audit, decides whether a kept state may be served. ``None``: nobody measured it."""
+        its left is ``inherited``, from what is known without measuring: how an engine, which
+        cannot audit, decides whether a kept state may be served (within `vouch_epsilon`).
+
+        Where the calibration fitted bounds (`Calibration.vouch_bounds`) and the state's
+        ``distance`` from the first approximated chunk and the chunk keys ``present`` in the
+        context are given, the estimate is its bound (`kamera_agent.fidelity.vouching`), raised by
+        any audit filed for it (`own`) and by what it inherits: an audit only ever tightens what
+        the calibration vouches for; loosening takes a new calibration. Without bounds, only a
+        filed audit vouches. ``None``: nothing vouches for it."""
         own = self.own(state, left, filed)
-        return None if own is None else self.calibration.estimate(own, inherited)
+        audited = None if own is None else self.calibration.estimate(own, inherited)
+        bound = None
+        if distance is not None and present is not None:
+            bound = self.calibration.vouch_bound(vouch_class(state, present, left), distance)
+        if bound is None:
+            return audited
+        return max(bound, self.calibration.estimate(0.0, inherited), audited or 0.0)
+
+    @property
+    def vouch_epsilon(self) -> float:
+        """The ε a kept state no window holds is served within: ε, capped by the calibration's
+        `Calibration.vouch_budget` where it fitted bounds (the largest ε at which what the
+        bounds let stand answered like a re-prefill on its episodes)."""
+        if not self.calibration.vouch_bounds:
+            return self.epsilon
+        return min(self.epsilon, self.calibration.vouch_budget)
 
     def first_over(self, estimates: Sequence[float | None]) -> int | None:
         """The first index not known to be within ε (over it, or not estimated)."""

@@ -316,6 +316,43 @@ def test_kept_states_are_served_only_where_a_filed_audit_puts_them_within_the_bu
         assert [r.drift for r in records] == pytest.approx(drifts[2:])
 
 
+def test_a_calibrations_bounds_vouch_for_kept_states_no_audit_measured() -> None:
+    """Without any audit, a calibration's bounds (`Calibration.vouch_bounds`) vouch for a kept
+    state by its class and distance from the request's first approximated chunk: served within
+    the bounds' ε, refused past it, and an audit filed for it only ever raises its estimate."""
+    s, a, b, c, d = _texts("cat", "dog", "owl", "fox", "elk")
+    x, y = _long("yak"), _long("emu")
+    store = _store()
+    _capture(probe := PrefixSynthesis(store, "keep", None), [s, a, b, c])
+    _capture(probe, [x, y])
+    slid = _request([x, y, b, c, d])  # b and c absorbed s and a, gone from this request
+    start, end = slid[0].end, slid[-1].end
+    bounds = {"gone": (0.3, 0.1), "present": (0.05,)}
+
+    def engine(epsilon: float, vouch_budget: float) -> PrefixSynthesis:
+        calibration = replace(_calibration(), vouch_bounds=bounds, vouch_budget=vouch_budget)
+        return replace(probe, budget=KeptBudget(DriftBudget(epsilon, calibration), store))
+
+    plan = engine(1.0, 0.5).plan(NS, slid, start, end)
+    assert [item.computed for item in plan.served] == [True, True, False, False] and not plan.refused
+    # b is the first approximated chunk (distance 0); c inherits half of b's estimate (inherit 0.5)
+    assert [item.drift for item in plan.served] == pytest.approx([0, 0, 0.3, 0.15])
+    assert plan.drift == pytest.approx(0.3) and plan.kept_tokens == len(slid[3]) + len(slid[4])
+    for epsilon, vouch_budget in ((0.2, 0.5), (1.0, 0.2)):  # the window's ε, or the bounds' own
+        refused = engine(epsilon, vouch_budget).plan(NS, slid, start, end)
+        assert len(refused.served) == 2 and refused.refused and refused.kept_tokens == 0
+    # an audit over the bound raises b's estimate past ε; one under it leaves the bound
+    left = Context.root(slid[0].key)
+    for item in plan.served[:2]:
+        left = left.extend(item.state)
+    b_state = plan.served[2].state
+    store.put_audit(DriftAudit(slid[3].key, b_state.digest, left.digest, 0.01, len(slid[3])))
+    assert engine(1.0, 0.5).plan(NS, slid, start, end).served[2].drift == pytest.approx(0.3)
+    store.put_audit(DriftAudit(slid[3].key, b_state.digest, left.digest, 0.3, len(slid[3])))
+    raised = engine(1.0, 0.5).plan(NS, slid, start, end)
+    assert len(raised.served) == 2 and raised.refused  # 2.0 × 0.3 = 0.6 over the bounds' ε 0.5
+
+
 def test_engines_serve_kept_states_within_the_models_calibrated_budget(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
