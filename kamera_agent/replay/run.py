@@ -116,8 +116,8 @@ class ReplaySummary:
 
     @property
     def token_ratio(self) -> float:
-        """kamera's tokens over the prefix server's (< 1: kamera prefilled fewer)."""
-        return self.tokens["kamera"] / max(1, self.tokens["prefix"])
+        """The prefix server's tokens over kamera's (above 1: kamera prefilled fewer)."""
+        return self.tokens["prefix"] / max(1, self.tokens["kamera"])
 
 
 def _wall(step: SideStep) -> float:
