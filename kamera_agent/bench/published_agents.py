@@ -113,12 +113,16 @@ def replay_table(replay: dict[str, Any], run: dict[str, Any]) -> list[str]:
     """Per model and policy: both servers' prefilled tokens, kamera's wall over the prefix
     server's (the median of per-step ratios over every pass, and each pass's), each side's wall
     outside the forwards, first-token agreement."""
+    wall = (
+        "the median over every step of every pass of kamera's wall over the prefix server's for that step"
+        if "passes" in replay
+        else "kamera's total wall over the prefix server's (one pass, its steps' ratios not kept)"
+    )
     lines = [
         f"Agents replay: {replay['steps']} steps per policy sent through `kamera serve` with the openai "
         "client, kamera at its defaults beside the same server as a prefix cache (`--reuse prefix`), "
         "the two alternating step by step and pass by pass (each pass on fresh servers); wall / "
-        "prefix: the median over every step of every pass of kamera's wall over the prefix server's "
-        "for that step (< 1: kamera is faster); each pass: that pass's total wall ratio; in the "
+        f"prefix: {wall} (< 1: kamera is faster); each pass: that pass's total wall ratio; in the "
         "forwards: the same median for the time inside the model's forwards alone, which run the "
         "same shapes on both sides where tokens are equal (how far the machine's noise goes); rest: "
         "each side's wall outside the forwards per step (median; HTTP included), its own work; "
