@@ -19,9 +19,7 @@ sliding out, and asks; the steps that fill the window are run untimed), and the 
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ from kamera_agent.bench.agents.run import QUICK_SHAPE, realistic_backend, warm
 from kamera_agent.bench.agents.script import Script
 from kamera_agent.bench.agents.scripts import AGENTS, QUICK_TOKENS, REALISTIC_TOKENS, AgentCounts
 from kamera_agent.bench.agents.sides import KameraSide, PrefixSide
+from kamera_agent.bench.forward_clock import ForwardClock
 from kamera_agent.config import WindowConfig
 from kamera_agent.models.random_qwen2 import QWEN2_1_5B_SLICE
 
@@ -101,30 +100,6 @@ class OverheadRun:
         return self.kamera.ms / self.prefix.ms
 
 
-class _ForwardClock:
-    """Milliseconds the backend's ``forward`` ran, by the side running it."""
-
-    def __init__(self, backend: TransformersBackend) -> None:
-        self.backend, self.side, self.spent = backend, "", {"kamera": 0.0, "prefix": 0.0}
-
-    @contextmanager
-    def installed(self) -> Iterator[None]:
-        forward = self.backend.forward
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            began = time.perf_counter()
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                self.spent[self.side] += (time.perf_counter() - began) * 1e3
-
-        self.backend.forward = timed  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            del self.backend.forward  # the class's method again
-
-
 def scripts(backend: TransformersBackend, quick: bool, seed: int) -> dict[str, tuple[Script, int]]:
     """Each agent's script and how many of its leading steps run untimed."""
     vocab = (QUICK_SHAPE if quick else QWEN2_1_5B_SLICE).vocab
@@ -153,7 +128,7 @@ def run_once(
         "kamera": KameraSide(backend, config, script.chunks),
         "prefix": PrefixSide(backend, script.chunks),
     }
-    clock = _ForwardClock(backend)
+    clock = ForwardClock(backend)
     totals = {name: [0.0, 0.0, 0, 0] for name in sides}
     with clock.installed():
         for index, step in enumerate(script.steps):

@@ -12,7 +12,14 @@ from typing import Any
 
 from kamera_agent.bench.tables import num_cell, percent_cell
 
-__all__ = ["agents_tables", "overhead_table", "replay_table"]
+__all__ = [
+    "REPLAY_COLUMNS",
+    "agents_tables",
+    "markdown_table",
+    "overhead_table",
+    "replay_rows",
+    "replay_table",
+]
 
 _PREFIX = "prefix"
 
@@ -85,26 +92,80 @@ def _by_kind(agents: dict[str, Any]) -> list[str]:
     return lines
 
 
+REPLAY_COLUMNS = (
+    "model",
+    "policy",
+    "steps",
+    "prefix tokens",
+    "kamera tokens",
+    "tokens / prefix",
+    "passes",
+    "wall / prefix",
+    "each pass",
+    "in the forwards",
+    "rest ms / step (kamera · prefix)",
+    "top-1",
+)
+"""The replay table's columns (docs/results.md's and the ``agents-replay.md`` its command writes)."""
+
+
 def replay_table(replay: dict[str, Any], run: dict[str, Any]) -> list[str]:
-    """Per model and policy: both servers' prefilled tokens and wall time, first-token agreement."""
+    """Per model and policy: both servers' prefilled tokens, kamera's wall over the prefix
+    server's (the median of per-step ratios over every pass, and each pass's), each side's wall
+    outside the forwards, first-token agreement."""
+    wall = (
+        "the median over every step of every pass of kamera's wall over the prefix server's for that step"
+        if "passes" in replay
+        else "kamera's total wall over the prefix server's (one pass, its steps' ratios not kept)"
+    )
     lines = [
         f"Agents replay: {replay['steps']} steps per policy sent through `kamera serve` with the openai "
         "client, kamera at its defaults beside the same server as a prefix cache (`--reuse prefix`), "
-        "the two alternating; top-1: the share of steps whose one greedy answer token is the prefix "
-        "server's (a re-prefill's).",
+        "the two alternating step by step and pass by pass (each pass on fresh servers); wall / "
+        f"prefix: {wall} (< 1: kamera is faster); each pass: that pass's total wall ratio; in the "
+        "forwards: the same median for the time inside the model's forwards alone, which run the "
+        "same shapes on both sides where tokens are equal (how far the machine's noise goes); rest: "
+        "each side's wall outside the forwards per step (median; HTTP included), its own work; "
+        "top-1: the share of steps whose one greedy answer token is the prefix server's (a "
+        "re-prefill's).",
         "",
-        "| model | policy | steps | prefix tokens | kamera tokens | tokens / prefix | wall / prefix | "
-        "top-1 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        *markdown_table(REPLAY_COLUMNS, replay_rows(replay)),
     ]
+    return lines
+
+
+def replay_rows(replay: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The replay table's rows, one per model and policy (a stored run of one pass, from before
+    passes were counted, renders its totals' ratio and no rest)."""
+    out: list[tuple[str, ...]] = []
     for row in replay["summaries"]:
         tokens, seconds = row["tokens"], row["seconds"]
-        lines.append(
-            f"| {row['model']} | {row['policy']} | {row['steps']} | {num_cell(tokens['prefix'], ',.0f')} | "
-            f"{num_cell(tokens['kamera'], ',.0f')} | {_ratio(tokens['kamera'], tokens['prefix'])} | "
-            f"{_ratio(seconds['kamera'], seconds['prefix'])} | {percent_cell(row['agreement'])} |"
+        wall = row.get("wall_over_prefix", seconds["kamera"] / max(1e-9, seconds["prefix"]))
+        passes = row.get("pass_walls", [wall])
+        rest = row.get("rest_ms", {})
+        out.append(
+            (
+                str(row["model"]),
+                str(row["policy"]),
+                str(row["steps"]),
+                num_cell(tokens["prefix"], ",.0f"),
+                num_cell(tokens["kamera"], ",.0f"),
+                _ratio(tokens["kamera"], tokens["prefix"]),
+                str(row.get("passes", 1)),
+                f"{wall:.3f}×",
+                " · ".join(f"{each:.3f}" for each in passes),
+                num_cell(row.get("in_forwards"), ".3f"),
+                f"{num_cell(rest.get('kamera'), '.0f')} · {num_cell(rest.get('prefix'), '.0f')}",
+                percent_cell(row["agreement"]),
+            )
         )
-    return lines
+    return out
+
+
+def markdown_table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    """A markdown table: the first two columns left-aligned (names), the rest right-aligned."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * 2 + "---:|" * (len(columns) - 2)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
 def overhead_table(overhead: dict[str, Any], run: dict[str, Any]) -> list[str]:

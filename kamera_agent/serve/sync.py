@@ -118,9 +118,11 @@ def _target(window: KameraWindow, desired: list[Chunk]) -> Target:
     evicted: dict[str, deque[ChunkRef]] = defaultdict(deque)
     for ref in [*window.evicted, *(r for r in current if r not in staying)]:
         evicted[window.chunk(ref).key].append(ref)
-    cost = _tokens(window, target)
+    cost: float | None = None  # planned only where a recall is weighed: most requests weigh none
     for index, item in enumerate(target):
         if isinstance(item, Chunk) and evicted[item.key]:
+            if cost is None:
+                cost = _tokens(window, target)
             trial = [*target[:index], evicted[item.key][-1], *target[index + 1 :]]  # the most recent copy
             trial_cost = _tokens(window, trial)
             if trial_cost <= cost:

@@ -90,6 +90,20 @@ def test_the_agents_suites_runs_are_rendered_with_every_agent_side_and_step_kind
         assert (
             f"| {row['model']} | {row['policy']} | {row['steps']} | {row['tokens']['prefix']:,} |" in section
         )
+        walls = " · ".join(f"{each:.3f}" for each in row["pass_walls"])
+        assert f"| {row['passes']} | {row['wall_over_prefix']:.3f}× | {walls} |" in section
+
+
+def test_a_replay_stored_before_passes_were_counted_still_renders(agent_runs: dict[str, Any]) -> None:
+    """One pass, its totals' wall ratio, no figure outside the forwards: rendered, the rest "—"."""
+    run = json.loads(json.dumps(agent_runs["text-agents-replay.json"]))
+    for row in run["suites"]["agents-replay"]["summaries"]:
+        for name in ("passes", "wall_over_prefix", "pass_walls", "in_forwards", "rest_ms"):
+            del row[name]
+    section = render_results({"old.json": run})
+    row = run["suites"]["agents-replay"]["summaries"][0]
+    wall = row["seconds"]["kamera"] / row["seconds"]["prefix"]
+    assert f"| 1 | {wall:.3f}× | {wall:.3f} | — | — · — |" in section
 
 
 def test_a_suite_the_report_cannot_render_fails_loudly(agent_runs: dict[str, Any]) -> None:

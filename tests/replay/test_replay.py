@@ -8,10 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from rich.console import Console
 
 from kamera_agent.replay.command import run_replay_command
 from kamera_agent.replay.policies import POLICIES
+from kamera_agent.replay.run import ReplaySummary, SideStep, StepRecord
 from kamera_agent.replay.screens import TextScreens
 
 SCREENS = TextScreens(seed=1, screen_tokens=8, output_tokens=8)
@@ -68,7 +70,43 @@ def test_a_quick_replay_drives_both_servers_and_writes_its_table(tmp_path: Path)
     for record in payload["records"]:
         assert record["kamera"]["prompt_tokens"] == record["prefix"]["prompt_tokens"]  # the same request
         assert 0 < record["prefix"]["prefilled"] <= record["prefix"]["prompt_tokens"]
+        for side in ("kamera", "prefix"):
+            assert 0 < record[side]["forward_seconds"] < record[side]["seconds"]  # its forwards timed
+    passes = payload["passes"]
+    assert passes == 2 and {r["pass"] for r in payload["records"]} == {0, 1}
+    for summary in payload["summaries"]:
+        assert summary["passes"] == passes and len(summary["pass_walls"]) == passes
+        assert summary["wall_over_prefix"] > 0 and summary["in_forwards"] > 0
+        assert summary["rest_ms"]["kamera"] > 0 and summary["rest_ms"]["prefix"] > 0
+        steps = [
+            r
+            for r in payload["records"]
+            if (r["model"], r["policy"]) == (summary["model"], summary["policy"])
+        ]
+        assert summary["tokens"]["prefix"] == sum(r["prefix"]["prefilled"] for r in steps if r["pass"] == 0)
+        for number in range(passes):  # each pass on fresh servers: the same tokens every pass
+            assert [r["kamera"]["prefilled"] for r in steps if r["pass"] == number] == [
+                r["kamera"]["prefilled"] for r in steps if r["pass"] == 0
+            ]
     assert (tmp_path / "agents-replay.md").read_text().count("\n") == 2 + 2 * len(POLICIES)
+
+
+def _side(seconds: float, forward: float, prefilled: int = 10, answer: str = "a") -> SideStep:
+    return SideStep(seconds, forward, prompt_tokens=10, prefilled=prefilled, answer=answer)
+
+
+def test_the_wall_figure_is_the_median_of_per_step_ratios_over_every_pass() -> None:
+    """One step slowed by a burst of load moves a total's ratio, not the median of the steps'."""
+    ratios = [(1.0, 1.0), (1.0, 1.02), (2.0, 1.0), (1.0, 1.0), (0.98, 1.0), (1.0, 1.0)]
+    rows = [
+        StepRecord("m", "p", step % 3, {"kamera": _side(k, 0.9 * k), "prefix": _side(p, 0.9 * p)}, step // 3)
+        for step, (k, p) in enumerate(ratios)
+    ]
+    summary = ReplaySummary.of(rows)
+    assert (summary.steps, summary.passes, summary.tokens) == (3, 2, {"kamera": 30, "prefix": 30})
+    assert summary.wall_over_prefix == pytest.approx(1.0)  # the burst (2.0×) is one step of six
+    assert summary.pass_walls == pytest.approx(((1.0 + 1.0 + 2.0) / 3.02, 2.98 / 3.0))
+    assert summary.rest_ms["kamera"] == pytest.approx(100.0) and summary.in_forwards == pytest.approx(1.0)
 
 
 def test_a_text_model_is_replayed_alone_with_accessibility_tree_screens(
