@@ -43,9 +43,9 @@ import random
 import re
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,7 @@ from rich.table import Table
 
 from kamera_agent.bench.common import make_progress, show_and_save
 from kamera_agent.bench.corpus import passages
-from kamera_agent.bench.vllm_serve import SOURCES, Server, loopback_valkey, vllm_serve
+from kamera_agent.bench.vllm_serve import Server, loopback_valkey, vllm_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = "You are a careful assistant. Read the passages of the Python Language Reference, answer briefly."
@@ -140,59 +140,30 @@ def workloads(args: argparse.Namespace) -> dict[str, list[Request]]:
 
 def ask(server: Server, messages: list[dict[str, str]], salt: str) -> dict[str, Any]:
     """One greedy request (one answer token) and where vLLM says its prompt tokens came from."""
-    before = server.counters()
-    began = time.perf_counter()
-    response = server.client().chat.completions.create(
-        model=server.model,
-        messages=messages,
-        temperature=0.0,
-        max_tokens=1,
-        extra_body={
-            "return_token_ids": True,
-            "cache_salt": salt,
-            "add_generation_prompt": False,
-            "continue_final_message": True,  # the answer's start, in `_question`
-        },
-    )
-    wall = time.perf_counter() - began
-    body = response.model_dump()
-    prompt_tokens = int(body["usage"]["prompt_tokens"])
-    after = server.counted(before, prompt_tokens)
-    sources = {s: int(after.get(s, 0.0) - before.get(s, 0.0)) for s in SOURCES}
+    extra = {"cache_salt": salt, "add_generation_prompt": False, "continue_final_message": True}
+    done = server.chat(messages, max_tokens=1, extra_body=extra)  # continues `_question`'s answer
     return {
-        "prompt_tokens": prompt_tokens,
-        "computed": sources["local_compute"],
-        "loaded": sources["external_kv_transfer"],
-        "first_token": body["choices"][0]["token_ids"][0],
-        "kamera": (body.get("kv_transfer_params") or {}).get("kamera"),
-        "wall_s": wall,
+        "prompt_tokens": int(done.body["usage"]["prompt_tokens"]),
+        "computed": done.sources["local_compute"],
+        "loaded": done.sources["external_kv_transfer"],
+        "first_token": done.body["choices"][0]["token_ids"][0],
+        "kamera": (done.body.get("kv_transfer_params") or {}).get("kamera"),
+        "wall_s": done.wall_s,
     }
 
 
 @contextmanager
-def servers(args: argparse.Namespace, folder: Path, logs: Path, setting: str) -> Iterator[dict[str, Server]]:
-    """Servers A and B of ``setting`` (``"alone"``, or ``"kamera"`` on a fresh shared store)."""
-    flags = serve_flags(args)
-    with ExitStack() as stack:
-        transfer, env = None, None
-        if setting == "kamera":
-            _, url = stack.enter_context(loopback_valkey(PASSWORD))
-            transfer = CONNECTOR | {"kv_connector_extra_config": {"config": json.loads(args.config)}}
-            env = {"KAMERA_STORE_URL": url}
-        yield {
-            name: stack.enter_context(
-                vllm_serve(
-                    args.vllm,
-                    folder,
-                    logs / f"{setting}-{name}.log",
-                    flags,
-                    root=ROOT,
-                    transfer=transfer,
-                    env=env,
-                )
-            )
-            for name in ("a", "b")
-        }
+def store(setting: str, config: str) -> Iterator[tuple[dict[str, Any] | None, dict[str, str] | None]]:
+    """``setting``'s ``--kv-transfer-config`` and environment: none for vLLM alone; for kamera the
+    connector with ``config`` and a fresh loopback Valkey server, its URL in ``KAMERA_STORE_URL``."""
+    if setting == "alone":
+        yield None, None
+        return
+    with loopback_valkey(PASSWORD) as (_, url):
+        yield (
+            CONNECTOR | {"kv_connector_extra_config": {"config": json.loads(config)}},
+            {"KAMERA_STORE_URL": url},
+        )
 
 
 def serve_flags(args: argparse.Namespace) -> list[str]:
@@ -204,21 +175,32 @@ def serve_flags(args: argparse.Namespace) -> list[str]:
 
 
 def run_setting(
-    args: argparse.Namespace, folder: Path, logs: Path, setting: str, plan: dict[str, list[Request]]
+    args: argparse.Namespace,
+    folder: Path,
+    logs: Path,
+    setting: str,
+    plan: dict[str, list[Request]],
+    progress: Any,
 ) -> dict[str, Any]:
-    """Every workload through ``setting``'s two servers; per request its record, and each
+    """Every workload through ``setting``: server A runs every request sent to A, then is stopped
+    and server B (on the same store) runs the hand-off's rest. Per request its record; each
     server's kamera counters and whether its log says the model has no calibration."""
-    console = Console(stderr=True)
-    out: dict[str, Any] = {}
-    with servers(args, folder, logs, setting) as pair, make_progress(console) as progress:
-        for name, requests in plan.items():
-            task = progress.add_task(f"{setting}: {name}", total=len(requests))
-            records = []
-            for request in requests:
-                records.append(ask(pair[request.server], request.messages, f"kamera-bench-{name}"))
-                progress.advance(task)
-            out[name] = {"requests": records}
-        out["counters"] = {name: server.counters() for name, server in pair.items()}
+    tasks = {
+        name: progress.add_task(f"{setting}: {name}", total=len(requests)) for name, requests in plan.items()
+    }
+    out: dict[str, Any] = {name: {"requests": []} for name in plan}
+    out["counters"] = {}
+    with store(setting, args.config) as (transfer, env):
+        for server in ("a", "b"):
+            log = logs / f"{setting}-{server}.log"
+            with vllm_serve(
+                args.vllm, folder, log, serve_flags(args), root=ROOT, transfer=transfer, env=env
+            ) as vllm:
+                for name, requests in plan.items():
+                    for request in (r for r in requests if r.server == server):
+                        out[name]["requests"].append(ask(vllm, request.messages, f"kamera-bench-{name}"))
+                        progress.advance(tasks[name])
+                out["counters"][server] = vllm.counters()
     out["uncalibrated"] = {name: _uncalibrated(logs / f"{setting}-{name}.log") for name in ("a", "b")}
     return out
 
@@ -309,9 +291,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--config", default="{}", help="the connector's WindowConfig fields, JSON")
     parser.add_argument("--requests", type=int, default=100, help="requests per workload")
-    parser.add_argument("--window", type=int, default=4, help="sliding: passages kept")
+    parser.add_argument("--window", type=int, default=3, help="sliding: passages kept")
     parser.add_argument("--pool", type=int, default=6, help="rag: passages retrievable")
-    parser.add_argument("--retrieved", type=int, default=4, help="rag: passages per request")
+    parser.add_argument("--retrieved", type=int, default=3, help="rag: passages per request")
     parser.add_argument("--turns", type=int, default=10, help="handoff: requests per conversation")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
@@ -336,8 +318,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         args.model = str(real_model_gguf("smollm2"))
     folder, calibration = checkpoint(args)
-    with tempfile.TemporaryDirectory(prefix="kamera-vllm-") as logs:
-        runs = {setting: run_setting(args, folder, Path(logs), setting, plan) for setting in SETTINGS}
+    with (
+        tempfile.TemporaryDirectory(prefix="kamera-vllm-") as logs,
+        make_progress(Console(stderr=True)) as progress,
+        ThreadPoolExecutor(len(SETTINGS)) as pool,
+    ):  # side by side: both settings meet the same machine load at the same time
+        jobs = {s: pool.submit(run_setting, args, folder, Path(logs), s, plan, progress) for s in SETTINGS}
+        runs = {setting: job.result() for setting, job in jobs.items()}
     rows = totals(runs["alone"], runs["kamera"])
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),

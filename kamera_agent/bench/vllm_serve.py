@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SOURCES", "Server", "free_port", "loopback_valkey", "vllm_serve"]
+__all__ = ["SOURCES", "Completion", "Server", "free_port", "loopback_valkey", "vllm_serve"]
 
 SOURCES = ("local_compute", "external_kv_transfer", "local_cache_hit")
 """Where vLLM says a prompt's tokens came from (``vllm:prompt_tokens_by_source_total``)."""
@@ -36,6 +36,16 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A chat completion's response body, where vLLM says its prompt tokens came from (`SOURCES`
+    -> tokens) and the request's wall time."""
+
+    body: dict[str, Any]
+    sources: dict[str, int]
+    wall_s: float
 
 
 @dataclass
@@ -71,6 +81,25 @@ class Server:
             elif name.startswith("vllm:kamera_") and name.endswith("_total"):
                 out[name] = out.get(name, 0.0) + value
         return out
+
+    def chat(
+        self, messages: list[dict[str, str]], max_tokens: int, extra_body: dict[str, Any] | None = None
+    ) -> Completion:
+        """One greedy chat completion (its token ids returned, ``extra_body`` added to the
+        request) and its prompt tokens by source, once ``/metrics`` counted them."""
+        before = self.counters()
+        began = time.perf_counter()
+        response = self.client().chat.completions.create(
+            model=self.model,
+            messages=messages,
+            temperature=0.0,
+            max_tokens=max_tokens,
+            extra_body={"return_token_ids": True, **(extra_body or {})},
+        )
+        wall = time.perf_counter() - began
+        body = response.model_dump()
+        after = self.counted(before, int(body["usage"]["prompt_tokens"]))
+        return Completion(body, {s: int(after.get(s, 0.0) - before.get(s, 0.0)) for s in SOURCES}, wall)
 
     def counted(self, before: dict[str, float], prompt_tokens: int, wait: float = 20.0) -> dict[str, float]:
         """The counters once vLLM's stats for a request of ``prompt_tokens`` reached

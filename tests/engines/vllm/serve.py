@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kamera_agent.bench.vllm_serve import SOURCES, Server, loopback_valkey
+from kamera_agent.bench.vllm_serve import Server, loopback_valkey
 from kamera_agent.bench.vllm_serve import vllm_serve as serve_with
 from kamera_agent.store.remote.tier import ABSENT_FOR
 from tests.engines.vllm.scenario import MEMOS, NOTES, SYSTEM
@@ -81,21 +81,11 @@ def _messages(notes: list[str], question: str) -> list[dict[str, str]]:
 
 def ask(server: Server, messages: list[dict[str, str]]) -> dict[str, Any]:
     """One greedy chat completion (4 tokens) and where vLLM says its prompt tokens came from."""
-    before = server.counters()
-    response = server.client().chat.completions.create(
-        model=server.model,
-        messages=messages,
-        temperature=0.0,
-        max_tokens=4,
-        extra_body={"return_token_ids": True},
-    )
-    body = response.model_dump()
-    prompt_tokens = int(body["usage"]["prompt_tokens"])
-    after = server.counted(before, prompt_tokens)
+    done = server.chat(messages, max_tokens=4)
     return {
-        "tokens": body["choices"][0]["token_ids"],
-        "prompt_tokens": prompt_tokens,
-        **{source: after.get(source, 0.0) - before.get(source, 0.0) for source in SOURCES},
+        "tokens": done.body["choices"][0]["token_ids"],
+        "prompt_tokens": int(done.body["usage"]["prompt_tokens"]),
+        **done.sources,
     }
 
 
