@@ -8,21 +8,25 @@ driven by the official ``openai`` client, greedy, one answer token per request, 
 under a ``cache_salt`` (kamera serves kept states only to salted requests). Three workloads of
 ``--requests`` each, their passages from the benchmark half of kamera's corpus:
 
-- **sliding**: the system prompt, the last ``--window`` passages and a question; each request
+Each request ends with a question and the start of its answer, which the model continues
+(``continue_final_message``): asked plainly, SmolLM2-135M begins every answer with "The".
+
+- **sliding**: the system prompt, the last ``--window`` passages, the question; each request
   drops the oldest passage and adds one (vLLM's prefix cache holds only the system prompt);
 - **rag**: the system prompt, ``--retrieved`` passages drawn from a fixed pool of ``--pool`` in a
-  new order each request (a retriever's ranking), and a question;
+  new order each request (a retriever's ranking), the question;
 - **handoff**: conversations of ``--turns`` requests growing by a passage each (user passage,
-  assistant reply); the first half of each on server A, the rest on server B. With kamera both
-  servers share one store (a loopback Valkey server): B can load what A computed.
+  assistant reply); the first half of each on server A, then A is stopped and the rest runs on
+  server B. With kamera both share one store (a loopback Valkey server): B can load what A
+  computed.
 
-Each workload runs twice on the same servers' settings: vLLM alone (no connector; two servers)
+Two settings run side by side, so both meet the same machine load: vLLM alone (no connector)
 and kamera's connector at its defaults (``"kv_connector_extra_config": {"config": {}}``: the
-default `WindowConfig`, the store's URL in ``KAMERA_STORE_URL``). Per request: prompt tokens,
-tokens computed, loaded and hit in vLLM's prefix cache (vLLM's own
-``vllm:prompt_tokens_by_source`` on ``/metrics``), kamera's report (``kv_transfer_params
-["kamera"]``: loaded and kept tokens, drift, a kept state refused) and the first token; then
-per workload the totals and how many first tokens equal vLLM alone's.
+default `WindowConfig`, the store's URL in ``KAMERA_STORE_URL``), each on its own servers. Per
+request: prompt tokens, tokens computed and loaded (vLLM's own ``vllm:prompt_tokens_by_source``
+on ``/metrics``), kamera's report (``kv_transfer_params["kamera"]``: loaded and kept tokens,
+drift, a kept state refused), the first token and the request's wall time; then per workload
+the totals and how many first tokens equal vLLM alone's.
 
 The connector serves kept states within the model's calibrated drift budget; the calibration is
 filed by the checkpoint's fingerprint, which includes the dtype vLLM serves in. SmolLM2's shipped

