@@ -157,17 +157,18 @@ def ask(server: Server, messages: list[dict[str, str]], salt: str) -> dict[str, 
 
 
 @contextmanager
-def store(setting: str, config: str) -> Iterator[tuple[dict[str, Any] | None, dict[str, str] | None]]:
+def store(
+    args: argparse.Namespace, setting: str
+) -> Iterator[tuple[dict[str, Any] | None, dict[str, str] | None]]:
     """``setting``'s ``--kv-transfer-config`` and environment: none for vLLM alone; for kamera the
-    connector with ``config`` and a fresh loopback Valkey server, its URL in ``KAMERA_STORE_URL``."""
+    connector with ``--config`` and a fresh loopback Valkey server of ``--store-mib``, its URL in
+    ``KAMERA_STORE_URL``."""
     if setting == "alone":
         yield None, None
         return
-    with loopback_valkey(PASSWORD) as (_, url):
-        yield (
-            CONNECTOR | {"kv_connector_extra_config": {"config": json.loads(config)}},
-            {"KAMERA_STORE_URL": url},
-        )
+    with loopback_valkey(PASSWORD, args.store_mib << 20) as (_, url):
+        config = {"config": json.loads(args.config)}
+        yield CONNECTOR | {"kv_connector_extra_config": config}, {"KAMERA_STORE_URL": url}
 
 
 def serve_flags(args: argparse.Namespace) -> list[str]:
@@ -194,7 +195,7 @@ def run_setting(
     }
     out: dict[str, Any] = {name: {"requests": []} for name in plan}
     out["counters"] = {}
-    with store(setting, args.config) as (transfer, env):
+    with store(args, setting) as (transfer, env):
         for server in ("a", "b"):
             log = logs / f"{setting}-{server}.log"
             with vllm_serve(
@@ -204,9 +205,16 @@ def run_setting(
                     for request in (r for r in requests if r.server == server):
                         out[name]["requests"].append(ask(vllm, request.messages, f"kamera-bench-{name}"))
                         progress.advance(tasks[name])
+                        _save(args, setting, out)
                 out["counters"][server] = vllm.counters()
     out["uncalibrated"] = {name: _uncalibrated(logs / f"{setting}-{name}.log") for name in ("a", "b")}
     return out
+
+
+def _save(args: argparse.Namespace, setting: str, out: dict[str, Any]) -> None:
+    """What ``setting`` measured so far, beside ``--json`` (a run cut short keeps its figures)."""
+    if args.json:
+        Path(f"{args.json}.{setting}.partial").write_text(json.dumps(out))
 
 
 def _uncalibrated(log: Path) -> bool:
@@ -300,6 +308,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--retrieved", type=int, default=3, help="rag: passages per request")
     parser.add_argument("--turns", type=int, default=10, help="handoff: requests per conversation")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--store-mib", type=int, default=1024, help="the Valkey server's maxmemory (LRU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dry-run", action="store_true", help="build the workloads, run nothing")
     parser.add_argument("--json", help="write every figure here")
