@@ -251,7 +251,14 @@ def totals(alone: dict[str, Any], kamera: dict[str, Any]) -> dict[str, Any]:
 
 def table(rows: dict[str, Any], title: str) -> Table:
     shown = Table(title=title)
-    columns = ("workload", "requests", "prompt tok", "computed alone", "computed kamera", "ratio")
+    columns: tuple[str, ...] = (
+        "workload",
+        "requests",
+        "prompt tok",
+        "computed alone",
+        "computed kamera",
+        "ratio",
+    )
     columns += ("loaded", "kept tok", "refused", "first tok equal", "wall alone s", "wall kamera s")
     for column in columns:
         shown.add_column(column, justify="right")
@@ -322,10 +329,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
     plan = workloads(args)
     if args.dry_run:
-        report = {"shapes": shapes(plan)}
         if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2))
-        return report
+            Path(args.json).write_text(json.dumps({"shapes": shapes(plan)}, indent=2))
+        return {"shapes": shapes(plan)}
     if args.model is None:
         from kamera_agent.models.real import real_model_gguf
 
@@ -339,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         jobs = {s: pool.submit(run_setting, args, folder, Path(logs), s, plan, progress) for s in SETTINGS}
         runs = {setting: job.result() for setting, job in jobs.items()}
     rows = totals(runs["alone"], runs["kamera"])
-    report = {
+    report: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "serve": {"flags": serve_flags(args), "connector": CONNECTOR, "config": json.loads(args.config)},
         "checkpoint": {"model": Path(args.model).name, "folder": folder.name, **calibration},

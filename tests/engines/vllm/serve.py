@@ -32,7 +32,7 @@ CONNECTOR = {
 }
 """docs/vllm.md's ``--kv-transfer-config``, less ``kv_connector_extra_config``."""
 
-FLAGS = ("--dtype", "float32", "--enable-prefix-caching", "--max-model-len", "2048")
+FLAGS: tuple[str, ...] = ("--dtype", "float32", "--enable-prefix-caching", "--max-model-len", "2048")
 FLAGS += ("--block-size", "32", "--max-num-seqs", "4", "--enforce-eager", "--seed", "0")
 
 
