@@ -214,7 +214,9 @@ def run_setting(
 def _save(args: argparse.Namespace, setting: str, out: dict[str, Any]) -> None:
     """What ``setting`` measured so far, beside ``--json`` (a run cut short keeps its figures)."""
     if args.json:
-        Path(f"{args.json}.{setting}.partial").write_text(json.dumps(out))
+        partial = Path(f"{args.json}.{setting}.partial")
+        partial.with_suffix(".tmp").write_text(json.dumps(out))
+        partial.with_suffix(".tmp").replace(partial)  # whole, for a reader while the run goes on
 
 
 def _uncalibrated(log: Path) -> bool:
@@ -245,7 +247,7 @@ def totals(alone: dict[str, Any], kamera: dict[str, Any]) -> dict[str, Any]:
             "wall_kamera_s": sum(r["wall_s"] for r in mine),
         }
         rows[name]["ratio"] = rows[name]["computed_kamera"] / max(1, rows[name]["computed_alone"])
-        rows[name]["agreement"] = rows[name]["equal_first_tokens"] / len(mine)
+        rows[name]["agreement"] = rows[name]["equal_first_tokens"] / max(1, len(mine))
     return rows
 
 
