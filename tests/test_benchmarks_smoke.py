@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -206,3 +207,24 @@ def test_survivor_drift_benchmark_measures_every_survivor_after_the_change(tmp_p
     evict = [row["distance"] for row in rows if row["op"] == "evict"]
     assert slide == [0, 1, 2, 3] and evict == [0, 1]  # every survivor from the changed slot on
     assert all(row["survivors"] == 1 and row["median"] > 0 and 0 <= row["within"] <= 1 for row in rows)
+
+
+def test_the_vllm_workloads_slide_reorder_and_hand_off_on_passages_of_their_own(tmp_path: Path) -> None:
+    """`benchmarks/vllm_workloads.py --dry-run`: the requests it would send (no server)."""
+    out = tmp_path / "workloads.json"
+    run_benchmark("vllm_workloads", ["--dry-run", "--requests", "12", "--turns", "4", "--json", str(out)])
+    plan = json.loads(out.read_text())["shapes"]
+    assert {name: len(requests) for name, requests in plan.items()} == dict.fromkeys(plan, 12)
+    slide = [r["messages"] for r in plan["sliding"]]
+    # the system prompt, 3 passages, a question and the answer's start; the oldest passage out, one in
+    assert all(len(m) == 6 and m[0].startswith("system:") for m in slide)
+    assert all(later[1:3] == earlier[2:4] for earlier, later in itertools.pairwise(slide))
+    rag = [r["messages"][1:-2] for r in plan["rag"]]
+    assert len({p for passages in rag for p in passages}) <= 6 and all(len(set(p)) == 3 for p in rag)
+    assert len({tuple(p) for p in rag}) > 6  # a new order (or draw) nearly every request
+    handoff = plan["handoff"]
+    assert [r["server"] for r in handoff] == ["a"] * 6 + ["b"] * 6  # 3 conversations: 2 turns on A, 2 on B
+    for a, b in zip(handoff[1:6:2], handoff[6::2], strict=True):  # A's last turn of a conversation, B's first
+        assert b["messages"][: len(a["messages"]) - 2] == a["messages"][:-2]  # B continues what A grew
+    texts = [{m for r in plan[name] for m in r["messages"][1:-2] if m.startswith("user:")} for name in plan]
+    assert not (texts[0] & texts[1] or texts[0] & texts[2] or texts[1] & texts[2])
