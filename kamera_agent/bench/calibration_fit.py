@@ -32,6 +32,7 @@ __all__ = [
     "load_steps",
     "pick_budget",
     "save_steps",
+    "standing_at",
 ]
 
 _SETTLED = "push"
@@ -102,7 +103,12 @@ def frontier(calibration: Calibration, steps: Sequence[Step]) -> list[Point]:
     """Per ε of `BUDGETS`, how the approximating ops of ``steps`` would stand under ``calibration``.
     Each op is judged on the window it left: an op whose every approximated chunk is estimated
     within ε is what a budgeted window serves as it is; one over ε is re-prefilled from there."""
-    risks = _risks(calibration, steps)
+    return standing_at(_risks(calibration, steps))
+
+
+def standing_at(risks: Sequence[tuple[float, Step]]) -> list[Point]:
+    """Per ε of `BUDGETS`, the ops whose risk (their largest approximated chunk's estimate) is
+    within it, and how those answered."""
     points = []
     for eps in BUDGETS:
         standing = [step for risk, step in risks if risk <= eps]

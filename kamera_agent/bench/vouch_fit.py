@@ -10,7 +10,6 @@ chunks they put within ε that measure over 3ε.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -94,20 +93,15 @@ def _frontier(
 ) -> list[Point]:
     """Per ε of `BUDGETS`, the approximating ops whose every approximated chunk's bound is within
     it (a chunk of a class with no bound is never), and how those answered."""
-    from kamera_agent.bench.calibration_fit import Point
+    from kamera_agent.bench.calibration_fit import standing_at
 
-    risks = [
-        (max(_bound(bounds, kind, distance) for kind, distance, _ in pairs), step)
-        for step, pairs in zip(steps, per_step, strict=True)
-        if pairs
-    ]
-    points = []
-    for eps in BUDGETS:
-        standing = [step for risk, step in risks if risk <= eps]
-        agreement = statistics.fmean(s.agrees for s in standing) if standing else 1.0
-        kl_mean = statistics.fmean(s.kl for s in standing) if standing else 0.0
-        points.append(Point(eps, len(standing) / max(1, len(risks)), agreement, kl_mean))
-    return points
+    return standing_at(
+        [
+            (max(_bound(bounds, kind, distance) for kind, distance, _ in pairs), step)
+            for step, pairs in zip(steps, per_step, strict=True)
+            if pairs
+        ]
+    )
 
 
 def _bound(bounds: dict[str, tuple[float, ...]], kind: str, distance: int) -> float:
