@@ -369,10 +369,12 @@ class Planner:
         old_index = {r: k for k, r in enumerate(state.order)}
         antecedents = []
         for source in state.antecedents_of(holder):
-            if source in old_index:
+            if source in old_index and old_index[source] < i:
                 antecedents.append(order[old_index[source]])
             elif source in order:
-                return None  # it encodes an evicted chunk this op brings back to its right
+                # it encodes an evicted chunk this op brings back to its right, or one that came
+                # back to its right before (`Rules.stands`): no chunk of that slot stands for it
+                return None
             else:
                 antecedents.append(source)
         detail = "same content as the chunk that held this slot: takes its KV"
@@ -452,8 +454,10 @@ def _causality(
 ) -> Callable[[ChunkRef, int], bool]:
     """Whether a chunk at index ``i`` encodes nothing now at or right of it.
 
-    Before every op, in-window edges point left to right. An op that leaves the other chunks'
-    relative order can only break that through the one chunk it moves; a reorder checks all.
+    Before every op, in-window edges point left to right, except where a chunk stood before one
+    it had absorbed when that one came back to its right (`Rules.stands`: the edge records the
+    state that chunk had then). An op that leaves the other chunks' relative order can only
+    bring an antecedent to a chunk's right through the one chunk it moves; a reorder checks all.
     """
     encodes = state.graph._pred  # each chunk's in-edge dict (networkx's own; a view per call cost more)
 
