@@ -20,6 +20,7 @@ from kamera_agent.config import WindowConfig
 from kamera_agent.core.identity import ChunkState
 from kamera_agent.fidelity import CALIBRATION_DIR_VARIABLE
 from kamera_agent.window import ChunkRef, KameraWindow
+from tests.kv_helpers import next_token_kl
 from tests.window.backends import backend_named
 from tests.window.helpers import answer_kl, calibrate_for_tests, chunk_errors, right_to_left_edges
 from tests.window.oracle import StateOracle
@@ -132,3 +133,19 @@ def test_under_the_exact_settings_the_recall_is_exact_and_costs_a_prefix_caches(
     assert max(chunk_errors(window).values()) <= EXACT_KV
     assert answer_kl(window) < 1e-9
     assert right_to_left_edges(window) == []
+
+
+def test_probing_the_recalled_chunk_takes_it_off_the_survivors_that_stood(calibrations: Path) -> None:
+    """They still encode it: a probe without it serves them without that conditioning too, so the
+    view it decodes is the re-prefill of the window without it (every other chunk here is exact,
+    and the stood ones have no reduced state stored: they are formed exactly over what is left)."""
+    window = _window(WindowConfig(capacity_chunks=8, rank=4, drift_budget=EPSILON))
+    middle, _ = _evict_middle(window)
+    _recall_at_the_end(window, middle)
+    assert right_to_left_edges(window)
+    query = "What is it?"
+    probe = window.probe_without(middle, query, max_new_tokens=1)
+    rest = [window.chunk(ref) for ref in window.refs if ref != middle]
+    query_ids = window.encoder.query_ids(query)
+    truth = window.backend.reference_prefill(rest, query_ids, anchor=window.encoder.anchor()).logits
+    assert next_token_kl(truth, probe.without_chunk.first_logits) < 1e-9
