@@ -122,12 +122,9 @@ class Rules:
             if kept and not self.view.has_canonical(ref.key):
                 return Step("rotate", ref, current, detail="first in the window, keeps what it absorbed")
             return self.canonical_step("revert", ref, "first in the window: the canonical is exact")
-        if before().get(ref) == ctx.digest:
-            if causal(ref, i):
-                return Step("rotate", ref, current, detail="this op left its left context as it was")
-            if action == "keep" and self.stands(state, ref, i, order):
-                detail = "its left context as it was; what it absorbed of a chunk now to its right stays"
-                return Step("rotate", ref, current, detail=detail)
+        alone = before().get(ref) == ctx.digest and self.left_alone(state, ref, i, order, causal, action)
+        if alone:
+            return alone
         stored = self.stored(ref, chunk, ctx, order[:i], "for these antecedents")
         if stored is not None:  # exact for this ordering: before the orbit's mean over orderings
             return stored
@@ -228,6 +225,25 @@ class Rules:
         return self.formation(ref, chunk, ctx, order[:i], why, admission=True)
 
     # -- pieces -------------------------------------------------------------------------------
+    def left_alone(
+        self,
+        state: WindowRecord,
+        ref: ChunkRef,
+        i: int,
+        order: Sequence[ChunkRef],
+        causal: Causality,
+        action: PatchAction,
+    ) -> Step | None:
+        """Rule 3: a chunk whose left context the op left as it was keeps its KV, where it encodes
+        nothing now at or right of it or where it may stand (`stands`); else ``None``."""
+        current = state.entries[ref].state
+        if causal(ref, i):
+            return Step("rotate", ref, current, detail="this op left its left context as it was")
+        if action == "keep" and self.stands(state, ref, i, order):
+            detail = "its left context as it was; what it absorbed of a chunk now to its right stays"
+            return Step("rotate", ref, current, detail=detail)
+        return None
+
     def stands(self, state: WindowRecord, ref: ChunkRef, i: int, order: Sequence[ChunkRef]) -> bool:
         """Whether ``ref``, at index ``i`` of ``order`` and not causal there, may keep its KV as it
         is (policy: keep) under the window's drift budget, which judges it as any kept state: every

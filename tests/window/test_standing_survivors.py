@@ -149,3 +149,24 @@ def test_probing_the_recalled_chunk_takes_it_off_the_survivors_that_stood(calibr
     query_ids = window.encoder.query_ids(query)
     truth = window.backend.reference_prefill(rest, query_ids, anchor=window.encoder.anchor()).logits
     assert next_token_kl(truth, probe.without_chunk.first_logits) < 1e-9
+
+
+def test_a_later_reorder_leaves_the_survivors_that_stood_as_they_are(calibrations: Path) -> None:
+    """Their edges from the recalled chunk already pointed right before the reorder: one that
+    leaves their left context alone (the recalled chunk and a later one swapped) leaves them
+    alone, and pays a prefix cache's tokens."""
+    window = _window(WindowConfig(capacity_chunks=8, rank=4, drift_budget=EPSILON))
+    middle, _ = _evict_middle(window)
+    _recall_at_the_end(window, middle)
+    window.push("a note pushed after the recall")
+    stood = {target for _, target in right_to_left_edges(window)}
+    order = list(window.refs)
+    last = len(order) - 1
+    assert all(window.refs.index(ref) < last - 1 for ref in stood)  # left of the two swapped
+    kept = {ref: window.state_of(ref) for ref in order}
+    before = [window.chunk(ref).key for ref in order]
+    order[last - 1], order[last] = order[last], order[last - 1]
+    window.reorder(order)
+    cost = window.stats.last
+    assert cost.tokens_prefilled - cost.audit_tokens <= _prefix_cache_tokens(window, before)
+    assert all(window.state_of(ref) == kept[ref] for ref in stood)
