@@ -40,17 +40,18 @@ class PrefixBound:
         cheaper runs: the re-prefill is exact over the chunks left of that slot as the plan has
         them, so it never costs fidelity the plan would not. With a drift budget the plan is
         counted with the most keeping the budget could add after it (`_budget_fix_tokens`), and a
-        chunk left of that slot the budget cannot vouch for moves the slot to it (its fix
-        re-prefills from there whatever runs).
+        chunk left of that slot that it knows to be over ε, or that the plan changes (or changes
+        the left of) and it cannot vouch for, moves the slot to it; one the window holds as it
+        was, not audited since, is the budget's to audit and fix after the op.
         """
         planned = sum(step.tokens for step in plan.steps)
         budget = self.inputs.budget
         if planned == 0 and budget is None:
             return plan
         changed = _first_changed(state, plan)
-        first = None if budget is None else self._first_unvouched(state, plan)
-        if first is not None and first < changed:  # its fix re-prefills from there in any case
-            changed = first
+        first, over = (None, False) if budget is None else self._first_unvouched(state, plan)
+        if first is not None and first < changed and (over or _first_set_anew(state, plan) <= first):
+            changed = first  # re-prefilling keeps no chunk the budget would fix
         order = plan.order
         index_of = {ref: i for i, ref in enumerate(order)}
         left = [step for step in plan.steps if index_of[step.ref] < changed]
@@ -121,12 +122,15 @@ class PrefixBound:
             previous, ctx = step, ctx.extend(step.state)
         return steps
 
-    def _first_unvouched(self, state: WindowRecord, plan: WindowPlan) -> int | None:
+    def _first_unvouched(self, state: WindowRecord, plan: WindowPlan) -> tuple[int | None, bool]:
         """The first chunk whose planned state the drift budget cannot vouch for yet (not
-        remembered, or over ε; ``None``: every planned chunk is known to be within ε)."""
+        remembered, or over ε; ``None``: every planned chunk is known to be within ε), and
+        whether it is known to be over ε."""
         budget = self.inputs.budget
         assert budget is not None
-        return budget.first_over(budget.estimates(_planned_states(state, plan), self.root))
+        estimates = budget.estimates(_planned_states(state, plan), self.root)
+        first = budget.first_over(estimates)
+        return first, first is not None and estimates[first] is not None
 
     def _budget_fix_tokens(
         self, state: WindowRecord, plan: WindowPlan, first: int | None, known: tuple[int, int]
@@ -170,6 +174,15 @@ def _planned_states(state: WindowRecord, plan: WindowPlan) -> list[ChunkState]:
     """Each chunk's state once ``plan`` has run, left to right."""
     final = {step.ref: step.state for step in plan.steps if step.kind != "form_canonical"}
     return [final[ref] if ref in final else state.entries[ref].state for ref in plan.order]
+
+
+def _first_set_anew(state: WindowRecord, plan: WindowPlan) -> int:
+    """The first slot whose state ``plan`` sets anew (or where the window had no chunk)."""
+    planned = _planned_states(state, plan)
+    for i, ref in enumerate(state.order[: len(planned)]):
+        if planned[i] != state.entries[ref].state:
+            return i
+    return min(len(state.order), len(planned))
 
 
 def _first_changed(state: WindowRecord, plan: WindowPlan) -> int:
