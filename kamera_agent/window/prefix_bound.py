@@ -37,12 +37,13 @@ class PrefixBound:
         by content, whatever the plan does left of it); a plan can pay more (a recall formed over
         its original context rebuilds that context, a reorder's canonicals, a cascade of
         re-formed survivors). Both are counted the same way (the planned steps' tokens), and the
-        cheaper runs: the re-prefill is exact over the chunks left of that slot as the plan has
-        them, so it never costs fidelity the plan would not. With a drift budget the plan is
-        counted with the most keeping the budget could add after it (`_budget_fix_tokens`), and a
-        chunk left of that slot that it knows to be over ε, or that the plan changes (or changes
-        the left of) and it cannot vouch for, moves the slot to it; one the window holds as it
-        was, not audited since, is the budget's to audit and fix after the op.
+        cheaper runs: the re-prefill forms every chunk from that slot exactly over the chunks
+        left of it as the plan has them, so it never costs fidelity the plan would not. With a
+        drift budget the plan is counted with the most keeping the budget could add after it
+        (`_budget_fix_tokens`), and a chunk left of that slot that it knows to be over ε, or that
+        the plan changes (or changes the left of) and it cannot vouch for, moves the slot to it;
+        one the window holds as it was, not audited since, is the budget's to audit and fix after
+        the op.
         """
         planned = sum(step.tokens for step in plan.steps)
         budget = self.inputs.budget
