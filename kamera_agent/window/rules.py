@@ -122,9 +122,10 @@ class Rules:
             if kept and not self.view.has_canonical(ref.key):
                 return Step("rotate", ref, current, detail="first in the window, keeps what it absorbed")
             return self.canonical_step("revert", ref, "first in the window: the canonical is exact")
-        alone = before().get(ref) == ctx.digest and self.left_alone(state, ref, i, order, causal, action)
-        if alone:
-            return alone
+        if before().get(ref) == ctx.digest:
+            alone = self.left_alone(state, ref, i, order, causal(ref, i), action == "keep")
+            if alone is not None:
+                return alone
         stored = self.stored(ref, chunk, ctx, order[:i], "for these antecedents")
         if stored is not None:  # exact for this ordering: before the orbit's mean over orderings
             return stored
@@ -226,20 +227,15 @@ class Rules:
 
     # -- pieces -------------------------------------------------------------------------------
     def left_alone(
-        self,
-        state: WindowRecord,
-        ref: ChunkRef,
-        i: int,
-        order: Sequence[ChunkRef],
-        causal: Causality,
-        action: PatchAction,
+        self, state: WindowRecord, ref: ChunkRef, i: int, order: Sequence[ChunkRef], causal: bool, keep: bool
     ) -> Step | None:
         """Rule 3: a chunk whose left context the op left as it was keeps its KV, where it encodes
-        nothing now at or right of it or where it may stand (`stands`); else ``None``."""
+        nothing now at or right of it (``causal``) or where, under the keep policy (``keep``), it
+        may stand (`stands`); else ``None``."""
         current = state.entries[ref].state
-        if causal(ref, i):
+        if causal:
             return Step("rotate", ref, current, detail="this op left its left context as it was")
-        if action == "keep" and self.stands(state, ref, i, order):
+        if keep and self.stands(state, ref, i, order):
             detail = "its left context as it was; what it absorbed of a chunk now to its right stays"
             return Step("rotate", ref, current, detail=detail)
         return None
