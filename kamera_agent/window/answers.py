@@ -66,16 +66,22 @@ def answer_without(
 
 
 def _serve(placement: Placement, removed: ChunkRef, exact: bool) -> _View:
-    """The chunks after ``removed``, each in its own state or a reduced one, up to the first that
-    must be formed (``exact``: one whose reduced state is a canonical the store lacks)."""
+    """The chunks after ``removed`` (and from the first before it that still encodes it: a chunk
+    that stood when it came back to its right), each in its own state or a reduced one, up to the
+    first that must be formed (``exact``: one whose reduced state is a canonical the store lacks)."""
     state, core = placement.state, placement.core
-    slot = state.order.index(removed)
-    influenced = _Influence(state.entries[removed].state.digest)
+    at = state.order.index(removed)
+    graph = state.graph
+    slot = next((i for i, ref in enumerate(state.order[:at]) if removed in graph.pred[ref]), at)
+    stood = [ref for ref in state.order[slot:at] if removed in graph.pred[ref]]
+    # what they absorbed of it is its state then: the chunks formed over them carry that one too
+    then = {digest for ref in stood for source, _, digest in state.recorded(ref) if source == removed}
+    influenced = _Influence({state.entries[removed].state.digest, *then})
     ctx, start = core.root, core.anchor.advance
     for ref in state.order[:slot]:
         entry = state.entries[ref]
         ctx, start = ctx.extend(entry.state), start + entry.chunk.advance
-    rest = state.order[slot + 1 :]
+    rest = [ref for ref in state.order[slot:] if ref != removed]
     view = _View(slot, rest, ctx, start, formed_from=len(rest))
     for i, ref in enumerate(rest):
         entry = state.entries[ref]
@@ -140,13 +146,14 @@ def _reduced(placement: Placement, ref: ChunkRef, ctx: Context) -> ChunkState:
 
 
 class _Influence:
-    """Whether a state's KV carries (directly or through its antecedents) one state's influence."""
+    """Whether a state's KV carries (directly or through its antecedents) the influence of one of
+    ``digests``: a chunk's state now and those it had where other chunks absorbed it."""
 
-    def __init__(self, digest: str) -> None:
-        self.digest = digest
+    def __init__(self, digests: set[str]) -> None:
+        self.digests = digests
         self._memo: dict[str, bool] = {}
 
     def __call__(self, state: ChunkState) -> bool:
         if state.digest not in self._memo:
-            self._memo[state.digest] = any(s.digest == self.digest or self(s) for s in state.antecedents())
+            self._memo[state.digest] = any(s.digest in self.digests or self(s) for s in state.antecedents())
         return self._memo[state.digest]

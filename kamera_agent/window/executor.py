@@ -355,7 +355,8 @@ class Executor(Placement):
     ) -> Answer:
         """Decode with ``removed`` left out and its influence taken off the chunks that encode it.
 
-        The chunks before it stay as they are (the retained engine cache is cut back to them). Each
+        The chunks before it stay as they are (the retained engine cache is cut back to them), up
+        to the first that still encodes it (one that stood when it came back to its right). Each
         later chunk that encodes it is served by a stored state for its reduced left context
         (full KV, a patch), else by its canonical where the store holds one; from the first
         that has neither, the rest are formed over what is placed before them in one forward,

@@ -369,10 +369,10 @@ class Planner:
         old_index = {r: k for k, r in enumerate(state.order)}
         antecedents = []
         for source in state.antecedents_of(holder):
-            if source in old_index:
+            if source in old_index and old_index[source] < i:
                 antecedents.append(order[old_index[source]])
             elif source in order:
-                return None  # it encodes an evicted chunk this op brings back to its right
+                return None  # it encodes a chunk brought back to its right (now or before)
             else:
                 antecedents.append(source)
         detail = "same content as the chunk that held this slot: takes its KV"
@@ -450,20 +450,27 @@ def _no_action(i: int) -> PatchAction:
 def _causality(
     state: WindowRecord, index_of: Mapping[ChunkRef, int], in_order: bool, moved: ChunkRef | None
 ) -> Callable[[ChunkRef, int], bool]:
-    """Whether a chunk at index ``i`` encodes nothing now at or right of it.
+    """Whether a chunk at index ``i`` encodes nothing now at or right of it but what was already.
 
-    Before every op, in-window edges point left to right. An op that leaves the other chunks'
-    relative order can only break that through the one chunk it moves; a reorder checks all.
+    Before every op, in-window edges point left to right but where a chunk stood when one it had
+    absorbed came back to its right (`Rules.stands`: the edge names that one's state then). An
+    op that leaves the other chunks' relative order can only bring an antecedent to a chunk's
+    right through the one chunk it moves; a reorder checks all.
     """
     encodes = state.graph._pred  # each chunk's in-edge dict (networkx's own; a view per call cost more)
-
-    def any_order(ref: ChunkRef, i: int) -> bool:
-        return all(index_of.get(p, -1) < i for p in encodes[ref])
 
     def one_moved(ref: ChunkRef, i: int) -> bool:
         return moved is None or moved not in encodes[ref] or index_of[moved] < i
 
-    return one_moved if in_order else any_order
+    if in_order:
+        return one_moved
+    was = {ref: k for k, ref in enumerate(state.order)}
+
+    def any_order(ref: ChunkRef, i: int) -> bool:
+        here = was.get(ref, len(was))
+        return all(index_of.get(p, -1) < i or was.get(p, -1) > here for p in encodes[ref])
+
+    return any_order
 
 
 def _same_content(state: WindowRecord, order: Sequence[ChunkRef]) -> int:

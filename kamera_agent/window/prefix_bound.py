@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kamera_agent.core.identity import Context
+from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.fidelity import audit_count
 from kamera_agent.window.plan import Step, WindowPlan, canonical_leads_run
 from kamera_agent.window.rules import PlanInputs, Rules
@@ -33,18 +33,26 @@ class PrefixBound:
     def cheaper(self, state: WindowRecord, plan: WindowPlan) -> WindowPlan:
         """``plan``, or re-prefilling from the first slot it changes where that prefills fewer tokens.
 
-        Why: a prefix cache pays exactly the tokens from the first changed slot on; a plan can pay
-        more (a recall formed over its original context rebuilds that context, a reorder's
-        canonicals, a cascade of re-formed survivors). Both are counted the same way (the
-        planned steps' tokens), and the cheaper runs: the re-prefill is exact over the chunks
-        left of that slot, so it never costs fidelity either. With a drift budget the plan is
-        counted with the most keeping the budget could add after it (`_budget_fix_tokens`).
+        Why: a prefix cache pays exactly the tokens from the first changed slot on (`_first_changed`:
+        by content, whatever the plan does left of it); a plan can pay more (a recall formed over
+        its original context rebuilds that context, a reorder's canonicals, a cascade of
+        re-formed survivors). Both are counted the same way (the planned steps' tokens), and the
+        cheaper runs: the re-prefill forms every chunk from that slot exactly over the chunks
+        left of it as the plan has them, so it never costs fidelity the plan would not. With a
+        drift budget the plan is counted with the most keeping the budget could add after it
+        (`_budget_fix_tokens`), and a chunk left of that slot that it knows to be over ε, or that
+        the plan changes (or changes the left of) and it cannot vouch for, moves the slot to it;
+        one the window holds as it was, not audited since, is the budget's to audit and fix after
+        the op.
         """
         planned = sum(step.tokens for step in plan.steps)
         budget = self.inputs.budget
         if planned == 0 and budget is None:
             return plan
         changed = _first_changed(state, plan)
+        first, over = (None, False) if budget is None else self._first_unvouched(state, plan)
+        if first is not None and first < changed and (over or _first_set_anew(state, plan) <= first):
+            changed = first  # re-prefilling keeps no chunk the budget would fix
         order = plan.order
         index_of = {ref: i for i, ref in enumerate(order)}
         left = [step for step in plan.steps if index_of[step.ref] < changed]
@@ -64,7 +72,7 @@ class PrefixBound:
             if refill >= planned:
                 return plan
             return refilling(f"re-prefill from slot {changed}: fewer tokens than the plan's {planned}")
-        first, fix, audits = self._budget_fix_tokens(state, plan, (changed, after))
+        fix, audits = self._budget_fix_tokens(state, plan, first, (changed, after))
         if planned + fix > refill:
             return refilling(
                 f"re-prefill from slot {changed}: the plan and what its drift budget may add cost more"
@@ -115,35 +123,39 @@ class PrefixBound:
             previous, ctx = step, ctx.extend(step.state)
         return steps
 
-    def _budget_fix_tokens(
-        self, state: WindowRecord, plan: WindowPlan, known: tuple[int, int]
-    ) -> tuple[int | None, int, int]:
+    def _first_unvouched(self, state: WindowRecord, plan: WindowPlan) -> tuple[int | None, bool]:
         """The first chunk whose planned state the drift budget cannot vouch for yet (not
-        remembered, or over ε; ``None``: every planned chunk is known to be within ε), the most it
-        could re-prefill after ``plan`` runs (that chunk and everything to its right), and the
-        tokens its audits would recompute at most. (Audits are the estimator's cost, counted
-        apart in ``audit_tokens``: they recompute a sample, they prefill no chunk.) ``known``: a
-        slot and what re-prefilling from it costs, when already planned (the plan's first changed
-        slot: left of it the plan's states are the window's)."""
+        remembered, or over ε; ``None``: every planned chunk is known to be within ε), and
+        whether it is known to be over ε."""
         budget = self.inputs.budget
         assert budget is not None
-        final = {step.ref: step.state for step in plan.steps if step.kind != "form_canonical"}
-        states = [final[ref] if ref in final else state.entries[ref].state for ref in plan.order]
-        estimates = budget.estimates(states, self.root)
+        estimates = budget.estimates(_planned_states(state, plan), self.root)
         first = budget.first_over(estimates)
+        return first, first is not None and estimates[first] is not None
+
+    def _budget_fix_tokens(
+        self, state: WindowRecord, plan: WindowPlan, first: int | None, known: tuple[int, int]
+    ) -> tuple[int, int]:
+        """The most the drift budget could re-prefill after ``plan`` runs, from ``first``
+        (`_first_unvouched`) to the right end, and the tokens its audits would recompute at most.
+        (Audits are the estimator's cost, counted apart in ``audit_tokens``: they recompute a
+        sample, they prefill no chunk.) ``known``: a slot and what re-prefilling from it over the
+        plan's states to its left costs, when already planned."""
+        budget = self.inputs.budget
+        assert budget is not None
         if first is None:
-            return None, 0, 0
+            return 0, 0
         if first == known[0]:
             fix = known[1]
         else:
             ctx = self.root
-            for planned in states[:first]:
+            for planned in _planned_states(state, plan)[:first]:
                 ctx = ctx.extend(planned)
             fix = sum(step.tokens for step in self._refill_steps(state, plan, first, ctx, "fix"))
         share = budget.calibration.audit_share
         audited = [plan.chunks[r] if r in plan.chunks else state.entries[r].chunk for r in plan.order[first:]]
         audits = sum(audit_count(c.num_tokens, share) for c in audited)
-        return first, fix, audits
+        return fix, audits
 
 
 def _lead_shares_forward(plan: WindowPlan) -> WindowPlan:
@@ -159,18 +171,34 @@ def _lead_shares_forward(plan: WindowPlan) -> WindowPlan:
     return plan
 
 
+def _planned_states(state: WindowRecord, plan: WindowPlan) -> list[ChunkState]:
+    """Each chunk's state once ``plan`` has run, left to right."""
+    final = {step.ref: step.state for step in plan.steps if step.kind != "form_canonical"}
+    return [final[ref] if ref in final else state.entries[ref].state for ref in plan.order]
+
+
+def _first_set_anew(state: WindowRecord, plan: WindowPlan) -> int:
+    """The first slot whose state ``plan`` sets anew (or where the window had no chunk)."""
+    planned = _planned_states(state, plan)
+    for i, ref in enumerate(state.order[: len(planned)]):
+        if planned[i] != state.entries[ref].state:
+            return i
+    return min(len(state.order), len(planned))
+
+
 def _first_changed(state: WindowRecord, plan: WindowPlan) -> int:
-    """The first slot whose chunk or KV ``plan`` changes: another chunk there, a chunk moved, or
-    one whose state the plan sets anew (a pending one counts: its KV is not in the cache yet)."""
-    final = {step.ref: step for step in plan.steps if step.kind != "form_canonical"}
+    """The first slot a prefix cache re-prefills from for ``plan``'s op: the first whose content
+    differs (another chunk there, so every chunk after it moved too), or whose chunk the window
+    has not formed yet (a pending one: its KV is not in the cache).
+
+    Why content, not the states the plan sets: a plan that chose to re-form a chunk the op left
+    alone would otherwise move its own yardstick left, and be let through at the cost of
+    re-prefilling from there (a recall behind survivors that absorbed it once re-formed them all
+    at many times a prefix cache's cost)."""
     for i, ref in enumerate(plan.order):
         if i >= len(state.order):
             return i
-        old, step = state.order[i], final.get(ref)
-        entry = state.entries[old]
-        stayed = ref == old and ref not in plan.moved
-        if step is None or step.kind != "rotate" or not (stayed or step.source == old):
-            return i
-        if entry.pending or step.state.digest != entry.state.digest:
+        old = state.order[i]
+        if old.key != ref.key or state.entries[old].pending:
             return i
     return len(plan.order)

@@ -7,7 +7,10 @@ rules, which read only the chunk's state, that context and a read-only store vie
 1. its state's context is the planned left context → **rotate** only (relocation is exact);
 2. first in the window → **revert** to the canonical (exact there);
 3. its left context is what it was before this op and it encodes nothing now at or right of
-   it → **rotate**: the op did not touch what it depends on;
+   it → **rotate**: the op did not touch what it depends on; under the keep policy and a drift
+   budget also where what it encodes at or right of it was not to its left before the op (a
+   recalled chunk it absorbed before that chunk left): its KV and what it sees are as they
+   were (`Rules.stands`);
 4. a patch (or full KV) stored for the state it would have over the planned left context →
    **apply** it (exact for this ordering, so it comes before the orbit);
 5. same antecedent *set*, other order, orbit patches on, an orbit patch stored → **apply** it;
@@ -115,11 +118,14 @@ class Rules:
                 "rotate", ref, current, tuple(order[:i]), detail="antecedents unchanged: relocation only"
             )
         if i == 0:
-            if action == "keep" and causal(ref, i) and not self.view.has_canonical(ref.key):
+            kept = action == "keep" and (causal(ref, i) or self.stands(state, ref, i, order))
+            if kept and not self.view.has_canonical(ref.key):
                 return Step("rotate", ref, current, detail="first in the window, keeps what it absorbed")
             return self.canonical_step("revert", ref, "first in the window: the canonical is exact")
-        if before().get(ref) == ctx.digest and causal(ref, i):
-            return Step("rotate", ref, current, detail="this op left its left context as it was")
+        if before().get(ref) == ctx.digest:
+            alone = self.left_alone(state, ref, i, order, causal(ref, i), action == "keep")
+            if alone is not None:
+                return alone
         stored = self.stored(ref, chunk, ctx, order[:i], "for these antecedents")
         if stored is not None:  # exact for this ordering: before the orbit's mean over orderings
             return stored
@@ -220,6 +226,41 @@ class Rules:
         return self.formation(ref, chunk, ctx, order[:i], why, admission=True)
 
     # -- pieces -------------------------------------------------------------------------------
+    def left_alone(
+        self, state: WindowRecord, ref: ChunkRef, i: int, order: Sequence[ChunkRef], causal: bool, keep: bool
+    ) -> Step | None:
+        """Rule 3: a chunk whose left context the op left as it was keeps its KV, where it encodes
+        nothing now at or right of it (``causal``) or where, under the keep policy (``keep``), it
+        may stand (`stands`); else ``None``."""
+        current = state.entries[ref].state
+        if causal:
+            return Step("rotate", ref, current, detail="this op left its left context as it was")
+        if keep and self.stands(state, ref, i, order):
+            detail = "its left context as it was; what it absorbed of a chunk now to its right stays"
+            return Step("rotate", ref, current, detail=detail)
+        return None
+
+    def stands(self, state: WindowRecord, ref: ChunkRef, i: int, order: Sequence[ChunkRef]) -> bool:
+        """Whether ``ref``, at index ``i`` of ``order`` and not causal there, may keep its KV as it
+        is (policy: keep) under the window's drift budget, which judges it as any kept state: every
+        chunk it encodes that is now at or right of it was not to its left before the op (one
+        coming back from eviction, or one it already stood before).
+
+        Why that is enough: its KV encodes those chunks as they were when it was formed over them
+        (its state chains their states then); nothing this op does reaches it where its left
+        context is unchanged, so what it carries is what was kept, and estimated, while they were
+        away. Re-forming it would pay tokens a prefix cache does not, and its state, the chain of
+        what it was formed over, stays what its KV encodes: no state can encode a state formed
+        over it. A chunk that stood left of it and now stands right (content repeated in the
+        window) would leave an edge naming the wrong chunk: that one is re-formed as before.
+        """
+        if self.inputs.budget is None:
+            return False  # unbounded: what it carries would be estimated by nothing
+        was = state.order.index(ref) if ref in state.order else -1
+        left_before = set(state.order[: max(was, 0)])
+        now_right = set(order[i:])
+        return not any(source in left_before and source in now_right for source in state.graph._pred[ref])
+
     def stored(
         self, ref: ChunkRef, chunk: Chunk, ctx: Context, left: Sequence[ChunkRef], why: str
     ) -> Step | None:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from kamera_agent.backends.base import DecodeConfig, Reference
+from kamera_agent.core.identity import ChunkState
 from kamera_agent.fidelity import Calibration, save_calibration
 from kamera_agent.window import KameraWindow
 from tests.kv_helpers import next_token_kl, rel_err
@@ -71,3 +72,31 @@ def calibrate_for_tests(fingerprint: str, directory: Path, **fields: Any) -> Cal
     )
     save_calibration(calibration, directory)
     return calibration
+
+
+def absorbed(state: ChunkState, digest: str) -> ChunkState | None:
+    """The state ``digest`` among those ``state``'s KV encodes (its antecedents, theirs, and so on)."""
+    for antecedent in state.antecedents():
+        found = antecedent if antecedent.digest == digest else absorbed(antecedent, digest)
+        if found is not None:
+            return found
+    return None
+
+
+def right_to_left_edges(window: KameraWindow) -> list[tuple[object, object]]:
+    """The in-window edges whose source stands right of their target, after checking each: it
+    goes into a chunk that stood when a chunk it had absorbed came back to its right, and names
+    the state that chunk had then, one the target's state was formed over and one that encodes
+    nothing of the target (states never cycle). An orbit encodes a set, not a chain: its edges
+    are counted unchecked."""
+    order = {ref: i for i, ref in enumerate(window.refs)}
+    found = []
+    for source, target, recorded in window.graph.edges(data="state"):
+        if source in order and target in order and order[source] > order[target]:
+            held = window.state_of(target)
+            if held.kind != "orbit":
+                then = absorbed(held, recorded)
+                assert then is not None, (source, target)
+                assert absorbed(then, held.digest) is None, (source, target)
+            found.append((source, target))
+    return found
