@@ -33,7 +33,7 @@ filed by the checkpoint's fingerprint, which includes the dtype vLLM serves in. 
 calibration is the float32 one, so the servers run ``--dtype float32`` (vLLM's CPU build would
 pick bfloat16 for a float32 checkpoint, and find no calibration: it then serves exactly).
 
-    python benchmarks/vllm_workloads.py --requests 100 --json smollm2-vllm-workloads.json
+    python benchmarks/vllm_workloads.py --requests 100 --json docs/results/engines/smollm2-vllm-workloads.json
     python benchmarks/vllm_workloads.py --dry-run --requests 10   # the prompts' shapes only
 """
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kamera_agent.errors import SettingsError
-from kamera_agent.fidelity import BUDGETS, CLASSES, DISTANCES, Calibration
+from kamera_agent.fidelity import AGREEMENT, BUDGETS, CLASSES, DISTANCES, Calibration
 
 if TYPE_CHECKING:  # calibration_fit fits these bounds with the audit estimate: it imports this module
     from kamera_agent.bench.calibration_fit import Point, Slot, Step
@@ -52,7 +52,8 @@ def fit_vouching(steps: Sequence[Step], quantile: float) -> Vouching | None:
     """Per class, per distance, ``quantile`` of the approximated chunks' true errors, made
     non-increasing with distance (a bound holds for every farther chunk, where fewer samples
     lie); the default ε read off the ops those bounds let stand (`pick_budget`, as the audit
-    estimate's); ``None`` where the steps did not record the classes."""
+    estimate's, a point passing only where enough ops stand to show the agreement target:
+    `SHOWN`); ``None`` where the steps did not record the classes."""
     from kamera_agent.bench.calibration_fit import pick_budget
 
     found = [vouch_pairs(step.slots) for step in steps]
@@ -65,12 +66,29 @@ def fit_vouching(steps: Sequence[Step], quantile: float) -> Vouching | None:
             errors[kind][min(distance, DISTANCES - 1)].append(error)
     bounds = {kind: _non_increasing(rows, quantile) for kind, rows in errors.items() if any(rows)}
     points = _frontier(bounds, steps, per_step)
-    budget = pick_budget(points)
+    approximating = sum(1 for pairs in per_step if pairs)
+    budget = pick_budget([_shown(point, approximating) for point in points])
     frontier = {
         f"{p.epsilon:g}": {"standing": p.standing, "agreement": p.agreement, "kl_mean": p.kl_mean}
         for p in points
     }
     return Vouching(bounds, budget, frontier)
+
+
+SHOWN = math.ceil(1 / (1 - AGREEMENT))
+"""The fewest standing ops whose agreement can show `AGREEMENT` (one flip among fewer is already
+under it): a point the bounds let fewer stand at does not pass. Why stricter than the audit
+estimate's pick: an engine serves what the bounds vouch for with no audit and no fix behind
+it, so a point passed on a handful of ops would be the whole safeguard."""
+
+
+def _shown(point: Point, approximating: int) -> Point:
+    """``point``, failing where its standing ops (of ``approximating``) are too few to show the
+    agreement target."""
+    standing = round(point.standing * approximating)
+    if 0 < standing < SHOWN:
+        return replace(point, agreement=0.0)
+    return point
 
 
 def _non_increasing(rows: list[list[float]], quantile: float) -> tuple[float, ...]:

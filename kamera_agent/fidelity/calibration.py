@@ -72,7 +72,9 @@ class Calibration:
             errors there, non-increasing with distance. Empty: only an audit vouches.
         vouch_budget: the ε those bounds may serve within (never above the window's): the
             largest of `BUDGETS` up to which, at every ε, the fitting episodes' ops whose every
-            approximated chunk the bounds put within it answered like a re-prefill.
+            approximated chunk the bounds put within it answered like a re-prefill and were
+            enough to show it (no audit backs an engine's kept state, so a point passed on
+            a few ops does not count).
         vouch_frontier: per ε of `BUDGETS`, those ops as in ``frontier``.
     """
 

@@ -118,8 +118,8 @@ class Rules:
                 "rotate", ref, current, tuple(order[:i]), detail="antecedents unchanged: relocation only"
             )
         if i == 0:
-            kept = action == "keep" and (causal(ref, i) or self.stands(state, ref, i, order))
-            if kept and not self.view.has_canonical(ref.key):
+            as_is = action == "keep" and (causal(ref, i) or self.stands(state, ref, i, order))
+            if as_is and not self.view.has_canonical(ref.key):
                 return Step("rotate", ref, current, detail="first in the window, keeps what it absorbed")
             return self.canonical_step("revert", ref, "first in the window: the canonical is exact")
         if before().get(ref) == ctx.digest:
@@ -227,15 +227,21 @@ class Rules:
 
     # -- pieces -------------------------------------------------------------------------------
     def left_alone(
-        self, state: WindowRecord, ref: ChunkRef, i: int, order: Sequence[ChunkRef], causal: bool, keep: bool
+        self,
+        state: WindowRecord,
+        ref: ChunkRef,
+        i: int,
+        order: Sequence[ChunkRef],
+        causal: bool,
+        by_policy: bool,
     ) -> Step | None:
         """Rule 3: a chunk whose left context the op left as it was keeps its KV, where it encodes
-        nothing now at or right of it (``causal``) or where, under the keep policy (``keep``), it
+        nothing now at or right of it (``causal``) or where, under the keep policy (``by_policy``), it
         may stand (`stands`); else ``None``."""
         current = state.entries[ref].state
         if causal:
             return Step("rotate", ref, current, detail="this op left its left context as it was")
-        if keep and self.stands(state, ref, i, order):
+        if by_policy and self.stands(state, ref, i, order):
             detail = "its left context as it was; what it absorbed of a chunk now to its right stays"
             return Step("rotate", ref, current, detail=detail)
         return None

@@ -72,7 +72,14 @@ def test_bounds_are_a_quantile_per_class_and_distance_never_rising_with_distance
     points = fitted.frontier
     assert points["0.03"]["standing"] == 0 and points["0.1"]["standing"] == 0.25
     assert points["0.5"]["standing"] == 1.0 and points["0.5"]["agreement"] == 0.75
-    assert fitted.budget == 0.3
+    # four ops cannot show 99 % agreement: no point with anything standing passes
+    assert fitted.budget == 0.03
+    # enough ops that kept their answers show it: the pick stops below the flipping recall
+    many = [steps[2]] * 100 + [*steps[:2]] * 50 + [steps[3]] * 20
+    enough = fit_vouching(many, quantile=1.0)
+    assert enough is not None and enough.budget == 0.3
+    # (the slides stand only at 0.5: the recall raised the gone class's bound at distance 0)
+    assert enough.frontier["0.3"]["standing"] == 100 / 220 and enough.frontier["0.5"]["agreement"] < 0.99
     # steps saved before classes were recorded fit no bounds
     assert fit_vouching([Step("slide", _slots([0.1], None), 0.0, True)], 0.99) is None
     assert vouch_pairs(_slots([0.1, 0.2], True)) == [("gone", 0, 0.1), ("gone", 1, 0.2)]
@@ -104,7 +111,7 @@ def test_a_calibration_carries_its_bounds_through_json_and_its_fit() -> None:
         Step("slide", _slots([0.3, 0.05], True), 0.004, True),
         Step("reorder", _slots([0.04, 0.01], False), 0.001, True),
     ]
-    fitted = fit_calibration("f", steps, (1,), 0.1)
+    fitted = fit_calibration("f", steps * 100, (1,), 0.1)
     assert fitted.vouch_bounds["gone"][0] == 0.3 and fitted.vouch_budget >= 0.3
     assert set(fitted.vouch_frontier) == {f"{eps:g}" for eps in BUDGETS}
 
