@@ -20,7 +20,7 @@ from kamera_agent.fidelity import AGREEMENT, BUDGETS, CLASSES, DISTANCES, Calibr
 if TYPE_CHECKING:  # calibration_fit fits these bounds with the audit estimate: it imports this module
     from kamera_agent.bench.calibration_fit import Point, Slot, Step
 
-__all__ = ["Vouching", "fit_vouching", "judge_vouching", "vouch_pairs"]
+__all__ = ["SHOWN", "Vouching", "fit_vouching", "judge_vouching", "vouch_pairs"]
 
 
 @dataclass(frozen=True)

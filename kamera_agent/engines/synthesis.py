@@ -359,8 +359,8 @@ class PrefixSynthesis:
     ) -> tuple[Served | None, bool]:
         """The chunk served from the store: in the state the engine's part of it holds (or, past
         the engine's hit, a forward would compute), else under ``"keep"`` in its last captured
-        state (spliced behind the engine's part of the chunk, if any), where the budget allows:
-        an audit filed for that state behind ``chain``'s context puts it within ε, counting
+        state (spliced behind the engine's part of the chunk, if any), where something vouches
+        for it behind ``chain``'s context within the budget (`KeptBudget.estimate`), counting
         ``worst``, the largest drift to its left, at ``where``: its distance from the request's
         first approximated chunk and the chunk keys in the request. With it, whether a kept
         state was refused."""

@@ -11,8 +11,8 @@ chunk's true error with these two facts, and files per class and distance a cons
 (`Calibration.vouch_bounds`: the calibration's quantile of the true errors there, made
 non-increasing with distance), the default ε the bound may serve within
 (`Calibration.vouch_budget`: the largest of `BUDGETS` up to which the episodes' ops whose every
-chunk the bounds put within it answered like a re-prefill), and nothing else: where no bound
-was fitted, only an audit vouches.
+chunk the bounds put within it answered like a re-prefill, and were enough to show it), and
+nothing else: where no bound was fitted, only an audit vouches.
 """
 
 from __future__ import annotations
