@@ -21,7 +21,7 @@ from collections.abc import Collection
 
 from kamera_agent.core.identity import ChunkState, Context
 
-__all__ = ["CLASSES", "DISTANCES", "absorbed_gone", "vouch_class"]
+__all__ = ["CLASSES", "DISTANCES", "WALK", "absorbed_gone", "vouch_class"]
 
 CLASSES = ("present", "gone")
 """A kept state's class: every chunk its KV encodes is still in the context, or some are gone."""
@@ -30,13 +30,22 @@ DISTANCES = 8
 """Distances a bound is fitted for; the last one's bound holds for every farther chunk."""
 
 
-def absorbed_gone(state: ChunkState, present: Collection[str], left: Context | None = None) -> bool:
+WALK = 4096
+"""The most antecedent states `absorbed_gone` reads: a kept state's chain reaches back through
+every state it was captured behind, which a long conversation lengthens, and an engine plans
+with it per request; past this many it answers as if something were gone (never served on it)."""
+
+
+def absorbed_gone(
+    state: ChunkState, present: Collection[str], left: Context | None = None, limit: int = WALK
+) -> bool:
     """Whether ``state``'s KV, served behind ``left``, encodes a chunk whose key is not in
     ``present``: through its context, its antecedents' own contexts and a recomputed state's
     source, all the way back. An orbit state encodes the set of chunks behind it (it is served
     only where that set is the one it averages over: equal keysets), so it is read as that set;
     an orbit whose set is not what stands behind it, or a splice (its tail's context is folded
-    into its digest), names no chunks and counts as encoding something gone."""
+    into its digest), names no chunks and counts as encoding something gone; so does a chain of
+    more than ``limit`` states."""
     seen: set[str] = set()
     pending: list[tuple[ChunkState, Context | None]] = [(state, left)]
     while pending:
@@ -57,7 +66,7 @@ def absorbed_gone(state: ChunkState, present: Collection[str], left: Context | N
                 if antecedent.digest in seen:
                     continue
                 seen.add(antecedent.digest)
-                if antecedent.chunk_key not in present:
+                if antecedent.chunk_key not in present or len(seen) > limit:
                     return True
                 pending.append((antecedent, node))
     return False

@@ -40,6 +40,16 @@ def test_a_kept_state_is_gone_where_anything_its_kv_absorbed_has_left() -> None:
     assert absorbed_gone(ChunkState.spliced(c, b_over_a, 2), {"a", "b", "c"})
 
 
+def test_a_chain_longer_than_the_walk_counts_as_gone() -> None:
+    """An engine reads the chain per request: its length is bounded, conservatively."""
+    states = [ChunkState.canonical("k0", ROOT)]
+    for i in range(1, 6):
+        states.append(ChunkState.patched(f"k{i}", "full", _chain(*states)))
+    keys = {f"k{i}" for i in range(6)}
+    assert not absorbed_gone(states[-1], keys, limit=5)
+    assert absorbed_gone(states[-1], keys, limit=4)
+
+
 def test_an_orbit_state_encodes_the_set_behind_it() -> None:
     a, b = ChunkState.canonical("a", ROOT), ChunkState.canonical("b", ROOT)
     left = _chain(a, b)
