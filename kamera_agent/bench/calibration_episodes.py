@@ -17,7 +17,8 @@ from rich.progress import Progress, TaskID
 from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.calibration_fit import Slot, Step, fit_calibration
-from kamera_agent.bench.window_suite import QUERY, TEXT_QUERY, _Episode, _items, text_frames
+from kamera_agent.bench.corpus import question
+from kamera_agent.bench.window_suite import QUERY, _Episode, _items, text_frames
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.divergence import next_token_kl
@@ -80,11 +81,11 @@ def drift_episode(
         raise TypeError("calibration runs on a transformers model (it needs the model's own re-prefill)")
     measurer = DriftBudget(0.0, Calibration(backend.fingerprint, scale=1.0, inherit=0.0, audit_share=share))
     moves = _Episode(window_, backend.encoder, random.Random(seed), _items(ops))
-    query = QUERY
+    query, start = QUERY, ""
     if backend.encoder.image_processor is None:  # a text model: passages of real text for frames
         moves.frames = text_frames(backend, seed, len(moves.frames), "calibration", texts)
-        query = TEXT_QUERY
-    query_ids = window_.query_ids(query)
+        query, start = question(texts)
+    query_ids = window_.query_ids(query, answer_start=start)
     root = Context.root(backend.anchor.key)
     vision: dict[str, Any] = {}
     recorded: list[Step] = []
@@ -96,7 +97,8 @@ def drift_episode(
         refs = window_.refs
         chunks = [window_.chunk(ref) for ref in refs]
         truth = backend.reference_prefill(chunks, query_ids)
-        answer = window_.ask(query, decode=DecodeConfig(max_new_tokens=1)).first_logits.float().cpu()
+        answer = window_.ask(query, decode=DecodeConfig(max_new_tokens=1), answer_start=start).first_logits
+        answer = answer.float().cpu()
         kvs = [window_.chunk_kv(ref) for ref in refs]
         starts = [backend.anchor.advance]
         for chunk in chunks:

@@ -20,12 +20,23 @@ from typing import Literal
 
 from kamera_agent.errors import SettingsError
 
-__all__ = ["CORPUS", "Half", "passages", "read_passages"]
+__all__ = ["CORPUS", "FILES_QUESTION", "QUESTION", "Half", "passages", "question", "read_passages"]
 
 CORPUS = Path(__file__).resolve().parent / "texts" / "python-reference.txt"
 """The shipped corpus: one topic after another, each under a ``=== topic`` line."""
 
 Half = Literal["calibration", "benchmark"]
+
+QUESTION = (
+    "Which Python feature do these passages describe?",
+    'The Python feature these passages describe is called "',
+)
+"""What a text episode over the corpus asks after every op: the question, and the opening of the
+answer the model continues. Its first token is what the episode compares with a re-prefill, so
+it must depend on what was read: asked plainly, a small model opens nearly every answer with
+"The" whatever the passages say, and agreeing on it shows nothing."""
+FILES_QUESTION = ("What are these passages about? Answer with one word.", 'One word: "')
+"""The same for passages of the user's own files (any topic)."""
 
 _SHORTEST, _LONGEST = 240, 800
 """A passage's characters: paragraphs are joined up to at least the first (~60 tokens) and cut
@@ -41,6 +52,11 @@ def passages(half: Half, seed: int, count: int, files: Sequence[Path] = ()) -> l
     order = list(pool)
     random.Random(seed).shuffle(order)
     return [order[i % len(order)] for i in range(count)]
+
+
+def question(files: Sequence[Path] = ()) -> tuple[str, str]:
+    """The question and answer opening an episode over ``files`` (none: the corpus) asks."""
+    return FILES_QUESTION if files else QUESTION
 
 
 @cache

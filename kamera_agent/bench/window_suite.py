@@ -45,7 +45,7 @@ from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.baselines.prefix_cache import PrefixCache, Sync
 from kamera_agent.bench.blend_cache import BlendCache
 from kamera_agent.bench.common import finite, wall
-from kamera_agent.bench.corpus import Half, passages
+from kamera_agent.bench.corpus import Half, passages, question
 from kamera_agent.bench.floor import FLOORS, Floor
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
@@ -62,7 +62,6 @@ __all__ = [
     "QUERY",
     "RECOMPUTE",
     "RECOMPUTE_PERCENTS",
-    "TEXT_QUERY",
     "Follower",
     "OpRecord",
     "Spent",
@@ -74,8 +73,6 @@ __all__ = [
 _WEIGHTS = {"push": 0.35, "slide": 0.15, "reorder": 0.25, "recall": 0.25}
 QUERY = QUESTIONS["colour"]
 """The question every side answers after every op (its first token is what is compared)."""
-TEXT_QUERY = "What does the last passage say, in one sentence?"
-"""The question of a text model's episode (passages of real text for frames)."""
 KAMERA = "kamera"
 PREFIX = "prefix cache"
 
@@ -250,10 +247,10 @@ def run_window(
         run.followers = tuple(name for name in run.followers if name not in RECOMPUTE)
     followers = {name: FOLLOWERS[name](backend) for name in run.followers}
     episode = _Episode(window, backend.encoder, random.Random(run.seed), _items(run.ops_requested))
-    query = QUERY
+    query, start = QUERY, ""
     if backend.encoder.image_processor is None:  # a text model: passages of real text for frames
-        episode.frames, query = text_frames(backend, run.seed, len(episode.frames)), TEXT_QUERY
-    query_ids = window.query_ids(query)
+        episode.frames, (query, start) = text_frames(backend, run.seed, len(episode.frames)), question()
+    query_ids = window.query_ids(query, answer_start=start)
     lazy = config.patch_mode == "lazy"
     task = progress.add_task(f"window · {run.row} · {run.ops_requested} ops", total=run.ops_requested)
     for _ in range(run.ops_requested):
@@ -266,8 +263,8 @@ def run_window(
         kamera_ms, kamera = (wall() - started) * 1e3, _spent(window.stats.total, before)
         chunks = [window.chunk(ref) for ref in window.refs]
         synced = {name: follower.sync(chunks) for name, follower in followers.items()}
-        reference = _reference(backend, window, query)
-        sides = {KAMERA: _kamera_answer(window, kamera, kamera_ms, reference, query)}
+        reference = _reference(backend, window, query, start)
+        sides = {KAMERA: _kamera_answer(window, kamera, kamera_ms, reference, (query, start))}
         for name, follower in followers.items():
             sides[name] = _follower_answer(follower, synced[name], query_ids, reference)
         run.records.append(
@@ -285,10 +282,11 @@ def _spent(after: OpCost, before: OpCost) -> OpCost:
     )
 
 
-def _reference(backend: TransformersBackend, window: KameraWindow, query: str) -> torch.Tensor:
-    """The model's own forward over the window's sequence and the question: its next-token logits."""
+def _reference(backend: TransformersBackend, window: KameraWindow, query: str, start: str) -> torch.Tensor:
+    """The model's own forward over the window's sequence and the question (``start``: the
+    answer's opening): its next-token logits."""
     with torch.no_grad():
-        inputs = window.as_model_inputs(query)
+        inputs = window.as_model_inputs(query, answer_start=start)
         logits: torch.Tensor = backend.model(**inputs, **last_logits_only(backend.model)).logits
     return logits[0, -1].float().cpu()
 
@@ -305,14 +303,17 @@ def _compare(reference: torch.Tensor, logits: torch.Tensor) -> tuple[float, bool
     return kl, agrees, float((logits - reference).abs().max())
 
 
-def _kamera_answer(window: KameraWindow, op: OpCost, ms: float, reference: torch.Tensor, query: str) -> Spent:
+def _kamera_answer(
+    window: KameraWindow, op: OpCost, ms: float, reference: torch.Tensor, asked: tuple[str, str]
+) -> Spent:
     before = window.stats.total
     started = wall()
-    logits = window.ask(query, decode=DecodeConfig(max_new_tokens=1)).first_logits
-    ask_ms, asked = (wall() - started) * 1e3, _spent(window.stats.total, before)
+    query, start = asked
+    logits = window.ask(query, decode=DecodeConfig(max_new_tokens=1), answer_start=start).first_logits
+    ask_ms, spent = (wall() - started) * 1e3, _spent(window.stats.total, before)
     kl, agrees, error = _compare(reference, logits)
     return Spent(
-        op.tokens_prefilled, op.forwards, op.vision_encodes, ms, ask_ms, asked.forwards, kl, agrees, error
+        op.tokens_prefilled, op.forwards, op.vision_encodes, ms, ask_ms, spent.forwards, kl, agrees, error
     )
 
 

@@ -125,9 +125,11 @@ class ChunkEncoder:
         """A span of text as a chunk."""
         return self._text_chunk(text, kind="text", label=label)
 
-    def query_ids(self, question: str) -> torch.Tensor:
-        """Token ids of a query: the question, the end of the user turn and the assistant's start."""
-        return self.tokens(self.prompt.query_prefix + question + self.prompt.query_suffix)
+    def query_ids(self, question: str, answer_start: str = "") -> torch.Tensor:
+        """Token ids of a query: the question, the end of the user turn, the assistant's start and
+        ``answer_start``, the opening of the answer the model continues (tokenized as one text, as
+        a chat template renders a final assistant message it continues)."""
+        return self.tokens(self.prompt.query_prefix + question + self.prompt.query_suffix + answer_start)
 
     def image(
         self,

@@ -85,11 +85,14 @@ class Conversation:
             chunks.append(self.encoder.text(t.closes[role], label=_marker(labels, "close")))
         return chunks
 
-    def query_ids(self, text: str, *, opened: bool = True, role: str = "user") -> torch.Tensor:
+    def query_ids(
+        self, text: str, *, opened: bool = True, role: str = "user", answer_start: str = ""
+    ) -> torch.Tensor:
         """The query as the conversation's last message: its text (after the role's opening
         marker unless chunks already began the message), the closing marker, then the
-        assistant's opening. ``role`` is ``user`` for a question, ``tool`` for an agent's turn
-        that ends in a tool's output (the model answers the output).
+        assistant's opening and ``answer_start`` (the opening of the answer the model continues).
+        ``role`` is ``user`` for a question, ``tool`` for an agent's turn that ends in a tool's
+        output (the model answers the output).
 
         Raises:
             InputError: a role that cannot end a conversation (``assistant``, or unknown).
@@ -98,7 +101,7 @@ class Conversation:
             raise InputError(f"a question is a user or a tool message, not {str(role)[:40]!r}")
         t = self.template
         before = t.opens[role] if opened else t.part_separator
-        return self.encoder.tokens(before + text + t.closes[role] + t.generation)
+        return self.encoder.tokens(before + text + t.closes[role] + t.generation + answer_start)
 
     def _part(self, part: MessagePart, before: str, after: str, label: str | None) -> Chunk:
         if isinstance(part, Chunk):

@@ -195,21 +195,26 @@ class WindowReads:
         kv, _ = self._runner.read("kv", lambda executor: executor.placed_kv(ref), materialize=False)
         return kv
 
-    def as_model_inputs(self, query: str | None = None) -> dict[str, Any]:
+    def as_model_inputs(self, query: str | None = None, *, answer_start: str = "") -> dict[str, Any]:
         """Keyword arguments for the model's own forward over a full re-prefill of the window
-        (input ids, pixel values, grids, token types): the ground truth for exactness checks."""
+        (input ids, pixel values, grids, token types): the ground truth for exactness checks
+        (``answer_start``: as `ask` takes it)."""
         check_text(query, "query", optional=True)
+        check_text(answer_start, "answer_start")
         with self._runner.lock:
             state = self._runner.state
             chunks = [state.entries[ref].chunk for ref in state.order]
-        query_ids = None if query is None else self._parts.query_ids(query)
+        query_ids = None if query is None else self._parts.query_ids(query, answer_start=answer_start)
         return self.backend.reference_inputs(chunks, query_ids, anchor=self._parts.core.anchor)
 
-    def query_ids(self, query: str, *, in_message: bool = False, query_role: str = "user") -> torch.Tensor:
-        """The token ids ``ask`` would decode ``query`` from (its framing included): a copy, the
-        window remembers its own."""
+    def query_ids(
+        self, query: str, *, in_message: bool = False, query_role: str = "user", answer_start: str = ""
+    ) -> torch.Tensor:
+        """The token ids ``ask`` would decode ``query`` from (its framing and ``answer_start``
+        included): a copy, the window remembers its own."""
         return self._parts.query_ids(
             check_text(query, "query"),
             opened=not check_flag(in_message, "in_message"),
             role=check_choice(query_role, "query_role", ("user", "tool")),
+            answer_start=check_text(answer_start, "answer_start"),
         ).clone()

@@ -56,7 +56,7 @@ class WindowParts:
     core: KVCore
     conversation: Conversation | None
     budget: DriftBudget | None = None
-    _queries: dict[tuple[str, bool, str], torch.Tensor] = field(
+    _queries: dict[tuple[str, bool, str, str], torch.Tensor] = field(
         default_factory=dict, repr=False, compare=False
     )
 
@@ -65,20 +65,24 @@ class WindowParts:
         """The window's own encoder (a conversation's carries its system prompt as the anchor)."""
         return self.core.encoder
 
-    def query_ids(self, query: str, opened: bool = True, role: str = "user") -> torch.Tensor:
+    def query_ids(
+        self, query: str, opened: bool = True, role: str = "user", answer_start: str = ""
+    ) -> torch.Tensor:
         """The token ids a query is decoded from, framed as the window frames questions (as a
-        message of ``role`` in a conversation). Remembered per query (`_QUERIES` of them): an
-        agent asks the same questions again and again, and tokenizing is a fixed cost per call."""
-        known = self._queries.get((query, opened, role))
+        message of ``role`` in a conversation), ``answer_start`` after the assistant's opening.
+        Remembered per query (`_QUERIES` of them): an agent asks the same questions again and
+        again, and tokenizing is a fixed cost per call."""
+        key = (query, opened, role, answer_start)
+        known = self._queries.get(key)
         if known is not None:
             return known
         if self.conversation is not None:
-            ids = self.conversation.query_ids(query, opened=opened, role=role)
+            ids = self.conversation.query_ids(query, opened=opened, role=role, answer_start=answer_start)
         else:
-            ids = self.encoder.query_ids(query)
+            ids = self.encoder.query_ids(query, answer_start)
         if len(self._queries) >= _QUERIES:
             self._queries.pop(next(iter(self._queries)))  # the oldest first
-        self._queries[(query, opened, role)] = ids
+        self._queries[key] = ids
         return ids
 
 

@@ -375,6 +375,7 @@ class KameraWindow(WindowReads):
         in_message: bool = False,
         remember: bool = False,
         query_role: str = "user",
+        answer_start: str = "",
         **deprecated: Any,
     ) -> Answer:
         """Answer ``query`` over the window: greedy by default, sampled with a temperature.
@@ -395,6 +396,11 @@ class KameraWindow(WindowReads):
                 conversation's next messages (one forward), so the next turn's history matches.
             query_role: conversation windows: the role of the message ``query`` is, ``"user"``
                 (a question) or ``"tool"`` (an agent's turn ending in a tool's output).
+            answer_start: the opening of the answer, which the model continues (what a chat
+                API's final assistant message is under vLLM's ``continue_final_message``); the
+                answer's text is the continuation alone. Asked plainly, a small model opens
+                nearly every answer with the same word; an opening makes its first token say
+                what it read.
             deprecated: the decode settings as keywords (``max_new_tokens=8``, ``temperature``,
                 ...): still taken, with a `DeprecationWarning`; use ``decode``.
 
@@ -405,6 +411,7 @@ class KameraWindow(WindowReads):
                 decode keyword both given.
         """
         check_text(query, "query")
+        check_text(answer_start, "answer_start")
         query_role = self._check_framing(query_role, in_message, remember)
         settings = check_decode(decode, deprecated, self.config.max_new_tokens)
         config = settings.with_hooks(
@@ -412,15 +419,18 @@ class KameraWindow(WindowReads):
             keep_going=check_callable(keep_going, "keep_going"),
             return_logits=check_flag(return_logits, "return_logits"),
         )
-        query_ids = self._parts.query_ids(query, opened=not in_message, role=query_role)
+        query_ids = self._parts.query_ids(
+            query, opened=not in_message, role=query_role, answer_start=answer_start
+        )
         with self._runner.lock:  # the answer, the remembered answer and the messages: one call
             self._runner.check_open()
             self._parts.core.check_fits(self._runner.end(), query_ids, config)
             answer, cost = self._runner.read("ask", lambda executor: executor.answer(query_ids, config))
-            if _reusable(config) and not in_message and query_role == "user":
+            if _reusable(config) and not in_message and query_role == "user" and not answer_start:
                 self._runner.state.last_answer = LastAnswer(query, self._runner.state.tick, answer)
             if remember:
-                self._remember(query, answer, opened=not in_message, role=query_role)
+                said = answer_start + answer.text
+                self._remember(query, said, opened=not in_message, role=query_role)
         return replace(answer, cost=cost)
 
     def _check_framing(self, query_role: str, in_message: bool, remember: bool) -> str:
@@ -435,11 +445,11 @@ class KameraWindow(WindowReads):
             )
         return query_role
 
-    def _remember(self, query: str, answer: Answer, opened: bool, role: str = "user") -> None:
+    def _remember(self, query: str, answer: str, opened: bool, role: str = "user") -> None:
         """The question and its answer admitted as the conversation's next messages (one op)."""
         assert self.conversation is not None
         asked = self.conversation.message(role, [query], opened=opened)
-        replied = self.conversation.message("assistant", [answer.text])
+        replied = self.conversation.message("assistant", [answer])
         chunks = [(chunk, chunk.label) for chunk in (*asked, *replied)]
         self._runner.transact("extend", lambda planner: planner.extend(self._runner.state, chunks))
 

@@ -16,7 +16,13 @@ from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.decoding import _Stream
 from kamera_agent.chunks.chat import ChatTemplate
 from kamera_agent.config import WindowConfig
-from kamera_agent.errors import DuplicateChunkError, InputError, SettingsError, UnsupportedModelError
+from kamera_agent.errors import (
+    ArgumentError,
+    DuplicateChunkError,
+    InputError,
+    SettingsError,
+    UnsupportedModelError,
+)
 from kamera_agent.window import KameraWindow
 from tests.backends.test_transformers_backend import images
 from tests.window.backends import backend_named
@@ -107,6 +113,57 @@ def test_default_system_prompt_and_remembered_turns_answer_like_the_model() -> N
     )
     window.push_message("user", [pics[1], "second"])
     _agrees(window, "and now?")
+
+
+def test_an_answer_start_is_the_templates_continued_message_and_answers_like_the_model() -> None:
+    window = _window(system_prompt="Be terse.")
+    window.push_message("user", [images(1, seed=6)[0], "what is this?"])
+    opening = 'It is called "'
+    tokenizer = window.encoder.tokenizer
+    messages = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"}]},
+        {"role": "user", "content": "name it"},
+        {"role": "assistant", "content": opening},
+    ]
+    want = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    ids = [window.encoder.anchor().input_ids, *(window.chunk(r).input_ids for r in window.refs)]
+    ids.append(window.query_ids("name it", answer_start=opening))
+    text = tokenizer.decode(torch.cat(ids))
+    while "<|image_pad|><|image_pad|>" in text:
+        text = text.replace("<|image_pad|><|image_pad|>", "<|image_pad|>")
+    assert text == want
+    chunks = [window.chunk(ref) for ref in window.refs]
+    truth = window.backend.reference_prefill(
+        chunks, window.query_ids("name it", answer_start=opening), anchor=window.encoder.anchor()
+    ).logits
+    plain = window.ask("name it", decode=DecodeConfig(max_new_tokens=1)).first_logits
+    answer = window.ask("name it", decode=DecodeConfig(max_new_tokens=2), answer_start=opening, remember=True)
+    assert float((answer.first_logits - truth).abs().max()) < EXACT
+    assert float((plain - truth).abs().max()) > 1e-2  # the opening is part of what was asked
+    replied = tokenizer.decode(window.chunk(window.refs[-1]).input_ids)
+    assert replied.startswith("<|im_start|>assistant\n" + opening + answer.text)  # remembered whole
+    with pytest.raises(ArgumentError, match="answer_start"):
+        window.ask("name it", answer_start=None)  # type: ignore[arg-type]
+
+
+def test_a_plain_window_continues_an_answer_start_like_the_model() -> None:
+    window = KameraWindow(backend_named("qwen2_vl"), config=WindowConfig.exact())  # type: ignore[arg-type]
+    window.push(images(1, seed=7)[0])
+    opening = "The colour is"
+    ids = window.query_ids("which colour?", answer_start=opening)
+    encoder = window.encoder
+    assert torch.equal(
+        ids,
+        encoder.tokens(encoder.prompt.query_prefix + "which colour?" + encoder.prompt.query_suffix + opening),
+    )
+    inputs = window.as_model_inputs("which colour?", answer_start=opening)
+    assert torch.equal(inputs["input_ids"][0, -ids.numel() :], ids)
+    truth = window.backend.reference_prefill(
+        [window.chunk(window.refs[0])], ids, anchor=encoder.anchor()
+    ).logits
+    got = window.ask("which colour?", decode=DecodeConfig(max_new_tokens=1), answer_start=opening)
+    assert float((got.first_logits - truth).abs().max()) < EXACT
 
 
 def test_moving_and_dropping_whole_messages_stays_exact() -> None:
