@@ -18,10 +18,10 @@ default settings. Each op is repeated and its median kept: an op and its inverse
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
+from statistics import median
 from typing import Any
 
 import torch
@@ -38,6 +38,9 @@ from kamera_agent.window import KameraWindow
 __all__ = ["TTFTRow", "TTFTRun", "TTFTShape", "run_ttft"]
 
 QUESTION = "What changed on the last page?"
+
+_Sample = tuple[int, float, float, float]
+"""One run of an op: window tokens placed, then the op's, the first token's and the floor's ms."""
 
 
 @dataclass(frozen=True)
@@ -97,14 +100,6 @@ class TTFTRun:
         }
 
 
-@dataclass
-class _Samples:
-    op_ms: list[float] = field(default_factory=list)
-    ttft_ms: list[float] = field(default_factory=list)
-    floor_ms: list[float] = field(default_factory=list)
-    placed: list[int] = field(default_factory=list)
-
-
 def run_ttft(backend: TransformersBackend, shape: TTFTShape, seed: int, progress: Progress) -> TTFTRun:
     """Fill the window, then time each op and the first token after it (see the module doc)."""
     vocab = int(backend.model.config.vocab_size)
@@ -118,7 +113,7 @@ def run_ttft(backend: TransformersBackend, shape: TTFTShape, seed: int, progress
         progress.advance(task)
     run.window_tokens = _tokens(window)
 
-    samples: dict[str, _Samples] = {}
+    samples: dict[str, list[_Sample]] = {}
 
     def timed(name: str, op: Callable[[], object]) -> None:
         began = wall()
@@ -127,11 +122,7 @@ def run_ttft(backend: TransformersBackend, shape: TTFTShape, seed: int, progress
         ttft = _ttft(window)
         placed = window.stats.last.tokens_placed
         floor = min(_floor(window, backend) for _ in range(2))  # the floor's own noise, taken out
-        record = samples.setdefault(name, _Samples())
-        record.op_ms.append(op_ms)
-        record.ttft_ms.append(ttft)
-        record.floor_ms.append(floor)
-        record.placed.append(placed)
+        samples.setdefault(name, []).append((placed, op_ms, ttft, floor))
         progress.advance(task)
 
     timed("first ask (after the pushes)", lambda: None)
@@ -151,18 +142,14 @@ def run_ttft(backend: TransformersBackend, shape: TTFTShape, seed: int, progress
     for index in range(shape.stream_steps):
         page = contents.make("page", shape.chunks + index)
         timed("stream: slide the oldest page out, push a new one", partial(_stream, window, page))
-    for name, record in samples.items():
-        run.rows.append(
-            TTFTRow(
-                name,
-                int(statistics.median(record.placed)),
-                statistics.median(record.op_ms),
-                statistics.median(record.ttft_ms),
-                statistics.median(record.floor_ms),
-                len(record.ttft_ms),
-            )
-        )
+    run.rows += [_median_row(name, taken) for name, taken in samples.items()]
     return run
+
+
+def _median_row(op: str, taken: list[_Sample]) -> TTFTRow:
+    """The op's row: each figure's median over its runs."""
+    placed, op_ms, ttft_ms, floor_ms = zip(*taken, strict=True)
+    return TTFTRow(op, int(median(placed)), median(op_ms), median(ttft_ms), median(floor_ms), len(taken))
 
 
 def _stream(window: KameraWindow, page: Chunk) -> None:
