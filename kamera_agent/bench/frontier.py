@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -32,7 +32,7 @@ from kamera_agent.bench.floor import FLOORS
 from kamera_agent.bench.window_suite import KAMERA, PREFIX, RECOMPUTE, WindowRun
 from kamera_agent.config import WindowConfig
 
-__all__ = ["CAPACITY", "ROWS", "FrontierRun", "Row", "RowFigures"]
+__all__ = ["CAPACITY", "ROWS", "FrontierRun", "Row", "RowFigures", "budgeted", "undercut"]
 
 CAPACITY = 12
 """Chunks the episode's window holds (the oldest leave when it is full)."""
@@ -89,8 +89,13 @@ ROWS: Mapping[str, Row] = _rows(
     Row("defaults"),
     Row("budget-1e-3", {"drift_budget": 1e-3}),
     Row("budget-1e-2", {"drift_budget": 1e-2}),
+    Row("budget-3e-2", {"drift_budget": 3e-2}),
     Row("budget-1e-1", {"drift_budget": 1e-1}),
+    Row("budget-2e-1", {"drift_budget": 2e-1}),
+    Row("budget-3e-1", {"drift_budget": 3e-1}),
+    Row("budget-5e-1", {"drift_budget": 5e-1}),
     Row("unbounded", _UNBOUNDED),
+    Row("survivors-only", {"rank": "full", "orbit": False, "recall_context": "current", **_UNBOUNDED}),
     Row("blind", {"rank": 0, **_UNBOUNDED}),
     Row("rank-4", {"rank": 4, **_UNBOUNDED}),
     Row("rank-16", {"rank": 16, **_UNBOUNDED}),
@@ -105,9 +110,10 @@ ROWS: Mapping[str, Row] = _rows(
 )
 """The frontier's window rows, in the order they run: exact (which hosts the token-recompute
 sweep, `RECOMPUTE`, and the numerical floor, the same re-prefill in bf16 and fp16: `FLOORS`), the
-defaults (the calibrated drift budget), the budget at three ε, the policies unbounded (the
-defaults before the budget: ``drift_budget=None``), blind, then each single-knob change of the
-unbounded policies."""
+defaults (the calibrated drift budget), the budget at the ε a calibration chooses among, the
+policies unbounded (the defaults before the budget: ``drift_budget=None``), survivors-only (the
+one approximation kept survivors; every patch full rank and formed where its chunk stands),
+blind, then each single-knob change of the unbounded policies."""
 
 
 @dataclass(frozen=True)
@@ -234,6 +240,26 @@ class FrontierRun:
             "frontier": [row.to_json() for row in self.figures()],
             "runs": [run.to_json() for run in self.runs],
         }
+
+
+def budgeted(row: str) -> bool:
+    """A row the drift budget decides: the defaults (the calibrated ε) or the budget at one ε."""
+    return row == "defaults" or row.startswith("budget-")
+
+
+def undercut(frontier: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """Where the budget is off the frontier: pairs (budget row, other row) in which the other
+    answers with the re-prefill's first token on at least as many ops for fewer prefilled tokens.
+    ``frontier`` is a stored run's table (`FrontierRun.to_json`'s ``frontier``); the floors are no
+    system (their tokens are a re-prefill's)."""
+    others = [row for row in frontier if not budgeted(row["row"]) and row["row"] not in FLOORS]
+    return [
+        (mine["row"], other["row"])
+        for mine in frontier
+        if budgeted(mine["row"])
+        for other in others
+        if other["agreement"] >= mine["agreement"] and other["tokens"] < mine["tokens"]
+    ]
 
 
 def _follower_says(name: str, row: str) -> str:
