@@ -196,7 +196,7 @@ def _report(console: Any, calibration: Calibration, ops: list[Step], path: Path)
         f"scale {calibration.scale:.3g}, inherit {calibration.inherit:g}, "
         f"audit {calibration.audit_share:.0%}; Spearman {judged.spearman:.2f}; default budget "
         f"ε = {calibration.budget:g} (the largest whose ops let stand kept the first token on "
-        f"≥ {AGREEMENT:.0%} at mean KL ≤ {MEAN_KL:g}); filed at {path}"
+        f"≥ {AGREEMENT:.0%}{_floor_said(calibration.floor)} at mean KL ≤ {MEAN_KL:g}); filed at {path}"
     )
     shares = ", ".join(
         f"{op} {spent / ops:.0%} over {ops}" for op, (ops, spent) in sorted(calibration.fix_shares.items())
@@ -205,3 +205,8 @@ def _report(console: Any, calibration: Calibration, ops: list[Step], path: Path)
         f"at ε = {calibration.budget:g}, the share of re-prefilling from its first approximated chunk "
         f"an op's fixes spend: {shares or 'none'}"
     )
+
+
+def _floor_said(floor: float | None) -> str:
+    """The bf16 floor beside the agreement target, where the episodes measured it."""
+    return "" if floor is None else f" and ≥ the model's own bf16 re-prefill's {floor:.1%}"

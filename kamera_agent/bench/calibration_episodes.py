@@ -18,6 +18,7 @@ from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.calibration_fit import Slot, Step, fit_calibration
 from kamera_agent.bench.corpus import question
+from kamera_agent.bench.floor import Floor
 from kamera_agent.bench.window_suite import QUERY, _Episode, _items, text_frames
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.identity import ChunkState, Context
@@ -86,6 +87,7 @@ def drift_episode(
         moves.frames = text_frames(backend, seed, len(moves.frames), "calibration", texts)
         query, start = question(texts)
     query_ids = window_.query_ids(query, answer_start=start)
+    floor = Floor(backend, torch.bfloat16)  # the model's own noise, which the default ε must not exceed
     root = Context.root(backend.anchor.key)
     vision: dict[str, Any] = {}
     recorded: list[Step] = []
@@ -97,6 +99,8 @@ def drift_episode(
         refs = window_.refs
         chunks = [window_.chunk(ref) for ref in refs]
         truth = backend.reference_prefill(chunks, query_ids)
+        floor.sync(chunks)
+        floor_agrees = int(floor.first_logits(query_ids).argmax()) == int(truth.logits.argmax())
         answer = window_.ask(query, decode=DecodeConfig(max_new_tokens=1), answer_start=start).first_logits
         answer = answer.float().cpu()
         kvs = [window_.chunk_kv(ref) for ref in refs]
@@ -114,7 +118,8 @@ def drift_episode(
             error = relative_error(kv, exact)
             slots.append(Slot(error, float(own or 0.0), ctx.exact, chunk.num_tokens, gone))
         agrees = int(answer.argmax()) == int(truth.logits.argmax())
-        recorded.append(Step(move.op, tuple(slots), next_token_kl(truth.logits, answer), agrees))
+        kl = next_token_kl(truth.logits, answer)
+        recorded.append(Step(move.op, tuple(slots), kl, agrees, floor_agrees))
         progress.advance(task)
     window_.close()
     return recorded

@@ -58,13 +58,16 @@ class Slot:
 
 @dataclass(frozen=True)
 class Step:
-    """One op of an episode: its name, the window's chunks after it, and how the window's first
-    answer token to the suite's question compared with the re-prefill's."""
+    """One op of an episode: its name, the window's chunks after it, how the window's first
+    answer token to the suite's question compared with the re-prefill's, and whether the model's
+    own re-prefill in bf16 gave the fp32 one's (the numerical floor; ``None`` in steps saved
+    before it was recorded)."""
 
     op: str
     slots: tuple[Slot, ...]
     kl: float
     agrees: bool
+    floor_agrees: bool | None = None
 
 
 def _signals(steps: Sequence[Step], inherit: float) -> list[list[tuple[float, float]]]:
@@ -94,9 +97,17 @@ class Point:
     agreement: float
     kl_mean: float
 
-    @property
-    def answers_like_reprefill(self) -> bool:
-        return self.agreement >= AGREEMENT and self.kl_mean <= MEAN_KL
+    def answers_like_reprefill(self, floor: float | None = None) -> bool:
+        """First token equal on at least `AGREEMENT` of the ops let stand, and on no fewer than
+        the model's own bf16 re-prefill kept (``floor``), at mean KL at most `MEAN_KL`."""
+        return self.agreement >= max(AGREEMENT, floor or 0.0) and self.kl_mean <= MEAN_KL
+
+
+def floor_agreement(steps: Sequence[Step]) -> float | None:
+    """The share of the ops on which the model's own bf16 re-prefill gave the fp32 one's first
+    token (``None``: not recorded): the agreement a deployment in bf16 already accepts."""
+    floors = [step.floor_agrees for step in steps if step.floor_agrees is not None]
+    return statistics.fmean(floors) if floors else None
 
 
 def frontier(calibration: Calibration, steps: Sequence[Step]) -> list[Point]:
@@ -118,15 +129,15 @@ def standing_at(risks: Sequence[tuple[float, Step]]) -> list[Point]:
     return points
 
 
-def pick_budget(points: Sequence[Point]) -> float:
+def pick_budget(points: Sequence[Point], floor: float | None = None) -> float:
     """The default ε: the largest up to which every point's standing ops answered like a re-prefill
-    (first answer token equal on at least `AGREEMENT` of them, mean KL at most `MEAN_KL`), else the
-    smallest of `BUDGETS`. A larger ε lets more ops stand, so it is the cheapest point that
-    passes; it stops at the first that fails, because ops let stand further out could dilute a
-    failure into a passing mean."""
+    (first answer token equal on at least `AGREEMENT` of them and on no fewer than the model's
+    ``floor``, mean KL at most `MEAN_KL`), else the smallest of `BUDGETS`. A larger ε lets more
+    ops stand, so it is the cheapest point that passes; it stops at the first that fails, because
+    ops let stand further out could dilute a failure into a passing mean."""
     picked = BUDGETS[0]
     for point in sorted(points, key=lambda point: point.epsilon):
-        if not point.answers_like_reprefill:
+        if not point.answers_like_reprefill(floor):
             break
         picked = point.epsilon
     return picked
@@ -238,10 +249,12 @@ def _fit(
     draft = Calibration(fingerprint, scale, inherit, share, quantile, samples=len(pairs), seeds=tuple(seeds))
     points = frontier(draft, steps)
     judged = judge(draft, steps)
-    picked = pick_budget(points)
+    floor = floor_agreement(steps)
+    picked = pick_budget(points, floor)
     fitted = replace(
         draft,
         budget=picked,
+        floor=floor,
         within={f"{eps:g}": judged.over[eps] for eps in BUDGETS},
         frontier={
             f"{p.epsilon:g}": {"standing": p.standing, "agreement": p.agreement, "kl_mean": p.kl_mean}
@@ -301,7 +314,7 @@ def save_steps(
 ) -> None:
     """Write what episodes measured, so a calibration can be fitted again (``--refit``) or checked
     against them without running the model."""
-    rows = [[s.op, s.kl, s.agrees, [_row(x) for x in s.slots]] for s in steps]
+    rows = [[s.op, s.kl, s.agrees, [_row(x) for x in s.slots], *_floor(s)] for s in steps]
     data = {"fingerprint": fingerprint, "seeds": list(seeds), "audit_share": share, "steps": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, separators=(",", ":")))
@@ -311,10 +324,14 @@ def load_steps(path: Path) -> tuple[list[Step], dict[str, Any]]:
     """The steps `save_steps` wrote, and its other fields (fingerprint, seeds, audit share)."""
     data: dict[str, Any] = json.loads(path.read_text())
     steps = [
-        Step(op, tuple(_slot(*slot) for slot in slots), float(kl), bool(agrees))
-        for op, kl, agrees, slots in data.pop("steps")
+        Step(op, tuple(_slot(*slot) for slot in slots), float(kl), bool(agrees), *map(bool, floor))
+        for op, kl, agrees, slots, *floor in data.pop("steps")
     ]
     return steps, data
+
+
+def _floor(step: Step) -> list[bool]:
+    return [] if step.floor_agrees is None else [step.floor_agrees]
 
 
 def _row(slot: Slot) -> list[Any]:

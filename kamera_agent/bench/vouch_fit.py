@@ -54,7 +54,7 @@ def fit_vouching(steps: Sequence[Step], quantile: float) -> Vouching | None:
     lie); the default ε read off the ops those bounds let stand (`pick_budget`, as the audit
     estimate's, a point passing only where enough ops stand to show the agreement target:
     `SHOWN`); ``None`` where the steps did not record the classes."""
-    from kamera_agent.bench.calibration_fit import pick_budget
+    from kamera_agent.bench.calibration_fit import floor_agreement, pick_budget
 
     found = [vouch_pairs(step.slots) for step in steps]
     per_step = [pairs for pairs in found if pairs is not None]
@@ -67,7 +67,7 @@ def fit_vouching(steps: Sequence[Step], quantile: float) -> Vouching | None:
     bounds = {kind: _non_increasing(rows, quantile) for kind, rows in errors.items() if any(rows)}
     points = _frontier(bounds, steps, per_step)
     approximating = sum(1 for pairs in per_step if pairs)
-    budget = pick_budget([_shown(point, approximating) for point in points])
+    budget = pick_budget([_shown(point, approximating) for point in points], floor_agreement(steps))
     frontier = {
         f"{p.epsilon:g}": {"standing": p.standing, "agreement": p.agreement, "kl_mean": p.kl_mean}
         for p in points

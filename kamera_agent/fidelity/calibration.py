@@ -47,8 +47,12 @@ class Calibration:
         quantile: the share of fitting chunks the scale bounds.
         budget: the ε a window uses by default, picked from ``frontier``: the largest of `BUDGETS`
             up to which, at every ε, the fitting episodes' ops the budget would let stand answered
-            like a re-prefill (first answer token equal on at least `AGREEMENT` of them, mean
-            next-token KL at most `MEAN_KL`); the smallest where none does.
+            like a re-prefill (first answer token equal on at least `AGREEMENT` of them and on no
+            fewer than ``floor``, mean next-token KL at most `MEAN_KL`); the smallest where none
+            does.
+        floor: the share of the fitting episodes' ops on which the model's own re-prefill in
+            bf16 gave the fp32 one's first token (the noise a bf16 deployment already accepts;
+            ``None``: not measured).
         samples: approximated chunk-states it was fitted on.
         seeds: the fitting episodes' seeds (benchmarks judge on other seeds).
         within: per ε of `BUDGETS`, the share of fitting chunks estimated within ε that were
@@ -93,6 +97,7 @@ class Calibration:
     vouch_bounds: dict[str, tuple[float, ...]] = field(default_factory=dict)
     vouch_budget: float = 0.0
     vouch_frontier: dict[str, dict[str, float]] = field(default_factory=dict)
+    floor: float | None = None
 
     def vouch_bound(self, kind: str, distance: int) -> float | None:
         """The bound on a kept state's drift of class ``kind`` at ``distance`` from the first

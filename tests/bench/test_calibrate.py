@@ -21,7 +21,7 @@ from kamera_agent.bench.calibrate import (
     load_steps,
     pick_budget,
 )
-from kamera_agent.bench.calibration_fit import _fix_share
+from kamera_agent.bench.calibration_fit import _fix_share, floor_agreement, save_steps
 from kamera_agent.cli import main
 from kamera_agent.fidelity import (
     AGREEMENT,
@@ -60,7 +60,7 @@ def test_a_text_models_calibration_bounds_its_quantile_of_fitting_chunks(
     assert -1 <= judged.spearman <= 1 and judged.within[0.1] >= judged.within[0.01] >= judged.within[0.001]
     # the default ε is the one its own frontier picks, and the frontier is recorded with it
     points = frontier(calibration, ops)
-    assert calibration.budget == pick_budget(points)
+    assert calibration.budget == pick_budget(points, calibration.floor)
     assert set(calibration.frontier) == {f"{eps:g}" for eps in BUDGETS}
     standing = [p.standing for p in points]
     assert standing == sorted(standing)  # a larger ε lets at least as many ops stand
@@ -94,6 +94,32 @@ def test_the_default_budget_is_the_largest_whose_standing_ops_answer_like_a_repr
     # a failing point is not skipped over: wider points that pass again (diluted) are not picked
     diluted = [Point(eps, 1.0, 1.0 if eps != 3e-2 else AGREEMENT - 0.01, 0.0) for eps in BUDGETS]
     assert pick_budget(diluted) == 1e-2
+
+
+def test_the_default_budget_keeps_the_first_token_no_less_often_than_the_models_own_bf16() -> None:
+    """A model whose bf16 re-prefill never flips its first token on the fitting episodes: a point
+    at the agreement target but below that floor is refused; a floor under the target changes
+    nothing. The floor is what the steps recorded, saved and loaded with them."""
+    points = [Point(eps, 1.0, 1.0 if eps <= 3e-2 else AGREEMENT, 0.0) for eps in BUDGETS]
+    assert pick_budget(points) == BUDGETS[-1]
+    assert pick_budget(points, floor=1.0) == 3e-2
+    assert pick_budget(points, floor=0.9) == BUDGETS[-1]
+    steps = [
+        Step("slide", (Slot(0.1, 0.1, False, 5, True),), 1e-3, True, floor_agrees=True),
+        Step("push", (Slot(0.0, 0.0, True, 5, False),), 0.0, True, floor_agrees=False),
+    ]
+    assert floor_agreement(steps) == 0.5 and floor_agreement(steps[:1]) == 1.0
+    assert floor_agreement([Step("push", (), 0.0, True)]) is None  # steps saved before it was recorded
+
+
+def test_steps_keep_the_floor_they_recorded(tmp_path: Path) -> None:
+    steps = [
+        Step("slide", (Slot(0.1, 0.1, False, 5, True),), 1e-3, True, floor_agrees=False),
+        Step("push", (Slot(0.0, 0.0, True, 5, False),), 0.0, True),
+    ]
+    save_steps(steps, tmp_path / "steps.json", "f", (1,), 0.1)
+    loaded, _ = load_steps(tmp_path / "steps.json")
+    assert loaded == steps
 
 
 def test_fix_shares_count_what_the_fixes_of_the_ops_that_move_chunks_would_re_prefill() -> None:
@@ -156,7 +182,7 @@ def test_shipped_calibrations_record_the_frontier_their_budget_was_picked_from()
             Point(eps, *(calibration.frontier[f"{eps:g}"][k] for k in ("standing", "agreement", "kl_mean")))
             for eps in BUDGETS
         ]
-        assert calibration.budget == pick_budget(points), path.name
+        assert calibration.budget == pick_budget(points, calibration.floor), path.name
         assert calibration.seeds and calibration.samples > 0 and calibration.fix_shares
     assert with_frontier >= 1
 
@@ -207,6 +233,7 @@ def test_kamera_calibrate_files_the_demo_models_calibration(
     assert main(["calibrate", "demo", "--refit", str(steps), "--out", str(again)]) == 0
     assert (again / filed.name).read_text() == filed.read_text()
     assert data["seeds"] == [5] and data["samples"] > 0 and data["scale"] > 0
+    assert 0.0 <= data["floor"] <= 1.0  # the episodes measured the model's own bf16 re-prefill
     # the fitting episodes' moving ops, counted at the picked budget, ship with the calibration
     shares = data["fix_shares"]
     assert shares and all(0 <= spent <= ops for ops, spent in shares.values())
