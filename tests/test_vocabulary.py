@@ -42,6 +42,7 @@ ALLOWED: dict[str, str] = {
     "shared_budget": "the drift budget the windows on one store share",
     "vouch_budget": "the drift budget ε a calibration's plan-time bounds may serve kept states within",
     "pick_budget": "the calibration's choice of ε",
+    "budgeted": "a window-suite row the drift budget decides (the defaults, or the budget at one ε)",
     "_budget_fix_tokens": "what fixing the drift budget's first chunk over ε costs",
     "_budget_is_valid": "the drift_budget setting's check",
     # deprecated aliases, one release: a store's byte caps are limits now

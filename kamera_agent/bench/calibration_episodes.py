@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.progress import Progress, TaskID
 
-from kamera_agent.backends.base import DecodeConfig
+from kamera_agent.backends.base import DecodeConfig, Reference
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.calibration_fit import Slot, Step, fit_calibration
 from kamera_agent.bench.corpus import question
@@ -98,16 +99,9 @@ def drift_episode(
         move.run()
         refs = window_.refs
         chunks = [window_.chunk(ref) for ref in refs]
-        truth = backend.reference_prefill(chunks, query_ids)
-        floor.sync(chunks)
-        floor_agrees = int(floor.first_logits(query_ids).argmax()) == int(truth.logits.argmax())
-        answer = window_.ask(query, decode=DecodeConfig(max_new_tokens=1), answer_start=start).first_logits
-        answer = answer.float().cpu()
+        truth, answer, floor_agrees = _answers(window_, floor, chunks, query_ids, (query, start))
         kvs = [window_.chunk_kv(ref) for ref in refs]
-        starts = [backend.anchor.advance]
-        for chunk in chunks:
-            starts.append(starts[-1] + chunk.advance)
-
+        starts = list(accumulate((chunk.advance for chunk in chunks), initial=backend.anchor.advance))
         measure = _measure(backend, chunks, [truth.kv[0], *kvs], starts, share, vision)
         states = [window_.state_of(ref) for ref in refs]
         owns = measurer.estimates(states, root, measure)
@@ -123,6 +117,21 @@ def drift_episode(
         progress.advance(task)
     window_.close()
     return recorded
+
+
+def _answers(
+    window: KameraWindow, floor: Floor, chunks: list[Any], query_ids: torch.Tensor, asked: tuple[str, str]
+) -> tuple[Reference, torch.Tensor, bool]:
+    """After an op: the model's own re-prefill, the window's first-token logits for the question
+    (``asked``: it and the answer's opening), and whether the bf16 re-prefill kept the first token."""
+    backend = window.backend
+    assert isinstance(backend, TransformersBackend)
+    truth = backend.reference_prefill(chunks, query_ids)
+    floor.sync(chunks)
+    floor_agrees = int(floor.first_logits(query_ids).argmax()) == int(truth.logits.argmax())
+    query, start = asked
+    answer = window.ask(query, decode=DecodeConfig(max_new_tokens=1), answer_start=start).first_logits
+    return truth, answer.float().cpu(), floor_agrees
 
 
 def _measure(

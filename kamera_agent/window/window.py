@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.chunks.chat import ChatTemplate
 from kamera_agent.chunks.chunk import Chunk, ChunkKind
@@ -396,11 +398,9 @@ class KameraWindow(WindowReads):
                 conversation's next messages (one forward), so the next turn's history matches.
             query_role: conversation windows: the role of the message ``query`` is, ``"user"``
                 (a question) or ``"tool"`` (an agent's turn ending in a tool's output).
-            answer_start: the opening of the answer, which the model continues (what a chat
-                API's final assistant message is under vLLM's ``continue_final_message``); the
-                answer's text is the continuation alone. Asked plainly, a small model opens
-                nearly every answer with the same word; an opening makes its first token say
-                what it read.
+            answer_start: the opening of the answer, which the model continues (a chat API's
+                final assistant message under ``continue_final_message``); the answer's text is
+                the continuation alone.
             deprecated: the decode settings as keywords (``max_new_tokens=8``, ``temperature``,
                 ...): still taken, with a `DeprecationWarning`; use ``decode``.
 
@@ -410,17 +410,12 @@ class KameraWindow(WindowReads):
             ArgumentError: a ``query_role`` other than ``user`` or ``tool``; ``decode`` and a
                 decode keyword both given.
         """
-        check_text(query, "query")
-        check_text(answer_start, "answer_start")
-        query_role = self._check_framing(query_role, in_message, remember)
+        query_ids, query_role = self._framed(query, query_role, in_message, remember, answer_start)
         settings = check_decode(decode, deprecated, self.config.max_new_tokens)
         config = settings.with_hooks(
             on_text=check_callable(on_text, "on_text"),
             keep_going=check_callable(keep_going, "keep_going"),
             return_logits=check_flag(return_logits, "return_logits"),
-        )
-        query_ids = self._parts.query_ids(
-            query, opened=not in_message, role=query_role, answer_start=answer_start
         )
         with self._runner.lock:  # the answer, the remembered answer and the messages: one call
             self._runner.check_open()
@@ -429,13 +424,16 @@ class KameraWindow(WindowReads):
             if _reusable(config) and not in_message and query_role == "user" and not answer_start:
                 self._runner.state.last_answer = LastAnswer(query, self._runner.state.tick, answer)
             if remember:
-                said = answer_start + answer.text
-                self._remember(query, said, opened=not in_message, role=query_role)
+                self._remember(query, answer_start + answer.text, opened=not in_message, role=query_role)
         return replace(answer, cost=cost)
 
-    def _check_framing(self, query_role: str, in_message: bool, remember: bool) -> str:
-        """``ask``'s chat framing, checked: the query's role, and a conversation wherever framing
-        is asked for."""
+    def _framed(
+        self, query: str, query_role: str, in_message: bool, remember: bool, answer_start: str
+    ) -> tuple[torch.Tensor, str]:
+        """``ask``'s query ids and role, its chat framing checked: the query's role, and a
+        conversation wherever framing is asked for."""
+        check_text(query, "query")
+        check_text(answer_start, "answer_start")
         query_role = check_choice(query_role, "query_role", ("user", "tool"))
         framed = [check_flag(in_message, "in_message"), check_flag(remember, "remember")]
         if (any(framed) or query_role != "user") and self.conversation is None:
@@ -443,7 +441,8 @@ class KameraWindow(WindowReads):
                 "in_message, remember and query_role frame chat messages: create the window with "
                 "conversation=True or a system_prompt"
             )
-        return query_role
+        ids = self._parts.query_ids(query, opened=not in_message, role=query_role, answer_start=answer_start)
+        return ids, query_role
 
     def _remember(self, query: str, answer: str, opened: bool, role: str = "user") -> None:
         """The question and its answer admitted as the conversation's next messages (one op)."""
