@@ -35,6 +35,8 @@ from kamera_agent.models.real import REAL_MODELS, RealModel, real_model_gguf
 from tests.real_env import ensure_real_models
 from tests.window.helpers import answer_gap, chunk_errors
 
+GEMMA_TURNS = Path(__file__).parents[1] / "examples" / "chat_templates" / "gemma3-turns.jinja"
+"""The template the docs give Gemma 3 270M (a base model, none of its own) for conversations."""
 PROSE = (
     "The river rose through the night and by morning the lower fields were under water. ",
     "Farmers moved their animals to the hill above the church, where the ground stayed dry. ",
@@ -157,12 +159,7 @@ def test_kamera_serve_gives_a_base_model_the_template_it_is_passed(files: dict[R
 
     folder = str(resolve_checkpoint(files["gemma3"]).folder)
     assert main(["serve", folder]) == 2  # refused before listening: no chat template
-    template = (
-        "{{ bos_token }}{% for m in messages %}"
-        "<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
-        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-    )
-    args = _serve_args(folder, chat_template=template)
+    args = _serve_args(folder, chat_template=str(GEMMA_TURNS))
     live = LiveServer(build_server(args))
     try:
         response = live.client.chat.completions.create(
@@ -174,6 +171,32 @@ def test_kamera_serve_gives_a_base_model_the_template_it_is_passed(files: dict[R
         assert response.usage is not None and response.usage.prompt_tokens > 20
     finally:
         live.stop()
+
+
+def test_kamera_bench_replays_a_base_model_framed_by_the_template_it_is_passed(
+    files: dict[RealModel, Path],
+) -> None:
+    """agents-replay drives kamera serve, so it takes ``--chat-template`` as serve does: Gemma 3's
+    backend gets the shipped example template, whose turns frame themselves as a conversation
+    window needs."""
+    import argparse
+
+    from kamera_agent.chunks.chat import ChatTemplate
+    from kamera_agent.parsers.bench import add_bench_parser
+    from kamera_agent.replay.command import replay_models
+
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    argv = ["bench", "--suite", "agents-replay", "--model", str(files["gemma3"]), "--quick"]
+    args = parser.parse_args([*argv, "--chat-template", str(GEMMA_TURNS)])
+    backends, screens = replay_models(args)
+    (backend,) = backends.values()
+    assert backend.tokenizer.chat_template == GEMMA_TURNS.read_text() and list(screens) == list(backends)
+    template = ChatTemplate.from_tokenizer(backend.tokenizer, backend.encoder.prompt)
+    assert (
+        template.opens["user"] == "<start_of_turn>user\n" and template.generation == "<start_of_turn>model\n"
+    )
+    assert template.closes["assistant"] == "<end_of_turn>\n"
 
 
 def _serve_args(model: str, **overrides: Any) -> Any:

@@ -227,6 +227,8 @@ def _command(run: dict[str, Any]) -> str:
     words = ["kamera", "bench", "--suite", str(args["suite"])]
     if args.get("model"):
         words += ["--model", Path(str(args["model"])).name]
+    if args.get("chat_template"):
+        words += ["--chat-template", str(args["chat_template"])]
     if args.get("quick"):
         words.append("--quick")
     if args.get("ops"):

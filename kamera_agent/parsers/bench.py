@@ -77,6 +77,12 @@ def add_bench_parser(commands: Any) -> None:
         help="a checkpoint folder or GGUF file (default: the shipped demo model; a text model runs --suite "
         "window, agents, agents-replay and cost over real text)",
     )
+    bench.add_argument(
+        "--chat-template",
+        default=None,
+        help="agents-replay: a Jinja chat template (a file, or the template itself) replacing the model's "
+        "own, as kamera serve takes it; a base model without one needs it",
+    )
     bench.add_argument("--out", default="bench-results", help="output directory")
     bench.add_argument("--quick", action="store_true", help="small sizes: a smoke run of about a minute")
     bench.add_argument("--items", type=positive, default=None, help="fidelity items (default 1000)")

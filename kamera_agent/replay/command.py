@@ -22,7 +22,7 @@ from kamera_agent.replay.policies import POLICIES
 from kamera_agent.replay.run import ReplayRun, ScreensFor, run_replay
 from kamera_agent.replay.screens import TreeScreens
 
-__all__ = ["replay_results", "run_replay_command"]
+__all__ = ["replay_models", "replay_results", "run_replay_command"]
 
 STEPS, QUICK_STEPS = 24, 4
 PASSES, QUICK_PASSES = 3, 2
@@ -46,7 +46,7 @@ def run_replay_command(args: argparse.Namespace, console: Console) -> int:
         )
         return 2
     began = time.perf_counter()
-    backends, screens = _models(args)
+    backends, screens = replay_models(args)
     run = ReplayRun(
         steps=QUICK_STEPS if args.quick else STEPS,
         quick=args.quick,
@@ -76,7 +76,7 @@ def run_replay_command(args: argparse.Namespace, console: Console) -> int:
     return 130 if interrupted else 0
 
 
-def _models(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, ScreensFor]]:
+def replay_models(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, ScreensFor]]:
     """The backends replayed, by model name, and a text model's screens."""
     from kamera_agent.backends.transformers import TransformersBackend
     from kamera_agent.bench.agents.run import QUICK_SHAPE, realistic_backend
@@ -85,8 +85,9 @@ def _models(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Screens
 
     if args.model is not None:
         from kamera_agent.loading import load_backend
+        from kamera_agent.serve.command import read_chat_template
 
-        backend = load_backend(args.model)
+        backend = load_backend(args.model, chat_template=read_chat_template(args.chat_template))
         if backend.encoder.image_processor is None:  # a text model: accessibility-tree screens
             name = Path(args.model).name  # at agents' lengths, quick or not (quick: fewer steps)
             return {name: backend}, {name: partial(_tree_screens, backend, TEXT_LENGTHS)}
@@ -121,6 +122,7 @@ def replay_results(
     from kamera_agent.bench.common import machine_info
 
     model = None if args.model is None else str(args.model)
+    template = None if args.chat_template is None else Path(args.chat_template).name
     return {
         "schema": 1,
         "partial": interrupted,
@@ -129,7 +131,13 @@ def replay_results(
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "machine": machine_info(),
         "seeds": {"replay": args.seed},
-        "args": {"suite": "agents-replay", "model": model, "quick": bool(args.quick), "seed": args.seed},
+        "args": {
+            "suite": "agents-replay",
+            "model": model,
+            "quick": bool(args.quick),
+            "seed": args.seed,
+            "chat_template": template,
+        },
         "suites": {"agents-replay": run.to_json()},
         "targets": [],
     }

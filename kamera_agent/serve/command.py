@@ -19,7 +19,7 @@ from rich.console import Console
 from kamera_agent.errors import SettingsError
 from kamera_agent.parsers.serve import add_serve_parser
 
-__all__ = ["add_serve_parser", "build_server", "run_serve_command"]
+__all__ = ["add_serve_parser", "build_server", "read_chat_template", "run_serve_command"]
 
 _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
@@ -77,7 +77,7 @@ def build_server(args: argparse.Namespace) -> Any:
 
     config = window_config(args.config)
     backend: Backend
-    template = _chat_template(args.chat_template)
+    template = read_chat_template(args.chat_template)
     if args.model is None:
         from kamera_agent.demo.model import DEMO_MODEL_DIR, load_demo_model
 
@@ -143,8 +143,13 @@ def _json_file(path: str, flag: str, what: str) -> Any:
         raise SettingsError(f"{flag} {path}: not JSON ({exc}); pass {what}") from exc
 
 
-def _chat_template(given: str | None) -> str | None:
-    """``--chat-template``: a file's text, or the template itself where it is Jinja."""
+def read_chat_template(given: str | None) -> str | None:
+    """``--chat-template`` (of ``serve`` and ``bench``): a file's text, or the template itself where
+    it is Jinja.
+
+    Raises:
+        SettingsError: neither a file nor a Jinja template.
+    """
     if given is None:
         return None
     path = Path(given)
