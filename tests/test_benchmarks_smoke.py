@@ -209,6 +209,26 @@ def test_survivor_drift_benchmark_measures_every_survivor_after_the_change(tmp_p
     assert all(row["survivors"] == 1 and row["median"] > 0 and 0 <= row["within"] <= 1 for row in rows)
 
 
+def test_slide_repair_judges_every_repair_against_the_real_models_re_prefill(tmp_path: Path) -> None:
+    """On SmolLM2: the re-prefill is its own truth, keeping the survivor drifts measurably (or the
+    repairs could show nothing), and a repair recomputes part of what re-prefilling computes."""
+    from tests.real_env import ensure_real_models
+
+    ensure_real_models()
+    from kamera_agent.models.real import real_model_gguf
+
+    out = tmp_path / "repair.json"
+    model = str(real_model_gguf("smollm2"))
+    run_benchmark("slide_repair", ["--model", model, "--seeds", "1", "--chunks", "3", "--json", str(out)])
+    rules = json.loads(out.read_text())["rules"]
+    assert rules["re-prefill"]["kl_max"] == 0 and rules["re-prefill"]["error_by_distance"] == [0.0]
+    assert rules["kept"]["kl_max"] > 1e-5 and rules["kept"]["error_by_distance"][0] > 1e-3
+    refill = rules["re-prefill"]["tokens_mean"]
+    assert rules["kept"]["tokens_mean"] < rules["head 30 %"]["tokens_mean"] < refill
+    assert rules["head 30 %"]["error_by_distance"][0] < rules["kept"]["error_by_distance"][0]
+    assert 0 < rules["bf16 re-prefill"]["kl_max"] < 1e-1
+
+
 def test_the_vllm_workloads_slide_reorder_and_hand_off_on_passages_of_their_own(tmp_path: Path) -> None:
     """`benchmarks/vllm_workloads.py --dry-run`: the requests it would send (no server)."""
     out = tmp_path / "workloads.json"

@@ -153,7 +153,7 @@ def test_a_push_only_stream_prefills_each_chunk_once_and_each_question_alone(
         for record, query in zip(run["records"], asks, strict=True):
             for side in ("kamera-exact", "prefix"):
                 spent = [op["tokens"] for op in record["ops"][side] if op["op"] == "ask"]
-                assert spent == ([] if query is None else [len(encoder.query_ids(query))]), (
+                assert spent == ([] if query is None else [len(query.ids(encoder))]), (
                     run["agent"],
                     side,
                 )

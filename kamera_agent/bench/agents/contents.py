@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 from PIL import Image
 
+from kamera_agent.bench.agents.script import Question
 from kamera_agent.chunks.chunk import Chunk, ChunkKind, content_key
 from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.demo.task import (
@@ -52,7 +53,7 @@ class Contents(Protocol):
 
     def make(self, kind: str, index: int) -> Chunk: ...
 
-    def question(self, index: int) -> str: ...
+    def question(self, index: int) -> Question: ...
 
 
 @dataclass
@@ -83,8 +84,8 @@ class RandomContents:
         label = f"{kind} {index}"
         return Chunk(KINDS[kind], key, ids, relative, advance, types, label=label, origin=enc.origin)
 
-    def question(self, index: int) -> str:
-        return f"What changed by step {index}?"
+    def question(self, index: int) -> Question:
+        return Question(f"What changed by step {index}?")
 
 
 @dataclass
@@ -134,5 +135,5 @@ class DemoContents:
             return enc.text(f"#{index % 9 + 1}: {glyphs[:4]}", label=label)
         raise ValueError(f"unknown content kind {kind!r}; known: {', '.join(KINDS)}")
 
-    def question(self, index: int) -> str:
-        return QUESTIONS["colour"] if index % 2 == 0 else QUESTIONS["glyph"]
+    def question(self, index: int) -> Question:
+        return Question(QUESTIONS["colour"] if index % 2 == 0 else QUESTIONS["glyph"])

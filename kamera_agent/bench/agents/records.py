@@ -63,8 +63,9 @@ class AskRecord:
 
     Attributes:
         step: the step it followed.
-        query: the question (the step's own; after a step that asks none, the last one asked,
-            or the script's first before any, answered outside every clock).
+        query: the question, then the answer's opening (the step's own; after a step that asks
+            none, the last one asked, or the script's first before any, answered outside every
+            clock).
         reference: ``"re-prefill"`` (the model's own forward over the window: demo model) or
             ``"prefix"`` (the prefix cache's logits, themselves a re-prefill: the realistic shape,
             where a second full re-prefill per question would cost as much as the baseline).

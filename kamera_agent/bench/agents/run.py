@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from rich.progress import Progress
 
-from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.agents.contents import Contents, DemoContents, RandomContents
 from kamera_agent.bench.agents.records import (
@@ -37,9 +36,9 @@ from kamera_agent.bench.agents.records import (
     AskRecord,
     StepRecord,
 )
-from kamera_agent.bench.agents.script import Script, Step
+from kamera_agent.bench.agents.script import Question, Script, Step
 from kamera_agent.bench.agents.scripts import AGENTS, QUICK_TOKENS, REALISTIC_TOKENS, AgentCounts
-from kamera_agent.bench.agents.sides import KameraSide, Outcome, PrefixSide
+from kamera_agent.bench.agents.sides import KameraSide, Outcome, PrefixSide, answer_logits
 from kamera_agent.bench.agents.text_contents import QUICK_TEXT_LENGTHS, TEXT_LENGTHS, TextContents
 from kamera_agent.bench.agents.ttft import TTFTShape, run_ttft
 from kamera_agent.chunks.chunk import Chunk
@@ -167,7 +166,7 @@ def _fits(script: Script, backend: TransformersBackend) -> None:
     if limit is None:
         return
     longest = max(sum(script.chunks[label].num_tokens for label in step.lineup) for step in script.steps)
-    query = max(len(backend.encoder.query_ids(step.ask or "")) for step in script.steps)
+    query = max(len((step.ask or Question("")).ids(backend.encoder)) for step in script.steps)
     needed = backend.anchor.num_tokens + longest + query
     if needed > limit:
         raise SettingsError(
@@ -275,7 +274,7 @@ def _check_lineups(sides: Mapping[str, Side], step: Step) -> None:
 
 
 def _answers(
-    sides: Mapping[str, Side], outcomes: Mapping[str, Outcome], step: Step, query: str
+    sides: Mapping[str, Side], outcomes: Mapping[str, Outcome], step: Step, query: Question
 ) -> dict[str, torch.Tensor]:
     """Every side's first-token logits for ``query`` after the step: its timed answer where the
     step asked, else an untimed one (`KameraSide.measure`, `PrefixSide.measure`)."""
@@ -292,7 +291,7 @@ def _answers(
 
 def _check(
     index: int,
-    query: str,
+    query: Question,
     chunks: Sequence[Any],
     backend: TransformersBackend,
     logits: Mapping[str, torch.Tensor],
@@ -304,7 +303,7 @@ def _check(
     prefix = logits.get(PREFIX)
     error = math.nan
     if reference == "re-prefill":
-        truth = backend.reference_prefill(chunks, backend.encoder.query_ids(query)).logits
+        truth = backend.reference_prefill(chunks, query.ids(backend.encoder)).logits
         if prefix is not None:
             error = float((prefix - truth).abs().max())
     elif prefix is not None:
@@ -314,7 +313,7 @@ def _check(
     answers = {name: value for name, value in logits.items() if name != PREFIX}
     top1 = {name: int(value.argmax()) == int(truth.argmax()) for name, value in answers.items()}
     kl = {name: next_token_kl(truth, value) for name, value in answers.items()}
-    return AskRecord(index, query, reference, top1, kl, error, asked)
+    return AskRecord(index, query.text + query.answer_start, reference, top1, kl, error, asked)
 
 
 def _final_checks(
@@ -325,16 +324,14 @@ def _final_checks(
     if query is None or not script.steps:
         return
     chunks = [script.chunks[label] for label in script.steps[-1].lineup]
-    query_ids = backend.encoder.query_ids(query)
+    query_ids = query.ids(backend.encoder)
     truth = backend.reference_prefill(chunks, query_ids).logits
     for name, side in sides.items():
         if isinstance(side, PrefixSide):
             side.cache.sync(chunks)  # crops the last question off; nothing to prefill
             record.baseline_logit_error = float((side.cache.ask(query_ids).logits - truth).abs().max())
         else:
-            record.final_kl[name] = next_token_kl(
-                truth, side.window.ask(query, decode=DecodeConfig(max_new_tokens=1)).first_logits
-            )
+            record.final_kl[name] = next_token_kl(truth, answer_logits(side.window, query))
 
 
 def warm(backend: TransformersBackend) -> None:

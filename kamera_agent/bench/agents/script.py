@@ -17,9 +17,37 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kamera_agent.chunks.chunk import Chunk
+import torch
 
-__all__ = ["Evict", "Extend", "Op", "Push", "Recall", "Reorder", "Replace", "Script", "ScriptBuilder", "Step"]
+from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.chunks.encoder import ChunkEncoder
+
+__all__ = [
+    "Evict",
+    "Extend",
+    "Op",
+    "Push",
+    "Question",
+    "Recall",
+    "Reorder",
+    "Replace",
+    "Script",
+    "ScriptBuilder",
+    "Step",
+]
+
+
+@dataclass(frozen=True)
+class Question:
+    """What the agent asks after a step, and the opening of the answer the model continues
+    (`KameraWindow.ask`'s ``answer_start``): its first token is what every side is checked on,
+    so an opening makes that token name what was read rather than open any answer ("The")."""
+
+    text: str
+    answer_start: str = ""
+
+    def ids(self, encoder: ChunkEncoder) -> torch.Tensor:
+        return encoder.query_ids(self.text, self.answer_start)
 
 
 @dataclass(frozen=True)
@@ -86,7 +114,7 @@ class Step:
     kind: str
     detail: str
     ops: tuple[Op, ...]
-    ask: str | None
+    ask: Question | None
     lineup: tuple[str, ...]
 
 
@@ -197,7 +225,7 @@ class ScriptBuilder:
         self.lineup.insert(len(self.lineup) if at is None else at, label)
         self._ops.append(Recall(label, at))
 
-    def step(self, kind: str, detail: str, ask: str | None = None) -> None:
+    def step(self, kind: str, detail: str, ask: Question | None = None) -> None:
         """Close the current step: its ops so far, then ``ask``."""
         self._steps.append(Step(kind, detail, tuple(self._ops), ask, tuple(self.lineup)))
         self._ops = []

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from kamera_agent.bench.agents.contents import Contents
-from kamera_agent.bench.agents.script import Script, ScriptBuilder
+from kamera_agent.bench.agents.script import Question, Script, ScriptBuilder
 
 __all__ = ["AGENTS", "QUICK_TOKENS", "REALISTIC_TOKENS", "AgentCounts"]
 
@@ -93,7 +93,7 @@ def _push(builder: ScriptBuilder, contents: Contents, kind: str, index: int) -> 
     return chunk.label
 
 
-def _questions(contents: Contents) -> Iterator[str]:
+def _questions(contents: Contents) -> Iterator[Question]:
     return (contents.question(i) for i in itertools.count())
 
 

@@ -22,14 +22,14 @@ import torch
 from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.baselines.prefix_cache import PrefixCache
-from kamera_agent.bench.agents.script import Evict, Extend, Op, Push, Reorder, Replace, Step
+from kamera_agent.bench.agents.script import Evict, Extend, Op, Push, Question, Reorder, Replace, Step
 from kamera_agent.bench.common import wall
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
 from kamera_agent.window import KameraWindow
 from kamera_agent.window.state import ChunkRef
 
-__all__ = ["KameraSide", "OpSpent", "Outcome", "PrefixSide", "SideCost"]
+__all__ = ["KameraSide", "OpSpent", "Outcome", "PrefixSide", "SideCost", "answer_logits"]
 
 
 @dataclass(frozen=True)
@@ -112,18 +112,17 @@ class KameraSide:
             )
         if step.ask is not None:
             began = wall()
-            answer = self.window.ask(step.ask, decode=DecodeConfig(max_new_tokens=1))
+            logits = answer_logits(self.window, step.ask)
             seconds, cost = wall() - began, self.window.stats.last
             spent.append(
                 OpSpent("ask", seconds * 1e3, cost.tokens_prefilled, cost.forwards, cost.vision_encodes)
             )
-            logits = answer.first_logits
         return Outcome(tuple(spent), logits)
 
-    def measure(self, query: str) -> torch.Tensor:
+    def measure(self, query: Question) -> torch.Tensor:
         """First-token logits of ``query`` over the window as the step left it, untimed, from a
         fork: the window's own retained cache and costs stay as the script left them."""
-        return self.window.fork().ask(query, decode=DecodeConfig(max_new_tokens=1)).first_logits
+        return answer_logits(self.window.fork(), query)
 
     def _apply(self, op: Op) -> None:
         window = self.window
@@ -166,6 +165,12 @@ class KameraSide:
         return tuple(str(ref.label) for ref in self.window.refs)
 
 
+def answer_logits(window: KameraWindow, question: Question) -> torch.Tensor:
+    """The first answer token's logits of ``question`` over ``window`` (one token decoded)."""
+    decode = DecodeConfig(max_new_tokens=1)
+    return window.ask(question.text, answer_start=question.answer_start, decode=decode).first_logits
+
+
 class PrefixSide:
     """The prefix cache (`PrefixCache`, vision outputs cached by content) over a shared backend."""
 
@@ -182,15 +187,15 @@ class PrefixSide:
         logits = None
         if step.ask is not None:
             began = wall()
-            answered = self.cache.ask(self.cache.backend.encoder.query_ids(step.ask))
+            answered = self.cache.ask(step.ask.ids(self.cache.backend.encoder))
             seconds = wall() - began
             spent.append(OpSpent("ask", seconds * 1e3, answered.tokens, answered.forwards))
             logits = answered.logits
         return Outcome(tuple(spent), logits)
 
-    def measure(self, query: str, lineup: Sequence[str]) -> torch.Tensor:
+    def measure(self, query: Question, lineup: Sequence[str]) -> torch.Tensor:
         """First-token logits of ``query`` over the step's lineup, untimed; the query is cropped
         off again, so the next step's sync starts from the lineup alone, as after a question."""
-        logits = self.cache.ask(self.cache.backend.encoder.query_ids(query)).logits
+        logits = self.cache.ask(query.ids(self.cache.backend.encoder)).logits
         self.cache.sync([self.chunks[label] for label in lineup])
         return logits

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from kamera_agent.bench.agents.a11y import caption_words, screen_lines, transcript_words
+from kamera_agent.bench.agents.script import Question
 from kamera_agent.bench.corpus import passages
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
@@ -58,9 +59,11 @@ QUICK_TEXT_LENGTHS: TextLengths = MappingProxyType(
 )
 """Smoke lengths: the same kinds, a few dozen tokens each."""
 TEXT_QUESTIONS = (
-    "What does the latest screen or text say, in one sentence?",
-    "Which element should the agent act on next?",
+    Question("What is the latest screen or text about? Answer in one word.", 'One word: "'),
+    Question("Which element should the agent act on next?", 'The agent should act on the element "'),
 )
+"""Asked in turn; each answer is continued from its opening, so its first token names something
+read (asked plainly, a small model opens nearly every answer with "The" whatever it read)."""
 
 Count = Callable[[str], int]
 
@@ -90,7 +93,7 @@ class TextContents:
         units, separator = self._units(kind, index), _SEPARATORS.get(kind, " ")
         return fit(units, separator, target, hi - 1, self._count) + "\n"
 
-    def question(self, index: int) -> str:
+    def question(self, index: int) -> Question:
         return TEXT_QUESTIONS[index % len(TEXT_QUESTIONS)]
 
     def _count(self, text: str) -> int:
