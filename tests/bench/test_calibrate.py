@@ -21,6 +21,7 @@ from kamera_agent.bench.calibrate import (
     load_steps,
     pick_budget,
 )
+from kamera_agent.bench.calibration_episodes import FLOOR_EVERY
 from kamera_agent.bench.calibration_fit import _fix_share, floor_agreement, save_steps
 from kamera_agent.cli import main
 from kamera_agent.fidelity import (
@@ -234,6 +235,8 @@ def test_kamera_calibrate_files_the_demo_models_calibration(
     assert (again / filed.name).read_text() == filed.read_text()
     assert data["seeds"] == [5] and data["samples"] > 0 and data["scale"] > 0
     assert 0.0 <= data["floor"] <= 1.0  # the episodes measured the model's own bf16 re-prefill
+    floors = [step.floor_agrees is not None for step in load_steps(steps)[0]]
+    assert floors == [index % FLOOR_EVERY == 0 for index in range(24)]  # on a sample of the ops
     # the fitting episodes' moving ops, counted at the picked budget, ship with the calibration
     shares = data["fix_shares"]
     assert shares and all(0 <= spent <= ops for ops, spent in shares.values())
