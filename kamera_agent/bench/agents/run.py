@@ -78,7 +78,8 @@ def new_run(quick: bool, agents: Sequence[str], demo_model: str, *, text: bool =
             text_lengths=QUICK_TEXT_LENGTHS if quick else TEXT_LENGTHS,
             content=(
                 "real text: tool outputs and pages from the benchmark half of kamera's corpus, screens as "
-                "accessibility trees, short transcript lines"
+                "accessibility trees, short transcript lines, questions whose answer opening makes "
+                "the first token name what was read (`TEXT_QUESTIONS`)"
             ),
         )
     return AgentsRun(
