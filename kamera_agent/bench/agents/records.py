@@ -20,7 +20,17 @@ from kamera_agent.bench.agents.ttft import TTFTRun
 from kamera_agent.bench.common import finite, p90
 from kamera_agent.models.random_qwen2 import Qwen2Shape
 
-__all__ = ["PREFIX", "SIDES", "TEXT_SIDES", "UNBOUNDED", "AgentRun", "AgentsRun", "AskRecord", "StepRecord"]
+__all__ = [
+    "PREFIX",
+    "RECOMPUTE_SIDES",
+    "SIDES",
+    "TEXT_SIDES",
+    "UNBOUNDED",
+    "AgentRun",
+    "AgentsRun",
+    "AskRecord",
+    "StepRecord",
+]
 
 PREFIX = "prefix"
 SIDES: tuple[str, ...] = ("kamera", "kamera-exact", PREFIX)
@@ -28,7 +38,11 @@ SIDES: tuple[str, ...] = ("kamera", "kamera-exact", PREFIX)
 UNBOUNDED = "kamera-unbounded"
 """The side a real text model's agents also run on: the defaults' policies with no drift budget,
 what their approximations save and cost when nothing bounds them (labelled so in every table)."""
-TEXT_SIDES: tuple[str, ...] = ("kamera", "kamera-exact", UNBOUNDED, PREFIX)
+RECOMPUTE_SIDES = {"recompute 5%": 0.05, "recompute 15%": 0.15, "recompute 30%": 0.30}
+"""Token recompute (CacheBlend's way, `kamera_agent.bench.blend_cache.BlendCache`) at these shares
+of every chunk after the first change: the other way to restore what reuse loses, set beside
+kamera on a real text model's agents."""
+TEXT_SIDES: tuple[str, ...] = ("kamera", "kamera-exact", UNBOUNDED, *RECOMPUTE_SIDES, PREFIX)
 """The sides a real text model's agents run on."""
 
 

@@ -29,6 +29,7 @@ from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.agents.contents import Contents, DemoContents, RandomContents
 from kamera_agent.bench.agents.records import (
     PREFIX,
+    RECOMPUTE_SIDES,
     TEXT_SIDES,
     UNBOUNDED,
     AgentRun,
@@ -38,7 +39,7 @@ from kamera_agent.bench.agents.records import (
 )
 from kamera_agent.bench.agents.script import Question, Script, Step
 from kamera_agent.bench.agents.scripts import AGENTS, QUICK_TOKENS, REALISTIC_TOKENS, AgentCounts
-from kamera_agent.bench.agents.sides import KameraSide, Outcome, PrefixSide, answer_logits
+from kamera_agent.bench.agents.sides import KameraSide, Outcome, PrefixSide, RecomputeSide, answer_logits
 from kamera_agent.bench.agents.text_contents import QUICK_TEXT_LENGTHS, TEXT_LENGTHS, TextContents
 from kamera_agent.bench.agents.ttft import TTFTShape, run_ttft
 from kamera_agent.chunks.chunk import Chunk
@@ -60,7 +61,7 @@ __all__ = [
 
 QUICK_SHAPE = Qwen2Shape(layers=2, hidden=64, heads=4, kv_heads=2, mlp=128, vocab=1024)
 """The realistic model's stand-in for smoke runs: the same architecture at toy widths."""
-Side = KameraSide | PrefixSide
+Side = KameraSide | PrefixSide | RecomputeSide
 
 
 def new_run(quick: bool, agents: Sequence[str], demo_model: str, *, text: bool = False) -> AgentsRun:
@@ -234,14 +235,17 @@ def _sides(
     script: Script, backend: TransformersBackend, record: AgentRun, configs: Mapping[str, WindowConfig]
 ) -> dict[str, Side]:
     """Every side ``record`` names, built over the script's chunks, with its settings recorded."""
-    sides: dict[str, Side] = {
-        name: PrefixSide(backend, script.chunks)
-        if name == PREFIX
-        else KameraSide(backend, configs[name], script.chunks)
-        for name in record.sides
-    }
-    record.settings = {name: configs[name].model_dump(mode="json") for name in record.sides if name != PREFIX}
-    record.settings[PREFIX] = {"cache_vision": True, "syncs": "once per step, before its question"}
+    sides: dict[str, Side] = {}
+    for name in record.sides:
+        if name == PREFIX:
+            sides[name] = PrefixSide(backend, script.chunks)
+            record.settings[name] = {"cache_vision": True, "syncs": "once per step, before its question"}
+        elif name in RECOMPUTE_SIDES:
+            sides[name] = RecomputeSide(backend, script.chunks, RECOMPUTE_SIDES[name])
+            record.settings[name] = {"fraction": RECOMPUTE_SIDES[name], "selection": "one-layer deviation"}
+        else:
+            sides[name] = KameraSide(backend, configs[name], script.chunks)
+            record.settings[name] = configs[name].model_dump(mode="json")
     return sides
 
 
@@ -331,6 +335,8 @@ def _final_checks(
         if isinstance(side, PrefixSide):
             side.cache.sync(chunks)  # crops the last question off; nothing to prefill
             record.baseline_logit_error = float((side.cache.ask(query_ids).logits - truth).abs().max())
+        elif isinstance(side, RecomputeSide):
+            record.final_kl[name] = next_token_kl(truth, side.measure(query, script.steps[-1].lineup))
         else:
             record.final_kl[name] = next_token_kl(truth, answer_logits(side.window, query))
 

@@ -23,13 +23,14 @@ from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.baselines.prefix_cache import PrefixCache
 from kamera_agent.bench.agents.script import Evict, Extend, Op, Push, Question, Reorder, Replace, Step
+from kamera_agent.bench.blend_cache import BlendCache
 from kamera_agent.bench.common import wall
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.config import WindowConfig
 from kamera_agent.window import KameraWindow
 from kamera_agent.window.state import ChunkRef
 
-__all__ = ["KameraSide", "OpSpent", "Outcome", "PrefixSide", "SideCost", "answer_logits"]
+__all__ = ["KameraSide", "OpSpent", "Outcome", "PrefixSide", "RecomputeSide", "SideCost", "answer_logits"]
 
 
 @dataclass(frozen=True)
@@ -199,3 +200,28 @@ class PrefixSide:
         logits = self.cache.ask(query.ids(self.cache.backend.encoder)).logits
         self.cache.sync([self.chunks[label] for label in lineup])
         return logits
+
+
+class RecomputeSide:
+    """Token recompute (`BlendCache`) over a shared backend: at every step each chunk's canonical
+    KV is placed in the lineup behind the unchanged prefix, a share of its tokens recomputed."""
+
+    def __init__(self, backend: TransformersBackend, chunks: Mapping[str, Chunk], fraction: float) -> None:
+        self.cache = BlendCache(backend, fraction)
+        self.chunks = chunks
+
+    def run(self, step: Step) -> Outcome:
+        """Sync to the step's lineup, then prefill the question over what it holds."""
+        synced = self.cache.sync([self.chunks[label] for label in step.lineup])
+        spent = [OpSpent("sync", synced.seconds * 1e3, synced.tokens, synced.forwards, synced.vision_runs)]
+        logits = None
+        if step.ask is not None:
+            began = wall()
+            ids = step.ask.ids(self.cache.backend.encoder)
+            logits = self.cache.first_logits(ids)
+            spent.append(OpSpent("ask", (wall() - began) * 1e3, int(ids.shape[0]), 1))
+        return Outcome(tuple(spent), logits)
+
+    def measure(self, query: Question, lineup: Sequence[str]) -> torch.Tensor:
+        """First-token logits of ``query`` over what the step left, untimed (nothing it holds changes)."""
+        return self.cache.first_logits(query.ids(self.cache.backend.encoder))
