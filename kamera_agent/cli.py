@@ -96,6 +96,11 @@ def _threads(count: int | None) -> None:
 def _run(args: argparse.Namespace, console: Console) -> int:
     """The chosen command, its modules imported now."""
     if args.command == "bench":
+        if args.chat_template is not None and (args.suite != "agents-replay" or args.model is None):
+            raise SettingsError(
+                "--chat-template frames a text model's conversations under --suite agents-replay with "
+                "--model; the other suites ask plain prompts and the demo model has its own: drop it"
+            )
         if args.suite == "agents-replay":  # drives kamera serve: above the bench suites' layer
             from kamera_agent.replay.command import run_replay_command
 

@@ -122,7 +122,8 @@ def replay_results(
     from kamera_agent.bench.common import machine_info
 
     model = None if args.model is None else str(args.model)
-    template = None if args.chat_template is None else Path(args.chat_template).name
+    given = args.chat_template
+    template = None if given is None else Path(given).name if Path(given).is_file() else "(inline)"
     return {
         "schema": 1,
         "partial": interrupted,

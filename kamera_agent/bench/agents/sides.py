@@ -1,4 +1,5 @@
-"""The sides an agent script runs on: kamera windows and the prefix cache, each timed per step.
+"""The sides an agent script runs on: kamera windows, the prefix cache and token recompute (on a
+real text model), each timed per step.
 
 Why each side owns its handles: a script names chunks by label; a `KameraWindow` hands out
 its own refs, the prefix cache only needs the step's lineup. Each side runs one step (its ops,
