@@ -59,7 +59,7 @@ def test_tool_truncated_ends_in_the_newest_output_and_stubs_old_ones() -> None:
 
 
 def test_a_quick_replay_drives_both_servers_and_writes_its_table(tmp_path: Path) -> None:
-    args = argparse.Namespace(quick=True, model=None, out=str(tmp_path), seed=7)
+    args = argparse.Namespace(quick=True, model=None, out=str(tmp_path), seed=7, chat_template=None)
     assert run_replay_command(args, Console(file=None, width=200, quiet=True)) == 0
     stored = json.loads((tmp_path / "agents-replay.json").read_text())
     assert not stored["partial"] and stored["args"]["suite"] == "agents-replay" and stored["machine"]
@@ -112,7 +112,9 @@ def test_the_wall_figure_is_the_median_of_per_step_ratios_over_every_pass() -> N
 def test_a_text_model_is_replayed_alone_with_accessibility_tree_screens(
     tiny_text_model_dir: Path, tmp_path: Path
 ) -> None:
-    args = argparse.Namespace(quick=True, model=str(tiny_text_model_dir), out=str(tmp_path), seed=7)
+    args = argparse.Namespace(
+        quick=True, model=str(tiny_text_model_dir), out=str(tmp_path), seed=7, chat_template=None
+    )
     assert run_replay_command(args, Console(file=None, width=200, quiet=True)) == 0
     stored = json.loads((tmp_path / "agents-replay.json").read_text())
     payload = stored["suites"]["agents-replay"]
