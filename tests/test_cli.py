@@ -141,6 +141,10 @@ def test_every_refusal_at_the_command_line_is_one_line_with_the_fix(
     assert "rank" in _refusal(capsys, "serve", "--config", str(tmp_path / "window.json"))
     assert "--api-keys" in _refusal(capsys, "serve", "--api-keys", str(tmp_path / "keys.json"))
     assert "Jinja" in _refusal(capsys, "serve", "--chat-template", "nope.jinja")
+    from kamera_agent.serve.command import read_chat_template
+
+    long_template = "{{ bos_token }}" * 100  # longer than a file name may be: read as the template
+    assert read_chat_template(long_template) == long_template
     template = ["--chat-template", "{{ messages }}"]  # frames conversations: agents-replay on a model only
     assert "agents-replay" in _refusal(capsys, "bench", "--suite", "window", *template)
     assert "agents-replay" in _refusal(capsys, "bench", "--suite", "agents-replay", *template)

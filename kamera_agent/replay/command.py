@@ -122,8 +122,10 @@ def replay_results(
     from kamera_agent.bench.common import machine_info
 
     model = None if args.model is None else str(args.model)
+    from kamera_agent.serve.command import is_inline_template
+
     given = args.chat_template
-    template = None if given is None else Path(given).name if Path(given).is_file() else "(inline)"
+    template = None if given is None else "(inline)" if is_inline_template(given) else Path(given).name
     return {
         "schema": 1,
         "partial": interrupted,

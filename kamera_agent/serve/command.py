@@ -19,7 +19,13 @@ from rich.console import Console
 from kamera_agent.errors import SettingsError
 from kamera_agent.parsers.serve import add_serve_parser
 
-__all__ = ["add_serve_parser", "build_server", "read_chat_template", "run_serve_command"]
+__all__ = [
+    "add_serve_parser",
+    "build_server",
+    "is_inline_template",
+    "read_chat_template",
+    "run_serve_command",
+]
 
 _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
@@ -152,12 +158,17 @@ def read_chat_template(given: str | None) -> str | None:
     """
     if given is None:
         return None
+    if is_inline_template(given):  # first: a long template is no file name (stat refuses it)
+        return given
     path = Path(given)
     if path.is_file():
         return path.read_text()
-    if "{{" in given or "{%" in given:
-        return given
     raise SettingsError(f"--chat-template {given}: no such file, and not a Jinja template; pass either")
+
+
+def is_inline_template(given: str) -> bool:
+    """Whether a ``--chat-template`` value is the Jinja template itself rather than a file."""
+    return "{{" in given or "{%" in given
 
 
 def _limits(args: argparse.Namespace) -> dict[str, Any]:
