@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kamera_agent.settings import configure_threads
+from tests.side_envs import ROOT, SIDE_RUNS, start, stop
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,6 +24,25 @@ collect_ignore = [] if importlib.util.find_spec("sglang") else ["engines/sglang"
 # vLLM's CPU build lives in .venv-vllm (scripts/vllm_env.sh), run by tests/engines/test_vllm_env.py.
 if not importlib.util.find_spec("vllm"):
     collect_ignore.append("engines/vllm")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that read a side run (tests/side_envs.py) go last, so the rest run while it does."""
+    items.sort(key=lambda item: item.path.relative_to(ROOT).as_posix() in SIDE_RUNS)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Begin the side runs the chosen tests read (none when only collecting)."""
+    if session.config.option.collectonly:
+        return
+    chosen = {item.path.relative_to(ROOT).as_posix() for item in session.items}
+    for test_file in sorted(chosen & SIDE_RUNS.keys()):
+        start(test_file)
+
+
+def pytest_unconfigure() -> None:
+    """Stop side runs no test read (a run cut short by -x, -k or a failure)."""
+    stop()
 
 
 @pytest.fixture(autouse=True)

@@ -2,13 +2,23 @@
 
 Both engines pin dependencies this project's .venv cannot share, so their tests run in their
 own interpreter; this is the one way the main suite starts them and reads their result.
+
+Why in the background: the main suite runs on one torch thread, so on a 2-core machine one core
+sits idle while it runs. Building a side environment (minutes of pip) and running its folder
+need nothing from the main suite, so `start` begins them in a thread as soon as collection has
+chosen them (tests/conftest.py), their tests run last, and `finish` only waits for what is left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,9 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def build_env(script: str, timeout: float = 1800) -> None:
     """Build (or find up to date) a side environment with ``scripts/<script>``: on first use, so the
     README's first command (the demo) never waits for an engine it does not use."""
-    built = subprocess.run(
-        ["bash", str(ROOT / "scripts" / script)], cwd=ROOT, capture_output=True, text=True, timeout=timeout
-    )
+    built = _run(["bash", str(ROOT / "scripts" / script)], os.environ, timeout)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
 
 
@@ -30,7 +38,104 @@ def run_tests(python: Path, folder: str, ignore: Sequence[str], timeout: float, 
     environ.update(HF_HUB_OFFLINE="1", **env)
     warnings = [arg for category in ignore for arg in ("-W", f"ignore::{category}")]
     command = [str(python), "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *warnings, folder]
-    ran = subprocess.run(command, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=timeout)
+    ran = _run(command, environ, timeout)
     assert ran.returncode == 0, ran.stdout[-6000:] + ran.stderr[-3000:]
     assert " passed" in ran.stdout and "failed" not in ran.stdout, ran.stdout[-2000:]
     return ran.stdout + ran.stderr
+
+
+_children: set[subprocess.Popen[str]] = set()
+_stopping = threading.Event()
+
+
+def _run(command: list[str], env: Mapping[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``command`` to its end (killed past ``timeout``, or by `stop`), in a session of its own so
+    that stopping it stops what it started (pip, vllm serve)."""
+    if _stopping.is_set():
+        raise RuntimeError("the test session ended before this side run began")
+    child = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    _children.add(child)
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill(child)
+        raise
+    finally:
+        _children.discard(child)
+    return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
+
+
+def _kill(child: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGKILL)
+    child.communicate()
+
+
+@dataclass(frozen=True)
+class SideRun:
+    """A side environment's build (``scripts/<script>``) and its test folder's run there."""
+
+    script: str
+    python: Path
+    folder: str
+    ignore: tuple[str, ...]
+    timeout: float
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __call__(self) -> str:
+        build_env(self.script)
+        return run_tests(self.python, self.folder, self.ignore, self.timeout, **self.env)
+
+
+SIDE_RUNS: dict[str, SideRun] = {
+    # SGLang warns at import about kernels a CPU lacks (AWQ, GGUF): not ours to fix
+    "tests/engines/test_sglang_env.py": SideRun(
+        "sglang_env.sh",
+        ROOT / ".venv-sglang" / "bin" / "python",
+        "tests/engines/sglang",
+        ("UserWarning", "DeprecationWarning", "FutureWarning"),
+        timeout=900,
+        env={"KAMERA_NUM_THREADS": "1"},
+    ),
+    # vLLM's own imports warn about torch APIs it still uses: not ours to fix
+    "tests/engines/test_vllm_env.py": SideRun(
+        "vllm_env.sh",
+        ROOT / ".venv-vllm" / "bin" / "python",
+        "tests/engines/vllm",
+        ("DeprecationWarning", "FutureWarning"),
+        timeout=1800,  # the suite runs ~10 engines and 3 vllm serve processes: ~5 min alone here
+        env={"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"},
+    ),
+}
+"""The side runs, by the test file that reads each one's result."""
+
+_pool = ThreadPoolExecutor(max_workers=len(SIDE_RUNS), thread_name_prefix="side-run")
+_started: dict[str, Future[str]] = {}
+
+
+def start(test_file: str) -> None:
+    """Begin ``test_file``'s side run in the background (once)."""
+    if test_file not in _started:
+        _started[test_file] = _pool.submit(SIDE_RUNS[test_file])
+
+
+def stop() -> None:
+    """End every side run still going (the session is over: no test will read them)."""
+    _stopping.set()
+    for child in list(_children):
+        _kill(child)
+    _pool.shutdown(wait=False, cancel_futures=True)
+
+
+def finish(test_file: str) -> str:
+    """``test_file``'s side run's output, once it has passed (started now if it was not)."""
+    start(test_file)
+    return _started[test_file].result()

@@ -2,8 +2,9 @@
 
 SGLang 0.5.23 pins a transformers older than this project's and a CUDA torch, so its classes
 live in .venv-sglang, which scripts/sglang_env.sh builds (idempotently) from PyPI with the CPU
-torch held fixed. This test builds it when needed and runs tests/engines/sglang there: the
-README's test command runs it (never skips it), and ``-m sglang`` selects it alone.
+torch held fixed. This test reads the run that builds it when needed and runs
+tests/engines/sglang there, begun in the background (tests/side_envs.py): the README's test
+command runs it (never skips it), and ``-m sglang`` selects it alone.
 """
 
 from __future__ import annotations
@@ -12,18 +13,10 @@ import sys
 
 import pytest
 
-from tests.side_envs import ROOT, build_env, run_tests
+from tests.side_envs import finish
 
 
 @pytest.mark.sglang
 def test_the_sglang_backend_passes_against_sglangs_own_classes() -> None:
-    build_env("sglang_env.sh")
-    # SGLang warns at import about kernels a CPU lacks (AWQ, GGUF): not ours to fix
-    output = run_tests(
-        ROOT / ".venv-sglang" / "bin" / "python",
-        "tests/engines/sglang",
-        ("UserWarning", "DeprecationWarning", "FutureWarning"),
-        timeout=900,
-        KAMERA_NUM_THREADS="1",
-    )
+    output = finish("tests/engines/test_sglang_env.py")
     print(next(line for line in reversed(output.splitlines()) if " passed" in line), file=sys.stderr)
