@@ -20,6 +20,7 @@ from kamera_agent.backends.transformers import TransformersBackend
 from kamera_agent.bench.calibration_fit import Slot, Step, fit_calibration
 from kamera_agent.bench.corpus import question
 from kamera_agent.bench.floor import Floor, native_bf16
+from kamera_agent.bench.truth import Truth
 from kamera_agent.bench.window_suite import QUERY, _Episode, _items, text_frames
 from kamera_agent.config import WindowConfig
 from kamera_agent.core.identity import ChunkState, Context
@@ -97,6 +98,8 @@ def drift_episode(
     query_ids = window_.query_ids(query, answer_start=start)
     # the model's own noise, which the default ε must not exceed (emulated where bf16 is slow)
     floor = Floor(backend, torch.bfloat16, emulate=not native_bf16(backend.parts.device))
+    reprefill = Truth(backend)  # the model's own, from the first chunk an op changed
+    asked = (query_ids, query, start)
     root = Context.root(backend.anchor.key)
     vision: dict[str, Any] = {}
     recorded: list[Step] = []
@@ -108,7 +111,7 @@ def drift_episode(
         refs = window_.refs
         chunks = [window_.chunk(ref) for ref in refs]
         sampled = floor if index % FLOOR_EVERY == 0 else None
-        truth, answer, floor_agrees = _answers(window_, sampled, chunks, query_ids, (query, start))
+        truth, answer, floor_agrees = _answers(window_, reprefill, sampled, chunks, asked)
         kvs = [window_.chunk_kv(ref) for ref in refs]
         starts = list(accumulate((chunk.advance for chunk in chunks), initial=backend.anchor.advance))
         measure = _measure(backend, chunks, [truth.kv[0], *kvs], starts, share, vision)
@@ -130,22 +133,20 @@ def drift_episode(
 
 def _answers(
     window: KameraWindow,
+    reprefill: Truth,
     floor: Floor | None,
     chunks: list[Any],
-    query_ids: torch.Tensor,
-    asked: tuple[str, str],
+    asked: tuple[torch.Tensor, str, str],
 ) -> tuple[Reference, torch.Tensor, bool | None]:
     """After an op: the model's own re-prefill, the window's first-token logits for the question
-    (``asked``: it and the answer's opening), and whether the bf16 re-prefill kept the first token
-    (``None``: not measured after this op)."""
-    backend = window.backend
-    assert isinstance(backend, TransformersBackend)
-    truth = backend.reference_prefill(chunks, query_ids)
+    (``asked``: its ids, it and the answer's opening), and whether the bf16 re-prefill kept the
+    first token (``None``: not measured after this op)."""
+    query_ids, query, start = asked
+    truth = reprefill(chunks, query_ids)
     floor_agrees = None
     if floor is not None:
         floor.sync(chunks)
         floor_agrees = int(floor.first_logits(query_ids).argmax()) == int(truth.logits.argmax())
-    query, start = asked
     answer = window.ask(query, decode=DecodeConfig(max_new_tokens=1), answer_start=start).first_logits
     return truth, answer.float().cpu(), floor_agrees
 

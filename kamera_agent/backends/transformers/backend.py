@@ -254,14 +254,20 @@ class TransformersBackend(Backend):
             inputs[cache_kwarg(self.model)] = self.empty_cache()
         with torch.no_grad():
             out = self.model(**inputs, use_cache=True, **last_logits_only(self.model))
-        cache, kv, slot, start = output_cache(out), [], 0, 0
-        for chunk in [anchor or self.anchor, *chunks]:
+        kv = self.read_placed(output_cache(out), [anchor or self.anchor, *chunks])
+        return Reference(kv, out.logits[0, -1].float().cpu())
+
+    def read_placed(self, cache: Any, chunks: Sequence[Chunk]) -> tuple[ChunkKV, ...]:
+        """Each of ``chunks``' KV out of a cache that holds them in order from slot 0, placed as a
+        re-prefill places them (the first at position 0)."""
+        kv, slot, start = [], 0, 0
+        for chunk in chunks:
             where = chunk.positions_at(start)
             kv.append(
                 read_chunk(cache, self.layout, slot, slot + chunk.num_tokens, where, chunk_key=chunk.key)
             )
             slot, start = slot + chunk.num_tokens, start + chunk.advance
-        return Reference(tuple(kv), out.logits[0, -1].float().cpu())
+        return tuple(kv)
 
     def reference_inputs(
         self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None, *, anchor: Chunk | None = None
