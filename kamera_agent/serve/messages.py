@@ -35,13 +35,15 @@ __all__ = ["Framing", "MessageChunks", "Prepared"]
 @dataclass(frozen=True)
 class Prepared:
     """What a request asks of its window: the chunks it holds (every message but the question),
-    the question text, whether the question ends a message its images opened, and the
-    question's role (``user``, or ``tool``: an agent's turn ends in a tool's output)."""
+    the question text, whether the question ends a message its images opened, the question's
+    role (``user``, or ``tool``: an agent's turn ends in a tool's output), and the opening of
+    the answer (a final assistant message the answer continues; ``""``: none)."""
 
     chunks: tuple[Chunk, ...]
     query: str
     in_message: bool
     role: str = "user"
+    answer_start: str = ""
 
 
 @dataclass(frozen=True)
@@ -128,13 +130,20 @@ class MessageChunks:
     ) -> Prepared:
         """Every message but the last as chunks, then the last (user or tool) message's leading
         parts (images) as an open message, its trailing text as the question, keyed in the
-        namespace of ``salt``. Images decoded here are charged to ``lease``.
+        namespace of ``salt``; a final assistant message after it (`read_turns` lets one through
+        for ``continue_final_message``) is the answer's opening. Images decoded here are
+        charged to ``lease``.
 
         Raises:
             RequestError: an image that cannot be read (or not now: 429), or content that cannot
                 become a chunk.
         """
         conversation = self.conversation(system, salt)
+        separator = conversation.template.part_separator
+        answer_start = ""
+        if turns[-1].role == "assistant":
+            answer_start = separator.join(str(part) for part in turns[-1].parts)
+            turns = turns[:-1]
         chunks: list[Chunk] = []
         for i, turn in enumerate(turns[:-1]):
             where = f"messages[{i}]"
@@ -143,12 +152,12 @@ class MessageChunks:
         tail: list[str] = []
         while last and isinstance(last[-1], str):
             tail.insert(0, str(last.pop()))
-        query = conversation.template.part_separator.join(tail)
+        query = separator.join(tail)
         if last:
             opened = Turn(turns[-1].role, tuple(last), turns[-1].digest)
             where = f"messages[{len(turns) - 1}]"
             chunks += self._message(conversation, opened, where, len(last), lease, closed=False)
-        return Prepared(tuple(chunks), query, bool(last), turns[-1].role)
+        return Prepared(tuple(chunks), query, bool(last), turns[-1].role, answer_start)
 
     def _message(
         self,

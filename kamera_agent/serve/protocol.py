@@ -183,6 +183,8 @@ class ChatRequest(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     response_format: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
 
     @property
     def pinned(self) -> str | None:
@@ -250,6 +252,7 @@ class ChatRequest(BaseModel):
                     )
         if self.stream and self.n > 1:
             raise RequestError(400, "n > 1 is served without stream only", param="n")
+        self._check_continuation()
 
     @property
     def calls_tools(self) -> bool:
@@ -306,6 +309,31 @@ class ChatRequest(BaseModel):
                 400,
                 "response_format and a required tool call both constrain the answer; send one of them",
                 param="tool_choice",
+            )
+
+    def _check_continuation(self) -> None:
+        """vLLM's ``continue_final_message``: the answer continues the final assistant message,
+        which takes ``add_generation_prompt: false`` (no new assistant message opened)."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise RequestError(
+                400,
+                "continue_final_message continues the last assistant message instead of opening a new "
+                "one: send add_generation_prompt: false with it",
+                param="add_generation_prompt",
+            )
+        if not self.continue_final_message and not self.add_generation_prompt:
+            raise RequestError(
+                400,
+                "add_generation_prompt: false is served with continue_final_message: true only (an "
+                "answer otherwise opens an assistant message)",
+                param="add_generation_prompt",
+            )
+        if self.continue_final_message and (self.calls_tools or self.response_format is not None):
+            raise RequestError(
+                400,
+                "continue_final_message is not served with tools or response_format (their parsers "
+                "and grammars read a whole answer); send it without them",
+                param="continue_final_message",
             )
 
     def _refuse_ignored_values(self) -> None:

@@ -135,7 +135,13 @@ class KameraServer:
         with self._admitted(tenant):  # before any work a tenant past its place would only queue
             prefix_only = self.settings.reuse == "prefix"
             fidelity = fidelity_for(self.settings.config, request.kamera, prefix_only=prefix_only)
-            system, turns = read_turns(request.messages, self.settings.limits, self.tool_format, self.text)
+            system, turns = read_turns(
+                request.messages,
+                self.settings.limits,
+                self.tool_format,
+                self.text,
+                continues=request.continue_final_message,
+            )
             self._refuse_images(turns)
             if request.tools:  # the definitions belong to the system block: the conversation's anchor
                 system = self._with_tools(system, request.tools)
@@ -144,7 +150,7 @@ class KameraServer:
             with self.pixels.lease(tenant) as lease:  # images, tokens, keys: outside the model
                 prepared = self.messages.prepare(system, turns, lease, salt)
             query_tokens = self._query_tokens(system, prepared, salt)
-            digests = [turn.digest for turn in turns]
+            digests = [turn.digest for turn in (turns[:-1] if request.continue_final_message else turns)]
             clock.stamp_ready()
             asked = _Asked(request, tenant, fidelity, system, digests, prepared, query_tokens, clock, decode)
             return self._answer(asked, on_text, keep_going)
@@ -266,6 +272,7 @@ class KameraServer:
                 keep_going=keep_going,
                 in_message=report.in_message,
                 query_role=asked.prepared.role,
+                answer_start=asked.prepared.answer_start,
             )
             for choice in range(asked.request.n)
         ]
@@ -309,7 +316,10 @@ class KameraServer:
         cannot fit the model's context behind the system prompt."""
         framing = self.messages.framing(system, salt)
         role, opened = prepared.role, not prepared.in_message
-        tokens = int(framing.conversation.query_ids(prepared.query, opened=opened, role=role).shape[0])
+        ids = framing.conversation.query_ids(
+            prepared.query, opened=opened, role=role, answer_start=prepared.answer_start
+        )
+        tokens = int(ids.shape[0])
         limit = self.backend.context_limit
         if limit is not None and framing.anchor_tokens + tokens >= limit:
             raise RequestError(

@@ -121,16 +121,20 @@ def read_turns(
     limits: Limits = Limits(),
     tool_format: ToolFormat = HERMES,
     text: TextBound | None = None,
+    *,
+    continues: bool = False,
 ) -> tuple[str | None, list[Turn]]:
     """``(system prompt, turns)`` from the request's messages (nothing fetched, decoded or
     tokenized); an assistant message's ``tool_calls`` become its text in ``tool_format``, a
     ``tool`` message is a turn of role ``tool`` (the last message is the question: a user's, or
-    a tool's output). ``text``: each text, and all of them together, must be short enough to fit
-    the model's context (`TextBound`).
+    a tool's output; with ``continues``, the one before a last assistant message whose text the
+    answer continues). ``text``: each text, and all of them together, must be short enough to
+    fit the model's context (`TextBound`).
 
     Raises:
         RequestError: too many messages or parts, a text too long for the context, a system
-            message after the first turn, an unknown role or part type, or an empty message.
+            message after the first turn, an unknown role or part type, an empty message, or a
+            last message of another role than the above.
     """
     if len(messages) > limits.max_messages:
         raise RequestError(
@@ -157,14 +161,25 @@ def read_turns(
         len(part) for turn in turns for part in turn.parts if isinstance(part, str)
     )
     bound.check(every, "messages (their text together)")
-    if not turns or turns[-1].role not in ("user", "tool"):
+    if continues and (not turns or turns[-1].role != "assistant" or not _texts(turns[-1])):
         raise RequestError(
             400,
-            "the last message must be a user message (the question) or a tool message (the output "
-            "the model answers)",
+            "continue_final_message continues the last message: it must be an assistant message of text",
+            param="messages",
+        )
+    asked = turns[:-1] if continues else turns
+    if not asked or asked[-1].role not in ("user", "tool"):
+        raise RequestError(
+            400,
+            f"the {'message before the continued one' if continues else 'last message'} must be a user "
+            "message (the question) or a tool message (the output the model answers)",
             param="messages",
         )
     return system, turns
+
+
+def _texts(turn: Turn) -> bool:
+    return all(isinstance(part, str) for part in turn.parts)
 
 
 def _message_parts(

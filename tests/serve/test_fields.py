@@ -162,6 +162,19 @@ def test_a_logit_bias_moves_the_answer(serve: Serve) -> None:
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"n": 2, "stream": True}, "n"),
         ({"n": 99}, "n"),
+        ({"extra_body": {"continue_final_message": True}}, "add_generation_prompt"),
+        ({"extra_body": {"add_generation_prompt": False}}, "add_generation_prompt"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "click"}}],
+                "extra_body": {"continue_final_message": True, "add_generation_prompt": False},
+            },
+            "continue_final_message",
+        ),
+        (  # the last message is the user's: nothing to continue
+            {"extra_body": {"continue_final_message": True, "add_generation_prompt": False}},
+            "messages",
+        ),
     ],
 )
 def test_an_unserved_field_is_a_400_that_names_it(serve: Serve, fields: dict[str, Any], named: str) -> None:
@@ -187,3 +200,35 @@ def test_ignored_fields_are_documented_and_accepted(serve: Serve) -> None:
     serve_md = (Path(__file__).resolve().parents[2] / "docs" / "serve.md").read_text()
     for name in IGNORED:
         assert f"`{name}`" in serve_md, f"docs/serve.md does not list the ignored field {name}"
+
+
+def test_an_answer_continues_the_final_assistant_message_as_the_models_own_forward_does(
+    serve: Serve, demo_backend: Any
+) -> None:
+    """vLLM's ``continue_final_message``: the prompt is the template's rendering up to the final
+    message's text (no end of message), and the answer is the model's greedy continuation."""
+    live = serve()
+    messages = [
+        SYSTEM,
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "The"},
+    ]
+    continued = {"continue_final_message": True, "add_generation_prompt": False}
+    reply = live.client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=3,
+        extra_body=continued,  # type: ignore[arg-type]
+    )
+    tokenizer, model = demo_backend.encoder.tokenizer, demo_backend.model
+    prompt = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    assert prompt.endswith("<|im_start|>assistant\nThe")
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    made = model.generate(ids, max_new_tokens=3, do_sample=False)[0, ids.shape[1] :]
+    assert reply.choices[0].message.content == tokenizer.decode(made, skip_special_tokens=True)
+    assert reply.usage is not None and reply.usage.prompt_tokens == ids.shape[1]
+    opened = live.client.chat.completions.create(
+        model=MODEL, messages=messages[:2], temperature=0, max_tokens=3
+    )
+    assert reply.choices[0].message.content != opened.choices[0].message.content  # the opening counts
