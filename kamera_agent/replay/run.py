@@ -8,7 +8,9 @@ machine one forward's time moves by tens of per cent with the load, so the wall 
 median over every step of kamera's wall over the prefix server's for that step, and each side's
 time outside the model's forwards (its own work) is reported beside it. Each answer is one
 greedy token: the prefix server's is a re-prefill's, so equal first tokens are what fidelity
-means here, measured at every step, not only at the end.
+means here, measured at every step, not only at the end. The answer continues an opening
+(`ANSWER_START`, sent as a final assistant message under ``continue_final_message``), so that
+its first token names what the model read on the screen, not how answers begin.
 """
 
 from __future__ import annotations
@@ -25,7 +27,19 @@ from kamera_agent.bench.forward_clock import ForwardClock
 from kamera_agent.replay.policies import POLICIES, Messages
 from kamera_agent.replay.screens import DemoScreens, Screens, TextScreens
 
-__all__ = ["SIDES", "ReplayRun", "ReplaySummary", "ScreensFor", "SideStep", "StepRecord", "run_replay"]
+__all__ = [
+    "ANSWER_START",
+    "SIDES",
+    "ReplayRun",
+    "ReplaySummary",
+    "ScreensFor",
+    "SideStep",
+    "StepRecord",
+    "run_replay",
+]
+
+ANSWER_START = 'Next action: click "'
+"""The opening each step's answer continues: its first token is the element the model picks."""
 
 SIDES = ("kamera", "prefix")
 """kamera at its defaults, and the same server as a prefix cache (``--reuse prefix``)."""
@@ -233,12 +247,14 @@ class _Side:
         self.clock.side = self.name
         forwards = self.clock.spent[self.name]
         began = time.perf_counter()
+        opening = {"role": "assistant", "content": ANSWER_START}
+        continued = {"continue_final_message": True, "add_generation_prompt": False}
         reply = self.live.client.chat.completions.create(
             model=self.model,
-            messages=messages,
+            messages=[*messages, opening],
             temperature=0,
             max_tokens=1,
-            extra_body={"session_id": session},
+            extra_body={"session_id": session, **continued},
         )
         seconds = time.perf_counter() - began
         forward_seconds = (self.clock.spent[self.name] - forwards) / 1e3
