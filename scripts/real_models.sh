@@ -10,6 +10,9 @@ cd "$(dirname "$0")/.."
 source scripts/side_env.sh
 
 stamp=".venv/.kamera-real-models"
+# one install at a time: the main suite and a side run beside it may both ask for the models
+exec 9>".venv/.kamera-real-models.lock"
+flock 9
 want="$(cat scripts/real_models.sh pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0

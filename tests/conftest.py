@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kamera_agent.settings import configure_threads
-from tests.side_envs import ROOT, SIDE_RUNS, start, stop
+from tests.side_envs import IN_SIDE_RUN, ROOT, SIDE_FOLDERS, SIDE_RUNS, start, stop
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,6 +24,18 @@ collect_ignore = [] if importlib.util.find_spec("sglang") else ["engines/sglang"
 # vLLM's CPU build lives in .venv-vllm (scripts/vllm_env.sh), run by tests/engines/test_vllm_env.py.
 if not importlib.util.find_spec("vllm"):
     collect_ignore.append("engines/vllm")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A side folder .venv could collect is left to its side run (tests/side_envs.py), unless
+    this is that run or the command line names the folder or a file in it."""
+    if os.environ.get(IN_SIDE_RUN) or not collection_path.is_relative_to(ROOT):
+        return None
+    relative = collection_path.relative_to(ROOT).as_posix()
+    if relative not in SIDE_FOLDERS:
+        return None
+    named = (Path(arg.split("::")[0]).resolve() for arg in config.args)
+    return not any(path == collection_path or path.is_relative_to(collection_path) for path in named)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,12 +1,16 @@
-"""Running a test folder in one of the side environments (.venv-sglang, .venv-vllm).
+"""Side runs: test folders run in a process of their own, beside the main suite.
 
 Both engines pin dependencies this project's .venv cannot share, so their tests run in their
-own interpreter; this is the one way the main suite starts them and reads their result.
+own environments (.venv-sglang, .venv-vllm); the window's property tests run in .venv, apart
+only so that they run at the same time as the rest. This is the one way the main suite starts
+them and reads their result.
 
 Why in the background: the main suite runs on one torch thread, so on a 2-core machine one core
-sits idle while it runs. Building a side environment (minutes of pip) and running its folder
+sits idle while it runs. Building a side environment (minutes of pip) and running a side folder
 need nothing from the main suite, so `start` begins them in a thread as soon as collection has
-chosen them (tests/conftest.py), their tests run last, and `finish` only waits for what is left.
+chosen their reading test (tests/conftest.py), those tests run last, and `finish` only waits
+for what is left. The main suite does not collect a side folder itself unless it is named on
+the command line (`IN_SIDE_RUN` marks the side run's own process).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+IN_SIDE_RUN = "KAMERA_SIDE_RUN"
+"""Set in a side run's process: there its folder is collected."""
 
 
 def build_env(script: str, timeout: float = 1800) -> None:
@@ -35,7 +43,7 @@ def run_tests(python: Path, folder: str, ignore: Sequence[str], timeout: float, 
     """``pytest folder`` under ``python`` (warnings of ``ignore`` categories, which the engines'
     own imports raise, not failures); its output, after asserting that it passed."""
     environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    environ.update(HF_HUB_OFFLINE="1", **env)
+    environ.update(HF_HUB_OFFLINE="1", **{IN_SIDE_RUN: "1"}, **env)
     warnings = [arg for category in ignore for arg in ("-W", f"ignore::{category}")]
     command = [str(python), "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *warnings, folder]
     ran = _run(command, environ, timeout)
@@ -81,9 +89,10 @@ def _kill(child: subprocess.Popen[str]) -> None:
 
 @dataclass(frozen=True)
 class SideRun:
-    """A side environment's build (``scripts/<script>``) and its test folder's run there."""
+    """A side environment's build (``scripts/<script>``; ``None``: .venv, built already) and its
+    test folder's run there."""
 
-    script: str
+    script: str | None
     python: Path
     folder: str
     ignore: tuple[str, ...]
@@ -91,7 +100,8 @@ class SideRun:
     env: dict[str, str] = field(default_factory=dict)
 
     def __call__(self) -> str:
-        build_env(self.script)
+        if self.script is not None:
+            build_env(self.script)
         return run_tests(self.python, self.folder, self.ignore, self.timeout, **self.env)
 
 
@@ -114,8 +124,15 @@ SIDE_RUNS: dict[str, SideRun] = {
         timeout=1800,  # the suite runs ~10 engines and 3 vllm serve processes: ~5 min alone here
         env={"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"},
     ),
+    # the longest tests of the suite (~10 min here), on the second core
+    "tests/window/test_window_properties_run.py": SideRun(
+        None, Path(sys.executable), "tests/window/properties", (), timeout=2400
+    ),
 }
 """The side runs, by the test file that reads each one's result."""
+
+SIDE_FOLDERS = frozenset(run.folder for run in SIDE_RUNS.values() if run.script is None)
+"""The side folders .venv could collect, which the main suite leaves to their side runs."""
 
 _pool = ThreadPoolExecutor(max_workers=len(SIDE_RUNS), thread_name_prefix="side-run")
 _started: dict[str, Future[str]] = {}
