@@ -75,6 +75,7 @@ def _run(command: list[str], env: Mapping[str, str], timeout: float) -> subproce
         stdout, stderr = child.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill(child)
+        child.communicate()
         raise
     finally:
         _children.discard(child)
@@ -82,9 +83,9 @@ def _run(command: list[str], env: Mapping[str, str], timeout: float) -> subproce
 
 
 def _kill(child: subprocess.Popen[str]) -> None:
+    """End ``child`` and what it started (its thread, waiting on it, then returns)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(child.pid, signal.SIGKILL)
-    child.communicate()
 
 
 @dataclass(frozen=True)
