@@ -40,14 +40,14 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests that read a side run (tests/side_envs.py) go last, so the rest run while it does."""
-    items.sort(key=lambda item: item.path.relative_to(ROOT).as_posix() in SIDE_RUNS)
+    items.sort(key=lambda item: item.nodeid.split("::")[0] in SIDE_RUNS)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Begin the side runs the chosen tests read (none when only collecting)."""
     if session.config.option.collectonly:
         return
-    chosen = {item.path.relative_to(ROOT).as_posix() for item in session.items}
+    chosen = {item.nodeid.split("::")[0] for item in session.items}
     for test_file in sorted(chosen & SIDE_RUNS.keys()):
         start(test_file)
 
