@@ -95,16 +95,14 @@ def drift_episode(
     if backend.encoder.image_processor is None:  # a text model: passages of real text for frames
         moves.frames = text_frames(backend, seed, len(moves.frames), "calibration", texts)
         query, start = question(texts)
-    query_ids = window_.query_ids(query, answer_start=start)
+    asked = (window_.query_ids(query, answer_start=start), query, start)
     # the model's own noise, which the default ε must not exceed (emulated where bf16 is slow)
     floor = Floor(backend, torch.bfloat16, emulate=not native_bf16(backend.parts.device))
     reprefill = Truth(backend)  # the model's own, from the first chunk an op changed
-    asked = (query_ids, query, start)
     root = Context.root(backend.anchor.key)
     vision: dict[str, Any] = {}
     recorded: list[Step] = []
-    if task is None:
-        task = progress.add_task(f"episode {seed}", total=ops)
+    task = progress.add_task(f"episode {seed}", total=ops) if task is None else task
     for index in range(ops):
         move = moves.next()
         move.run()

@@ -47,12 +47,12 @@ class Truth:
         placed = [backend.anchor, *chunks]
         keys = [chunk.key for chunk in placed]
         same = _shared(self._keys, keys)
-        kept = sum(chunk.num_tokens for chunk in placed[:same]) if self._cache is not None else 0
-        surplus = self._cache.get_seq_length() - kept if kept else 0
+        reused = sum(chunk.num_tokens for chunk in placed[:same]) if self._cache is not None else 0
+        surplus = self._cache.get_seq_length() - reused if reused else 0
         if surplus:
             self._cache.crop(-surplus)  # transformers' crop takes the tokens to remove, negated
-        ids = inputs["input_ids"][:, kept:]
-        after = {cache_kwarg(backend.model): self._cache} if kept else {}
+        ids = inputs["input_ids"][:, reused:]
+        after = {cache_kwarg(backend.model): self._cache} if reused else {}
         with torch.no_grad():
             out = backend.model(input_ids=ids, use_cache=True, **after, **last_logits_only(backend.model))
         self._cache, self._keys = output_cache(out), keys
