@@ -127,7 +127,7 @@ def replay_table(replay: dict[str, Any], run: dict[str, Any]) -> list[str]:
         "same shapes on both sides where tokens are equal (how far the machine's noise goes); rest: "
         "each side's wall outside the forwards per step (median; HTTP included), its own work; "
         "top-1: the share of steps whose one greedy answer token is the prefix server's (a "
-        "re-prefill's).",
+        f"re-prefill's){_continuing(replay)}.",
         "",
         *markdown_table(REPLAY_COLUMNS, replay_rows(replay)),
     ]
@@ -200,3 +200,9 @@ def overhead_table(overhead: dict[str, Any], run: dict[str, Any]) -> list[str]:
 
 def _ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}×" if theirs else "—"
+
+
+def _continuing(replay: dict[str, Any]) -> str:
+    """The opening the replay's answers continued, where its run recorded one."""
+    opening = replay.get("answer_start")
+    return f", the answer continuing the opening `{opening}` (`continue_final_message`)" if opening else ""

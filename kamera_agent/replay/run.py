@@ -175,6 +175,7 @@ class ReplayRun:
             "quick": self.quick,
             "threads": self.threads,
             "seconds": self.seconds,
+            "answer_start": ANSWER_START,
             "summaries": [{**asdict(s), "token_ratio": s.token_ratio} for s in self.summaries()],
             "records": [
                 {"model": r.model, "policy": r.policy, "pass": r.repeat, "step": r.step, "agrees": r.agrees}
