@@ -125,7 +125,7 @@ SIDE_RUNS: dict[str, SideRun] = {
         timeout=1800,  # the suite runs ~10 engines and 3 vllm serve processes: ~5 min alone here
         env={"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"},
     ),
-    # the longest tests of the suite (~10 min here), on the second core
+    # the suite's longest tests, on the core the main suite leaves idle
     "tests/window/test_window_properties_run.py": SideRun(
         None, Path(sys.executable), "tests/window/properties", (), timeout=2400
     ),

@@ -30,7 +30,7 @@ class Truth:
 
     def __init__(self, backend: TransformersBackend) -> None:
         self.backend = backend
-        self.reuses = backend.sliding is None and not backend.parts.has_vision
+        self.reuses = backend.sliding is None and not backend.parts.has_vision  # input_ids alone
         self._keys: list[str] = []
         self._cache: Any = None
         self.tokens = 0
@@ -40,11 +40,11 @@ class Truth:
         """The model's own forward over anchor, ``chunks`` and the query: every chunk's KV and
         the next-token logits."""
         backend = self.backend
-        inputs = backend.reference_inputs(chunks, query_ids)
-        if not self.reuses or set(inputs) != {"input_ids"}:
-            self.tokens += int(inputs["input_ids"].shape[1])
-            return backend.reference_prefill(chunks, query_ids)
         placed = [backend.anchor, *chunks]
+        if not self.reuses:
+            self.tokens += sum(chunk.num_tokens for chunk in placed) + int(query_ids.shape[0])
+            return backend.reference_prefill(chunks, query_ids)
+        inputs = backend.reference_inputs(chunks, query_ids)
         keys = [chunk.key for chunk in placed]
         same = _shared(self._keys, keys)
         reused = sum(chunk.num_tokens for chunk in placed[:same]) if self._cache is not None else 0
