@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kamera_agent.backends.decode_config import Constraint, DecodeConfig
+from kamera_agent.backends.runs import PrefillRun
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.errors import CapabilityError
@@ -218,7 +219,6 @@ class Backend(ABC):
         """The most positions a sequence may use (``None``: no known limit)."""
         return None
 
-    @abstractmethod
     def prefill(
         self,
         chunks: Sequence[Chunk],
@@ -246,6 +246,16 @@ class Backend(ABC):
         Returns:
             Each chunk's KV at the positions it was computed at, and the cost (one forward).
         """
+        run = PrefillRun.of(chunks, start, vision, starts=starts, sees=sees)
+        return self.prefill_run(run, self.assemble(context, onto))
+
+    def prefill_run(self, run: PrefillRun, cache: Any) -> Prefilled:
+        """The forward behind `prefill`: ``run``'s tokens appended to ``cache`` (the context
+        assembled, onto ``onto``), each chunk's KV read back at its positions; one forward.
+
+        An engine implements this; a backend wrapping another implements `prefill` whole.
+        """
+        raise NotImplementedError(f"{type(self).__name__} implements neither prefill nor prefill_run")
 
     def encode_vision(self, chunk: Chunk) -> VisionOutput:
         """Run the vision tower on a chunk's pixels."""

@@ -41,7 +41,7 @@ from kamera_agent.backends.recompute import (
     replace_rows,
     vision_rows,
 )
-from kamera_agent.backends.runs import hidden_slots, run_positions
+from kamera_agent.backends.runs import PrefillRun
 from kamera_agent.backends.tiny_torch.model import TinyConfig, TinyKVCache, TinyRopeLM
 from kamera_agent.backends.tiny_torch.recompute import Halted, HaltingCache, ScatterCache
 from kamera_agent.backends.tiny_torch.tokenizer import TinyByteTokenizer, TinyImageProcessor
@@ -112,33 +112,17 @@ class TinyTorchBackend(Backend):
         return self.config.max_positions
 
     # -- the seam's primitives -----------------------------------------------------------------
-    def prefill(
-        self,
-        chunks: Sequence[Chunk],
-        context: Sequence[ChunkKV],
-        start: int,
-        vision: Sequence[VisionFeatures] = (),
-        onto: Any | None = None,
-        *,
-        starts: Sequence[int] | None = None,
-        sees: Sequence[int] | None = None,
-    ) -> Prefilled:
-        """One forward over ``chunks`` back to back from ``start`` over the ``context`` KV."""
-        if not chunks:
-            raise ValueError("prefill needs at least one chunk")
-        positions = run_positions(chunks, start, starts)
-        ids = torch.cat([c.input_ids for c in chunks])
-        mm = torch.cat([c.mm_token_type_ids for c in chunks])
-        cache: TinyKVCache = self.assemble(context, onto)
+    def prefill_run(self, run: PrefillRun, cache: TinyKVCache) -> Prefilled:
+        """One forward of ``run`` appended to ``cache``; each chunk's KV read back from its slots."""
         slot = cache.length
-        hidden = hidden_slots(chunks, slot, sees) if sees is not None else None
+        embeds = self._embeds(run.input_ids, run.mm_token_type_ids, run.vision)
         with torch.no_grad():
-            _, cache = self.model(self._embeds(ids, mm, vision), torch.cat(positions), cache, hidden)
+            _, cache = self.model(embeds, torch.cat(run.positions), cache, run.hidden(slot))
         out = []
-        for chunk, where in zip(chunks, positions, strict=True):
+        for chunk, where in zip(run.chunks, run.positions, strict=True):
             out.append(self._read(cache, slot, chunk.num_tokens, where, chunk.key))
             slot += chunk.num_tokens
-        return Prefilled(tuple(out), Spent(forwards=1, tokens_prefilled=int(ids.shape[0])), cache)
+        return Prefilled(tuple(out), Spent(forwards=1, tokens_prefilled=run.tokens), cache)
 
     def recompute(
         self,

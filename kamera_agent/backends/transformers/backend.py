@@ -30,7 +30,7 @@ from kamera_agent.backends.base import (
     VisionOutput,
 )
 from kamera_agent.backends.decoding import decode_loop
-from kamera_agent.backends.runs import hidden_slots, run_positions
+from kamera_agent.backends.runs import PrefillRun
 from kamera_agent.backends.transformers.cache import HEADROOM, BufferedLayer, buffered_cache
 from kamera_agent.backends.transformers.families import family_of
 from kamera_agent.backends.transformers.parts import ModelParts, model_parts
@@ -128,33 +128,25 @@ class TransformersBackend(Backend):
         return int(value) if value else None
 
     # -- the seam's primitives -----------------------------------------------------------------
-    def prefill(
-        self,
-        chunks: Sequence[Chunk],
-        context: Sequence[ChunkKV],
-        start: int,
-        vision: Sequence[VisionFeatures] = (),
-        onto: Any | None = None,
-        *,
-        starts: Sequence[int] | None = None,
-        sees: Sequence[int] | None = None,
-    ) -> Prefilled:
-        """One forward over consecutive chunks from ``start``: each chunk's KV is conditioned on
-        ``context`` and the exact KV of the chunks before it in the run (what a re-prefill of the
-        run computes), in the time of a single prefill of the run's tokens."""
-        positions = run_positions(chunks, start, starts)
-        ids = torch.cat([c.input_ids for c in chunks])
-        mm = torch.cat([c.mm_token_type_ids for c in chunks])
-        merged = _merge_features(list(vision))
-        cache = self.assemble(context, onto)
+    def prefill_run(self, run: PrefillRun, cache: Any) -> Prefilled:
+        """One forward over consecutive chunks: each chunk's KV is conditioned on what ``cache``
+        holds and the exact KV of the chunks before it in the run (what a re-prefill of the run
+        computes), in the time of a single prefill of the run's tokens."""
         slot = cache.get_seq_length()
-        hidden = hidden_slots(chunks, slot, sees) if sees is not None else None
         cache, _ = self.forward(
-            ids, mm, torch.cat(positions, dim=-1), cache, merged, logits=False, hidden=hidden
+            run.input_ids,
+            run.mm_token_type_ids,
+            torch.cat(run.positions, dim=-1),
+            cache,
+            _merge_features(list(run.vision)),
+            logits=False,
+            hidden=run.hidden(slot),
         )
-        keys = [chunk.key for chunk in chunks]
-        out = read_chunks(cache, self.layout, slot, positions, keys, model_fingerprint=self.fingerprint)
-        return Prefilled(tuple(out), Spent(forwards=1, tokens_prefilled=int(ids.shape[0])), cache)
+        keys = [chunk.key for chunk in run.chunks]
+        out = read_chunks(
+            cache, self.layout, slot, list(run.positions), keys, model_fingerprint=self.fingerprint
+        )
+        return Prefilled(tuple(out), Spent(forwards=1, tokens_prefilled=run.tokens), cache)
 
     def recompute(
         self,
