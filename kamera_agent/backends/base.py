@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kamera_agent.backends.decode_config import Constraint, DecodeConfig
-from kamera_agent.backends.runs import PrefillRun
+from kamera_agent.backends.runs import PlacedChunk, PrefillRun, check_depth, check_indices
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
 from kamera_agent.errors import CapabilityError
@@ -306,10 +306,12 @@ class Backend(ABC):
         Raises:
             CapabilityError: the engine has no selective recompute (`supports_recompute`).
         """
-        raise CapabilityError(
-            f"{type(self).__name__} cannot recompute chosen tokens; re-prefill the chunk over its context "
-            "(prefill) or use a backend with supports_recompute (TransformersBackend, TinyTorchBackend)"
-        )
+        self.check_recompute()
+        indices = check_indices(indices, chunk.num_tokens)
+        placed = PlacedChunk.checked(chunk, kv, context, start, vision, self.layout)
+        if not indices.numel():
+            return Prefilled((kv,), Spent())
+        return self.recompute_run(placed, indices)
 
     def deviation(
         self,
@@ -334,10 +336,27 @@ class Backend(ABC):
             CapabilityError: the engine has no selective recompute (`supports_recompute`).
             SettingsError: ``layers`` is not in ``[1, num_layers)``.
         """
-        raise CapabilityError(
-            f"{type(self).__name__} cannot measure token deviation; re-prefill the chunk over its "
-            "context or use a backend with supports_recompute (TransformersBackend, TinyTorchBackend)"
-        )
+        self.check_recompute()
+        check_depth(layers, self.layout.num_layers)
+        return self.deviation_run(PlacedChunk.checked(chunk, kv, context, start, vision, self.layout), layers)
+
+    def check_recompute(self) -> None:
+        """Refuse `recompute` and `deviation` on an engine without `supports_recompute`, saying
+        what to do instead (an engine names its own reason)."""
+        if not self.supports_recompute:
+            raise CapabilityError(
+                f"{type(self).__name__} has no selective recompute; re-prefill the chunk over its "
+                "context (prefill) or use a backend with supports_recompute (TransformersBackend, "
+                "TinyTorchBackend)"
+            )
+
+    def recompute_run(self, placed: PlacedChunk, indices: torch.Tensor) -> Prefilled:
+        """The forward behind `recompute`: ``placed`` checked, ``indices`` checked and not empty."""
+        raise NotImplementedError(f"{type(self).__name__} supports recompute but has no recompute_run")
+
+    def deviation_run(self, placed: PlacedChunk, layers: int) -> Deviation:
+        """The partial forward behind `deviation`: ``placed`` and ``layers`` checked."""
+        raise NotImplementedError(f"{type(self).__name__} supports recompute but has no deviation_run")
 
     def reference_prefill(
         self, chunks: Sequence[Chunk], query_ids: torch.Tensor | None = None, *, anchor: Chunk | None = None

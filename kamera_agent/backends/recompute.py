@@ -19,57 +19,15 @@ from dataclasses import replace
 import torch
 
 from kamera_agent.backends.base import Spent, VisionFeatures
-from kamera_agent.chunks.chunk import Chunk
-from kamera_agent.errors import LayoutMismatchError, PositionShapeError, SettingsError
-from kamera_agent.operator.layout import ChunkKV, KVLayout, check_layout
+from kamera_agent.operator.layout import ChunkKV
 
 __all__ = [
-    "check_depth",
-    "check_indices",
-    "check_placed",
     "deviation_scores",
     "deviation_spent",
     "recompute_hidden",
     "replace_rows",
     "vision_rows",
 ]
-
-
-def check_indices(indices: torch.Tensor, n: int) -> torch.Tensor:
-    """``indices`` as a CPU long tensor, refused unless 1-D, sorted, distinct and within ``[0, n)``."""
-    if indices.ndim != 1 or indices.dtype.is_floating_point or indices.dtype == torch.bool:
-        raise LayoutMismatchError(
-            f"indices must be a 1-D integer tensor of token indices, got {indices.dtype} of shape "
-            f"{tuple(indices.shape)}"
-        )
-    out = indices.to("cpu", torch.long)
-    if out.numel() and (int(out[0]) < 0 or int(out[-1]) >= n or bool((out[1:] <= out[:-1]).any())):
-        raise LayoutMismatchError(
-            f"indices must be sorted, distinct and in [0, {n}) (the chunk's tokens); sort them first "
-            "(select_tokens returns them sorted)"
-        )
-    return out
-
-
-def check_placed(chunk: Chunk, kv: ChunkKV, start: int, layout: KVLayout) -> None:
-    """Refuse KV that is not this chunk's, placed where the chunk starts at ``start``: rows
-    recomputed at other positions than the reused ones would mix two placements."""
-    check_layout(kv, layout)
-    want = chunk.positions_at(start)
-    if kv.positions is None or not torch.equal(kv.positions.to("cpu"), want):
-        raise PositionShapeError(
-            f"the chunk's KV must be placed at chunk.positions_at({start}) ({chunk.num_tokens} tokens); "
-            "relocate it there first (apply_patch / relocate)"
-        )
-
-
-def check_depth(layers: int, num_layers: int) -> None:
-    """Refuse a partial forward that measures no layer with context in it, or past the last one."""
-    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers < num_layers:
-        raise SettingsError(
-            f"deviation layers must be an int in [1, {num_layers}) (decoder layers run before the layer "
-            f"compared; layer 0's KV sees no context), got {layers!r}"
-        )
 
 
 def recompute_hidden(cached: int, n: int, indices: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""Where each chunk of one prefill sits and what it may attend to (shared by every engine).
+"""What an engine's forward runs over, checked and placed (shared by every engine): one prefill's
+chunks, where each sits and what it may attend to; a placed chunk a recompute or a deviation
+probe runs on.
 
 Why: one forward can condition several chunks even when placed chunks sit between them (a
 caption put in an evicted screenshot's slot, then new chunks at the right end): each chunk gets
@@ -15,12 +17,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from kamera_agent.chunks.chunk import Chunk
-from kamera_agent.errors import LayoutMismatchError
+from kamera_agent.errors import LayoutMismatchError, PositionShapeError, SettingsError
+from kamera_agent.operator.layout import ChunkKV, KVLayout, check_layout
 
 if TYPE_CHECKING:
     from kamera_agent.backends.base import VisionFeatures
 
-__all__ = ["PrefillRun", "hidden_slots", "run_positions"]
+__all__ = [
+    "PlacedChunk",
+    "PrefillRun",
+    "check_depth",
+    "check_indices",
+    "hidden_slots",
+    "run_positions",
+]
 
 
 @dataclass(frozen=True)
@@ -96,3 +106,74 @@ def hidden_slots(chunks: Sequence[Chunk], cached: int, sees: Sequence[int]) -> t
     limit = torch.cat([torch.full((chunk.num_tokens,), seen) for chunk, seen in pairs])
     slot = torch.arange(cached + n)
     return (slot[None, :] >= limit[:, None]) & (slot[None, :] < cached)
+
+
+@dataclass(frozen=True)
+class PlacedChunk:
+    """A chunk's reused KV where it sits, over the KV to its left: what a recompute or a deviation
+    probe runs on.
+
+    Attributes:
+        chunk: the chunk ``kv`` belongs to.
+        kv: its current KV, placed at ``chunk.positions_at(start)``.
+        context: placed KV before the chunk, back to back (the anchor first), as `prefill`'s.
+        start: the chunk's first position.
+        vision: the chunk's vision outputs, when it has vision.
+    """
+
+    chunk: Chunk
+    kv: ChunkKV
+    context: tuple[ChunkKV, ...]
+    start: int
+    vision: VisionFeatures | None = None
+
+    @classmethod
+    def checked(
+        cls,
+        chunk: Chunk,
+        kv: ChunkKV,
+        context: Sequence[ChunkKV],
+        start: int,
+        vision: VisionFeatures | None,
+        layout: KVLayout,
+    ) -> PlacedChunk:
+        """Refuse KV that is not this chunk's, placed where the chunk starts at ``start``: rows
+        recomputed at other positions than the reused ones would mix two placements."""
+        check_layout(kv, layout)
+        want = chunk.positions_at(start)
+        if kv.positions is None or not torch.equal(kv.positions.to("cpu"), want):
+            raise PositionShapeError(
+                f"the chunk's KV must be placed at chunk.positions_at({start}) ({chunk.num_tokens} tokens); "
+                "relocate it there first (apply_patch / relocate)"
+            )
+        return cls(chunk, kv, tuple(context), start, vision)
+
+    @property
+    def cached(self) -> int:
+        """Slots of ``context``: where the chunk's first slot is in a cache of context then chunk."""
+        return sum(kv.num_tokens for kv in self.context)
+
+
+def check_indices(indices: torch.Tensor, n: int) -> torch.Tensor:
+    """``indices`` as a CPU long tensor, refused unless 1-D, sorted, distinct and within ``[0, n)``."""
+    if indices.ndim != 1 or indices.dtype.is_floating_point or indices.dtype == torch.bool:
+        raise LayoutMismatchError(
+            f"indices must be a 1-D integer tensor of token indices, got {indices.dtype} of shape "
+            f"{tuple(indices.shape)}"
+        )
+    out = indices.to("cpu", torch.long)
+    if out.numel() and (int(out[0]) < 0 or int(out[-1]) >= n or bool((out[1:] <= out[:-1]).any())):
+        raise LayoutMismatchError(
+            f"indices must be sorted, distinct and in [0, {n}) (the chunk's tokens); sort them first "
+            "(select_tokens returns them sorted)"
+        )
+    return out
+
+
+def check_depth(layers: int, num_layers: int) -> None:
+    """Refuse a partial forward that measures no layer with context in it, or past the last one."""
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers < num_layers:
+        raise SettingsError(
+            f"deviation layers must be an int in [1, {num_layers}) (decoder layers run before the layer "
+            f"compared; layer 0's KV sees no context), got {layers!r}"
+        )

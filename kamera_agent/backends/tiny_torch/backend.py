@@ -32,16 +32,13 @@ from kamera_agent.backends.base import (
 )
 from kamera_agent.backends.decoding import decode_loop
 from kamera_agent.backends.recompute import (
-    check_depth,
-    check_indices,
-    check_placed,
     deviation_scores,
     deviation_spent,
     recompute_hidden,
     replace_rows,
     vision_rows,
 )
-from kamera_agent.backends.runs import PrefillRun
+from kamera_agent.backends.runs import PlacedChunk, PrefillRun
 from kamera_agent.backends.tiny_torch.model import TinyConfig, TinyKVCache, TinyRopeLM
 from kamera_agent.backends.tiny_torch.recompute import Halted, HaltingCache, ScatterCache
 from kamera_agent.backends.tiny_torch.tokenizer import TinyByteTokenizer, TinyImageProcessor
@@ -124,59 +121,37 @@ class TinyTorchBackend(Backend):
             slot += chunk.num_tokens
         return Prefilled(tuple(out), Spent(forwards=1, tokens_prefilled=run.tokens), cache)
 
-    def recompute(
-        self,
-        chunk: Chunk,
-        kv: ChunkKV,
-        indices: torch.Tensor,
-        context: Sequence[ChunkKV],
-        start: int,
-        vision: VisionFeatures | None = None,
-    ) -> Prefilled:
-        """One forward of the selected tokens over ``context`` and the chunk's placed KV, their
+    def recompute_run(self, placed: PlacedChunk, indices: torch.Tensor) -> Prefilled:
+        """One forward of the selected tokens over the context and the chunk's placed KV, their
         fresh rows written into their own slots as each layer computes them (`ScatterCache`)."""
-        n = chunk.num_tokens
-        indices = check_indices(indices, n)
-        check_placed(chunk, kv, start, self.layout)
-        if not indices.numel():
-            return Prefilled((kv,), Spent())
-        cache = self.assemble([*context, kv])
+        chunk, n = placed.chunk, placed.chunk.num_tokens
+        cache = self.assemble([*placed.context, placed.kv])
         cached = cache.length - n
-        selected = vision_rows(vision, chunk.mm_token_type_ids, indices)
+        selected = vision_rows(placed.vision, chunk.mm_token_type_ids, indices)
         embeds = self._embeds(
             chunk.input_ids[indices], chunk.mm_token_type_ids[indices], [selected] if selected else []
         )
         slots = cached + indices
         scatter = ScatterCache(cache.keys, cache.values, slots)
+        positions = chunk.positions_at(placed.start)[..., indices]
         with torch.no_grad():
-            self.model(
-                embeds, chunk.positions_at(start)[..., indices], scatter, recompute_hidden(cached, n, indices)
-            )
+            self.model(embeds, positions, scatter, recompute_hidden(cached, n, indices))
         keys = torch.stack([k[:, slots] for k in scatter.keys])  # [L, H, m, D]
         values = torch.stack([v[:, slots] for v in scatter.values])
         spent = Spent(forwards=1, tokens_prefilled=int(indices.numel()))
-        return Prefilled((replace_rows(kv, indices, keys, values),), spent)
+        return Prefilled((replace_rows(placed.kv, indices, keys, values),), spent)
 
-    def deviation(
-        self,
-        chunk: Chunk,
-        kv: ChunkKV,
-        context: Sequence[ChunkKV],
-        start: int,
-        vision: VisionFeatures | None = None,
-        layers: int = 1,
-    ) -> Deviation:
-        """The chunk's tokens through the first ``layers`` blocks over ``context``; the forward
-        stops at layer ``layers``' KV (`HaltingCache`), which is compared with ``kv``'s."""
-        check_depth(layers, self.config.layers)
-        check_placed(chunk, kv, start, self.layout)
-        cache = self.assemble(context)
+    def deviation_run(self, placed: PlacedChunk, layers: int) -> Deviation:
+        """The chunk's tokens through the first ``layers`` blocks over the context; the forward
+        stops at layer ``layers``' KV (`HaltingCache`), which is compared with the reused KV's."""
+        chunk, vision = placed.chunk, placed.vision
+        cache = self.assemble(placed.context)
         probe = HaltingCache(cache.keys, cache.values, depth=layers)
         embeds = self._embeds(chunk.input_ids, chunk.mm_token_type_ids, [vision] if vision else [])
         with torch.no_grad(), contextlib.suppress(Halted):  # the probe stops the forward at ``layers``
-            self.model(embeds, chunk.positions_at(start), probe)
+            self.model(embeds, chunk.positions_at(placed.start), probe)
         assert probe.fresh is not None, "the partial forward never reached the probed layer"
-        scores = deviation_scores(*probe.fresh, kv, layers)
+        scores = deviation_scores(*probe.fresh, placed.kv, layers)
         return Deviation(scores, layers, deviation_spent(chunk.num_tokens, layers, self.config.layers))
 
     def encode_vision(self, chunk: Chunk) -> VisionOutput:

@@ -30,13 +30,13 @@ from kamera_agent.backends.base import (
     VisionOutput,
 )
 from kamera_agent.backends.decoding import decode_loop
-from kamera_agent.backends.runs import PrefillRun
+from kamera_agent.backends.runs import PlacedChunk, PrefillRun
 from kamera_agent.backends.transformers.cache import HEADROOM, BufferedLayer, buffered_cache
 from kamera_agent.backends.transformers.families import family_of
 from kamera_agent.backends.transformers.parts import ModelParts, model_parts
 from kamera_agent.backends.transformers.positions import position_scheme
 from kamera_agent.backends.transformers.reading import kv_layout, read_chunk, read_chunks
-from kamera_agent.backends.transformers.recompute import deviation, recompute
+from kamera_agent.backends.transformers.recompute import check_supported, deviation, recompute
 from kamera_agent.backends.transformers.windows import SlidingLayers, sliding_layers
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
@@ -148,29 +148,16 @@ class TransformersBackend(Backend):
         )
         return Prefilled(tuple(out), Spent(forwards=1, tokens_prefilled=run.tokens), cache)
 
-    def recompute(
-        self,
-        chunk: Chunk,
-        kv: ChunkKV,
-        indices: torch.Tensor,
-        context: Sequence[ChunkKV],
-        start: int,
-        vision: VisionFeatures | None = None,
-    ) -> Prefilled:
-        """The selected tokens' rows recomputed over ``context`` (see `recompute`)."""
-        return recompute(self, chunk, kv, indices, context, start, vision)
+    def check_recompute(self) -> None:
+        check_supported(self)
 
-    def deviation(
-        self,
-        chunk: Chunk,
-        kv: ChunkKV,
-        context: Sequence[ChunkKV],
-        start: int,
-        vision: VisionFeatures | None = None,
-        layers: int = 1,
-    ) -> Deviation:
+    def recompute_run(self, placed: PlacedChunk, indices: torch.Tensor) -> Prefilled:
+        """The selected tokens' rows recomputed over the context (see `recompute`)."""
+        return recompute(self, placed, indices)
+
+    def deviation_run(self, placed: PlacedChunk, layers: int) -> Deviation:
         """Each token's deviation at layer ``layers`` from a partial forward (see `deviation`)."""
-        return deviation(self, chunk, kv, context, start, vision, layers)
+        return deviation(self, placed, layers)
 
     def encode_vision(self, chunk: Chunk) -> VisionOutput:
         if not self.parts.has_vision:

@@ -18,25 +18,22 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kamera_agent.backends.base import Deviation, Prefilled, Spent, VisionFeatures
+from kamera_agent.backends.base import Deviation, Prefilled, Spent
 from kamera_agent.backends.recompute import (
-    check_depth,
-    check_indices,
-    check_placed,
     deviation_scores,
     deviation_spent,
     recompute_hidden,
     replace_rows,
     vision_rows,
 )
-from kamera_agent.chunks.chunk import Chunk
+from kamera_agent.backends.runs import PlacedChunk
 from kamera_agent.errors import CapabilityError
 from kamera_agent.operator.layout import ChunkKV
 
 if TYPE_CHECKING:
     from kamera_agent.backends.transformers.backend import TransformersBackend
 
-__all__ = ["Halted", "HaltingLayer", "ScatterLayer", "deviation", "recompute"]
+__all__ = ["Halted", "HaltingLayer", "ScatterLayer", "check_supported", "deviation", "recompute"]
 
 
 class ScatterLayer(DynamicLayer):  # type: ignore[misc]
@@ -89,66 +86,48 @@ class HaltingLayer(DynamicLayer):  # type: ignore[misc]
         raise Halted
 
 
-def recompute(
-    backend: TransformersBackend,
-    chunk: Chunk,
-    kv: ChunkKV,
-    indices: torch.Tensor,
-    context: Sequence[ChunkKV],
-    start: int,
-    vision: VisionFeatures | None,
-) -> Prefilled:
-    """`Backend.recompute` on a transformers model: one forward of the selected tokens over a
+def recompute(backend: TransformersBackend, placed: PlacedChunk, indices: torch.Tensor) -> Prefilled:
+    """`Backend.recompute_run` on a transformers model: one forward of the selected tokens over a
     cache of `ScatterLayer` s, masked so each sees the context and the chunk slots up to its own."""
-    _check_supported(backend)
-    n = chunk.num_tokens
-    indices = check_indices(indices, n)
-    check_placed(chunk, kv, start, backend.layout)
-    if not indices.numel():
-        return Prefilled((kv,), Spent())
-    placed = [*context, kv]
-    cached = sum(c.num_tokens for c in context)
+    chunk, n = placed.chunk, placed.chunk.num_tokens
+    rows = [*placed.context, placed.kv]
+    cached = placed.cached
     slots = cached + indices
-    layers = [_scatter(placed, layer, slots, backend) for layer in range(backend.layout.num_layers)]
+    layers = [_scatter(rows, layer, slots, backend) for layer in range(backend.layout.num_layers)]
     cache = DynamicCache(config=backend.model.config)
     cache.layers = list(layers)
     mm = chunk.mm_token_type_ids[indices]
-    selected = vision_rows(vision, chunk.mm_token_type_ids, indices)
-    positions = chunk.positions_at(start)[..., indices]
+    selected = vision_rows(placed.vision, chunk.mm_token_type_ids, indices)
+    positions = chunk.positions_at(placed.start)[..., indices]
     hidden = recompute_hidden(cached, n, indices)
-    keys_at = _slot_positions(placed) if backend.sliding is not None else None
+    keys_at = _slot_positions(rows) if backend.sliding is not None else None
     backend.forward(
         chunk.input_ids[indices], mm, positions, cache, selected, logits=False, hidden=hidden, keys_at=keys_at
     )
-    keys, values = (torch.stack(rows) for rows in zip(*(layer.fresh() for layer in layers), strict=True))
+    keys, values = (torch.stack(fresh) for fresh in zip(*(layer.fresh() for layer in layers), strict=True))
     return Prefilled(
-        (replace_rows(kv, indices, keys, values),), Spent(forwards=1, tokens_prefilled=len(indices))
+        (replace_rows(placed.kv, indices, keys, values),), Spent(forwards=1, tokens_prefilled=len(indices))
     )
 
 
-def deviation(
-    backend: TransformersBackend,
-    chunk: Chunk,
-    kv: ChunkKV,
-    context: Sequence[ChunkKV],
-    start: int,
-    vision: VisionFeatures | None,
-    layers: int,
-) -> Deviation:
-    """`Backend.deviation` on a transformers model: the chunk's tokens over ``context`` until
+def deviation(backend: TransformersBackend, placed: PlacedChunk, layers: int) -> Deviation:
+    """`Backend.deviation_run` on a transformers model: the chunk's tokens over the context until
     layer ``layers`` hands its fresh KV to a `HaltingLayer`."""
-    _check_supported(backend)
-    check_depth(layers, backend.layout.num_layers)
-    check_placed(chunk, kv, start, backend.layout)
-    cache = backend.assemble(context)
+    chunk = placed.chunk
+    cache = backend.assemble(placed.context)
     probe = cache.layers[layers] = HaltingLayer()
     with contextlib.suppress(Halted):  # the probe stops the forward at layer ``layers``
         backend.forward(
-            chunk.input_ids, chunk.mm_token_type_ids, chunk.positions_at(start), cache, vision, logits=False
+            chunk.input_ids,
+            chunk.mm_token_type_ids,
+            chunk.positions_at(placed.start),
+            cache,
+            placed.vision,
+            logits=False,
         )
     assert probe.fresh is not None, "the partial forward never reached the probed layer"
     keys, values = probe.fresh
-    scores = deviation_scores(keys[0], values[0], kv, layers)
+    scores = deviation_scores(keys[0], values[0], placed.kv, layers)
     return Deviation(scores, layers, deviation_spent(chunk.num_tokens, layers, backend.layout.num_layers))
 
 
@@ -160,7 +139,8 @@ def _slot_positions(placed: Sequence[ChunkKV]) -> torch.Tensor:
     return torch.cat([where for where in positions if where is not None], dim=-1)
 
 
-def _check_supported(backend: TransformersBackend) -> None:
+def check_supported(backend: TransformersBackend) -> None:
+    """Refuse selective recompute on attention it cannot mask, saying which attention to load."""
     if not backend.supports_recompute:
         raise CapabilityError(
             f"{type(backend.model).__name__} runs {backend.model.config._attn_implementation!r} attention, "
