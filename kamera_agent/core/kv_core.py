@@ -67,8 +67,8 @@ class Txn:
     def commit(self) -> Committed:
         """Store what the op staged; entries too large for the budget are counted as uncached."""
         done = self.store.commit()
-        self.meter.bytes_added += done.nbytes
-        self.meter.uncached += done.uncached
+        self.meter.add(bytes_added=done.nbytes)
+        self.meter.add(uncached=done.uncached)
         return done
 
     def discard(self) -> None:
@@ -163,7 +163,7 @@ class KVCore:
         the anchor's end: a re-prefill from a window's first slot computes it with the chunks
         after it), position-free, stored."""
         txn.meter.prefilled.add(chunk.key)
-        txn.meter.canonicals_formed += 1
+        txn.meter.add(canonicals_formed=1)
         canonical = self._position_free(conditioned, chunk.key)
         txn.store.put_canonical(canonical)
         return canonical

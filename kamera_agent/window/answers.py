@@ -46,7 +46,7 @@ def answer_without(
     view = _serve(placement, removed, exact)
     core, meter, state = placement.core, placement.txn.meter, placement.state
     placed = core.place_many(view.jobs)
-    meter.tokens_placed += sum(kv.num_tokens for kv in placed)
+    meter.add(tokens_placed=sum(kv.num_tokens for kv in placed))
     extends = core.backend.supports_extend
     context: list[ChunkKV] = []
     cache: Any = None
@@ -115,7 +115,7 @@ def _form_rest(
     for chunk, kv in zip(formed, done.kv, strict=True):
         over = ChunkState.patched(chunk.key, "full", view.ctx)  # exact over what is left
         core.store_full(over, kv, txn)
-        txn.meter.patches_formed += 1
+        txn.meter.add(patches_formed=1)
         view.stretches.append(((view.rest[view.formed_from], view.start, over.digest), chunk.num_tokens))
         view.formed_from += 1
         view.ctx, view.start = view.ctx.extend(over), view.start + chunk.advance

@@ -62,14 +62,14 @@ class DriftFixes:
         """``plan`` with the fixes that held the window within ε added; the op's ``drift`` set."""
         budget, meter = self.budget, self.txn.meter
         first = self._estimate()
-        audited, before = meter.audits > 0, self._spent()
+        audited, before = meter.counts["audits"] > 0, self._spent()
         if not audited and plan.declined:
             budget.declined(plan.op)
         recomputed: set[int] = set()
         while first is not None and first not in recomputed and self._recompute_pays(plan, first):
             self.executor.recompute(self.state.order[first], budget.calibration.recompute_share)
             recomputed.add(first)
-            meter.drift_recomputes += 1
+            meter.add(drift_recomputes=1)
             still = self._estimate()
             budget.record(RECOMPUTE, float(still is not None and still <= first))
             first = still
@@ -78,7 +78,7 @@ class DriftFixes:
             plan = self._fix(
                 plan, self.runner.planner(self.txn.store).refill(self.state, first, why, first + 1)
             )
-            meter.drift_fixes += 1
+            meter.add(drift_fixes=1)
             still = self._estimate()
             budget.record(REFILL_ONE, float(still is not None))
             if still is not None and still <= first:
@@ -112,8 +112,8 @@ class DriftFixes:
             error, tokens = audit(
                 core, chunk, placed[i + 1], placed[: i + 1], self._starts[i], share, seed, txn
             )
-        txn.meter.audits += 1
-        txn.meter.audit_tokens += tokens
+        txn.meter.add(audits=1)
+        txn.meter.add(audit_tokens=tokens)
         # filed with the op's writes: readers of the store (other windows, engines) use it too
         txn.store.put_audit(DriftAudit(chunk.key, chunk_state.digest, ctx.digest, error, tokens))
         return error
@@ -136,13 +136,13 @@ class DriftFixes:
             if _tokens(earlier) < _tokens(fix):
                 fix, first = earlier, vouched
         plan = self._fix(plan, fix)
-        self.txn.meter.drift_fixes += len(self.state.order) - first
+        self.txn.meter.add(drift_fixes=len(self.state.order) - first)
         self.estimates = self.runner.drift(store=self.txn.store)
         return plan
 
     def _spent(self) -> int:
         """What the op has prefilled so far, its audits apart."""
-        return self.txn.meter.spent.tokens_prefilled - self.txn.meter.audit_tokens
+        return self.txn.meter.spent.tokens_prefilled - self.txn.meter.counts["audit_tokens"]
 
     def _audits_from(self, start: int) -> int:
         share = self.budget.calibration.audit_share

@@ -163,7 +163,7 @@ class Executor(Placement):
                 self._form_over(step.ref, step.state, step.antecedents or ())
                 return
             self._settle(step.ref, step.state, patch, step.antecedents)
-        self.txn.meter.patches_applied += 1
+        self.txn.meter.add(patches_applied=1)
         self._reused(step.ref)
 
     # -- forming patches --------------------------------------------------------------------------
@@ -191,7 +191,7 @@ class Executor(Placement):
             count, last = self._slots[run[0].ref], self._slots[run[-1].ref]
         between = [ref for ref in order[count:last] if ref not in members]
         placed = self._places(between)
-        self.txn.meter.tokens_placed += sum(kv.num_tokens for kv in placed)
+        self.txn.meter.add(tokens_placed=sum(kv.num_tokens for kv in placed))
         extends = self.core.backend.supports_extend
         if count == 0 and not between and not self.core.anchor_ready:  # the anchor joins this forward
             cache, context, cached = None, [], 0
@@ -252,7 +252,7 @@ class Executor(Placement):
         fresh = entry.chunk.key not in meter.prefilled
         self.core.store_canonical(entry.chunk, conditioned, self.txn)
         if fresh:
-            meter.reforms += int(entry.canonical_formed)
+            meter.add(reforms=int(entry.canonical_formed))
         entry.canonical_formed = True
         self._settle(lead.ref, lead.state, None, ())
         self._reused(lead.ref)
@@ -299,7 +299,7 @@ class Executor(Placement):
     ) -> None:
         """Give ``ref`` what ``conditioned`` says (`KVCore.store_full` / `store_patch`: the state's
         stored KV, folded into its orbit where orbits are on)."""
-        self.txn.meter.patches_formed += 1
+        self.txn.meter.add(patches_formed=1)
         orbit = self.config.orbit
         if target.is_full:
             kv = self.core.store_full(target, conditioned, self.txn, orbit=orbit)

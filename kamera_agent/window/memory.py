@@ -44,4 +44,4 @@ def release_evicted(
     gone.sort(key=lambda item: (item[0], item[1].id, item[1].lineage))  # a ref orders by (id, lineage)
     for _, ref in gone[: len(gone) - limit]:
         state.remove(ref)
-        meter.forgotten += 1
+        meter.add(forgotten=1)

@@ -52,7 +52,7 @@ class Placement:
         fresh = entry.chunk.key not in meter.prefilled
         canonical = self.core.canonical(entry.chunk, self.txn)
         if fresh and entry.chunk.key in meter.prefilled:
-            meter.reforms += int(entry.canonical_formed)
+            meter.add(reforms=int(entry.canonical_formed))
         entry.canonical_formed = True
         return canonical
 
@@ -75,7 +75,7 @@ class Placement:
             if patch is None:
                 conditioned = self._conditioned_over(chunk, state.context)
                 patch = self.core.store_patch(reference, state, conditioned, self.txn)
-                self.txn.meter.patches_formed += 1
+                self.txn.meter.add(patches_formed=1)
         self._parts[state.digest] = (reference, patch)
         return reference, patch
 
@@ -89,10 +89,10 @@ class Placement:
         kv = self.core.stored_full(state, self.txn)
         if kv is None and state.kind == "recomputed":
             kv = self.core.store_full(state, self._recomputed_over(chunk, state), self.txn)
-            self.txn.meter.reforms += int(held)
+            self.txn.meter.add(reforms=int(held))
         elif kv is None:
             kv = self.core.store_full(state, self._conditioned_over(chunk, state.context), self.txn)
-            self.txn.meter.reforms += int(held)
+            self.txn.meter.add(reforms=int(held))
         self._full[state.digest] = kv
         return kv
 
@@ -150,7 +150,7 @@ class Placement:
             assert memo is not None
             cache = backend.crop(memo.cache, sum(slots for _, slots in stretches[:same]))
             cache = backend.assemble(self._places(state.order[same - 1 : count]), onto=cache)
-        self.txn.meter.tokens_placed += sum(slots for _, slots in stretches[same:])
+        self.txn.meter.add(tokens_placed=sum(slots for _, slots in stretches[same:]))
         return cache, stretches
 
     def _made_of(self, ref: ChunkRef) -> tuple[ChunkKV, Patch | None]:

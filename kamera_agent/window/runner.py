@@ -268,7 +268,7 @@ class OpRunner:
             )
             for ref in plan.probes
         }
-        txn.meter.probes += len(kl)
+        txn.meter.add(probes=len(kl))
         self.state.scores = Scores(query, self.state.tick, kl)
 
 

@@ -28,7 +28,6 @@ from kamera_agent.chunks.chat import ChatTemplate
 from kamera_agent.chunks.chunk import Chunk, ChunkKind
 from kamera_agent.chunks.sources import ChannelOrder
 from kamera_agent.config import WindowConfig
-from kamera_agent.core.costs import CostMeter
 from kamera_agent.core.kv_core import KVCore
 from kamera_agent.errors import (
     ArgumentError,
@@ -37,7 +36,7 @@ from kamera_agent.errors import (
     SettingsError,
 )
 from kamera_agent.fidelity import window_budget
-from kamera_agent.results import Answer
+from kamera_agent.results import Answer, OpCost
 from kamera_agent.settings import THREADS_ENV, configure_threads
 from kamera_agent.store import ChunkStore
 from kamera_agent.window.arguments import (
@@ -332,7 +331,7 @@ class KameraWindow(WindowReads):
                 raise ChunkInWindowError(f"{ref} is in the window; evict it before forgetting it")
             state = self._runner.state
             state.remove(ref)
-            state.book.record("forget", CostMeter(forgotten=1).finish())
+            state.book.record("forget", OpCost(forgotten=1))
 
     def push_message(
         self,

@@ -115,7 +115,7 @@ def test_entries_larger_than_the_budget_are_used_uncached_and_counted() -> None:
     chunk = backend.encoder.text("a text long enough that its canonical exceeds five hundred bytes")
     with core.txn() as txn:
         core.canonical(chunk, txn)
-    assert txn.meter.uncached == 1 and core.store.keys() == []
+    assert txn.meter.counts["uncached"] == 1 and core.store.keys() == []
 
 
 def test_a_corrupted_spill_file_is_dropped_and_the_chunk_re_encoded(tmp_path: Path) -> None:
