@@ -8,7 +8,7 @@ folder or GGUF file, whose episodes read passages of real text) with the policie
 does not hold exactly, its true relative KV error against the model's own re-prefill and the
 estimate the budget computes (a sampled audit over the window's own context, scaled, plus the
 calibration's share of the largest estimate to its left). The calibration is the model's own
-(``kamera calibrate``, fitted on other seeds: `kamera_agent.bench.calibrate.FIT_SEEDS`), or
+(``kamera calibrate``, fitted on other seeds: `kamera_agent.bench.calibration_episodes.FIT_SEEDS`), or
 fitted here on ``--fit-seeds``; it is judged on ``--seeds``, disjoint from both.
 
 Reported per ε of the calibration's frontier (`kamera_agent.fidelity.BUDGETS`): how many approximated
@@ -37,15 +37,8 @@ from typing import Any
 from rich.progress import Progress
 from rich.table import Table
 
-from kamera_agent.bench.calibrate import (
-    HELD_SEEDS,
-    Step,
-    episodes,
-    fit_calibration,
-    judge,
-    load_steps,
-    save_steps,
-)
+from kamera_agent.bench.calibration_episodes import HELD_SEEDS, episodes
+from kamera_agent.bench.calibration_fit import Step, fit_calibration, judge, load_steps, save_steps
 from kamera_agent.bench.common import show_and_save
 from kamera_agent.bench.vouch_fit import judge_vouching
 from kamera_agent.demo.model import load_demo_model

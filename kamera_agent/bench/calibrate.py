@@ -20,8 +20,7 @@ A calibration is fitted on its own seeds (`FIT_SEEDS`) and judged on others (`HE
 passages come from the corpus's calibration half, disjoint from the benchmark half.
 
 The episodes run in `kamera_agent.bench.calibration_episodes`, the fitting and judging in
-`kamera_agent.bench.calibration_fit`; this module is the command (its report) and the front
-that names all of it.
+`kamera_agent.bench.calibration_fit`; this module is the command and its report.
 """
 
 from __future__ import annotations
@@ -33,61 +32,14 @@ from typing import Any
 import torch
 from rich.progress import Progress
 
-from kamera_agent.bench.calibration_episodes import (
-    CAPACITY,
-    FIT_SEEDS,
-    HELD_SEEDS,
-    calibrate,
-    drift_episode,
-    ensure_calibrated,
-    episodes,
-)
-from kamera_agent.bench.calibration_fit import (
-    INHERITS,
-    RANKS,
-    Judged,
-    Point,
-    Slot,
-    Step,
-    fit_calibration,
-    frontier,
-    judge,
-    load_steps,
-    pick_budget,
-    save_steps,
-)
-from kamera_agent.bench.calibration_fit import (
-    _signals as _signals,  # the tests' view of the fitted signal
-)
+from kamera_agent.bench.calibration_episodes import calibrate
+from kamera_agent.bench.calibration_fit import Step, fit_calibration, judge, load_steps, save_steps
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import SettingsError
 from kamera_agent.fidelity import AGREEMENT, BUDGETS, MEAN_KL, Calibration, save_calibration
-from kamera_agent.parsers.bench import add_calibrate_parser  # declared without torch: `kamera --help`
 from kamera_agent.window import KameraWindow
 
-__all__ = [
-    "CAPACITY",
-    "FIT_SEEDS",
-    "HELD_SEEDS",
-    "INHERITS",
-    "RANKS",
-    "Judged",
-    "Point",
-    "Slot",
-    "Step",
-    "add_calibrate_parser",
-    "calibrate",
-    "drift_episode",
-    "ensure_calibrated",
-    "episodes",
-    "fit_calibration",
-    "frontier",
-    "judge",
-    "load_steps",
-    "pick_budget",
-    "run_calibrate_command",
-    "save_steps",
-]
+__all__ = ["run_calibrate_command"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -50,7 +50,7 @@ AGENTS = ("stream", "video", "web", "document")
 HELD_OUT_SEED = 424242
 """The default item seed (`kamera_agent.bench.common.HELD_OUT_SEED`)."""
 FIT_SEEDS = (7001, 7002)
-"""Episodes a calibration is fitted on (`kamera_agent.bench.calibrate.FIT_SEEDS`)."""
+"""Episodes a calibration is fitted on (`kamera_agent.bench.calibration_episodes.FIT_SEEDS`)."""
 DTYPES = ("bfloat16", "float16", "float32")
 """``calibrate --dtype`` choices."""
 

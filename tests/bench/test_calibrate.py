@@ -9,20 +9,21 @@ import pytest
 from rich.progress import Progress
 
 from kamera_agent.bench import calibration_episodes
-from kamera_agent.bench.calibrate import (
+from kamera_agent.bench.calibration_episodes import FLOOR_EVERY, episodes
+from kamera_agent.bench.calibration_fit import (
     Point,
     Slot,
     Step,
+    _fix_share,
     _signals,
-    episodes,
     fit_calibration,
+    floor_agreement,
     frontier,
     judge,
     load_steps,
     pick_budget,
+    save_steps,
 )
-from kamera_agent.bench.calibration_episodes import FLOOR_EVERY
-from kamera_agent.bench.calibration_fit import _fix_share, floor_agreement, save_steps
 from kamera_agent.cli import main
 from kamera_agent.fidelity import (
     AGREEMENT,

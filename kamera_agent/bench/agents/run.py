@@ -123,7 +123,7 @@ def run_suite(run: AgentsRun, demo_parts: tuple[Any, Any, Any], seed: int, progr
     demo = TransformersBackend(model, tokenizer=tokenizer, image_processor=image_processor)
     realistic = realistic_backend(run.shape, seed)
     if not run.quick:  # its defaults keep a drift budget: calibrated once per shape and seed
-        from kamera_agent.bench.calibrate import ensure_calibrated
+        from kamera_agent.bench.calibration_episodes import ensure_calibrated
 
         ensure_calibrated(realistic, progress)
     backends = {"demo": demo, "realistic": realistic}
