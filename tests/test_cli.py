@@ -109,12 +109,12 @@ def test_every_command_has_a_description_and_shows_its_defaults() -> None:
 
 def test_the_parsers_offer_what_the_commands_run() -> None:
     """The parsers list their choices without importing the commands: held to the real lists."""
-    from kamera_agent.bench import calibrate, common, frontier
+    from kamera_agent.bench import calibrate, calibration_episodes, common, frontier
     from kamera_agent.parsers import bench, model
     from kamera_agent.store import command
 
     assert tuple(frontier.ROWS) == bench.FRONTIER_ROWS and bench.AGENTS == common.AGENT_NAMES
-    assert bench.HELD_OUT_SEED == common.HELD_OUT_SEED and bench.FIT_SEEDS == calibrate.FIT_SEEDS
+    assert bench.HELD_OUT_SEED == common.HELD_OUT_SEED and bench.FIT_SEEDS == calibration_episodes.FIT_SEEDS
     assert set(bench.DTYPES) == set(calibrate._DTYPES) and model.STORE_URL_VARIABLE == command._VARIABLE
     assert set(bench.SUITES) == {
         *common.BenchOptions.model_fields["suite"].annotation.__args__,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["DefaultsShown", "add_command", "positive"]
+__all__ = ["DefaultsShown", "add_chat_template", "add_command", "positive"]
 
 
 class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
@@ -43,3 +43,13 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def add_chat_template(parser: argparse.ArgumentParser, used_by: str = "") -> None:
+    """``--chat-template``: the Jinja template serve renders requests with, the model's own replaced."""
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help=f"{used_by}a Jinja chat template (a file, or the template itself) replacing the model's own; "
+        "a base model without one needs it",
+    )

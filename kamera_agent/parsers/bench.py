@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kamera_agent.parsers import add_command, positive
+from kamera_agent.parsers import add_chat_template, add_command, positive
 
 __all__ = [
     "AGENTS",
@@ -77,12 +77,7 @@ def add_bench_parser(commands: Any) -> None:
         help="a checkpoint folder or GGUF file (default: the shipped demo model; a text model runs --suite "
         "window, agents, agents-replay and cost over real text)",
     )
-    bench.add_argument(
-        "--chat-template",
-        default=None,
-        help="agents-replay: a Jinja chat template (a file, or the template itself) replacing the model's "
-        "own, as kamera serve takes it; a base model without one needs it",
-    )
+    add_chat_template(bench, "agents-replay, as kamera serve takes it: ")
     bench.add_argument("--out", default="bench-results", help="output directory")
     bench.add_argument("--quick", action="store_true", help="small sizes: a smoke run of about a minute")
     bench.add_argument("--items", type=positive, default=None, help="fidelity items (default 1000)")

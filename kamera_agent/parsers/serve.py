@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kamera_agent.parsers import add_command
+from kamera_agent.parsers import add_chat_template, add_command
 
 __all__ = ["LOG_LEVELS", "add_serve_parser"]
 
@@ -29,12 +29,7 @@ def add_serve_parser(commands: Any) -> None:
         default=None,
         help="a checkpoint folder or GGUF file (default: the shipped demo model)",
     )
-    serve.add_argument(
-        "--chat-template",
-        default=None,
-        help="a Jinja chat template (a file, or the template itself) replacing the model's own; a base "
-        "model without one needs it",
-    )
+    add_chat_template(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--config", default=None, help='a WindowConfig as a JSON file (e.g. {"rank": "full"})')
