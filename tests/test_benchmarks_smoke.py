@@ -248,3 +248,19 @@ def test_the_vllm_workloads_slide_reorder_and_hand_off_on_passages_of_their_own(
         assert b["messages"][: len(a["messages"]) - 2] == a["messages"][:-2]  # B continues what A grew
     texts = [{m for r in plan[name] for m in r["messages"][1:-2] if m.startswith("user:")} for name in plan]
     assert not (texts[0] & texts[1] or texts[0] & texts[2] or texts[1] & texts[2])
+
+
+def test_answer_estimate_benchmark_compares_every_key_at_equal_standing(tmp_path: Path) -> None:
+    out = tmp_path / "answer.json"
+    run_benchmark("answer_estimate", ["--models", "smollm2", "--json", str(out)])
+    rows = json.loads(out.read_text())["models"]["smollm2"]["rows"]
+    assert rows and {row["rule"] for row in rows} == {
+        "KV estimate (today)",
+        "answer estimate",
+        "true KV error",
+        "true KL",
+    }
+    for eps in {row["epsilon"] for row in rows}:
+        at = {row["rule"]: row for row in rows if row["epsilon"] == eps}
+        assert len({row["standing"] for row in at.values()}) == 1  # as many ops picked by each key
+        assert at["true KL"]["kl_mean"] <= min(row["kl_mean"] for row in at.values())
