@@ -29,7 +29,7 @@ from typing import Any
 
 from rich.table import Table
 
-from kamera_agent.bench.calibration_fit import Step, _signals, load_steps
+from kamera_agent.bench.calibration_fit import Step, _signals, _spearman, load_steps
 from kamera_agent.bench.common import show_and_save
 from kamera_agent.fidelity import BUDGETS, MEAN_KL, find_calibration
 
@@ -160,19 +160,6 @@ def _correlations(steps: Sequence[Step], scale: float, inherit: float) -> dict[s
         "largest": _spearman(kl, [max(estimates) for _, estimates in ops]),
         "energy": _spearman(kl, [_energy(step, estimates) for step, estimates in ops]),
     }
-
-
-def _spearman(a: list[float], b: list[float]) -> float:
-    def ranks(values: list[float]) -> list[float]:
-        order = sorted(range(len(values)), key=values.__getitem__)
-        out = [0.0] * len(values)
-        for rank, i in enumerate(order):
-            out[i] = float(rank)
-        return out
-
-    if len(a) < 2:
-        return math.nan
-    return statistics.correlation(ranks(a), ranks(b))
 
 
 if __name__ == "__main__":
