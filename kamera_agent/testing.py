@@ -60,7 +60,7 @@ def _forwarded(primitive: str) -> Callable[..., Any]:
         with self._counted(primitive):
             return getattr(self.inner, primitive)(*args, **kwargs)
 
-    call.__name__ = call.__qualname__ = primitive
+    call.__name__, call.__qualname__ = primitive, f"CountingBackend.{primitive}"
     return call
 
 
