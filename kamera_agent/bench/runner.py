@@ -29,6 +29,7 @@ from kamera_agent.bench.frontier import ROWS, FrontierRun
 from kamera_agent.bench.plots import plots_available, write_plots
 from kamera_agent.bench.report import grids, print_report, write_markdown
 from kamera_agent.bench.results import BenchResults
+from kamera_agent.bench.stopping import interruptible
 from kamera_agent.bench.window_suite import WindowRun, run_window
 from kamera_agent.parsers.bench import add_bench_parser  # declared without torch: `kamera --help`
 
@@ -88,7 +89,7 @@ def run_bench(options: BenchOptions, console: Console | None = None) -> BenchOut
         console.print(f"[red]{missing}")
         return BenchOutcome(USAGE_ERROR, results, [])
     try:
-        with make_progress(console) as progress:
+        with interruptible(), make_progress(console) as progress:
             for name in options.suites:
                 results.interrupted = name
                 SUITES[name](context, progress)

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from kamera_agent.bench.agents.text_contents import TEXT_LENGTHS, TextContents, TextLengths
 from kamera_agent.bench.published_agents import REPLAY_COLUMNS, markdown_table, replay_rows
+from kamera_agent.bench.stopping import interruptible
 from kamera_agent.replay.policies import POLICIES
 from kamera_agent.replay.run import ReplayRun, ScreensFor, run_replay
 from kamera_agent.replay.screens import TreeScreens
@@ -62,7 +63,8 @@ def run_replay_command(args: argparse.Namespace, console: Console) -> int:
     interrupted = False
     with make_progress(console) as progress:
         try:
-            run_replay(run, backends, progress, args.seed, screens)
+            with interruptible():
+                run_replay(run, backends, progress, args.seed, screens)
         except KeyboardInterrupt:
             interrupted = True
     rows = replay_rows(run.to_json())
