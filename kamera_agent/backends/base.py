@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kamera_agent.backends.decode_config import Constraint, DecodeConfig
+from kamera_agent.backends.held import held_bytes
 from kamera_agent.backends.runs import PlacedChunk, PrefillRun, check_depth, check_indices
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.chunks.encoder import ChunkEncoder
@@ -265,6 +266,11 @@ class Backend(ABC):
     def assemble(self, placed: Sequence[ChunkKV], onto: Any | None = None) -> Any:
         """The engine's cache holding ``placed`` back to back (each already at its positions),
         appended to ``onto`` (an assembled cache, extended in place) where the engine can."""
+
+    def cache_nbytes(self, cache: Any) -> int:
+        """Bytes an assembled ``cache`` holds, spare capacity included: what dropping it frees
+        (a server bounds its windows' caches by this)."""
+        return held_bytes(cache)
 
     def crop(self, cache: Any, slots: int) -> Any:
         """``cache`` cut back to its first ``slots`` cache slots (engines with ``supports_extend``)."""

@@ -123,6 +123,13 @@ def _add_limit_arguments(serve: Any) -> None:
         help="n x max_tokens one request may ask for (400 past it)",
     )
     serve.add_argument(
+        "--window-cache-bytes",
+        type=int,
+        default=2 << 30,
+        help="engine caches live windows keep between requests, all tenants together "
+        "(past it, the least recently used idle windows release theirs)",
+    )
+    serve.add_argument(
         "--image-bytes-in-flight",
         type=int,
         default=2 << 30,

@@ -177,6 +177,7 @@ def _limits(args: argparse.Namespace) -> dict[str, Any]:
         "header_timeout": args.header_timeout,
         "max_concurrent": args.max_concurrent,
         "max_decode_tokens": args.max_decode_tokens,
+        "window_cache_bytes": args.window_cache_bytes,
         "image_bytes_in_flight": args.image_bytes_in_flight,
         "tenant_image_bytes_in_flight": args.tenant_image_bytes_in_flight,
     }

@@ -104,6 +104,11 @@ class Metrics:
         with self._lock:
             self.counts["tokens_after_cancel"] += tokens
 
+    def released(self, caches: int) -> None:
+        """Windows' engine caches released to stay within the server's byte limit."""
+        with self._lock:
+            self.counts["window_caches_released"] += caches
+
     def render(self) -> str:
         with self._lock:
             counts, ops, statuses = dict(self.counts), dict(self.ops), dict(self.statuses)
@@ -135,6 +140,7 @@ class Metrics:
             ("tokens_beyond_prompt", "prompt-side tokens forwards computed beyond the prompt (re-forming)"),
             ("cancelled", "requests whose client went away during the answer (generation stopped)"),
             ("tokens_after_cancel", "answer tokens decoded after a client was seen to go away"),
+            ("window_caches_released", "windows' engine caches released to stay within --window-cache-bytes"),
         ):
             metric(f"{name}_total", "counter", help_text, [("", counts.get(name, 0))])
         metric(

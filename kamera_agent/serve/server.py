@@ -210,6 +210,7 @@ class KameraServer:
                 done = self._serve(session, asked, turn, on_text, keep_going)
             finally:
                 session.busy = False
+                self.metrics.released(self.sessions.bound_caches(self.settings.window_cache_bytes))
         asked.clock.stamp_finished()
         if calls is not None:
             calls.flush(done.calls[0].content)
@@ -367,6 +368,7 @@ class KameraServer:
         remote = {"off": -1.0, "down": 0.0, "slow": 0.5, "up": 1.0}[stats.remote_state]
         return {
             "sessions": float(len(self.sessions)),
+            "window_cache_bytes": float(self.sessions.cache_bytes),
             "store_memory_bytes": float(stats.memory_bytes),
             "store_disk_bytes": float(stats.disk_bytes),
             "store_entries": float(stats.memory_entries + stats.disk_entries),

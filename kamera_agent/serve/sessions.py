@@ -49,8 +49,9 @@ class Session:
 
 class SessionPool:
     """At most ``max_sessions`` windows per tenant (its least recently used leave first: a tenant
-    never evicts another's), each dropped after ``idle_seconds`` unused. Not thread-safe: the
-    server calls it under its model lock.
+    never evicts another's), each dropped after ``idle_seconds`` unused; their engine caches
+    held within a byte limit by `bound_caches`. Not thread-safe: the server calls it under its
+    model lock.
 
     Args:
         make_window: builds a window for ``(tenant, system prompt, settings)``.
@@ -67,6 +68,8 @@ class SessionPool:
         self._sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self.created = 0
         self.dropped = 0
+        self.cache_bytes = 0
+        """What the windows' engine caches held after the last `bound_caches`."""
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -104,6 +107,25 @@ class SessionPool:
             if found > score:
                 best, score = session, found
         return self._touch(best if best is not None else self._new(tenant, system, fidelity, None))
+
+    def bound_caches(self, limit: int) -> int:
+        """Release the engine caches of the least recently used idle windows, every tenant's,
+        until all windows' caches together hold at most ``limit`` bytes; a busy window's is in
+        use and stays. A released window keeps its chunks: its next answer assembles it again
+        from the store, so a tenant pushed out pays placement, never another tenant's content.
+
+        Returns: how many windows released their caches. Mutates: windows' caches; ``cache_bytes``.
+        """
+        held = {key: session.window.cache_bytes for key, session in self._sessions.items()}
+        total, released = sum(held.values()), 0
+        for key, session in self._sessions.items():  # least recently used first
+            if total <= limit:
+                break
+            if held[key] and not session.busy:
+                total -= session.window.release_cache()
+                released += 1
+        self.cache_bytes = total
+        return released
 
     def _new(self, tenant: str, system: str | None, fidelity: Fidelity, pinned: str | None) -> Session:
         own = [key for key in self._sessions if key[0] == tenant]  # least recently used first

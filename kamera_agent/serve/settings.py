@@ -33,6 +33,9 @@ class ServeSettings:
         model_name: the id clients send as ``model``.
         config: every session's `WindowConfig` (its store fields build the one shared store).
         max_sessions: live windows of one tenant at most (its least recently used dropped first).
+        window_cache_bytes: the engine caches live windows keep for their next answers, every
+            tenant's together (the assembled KV with its spare capacity): past it after a
+            request, the least recently used idle windows release theirs (`SessionPool.bound_caches`).
         idle_seconds: a window unused this long is dropped.
         fetching: whether and how ``http(s)`` image URLs are fetched.
         local_media: the folder ``file://`` image URLs may name files under (``None``: no
@@ -70,6 +73,7 @@ class ServeSettings:
     model_name: str
     config: WindowConfig
     max_sessions: int = 16
+    window_cache_bytes: int = 2 << 30
     idle_seconds: float = 1800.0
     fetching: ImageFetching = field(default_factory=ImageFetching)
     local_media: Path | None = None
@@ -93,10 +97,16 @@ class ServeSettings:
     reuse: str = "kamera"
 
     def __post_init__(self) -> None:
-        """An empty key would let in whoever sends ``Authorization: Bearer`` with none."""
+        """An empty key would let in whoever sends ``Authorization: Bearer`` with none; a
+        negative byte limit bounds nothing."""
         if self.metrics_key == "" or (self.api_keys is not None and "" in self.api_keys):
             raise SettingsError(
                 "an API key or metrics key is empty: it would admit anyone; give each a value"
+            )
+        if self.window_cache_bytes < 0:
+            raise SettingsError(
+                f"window_cache_bytes {self.window_cache_bytes}: a byte count, 0 or more "
+                "(0: windows keep no engine cache between requests)"
             )
 
     def tenant_of(self, authorization: str | None) -> str | None:

@@ -155,6 +155,22 @@ class KameraWindow(WindowReads):
         ``store=`` is its owner's call: this closes it too."""
         self.store.close()
 
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the engine cache the window keeps for its next answer, spare capacity
+        included (0: it keeps none): what `release_cache` frees."""
+        assembled = self._runner.state.assembled
+        return 0 if assembled is None else self.backend.cache_nbytes(assembled.cache)
+
+    def release_cache(self) -> int:
+        """Drop the engine cache kept for the next answer (a server bounding its windows' memory
+        does): the next answer assembles the window again from its chunks' KV, placed from the
+        store (formed again only where the store has dropped it). Returns the bytes freed."""
+        with self._runner.lock:
+            freed = self.cache_bytes
+            self._runner.state.assembled = None
+            return freed
+
     def __enter__(self) -> KameraWindow:
         return self
 
