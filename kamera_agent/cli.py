@@ -101,6 +101,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                 "--chat-template frames a text model's conversations under --suite agents-replay with "
                 "--model; the other suites ask plain prompts and the demo model has its own: drop it"
             )
+        if args.passes is not None and args.suite != "agents-replay":
+            raise SettingsError("--passes counts agents-replay's passes; the other suites run once: drop it")
         if args.suite == "agents-replay":  # drives kamera serve: above the bench suites' layer
             from kamera_agent.replay.command import run_replay_command
 

@@ -148,6 +148,7 @@ def test_every_refusal_at_the_command_line_is_one_line_with_the_fix(
     template = ["--chat-template", "{{ messages }}"]  # frames conversations: agents-replay on a model only
     assert "agents-replay" in _refusal(capsys, "bench", "--suite", "window", *template)
     assert "agents-replay" in _refusal(capsys, "bench", "--suite", "agents-replay", *template)
+    assert "--passes" in _refusal(capsys, "bench", "--suite", "window", "--passes", "2")
     with monkeypatch.context() as env:
         env.setenv("KAMERA_NUM_THREADS", "many")
         assert "KAMERA_NUM_THREADS" in _refusal(capsys, "store", "stats")

@@ -235,6 +235,8 @@ def _command(run: dict[str, Any]) -> str:
         words += ["--ops", str(args["ops"])]
     if args.get("rows"):
         words += ["--rows", *args["rows"]]
+    if args.get("passes"):
+        words += ["--passes", str(args["passes"])]
     return " ".join(words)
 
 

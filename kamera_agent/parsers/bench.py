@@ -95,6 +95,13 @@ def add_bench_parser(commands: Any) -> None:
     bench.add_argument(
         "--agents", nargs="+", choices=AGENTS, default=list(AGENTS), help="agents suite: which agents"
     )
+    bench.add_argument(
+        "--passes",
+        type=positive,
+        default=None,
+        help="agents-replay: passes over every policy, each on fresh servers (default 3; --quick 2): "
+        "more passes steady the wall figure on a loaded machine",
+    )
     bench.add_argument("--seed", type=int, default=HELD_OUT_SEED, help="held-out item seed")
     bench.add_argument(
         "--report",

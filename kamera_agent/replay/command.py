@@ -32,7 +32,8 @@ the median of every pass's per-step ratios, so one burst of load on the machine 
 
 
 def run_replay_command(args: argparse.Namespace, console: Console) -> int:
-    """Run the replay (``args``: ``bench``'s: ``--quick``, ``--model``, ``--out``, ``--seed``).
+    """Run the replay (``args``: ``bench``'s: ``--quick``, ``--model``, ``--out``, ``--seed``,
+    ``--passes``).
 
     A text model given by ``--model`` is replayed alone, its screens accessibility trees
     (`TreeScreens`); otherwise the demo model (or the VLM given) beside the realistic shape.
@@ -54,7 +55,7 @@ def run_replay_command(args: argparse.Namespace, console: Console) -> int:
         threads=torch.get_num_threads(),
         models=tuple(backends),
         policies=tuple(POLICIES),
-        passes=QUICK_PASSES if args.quick else PASSES,
+        passes=_passes(args),
     )
     console.print(
         f"[bold]kamera bench[/bold] · agents-replay · {run.steps} steps × {len(run.policies)} policies × "
@@ -101,6 +102,12 @@ def replay_models(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, S
     return backends, {}
 
 
+def _passes(args: argparse.Namespace) -> int:
+    if args.passes is not None:
+        return int(args.passes)
+    return QUICK_PASSES if args.quick else PASSES
+
+
 def _tree_screens(backend: Any, lengths: TextLengths, seed: int) -> TreeScreens:
     return TreeScreens(TextContents(backend.encoder, lengths, seed))
 
@@ -142,6 +149,7 @@ def replay_results(
             "quick": bool(args.quick),
             "seed": args.seed,
             "chat_template": template,
+            "passes": args.passes,
         },
         "suites": {"agents-replay": run.to_json()},
         "targets": [],

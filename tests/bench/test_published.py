@@ -66,7 +66,8 @@ def agent_runs(tiny_text_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
     out = tmp_path_factory.mktemp("published-agents")
     model = str(tiny_text_model_dir)
     assert main(["bench", "--suite", "agents", "--quick", "--model", model, "--out", str(out)]) == 0
-    assert main(["bench", "--suite", "agents-replay", "--quick", "--model", model, "--out", str(out)]) == 0
+    replay = ["bench", "--suite", "agents-replay", "--quick", "--passes", "2", "--model", model]
+    assert main([*replay, "--out", str(out)]) == 0
     return {
         "text-agents.json": json.loads((out / "results.json").read_text()),
         "text-agents-replay.json": json.loads((out / "agents-replay.json").read_text()),
@@ -88,6 +89,8 @@ def test_the_agents_suites_runs_are_rendered_with_every_agent_side_and_step_kind
             assert f"| {run['agent']} | {run['model']} | {kind} |" in section
     replay = agent_runs["text-agents-replay.json"]["suites"]["agents-replay"]
     section = text.split("(`text-agents-replay.json`)")[1]
+    assert "--suite agents-replay --model tiny-llama-text" in section and "--quick --passes 2`" in section
+    assert replay["passes"] == 2
     for row in replay["summaries"]:
         assert (
             f"| {row['model']} | {row['policy']} | {row['steps']} | {row['tokens']['prefix']:,} |" in section

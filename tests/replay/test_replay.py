@@ -59,7 +59,9 @@ def test_tool_truncated_ends_in_the_newest_output_and_stubs_old_ones() -> None:
 
 
 def test_a_quick_replay_drives_both_servers_and_writes_its_table(tmp_path: Path) -> None:
-    args = argparse.Namespace(quick=True, model=None, out=str(tmp_path), seed=7, chat_template=None)
+    args = argparse.Namespace(
+        quick=True, model=None, out=str(tmp_path), seed=7, chat_template=None, passes=None
+    )
     assert run_replay_command(args, Console(file=None, width=200, quiet=True)) == 0
     stored = json.loads((tmp_path / "agents-replay.json").read_text())
     assert not stored["partial"] and stored["args"]["suite"] == "agents-replay" and stored["machine"]
@@ -113,12 +115,12 @@ def test_a_text_model_is_replayed_alone_with_accessibility_tree_screens(
     tiny_text_model_dir: Path, tmp_path: Path
 ) -> None:
     args = argparse.Namespace(
-        quick=True, model=str(tiny_text_model_dir), out=str(tmp_path), seed=7, chat_template=None
+        quick=True, model=str(tiny_text_model_dir), out=str(tmp_path), seed=7, chat_template=None, passes=1
     )
     assert run_replay_command(args, Console(file=None, width=200, quiet=True)) == 0
     stored = json.loads((tmp_path / "agents-replay.json").read_text())
     payload = stored["suites"]["agents-replay"]
-    assert {s["model"] for s in payload["summaries"]} == {tiny_text_model_dir.name}
+    assert {s["model"] for s in payload["summaries"]} == {tiny_text_model_dir.name} and payload["passes"] == 1
     assert {s["policy"] for s in payload["summaries"]} == set(POLICIES)
     for record in payload["records"]:
         assert record["kamera"]["prompt_tokens"] == record["prefix"]["prompt_tokens"]
