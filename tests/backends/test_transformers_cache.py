@@ -87,3 +87,22 @@ def test_reading_a_run_at_once_gives_each_chunk_what_reading_it_alone_gives(name
             for tensor in (kv.keys, kv.values):
                 assert tensor.is_contiguous()
                 assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+def test_a_caches_bytes_are_its_buffers_whole_each_counted_once() -> None:
+    """What a server bounds its windows by: the buffers' capacity (spare slots included), the
+    views attention reads and the keys' and values' shared storages counted once, no weights."""
+    backend = text_backend("qwen2", layers=4)
+    config = backend.model.config
+    cache = buffered_cache(config)
+    cache, _ = backend.forward_tokens(torch.arange(40), torch.arange(40), cache)
+    layers = cache.layers
+    capacity = sum(layer._keys.nbytes + layer._values.nbytes for layer in layers)
+    assert layers[0]._keys.shape[-2] == 64 and layers[0].keys.shape[-2] == 40  # spare slots held
+    assert backend.cache_nbytes(cache) == capacity
+    cache.crop(-20)  # a crop moves the fill mark: nothing is freed
+    assert backend.cache_nbytes(cache) == capacity
+    plain = DynamicCache(config=config)
+    plain, _ = backend.forward_tokens(torch.arange(40), torch.arange(40), plain)
+    exact = sum(layer.keys.nbytes + layer.values.nbytes for layer in plain.layers)
+    assert backend.cache_nbytes(plain) == exact < capacity
