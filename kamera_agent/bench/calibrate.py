@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.progress import Progress
 
 from kamera_agent.bench.calibration_episodes import calibrate
 from kamera_agent.bench.calibration_fit import Step, fit_calibration, judge, load_steps, save_steps
+from kamera_agent.bench.progress import make_progress
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import SettingsError
 from kamera_agent.fidelity import AGREEMENT, BUDGETS, MEAN_KL, Calibration, save_calibration
@@ -101,7 +101,7 @@ def _fitted(
     """The calibration and the steps it was fitted on: refitted from saved steps (``None``: they
     were measured on another model), else fitted on new episodes."""
     if args.refit is None:
-        with Progress(console=console, transient=True) as progress:
+        with make_progress(console, transient=True) as progress:
             return calibrate(
                 model, args.seeds, args.ops, progress, args.audit, args.quantile, texts=args.texts, **window
             )

@@ -19,14 +19,6 @@ from typing import Any, Literal, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-)
 from rich.table import Table
 
 from kamera_agent.baselines.clock import wall
@@ -39,7 +31,6 @@ __all__ = [
     "SuiteName",
     "finite",
     "machine_info",
-    "make_progress",
     "median_seconds",
     "p90",
     "show_and_save",
@@ -119,19 +110,6 @@ def median_seconds(fn: Callable[[], T], repeats: int, *, warmup: bool = True) ->
         samples.append(wall() - began)
     assert result is not None
     return statistics.median(samples), result
-
-
-def make_progress(console: Console) -> Progress:
-    """The bar every suite step longer than a second reports to."""
-    return Progress(
-        SpinnerColumn(),
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    )
 
 
 def machine_info() -> dict[str, Any]:

@@ -22,11 +22,12 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from kamera_agent.bench.common import BenchOptions, make_progress
+from kamera_agent.bench.common import BenchOptions
 from kamera_agent.bench.cost import CostRun, CostShape, run_cost
 from kamera_agent.bench.fidelity import FidelityRun, run_fidelity
 from kamera_agent.bench.frontier import ROWS, FrontierRun
 from kamera_agent.bench.plots import plots_available, write_plots
+from kamera_agent.bench.progress import make_progress
 from kamera_agent.bench.report import grids, print_report, write_markdown
 from kamera_agent.bench.results import BenchResults
 from kamera_agent.bench.stopping import interruptible

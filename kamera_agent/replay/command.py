@@ -38,7 +38,7 @@ def run_replay_command(args: argparse.Namespace, console: Console) -> int:
     A text model given by ``--model`` is replayed alone, its screens accessibility trees
     (`TreeScreens`); otherwise the demo model (or the VLM given) beside the realistic shape.
     """
-    from kamera_agent.bench.common import make_progress
+    from kamera_agent.bench.progress import make_progress
 
     missing = [name for name in ("openai", "fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
     if missing:

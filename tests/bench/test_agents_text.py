@@ -238,7 +238,7 @@ def test_gemma3s_sliding_window_layers_run_the_text_agents_exactly() -> None:
     """Gemma 3's architecture (sliding-window layers beside global ones, two rotary bases), tiny:
     the exact side answers like the model's own re-prefill after every step of every agent."""
     from kamera_agent.bench.agents.run import new_run, run_text_suite
-    from kamera_agent.bench.common import make_progress
+    from kamera_agent.bench.progress import make_progress
     from tests.backends.test_transformers_backend import text_backend
 
     run = new_run(True, AGENT_NAMES, "tiny-gemma3", text=True)
@@ -255,7 +255,7 @@ def test_gemma3s_sliding_window_layers_run_the_text_agents_exactly() -> None:
 def test_an_agent_whose_window_passes_the_models_context_is_refused_before_it_runs() -> None:
     from kamera_agent.backends.transformers import TransformersBackend
     from kamera_agent.bench.agents.run import new_run, run_text_suite
-    from kamera_agent.bench.common import make_progress
+    from kamera_agent.bench.progress import make_progress
     from kamera_agent.errors import SettingsError
 
     backend = TransformersBackend(

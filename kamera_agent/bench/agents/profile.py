@@ -28,7 +28,8 @@ from kamera_agent.bench.agents.contents import Contents, DemoContents, RandomCon
 from kamera_agent.bench.agents.records import AgentRun
 from kamera_agent.bench.agents.run import new_run, realistic_backend, run_agent
 from kamera_agent.bench.agents.scripts import AGENTS
-from kamera_agent.bench.common import HELD_OUT_SEED, make_progress
+from kamera_agent.bench.common import HELD_OUT_SEED
+from kamera_agent.bench.progress import make_progress
 from kamera_agent.settings import configure_threads
 
 __all__ = ["main", "profile_agent"]
