@@ -34,14 +34,15 @@ __all__ = ["Framing", "MessageChunks", "Prepared"]
 
 @dataclass(frozen=True)
 class Prepared:
-    """What a request asks of its window: the chunks it holds (every message but the question),
-    the question text, whether the question ends a message its images opened, the question's
-    role (``user``, or ``tool``: an agent's turn ends in a tool's output), and the opening of
-    the answer (a final assistant message the answer continues; ``""``: none)."""
+    """What a request asks of its window: the chunks it holds (every message, the last one open:
+    the question's framing closes it), the last message's role (``user``, or ``tool``: an
+    agent's turn ends in a tool's output), and the opening of the answer (a final assistant
+    message the answer continues; ``""``: none).
+
+    Why the last message is chunks, not the question's text: the next turn resends it as
+    history, and finds it in the window (a question's KV is dropped after its answer)."""
 
     chunks: tuple[Chunk, ...]
-    query: str
-    in_message: bool
     role: str = "user"
     answer_start: str = ""
 
@@ -128,11 +129,10 @@ class MessageChunks:
     def prepare(
         self, system: str | None, turns: list[Turn], lease: PixelLease, salt: str | None = None
     ) -> Prepared:
-        """Every message but the last as chunks, then the last (user or tool) message's leading
-        parts (images) as an open message, its trailing text as the question, keyed in the
-        namespace of ``salt``; a final assistant message after it (`read_turns` lets one through
-        for ``continue_final_message``) is the answer's opening. Images decoded here are
-        charged to ``lease``.
+        """Every message as chunks, the last (user or tool) one open (the question's framing
+        closes it), keyed in the namespace of ``salt``; a final assistant message after it
+        (`read_turns` lets one through for ``continue_final_message``) is the answer's opening.
+        Images decoded here are charged to ``lease``.
 
         Raises:
             RequestError: an image that cannot be read (or not now: 429), or content that cannot
@@ -148,16 +148,9 @@ class MessageChunks:
         for i, turn in enumerate(turns[:-1]):
             where = f"messages[{i}]"
             chunks += self._message(conversation, turn, where, len(turn.parts), lease, closed=True)
-        last = list(turns[-1].parts)
-        tail: list[str] = []
-        while last and isinstance(last[-1], str):
-            tail.insert(0, str(last.pop()))
-        query = separator.join(tail)
-        if last:
-            opened = Turn(turns[-1].role, tuple(last), turns[-1].digest)
-            where = f"messages[{len(turns) - 1}]"
-            chunks += self._message(conversation, opened, where, len(last), lease, closed=False)
-        return Prepared(tuple(chunks), query, bool(last), turns[-1].role, answer_start)
+        where, last = f"messages[{len(turns) - 1}]", turns[-1]
+        chunks += self._message(conversation, last, where, len(last.parts), lease, closed=False)
+        return Prepared(tuple(chunks), last.role, answer_start)
 
     def _message(
         self,

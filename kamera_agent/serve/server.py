@@ -267,11 +267,11 @@ class KameraServer:
         """``n`` answers over one prefill of the prompt (choice ``i`` seeded ``seed + i``)."""
         return [
             window.ask(
-                report.query,
+                "",  # the last message is chunks: the question is its closing framing
                 decode=asked.decode.for_choice(choice),
                 on_text=on_text,
                 keep_going=keep_going,
-                in_message=report.in_message,
+                in_message=True,
                 query_role=asked.prepared.role,
                 answer_start=asked.prepared.answer_start,
             )
@@ -313,20 +313,19 @@ class KameraServer:
         )
 
     def _query_tokens(self, system: str | None, prepared: Prepared, salt: str | None) -> int:
-        """The question's tokens (tokenized once, outside the model), refusing a question that
-        cannot fit the model's context behind the system prompt."""
+        """The question's tokens (tokenized once, outside the model), refusing a prompt (its
+        messages and the question) that cannot fit the model's context behind the system prompt."""
         framing = self.messages.framing(system, salt)
-        role, opened = prepared.role, not prepared.in_message
-        ids = framing.conversation.query_ids(
-            prepared.query, opened=opened, role=role, answer_start=prepared.answer_start
-        )
+        role = prepared.role
+        ids = framing.conversation.query_ids("", opened=False, role=role, answer_start=prepared.answer_start)
         tokens = int(ids.shape[0])
         limit = self.backend.context_limit
-        if limit is not None and framing.anchor_tokens + tokens >= limit:
+        held = sum(chunk.advance for chunk in prepared.chunks)
+        if limit is not None and framing.anchor_tokens + held + tokens >= limit:
             raise RequestError(
                 400,
-                f"the question is {tokens} tokens behind a system prompt of {framing.anchor_tokens}; "
-                f"the model has {limit}: shorten them",
+                f"the messages take {held} positions and the answer's framing {tokens} tokens behind a "
+                f"system prompt of {framing.anchor_tokens}; the model has {limit}: shorten them",
                 param="messages",
                 code="context_length_exceeded",
             )

@@ -9,8 +9,8 @@ from the first changed token; kamera maps the change onto one `KameraWindow.arra
     evicted chunks sent again      → recalled at their place, where that prefills no more than
                                      admitting the content anew
     new content                    → admitted where it stands (one forward for a new tail)
-    the last message's text        → the query (a user's or a tool's; its images: chunks of an
-                                     open message)
+    the last message               → chunks of an open message (a user's or a tool's), closed
+                                     by the question's framing: the next turn finds it
 
 Chunks are matched by content key, with multiplicity (two identical messages are two chunks),
 so the same screenshot re-sent as base64 is the same chunk. One op per request: every chunk is
@@ -46,16 +46,12 @@ class SyncReport:
         ops: ``(op, labels, cost)`` in the order they ran (one ``arrange``, or none when the
             window already held the request's chunks).
         plans: each op's executed edits.
-        query: the question (the last message's trailing text; ``""`` if it has none).
-        in_message: the query ends a message whose images are chunks.
         prompt_tokens: the request's whole prompt: anchor, every chunk, the query.
         provenance: what the window held before and which chunks the ops' forwards made.
     """
 
     ops: list[tuple[str, list[str], OpCost]] = field(default_factory=list)
     plans: list[Plan] = field(default_factory=list)
-    query: str = ""
-    in_message: bool = False
     prompt_tokens: int = 0
     provenance: Provenance | None = None
 
@@ -65,12 +61,10 @@ class SyncReport:
 
 
 def sync_window(window: KameraWindow, prepared: Prepared, *, prefix_only: bool = False) -> SyncReport:
-    """Edit ``window`` to hold what a request prepared (every chunk but the question), in one op;
+    """Edit ``window`` to hold what a request prepared (every message as chunks), in one op;
     returns what it did. ``prefix_only``: as a prefix cache would, keep the unchanged leading
     chunks and admit everything from the first change anew."""
-    report = SyncReport(
-        query=prepared.query, in_message=prepared.in_message, provenance=Provenance.of(window)
-    )
+    report = SyncReport(provenance=Provenance.of(window))
     desired = list(prepared.chunks)
     target = _prefix_target(window, desired) if prefix_only else _target(window, desired)
     if target != window.refs:

@@ -100,7 +100,7 @@ class Conversation:
         if role not in ("user", "tool"):
             raise InputError(f"a question is a user or a tool message, not {str(role)[:40]!r}")
         t = self.template
-        before = t.opens[role] if opened else t.part_separator
+        before = t.opens[role] if opened else t.part_separator if text else ""
         return self.encoder.tokens(before + text + t.closes[role] + t.generation + answer_start)
 
     def _part(self, part: MessagePart, before: str, after: str, label: str | None) -> Chunk:
