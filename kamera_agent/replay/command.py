@@ -59,7 +59,7 @@ def run_replay_command(args: argparse.Namespace, console: Console) -> int:
     )
     console.print(
         f"[bold]kamera bench[/bold] · agents-replay · {run.steps} steps × {len(run.policies)} policies × "
-        f"{len(run.models)} model(s) × {run.passes} passes · {run.threads} thread(s)"
+        f"{len(run.models)} model(s) × {run.passes} pass(es) · {run.threads} thread(s)"
     )
     interrupted = False
     with make_progress(console) as progress:
