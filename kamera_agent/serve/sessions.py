@@ -111,8 +111,9 @@ class SessionPool:
     def bound_caches(self, limit: int) -> int:
         """Release the engine caches of the least recently used idle windows, every tenant's,
         until all windows' caches together hold at most ``limit`` bytes; a busy window's is in
-        use and stays. A released window keeps its chunks: its next answer assembles it again
-        from the store, so a tenant pushed out pays placement, never another tenant's content.
+        use and stays. A released window keeps its chunks: its next answer assembles them again
+        from the store (a copy, not a forward, while the store holds them). Another tenant's load
+        can thus slow a tenant's next request; it never shows it the other's content.
 
         Returns: how many windows released their caches. Mutates: windows' caches; ``cache_bytes``.
         """
