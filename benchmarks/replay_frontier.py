@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{row['wall_over_prefix']:.3f}×",
         )
     report = {
-        "command": "python benchmarks/replay_frontier.py " + " ".join(argv or []),
+        "command": "python benchmarks/replay_frontier.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "model": args.model,
         "steps": args.steps,
         "threads": args.threads,
