@@ -57,8 +57,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kamera_agent.bench.common import make_progress, show_and_save
+from kamera_agent.bench.common import show_and_save
 from kamera_agent.bench.corpus import passages
+from kamera_agent.bench.progress import make_progress
 from kamera_agent.bench.vllm_serve import Server, loopback_valkey, vllm_serve
 
 ROOT = Path(__file__).resolve().parents[1]
