@@ -49,7 +49,16 @@ from kamera_agent.store.tier import Entry, Lookup, Meta, Payload, Status, Tier, 
 
 __all__ = ["CountingBackend", "DictSlots", "FakeTier", "ShakyTier", "UnreadableEntries"]
 
-PRIMITIVES = ("prefill", "encode_vision", "assemble", "crop", "decode", "recompute", "deviation")
+PRIMITIVES = (
+    "prefill",
+    "encode_vision",
+    "assemble",
+    "crop",
+    "read_slots",
+    "decode",
+    "recompute",
+    "deviation",
+)
 """The primitives `CountingBackend` counts (the reference forwards are checks, not counted)."""
 
 
@@ -134,6 +143,7 @@ class CountingBackend(Backend):
 
     encode_vision = _forwarded("encode_vision")
     crop = _forwarded("crop")
+    read_slots = _forwarded("read_slots")
     decode = _forwarded("decode")
     recompute = _forwarded("recompute")
     deviation = _forwarded("deviation")

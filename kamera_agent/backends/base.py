@@ -146,7 +146,8 @@ class Capabilities:
     Attributes:
         vision: a vision tower (`Backend.encode_vision`).
         mla: MLA models (DeepSeek-V2/V3's latent plus rope band).
-        extend: `Backend.assemble` onto a retained cache and `Backend.crop`.
+        extend: `Backend.assemble` onto a retained cache, `Backend.crop` and `Backend.read_slots`;
+            `Backend.decode` leaves what it fed (the query, the answer tokens fed back) in the cache.
         gaps: `Backend.prefill` with ``starts`` and ``sees`` (placed chunks between a run's members).
         recompute: `Backend.recompute` and `Backend.deviation` (selective token recompute).
     """
@@ -276,9 +277,18 @@ class Backend(ABC):
         """``cache`` cut back to its first ``slots`` cache slots (engines with ``supports_extend``)."""
         raise CapabilityError(f"{type(self).__name__} cannot crop an assembled cache; assemble a new one")
 
+    def read_slots(
+        self, cache: Any, start: int, positions: Sequence[torch.Tensor], keys: Sequence[str]
+    ) -> list[ChunkKV]:
+        """Consecutive chunks' KV copied out of an assembled ``cache`` from slot ``start``, one per
+        ``positions`` (its token count) and key, placed there (engines with ``supports_extend``):
+        the slots a decode filled are then chunks' KV, as a forward's output is."""
+        raise CapabilityError(f"{type(self).__name__} cannot read an assembled cache's slots")
+
     @abstractmethod
     def decode(self, cache: Any, query_ids: torch.Tensor, start: int, config: DecodeConfig) -> Decoded:
-        """Answer ``query_ids`` placed at ``start`` over ``cache`` (which it may consume)."""
+        """Answer ``query_ids`` placed at ``start`` over ``cache`` (which it may consume; with
+        ``supports_extend`` it appends to it what it fed, the query and the answer tokens)."""
 
     def recompute(
         self,

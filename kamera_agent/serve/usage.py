@@ -4,7 +4,9 @@ Why per token: ``cached_tokens`` alone hides how a token was served. A request's
 anchor, every chunk, the question) is split by provenance, and the parts add up to
 ``prompt_tokens``:
 
-    prefix     the unchanged leading run: the same chunks at the same places in the same states
+    prefix     the unchanged leading run: the same chunks at the same places in the same states,
+               and after it what the last decode fed there that the request repeats (the last
+               question's closing and its answer: a prefix cache's reply blocks)
     relocated  moved, served exactly by rotation (its state unchanged and exact)
     patched    served exactly from the store in another state (a stored patch or full KV)
     kept       served approximately with no forward (a survivor keeping what it absorbed from a
@@ -56,7 +58,9 @@ class Provenance:
 
     before: dict[ChunkRef, tuple[int, str]]
     new_window: bool
-    formed: set[Hashable] = field(default_factory=set)
+    formed: dict[Hashable, int] = field(default_factory=dict)
+    """Each chunk a forward made: the tokens of it the forwards computed (fewer than its own
+    where it reused the last decode's tokens, `kamera_agent.window.tail`)."""
 
     @classmethod
     def of(cls, window: KameraWindow) -> Provenance:
@@ -67,9 +71,9 @@ class Provenance:
         """An op's executed edits: chunks whose KV a forward made now."""
         if plan is None:
             return
-        self.formed |= {
-            e.ref for e in plan.edits if e.ref is not None and (e.tokens or e.kind == "form_patch")
-        }
+        for edit in plan.edits:
+            if edit.ref is not None and (edit.tokens or edit.kind == "form_patch"):
+                self.formed[edit.ref] = self.formed.get(edit.ref, 0) + edit.tokens
 
     def split(self, window: KameraWindow, query_tokens: int) -> PromptSplit:
         """The window's prompt (anchor, chunks, then ``query_tokens``) by provenance."""
@@ -82,8 +86,10 @@ class Provenance:
             leading = leading and was == (index, state.digest) and ref not in self.formed
             if leading:
                 kind = "prefix"
-            elif ref in self.formed:
-                kind = "prefilled"
+            elif ref in self.formed:  # a forward's, but the last decode's tokens it reused
+                computed = min(tokens, self.formed[ref])
+                counts["prefilled"] += computed
+                kind, tokens = "prefix", tokens - computed
             elif not state.exact:
                 kind = "kept"
             elif was is not None and was[1] == state.digest:

@@ -13,10 +13,12 @@ name is `kamera_agent.window.placement`'s; the view a probe decodes over, `answe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
 
 import torch
 
-from kamera_agent.backends.base import DecodeConfig
+from kamera_agent.backends.base import DecodeConfig, Prefilled, Spent
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.core import Patch
 from kamera_agent.core.identity import ChunkState
@@ -27,6 +29,7 @@ from kamera_agent.window.answers import answer_without
 from kamera_agent.window.placement import Placement, Stretch
 from kamera_agent.window.plan import Step, WindowPlan, canonical_leads_run, serves_canonical_first
 from kamera_agent.window.state import Assembled, ChunkRef, Entry, OriginalContext, WindowRecord
+from kamera_agent.window.tail import fed_ids, rest_after
 
 __all__ = ["Executor", "StaleLookup"]
 
@@ -59,6 +62,7 @@ class Executor(Placement):
             for ref in plan.order:
                 state.entries[ref].last_used = state.tick
         steps, index, self._moved = list(plan.steps), 0, plan.moved
+        self._tail = plan.tail  # the first in-window formation reuses it (`with_tail` checked)
         while index < len(steps):
             step = steps[index]
             if self._leads_a_run(steps, index):
@@ -183,6 +187,7 @@ class Executor(Placement):
         members sit after the placed chunks in it)."""
         order, members = self.state.order, {step.ref for step in run}
         chunks = [self.state.entries[step.ref].chunk for step in run]
+        reused, self._tail = (self._tail if lead is None else 0), 0
         if lead is not None:  # slot 0, the members (if any) right after it
             count, last = 0, self._slots[run[-1].ref] if run else 0
             chunks = [self.state.entries[lead.ref].chunk, *chunks]
@@ -197,14 +202,17 @@ class Executor(Placement):
             cache, context, cached = None, [], 0
             stretches: list[Stretch] = [(("anchor",), self.core.anchor.num_tokens)]
         elif extends:
-            cache, stretches = self._cache_through(count)
+            cache, stretches = self._cache_through(count, tail=reused)
             cached, context = sum(slots for _, slots in stretches), placed
         else:
             cache, context = None, [self.core.anchor_kv(self.txn.meter), *self._places(order[:count])]
             cached, context = sum(kv.num_tokens for kv in context), [*context, *placed]
         starts, sees = self._seen(run, members, order[count : last + 1], between, placed, cached)
         start = self._starts[run[0].ref if lead is None else lead.ref]
-        done = self.core.condition(chunks, context, start, self.txn, onto=cache, starts=starts, sees=sees)
+        if reused:
+            done = self._formed_after_tail(chunks, cache, cached, reused, start)
+        else:
+            done = self.core.condition(chunks, context, start, self.txn, onto=cache, starts=starts, sees=sees)
         formed = self.core.position_free(done.kv)
         if lead is not None:
             self._lead_canonical(lead, formed.pop(0))
@@ -220,6 +228,23 @@ class Executor(Placement):
                 break
             stretches.append(((step.ref, self._starts[step.ref], step.state.digest), chunk.num_tokens))
         self.state.assembled = Assembled(done.cache, tuple(stretches))
+
+    def _formed_after_tail(
+        self, chunks: Sequence[Chunk], cache: Any, slot: int, reused: int, start: int
+    ) -> Prefilled:
+        """A consecutive run's KV where the retained cache holds its first ``reused`` tokens from
+        the last decode (from ``slot``, at ``start``): the rest is prefilled onto it, then every
+        chunk's KV is read out of the cache (`kamera_agent.window.tail`)."""
+        rest, at = rest_after(chunks, reused, start)
+        if rest:
+            cache = self.core.condition(rest, [], at, self.txn, onto=cache).cache
+        positions, where = [], start
+        for chunk in chunks:
+            positions.append(chunk.positions_at(where))
+            where += chunk.advance
+        kv = self.core.backend.read_slots(cache, slot, positions, [chunk.key for chunk in chunks])
+        self.txn.meter.add(tokens_reused=reused)
+        return Prefilled(tuple(kv), Spent(), cache)
 
     def _seen(
         self,
@@ -347,8 +372,14 @@ class Executor(Placement):
 
     # -- reading the window ------------------------------------------------------------------------
     def answer(self, query_ids: torch.Tensor, config: DecodeConfig) -> Answer:
-        """Decode the query over the window as it is."""
-        return self.core.decode(self.window_cache(), query_ids, self.end(), config, self.txn.meter)
+        """Decode the query over the window as it is; the retained cache then records what the
+        decode fed after the window (`Assembled.tail`)."""
+        cache = self.window_cache()
+        answer = self.core.decode(cache, query_ids, self.end(), config, self.txn.meter)
+        memo = self.state.assembled
+        if memo is not None:
+            self.state.assembled = replace(memo, tail=fed_ids(query_ids, answer))
+        return answer
 
     def answer_without(
         self, removed: ChunkRef, query_ids: torch.Tensor, config: DecodeConfig, *, exact: bool = True

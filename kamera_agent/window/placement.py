@@ -128,9 +128,11 @@ class Placement:
         )
         return cache
 
-    def _cache_through(self, count: int) -> tuple[Any, list[Stretch]]:
+    def _cache_through(self, count: int, tail: int = 0) -> tuple[Any, list[Stretch]]:
         """An engine cache holding the anchor and the first ``count`` in-window chunks as they
-        are now, built on the retained one where the engine can (see `window_cache`), and its stretches."""
+        are now, built on the retained one where the engine can (see `window_cache`), and its
+        stretches; ``tail``: the first tokens of the retained cache's tail stay after them
+        (every stretch it holds is the same: `kamera_agent.window.tail`)."""
         backend, state = self.core.backend, self.state
         stretches: list[Stretch] = [(("anchor",), self.core.anchor.num_tokens)]
         for ref in state.order[:count]:
@@ -148,7 +150,8 @@ class Placement:
             )
         else:
             assert memo is not None
-            cache = backend.crop(memo.cache, sum(slots for _, slots in stretches[:same]))
+            assert not tail or same == len(stretches) == len(memo.stretches), "a tail reused after a change"
+            cache = backend.crop(memo.cache, sum(slots for _, slots in stretches[:same]) + tail)
             cache = backend.assemble(self._places(state.order[same - 1 : count]), onto=cache)
         self.txn.meter.add(tokens_placed=sum(slots for _, slots in stretches[same:]))
         return cache, stretches

@@ -89,6 +89,10 @@ class WindowPlan:
     fix_bound: int = 0
     """With a drift budget, the most its fixes were counted to re-prefill after the plan (from
     ``vouched_to`` to the end): what an op's fix share is a share of (`DriftBudget.record`)."""
+    tail: int = 0
+    """Tokens at the start of the op's first in-window formation that the retained cache holds
+    already, fed by the last decode at the same place (`kamera_agent.window.tail`): reused, not
+    prefilled."""
     declined: bool = False
     """A re-prefill planned instead of approximations the drift budget expects to fail
     (`DriftBudget.worth_trying`): the runner counts it once the op has run."""

@@ -35,6 +35,7 @@ from kamera_agent.window.memory import release_evicted
 from kamera_agent.window.plan import WindowPlan
 from kamera_agent.window.planner import PlanInputs, Planner
 from kamera_agent.window.state import Scores, WindowRecord
+from kamera_agent.window.tail import with_tail
 
 __all__ = ["Build", "OpRunner", "WindowParts"]
 
@@ -116,7 +117,7 @@ class OpRunner:
     def _transact(self, op: str, build: Build) -> tuple[WindowPlan, OpCost]:
         self.check_open()
         if self.dry is not None:
-            plan = build(self.planner(self.parts.core.store))
+            plan = self._planned(build, self.parts.core.store)
             self.dry.append(plan)
             return plan, OpCost()
         plan, (_, cost) = self._run(op, build, None)
@@ -186,6 +187,11 @@ class OpRunner:
         )
         return Planner(inputs)
 
+    def _planned(self, build: Build, view: StoreView) -> WindowPlan:
+        """The op's plan over ``view``, reusing what the last decode left in the retained cache
+        where the op's new chunks repeat it (`with_tail`)."""
+        return with_tail(self.state, build(self.planner(view)), self.parts.core.backend.supports_gaps)
+
     def with_answer(
         self, executor: Executor, query: str, query_ids: torch.Tensor, config: DecodeConfig
     ) -> Answer:
@@ -208,10 +214,10 @@ class OpRunner:
             snapshot = self.state.copy()
             txn = Txn(StagedStore(core.store), meter)
             try:
-                plan = build(self.planner(txn.store))
+                plan = self._planned(build, txn.store)
                 if plan.probes:
                     self._score(plan, txn)
-                    plan = build(self.planner(txn.store))
+                    plan = self._planned(build, txn.store)
                 self.check_context(plan)
                 executor = Executor(self.state, core, txn, config)
                 with critical_path():  # from the op's first forward to its answer: no host round trip

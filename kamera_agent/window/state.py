@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
+import torch
 
 from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.core import Patch
@@ -143,11 +144,18 @@ class Assembled:
     A stretch is ``("anchor",)`` or ``(ref, start, state digest)`` with its slot count: the next
     answer reuses the longest prefix of stretches that is unchanged (crop) and appends the rest.
     The cache object is the engine's, mutated by decodes and formations (which only append); it
-    is cropped before every reuse, so whatever was appended beyond its stretches is never read.
+    is cropped before every reuse, so whatever was appended beyond its stretches is read only as
+    ``tail`` says.
+
+    ``tail``: the token ids a decode fed after the stretches (the query, then the answer tokens
+    fed back), or ``None``. A conversation's next turn sends that question's closing and the
+    answer as new chunks right there: their slots are the model's own KV of those tokens, which
+    a prefix cache reuses too (`kamera_agent.window.tail`).
     """
 
     cache: Any
     stretches: tuple[tuple[tuple[Any, ...], int], ...]
+    tail: torch.Tensor | None = None
 
 
 def _lineage() -> str:

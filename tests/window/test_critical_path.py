@@ -168,6 +168,26 @@ def test_a_drift_budget_recompute_keeps_the_span(round_trips_raise: list[str], c
     assert window.stats.total.audits > 0
 
 
+def test_keeping_the_last_answers_tokens_keeps_the_span(round_trips_raise: list[str]) -> None:
+    """A conversation's next turn keeps the slots its last decode fed (`kamera_agent.window.tail`),
+    one chunk of them cut where the kept tokens end, and prefills the rest in the span."""
+    window = KameraWindow(backend_named("qwen2"), config=WindowConfig.exact(), system_prompt="Be terse.")
+    conversation = window.conversation
+    assert conversation is not None
+
+    def message(role: str, text: str, tag: str, closed: bool = True) -> list[Any]:
+        labels = [f"{tag}.0"]
+        return conversation.message(role, [text], closed=closed, labels=labels, markers_apart=True)
+
+    first = message("user", TEXTS[0], "u0", closed=False)
+    window.arrange(first)
+    answer = window.ask("", in_message=True, decode=DecodeConfig(max_new_tokens=4, logit_bias={111: 100.0}))
+    turn = [*message("user", TEXTS[0], "u0"), *message("assistant", answer.text, "a0")]
+    window.arrange([*window.refs, *turn[len(first) :], *message("user", TEXTS[1], "u1", closed=False)])
+    assert window.stats.last.tokens_reused > 0, window.last_plan  # the tail was kept
+    window.ask("", in_message=True, decode=DecodeConfig(max_new_tokens=2))
+
+
 def test_the_patches_would_fail_a_round_trip_in_the_span(round_trips_raise: list[str]) -> None:
     """The guard itself: inside the span each round trip raises; in `books` and after `answered` not."""
     tensor = torch.ones(2)

@@ -186,6 +186,16 @@ class TinyTorchBackend(Backend):
         cache.values = [v[:, :slots] for v in cache.values]
         return cache
 
+    def read_slots(
+        self, cache: Any, start: int, positions: Sequence[torch.Tensor], keys: Sequence[str]
+    ) -> list[ChunkKV]:
+        out, slot = [], start
+        for where, key in zip(positions, keys, strict=True):
+            n = int(where.shape[-1])
+            out.append(self._read(cache, slot, n, where, key))
+            slot += n
+        return out
+
     def decode(self, cache: Any, query_ids: torch.Tensor, start: int, config: DecodeConfig) -> Decoded:
         if not isinstance(cache, TinyKVCache):
             raise TypeError(f"decode needs a TinyKVCache from assemble, got {type(cache).__name__}")

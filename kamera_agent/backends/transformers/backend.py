@@ -204,6 +204,11 @@ class TransformersBackend(Backend):
             cache.crop(-surplus)
         return cache
 
+    def read_slots(
+        self, cache: Any, start: int, positions: Sequence[torch.Tensor], keys: Sequence[str]
+    ) -> list[ChunkKV]:
+        return read_chunks(cache, self.layout, start, positions, keys, model_fingerprint=self.fingerprint)
+
     def empty_cache(self) -> Any:
         """An empty cache for this model whose appends cost the new tokens only."""
         return buffered_cache(self.model.config, whole_history=self.sliding is not None)
