@@ -56,6 +56,8 @@ class ChatTemplate:
         prompt: the single-turn `PromptFormat` (image framing: ``image_open``/``image_close``).
         content_format: how the template takes a message's content: ``"parts"`` (a list of
             typed parts) or ``"string"`` (text only, parts joined by a newline).
+        separator_apart: the tokenizer gives text, the separator and text apart the tokens it
+            gives them joined, so the separator can be a chunk of its own (`Conversation.message`).
     """
 
     default_anchor: str
@@ -67,6 +69,7 @@ class ChatTemplate:
     generation: str
     prompt: PromptFormat
     content_format: ContentFormat = "parts"
+    separator_apart: bool = False
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, prompt: PromptFormat) -> ChatTemplate:
@@ -126,6 +129,7 @@ class ChatTemplate:
             generation=with_prompt[len(plain) :],
             prompt=prompt,
             content_format=form,
+            separator_apart=_tokenizes_apart(tokenizer, separator),
         )
         template._check(tokenizer)
         return template
@@ -171,6 +175,25 @@ class ChatTemplate:
                 "the chat template's markers depend on neighbouring messages, so its messages cannot move "
                 "as chunks; use a plain KameraWindow (one user turn)"
             )
+
+
+_NEIGHBOURS = (("It ends here.", "Next line"), ("a list:", "- one item"), ("step 3", "(12 buttons)"))
+"""Texts around a separator: a sentence's end, a list, digits and brackets."""
+
+
+def _tokenizes_apart(tokenizer: Any, separator: str) -> bool:
+    """Whether the texts around a separator and the separator itself tokenize apart as they do
+    joined (a tokenizer may merge a newline with punctuation before it or text after it)."""
+    if not separator:
+        return False
+
+    def tokens(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    return all(
+        tokens(before + separator + after) == tokens(before) + tokens(separator) + tokens(after)
+        for before, after in _NEIGHBOURS
+    )
 
 
 def _message(role: str, content: str | list[str], form: ContentFormat) -> dict[str, Any]:

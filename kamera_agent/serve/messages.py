@@ -163,11 +163,10 @@ class MessageChunks:
         closed: bool,
     ) -> list[Chunk]:
         labels = [f"{where}.{j}" for j in range(count)]
-        every = [f"{where}.open", *labels, *([f"{where}.close"] if closed else [])]  # markers apart
         key = (conversation.encoder.origin, turn.digest, closed, count)
         known = self._chunks.get(key)
-        if known is not None:
-            return [replace(chunk, label=label) for chunk, label in zip(known, every, strict=True)]
+        if known is not None:  # labelled "<where>.<part, marker or separator>" by the message that made them
+            return [replace(chunk, label=f"{where}.{str(chunk.label).partition('.')[2]}") for chunk in known]
         scope = conversation.encoder.namespace
         parts = [
             part if isinstance(part, str) else self.images.read(part, lease, scope) for part in turn.parts

@@ -56,10 +56,13 @@ class Conversation:
         closing one (unless ``closed`` is false: the query will close it).
 
         ``markers_apart``: the markers are chunks of their own (labelled ``open`` and
-        ``close``), so every part's chunk is the same whichever parts the message keeps: an
-        agent that drops a screenshot from an old message (its text kept) evicts that one
-        chunk, and the message's other chunks stay where they are. The token sequence is the
-        same either way.
+        ``close``), and so is the separator between two parts where the template has one (a
+        string-content template's newline, labelled ``sep<i>`` before part ``i``; where the
+        tokenizer gives it apart the tokens it gives it joined: `ChatTemplate.separator_apart`),
+        so every part's chunk is the same whichever parts the message keeps: an agent that
+        drops a screenshot from an old message (its text kept) evicts that chunk and a
+        separator, and the message's other chunks stay where they are. The token sequence is
+        the same either way.
 
         Raises:
             InputError: an unknown role, or a message with no parts.
@@ -75,9 +78,16 @@ class Conversation:
         chunks = []
         if markers_apart and opened:
             chunks.append(self.encoder.text(t.opens[role], label=_marker(labels, "open")))
+        separators_apart = markers_apart and t.separator_apart
         for i, part in enumerate(parts):
             first, last = i == 0, i == len(parts) - 1
-            before = t.part_separator if not first else ("" if markers_apart or not opened else t.opens[role])
+            if separators_apart and not first:
+                chunks.append(self.encoder.text(t.part_separator, label=_marker(labels, f"sep{i}")))
+                before = ""
+            elif first:
+                before = "" if markers_apart or not opened else t.opens[role]
+            else:
+                before = t.part_separator
             after = t.closes[role] if closed and last and not markers_apart else ""
             label = labels[i] if labels is not None else None
             chunks.append(self._part(part, before, after, label))

@@ -280,3 +280,35 @@ def test_a_template_that_renders_nothing_before_the_first_message_is_refused() -
     )
     with pytest.raises(UnsupportedModelError, match=r"bos_token"):
         ChatTemplate.from_tokenizer(backend.tokenizer, backend.encoder.prompt)
+
+
+def test_a_string_templates_separator_is_a_chunk_so_a_dropped_part_leaves_the_others_as_they_are() -> None:
+    """A string-content template joins a message's parts with a newline. Were the newline part
+    of the next part's chunk, an agent dropping an old message's first part (a screenshot before
+    its text) would make the text a new chunk mid-window, re-formed with everything after it; as
+    a chunk of its own, the drop is an eviction of two chunks and the rest stay the same."""
+    backend = _string_template_backend()
+    window = KameraWindow(backend, config=WindowConfig.exact(), conversation=True, system_prompt="Be brief.")
+    conversation = window.conversation
+    assert conversation is not None and conversation.template.separator_apart
+
+    def message(parts: list[str], tag: str) -> list[Any]:
+        labels = [f"{tag}.{i}" for i in range(len(parts))]
+        return conversation.message("user", parts, labels=labels, markers_apart=True)
+
+    both, later = message(["a screen of buttons", "step 1: clicked ok"], "m0"), message(["step 2"], "m1")
+    assert [chunk.label for chunk in both] == ["m0.open", "m0.0", "m0.sep1", "m0.1", "m0.close"]
+    refs = window.arrange([*both, *later])
+    rendered = backend.tokenizer.apply_chat_template(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "a screen of buttons\nstep 1: clicked ok"},
+            {"role": "user", "content": "step 2"},
+        ],
+        tokenize=False,
+    )
+    assert _sequence_text(window) == rendered
+    text_only = message(["step 1: clicked ok"], "m0")
+    assert [chunk.key for chunk in text_only] == [chunk.key for chunk in (both[0], both[3], both[4])]
+    plan = window.plan.arrange([refs[0], refs[3], refs[4], *refs[5:]])
+    assert plan.count("evict") == 2 and plan.count("admit") == 0
