@@ -8,8 +8,9 @@ drop-old-screens policies). Each setting is a kamera server of its own (its own 
 formed is never another's to reuse), its requests carrying the setting as
 ``kamera.drift_budget``, beside the same server as a prefix cache (a re-prefill's answer at
 every step); the settings run in turn at every step, the prefix side first. Per step: every
-forward's tokens, the first answer token against the prefix side's, and the next-token
-KL(prefix ‖ setting) of both servers' answers (they run in this process).
+forward's tokens, the first answer token against the prefix side's, the next-token
+KL(prefix ‖ setting) of both servers' answers (they run in this process), and what the budget
+did (its audits and fixes, the edits by kind, the largest estimate the answer read).
 
     .venv/bin/python benchmarks/replay_frontier.py --model SmolLM2-135M-Instruct.Q4_1.gguf \
         --policies latest-8 keep-3-batched --steps 12 \
@@ -41,6 +42,10 @@ from kamera_agent.settings import configure_threads
 
 PREFIX = "prefix"
 DEFAULTS = "defaults"
+BUDGET_WORK = ("audits", "audit_tokens", "drift_recomputes", "drift_fixes")
+"""What each step's ops spent holding the budget, recorded beside its edits by kind and the
+largest drift estimate its answer read: whether a budget re-prefilled a drop without trying
+(no audits) or tried it and fixed it, and how far over ε its estimates were."""
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -134,6 +139,8 @@ def _step(
                 "budget": budget,
                 "prefilled": asked["prefilled"],
                 "prefix_prefilled": reference["prefilled"],
+                "budget_work": asked["budget_work"],
+                "largest": asked["largest"],
                 "agrees": asked["answer"] == reference["answer"],
                 "kl": float(kl),
                 "seconds": asked["seconds"],
@@ -158,9 +165,17 @@ def _ask(live: LiveServer, messages: Messages, session: str, budget: str | None)
         extra_body=extra,
     )
     seconds = time.perf_counter() - began
+    kamera = reply.model_extra["kamera"]
+    work = {name: sum(int(op.get(name, 0)) for op in kamera["ops"]) for name in BUDGET_WORK}
+    edits: dict[str, int] = {}
+    for op in kamera["ops"]:
+        for kind, count in op["edits"].items():
+            edits[kind] = edits.get(kind, 0) + int(count)
     return {
         "answer": reply.choices[0].message.content or "",
-        "prefilled": int(reply.model_extra["kamera"]["tokens_prefilled"]),
+        "prefilled": int(kamera["tokens_prefilled"]),
+        "budget_work": {**work, **{f"edits.{kind}": count for kind, count in sorted(edits.items())}},
+        "largest": kamera["drift"].get("largest"),
         "seconds": seconds,
         "logits": live.server.first_logits.float(),
     }

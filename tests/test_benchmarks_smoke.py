@@ -264,3 +264,26 @@ def test_answer_estimate_benchmark_compares_every_key_at_equal_standing(tmp_path
         at = {row["rule"]: row for row in rows if row["epsilon"] == eps}
         assert len({row["standing"] for row in at.values()}) == 1  # as many ops picked by each key
         assert at["true KL"]["kl_mean"] <= min(row["kl_mean"] for row in at.values())
+
+
+def test_the_replay_frontier_records_each_budgets_answers_and_work_beside_the_prefix_server(
+    tmp_path: Path,
+) -> None:
+    """On SmolLM2, the first step of latest-8 (one new screen: all exact, at any budget): each
+    budget's tokens, first token and KL against the prefix server's, and what its budget spent."""
+    from tests.real_env import ensure_real_models
+
+    ensure_real_models()
+    from kamera_agent.models.real import real_model_gguf
+
+    out = tmp_path / "frontier.json"
+    model = str(real_model_gguf("smollm2"))
+    args = ["--model", model, "--policies", "latest-8", "--steps", "1", "--budgets", "defaults", "none"]
+    run_benchmark("replay_frontier", [*args, "--json", str(out)])
+    report = json.loads(out.read_text())
+    records = report["records"]
+    assert [(r["step"], r["budget"]) for r in records] == [(0, "defaults"), (0, "none")]
+    assert all(r["prefilled"] == r["prefix_prefilled"] and r["agrees"] and r["kl"] < 1e-6 for r in records)
+    assert all({"audits", "drift_fixes", "edits.admit"} <= r["budget_work"].keys() for r in records)
+    assert all(r["largest"] == 0 for r in records)  # every chunk exact: nothing estimated over 0
+    assert report["command"].startswith("python benchmarks/replay_frontier.py --model")
