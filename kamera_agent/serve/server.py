@@ -149,7 +149,7 @@ class KameraServer:
             salt = self.settings.cache_salt(tenant)
             with self.pixels.lease(tenant) as lease:  # images, tokens, keys: outside the model
                 prepared = self.messages.prepare(system, turns, lease, salt)
-            query_tokens = self._query_tokens(system, prepared, salt)
+            query_tokens = self._fitting_query_tokens(system, prepared, salt)
             digests = [turn.digest for turn in (turns[:-1] if request.continue_final_message else turns)]
             clock.stamp_ready()
             asked = _Asked(request, tenant, fidelity, system, digests, prepared, query_tokens, clock, decode)
@@ -312,7 +312,7 @@ class KameraServer:
             asked.clock,
         )
 
-    def _query_tokens(self, system: str | None, prepared: Prepared, salt: str | None) -> int:
+    def _fitting_query_tokens(self, system: str | None, prepared: Prepared, salt: str | None) -> int:
         """The question's tokens (tokenized once, outside the model), refusing a prompt (its
         messages and the question) that cannot fit the model's context behind the system prompt."""
         framing = self.messages.framing(system, salt)
