@@ -113,8 +113,7 @@ class ChatTemplate:
                 "conversation from the template's own start; begin it with the beginning-of-sequence token "
                 "({{ bos_token }}) or a default system block"
             )
-        two = _render(tokenizer, [_msg("system", _SYS), _msg("user", [_A, _B])], generation=False)
-        separator = two.partition(_A)[2].partition(_B)[0]
+        separator = _part_separator(tokenizer, form)
         with_prompt = _render(tokenizer, [_msg("system", _SYS), _msg("user", _A)], generation=True)
         plain = _render(tokenizer, [_msg("system", _SYS), _msg("user", _A)], generation=False)
         if not with_prompt.startswith(plain):
@@ -175,6 +174,12 @@ class ChatTemplate:
                 "the chat template's markers depend on neighbouring messages, so its messages cannot move "
                 "as chunks; use a plain KameraWindow (one user turn)"
             )
+
+
+def _part_separator(tokenizer: Any, form: ContentFormat) -> str:
+    """What the template puts between two parts of one message."""
+    two = _render(tokenizer, [_message("system", _SYS, form), _message("user", [_A, _B], form)], False)
+    return two.partition(_A)[2].partition(_B)[0]
 
 
 _NEIGHBOURS = (("It ends here.", "Next line"), ("a list:", "- one item"), ("step 3", "(12 buttons)"))
