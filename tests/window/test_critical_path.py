@@ -168,9 +168,9 @@ def test_a_drift_budget_recompute_keeps_the_span(round_trips_raise: list[str], c
     assert window.stats.total.audits > 0
 
 
-def test_keeping_the_last_answers_tokens_keeps_the_span(round_trips_raise: list[str]) -> None:
-    """A conversation's next turn keeps the slots its last decode fed (`kamera_agent.window.tail`),
-    one chunk of them cut where the kept tokens end, and prefills the rest in the span."""
+def test_reusing_the_last_answers_tokens_keeps_the_span(round_trips_raise: list[str]) -> None:
+    """A conversation's next turn reuses the slots its last decode fed (`kamera_agent.window.tail`),
+    one chunk of them cut where the reused tokens end, and prefills the rest in the span."""
     window = KameraWindow(backend_named("qwen2"), config=WindowConfig.exact(), system_prompt="Be terse.")
     conversation = window.conversation
     assert conversation is not None
@@ -184,7 +184,7 @@ def test_keeping_the_last_answers_tokens_keeps_the_span(round_trips_raise: list[
     answer = window.ask("", in_message=True, decode=DecodeConfig(max_new_tokens=4, logit_bias={111: 100.0}))
     turn = [*message("user", TEXTS[0], "u0"), *message("assistant", answer.text, "a0")]
     window.arrange([*window.refs, *turn[len(first) :], *message("user", TEXTS[1], "u1", closed=False)])
-    assert window.stats.last.tokens_reused > 0, window.last_plan  # the tail was kept
+    assert window.stats.last.tokens_reused > 0, window.last_plan  # the tail was reused
     window.ask("", in_message=True, decode=DecodeConfig(max_new_tokens=2))
 
 
