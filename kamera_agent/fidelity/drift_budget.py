@@ -120,6 +120,12 @@ class DriftBudget:
                 self.remember(state, left, known)
         return known
 
+    def audited(self) -> list[float]:
+        """The audits remembered, oldest first (each chunk's own error, before `Calibration.estimate`
+        scales it): what a benchmark reports beside the fixes they led to."""
+        with self._lock:
+            return list(self._audits.values())
+
     def remember(self, state: ChunkState, left: Context, audit: float) -> None:
         with self._lock:
             self._audits[(state.digest, left.digest)] = audit

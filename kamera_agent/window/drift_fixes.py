@@ -1,9 +1,11 @@
 """Holding a window within its drift budget after an op: audits, then the cheapest fix that holds.
 
 Why apart from the runner: the runner runs every op the same way; what an op left approximate
-is this module's. After the op's plan ran, each chunk the window does not hold exactly is
-estimated left to right (`DriftBudget.estimates`, audits filed with the op's writes), and the
-first chunk over ε gets the cheapest fix that can bring the window within it:
+is this module's. After the op's plan ran (up to the chunks at the end it forms exactly over
+their left, which the runner forms after the fixes: `WindowPlan.trailing_from`), each chunk the
+window does not hold exactly is estimated left to right (`DriftBudget.estimates`, audits filed
+with the op's writes), and the first chunk over ε gets the cheapest fix that can bring the
+window within it:
 
 1. **recompute** its most deviating tokens over the chunks to its left (`Executor.recompute`);
 2. **re-prefill it alone** over its left (exact there) and keep the chunks after it where their
@@ -49,9 +51,20 @@ chunks after it: how often one of those was still over ε."""
 class DriftFixes:
     """One op's audits and fixes, over the runner's state inside the op's transaction."""
 
-    def __init__(self, runner: OpRunner, budget: DriftBudget, executor: Executor, txn: Txn) -> None:
+    def __init__(
+        self,
+        runner: OpRunner,
+        budget: DriftBudget,
+        executor: Executor,
+        txn: Txn,
+        trailing: tuple[int, int] | None = None,
+    ) -> None:
+        """``trailing``: where the chunks the op forms after the fixes start
+        (`WindowPlan.trailing_from`) and the most forming them prefills: they are not held here,
+        and every fix leaves room for them within the prefix bound."""
         self.runner, self.budget, self.executor, self.txn = runner, budget, executor, txn
         self.state = runner.state
+        self.end, self._after = (len(self.state.order), 0) if trailing is None else trailing
         core = runner.parts.core
         advances = (self.state.entries[ref].chunk.advance for ref in self.state.order)
         self._starts = list(accumulate(advances, initial=core.anchor.advance))
@@ -95,12 +108,12 @@ class DriftFixes:
     def _estimate(self) -> int | None:
         """Estimate the window as it is now, auditing what no audit covers; the first chunk over ε."""
         self._placed.clear()  # placed afresh: a fix may have changed a chunk's KV
-        self.estimates = self.runner.drift(self._measure, until_over=True, store=self.txn.store)
+        self.estimates = self.runner.drift(self._measure, True, self.txn.store, self.end)
         return self.budget.first_over(self.estimates)
 
     def _measure(self, i: int, chunk_state: ChunkState, ctx: Context) -> float:
         if not self._placed:
-            self._placed.extend(self.executor.placements())
+            self._placed.extend(self.executor.placements(self.end))
         chunk = self.state.entries[self.state.order[i]].chunk
         seed, share, placed = (
             f"{chunk_state.digest}:{ctx.digest}",
@@ -129,15 +142,15 @@ class DriftFixes:
         """Re-prefill from ``first`` (or from where the plan was bounded, if that is cheaper)."""
         why = f"{self._over(first)}; re-prefilled from it"
         planner = self.runner.planner(self.txn.store)
-        fix = planner.refill(self.state, first, why)
+        fix = planner.refill(self.state, first, why, self.end)
         vouched = plan.vouched_to
         if vouched is not None and vouched < first:  # what the plan was bounded with, if cheaper
-            earlier = planner.refill(self.state, vouched, why)
+            earlier = planner.refill(self.state, vouched, why, self.end)
             if _tokens(earlier) < _tokens(fix):
                 fix, first = earlier, vouched
         plan = self._fix(plan, fix)
-        self.txn.meter.add(drift_fixes=len(self.state.order) - first)
-        self.estimates = self.runner.drift(store=self.txn.store)
+        self.txn.meter.add(drift_fixes=self.end - first)
+        self.estimates = self.runner.drift(store=self.txn.store, end=self.end)
         return plan
 
     def _spent(self) -> int:
@@ -146,7 +159,7 @@ class DriftFixes:
 
     def _audits_from(self, start: int) -> int:
         share = self.budget.calibration.audit_share
-        refs = self.state.order[start:]
+        refs = self.state.order[start : self.end]
         return sum(audit_count(self.state.entries[ref].chunk.num_tokens, share) for ref in refs)
 
     def _recompute_pays(self, plan: WindowPlan, first: int) -> bool:
@@ -160,8 +173,8 @@ class DriftFixes:
         cost = selected_count(budget.calibration.recompute_share, n) + probe  # with its picking probe
         if cost >= n:
             return False  # as dear as re-prefilling the chunk itself
-        fix = _tokens(self.runner.planner(self.txn.store).refill(self.state, first, "fix"))
-        if self._spent() + cost + fix > plan.prefix_bound:
+        fix = _tokens(self.runner.planner(self.txn.store).refill(self.state, first, "fix", self.end))
+        if self._spent() + cost + fix + self._after > plan.prefix_bound:
             return False
         if budget.worth_trying(RECOMPUTE, cost, fix, fix, self._audits_from(first)):
             return True
@@ -172,12 +185,12 @@ class DriftFixes:
         """Whether to re-prefill only the chunk at ``first`` over its left and audit the chunks
         after it again, before re-prefilling from ``first`` to the end (never costlier, expected
         to pay)."""
-        if plan.prefix_bound is None or first + 1 >= len(self.state.order):
+        if plan.prefix_bound is None or first + 1 >= self.end:
             return False
         planner = self.runner.planner(self.txn.store)
         cost = _tokens(planner.refill(self.state, first, "fix", first + 1))
-        rest = _tokens(planner.refill(self.state, first + 1, "fix"))
-        if self._spent() + cost + rest > plan.prefix_bound:
+        rest = _tokens(planner.refill(self.state, first + 1, "fix", self.end))
+        if self._spent() + cost + rest + self._after > plan.prefix_bound:
             return False
         if self.budget.worth_trying(REFILL_ONE, cost, rest, cost + rest, self._audits_from(first + 1)):
             return True

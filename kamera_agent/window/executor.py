@@ -38,8 +38,9 @@ class Executor(Placement):
     """Applies plans to one window state inside one transaction; places chunks; decodes."""
 
     # -- running a plan -------------------------------------------------------------------------
-    def run(self, plan: WindowPlan) -> None:
-        """Apply ``plan``: evictions, admissions, the new order, then every step left to right."""
+    def run(self, plan: WindowPlan, steps: Sequence[Step] | None = None) -> None:
+        """Apply ``plan``: evictions, admissions, the new order, then every step left to right
+        (``steps``: only those, the rest left to `perform`)."""
         state = self.state
         if _changes(state, plan):
             state.tick += 1
@@ -61,8 +62,13 @@ class Executor(Placement):
         if plan.op == "reorder":
             for ref in plan.order:
                 state.entries[ref].last_used = state.tick
-        steps, index, self._moved = list(plan.steps), 0, plan.moved
+        self._moved = plan.moved
         self._tail = plan.tail  # the first in-window formation reuses it (`with_tail` checked)
+        self.perform(plan.steps if steps is None else steps)
+
+    def perform(self, planned: Sequence[Step]) -> None:
+        """Run ``planned`` steps left to right over the window's order as it is now."""
+        steps, index = list(planned), 0
         while index < len(steps):
             step = steps[index]
             if self._leads_a_run(steps, index):
@@ -304,7 +310,7 @@ class Executor(Placement):
             ctx = ctx.extend(entries[left].state)
         entry = entries[ref]
         target = ChunkState.recomputed(entry.state, ctx, share)
-        placed = self.placements()
+        placed = self.placements(i + 1)
         start = self._starts[ref]
         recomputed = self.core.recompute(entry.chunk, placed[i + 1], placed[: i + 1], start, share, self.txn)
         kv = self.core.store_full(target, recomputed.kv, self.txn)

@@ -109,9 +109,9 @@ class Placement:
         self._placed.update(zip(missing, self.core.place_many(jobs), strict=True))
         return [self._placed[key] for key in keys]
 
-    def placements(self) -> list[ChunkKV]:
-        """The anchor and every in-window chunk, placed: what a decode attends to."""
-        return [self.core.anchor_kv(self.txn.meter), *self._places(self.state.order)]
+    def placements(self, end: int | None = None) -> list[ChunkKV]:
+        """The anchor and every in-window chunk (the first ``end``), placed: what a decode attends to."""
+        return [self.core.anchor_kv(self.txn.meter), *self._places(self.state.order[:end])]
 
     def window_cache(self) -> Any:
         """The engine cache holding the window as it is now.

@@ -88,7 +88,13 @@ class WindowPlan:
     a prefix cache pays, `PrefixBound.cheaper`): the most the op with every fix may prefill."""
     fix_bound: int = 0
     """With a drift budget, the most its fixes were counted to re-prefill after the plan (from
-    ``vouched_to`` to the end): what an op's fix share is a share of (`DriftBudget.record`)."""
+    ``vouched_to`` to ``trailing_from``, else to the end): what an op's fix share is a share of
+    (`DriftBudget.record`)."""
+    trailing_from: int | None = None
+    """With a drift budget, the first of the chunks at the end the plan forms exactly over their
+    left (new content, mostly) when a chunk left of them is approximated: the runner audits and
+    fixes the chunks left of this slot first and forms these over what stands, so a fix never
+    re-forms what the op has just formed (`PrefixBound.cheaper` counts the fixes so)."""
     tail: int = 0
     """Tokens at the start of the op's first in-window formation that the retained cache holds
     already, fed by the last decode at the same place (`kamera_agent.window.tail`): reused, not

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from kamera_agent.chunks.chunk import Chunk
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.fidelity import audit_count
 from kamera_agent.window.plan import Step, WindowPlan, canonical_leads_run
 from kamera_agent.window.rules import PlanInputs, Rules
-from kamera_agent.window.state import WindowRecord
+from kamera_agent.window.state import ChunkRef, WindowRecord
 
 __all__ = ["PrefixBound"]
 
@@ -72,7 +73,8 @@ class PrefixBound:
             if refill >= planned:
                 return plan
             return refilling(f"re-prefill from slot {changed}: fewer tokens than the plan's {planned}")
-        fix, audits = self._budget_fix_tokens(state, plan, first, (changed, after))
+        trailing = _trailing_from(plan, first)
+        fix, audits = self._budget_fix_tokens(state, plan, first, trailing, (changed, after))
         if planned + fix > refill:
             return refilling(
                 f"re-prefill from slot {changed}: the plan and what its drift budget may add cost more"
@@ -80,7 +82,7 @@ class PrefixBound:
         if fix and not budget.worth_trying(plan.op, planned, fix, refill, audits):
             why = f"re-prefill from slot {changed}: the drift budget expects to fix what the plan keeps"
             return refilling(why, declined=True)
-        return plan.changed(vouched_to=first, prefix_bound=refill, fix_bound=fix)
+        return plan.changed(vouched_to=first, prefix_bound=refill, fix_bound=fix, trailing_from=trailing)
 
     def refill(self, state: WindowRecord, start: int, why: str, end: int | None = None) -> WindowPlan:
         """Re-prefill the window's chunks from index ``start`` on (to ``end``, else to the last)
@@ -134,26 +136,35 @@ class PrefixBound:
         return first, first is not None and estimates[first] is not None
 
     def _budget_fix_tokens(
-        self, state: WindowRecord, plan: WindowPlan, first: int | None, known: tuple[int, int]
+        self,
+        state: WindowRecord,
+        plan: WindowPlan,
+        first: int | None,
+        end: int | None,
+        known: tuple[int, int],
     ) -> tuple[int, int]:
         """The most the drift budget could re-prefill after ``plan`` runs, from ``first``
-        (`_first_unvouched`) to the right end, and the tokens its audits would recompute at most.
-        (Audits are the estimator's cost, counted apart in ``audit_tokens``: they recompute a
-        sample, they prefill no chunk.) ``known``: a slot and what re-prefilling from it over the
-        plan's states to its left costs, when already planned."""
+        (`_first_unvouched`) to ``end`` (the plan's trailing formations, which the runner forms
+        after the fixes: `_trailing_from`), else to the right end, and the tokens its audits would
+        recompute at most. (Audits are the estimator's cost, counted apart in ``audit_tokens``:
+        they recompute a sample, they prefill no chunk.) ``known``: a slot and what re-prefilling
+        from it to the end over the plan's states to its left costs, when already planned."""
         budget = self.inputs.budget
         assert budget is not None
         if first is None:
             return 0, 0
-        if first == known[0]:
+        if first == known[0] and end is None:
             fix = known[1]
         else:
             ctx = self.root
             for planned in _planned_states(state, plan)[:first]:
                 ctx = ctx.extend(planned)
-            fix = sum(step.tokens for step in self._refill_steps(state, plan, first, ctx, "fix"))
+            fix = sum(step.tokens for step in self._refill_steps(state, plan, first, ctx, "fix", end))
+        if end is not None:  # a fix changes their left: formed then, whatever the store held for the plan
+            formed = {ref: _chunk(state, plan, ref).num_tokens for ref in plan.order[end:]}
+            fix += sum(formed.values()) - sum(step.tokens for step in plan.steps if step.ref in formed)
         share = budget.calibration.audit_share
-        audited = [plan.chunks[r] if r in plan.chunks else state.entries[r].chunk for r in plan.order[first:]]
+        audited = [_chunk(state, plan, ref) for ref in plan.order[first:end]]
         audits = sum(audit_count(c.num_tokens, share) for c in audited)
         return fix, audits
 
@@ -169,6 +180,37 @@ def _lead_shares_forward(plan: WindowPlan) -> WindowPlan:
             joined = replace(first, forwards=0, detail=detail)
             return plan.changed(steps=(*steps[: i + 2], joined, *steps[i + 3 :]))
     return plan
+
+
+def _chunk(state: WindowRecord, plan: WindowPlan, ref: ChunkRef) -> Chunk:
+    return plan.chunks[ref] if ref in plan.chunks else state.entries[ref].chunk
+
+
+def _trailing_from(plan: WindowPlan, first: int | None) -> int | None:
+    """The first of the chunks at the end of ``plan.order`` that the plan sets to their exact KV
+    over their left as planned (formed in the window, or served so from the store), where a chunk
+    the budget cannot vouch for (``first``) stands left of them; ``None`` where there is none.
+
+    Why: those chunks' own drift is nil whatever their left holds (`DriftBudget.own`), and formed
+    after the budget's fixes they are formed once, over what stands; formed before, a fix to their
+    left would re-form them, and counting that twice ruled out every op that brings new content
+    behind an approximation (a slide that pushes, an agent's turn that drops an old screen)."""
+    if first is None:
+        return None
+    final = {step.ref: step for step in plan.steps if step.kind != "form_canonical"}
+    start = len(plan.order)
+    while start > first + 1 and _exact_over_left(final.get(plan.order[start - 1])):
+        start -= 1
+    while start < len(plan.order) and final[plan.order[start]].in_run:
+        start += 1  # it shares the forward of a chunk left of it (and is formed over its exact KV)
+    return start if start < len(plan.order) and start >= 2 else None
+
+
+def _exact_over_left(step: Step | None) -> bool:
+    """``step`` gives its chunk the exact KV over the chunks planned to its left."""
+    if step is None or step.off_window or step.kind not in ("form_patch", "apply_patch"):
+        return False
+    return step.state.kind == "patched" and step.state.rank == "full"
 
 
 def _planned_states(state: WindowRecord, plan: WindowPlan) -> list[ChunkState]:

@@ -221,11 +221,7 @@ class OpRunner:
                 self.check_context(plan)
                 executor = Executor(self.state, core, txn, config)
                 with critical_path():  # from the op's first forward to its answer: no host round trip
-                    executor.run(plan)
-                    budget, entries = self.parts.budget, self.state.entries
-                    if budget is not None and not any(entries[ref].pending for ref in self.state.order):
-                        # lazy patches are due otherwise: the read that forms them holds the budget
-                        plan = DriftFixes(self, budget, executor, txn).run(plan)
+                    plan = self._execute(plan, executor, txn)
                     value = read(executor) if read is not None else None
             except StaleLookup:
                 self.state = _restored(snapshot)
@@ -241,13 +237,43 @@ class OpRunner:
             return plan, (value, cost)
         raise WindowError(f"{op}: the store kept changing under the operation; try it again")
 
+    def _execute(self, plan: WindowPlan, executor: Executor, txn: Txn) -> WindowPlan:
+        """Run ``plan`` and hold the window within its drift budget (`DriftFixes`): the chunks
+        left of the plan's trailing formations (`WindowPlan.trailing_from`) are audited and fixed
+        first, and those formed after, over what stands (re-planned where a fix changed it)."""
+        budget, end, entries = self.parts.budget, plan.trailing_from, self.state.entries
+        trailing = frozenset(plan.order[end:] if end is not None else ())
+        head = tuple(step for step in plan.steps if step.ref not in trailing)
+        last = tuple(step for step in plan.steps if step.ref in trailing)
+        executor.run(plan, head)
+        if budget is None or any(entries[ref].pending for ref in self.state.order[:end]):
+            executor.perform(last)  # lazy patches are due: the read that forms them holds the budget
+            return plan
+        left = [entries[ref].state for ref in self.state.order[:end]]
+        after = None
+        if end is not None:  # a fix changes their left: they are formed then, whatever the store held
+            after = (end, sum(entries[ref].chunk.num_tokens for ref in self.state.order[end:]))
+        plan = DriftFixes(self, budget, executor, txn, after).run(plan.changed(steps=head))
+        if end is None:
+            return plan
+        if [entries[ref].state for ref in self.state.order[:end]] != left:  # formed over the fixed left
+            why = "formed over the chunks the drift budget fixed to its left"
+            last = self.planner(txn.store).refill(self.state, end, why).steps
+        executor.perform(last)
+        txn.meter.drift = max((e for e in self.drift(store=txn.store) if e is not None), default=0.0)
+        return plan.changed(steps=(*plan.steps, *last))
+
     def drift(
-        self, measure: Measure | None = None, until_over: bool = False, store: AuditSource | None = None
+        self,
+        measure: Measure | None = None,
+        until_over: bool = False,
+        store: AuditSource | None = None,
+        end: int | None = None,
     ) -> list[float | None]:
-        """Each in-window chunk's estimated drift, left to right: 0 where the window holds it
-        exactly; ``None`` where it is not estimated (no budget, or not measured). Audits filed in
-        ``store`` (default: the window's) count as measured."""
-        states = [self.state.entries[ref].state for ref in self.state.order]
+        """Each in-window chunk's estimated drift (the first ``end``), left to right: 0 where the
+        window holds it exactly; ``None`` where it is not estimated (no budget, or not measured).
+        Audits filed in ``store`` (default: the window's) count as measured."""
+        states = [self.state.entries[ref].state for ref in self.state.order[:end]]
         budget = self.parts.budget
         if budget is not None:
             source = self.parts.core.store if store is None else store

@@ -513,3 +513,40 @@ def test_a_recomputed_state_is_named_by_its_source_context_and_share() -> None:
     ]
     assert len({state.digest, *(other.digest for other in others)}) == 4
     assert ChunkState.recomputed(source, left, 0.15) == state
+
+
+@pytest.mark.parametrize("epsilon", [1e-9, 0.3])  # 0.3: wide enough here for the survivors to stand
+def test_an_op_bringing_new_content_behind_an_approximation_is_audited_before_it_forms_it(
+    calibrations: Path, epsilon: float
+) -> None:
+    """An agent's turn: one op drops a chunk from the middle and brings new content at the end.
+    The survivors' approximation is tried (audited) and fixed where over ε before the new chunk
+    is formed, so the new chunk is formed once, exactly over what stands to its left, and the op
+    pays no more than re-prefilling from the dropped chunk's slot. At a tiny ε the window then
+    answers like a re-prefill."""
+    calibrate_for_tests(backend_named("qwen2").fingerprint, calibrations)
+    window = _window(epsilon)
+    refs = [window.push(text, label=text) for text in TEXTS[:4]]
+    dropped_at = 1
+    window.arrange([refs[0], *refs[dropped_at + 1 :], TEXTS[4]], labels=[None, None, None, "new"])
+    cost, new = window.stats.last, window.refs[-1]
+    assert cost.audits > 0, window.last_plan  # the survivors' approximation was tried
+    budget = window._parts.budget
+    assert budget is not None and len(budget.audited()) == window.stats.total.audits  # each remembered
+    formed = [edit for edit in window.last_plan.edits if edit.ref == new and edit.kind == "form_patch"]
+    assert len(formed) == 1 and formed[0].tokens == window.chunk(new).num_tokens
+    left = window._parts.core.root
+    for ref in window.refs[:-1]:
+        left = left.extend(window.state_of(ref))
+    assert window.state_of(new).context.digest == left.digest  # formed over what stood, after the fixes
+    prefix = sum(window.chunk(ref).num_tokens for ref in window.refs[dropped_at:])
+    assert cost.tokens_prefilled - cost.audit_tokens <= prefix
+    for ref in window.refs:
+        drift = window.drift_of(ref)
+        assert drift is not None and drift <= epsilon, (ref, drift)
+    if epsilon < 1e-6:
+        assert cost.drift_fixes > 0
+        assert max(chunk_errors(window).values()) <= EXACT_KV
+        assert answer_kl(window) < 1e-9
+    else:
+        assert cost.tokens_prefilled - cost.audit_tokens < prefix  # the approximation stood
