@@ -43,9 +43,10 @@ from kamera_agent.settings import configure_threads
 PREFIX = "prefix"
 DEFAULTS = "defaults"
 BUDGET_WORK = ("audits", "audit_tokens", "drift_recomputes", "drift_fixes")
-"""What each step's ops spent holding the budget, recorded beside its edits by kind and the
-largest drift estimate its answer read: whether a budget re-prefilled a drop without trying
-(no audits) or tried it and fixed it, and how far over ε its estimates were."""
+"""What each step's ops spent holding the budget, recorded beside its edits by kind, the audits
+it measured (each chunk's own relative KV error, before the calibration's scale) and the largest
+drift estimate its answer read: whether a budget re-prefilled a drop without trying (no audits)
+or tried it and fixed it, and how far over ε its estimates were."""
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -141,6 +142,7 @@ def _step(
                 "prefix_prefilled": reference["prefilled"],
                 "budget_work": asked["budget_work"],
                 "largest": asked["largest"],
+                "audited": asked["audited"],
                 "agrees": asked["answer"] == reference["answer"],
                 "kl": float(kl),
                 "seconds": asked["seconds"],
@@ -156,6 +158,7 @@ def _ask(live: LiveServer, messages: Messages, session: str, budget: str | None)
     extra["add_generation_prompt"] = False
     if budget not in (None, DEFAULTS):
         extra["kamera"] = {"drift_budget": None if budget == "none" else float(budget)}
+    before = len(_audits(live.server))
     began = time.perf_counter()
     reply = live.client.chat.completions.create(
         model="m",
@@ -167,6 +170,7 @@ def _ask(live: LiveServer, messages: Messages, session: str, budget: str | None)
     seconds = time.perf_counter() - began
     kamera = reply.model_extra["kamera"]
     work = {name: sum(int(op.get(name, 0)) for op in kamera["ops"]) for name in BUDGET_WORK}
+    audited = _audits(live.server)
     edits: dict[str, int] = {}
     for op in kamera["ops"]:
         for kind, count in op["edits"].items():
@@ -176,6 +180,7 @@ def _ask(live: LiveServer, messages: Messages, session: str, budget: str | None)
         "prefilled": int(kamera["tokens_prefilled"]),
         "budget_work": {**work, **{f"edits.{kind}": count for kind, count in sorted(edits.items())}},
         "largest": kamera["drift"].get("largest"),
+        "audited": audited[before:],
         "seconds": seconds,
         "logits": live.server.first_logits.float(),
     }
@@ -184,7 +189,13 @@ def _ask(live: LiveServer, messages: Messages, session: str, budget: str | None)
 def _logged(backend: Any, reuse: str) -> KameraServer:
     """A server (``reuse``: kamera or prefix) that keeps its last answer's first-token logits."""
     server = KameraServer(backend, ServeSettings("m", WindowConfig(), max_tokens=1, reuse=reuse))
-    decode = server._decode
+    decode, make = server._decode, server.sessions._make
+    server.windows = []  # type: ignore[attr-defined]
+
+    def made(*args: Any, **kwargs: Any) -> Any:
+        window = make(*args, **kwargs)
+        server.windows.append(window)  # type: ignore[attr-defined]
+        return window
 
     def decoded(*args: Any, **kwargs: Any) -> Any:
         answers = decode(*args, **kwargs)
@@ -192,7 +203,15 @@ def _logged(backend: Any, reuse: str) -> KameraServer:
         return answers
 
     server._decode = decoded  # type: ignore[method-assign]
+    server.sessions._make = made
     return server
+
+
+def _audits(server: Any) -> list[float]:
+    """Every audit the server's windows' budgets remember, oldest first (one window per setting
+    here: each setting is a server of its own, with one session)."""
+    budgets = [window._parts.budget for window in server.windows]
+    return [audit for budget in budgets if budget is not None for audit in budget.audited()]
 
 
 def _summaries(rows: list[dict[str, Any]], policies: list[str], budgets: list[str]) -> list[dict[str, Any]]:

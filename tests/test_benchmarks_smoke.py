@@ -286,4 +286,5 @@ def test_the_replay_frontier_records_each_budgets_answers_and_work_beside_the_pr
     assert all(r["prefilled"] == r["prefix_prefilled"] and r["agrees"] and r["kl"] < 1e-6 for r in records)
     assert all({"audits", "drift_fixes", "edits.admit"} <= r["budget_work"].keys() for r in records)
     assert all(r["largest"] == 0 for r in records)  # every chunk exact: nothing estimated over 0
+    assert all(r["audited"] == [] for r in records)  # and nothing audited
     assert report["command"].startswith("python benchmarks/replay_frontier.py --model")
