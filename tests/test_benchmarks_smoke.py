@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -227,6 +229,27 @@ def test_slide_repair_judges_every_repair_against_the_real_models_re_prefill(tmp
     assert rules["kept"]["tokens_mean"] < rules["head 30 %"]["tokens_mean"] < refill
     assert rules["head 30 %"]["error_by_distance"][0] < rules["kept"]["error_by_distance"][0]
     assert 0 < rules["bf16 re-prefill"]["kl_max"] < 1e-1
+
+
+def test_the_answer_probe_at_a_share_of_all_rows_is_the_true_kl(tmp_path: Path) -> None:
+    """On SmolLM2: every audit row recomputed over the probed left is the re-prefill itself, so
+    the estimate equals the true KL (the plumbing the partial shares rest on); a share of 0.3
+    recomputes part of the rows and moves the answer."""
+    from tests.real_env import ensure_real_models
+
+    ensure_real_models()
+    from kamera_agent.models.real import real_model_gguf
+
+    out = tmp_path / "probe.json"
+    model = str(real_model_gguf("smollm2"))
+    args = ["--model", model, "--seeds", "1", "--chunks", "3", "--shares", "0.3", "1.0", "--json", str(out)]
+    run_benchmark("answer_probe", args)
+    (only,) = json.loads(out.read_text())["slides"]
+    assert only["kl"] > 1e-5  # the kept survivor drifts measurably
+    whole, part = only["estimates"]["1.0"], only["estimates"]["0.3"]
+    assert whole["kl"] == pytest.approx(only["kl"], rel=1e-3)
+    assert whole["moved_kl"] == pytest.approx(only["kl"], rel=1e-3)
+    assert 0 < part["rows"] < whole["rows"] and part["moved_kl"] > 0
 
 
 def test_the_vllm_workloads_slide_reorder_and_hand_off_on_passages_of_their_own(tmp_path: Path) -> None:
