@@ -12,8 +12,9 @@ scaled up by the share, estimates the answer's whole change for the price of one
 Each episode: ``--chunks`` passages of the benchmark half of kamera's corpus, prefilled in one
 forward behind the anchor; the first leaves; the new lead is re-formed over the anchor; the
 others keep their KV, relocated (what the planner's ``survivors="keep"`` does). Per ``--shares``:
-each survivor's audit rows (`audit_indices`) recomputed over the chunks to its left as they then
-are, the answer to the corpus question decoded over that window, and the estimate
+each survivor's audit rows (`audit_indices`; ``--rows head``: as many from its start, the rows a
+slide's repair buys most answer with, `slide_repair.py`) recomputed over the chunks to its left
+as they then are, the answer to the corpus question decoded over that window, and the estimate
 ``KL(kept + (probed − kept) / share ‖ kept)``. Judged against the true ``KL(re-prefill ‖ kept)``:
 Spearman over the slides, the ratio of true to estimated KL, and whether an estimate under a
 threshold ever stood for a flipped first token; beside the KV-unit signal (the largest
@@ -39,7 +40,7 @@ from kamera_agent.bench.calibration_fit import _spearman
 from kamera_agent.bench.common import machine_info, show_and_save
 from kamera_agent.bench.corpus import QUESTION, passages
 from kamera_agent.divergence import next_token_kl
-from kamera_agent.fidelity import audit_indices, relative_error
+from kamera_agent.fidelity import audit_count, audit_indices, relative_error
 from kamera_agent.loading import load_backend
 from kamera_agent.operator import ChunkKV, relocate, to_position_free
 from kamera_agent.settings import configure_threads
@@ -55,6 +56,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, default=24, help="episodes (seeds 1..N of the corpus order)")
     parser.add_argument("--chunks", type=int, default=6, help="passages before the slide (one leaves)")
     parser.add_argument("--shares", type=float, nargs="+", default=[0.1, 0.3])
+    parser.add_argument(
+        "--rows",
+        choices=("audit", "head"),
+        default="audit",
+        help="which rows of each survivor: the audit's random draw, or the contiguous run from its start",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -64,16 +71,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with Progress() as progress:
         task = progress.add_task("slides", total=args.seeds)
         for seed in range(1, args.seeds + 1):
-            slides.append(slide(backend, passages("benchmark", seed, args.chunks), args.shares, str(seed)))
+            texts = passages("benchmark", seed, args.chunks)
+            slides.append(slide(backend, texts, args.shares, str(seed), args.rows))
             progress.advance(task)
-    report: dict[str, Any] = {"model": str(args.model), "seeds": args.seeds, "chunks": args.chunks}
+    report: dict[str, Any] = {
+        "model": str(args.model),
+        "seeds": args.seeds,
+        "chunks": args.chunks,
+        "rows": args.rows,
+    }
     report |= {"threads": args.threads, "machine": machine_info(), "slides": slides}
     report["shares"] = {str(share): judged(slides, str(share)) for share in args.shares}
     report["kv_signal"] = {"spearman": _spearman([s["kv_error"] for s in slides], [s["kl"] for s in slides])}
     return show_and_save(table(report), report, args.json)
 
 
-def slide(backend: Backend, texts: Sequence[str], shares: Sequence[float], seed: str) -> dict[str, Any]:
+def slide(
+    backend: Backend, texts: Sequence[str], shares: Sequence[float], seed: str, rows_from: str = "audit"
+) -> dict[str, Any]:
     """One slide: the kept window's answer against the re-prefill's, and each share's estimate."""
     enc = backend.encoder
     anchor = enc.anchor()
@@ -99,7 +114,10 @@ def slide(backend: Backend, texts: Sequence[str], shares: Sequence[float], seed:
     for share in shares:
         probed, rows = [lead], 0
         for chunk, kv, start in zip(survivors[1:], kept, starts[1:], strict=True):
-            indices = audit_indices(chunk.num_tokens, share, f"{seed}:{start}")
+            if rows_from == "head":
+                indices = torch.arange(audit_count(chunk.num_tokens, share))
+            else:
+                indices = audit_indices(chunk.num_tokens, share, f"{seed}:{start}")
             probed.append(backend.recompute(chunk, kv, indices, [root, *probed], start).kv[0])
             rows += int(indices.numel())
         moved = answer_logits(backend, [root, *probed], query, end)
@@ -143,13 +161,13 @@ def judged(slides: list[dict[str, Any]], share: str) -> dict[str, Any]:
 
 
 def table(report: dict[str, Any]) -> Table:
-    out = Table(title=f"The answer's KL estimated from audit rows: {report['seeds']} slides")
+    out = Table(title=f"The answer's KL estimated from {report['rows']} rows: {report['seeds']} slides")
     columns = ("estimate", "Spearman vs true KL", "true / estimate (median, max)", "rows recomputed")
     columns += tuple(f"≤ {t:g}: slides, top-1" for t in THRESHOLDS)
     for column in columns:
         out.add_column(column, justify="left" if column == "estimate" else "right")
     for share, row in report["shares"].items():
-        cells = [f"audit rows, share {share}", f"{row['spearman']:.2f}"]
+        cells = [f"{report['rows']} rows, share {share}", f"{row['spearman']:.2f}"]
         cells += [f"{row['ratio_median']:.2f}, {row['ratio_max']:.2f}", f"{100 * row['rows_share']:.0f} %"]
         for threshold in THRESHOLDS:
             at = row["under"][str(threshold)]

@@ -250,6 +250,9 @@ def test_the_answer_probe_at_a_share_of_all_rows_is_the_true_kl(tmp_path: Path) 
     assert whole["kl"] == pytest.approx(only["kl"], rel=1e-3)
     assert whole["moved_kl"] == pytest.approx(only["kl"], rel=1e-3)
     assert 0 < part["rows"] < whole["rows"] and part["moved_kl"] > 0
+    run_benchmark("answer_probe", [*args[:-3], "1.0", "--rows", "head", "--json", str(out)])
+    (head,) = json.loads(out.read_text())["slides"]  # every row from each survivor's start: all rows
+    assert head["estimates"]["1.0"]["kl"] == pytest.approx(only["kl"], rel=1e-3)
 
 
 def test_the_vllm_workloads_slide_reorder_and_hand_off_on_passages_of_their_own(tmp_path: Path) -> None:
