@@ -35,14 +35,14 @@ import torch
 from rich.progress import Progress
 from rich.table import Table
 
-from kamera_agent.backends.base import Backend, DecodeConfig
+from kamera_agent.backends.base import Backend
 from kamera_agent.bench.calibration_fit import _spearman
 from kamera_agent.bench.common import machine_info, show_and_save
-from kamera_agent.bench.corpus import QUESTION, passages
+from kamera_agent.bench.corpus import passages
+from kamera_agent.bench.slides import answer_logits, kept_slide
 from kamera_agent.divergence import next_token_kl
 from kamera_agent.fidelity import audit_count, audit_indices, relative_error
 from kamera_agent.loading import load_backend
-from kamera_agent.operator import ChunkKV, relocate, to_position_free
 from kamera_agent.settings import configure_threads
 
 THRESHOLDS = (1e-3, 3e-3, 1e-2)
@@ -90,22 +90,9 @@ def slide(
     backend: Backend, texts: Sequence[str], shares: Sequence[float], seed: str, rows_from: str = "audit"
 ) -> dict[str, Any]:
     """One slide: the kept window's answer against the re-prefill's, and each share's estimate."""
-    enc = backend.encoder
-    anchor = enc.anchor()
-    root = backend.prefill([anchor], [], 0).kv[0]
-    chunks = [enc.text(text) for text in texts]
-    before = backend.prefill(chunks, [root], anchor.advance).kv
-    survivors = chunks[1:]
-    starts = [anchor.advance + sum(c.advance for c in survivors[:i]) for i in range(len(survivors))]
-    end = starts[-1] + survivors[-1].advance
-    exact = list(backend.prefill(survivors, [root], anchor.advance).kv)
-    lead = backend.prefill(survivors[:1], [root], anchor.advance).kv[0]
-    layout = backend.layout
-    kept = [
-        relocate(to_position_free(kv, layout), layout, c.positions_at(s))
-        for kv, c, s in zip(before[2:], survivors[1:], starts[1:], strict=True)
-    ]
-    query = enc.query_ids(*QUESTION)
+    one = kept_slide(backend, texts)
+    root, survivors, starts, end, exact = one.root, one.survivors, one.starts, one.end, one.exact
+    lead, kept, query = one.lead, one.kept, one.query
     truth = answer_logits(backend, [root, *exact], query, end)
     served = answer_logits(backend, [root, lead, *kept], query, end)
     errors = [relative_error(got, want) for got, want in zip(kept, exact[1:], strict=True)]
@@ -126,11 +113,6 @@ def slide(
         moved_kl = next_token_kl(moved, served)
         out["estimates"][str(share)] = {"kl": estimate, "rows": rows, "moved_kl": moved_kl}
     return out
-
-
-def answer_logits(backend: Backend, placed: list[ChunkKV], query: torch.Tensor, end: int) -> torch.Tensor:
-    decoded = backend.decode(backend.assemble(placed), query, end, DecodeConfig(max_new_tokens=1))
-    return decoded.answer.first_logits.float().flatten()
 
 
 def _top(logits: torch.Tensor) -> int:

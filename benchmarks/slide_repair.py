@@ -36,16 +36,17 @@ import torch
 from rich.progress import Progress
 from rich.table import Table
 
-from kamera_agent.backends.base import Backend, DecodeConfig
+from kamera_agent.backends.base import Backend
 from kamera_agent.backends.recompute import deviation_spent
 from kamera_agent.bench.common import machine_info, show_and_save
-from kamera_agent.bench.corpus import QUESTION, passages
+from kamera_agent.bench.corpus import passages
+from kamera_agent.bench.slides import answer_logits, kept_slide
 from kamera_agent.chunks import Chunk
 from kamera_agent.core import select_tokens
 from kamera_agent.divergence import next_token_kl
 from kamera_agent.fidelity import relative_error
 from kamera_agent.loading import load_backend
-from kamera_agent.operator import ChunkKV, relocate, to_position_free
+from kamera_agent.operator import ChunkKV
 from kamera_agent.settings import configure_threads
 
 Pick = Callable[[Backend, Chunk, ChunkKV, list[ChunkKV], int], tuple[torch.Tensor, int]]
@@ -123,22 +124,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def episode(backend: Backend, floor: Backend, texts: Sequence[str]) -> dict[str, dict[str, Any]]:
     """One slide's repairs, each judged against the survivors' fp32 re-prefill."""
-    enc = backend.encoder
-    anchor = enc.anchor()
-    root = backend.prefill([anchor], [], 0).kv[0]
-    chunks = [enc.text(text) for text in texts]
-    before = backend.prefill(chunks, [root], anchor.advance).kv
-    survivors = chunks[1:]
-    starts = [anchor.advance + sum(c.advance for c in survivors[:i]) for i in range(len(survivors))]
-    end = starts[-1] + survivors[-1].advance
-    exact = list(backend.prefill(survivors, [root], anchor.advance).kv)
-    lead = backend.prefill(survivors[:1], [root], anchor.advance).kv[0]
-    layout = backend.layout
-    kept = [
-        relocate(to_position_free(kv, layout), layout, c.positions_at(s))
-        for kv, c, s in zip(before[2:], survivors[1:], starts[1:], strict=True)
-    ]
-    query = enc.query_ids(*QUESTION)
+    one = kept_slide(backend, texts)
+    root, survivors, starts, end, exact = one.root, one.survivors, one.starts, one.end, one.exact
+    lead, kept, query = one.lead, one.kept, one.query
     truth = answer_logits(backend, [root, *exact], query, end)
     out: dict[str, dict[str, Any]] = {}
     for rule in RULES:
@@ -150,6 +138,7 @@ def episode(backend: Backend, floor: Backend, texts: Sequence[str]) -> dict[str,
                 tokens += probe + int(indices.numel())
             repaired.append(kv)
         out[rule.name] = judged(backend, [root, *repaired], exact, query, end, truth, tokens)
+    anchor = backend.encoder.anchor()
     floor_root = floor.prefill([anchor], [], 0).kv[0]
     floor_kv = [floor_root, *floor.prefill(survivors, [floor_root], anchor.advance).kv]
     out["bf16 re-prefill"] = judged(floor, floor_kv, exact, query, end, truth, exact_tokens(survivors))
@@ -174,11 +163,6 @@ def judged(
     errors = [relative_error(got, want) for got, want in zip(placed[2:], exact[1:], strict=True)]
     agrees = int(logits.argmax()) == int(truth.argmax())
     return {"kl": next_token_kl(truth, logits), "agrees": agrees, "errors": errors, "tokens": tokens}
-
-
-def answer_logits(backend: Backend, placed: list[ChunkKV], query: torch.Tensor, end: int) -> torch.Tensor:
-    decoded = backend.decode(backend.assemble(placed), query, end, DecodeConfig(max_new_tokens=1))
-    return decoded.answer.first_logits.float().flatten()
 
 
 def summary(row: dict[str, list[Any]]) -> dict[str, Any]:
