@@ -92,7 +92,7 @@ def slide(
     """One slide: the kept window's answer against the re-prefill's, and each share's estimate."""
     one = kept_slide(backend, texts)
     root, survivors, starts, end, exact = one.root, one.survivors, one.starts, one.end, one.exact
-    lead, kept, query = one.lead, one.kept, one.query
+    lead, kept, query = one.lead, one.kept_kv, one.query
     truth = answer_logits(backend, [root, *exact], query, end)
     served = answer_logits(backend, [root, lead, *kept], query, end)
     errors = [relative_error(got, want) for got, want in zip(kept, exact[1:], strict=True)]

@@ -126,7 +126,7 @@ def episode(backend: Backend, floor: Backend, texts: Sequence[str]) -> dict[str,
     """One slide's repairs, each judged against the survivors' fp32 re-prefill."""
     one = kept_slide(backend, texts)
     root, survivors, starts, end, exact = one.root, one.survivors, one.starts, one.end, one.exact
-    lead, kept, query = one.lead, one.kept, one.query
+    lead, kept, query = one.lead, one.kept_kv, one.query
     truth = answer_logits(backend, [root, *exact], query, end)
     out: dict[str, dict[str, Any]] = {}
     for rule in RULES:

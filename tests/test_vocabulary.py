@@ -32,6 +32,9 @@ ALLOWED: dict[str, str] = {
     "kept_tokens": "tokens served in kept states",
     "tokens_kept": "tokens offered in kept states",
     "held_kept": "tokens of the engine's own hit in kept states",
+    "KeptSlide": "a slide whose survivors keep what the chunk that left gave them (a benchmark's episode)",
+    "kept_slide": "builds a KeptSlide",
+    "kept_kv": "a KeptSlide's survivors' KV as they kept it",
     # budget: the drift budget ε
     "budget": "a drift budget (or a calibration's default ε)",
     "BUDGETS": "the ε a calibration is judged at",

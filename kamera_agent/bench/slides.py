@@ -37,8 +37,9 @@ class KeptSlide:
     """The survivors re-prefilled behind the anchor: the truth."""
     lead: ChunkKV
     """The new lead re-formed behind the anchor alone (its canonical, exact there)."""
-    kept: list[ChunkKV]
-    """The other survivors' KV from before the slide, relocated to their new starts."""
+    kept_kv: list[ChunkKV]
+    """The other survivors' KV from before the slide (what they absorbed of the lead kept),
+    relocated to their new starts."""
     query: torch.Tensor
     """The corpus question's ids."""
 
@@ -56,11 +57,11 @@ def kept_slide(backend: Backend, texts: Sequence[str]) -> KeptSlide:
     exact = list(backend.prefill(survivors, [root], anchor.advance).kv)
     lead = backend.prefill(survivors[:1], [root], anchor.advance).kv[0]
     layout = backend.layout
-    kept = [
+    kept_kv = [
         relocate(to_position_free(kv, layout), layout, c.positions_at(s))
         for kv, c, s in zip(before[2:], survivors[1:], starts[1:], strict=True)
     ]
-    return KeptSlide(root, survivors, starts, end, exact, lead, kept, enc.query_ids(*QUESTION))
+    return KeptSlide(root, survivors, starts, end, exact, lead, kept_kv, enc.query_ids(*QUESTION))
 
 
 def answer_logits(backend: Backend, placed: list[ChunkKV], query: torch.Tensor, end: int) -> torch.Tensor:
