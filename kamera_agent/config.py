@@ -125,6 +125,12 @@ class WindowConfig(BaseModel):
             number ε ≥ 0 (0: exact, the default of `exact`); ``None``: no budget (the policies'
             approximations unmeasured and unbounded). A model never calibrated runs exactly,
             with one `UncalibratedWarning` saying how to calibrate it.
+        answer_budget: judge approximations by the answer instead (in place of
+            ``drift_budget``, which engines keep using): the largest next-token KL against a
+            re-prefill the window's estimate may reach after an op, where the estimated answer
+            also keeps its first token (`kamera_agent.fidelity.answer`: each approximated
+            chunk's first rows recomputed and kept, a probe decoded before and after). Needs
+            no calibration; ``None``: off.
         evicted_pixels: ``"drop"`` releases an evicted image's pixels once its vision output or
             canonical is stored (they are most of its memory); ``"retain"`` holds them, so its
             re-prefill inputs (``as_model_inputs``) can always be rebuilt (``"keep"``, its old
@@ -178,6 +184,7 @@ class WindowConfig(BaseModel):
     max_image_pixels: int = Field(default=50_000_000, ge=1)
     large_chunk_tokens: int | None = Field(default=8192, ge=1)
     drift_budget: float | Literal["calibrated"] | None = "calibrated"
+    answer_budget: float | None = Field(default=None, gt=0, le=10)
 
     @model_validator(mode="before")
     @classmethod
@@ -383,6 +390,7 @@ EXACT_SETTINGS: dict[str, Any] = {
     "cascade": "cascade",
     "orbit": False,
     "drift_budget": 0.0,
+    "answer_budget": None,
 }
 """What `WindowConfig.exact` sets: full-rank patches, survivors re-patched without what left,
 recalls patched on their new left, cascades, no orbit approximation, a zero drift budget."""

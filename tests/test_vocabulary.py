@@ -40,6 +40,7 @@ ALLOWED: dict[str, str] = {
     "BUDGETS": "the ε a calibration is judged at",
     "DriftBudget": "the drift budget",
     "drift_budget": "the drift budget setting",
+    "answer_budget": "the drift budget setting in answer units (the window's next-token KL)",
     "engine_budget": "the drift budget an engine serves under",
     "window_budget": "the drift budget a window runs with",
     "shared_budget": "the drift budget the windows on one store share",

@@ -17,6 +17,7 @@ antecedents in order, folded one at a time into a `Context`:
                                                               the rest in another (engines only)
     recomputed(B) = H("recomputed", s, c, share)              state s with its most deviating
                                                               share of tokens recomputed over c
+                  = H("recomputed-head", s, c, share)         ... its first share of tokens
 
 A state's digest determines its KV (up to relocation, which is exact): states that differ in
 anything their KV depends on (an approximate antecedent, a rank, an orbit's members) differ, so
@@ -163,6 +164,7 @@ class ChunkState:
             an orbit's: its set's).
         source: a recomputed state's state before the recompute (``None`` for other kinds).
         share: the share of its tokens a recomputed state recomputed (0 for other kinds).
+        head: a recomputed state recomputed its first ``share`` of tokens, not its most deviating.
         exact: a re-prefill of its chain computes the same KV (canonical, or full rank over an
             exact context).
     """
@@ -173,6 +175,7 @@ class ChunkState:
         "context",
         "digest",
         "exact",
+        "head",
         "keyset",
         "kind",
         "members",
@@ -193,11 +196,12 @@ class ChunkState:
         keyset: int | None = None,
         source: ChunkState | None = None,
         share: float = 0.0,
+        head: bool = False,
     ) -> None:
         self.digest, self.chunk_key, self.kind, self.rank = digest, chunk_key, kind, rank
         self.context, self.members, self.address = context, members, address
         self.keyset = context.keyset if keyset is None else keyset
-        self.source, self.share = source, share
+        self.source, self.share, self.head = source, share, head
         self.exact = kind == "canonical" or (kind == "patched" and rank == "full" and context.exact)
 
     @property
@@ -251,12 +255,16 @@ class ChunkState:
         return cls(digest, head.chunk_key, "spliced", tail.rank, head.context)
 
     @classmethod
-    def recomputed(cls, source: ChunkState, context: Context, share: float) -> ChunkState:
+    def recomputed(cls, source: ChunkState, context: Context, share: float, head: bool = False) -> ChunkState:
         """``source``'s KV, placed behind ``context``, with its most deviating ``share`` of tokens
-        recomputed through every layer over it (`KVCore.recompute`): what the other tokens absorbed
-        elsewhere stays, so never exact; its KV is stored whole under this digest."""
-        digest = _hash("recomputed", source.digest, context.digest, f"{share:.6g}")
-        return cls(digest, source.chunk_key, "recomputed", "full", context, source=source, share=share)
+        (``head``: its first ``share``) recomputed through every layer over it (`KVCore.recompute`):
+        what the other tokens absorbed elsewhere stays, so never exact; its KV is stored whole
+        under this digest."""
+        kind = "recomputed-head" if head else "recomputed"
+        digest = _hash(kind, source.digest, context.digest, f"{share:.6g}")
+        return cls(
+            digest, source.chunk_key, "recomputed", "full", context, source=source, share=share, head=head
+        )
 
     def antecedents(self) -> tuple[ChunkState, ...]:
         """The states whose KV this state's KV encodes directly: its context's, and a recomputed
@@ -275,7 +283,7 @@ class ChunkState:
         # that (few tokens), so its patch is lossless (`effective_rank`)
         rank = "rank full (lossless)" if self.rank == "full" else f"rank {self.rank}"
         if self.kind == "recomputed":
-            rank = f"{self.share:.0%} of tokens recomputed (approximate)"
+            rank = f"{'first ' if self.head else ''}{self.share:.0%} of tokens recomputed (approximate)"
         return f"ChunkState({self.kind}, {rank}, {self.context.length} antecedents, {self.digest[:8]})"
 
 

@@ -227,18 +227,23 @@ class KVCore:
         fraction: float,
         txn: Txn,
         layers: int = 1,
+        head: bool = False,
     ) -> Recomputed:
         """``kv`` (the chunk placed at ``start``) with its most deviating ``fraction`` of tokens
         recomputed over ``context``: a partial forward of every token (`Backend.deviation`, the
         first ``layers`` layers), `select_tokens`, then one forward of those tokens
         (`Backend.recompute`); both costs land in ``txn.meter``. A fraction that selects every
-        token skips the probe: that recompute is the chunk's exact prefill over ``context``."""
+        token skips the probe: that recompute is the chunk's exact prefill over ``context``.
+        ``head``: its first ``fraction`` of tokens instead, no probe (after a change to its left
+        they drifted most: `benchmarks/slide_repair.py`)."""
         self.check_origin(chunk)
         vision = self.vision(chunk, txn) if chunk.has_vision else None
         n = chunk.num_tokens
         scores = None
         with books("the tokens a recompute runs are chosen by their deviation, and checked, on the host"):
-            if selected_count(fraction, n) < n:
+            if head:
+                indices = torch.arange(selected_count(fraction, n))
+            elif selected_count(fraction, n) < n:
                 probe = self.backend.deviation(chunk, kv, context, start, vision, layers)
                 txn.meter.spend(probe.spent)
                 scores = probe.scores

@@ -10,10 +10,12 @@ and the budget's internals change in one place.
 - `calibration`: a model's fitted constants and default ε, filed by fingerprint.
 - `audits`: the sampled audit (a chunk's KV against a few of its rows recomputed) and errors.
 - `drift_budget`: the estimate chained left to right, the verdict per chunk, the fix shares.
+- `answer`: drift judged in answer units (a probe's answer before and after a repair).
 - `resolve`: which budget a window or an engine runs with, from its settings.
 - `vouching`: what a kept state no audit measured is bounded by (its class and distance).
 """
 
+from kamera_agent.fidelity.answer import ANSWER_SHARE, AnswerEstimate, combined, estimate_answer
 from kamera_agent.fidelity.audits import (
     AuditSource,
     Filed,
@@ -35,7 +37,7 @@ from kamera_agent.fidelity.calibration import (
     find_calibration,
     save_calibration,
 )
-from kamera_agent.fidelity.drift_budget import DriftBudget
+from kamera_agent.fidelity.drift_budget import DriftBudget, Units
 from kamera_agent.fidelity.resolve import (
     ServeMode,
     engine_budget,
@@ -47,23 +49,28 @@ from kamera_agent.fidelity.vouching import CLASSES, DISTANCES, absorbed_gone, vo
 
 __all__ = [
     "AGREEMENT",
+    "ANSWER_SHARE",
     "BUDGETS",
     "CALIBRATION_DIR_VARIABLE",
     "CLASSES",
     "DISTANCES",
     "MEAN_KL",
+    "AnswerEstimate",
     "AuditSource",
     "Calibration",
     "DriftBudget",
     "Filed",
     "Measure",
     "ServeMode",
+    "Units",
     "absorbed_gone",
     "audit",
     "audit_count",
     "audit_indices",
     "calibration_dirs",
+    "combined",
     "engine_budget",
+    "estimate_answer",
     "filed_in",
     "find_calibration",
     "relative_error",

@@ -25,13 +25,20 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
+from typing import Literal
 
 from kamera_agent.core.identity import ChunkState, Context
+from kamera_agent.fidelity.answer import combined
 from kamera_agent.fidelity.audits import Filed, Measure
 from kamera_agent.fidelity.calibration import Calibration
 from kamera_agent.fidelity.vouching import vouch_class
 
-__all__ = ["DriftBudget"]
+__all__ = ["DriftBudget", "Units"]
+
+Units = Literal["kv", "answer"]
+"""What a budget's ε bounds: each chunk's estimated relative KV error (audits scaled by the
+model's calibration), or the window's next-token KL against a re-prefill, estimated from a probe's
+answer (`kamera_agent.fidelity.answer`; windows only: an engine cannot decode a probe)."""
 
 _AUDITS = 1 << 14  # audits remembered per budget
 _RETRY = 16  # an op name whose approximations keep failing is still tried once in this many
@@ -45,8 +52,8 @@ class DriftBudget:
     """ε, the model's calibration and the audits measured so far (shared by a window's forks:
     an audit depends only on the digests it is filed by)."""
 
-    def __init__(self, epsilon: float, calibration: Calibration) -> None:
-        self.epsilon, self.calibration = epsilon, calibration
+    def __init__(self, epsilon: float, calibration: Calibration, units: Units = "kv") -> None:
+        self.epsilon, self.calibration, self.units = epsilon, calibration, units
         self._audits: OrderedDict[tuple[str, str], float] = OrderedDict()
         # per op name: [audited ops, the shares of their fix bounds their fixes spent, summed],
         # from the calibration's episodes at first
@@ -158,12 +165,20 @@ class DriftBudget:
                     self.remember(state, ctx, own)
                 if own is None:
                     return out + [None] * (len(states) - i)
-                estimate = self.calibration.estimate(own, worst)
+                estimate = self._chained(own, worst)
             out.append(estimate)
             if until_over and not estimate <= self.epsilon:
                 return out + [None] * (len(states) - i - 1)
             worst, ctx = max(worst, estimate), following
         return out
+
+    def _chained(self, own: float, inherited: float) -> float:
+        """A chunk's estimate from what it adds and the largest estimate to its left: the
+        calibration's in KV units; in answer units, the two drifts of the window's answer together
+        (an answer verdict files what its op's approximations added)."""
+        if self.units == "answer":
+            return combined(inherited, own)
+        return self.calibration.estimate(own, inherited)
 
     def vouch(
         self,

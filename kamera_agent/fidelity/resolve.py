@@ -20,8 +20,9 @@ from typing import Literal
 
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import UncalibratedWarning
+from kamera_agent.fidelity.answer import ANSWER_SHARE
 from kamera_agent.fidelity.calibration import Calibration, find_calibration
-from kamera_agent.fidelity.drift_budget import DriftBudget
+from kamera_agent.fidelity.drift_budget import DriftBudget, Units
 from kamera_agent.store import ChunkStore
 
 __all__ = ["ServeMode", "engine_budget", "serve_mode_of", "shared_budget", "window_budget"]
@@ -55,16 +56,24 @@ def window_budget(
 ) -> tuple[WindowConfig, DriftBudget | None]:
     """The settings a window runs with and its budget (shared with the windows on ``store``).
 
+    ``answer_budget`` set: a budget in answer units, which needs no calibration (an engine that
+    cannot recompute tokens runs exactly, with an `UncalibratedWarning`). Else
     ``drift_budget=None``: the settings as given, no budget. A budget of 0, or any budget on a
     model with no calibration or an engine that cannot audit (`Backend.supports_recompute`): the
     settings with every approximation off (`WindowConfig.exactly`), the latter two with an
     `UncalibratedWarning`.
     """
+    why_not = None if can_audit else "this engine cannot recompute sampled tokens to audit drift"
+    if config.answer_budget is not None:
+        if why_not is not None:
+            _calibration(fingerprint, why_not, "the window")  # warns
+            return config.exactly(), None
+        answer = Calibration(fingerprint, scale=1.0, inherit=0.0, audit_share=ANSWER_SHARE)
+        return config, shared_budget(store, fingerprint, config.answer_budget, answer, "answer")
     if config.drift_budget is None:
         return config, None
     if config.drift_budget == 0:
         return config.exactly(), None
-    why_not = None if can_audit else "this engine cannot recompute sampled tokens to audit drift"
     calibration = _calibration(fingerprint, why_not, "the window")
     if calibration is None:
         return config.exactly(), None
@@ -100,8 +109,8 @@ def engine_budget(config: WindowConfig, fingerprint: str) -> tuple[ServeMode, Dr
 
 
 def shared_budget(
-    store: ChunkStore, fingerprint: str, epsilon: float, calibration: Calibration
+    store: ChunkStore, fingerprint: str, epsilon: float, calibration: Calibration, units: Units = "kv"
 ) -> DriftBudget:
-    """The one budget of this model, ε and calibration among the windows on ``store``."""
-    key = f"drift-budget:{fingerprint}:{epsilon!r}:{calibration.to_json()}"
-    return store.companion(key, lambda: DriftBudget(epsilon, calibration))
+    """The one budget of this model, ε, units and calibration among the windows on ``store``."""
+    key = f"drift-budget:{fingerprint}:{units}:{epsilon!r}:{calibration.to_json()}"
+    return store.companion(key, lambda: DriftBudget(epsilon, calibration, units))

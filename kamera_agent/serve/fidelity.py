@@ -20,7 +20,17 @@ from kamera_agent.serve.protocol import RequestError
 __all__ = ["FIDELITY_FIELDS", "Fidelity", "fidelity_for"]
 
 FIDELITY_FIELDS = frozenset(
-    {"rank", "patch_mode", "orbit", "survivors", "reorder", "recall_context", "cascade", "drift_budget"}
+    {
+        "rank",
+        "patch_mode",
+        "orbit",
+        "survivors",
+        "reorder",
+        "recall_context",
+        "cascade",
+        "drift_budget",
+        "answer_budget",
+    }
 )
 """The `WindowConfig` fields a request may set for its own session (``kamera``): how faithful
 its window is. Anything process-wide (threads, device, dtype, store, byte limits) is the server's."""

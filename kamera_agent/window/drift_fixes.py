@@ -32,6 +32,7 @@ from kamera_agent.critical_path import books
 from kamera_agent.fidelity import DriftBudget, audit, audit_count
 from kamera_agent.operator.layout import ChunkKV
 from kamera_agent.store.audits import DriftAudit
+from kamera_agent.window.answer_check import AnswerCheck
 from kamera_agent.window.executor import Executor
 from kamera_agent.window.plan import WindowPlan
 
@@ -67,15 +68,17 @@ class DriftFixes:
         self.end, self._after = (len(self.state.order), 0) if trailing is None else trailing
         core = runner.parts.core
         advances = (self.state.entries[ref].chunk.advance for ref in self.state.order)
-        self._starts = list(accumulate(advances, initial=core.anchor.advance))
+        self.starts = list(accumulate(advances, initial=core.anchor.advance))
         self._placed: list[ChunkKV] = []
         self.estimates: list[float | None] = []
 
     def run(self, plan: WindowPlan) -> WindowPlan:
         """``plan`` with the fixes that held the window within ε added; the op's ``drift`` set."""
+        if self.budget.units == "answer":
+            return AnswerCheck(self).run(plan)
         budget, meter = self.budget, self.txn.meter
         first = self._estimate()
-        audited, before = meter.counts["audits"] > 0, self._spent()
+        audited, before = meter.counts["audits"] > 0, self.spent()
         if not audited and plan.declined:
             budget.declined(plan.op)
         recomputed: set[int] = set()
@@ -100,7 +103,7 @@ class DriftFixes:
         if first is not None:
             plan = self._refill(plan, first)
         if audited:  # what share of the bound the fixes spent: whether such ops are worth trying
-            spent = self._spent() - before
+            spent = self.spent() - before
             budget.record(plan.op, spent / plan.fix_bound if plan.fix_bound else float(spent > 0))
         meter.drift = max((e for e in self.estimates if e is not None), default=0.0)
         return plan
@@ -123,7 +126,7 @@ class DriftFixes:
         core, txn = self.runner.parts.core, self.txn
         with books("the drift budget compares the audited error with its epsilon"):
             error, tokens = audit(
-                core, chunk, placed[i + 1], placed[: i + 1], self._starts[i], share, seed, txn
+                core, chunk, placed[i + 1], placed[: i + 1], self.starts[i], share, seed, txn
             )
         txn.meter.add(audits=1)
         txn.meter.add(audit_tokens=tokens)
@@ -139,8 +142,11 @@ class DriftFixes:
         return plan.changed(steps=plan.steps + fix.steps)
 
     def _refill(self, plan: WindowPlan, first: int) -> WindowPlan:
-        """Re-prefill from ``first`` (or from where the plan was bounded, if that is cheaper)."""
-        why = f"{self._over(first)}; re-prefilled from it"
+        return self.refill_from(plan, first, f"{self._over(first)}; re-prefilled from it")
+
+    def refill_from(self, plan: WindowPlan, first: int, why: str) -> WindowPlan:
+        """Re-prefill from ``first`` (or from where the plan was bounded, if that is cheaper) to
+        the op's trailing content."""
         planner = self.runner.planner(self.txn.store)
         fix = planner.refill(self.state, first, why, self.end)
         vouched = plan.vouched_to
@@ -153,7 +159,7 @@ class DriftFixes:
         self.estimates = self.runner.drift(store=self.txn.store, end=self.end)
         return plan
 
-    def _spent(self) -> int:
+    def spent(self) -> int:
         """What the op has prefilled so far, its audits apart."""
         return self.txn.meter.spent.tokens_prefilled - self.txn.meter.counts["audit_tokens"]
 
@@ -174,7 +180,7 @@ class DriftFixes:
         if cost >= n:
             return False  # as dear as re-prefilling the chunk itself
         fix = _tokens(self.runner.planner(self.txn.store).refill(self.state, first, "fix", self.end))
-        if self._spent() + cost + fix + self._after > plan.prefix_bound:
+        if self.spent() + cost + fix + self._after > plan.prefix_bound:
             return False
         if budget.worth_trying(RECOMPUTE, cost, fix, fix, self._audits_from(first)):
             return True
@@ -190,7 +196,7 @@ class DriftFixes:
         planner = self.runner.planner(self.txn.store)
         cost = _tokens(planner.refill(self.state, first, "fix", first + 1))
         rest = _tokens(planner.refill(self.state, first + 1, "fix", self.end))
-        if self._spent() + cost + rest + self._after > plan.prefix_bound:
+        if self.spent() + cost + rest + self._after > plan.prefix_bound:
             return False
         if self.budget.worth_trying(REFILL_ONE, cost, rest, cost + rest, self._audits_from(first + 1)):
             return True

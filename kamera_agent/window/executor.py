@@ -297,9 +297,10 @@ class Executor(Placement):
         kv = self._conditioned_over(chunk, target.context)
         self._adopt(ref, target, kv, antecedents)
 
-    def recompute(self, ref: ChunkRef, share: float) -> ChunkState:
-        """Recompute the in-window chunk's most deviating ``share`` of tokens over the chunks to its
-        left as they are now (`KVCore.recompute`): its new state, stored and settled.
+    def recompute(self, ref: ChunkRef, share: float, head: bool = False) -> ChunkState:
+        """Recompute the in-window chunk's most deviating ``share`` of tokens (``head``: its first)
+        over the chunks to its left as they are now (`KVCore.recompute`): its new state, stored
+        and settled.
 
         Why: the cheapest fix a drift budget has for one chunk whose own KV drifted (what it
         absorbed elsewhere), where re-prefilling it and everything after it costs far more."""
@@ -309,10 +310,12 @@ class Executor(Placement):
         for left in order[:i]:
             ctx = ctx.extend(entries[left].state)
         entry = entries[ref]
-        target = ChunkState.recomputed(entry.state, ctx, share)
+        target = ChunkState.recomputed(entry.state, ctx, share, head)
         placed = self.placements(i + 1)
         start = self._starts[ref]
-        recomputed = self.core.recompute(entry.chunk, placed[i + 1], placed[: i + 1], start, share, self.txn)
+        recomputed = self.core.recompute(
+            entry.chunk, placed[i + 1], placed[: i + 1], start, share, self.txn, head=head
+        )
         kv = self.core.store_full(target, recomputed.kv, self.txn)
         self._full[target.digest] = kv
         # what it encoded before (a chunk that left, maybe recalled later) it still encodes in part

@@ -186,12 +186,12 @@ class Placement:
 
     def _recomputed_over(self, chunk: Chunk, state: ChunkState) -> ChunkKV:
         """A recomputed state's KV made again as it was first made: its source placed behind its
-        context, its most deviating tokens recomputed over it (`KVCore.recompute`)."""
+        context, its most deviating (or first) tokens recomputed over it (`KVCore.recompute`)."""
         assert state.source is not None
         placed, start = self._placed_context(state.context)
         reference, patch = self.position_free_parts(state.source)
         kv = self.core.place(reference, patch, chunk.positions_at(start))
-        return self.core.recompute(chunk, kv, placed, start, state.share, self.txn).kv
+        return self.core.recompute(chunk, kv, placed, start, state.share, self.txn, head=state.head).kv
 
     # -- helpers -------------------------------------------------------------------------------------
     def _order_changed(self) -> None:

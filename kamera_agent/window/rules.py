@@ -4,8 +4,12 @@ Why a module of its own: the planner walks an operation's new order left to righ
 the planned states of the chunks to the left into a `Context`; at each chunk it asks these
 rules, which read only the chunk's state, that context and a read-only store view:
 
+0. blind reuse (rank 0) → the canonical, except a recomputed state over the same left (a drift
+   budget's repair stays);
 1. its state's context is the planned left context → **rotate** only (relocation is exact);
-2. first in the window → **revert** to the canonical (exact there);
+2. first in the window → **revert** to the canonical (exact there); a survivor that keeps what
+   it absorbed stays as it is where no canonical is stored, except under an answer budget: the
+   lead is the attention sink, what it absorbed moves every answer;
 3. its left context is what it was before this op and it encodes nothing now at or right of
    it → **rotate**: the op did not touch what it depends on; under the keep policy and a drift
    budget also where what it encodes at or right of it was not to its left before the op (a
@@ -106,7 +110,7 @@ class Rules:
         """The edit an in-window chunk needs at index ``i`` behind ``ctx`` (the module's rules)."""
         entry = state.entries[ref]
         current, chunk = entry.state, entry.chunk
-        if self.rank == 0:
+        if self.rank == 0 and not (current.kind == "recomputed" and current.context.digest == ctx.digest):
             kind: EditKind = "rotate" if current.kind == "canonical" else "revert"
             return self.canonical_step(kind, ref, "blind reuse: relocation only")
         if entry.pending:
@@ -119,7 +123,7 @@ class Rules:
             )
         if i == 0:
             as_is = action == "keep" and (causal(ref, i) or self.stands(state, ref, i, order))
-            if as_is and not self.view.has_canonical(ref.key):
+            if as_is and self.config.answer_budget is None and not self.view.has_canonical(ref.key):
                 return Step("rotate", ref, current, detail="first in the window, keeps what it absorbed")
             return self.canonical_step("revert", ref, "first in the window: the canonical is exact")
         if before().get(ref) == ctx.digest:
@@ -429,7 +433,8 @@ class Rules:
                 return None
             selected = selected_count(s.share, chunk.num_tokens)
             underneath = sum(p[1] for p in parts if p)
-            return 2 + sum(p[0] for p in parts if p), chunk.num_tokens + selected + underneath
+            probe = 0 if s.head else chunk.num_tokens  # the deviation probe that picks the tokens
+            return 2 + sum(p[0] for p in parts if p), probe + selected + underneath
         if not can_form(chunk, self.view):
             return None
         canonical = (0, 0) if full or self.view.has_canonical(s.chunk_key) else (1, chunk.num_tokens)

@@ -11,8 +11,8 @@ prefill, never through the window's planner, executor, store or placement code:
 - orbit: the running mean of its members' truncated deficits, re-truncated after each member,
   in the order the members were merged (what an orbit patch is by definition);
 - recomputed: the truth of its source placed behind the truth of its context, the chunk's
-  ``ceil(share · n)`` tokens of largest one-layer deviation there (`Backend.deviation`)
-  recomputed through every layer (`Backend.recompute`).
+  ``ceil(share · n)`` tokens of largest one-layer deviation there (`Backend.deviation`), or its
+  first ``ceil(share · n)`` (``head``), recomputed through every layer (`Backend.recompute`).
 
 States and chunks are learned from every window a test touches (`learn`), so a state formed in
 one window and served in another is checked against the same truth. Truths are memoised by the
@@ -126,9 +126,12 @@ class StateOracle:
         chunk = self.chunks[state.chunk_key]
         source = self.placed(state.source, start)
         vision = self.backend.encode_vision(chunk).features if chunk.has_vision else None
-        scores = self.backend.deviation(chunk, source, context, start, vision, 1).scores
         count = math.ceil(round(state.share * chunk.num_tokens, 9))
-        indices = torch.topk(scores.float().cpu(), count).indices.sort().values
+        if state.head:
+            indices = torch.arange(count)
+        else:
+            scores = self.backend.deviation(chunk, source, context, start, vision, 1).scores
+            indices = torch.topk(scores.float().cpu(), count).indices.sort().values
         kv = self.backend.recompute(chunk, source, indices, context, start, vision).kv[0]
         return to_position_free(kv, self.layout)
 
@@ -163,7 +166,7 @@ def _structure(state: ChunkState) -> object:
     if state.kind == "recomputed":
         assert state.source is not None
         context = tuple(_structure(a) for a in state.context.states())
-        return ("recomputed", state.chunk_key, state.share, _structure(state.source), context)
+        return ("recomputed", state.chunk_key, state.share, state.head, _structure(state.source), context)
     return ("patched", state.chunk_key, state.rank, tuple(_structure(a) for a in state.context.states()))
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -95,6 +95,7 @@ random model, with no calibration, would run them exactly), and with a budget (`
 for _settings_ in ANY_SETTINGS:
     _settings_.setdefault("drift_budget", None)
 BUDGET = 0.05
+ANSWER_BUDGET = 1.0
 
 
 class WindowMachine(RuleBasedStateMachine):
@@ -107,6 +108,10 @@ class WindowMachine(RuleBasedStateMachine):
     """A store that holds a whole sequence (what the shared windows get too): nothing is dropped."""
     budgeted: ClassVar[bool] = False
     """Each setting with a drift budget (a calibration filed for the backend by the test)."""
+    answered: ClassVar[bool] = False
+    """With ``budgeted``: the budget in answer units (`WindowConfig.answer_budget`, no calibration)."""
+    costs_checked: ClassVar[bool] = True
+    """Whether each op is checked never to prefill more than a prefix cache (see `TestAnyAnsweredQwen2`)."""
 
     @initialize(
         choice=st.integers(0, len(ANY_SETTINGS) - 1),
@@ -114,8 +119,9 @@ class WindowMachine(RuleBasedStateMachine):
     )
     def setup(self, choice: int, first: list[str] | None = None) -> None:
         self.backend = backend_named(self.backend_name)
-        settings_ = {**ANY_SETTINGS[choice], **({"drift_budget": BUDGET} if self.budgeted else {})}
-        if self.budgeted:
+        budget_setting = {"answer_budget": ANSWER_BUDGET} if self.answered else {"drift_budget": BUDGET}
+        settings_ = {**ANY_SETTINGS[choice], **(budget_setting if self.budgeted else {})}
+        if self.budgeted and not self.answered:
             calibrate_for_tests(self.backend.fingerprint, _CALIBRATIONS)
         self.config = WindowConfig.exact(capacity_chunks=4) if self.exact else WindowConfig(**settings_)
         budget = SHARED_STORE if self.shared or self.roomy else SMALL_STORE
@@ -213,7 +219,9 @@ class WindowMachine(RuleBasedStateMachine):
             lazy = w.config.patch_mode == "lazy" and not isinstance(result, Answer)
             for ref in [] if lazy else w.refs:  # lazily deferred patches: kept by the read forming them
                 drift = w.drift_of(ref)
-                assert drift is not None and drift <= BUDGET, (ref, drift, w.last_plan)
+                assert drift is not None and w.budget is not None and drift <= w.budget, (ref, drift)
+        if not self.costs_checked:
+            return result
         if self.exact or self.budgeted:
             assert spent <= prefix + anchor, (w.stats.last, w.last_plan, before, [c.key for c in after])
         else:
@@ -455,12 +463,21 @@ def _settings(examples: int, steps: int = 12) -> settings:
 
 
 def _machine(
-    backend: str, exact: bool, shared: bool, roomy: bool = False, budgeted: bool = False
+    backend: str,
+    exact: bool,
+    shared: bool,
+    roomy: bool = False,
+    budgeted: bool = False,
+    answered: bool = False,
 ) -> type[WindowMachine]:
     kind = ("Exact" if exact else "Any") + ("Shared" if shared else "") + ("Roomy" if roomy else "")
-    name = kind + ("Budgeted" if budgeted else "") + backend.title().replace("_", "")
+    name = (
+        kind + ("Answered" if answered else "Budgeted" if budgeted else "") + backend.title().replace("_", "")
+    )
     attributes = {"backend_name": backend, "exact": exact, "shared": shared, "roomy": roomy}
-    return type(name, (WindowMachine,), {**attributes, "budgeted": budgeted})
+    return type(
+        name, (WindowMachine,), {**attributes, "budgeted": budgeted or answered, "answered": answered}
+    )
 
 
 _CALIBRATIONS = Path(tempfile.mkdtemp(prefix="kamera-calibrations-"))
@@ -509,6 +526,26 @@ TestAnyBudgetedQwen2 = _machine("qwen2", False, False, roomy=True, budgeted=True
 TestAnyBudgetedQwen2.settings = _settings(100)
 TestSharedBudgetedTinyTorch = _machine("tiny_torch", False, True, budgeted=True).TestCase
 TestSharedBudgetedTinyTorch.settings = _settings(60)
+# the budget in answer units: a random model's answers have no margin, so most verdicts re-prefill
+# and some stand (an answer budget of 1): every state what it says, each op within the budget by
+# the estimate, estimate 0 exact. Not the prefix-cache bound: `test_an_answer_budget_is_never_costlier`.
+_Answered = _machine("qwen2", False, False, roomy=True, answered=True)
+TestAnyAnsweredQwen2 = type("AnyAnsweredQwen2", (_Answered,), {"costs_checked": False}).TestCase
+TestAnyAnsweredQwen2.settings = _settings(60)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap (issue 51): where an op moves chunks a verdict repaired, or changes their left, "
+    "and no verdict covers them there, the planner re-prefills from them (e.g. a recall among chunks "
+    "of one content), left of the first slot whose content changed, which a prefix cache reuses",
+)
+def test_an_answer_budget_is_never_costlier() -> None:
+    """The answered machine with every op's tokens checked against a prefix cache's (no shrinking:
+    the first failure is the answer)."""
+    run_state_machine_as_test(
+        _Answered, settings=settings(_settings(60), phases=[Phase.explicit, Phase.generate])
+    )
 
 
 def test_exact_windows_on_a_real_model_answer_like_its_own_forward_over_random_ops() -> None:
