@@ -42,6 +42,8 @@ from kamera_agent.settings import configure_threads
 
 PREFIX = "prefix"
 DEFAULTS = "defaults"
+ANSWER = "answer:"
+"""A setting's prefix naming an answer budget (a next-token KL) instead of a drift budget."""
 BUDGET_WORK = ("audits", "audit_tokens", "drift_recomputes", "drift_fixes")
 """What each step's ops spent holding the budget, recorded beside its edits by kind, the audits
 it measured (each chunk's own relative KV error, before the calibration's scale) and the largest
@@ -62,7 +64,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         nargs="+",
         type=_budget,
         default=[DEFAULTS, "0.3", "0.5", "1.0", "none"],
-        help="drift budgets: 'defaults' (the calibration's), a relative KV error, or 'none' (unbounded)",
+        help="drift budgets: 'defaults' (the calibration's), a relative KV error, 'answer:KL' (an answer "
+        "budget: `WindowConfig.answer_budget`) or 'none' (unbounded)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
@@ -117,11 +120,20 @@ def _budget(given: str) -> str:
     if given in (DEFAULTS, "none"):
         return given
     try:
-        if float(given) > 0:
+        if float(given.removeprefix(ANSWER)) > 0:
             return given
     except ValueError:
         pass
-    raise argparse.ArgumentTypeError(f"{given!r}: 'defaults', 'none' or a relative KV error above 0")
+    raise argparse.ArgumentTypeError(
+        f"{given!r}: 'defaults', 'none', a relative KV error above 0 or 'answer:' and a KL above 0"
+    )
+
+
+def _setting(budget: str) -> dict[str, Any]:
+    """The request's ``kamera`` object for a budget setting."""
+    if budget.startswith(ANSWER):
+        return {"answer_budget": float(budget.removeprefix(ANSWER))}
+    return {"drift_budget": None if budget == "none" else float(budget)}
 
 
 def _step(
@@ -157,7 +169,7 @@ def _ask(live: LiveServer, messages: Messages, session: str, budget: str | None)
     extra: dict[str, Any] = {"session_id": session, "continue_final_message": True}
     extra["add_generation_prompt"] = False
     if budget not in (None, DEFAULTS):
-        extra["kamera"] = {"drift_budget": None if budget == "none" else float(budget)}
+        extra["kamera"] = _setting(budget)
     before = len(_audits(live.server))
     began = time.perf_counter()
     reply = live.client.chat.completions.create(

@@ -255,6 +255,31 @@ def test_the_answer_probe_at_a_share_of_all_rows_is_the_true_kl(tmp_path: Path) 
     assert head["estimates"]["1.0"]["kl"] == pytest.approx(only["kl"], rel=1e-3)
 
 
+def test_the_answer_judge_with_every_row_repaired_stands_on_the_re_prefill(tmp_path: Path) -> None:
+    """On SmolLM2: recomputing all of each survivor's rows from its start is the re-prefill (its
+    answer's KL ~0, first token equal) and leaves nothing to extrapolate (every verdict stands,
+    none flipped); a share of 0.3 recomputes part of the rows, and the kept window drifts."""
+    from tests.real_env import ensure_real_models
+
+    ensure_real_models()
+    from kamera_agent.models.real import real_model_gguf
+
+    out = tmp_path / "judge.json"
+    model = str(real_model_gguf("smollm2"))
+    run_benchmark(
+        "answer_judge",
+        ["--model", model, "--seeds", "1", "--chunks", "3", "--shares", "0.3", "1.0", "--json", str(out)],
+    )
+    report = json.loads(out.read_text())
+    (only,) = report["slides"]
+    assert only["kept"]["kl"] > 1e-5
+    whole, part = only["repaired"]["1.0"], only["repaired"]["0.3"]
+    assert whole["kl"] < 1e-6 and whole["agrees"]
+    assert whole["neutral"]["residual"] == 0.0 and whole["question"]["top_holds"]
+    assert 0 < part["rows"] < whole["rows"] == only["tokens"] - only["lead"]
+    assert all(v["stood"] == 1 and v["flipped"] == 0 for v in report["verdicts"]["1.0:neutral"].values())
+
+
 def test_the_vllm_workloads_slide_reorder_and_hand_off_on_passages_of_their_own(tmp_path: Path) -> None:
     """`benchmarks/vllm_workloads.py --dry-run`: the requests it would send (no server)."""
     out = tmp_path / "workloads.json"
