@@ -128,9 +128,9 @@ class WindowConfig(BaseModel):
         answer_budget: judge approximations by the answer instead (in place of
             ``drift_budget``, which engines keep using): the largest next-token KL against a
             re-prefill the window's estimate may reach after an op, where the estimated answer
-            also keeps its first token (`kamera_agent.fidelity.answer`: each approximated
-            chunk's first rows recomputed and kept, a probe decoded before and after). Needs
-            no calibration; ``None``: off.
+            also has the same first token (`kamera_agent.fidelity.answer`: each approximated
+            chunk's first rows recomputed, and they stay; a probe decoded before and after).
+            Needs no calibration; ``None``: off.
         evicted_pixels: ``"drop"`` releases an evicted image's pixels once its vision output or
             canonical is stored (they are most of its memory); ``"retain"`` holds them, so its
             re-prefill inputs (``as_model_inputs``) can always be rebuilt (``"keep"``, its old

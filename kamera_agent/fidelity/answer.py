@@ -13,7 +13,8 @@ the budget.
 
 The probe is the end of a user turn and the assistant's opening: what every chat request
 decodes, so a window judges an op before it knows the question (on SmolLM2 it judged as well as
-the question itself: `benchmarks/answer_judge.py`).
+the question itself; on Gemma 3, which frames no turns here, its newline could not judge:
+`benchmarks/answer_judge.py`, docs/concepts.md).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ __all__ = ["ANSWER_SHARE", "AnswerEstimate", "combined", "estimate_answer"]
 
 ANSWER_SHARE = 0.3
 """The share of each approximated chunk's first rows an answer-unit budget recomputes (they
-stay in its KV): the share at which, on SmolLM2's slides, the estimate let most ops stand with no first
-token changed (`benchmarks/answer_judge.py`)."""
+stay in its KV): the share at which, on SmolLM2's slides, the estimate let most ops stand with
+no first token changed (`benchmarks/answer_judge.py`)."""
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,6 @@ class AnswerEstimate:
     """KL(extrapolated ‖ repaired) of the next token: the estimate of what the rest still owes."""
     same_top: bool
     """Whether the extrapolated answer has the repaired one's first token."""
-
-    def within(self, budget: float) -> bool:
-        return self.same_top and self.kl <= budget
 
 
 def estimate_answer(served: torch.Tensor, repaired: torch.Tensor, scale: float) -> AnswerEstimate:

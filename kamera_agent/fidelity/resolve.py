@@ -68,6 +68,7 @@ def window_budget(
         if why_not is not None:
             _calibration(fingerprint, why_not, "the window")  # warns
             return config.exactly(), None
+        # no constants to fit: the planner charges each judged chunk its recomputed rows as audits
         answer = Calibration(fingerprint, scale=1.0, inherit=0.0, audit_share=ANSWER_SHARE)
         return config, shared_budget(store, fingerprint, config.answer_budget, answer, "answer")
     if config.drift_budget is None:

@@ -107,7 +107,9 @@ class AnswerCheck:
         return first, earlier
 
     def _approximated(self, first: int) -> list[int]:
-        return [i for i, _, _ in self._chain() if i >= first]
+        """The chunks from ``first`` on that no verdict covers and that were not formed over
+        exactly their left (those add nothing themselves, and their rows are exact already)."""
+        return [i for i, st, ctx in self._chain() if i >= first and self.budget.own(st, ctx) is None]
 
     def _remember(self, first: int, added: float) -> None:
         """File what the judged chunks add to the answer's estimate under each one's state behind
