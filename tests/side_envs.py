@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,7 +49,8 @@ def run_tests(python: Path, folder: str, ignore: Sequence[str], timeout: float, 
     command = [str(python), "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *warnings, folder]
     ran = _run(command, environ, timeout)
     assert ran.returncode == 0, ran.stdout[-6000:] + ran.stderr[-3000:]
-    assert " passed" in ran.stdout and "failed" not in ran.stdout, ran.stdout[-2000:]
+    # "1 xfailed" is a strict expected failure, not a failure
+    assert " passed" in ran.stdout and not re.search(r"\d+ failed", ran.stdout), ran.stdout[-2000:]
     return ran.stdout + ran.stderr
 
 
