@@ -30,13 +30,11 @@ import statistics
 from typing import Any
 
 import torch
-from rich.progress import Progress
 from rich.table import Table
 
 from kamera_agent.backends.base import Backend
 from kamera_agent.bench.common import machine_info, show_and_save
-from kamera_agent.bench.corpus import passages
-from kamera_agent.bench.slides import answer_logits, kept_slide
+from kamera_agent.bench.slides import answer_logits, kept_slide, over_slides
 from kamera_agent.divergence import next_token_kl
 from kamera_agent.fidelity import audit_count
 from kamera_agent.loading import load_backend
@@ -61,12 +59,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     configure_threads(args.threads)
     backend = load_backend(args.model)
-    slides = []
-    with Progress() as progress:
-        task = progress.add_task("slides", total=args.seeds)
-        for seed in range(1, args.seeds + 1):
-            slides.append(judge_slide(backend, passages("benchmark", seed, args.chunks), args.shares))
-            progress.advance(task)
+    slides = over_slides(args.seeds, args.chunks, lambda texts, _: judge_slide(backend, texts, args.shares))
     report: dict[str, Any] = {"model": str(args.model), "seeds": args.seeds, "chunks": args.chunks}
     report |= {"threads": args.threads, "machine": machine_info(), "slides": slides}
     report["verdicts"] = {

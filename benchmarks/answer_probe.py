@@ -32,14 +32,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from rich.progress import Progress
 from rich.table import Table
 
 from kamera_agent.backends.base import Backend
 from kamera_agent.bench.calibration_fit import _spearman
 from kamera_agent.bench.common import machine_info, show_and_save
-from kamera_agent.bench.corpus import passages
-from kamera_agent.bench.slides import answer_logits, kept_slide
+from kamera_agent.bench.slides import answer_logits, kept_slide, over_slides
 from kamera_agent.divergence import next_token_kl
 from kamera_agent.fidelity import audit_count, audit_indices, relative_error
 from kamera_agent.loading import load_backend
@@ -67,13 +65,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     configure_threads(args.threads)
     backend = load_backend(args.model)
-    slides = []
-    with Progress() as progress:
-        task = progress.add_task("slides", total=args.seeds)
-        for seed in range(1, args.seeds + 1):
-            texts = passages("benchmark", seed, args.chunks)
-            slides.append(slide(backend, texts, args.shares, str(seed), args.rows))
-            progress.advance(task)
+    slides = over_slides(
+        args.seeds, args.chunks, lambda texts, seed: slide(backend, texts, args.shares, str(seed), args.rows)
+    )
     report: dict[str, Any] = {
         "model": str(args.model),
         "seeds": args.seeds,

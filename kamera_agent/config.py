@@ -29,7 +29,14 @@ from kamera_agent.errors import ConfigError
 if TYPE_CHECKING:
     from kamera_agent.store import ChunkStore
 
-__all__ = ["RENAMED_FIELDS", "RENAMED_VALUES", "STORE_FIELDS", "STORE_URL_VARIABLE", "WindowConfig"]
+__all__ = [
+    "FIDELITY_SETTINGS",
+    "RENAMED_FIELDS",
+    "RENAMED_VALUES",
+    "STORE_FIELDS",
+    "STORE_URL_VARIABLE",
+    "WindowConfig",
+]
 
 STORE_FIELDS = (
     "memory_limit",
@@ -382,6 +389,21 @@ class WindowConfig(BaseModel):
         small = int(getattr(text, "hidden_size", 4096)) <= 256
         return cls(**{"rank": "full" if small else 32, **overrides})
 
+
+FIDELITY_SETTINGS = (
+    "rank",
+    "patch_mode",
+    "orbit",
+    "survivors",
+    "reorder",
+    "recall_context",
+    "cascade",
+    "drift_budget",
+    "answer_budget",
+)
+"""The settings that decide how faithful a window is to a re-prefill of it (what a request may
+set for its own session in ``kamera serve``, and what a benchmark row names where it differs
+from the defaults); the rest is the process's."""
 
 EXACT_SETTINGS: dict[str, Any] = {
     "rank": "full",

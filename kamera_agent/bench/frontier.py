@@ -30,7 +30,7 @@ from typing import Any
 from kamera_agent.bench.common import finite, p90
 from kamera_agent.bench.floor import FLOORS
 from kamera_agent.bench.window_suite import KAMERA, PREFIX, RECOMPUTE, WindowRun
-from kamera_agent.config import WindowConfig
+from kamera_agent.config import FIDELITY_SETTINGS, WindowConfig
 
 __all__ = ["CAPACITY", "ROWS", "FrontierRun", "Row", "RowFigures", "budgeted", "undercut"]
 
@@ -64,17 +64,11 @@ class Row:
     def changed(self) -> str:
         """The settings that differ from the defaults, in words."""
         config, defaults = self.config(CAPACITY), WindowConfig(capacity_chunks=CAPACITY)
-        names = (
-            "rank",
-            "patch_mode",
-            "orbit",
-            "survivors",
-            "reorder",
-            "recall_context",
-            "cascade",
-            "drift_budget",
-        )
-        differ = [f"{n}={getattr(config, n)}" for n in names if getattr(config, n) != getattr(defaults, n)]
+        differ = [
+            f"{n}={getattr(config, n)}"
+            for n in FIDELITY_SETTINGS
+            if getattr(config, n) != getattr(defaults, n)
+        ]
         return ", ".join(differ) or "the defaults"
 
 

@@ -3,22 +3,24 @@ the anchor, the others keep their KV relocated, beside the survivors' exact re-p
 
 Why shared: the benchmarks that judge what a slide's kept survivors do to the answer
 (`benchmarks/slide_repair.py` repairs them, `benchmarks/answer_probe.py` estimates their effect)
-build the same episode and read the same answer.
+build the same episode over the same seeds and read the same answer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from rich.progress import Progress
 
 from kamera_agent.backends.base import Backend, DecodeConfig
-from kamera_agent.bench.corpus import QUESTION
+from kamera_agent.bench.corpus import QUESTION, passages
 from kamera_agent.chunks import Chunk
 from kamera_agent.operator import ChunkKV, relocate, to_position_free
 
-__all__ = ["KeptSlide", "answer_logits", "kept_slide"]
+__all__ = ["KeptSlide", "answer_logits", "kept_slide", "over_slides"]
 
 
 @dataclass(frozen=True)
@@ -68,3 +70,17 @@ def answer_logits(backend: Backend, placed: list[ChunkKV], query: torch.Tensor, 
     """The first answer token's logits for ``query`` after ``placed`` (which ends at ``end``)."""
     decoded = backend.decode(backend.assemble(placed), query, end, DecodeConfig(max_new_tokens=1))
     return decoded.answer.first_logits.float().flatten()
+
+
+def over_slides(
+    seeds: int, chunks: int, measure: Callable[[list[str], int], dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """``measure(texts, seed)`` for seeds 1..``seeds``, each on ``chunks`` passages of the benchmark
+    half of the corpus (disjoint from the calibration's), with a progress bar."""
+    out = []
+    with Progress() as progress:
+        task = progress.add_task("slides", total=seeds)
+        for seed in range(1, seeds + 1):
+            out.append(measure(passages("benchmark", seed, chunks), seed))
+            progress.advance(task)
+    return out

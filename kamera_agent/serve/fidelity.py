@@ -13,25 +13,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kamera_agent.config import STORE_FIELDS, WindowConfig
+from kamera_agent.config import FIDELITY_SETTINGS, STORE_FIELDS, WindowConfig
 from kamera_agent.errors import ConfigError
 from kamera_agent.serve.protocol import RequestError
 
 __all__ = ["FIDELITY_FIELDS", "Fidelity", "fidelity_for"]
 
-FIDELITY_FIELDS = frozenset(
-    {
-        "rank",
-        "patch_mode",
-        "orbit",
-        "survivors",
-        "reorder",
-        "recall_context",
-        "cascade",
-        "drift_budget",
-        "answer_budget",
-    }
-)
+FIDELITY_FIELDS = frozenset(FIDELITY_SETTINGS)
 """The `WindowConfig` fields a request may set for its own session (``kamera``): how faithful
 its window is. Anything process-wide (threads, device, dtype, store, byte limits) is the server's."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +101,28 @@ def right_to_left_edges(window: KameraWindow) -> list[tuple[object, object]]:
                 assert absorbed(then, held.digest) is None, (source, target)
             found.append((source, target))
     return found
+
+
+def budget_ops(texts: Sequence[str]) -> list[Callable[[KameraWindow], object]]:
+    """Pushes, a slide, a push, a reversal, a middle eviction, a recall at the front, a slide of
+    two: every op a drift budget may approximate in (``texts``: five)."""
+    ops: list[Callable[[KameraWindow], object]] = [lambda w, t=t: w.push(t, label=t) for t in texts[:4]]
+    ops += [lambda w: w.slide(1), lambda w: w.push(texts[4]), lambda w: w.reorder(list(reversed(w.refs)))]
+    ops += [lambda w: w.evict(w.refs[1]), lambda w: w.recall(w.evicted[0], at=0), lambda w: w.slide(2)]
+    return ops
+
+
+def check_never_costlier(window: KameraWindow, op: Callable[[KameraWindow], object]) -> None:
+    """Run ``op``: its prefilled tokens, its budget's audits apart, stay within re-prefilling from
+    the first slot whose content changed (counted here from chunk keys)."""
+    anchor = window.encoder.anchor().num_tokens
+    before = [window.chunk(ref).key for ref in window.refs]
+    op(window)
+    after = [window.chunk(ref) for ref in window.refs]
+    same = next(
+        (k for k, (a, b) in enumerate(zip(before, after, strict=False)) if a != b.key),
+        min(len(before), len(after)),
+    )
+    prefix = sum(chunk.num_tokens for chunk in after[same:]) + anchor
+    cost = window.stats.last
+    assert cost.tokens_prefilled - cost.audit_tokens <= prefix, (cost, window.last_plan)

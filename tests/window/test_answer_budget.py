@@ -17,7 +17,7 @@ from kamera_agent.errors import ConfigError
 from kamera_agent.fidelity import ANSWER_SHARE, combined, estimate_answer
 from kamera_agent.window import KameraWindow
 from tests.window.backends import backend_named
-from tests.window.helpers import answer_kl, chunk_errors
+from tests.window.helpers import answer_kl, budget_ops, check_never_costlier, chunk_errors
 
 EXACT_KV = 2e-5
 TEXTS = ["red ball", "green box moves", "a cat sat", "the dog ran", "yellow sun", "blue sky now"]
@@ -120,20 +120,7 @@ def test_an_answer_budget_never_prefills_more_than_a_prefix_cache(budget: float)
     probe it decodes, counted in ``audit_tokens``), stay within re-prefilling from the first slot
     whose content changed."""
     window = _window(budget)
-    anchor = window.encoder.anchor().num_tokens
-    ops = [lambda w, t=t: w.push(t, label=t) for t in TEXTS[:4]]
-    ops += [lambda w: w.slide(1), lambda w: w.push(TEXTS[4]), lambda w: w.reorder(list(reversed(w.refs)))]
-    ops += [lambda w: w.evict(w.refs[1]), lambda w: w.recall(w.evicted[0], at=0), lambda w: w.slide(2)]
-    for op in ops:
-        before = [window.chunk(ref).key for ref in window.refs]
-        op(window)
-        after = [window.chunk(ref) for ref in window.refs]
-        same = next(
-            (k for k, (a, b) in enumerate(zip(before, after, strict=False)) if a != b.key),
-            min(len(before), len(after)),
-        )
-        prefix = sum(chunk.num_tokens for chunk in after[same:]) + anchor
-        cost = window.stats.last
-        assert cost.tokens_prefilled - cost.audit_tokens <= prefix, (cost, window.last_plan)
+    for op in budget_ops(TEXTS):
+        check_never_costlier(window, op)
         if budget < 1e-9:
             assert answer_kl(window) < 1e-9

@@ -39,7 +39,9 @@ from tests.kv_helpers import rel_err
 from tests.window.backends import backend_named
 from tests.window.helpers import (
     answer_kl,
+    budget_ops,
     calibrate_for_tests,
+    check_never_costlier,
     chunk_errors,
     chunk_errors_in_order,
     right_to_left_edges,
@@ -161,21 +163,8 @@ def test_a_budget_never_prefills_more_than_a_prefix_cache(calibrations: Path) ->
     whose content changed (the test counts that slot itself, from chunk keys)."""
     calibrate_for_tests(backend_named("qwen2").fingerprint, calibrations)
     window = _window(0.05)
-    anchor = window.encoder.anchor().num_tokens
-    ops = [lambda w, t=t: w.push(t, label=t) for t in TEXTS[:4]]
-    ops += [lambda w: w.slide(1), lambda w: w.push(TEXTS[4]), lambda w: w.reorder(list(reversed(w.refs)))]
-    ops += [lambda w: w.evict(w.refs[1]), lambda w: w.recall(w.evicted[0], at=0), lambda w: w.slide(2)]
-    for op in ops:
-        before = [window.chunk(ref).key for ref in window.refs]
-        op(window)
-        after = [window.chunk(ref) for ref in window.refs]
-        same = next(
-            (k for k, (a, b) in enumerate(zip(before, after, strict=False)) if a != b.key),
-            min(len(before), len(after)),
-        )
-        prefix = sum(chunk.num_tokens for chunk in after[same:]) + anchor
-        cost = window.stats.last
-        assert cost.tokens_prefilled - cost.audit_tokens <= prefix, (cost, window.last_plan)
+    for op in budget_ops(TEXTS):
+        check_never_costlier(window, op)
 
 
 def test_ops_whose_approximations_keep_failing_stop_being_tried(calibrations: Path) -> None:
