@@ -113,11 +113,13 @@ class AnswerCheck:
 
     def _remember(self, first: int, added: float) -> None:
         """File what the judged chunks add to the answer's estimate under each one's state behind
-        its left, as they now are (an estimate of 0 would say the window holds them exactly:
-        never so here)."""
+        its left, as they now are: the whole verdict's under the first (the budget chains a
+        chunk's estimate from what it adds and the largest to its left, so every chunk from the
+        first on is estimated at the window's), nothing more under the rest; never 0, which
+        would say the window holds them exactly."""
         for i, chunk_state, ctx in self._chain():
             if i >= first:
-                self.budget.remember(chunk_state, ctx, max(added, _LEAST))
+                self.budget.remember(chunk_state, ctx, max(added if i == first else 0.0, _LEAST))
 
     def _probe(self, probe: torch.Tensor) -> torch.Tensor:
         """The probe's next-token logits over the window up to the op's trailing content."""
