@@ -379,8 +379,10 @@ class WindowConfig(BaseModel):
 
     def exactly(self) -> WindowConfig:
         """These settings with every approximation off (`exact`'s), the rest as they are: what a
-        window runs when its budget is 0 or its model has no calibration."""
-        return self.model_copy(update=EXACT_SETTINGS)
+        window runs when its budget is 0 or its model has no calibration. A lazy patch timing
+        stays (its patches are exact, formed at the read); no patching at all becomes eager."""
+        update = {**EXACT_SETTINGS, "patch_mode": "eager" if self.patch_mode == "none" else self.patch_mode}
+        return self.model_copy(update=update)
 
     @classmethod
     def for_model(cls, model: Any, **overrides: Any) -> WindowConfig:
@@ -411,11 +413,13 @@ EXACT_SETTINGS: dict[str, Any] = {
     "recall_context": "current",
     "cascade": "cascade",
     "orbit": False,
+    "reorder": "form",
     "drift_budget": 0.0,
     "answer_budget": None,
 }
 """What `WindowConfig.exact` sets: full-rank patches, survivors re-patched without what left,
-recalls patched on their new left, cascades, no orbit approximation, a zero drift budget."""
+recalls patched on their new left, cascades, no orbit approximation, reordered chunks formed
+over their new left, a zero drift budget."""
 
 
 def _config_error(error: ValidationError) -> ConfigError:

@@ -108,6 +108,23 @@ def test_an_uncalibrated_model_runs_exactly_with_one_warning(
     assert max(chunk_errors(window).values()) <= EXACT_KV
 
 
+@pytest.mark.parametrize("setting", [{"reorder": "revert"}, {"reorder": "keep"}, {"patch_mode": "none"}])
+def test_running_exactly_overrides_every_approximating_policy(
+    calibrations: Path, setting: dict[str, str]
+) -> None:
+    """A window that runs exactly (its model uncalibrated) does, whatever approximating policy
+    its settings named: a reorder that would revert to canonicals forms them over their new left."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UncalibratedWarning)
+        window = _window(0.05, **setting)
+    assert window.budget == 0.0
+    for text in TEXTS[:4]:
+        window.push(text, label=text)
+    window.reorder(list(reversed(window.refs)))
+    assert max(chunk_errors(window).values()) <= EXACT_KV
+    assert answer_kl(window) < 1e-9
+
+
 def test_another_models_calibration_is_never_used(calibrations: Path) -> None:
     fingerprint = backend_named("qwen2").fingerprint
     save_calibration(Calibration("0" * 64, scale=1.0), calibrations)
