@@ -8,6 +8,7 @@ client gone away cancelling the decode) and differ only in the events they write
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from typing import Any
 
@@ -65,7 +66,11 @@ class Feed:
         self.cancellation.cancel()
 
     def _put(self, kind: str, value: Any) -> None:
-        self._loop.call_soon_threadsafe(self._events.put_nowait, (kind, value))
+        """Hand an event to the request's handler; nothing where the server's loop has closed (it
+        shut down while this request worked: no one is left to tell, and the worker must not die
+        raising)."""
+        with contextlib.suppress(RuntimeError):  # asyncio's "Event loop is closed"
+            self._loop.call_soon_threadsafe(self._events.put_nowait, (kind, value))
 
     def _work(self, request: ChatRequest, tenant: str, arrived: float | None) -> None:
         try:
