@@ -15,7 +15,14 @@ and the budget's internals change in one place.
 - `vouching`: what a kept state no audit measured is bounded by (its class and distance).
 """
 
-from kamera_agent.fidelity.answer import ANSWER_SHARE, AnswerEstimate, combined, estimate_answer
+from kamera_agent.fidelity.answer import (
+    ANSWER_SHARE,
+    AnswerEstimate,
+    combined,
+    estimate_answer,
+    room,
+    spread,
+)
 from kamera_agent.fidelity.audits import (
     AuditSource,
     Filed,
@@ -74,10 +81,12 @@ __all__ = [
     "filed_in",
     "find_calibration",
     "relative_error",
+    "room",
     "sampled_error",
     "save_calibration",
     "serve_mode_of",
     "shared_budget",
+    "spread",
     "vouch_class",
     "window_budget",
 ]

@@ -26,7 +26,7 @@ import torch
 
 from kamera_agent.divergence import next_token_kl
 
-__all__ = ["ANSWER_SHARE", "AnswerEstimate", "combined", "estimate_answer"]
+__all__ = ["ANSWER_SHARE", "AnswerEstimate", "combined", "estimate_answer", "room", "spread"]
 
 ANSWER_SHARE = 0.3
 """The share of each approximated chunk's first rows an answer-unit budget recomputes (they
@@ -57,3 +57,20 @@ def combined(earlier: float, added: float) -> float:
     """A bound on the KL of two drifts together, from each one's: KL is about a squared distance
     (the Fisher metric's, for small changes), so their square roots add (the triangle rule)."""
     return (math.sqrt(max(earlier, 0.0)) + math.sqrt(max(added, 0.0))) ** 2
+
+
+def room(epsilon: float, earlier: float) -> float:
+    """The most an op's own estimate may add to ``earlier`` and stay within ``epsilon`` (the
+    inverse of `combined`)."""
+    left = math.sqrt(max(epsilon, 0.0)) - math.sqrt(max(earlier, 0.0))
+    return left * left if left > 0 else 0.0
+
+
+def spread(kl: float, tokens: list[int]) -> list[float]:
+    """A verdict's estimate over the rows it judged, spread by their tokens: the extrapolation
+    holds each row's share of the answer's move alike, so a part with ``t`` of the ``T`` tokens owns
+    ``(t / T)² · kl``, and `combined` over all parts gives ``kl`` back. Why not all of it under
+    the first: once the parts right of it are re-prefilled, a small chunk left behind would carry
+    the whole window's estimate and refuse every later op over it."""
+    total = sum(tokens)
+    return [kl * (t / total) ** 2 if total else 0.0 for t in tokens]

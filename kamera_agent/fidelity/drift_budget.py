@@ -61,6 +61,7 @@ class DriftBudget:
             op: _prior(*counts) for op, counts in calibration.fix_shares.items()
         }
         self._skipped: dict[str, int] = {}
+        self._least: dict[str, float] = {}  # per op name: the least estimate an answer verdict measured
         self._lock = threading.Lock()
         self.always_try = False
         """Try every op's approximations whatever its fix share (a measurement that must see each
@@ -86,6 +87,18 @@ class DriftBudget:
         with self._lock:
             kind = _KIND.get(op, op)
             self._skipped[kind] = self._skipped.get(kind, 0) + 1
+
+    def measured(self, op: str, estimate: float) -> None:
+        """Remember what an answer verdict on an op of this name estimated its approximations at."""
+        with self._lock:
+            kind = _KIND.get(op, op)
+            self._least[kind] = min(self._least.get(kind, estimate), estimate)
+
+    def least(self, op: str) -> float:
+        """The least estimate an answer verdict on an op of this name has measured (0 before
+        any): where the room earlier verdicts leave is under it, measuring would only refuse."""
+        with self._lock:
+            return self._least.get(_KIND.get(op, op), 0.0)
 
     def fix_share(self, op: str) -> float:
         """The share of its fix bound an audited op of this name is expected to spend on fixes:

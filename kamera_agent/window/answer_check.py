@@ -24,7 +24,7 @@ import torch
 from kamera_agent.backends.base import DecodeConfig
 from kamera_agent.core.identity import ChunkState, Context
 from kamera_agent.core.recompute import selected_count
-from kamera_agent.fidelity import ANSWER_SHARE, combined, estimate_answer
+from kamera_agent.fidelity import ANSWER_SHARE, combined, estimate_answer, room, spread
 from kamera_agent.window.plan import WindowPlan
 
 if TYPE_CHECKING:
@@ -58,6 +58,10 @@ class AnswerCheck:
         if first is None:
             self.meter.drift = earlier
             return plan
+        left, least = room(self.budget.epsilon, earlier), self.budget.least(plan.op)
+        if left < least:  # no verdict measured so far would fit: the estimator would be paid for nothing
+            why = f"the verdicts before leave KL {left:.3g}, under the least an op of its kind measured"
+            return self._refill(plan, first, earlier, f"{why} ({least:.3g})")
         judged = self._approximated(first)
         probe = neutral_probe(self.fixes.runner.parts.query_ids)
         before = self._probe(probe)
@@ -67,17 +71,21 @@ class AnswerCheck:
             self.fixes.executor.recompute(ref, ANSWER_SHARE, head=True)
             rows += selected_count(ANSWER_SHARE, self.state.entries[ref].chunk.num_tokens)
         after = self._probe(probe)
-        tokens = sum(self.state.entries[self.state.order[i]].chunk.num_tokens for i in judged)
-        estimate = estimate_answer(before, after, tokens / rows)
+        tokens = [self.state.entries[self.state.order[i]].chunk.num_tokens for i in judged]
+        estimate = estimate_answer(before, after, sum(tokens) / rows)
+        self.budget.measured(plan.op, estimate.kl)
         kl = combined(earlier, estimate.kl)
         self.meter.add(audits=len(judged), audit_tokens=rows + 2 * int(probe.numel()))
         if estimate.same_top and kl <= self.budget.epsilon:
-            self._remember(first, estimate.kl)
+            self._remember(dict(zip(judged, spread(estimate.kl, tokens), strict=True)))
             self.budget.record(plan.op, 0.0)
             self.meter.drift = kl
             return plan
+        return self._refill(plan, first, earlier, self._why(estimate.kl, estimate.same_top))
+
+    def _refill(self, plan: WindowPlan, first: int, earlier: float, why: str) -> WindowPlan:
         before_fix = self.fixes.spent()
-        plan = self.fixes.refill_from(plan, first, self._why(estimate.kl, estimate.same_top))
+        plan = self.fixes.refill_from(plan, first, f"answer budget {self.budget.epsilon:g}: {why}")
         spent = self.fixes.spent() - before_fix
         self.budget.record(plan.op, spent / plan.fix_bound if plan.fix_bound else 1.0)
         self.meter.drift = earlier
@@ -111,15 +119,14 @@ class AnswerCheck:
         exactly their left (those add nothing themselves, and their rows are exact already)."""
         return [i for i, st, ctx in self._chain() if i >= first and self.budget.own(st, ctx) is None]
 
-    def _remember(self, first: int, added: float) -> None:
-        """File what the judged chunks add to the answer's estimate under each one's state behind
-        its left, as they now are: the whole verdict's under the first (the budget chains a
-        chunk's estimate from what it adds and the largest to its left, so every chunk from the
-        first on is estimated at the window's), nothing more under the rest; never 0, which
-        would say the window holds them exactly."""
+    def _remember(self, shares: dict[int, float]) -> None:
+        """File each judged chunk's share of the verdict (`spread`) under its state behind its
+        left, as they now are: chained left to right they give the verdict back. The chunks among
+        them formed over exactly their left before the repair changed it add nothing themselves:
+        the least estimate, never 0, which would say the window holds them exactly."""
         for i, chunk_state, ctx in self._chain():
-            if i >= first:
-                self.budget.remember(chunk_state, ctx, max(added if i == first else 0.0, _LEAST))
+            if i >= min(shares):
+                self.budget.remember(chunk_state, ctx, max(shares.get(i, 0.0), _LEAST))
 
     def _probe(self, probe: torch.Tensor) -> torch.Tensor:
         """The probe's next-token logits over the window up to the op's trailing content."""
@@ -132,5 +139,5 @@ class AnswerCheck:
         return answer.first_logits
 
     def _why(self, kl: float, same_top: bool) -> str:
-        said = f"answer budget {self.budget.epsilon:g}: the rest estimated at KL {kl:.3g}"
+        said = f"the rest estimated at KL {kl:.3g}"
         return f"{said}{'' if same_top else ', its first token changed'}; re-prefilled from it"

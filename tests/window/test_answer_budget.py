@@ -14,7 +14,7 @@ import torch
 from kamera_agent.bench.corpus import QUESTION, passages
 from kamera_agent.config import WindowConfig
 from kamera_agent.errors import ConfigError
-from kamera_agent.fidelity import ANSWER_SHARE, combined, estimate_answer
+from kamera_agent.fidelity import ANSWER_SHARE, combined, estimate_answer, room, spread
 from kamera_agent.window import KameraWindow
 from tests.window.backends import backend_named
 from tests.window.helpers import answer_kl, budget_ops, check_never_costlier, chunk_errors
@@ -46,6 +46,9 @@ def test_the_estimate_extrapolates_the_repairs_move() -> None:
     assert not flipped.same_top
     assert combined(1e-2, 0.0) == pytest.approx(1e-2)
     assert combined(1e-2, 1e-2) == pytest.approx(4e-2)  # square roots add
+    assert combined(1e-2, room(4e-2, 1e-2)) == pytest.approx(4e-2) and room(1e-2, 4e-2) == 0.0
+    parts = spread(4e-2, [10, 30])  # a verdict spread by tokens: chained, it is the whole again
+    assert parts == pytest.approx([2.5e-3, 2.25e-2]) and combined(*parts) == pytest.approx(4e-2)
 
 
 def test_an_answer_budget_needs_no_calibration_and_is_checked() -> None:
@@ -71,8 +74,9 @@ def _real_window(answer_budget: float | None, **settings: object) -> KameraWindo
 def test_a_slide_within_the_answer_budget_keeps_its_survivors_with_their_first_rows_repaired() -> None:
     """A loose budget lets a slide's survivors stand: the new lead (the attention sink) is
     re-formed, each other survivor has its first rows recomputed over its left (its state says
-    so) and the window's estimate is filed for it; the op prefills less than re-prefilling the
-    survivors; and the answer is closer to the re-prefill's than the unbounded window's."""
+    so) and its share of the window's estimate is filed for it (chained, the last survivor's is
+    the window's); the op prefills less than re-prefilling the survivors; and the answer is closer
+    to the re-prefill's than the unbounded window's."""
     window = _real_window(0.1)
     unbounded = _real_window(None, drift_budget=None)
     survivors = window.refs[1:]
@@ -87,7 +91,7 @@ def test_a_slide_within_the_answer_budget_keeps_its_survivors_with_their_first_r
     assert all(state.kind == "recomputed" and state.share == ANSWER_SHARE for state in repaired)
     drifts = [window.drift_of(ref) for ref in survivors[1:]]
     assert 0 < cost.drift <= 0.1
-    assert drifts == pytest.approx([cost.drift] * len(drifts))  # one verdict: the window's estimate
+    assert drifts == sorted(drifts) and drifts[0] < drifts[-1] == pytest.approx(cost.drift)
     assert max(chunk_errors(window).values()) > EXACT_KV  # the rest of their rows stayed approximate
     assert answer_kl(window, QUESTION[0]) < answer_kl(unbounded, QUESTION[0])
 
@@ -114,6 +118,27 @@ def test_a_verdict_stands_until_what_it_judged_changes() -> None:
     window.evict(window.refs[1])
     assert window.stats.last.audits > 0, window.last_plan
     assert max(d for d in drifts if d is not None) <= 0.1  # verdicts chain per op, not per chunk
+
+
+def test_a_verdict_that_could_not_fit_is_not_paid_for() -> None:
+    """Where the verdicts before leave less room than the least estimate an op of its kind has
+    measured, the op is re-prefilled from its first unjudged chunk without recomputing rows or
+    decoding the probe; the earlier verdict's share stays as it was."""
+    window = _real_window(0.1)
+    window.slide(1)
+    assert window.stats.last.drift_fixes == 0
+    window.push(passages("calibration", 2, 1)[0])
+    budget = window._parts.budget
+    assert budget is not None and 0 < budget.least("evict") <= 0.1
+    kept = window.drift_of(window.refs[1])
+    assert kept is not None and 0 < kept < window.stats.last.drift
+    budget._least["slide"] = room(0.1, kept) * 1.01  # what a worse earlier verdict would have taught
+    window.evict(window.refs[2])  # the pushed chunk's left changes: it is judged over a kept share
+    cost = window.stats.last
+    assert cost.audits == 0 and cost.audit_tokens == 0 and cost.drift_fixes > 0
+    assert "under the least" in str(window.last_plan)
+    assert window.drift_of(window.refs[1]) == kept and window.drift_of(window.refs[-1]) == kept
+    assert max(chunk_errors(window).values()) > EXACT_KV  # the kept survivor's rest is approximate
 
 
 @pytest.mark.parametrize("budget", [1e-12, 5.0])
