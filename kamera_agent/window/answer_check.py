@@ -129,14 +129,10 @@ class AnswerCheck:
                 self.budget.remember(chunk_state, ctx, max(shares.get(i, 0.0), _LEAST))
 
     def _probe(self, probe: torch.Tensor) -> torch.Tensor:
-        """The probe's next-token logits over the window up to the op's trailing content."""
+        """The probe's next-token logits over the window up to the op's trailing content, on the
+        retained engine cache (only what changed since it was built is placed again)."""
         fixes = self.fixes
-        core = fixes.runner.parts.core
-        cache = core.backend.assemble(fixes.executor.placements(fixes.end))
-        answer = core.decode(
-            cache, probe, fixes.starts[fixes.end], DecodeConfig(max_new_tokens=1), self.meter
-        )
-        return answer.first_logits
+        return fixes.executor.answer(probe, DecodeConfig(max_new_tokens=1), fixes.end).first_logits
 
     def _why(self, kl: float, same_top: bool) -> str:
         said = f"the rest estimated at KL {kl:.3g}"

@@ -380,11 +380,12 @@ class Executor(Placement):
         return tuple(source for source in antecedents if source in entries) == state.antecedents_of(ref)
 
     # -- reading the window ------------------------------------------------------------------------
-    def answer(self, query_ids: torch.Tensor, config: DecodeConfig) -> Answer:
-        """Decode the query over the window as it is; the retained cache then records what the
-        decode fed after the window (`Assembled.tail`)."""
-        cache = self.window_cache()
-        answer = self.core.decode(cache, query_ids, self.end(), config, self.txn.meter)
+    def answer(self, query_ids: torch.Tensor, config: DecodeConfig, count: int | None = None) -> Answer:
+        """Decode the query over the window as it is (its first ``count`` chunks: all by default,
+        fewer for a drift verdict's probe, which the op's trailing content follows); the retained
+        cache then records what the decode fed after them (`Assembled.tail`)."""
+        cache = self.window_cache(count)
+        answer = self.core.decode(cache, query_ids, self.end(count), config, self.txn.meter)
         memo = self.state.assembled
         if memo is not None:
             self.state.assembled = replace(memo, tail=fed_ids(query_ids, answer))

@@ -113,8 +113,9 @@ class Placement:
         """The anchor and every in-window chunk (the first ``end``), placed: what a decode attends to."""
         return [self.core.anchor_kv(self.txn.meter), *self._places(self.state.order[:end])]
 
-    def window_cache(self) -> Any:
-        """The engine cache holding the window as it is now.
+    def window_cache(self, count: int | None = None) -> Any:
+        """The engine cache holding the window as it is now (its anchor and first ``count``
+        chunks: all by default).
 
         Why incremental: an agent pushes, asks, pushes, asks. Where the engine can crop and
         extend a cache, the one the last answer used is cut back to the longest run of leading
@@ -122,7 +123,7 @@ class Placement:
         appended: a push then costs its own tokens, not a copy of the window. A chunk that moved
         or changed state, and everything after it, is placed again.
         """
-        cache, stretches = self._cache_through(len(self.state.order))
+        cache, stretches = self._cache_through(len(self.state.order) if count is None else count)
         self.state.assembled = (
             Assembled(cache, tuple(stretches)) if self.core.backend.supports_extend else None
         )
@@ -165,9 +166,10 @@ class Placement:
             return self._full_kv(entry.state, entry.chunk, held=True), None
         return self.canonical(ref), entry.patch
 
-    def end(self) -> int:
-        """The position after the window's last chunk (where a query starts)."""
-        return self.core.anchor.advance + sum(self.state.entries[r].chunk.advance for r in self.state.order)
+    def end(self, count: int | None = None) -> int:
+        """The position after the window's last chunk (its ``count``-th): where a query starts."""
+        order = self.state.order[:count]
+        return self.core.anchor.advance + sum(self.state.entries[r].chunk.advance for r in order)
 
     # -- a state's KV formed over its context ------------------------------------------------------
     def _conditioned_over(self, chunk: Chunk, context: Context) -> ChunkKV:
