@@ -62,6 +62,7 @@ class DriftBudget:
         }
         self._skipped: dict[str, int] = {}
         self._least: dict[str, float] = {}  # per op name: the least estimate an answer verdict measured
+        self._hopeless: dict[str, int] = {}  # per op name: answer verdicts expected to refuse
         self._lock = threading.Lock()
         self.always_try = False
         """Try every op's approximations whatever its fix share (a measurement that must see each
@@ -95,10 +96,21 @@ class DriftBudget:
             self._least[kind] = min(self._least.get(kind, estimate), estimate)
 
     def least(self, op: str) -> float:
-        """The least estimate an answer verdict on an op of this name has measured (0 before
-        any): where the room earlier verdicts leave is under it, measuring would only refuse."""
+        """The least estimate an answer verdict on an op of this name has measured (0 before any)."""
         with self._lock:
             return self._least.get(_KIND.get(op, op), 0.0)
+
+    def hopeless(self, op: str, room: float) -> bool:
+        """Whether an answer verdict on an op of this name, with ``room`` left by the verdicts
+        before it, is expected to refuse (``room`` under the least estimate such ops measured), so
+        measuring would be paid for nothing. Every `_RETRY`-th is measured anyway: one large first
+        estimate does not rule the name out for good."""
+        with self._lock:
+            kind = _KIND.get(op, op)
+            if room >= self._least.get(kind, 0.0):
+                return False
+            self._hopeless[kind] = self._hopeless.get(kind, 0) + 1
+            return self._hopeless[kind] % _RETRY != 0
 
     def fix_share(self, op: str) -> float:
         """The share of its fix bound an audited op of this name is expected to spend on fixes:

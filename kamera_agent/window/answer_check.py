@@ -58,10 +58,10 @@ class AnswerCheck:
         if first is None:
             self.meter.drift = earlier
             return plan
-        left, least = room(self.budget.epsilon, earlier), self.budget.least(plan.op)
-        if left < least:  # no verdict measured so far would fit: the estimator would be paid for nothing
+        left = room(self.budget.epsilon, earlier)
+        if self.budget.hopeless(plan.op, left):  # no estimate measured so far would fit
             why = f"the verdicts before leave KL {left:.3g}, under the least an op of its kind measured"
-            return self._refill(plan, first, earlier, f"{why} ({least:.3g})")
+            return self._refill(plan, first, earlier, f"{why} ({self.budget.least(plan.op):.3g})")
         judged = self._approximated(first)
         probe = neutral_probe(self.fixes.runner.parts.query_ids)
         before = self._probe(probe)
