@@ -42,6 +42,7 @@ answer (`kamera_agent.fidelity.answer`; windows only: an engine cannot decode a 
 
 _AUDITS = 1 << 14  # audits remembered per budget
 _RETRY = 16  # an op name whose approximations keep failing is still tried once in this many
+_EVIDENCE = 4  # answer verdicts of an op name measured before their least estimate forecasts one
 _KIND = {"evict": "slide"}
 """Op names counted as another's: an eviction leaves what a slide leaves (survivors keeping what
 they absorbed from the chunks that left), so how often one needed a fix tells about the other."""
@@ -61,7 +62,7 @@ class DriftBudget:
             op: _prior(*counts) for op, counts in calibration.fix_shares.items()
         }
         self._skipped: dict[str, int] = {}
-        self._least: dict[str, float] = {}  # per op name: the least estimate an answer verdict measured
+        self._least: dict[str, tuple[int, float]] = {}  # per op name: answer verdicts measured, their least
         self._hopeless: dict[str, int] = {}  # per op name: answer verdicts expected to refuse
         self._lock = threading.Lock()
         self.always_try = False
@@ -93,21 +94,23 @@ class DriftBudget:
         """Remember what an answer verdict on an op of this name estimated its approximations at."""
         with self._lock:
             kind = _KIND.get(op, op)
-            self._least[kind] = min(self._least.get(kind, estimate), estimate)
+            count, least = self._least.get(kind, (0, estimate))
+            self._least[kind] = (count + 1, min(least, estimate))
 
     def least(self, op: str) -> float:
         """The least estimate an answer verdict on an op of this name has measured (0 before any)."""
         with self._lock:
-            return self._least.get(_KIND.get(op, op), 0.0)
+            return self._least.get(_KIND.get(op, op), (0, 0.0))[1]
 
     def hopeless(self, op: str, room: float) -> bool:
         """Whether an answer verdict on an op of this name, with ``room`` left by the verdicts
-        before it, is expected to refuse (``room`` under the least estimate such ops measured), so
-        measuring would be paid for nothing. Every `_RETRY`-th is measured anyway: one large first
-        estimate does not rule the name out for good."""
+        before it, is expected to refuse: ``room`` is under the least estimate of the `_EVIDENCE`
+        or more such ops measured, so measuring would be paid for nothing. Every `_RETRY`-th is
+        measured anyway: a few large estimates do not rule the name out for good."""
         with self._lock:
             kind = _KIND.get(op, op)
-            if room >= self._least.get(kind, 0.0):
+            count, least = self._least.get(kind, (0, 0.0))
+            if count < _EVIDENCE or room >= least:
                 return False
             self._hopeless[kind] = self._hopeless.get(kind, 0) + 1
             return self._hopeless[kind] % _RETRY != 0

@@ -132,7 +132,7 @@ def test_a_verdict_that_could_not_fit_is_not_paid_for() -> None:
     assert budget is not None and 0 < budget.least("evict") <= 0.1
     kept = window.drift_of(window.refs[1])
     assert kept is not None and 0 < kept < window.stats.last.drift
-    budget._least["slide"] = room(0.1, kept) * 1.01  # what a worse earlier verdict would have taught
+    budget._least["slide"] = (4, room(0.1, kept) * 1.01)  # what four worse verdicts would have taught
     window.evict(window.refs[2])  # the pushed chunk's left changes: it is judged over a kept share
     cost = window.stats.last
     assert cost.audits == 0 and cost.audit_tokens == 0 and cost.drift_fixes > 0
