@@ -88,6 +88,8 @@ ROWS: Mapping[str, Row] = _rows(
     Row("budget-2e-1", {"drift_budget": 2e-1}),
     Row("budget-3e-1", {"drift_budget": 3e-1}),
     Row("budget-5e-1", {"drift_budget": 5e-1}),
+    Row("answer-1e-2", {"answer_budget": 1e-2}),
+    Row("answer-3e-2", {"answer_budget": 3e-2}),
     Row("unbounded", _UNBOUNDED),
     Row("survivors-only", {"rank": "full", "orbit": False, "recall_context": "current", **_UNBOUNDED}),
     Row("blind", {"rank": 0, **_UNBOUNDED}),
@@ -105,6 +107,7 @@ ROWS: Mapping[str, Row] = _rows(
 """The frontier's window rows, in the order they run: exact (which hosts the token-recompute
 sweep, `RECOMPUTE`, and the numerical floor, the same re-prefill in bf16 and fp16: `FLOORS`), the
 defaults (the calibrated drift budget), the budget at the ε a calibration chooses among, the
+budget in answer units (`WindowConfig.answer_budget`: next-token KL, no calibration), the
 policies unbounded (the defaults before the budget: ``drift_budget=None``), survivors-only (the
 one approximation kept survivors; every patch full rank and formed where its chunk stands),
 blind, then each single-knob change of the unbounded policies."""

@@ -30,6 +30,8 @@ FRONTIER_ROWS = (
     "budget-2e-1",
     "budget-3e-1",
     "budget-5e-1",
+    "answer-1e-2",
+    "answer-3e-2",
     "unbounded",
     "survivors-only",
     "blind",
