@@ -240,8 +240,9 @@ class FrontierRun:
 
 
 def budgeted(row: str) -> bool:
-    """A row the drift budget decides: the defaults (the calibrated ε) or the budget at one ε."""
-    return row == "defaults" or row.startswith("budget-")
+    """A row the drift budget decides: the defaults (the calibrated ε) or the budget at one ε, in
+    KV or in answer units."""
+    return row == "defaults" or row.startswith(("budget-", "answer-"))
 
 
 def undercut(frontier: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:

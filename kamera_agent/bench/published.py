@@ -246,11 +246,14 @@ def _model(run: dict[str, Any]) -> str:
 
 
 def _machine(run: dict[str, Any]) -> str:
+    """The machine in words, and what ran beside the run where whoever stored it said (``beside``:
+    wall ratios taken on a loaded machine are noisier than its tokens and answers)."""
     m = run["machine"]
-    return (
+    said = (
         f"{m['processor']}, {m['cpu_count']} CPUs, {m['torch_threads']} torch thread(s), torch {m['torch']}, "
         f"transformers {m['transformers']}"
     )
+    return f"{said}; beside it: {m['beside']}" if m.get("beside") else said
 
 
 def _when(run: dict[str, Any]) -> str:
