@@ -195,8 +195,9 @@ def test_engine_gpu_check_runs_its_cpu_part(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["ok"] and len(report["layouts"]) == 6 * 3 * 4 - 3  # FlashInfer has no LHBNC
     assert all(row["equal"] for row in report["layouts"])
-    assert all(r["keys_relative_error"] < 1e-5 for r in report["relocation"] if r["dtype"] == "float32")
-    assert all(r["keys_relative_error"] < 2e-2 for r in report["relocation"] if r["dtype"] == "bfloat16")
+    errors = {(r["dtype"], r["shift"]): r["keys_relative_error"] for r in report["relocation"]}
+    assert all(e < 1e-5 for (dtype, _), e in errors.items() if dtype == "float32"), errors
+    assert all(e < 2e-2 for (dtype, _), e in errors.items() if dtype == "bfloat16"), errors
     assert [r["op"] for r in report["window"]] == ["push", "reorder", "evict", "recall", "slide"]
     assert all(r["argmax_equal"] and r["kl"] < 1e-6 for r in report["window"])
 
